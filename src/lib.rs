@@ -1,0 +1,1 @@
+//! nixl-bounce: a NIXL backend plugin.
