@@ -1,0 +1,195 @@
+/*
+ * The C boundary between the BOUNCE C++ shim (plugin/) and the Rust engine
+ * (src/ffi/). Plain C: no C++ types cross it.
+ *
+ * Conventions
+ * - Every function returns a NIXL status code (bounce_status_t, the values of
+ *   nixl_status_t) and never throws or unwinds: the Rust side catches panics
+ *   and returns BOUNCE_ERR_BACKEND (after a panic the engine is marked broken
+ *   and refuses all further work with BOUNCE_ERR_BACKEND).
+ * - Strings and byte blobs are passed as bounce_bytes_t {ptr, len}, BORROWED
+ *   for the duration of the call only; they need not be NUL-terminated.
+ * - Output strings are delivered through a bounce_sink_t callback that the
+ *   caller provides; the callee calls it zero or more times during the call,
+ *   and the caller copies the bytes (nothing allocated on one side is freed on
+ *   the other).
+ *
+ * Handle ownership
+ * - bounce_engine_t: created by bounce_engine_new, OWNED by the C++ engine
+ *   object, destroyed exactly once by bounce_engine_free.
+ * - bounce_md_t: created by bounce_engine_register_mem / _load_remote_md /
+ *   _load_local_md, OWNED by the C++ metadata wrapper NIXL holds; returned
+ *   exactly once to Rust by bounce_engine_deregister_mem (for registered
+ *   memory) or bounce_engine_unload_md (for loaded metadata), which free it.
+ * - bounce_req_t: created by bounce_engine_prep_xfer (or post_xfer when no
+ *   prepared handle exists), OWNED by the C++ request wrapper; freed exactly
+ *   once by bounce_engine_release_req, which also aborts it if still running.
+ */
+#ifndef NIXL_BOUNCE_FFI_H
+#define NIXL_BOUNCE_FFI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int32_t bounce_status_t;
+#define BOUNCE_IN_PROG 1
+#define BOUNCE_SUCCESS 0
+#define BOUNCE_ERR_NOT_POSTED -1
+#define BOUNCE_ERR_INVALID_PARAM -2
+#define BOUNCE_ERR_BACKEND -3
+#define BOUNCE_ERR_NOT_FOUND -4
+#define BOUNCE_ERR_MISMATCH -5
+#define BOUNCE_ERR_NOT_ALLOWED -6
+#define BOUNCE_ERR_REPOST_ACTIVE -7
+#define BOUNCE_ERR_UNKNOWN -8
+#define BOUNCE_ERR_NOT_SUPPORTED -9
+#define BOUNCE_ERR_REMOTE_DISCONNECT -10
+#define BOUNCE_ERR_CANCELED -11
+
+/* Memory kinds, numbered as nixl_mem_t. */
+typedef int32_t bounce_mem_t;
+#define BOUNCE_MEM_DRAM 0
+#define BOUNCE_MEM_VRAM 1
+#define BOUNCE_MEM_BLK 2
+#define BOUNCE_MEM_OBJ 3
+#define BOUNCE_MEM_FILE 4
+
+/* Transfer direction, numbered as nixl_xfer_op_t. */
+typedef int32_t bounce_op_t;
+#define BOUNCE_OP_READ 0
+#define BOUNCE_OP_WRITE 1
+
+typedef struct bounce_engine bounce_engine_t;
+typedef struct bounce_md bounce_md_t;
+typedef struct bounce_req bounce_req_t;
+
+typedef struct bounce_bytes {
+    const uint8_t *ptr;
+    size_t len;
+} bounce_bytes_t;
+
+/* One key/value backend parameter. */
+typedef struct bounce_param {
+    bounce_bytes_t key;
+    bounce_bytes_t value;
+} bounce_param_t;
+
+/* One transfer descriptor; md is the bounce_md_t of the memory it lies in
+ * (as NIXL resolved it), or NULL. */
+typedef struct bounce_desc {
+    uintptr_t addr;
+    size_t len;
+    uint64_t dev_id;
+    const bounce_md_t *md;
+} bounce_desc_t;
+
+typedef struct bounce_desc_list {
+    const bounce_desc_t *descs;
+    size_t count;
+    bounce_mem_t mem;
+} bounce_desc_list_t;
+
+/* The backend's optional per-transfer arguments. */
+typedef struct bounce_xfer_args {
+    int32_t has_notif;
+    bounce_bytes_t notif_msg;
+    bounce_bytes_t custom_param;
+} bounce_xfer_args_t;
+
+/* Receives one output byte string (called zero or more times). */
+typedef void (*bounce_sink_t)(void *ctx, const uint8_t *ptr, size_t len);
+/* Receives one notification: the sending agent's name and the message. */
+typedef void (*bounce_notif_sink_t)(void *ctx, bounce_bytes_t agent, bounce_bytes_t msg);
+
+/* ---- plugin-level (no engine) ---- */
+
+/* The plugin's version string, NUL-terminated, static. */
+const char *bounce_plugin_version(void);
+/* Backend options with their defaults: calls sink(ctx, key) then
+ * sink(ctx, default) for each option, in order. */
+bounce_status_t bounce_plugin_options(bounce_sink_t sink, void *ctx);
+
+/* ---- engine lifecycle ---- */
+
+/* error_sink receives a human-readable reason when the status is not success. */
+bounce_status_t bounce_engine_new(bounce_bytes_t local_agent,
+                                  const bounce_param_t *params,
+                                  size_t param_count,
+                                  bounce_sink_t error_sink,
+                                  void *error_ctx,
+                                  bounce_engine_t **out);
+void bounce_engine_free(bounce_engine_t *engine);
+
+/* ---- memory ---- */
+
+bounce_status_t bounce_engine_register_mem(bounce_engine_t *engine,
+                                           uintptr_t addr,
+                                           size_t len,
+                                           uint64_t dev_id,
+                                           bounce_mem_t mem,
+                                           bounce_md_t **out);
+bounce_status_t bounce_engine_deregister_mem(bounce_engine_t *engine, bounce_md_t *md);
+bounce_status_t bounce_engine_public_data(bounce_engine_t *engine,
+                                          const bounce_md_t *md,
+                                          bounce_sink_t sink,
+                                          void *ctx);
+bounce_status_t bounce_engine_conn_info(bounce_engine_t *engine, bounce_sink_t sink, void *ctx);
+bounce_status_t bounce_engine_load_remote_conn_info(bounce_engine_t *engine,
+                                                    bounce_bytes_t remote_agent,
+                                                    bounce_bytes_t conn_info);
+bounce_status_t bounce_engine_load_remote_md(bounce_engine_t *engine,
+                                             uintptr_t addr,
+                                             size_t len,
+                                             uint64_t dev_id,
+                                             bounce_bytes_t public_data,
+                                             bounce_mem_t mem,
+                                             bounce_bytes_t remote_agent,
+                                             bounce_md_t **out);
+bounce_status_t bounce_engine_load_local_md(bounce_engine_t *engine,
+                                            const bounce_md_t *input,
+                                            bounce_md_t **out);
+bounce_status_t bounce_engine_unload_md(bounce_engine_t *engine, bounce_md_t *md);
+
+/* ---- connections ---- */
+
+bounce_status_t bounce_engine_connect(bounce_engine_t *engine, bounce_bytes_t remote_agent);
+bounce_status_t bounce_engine_disconnect(bounce_engine_t *engine, bounce_bytes_t remote_agent);
+
+/* ---- transfers ---- */
+
+/* *req is NULL on entry to prep_xfer; on success it holds a new request. */
+bounce_status_t bounce_engine_prep_xfer(bounce_engine_t *engine,
+                                        bounce_op_t op,
+                                        const bounce_desc_list_t *local,
+                                        const bounce_desc_list_t *remote,
+                                        bounce_bytes_t remote_agent,
+                                        const bounce_xfer_args_t *args,
+                                        bounce_req_t **req);
+/* *req may be NULL (then a request is created as by prep_xfer) or a request
+ * from prep_xfer (posted again if it already completed). */
+bounce_status_t bounce_engine_post_xfer(bounce_engine_t *engine,
+                                        bounce_op_t op,
+                                        const bounce_desc_list_t *local,
+                                        const bounce_desc_list_t *remote,
+                                        bounce_bytes_t remote_agent,
+                                        const bounce_xfer_args_t *args,
+                                        bounce_req_t **req);
+bounce_status_t bounce_engine_check_xfer(bounce_engine_t *engine, bounce_req_t *req);
+bounce_status_t bounce_engine_release_req(bounce_engine_t *engine, bounce_req_t *req);
+
+/* ---- notifications ---- */
+
+bounce_status_t bounce_engine_get_notifs(bounce_engine_t *engine, bounce_notif_sink_t sink, void *ctx);
+bounce_status_t bounce_engine_gen_notif(bounce_engine_t *engine,
+                                        bounce_bytes_t remote_agent,
+                                        bounce_bytes_t msg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NIXL_BOUNCE_FFI_H */

@@ -1,0 +1,659 @@
+//! The BOUNCE backend engine.
+//!
+//! One [`Engine`] exists per (NIXL agent, BOUNCE backend). It owns an inner
+//! NIXL agent (named after the outer one plus [`INNER_SUFFIX`]) with a UCX
+//! backend, and carries out every backend operation through it: memory is
+//! registered with the inner agent, our connection info and per-region public
+//! data are the inner agent's metadata, and transfers become inner transfer
+//! requests. This is the "standard path"; the bounce path is routed in front
+//! of it for eligible transfers.
+
+pub mod conn_info;
+pub mod params;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use nixl_sys::{
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs, Params,
+    RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
+};
+
+use conn_info::ConnInfo;
+
+/// Appended to the outer agent's name to name its inner agent. Peers use it to
+/// map inner agent names (as seen in notifications) back to outer names.
+pub const INNER_SUFFIX: &str = "/bounce";
+
+/// A NIXL status, as the C boundary carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Status {
+    InProgress = 1,
+    Success = 0,
+    NotPosted = -1,
+    InvalidParam = -2,
+    Backend = -3,
+    NotFound = -4,
+    Mismatch = -5,
+    NotAllowed = -6,
+    RepostActive = -7,
+    Unknown = -8,
+    NotSupported = -9,
+    RemoteDisconnect = -10,
+    Canceled = -11,
+}
+
+/// An operation's failure: the NIXL status to return and what went wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    pub status: Status,
+    pub message: String,
+}
+
+impl Error {
+    pub fn new(status: Status, message: impl Into<String>) -> Self {
+        Self { status, message: message.into() }
+    }
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::new(Status::InvalidParam, message)
+    }
+    fn nixl(context: &str, e: NixlError) -> Self {
+        let status = match e {
+            NixlError::InvalidParam => Status::InvalidParam,
+            NixlError::NotFound => Status::NotFound,
+            _ => Status::Backend,
+        };
+        Self::new(status, format!("{context}: inner UCX agent reported {e}"))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({:?})", self.message, self.status)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Memory kinds as NIXL numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKind {
+    Dram,
+    Vram,
+}
+
+impl MemKind {
+    pub fn from_nixl(v: i32) -> Result<Self> {
+        match v {
+            0 => Ok(Self::Dram),
+            1 => Ok(Self::Vram),
+            other => Err(Error::new(
+                Status::NotSupported,
+                format!("memory type {other} is not supported by BOUNCE (DRAM and VRAM are)"),
+            )),
+        }
+    }
+    fn to_sys(self) -> MemType {
+        match self {
+            Self::Dram => MemType::Dram,
+            Self::Vram => MemType::Vram,
+        }
+    }
+}
+
+/// A transfer direction as NIXL numbers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+}
+
+impl Op {
+    pub fn from_nixl(v: i32) -> Result<Self> {
+        match v {
+            0 => Ok(Self::Read),
+            1 => Ok(Self::Write),
+            other => Err(Error::invalid(format!("unknown transfer operation {other}"))),
+        }
+    }
+    fn to_sys(self) -> XferOp {
+        match self {
+            Self::Read => XferOp::Read,
+            Self::Write => XferOp::Write,
+        }
+    }
+}
+
+/// A memory range: address, length, device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    pub addr: usize,
+    pub len: usize,
+    pub dev: u64,
+}
+
+impl Range {
+    fn end(&self) -> Option<usize> {
+        self.addr.checked_add(self.len)
+    }
+    /// Whether `inner` lies entirely inside `self` on the same device.
+    pub fn covers(&self, inner: &Range) -> bool {
+        match (self.end(), inner.end()) {
+            (Some(end), Some(inner_end)) => self.dev == inner.dev && self.addr <= inner.addr && inner_end <= end,
+            _ => false,
+        }
+    }
+}
+
+/// A memory region as nixl-sys wants to see it for registration.
+#[derive(Debug)]
+struct RawRegion {
+    range: Range,
+    kind: MemKind,
+}
+
+impl MemoryRegion for RawRegion {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.range.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.range.len
+    }
+}
+
+impl NixlDescriptor for RawRegion {
+    fn mem_type(&self) -> MemType {
+        self.kind.to_sys()
+    }
+    fn device_id(&self) -> u64 {
+        self.range.dev
+    }
+}
+
+/// Backend metadata handed to NIXL (one per registered region, per loaded
+/// remote region, and per local target).
+#[derive(Debug)]
+pub struct Md {
+    magic: u64,
+    pub range: Range,
+    pub kind: MemKind,
+    pub owner: MdOwner,
+}
+
+/// Tags live [`Md`] objects so that a descriptor's metadata pointer that NIXL
+/// hands back can be checked (a wrong pointer means an ABI mismatch).
+const MD_MAGIC: u64 = 0x4e58_424d_445f_4f4b; // "NXBMD_OK"
+
+#[derive(Debug)]
+pub enum MdOwner {
+    /// Memory this agent registered. Dropping the handle deregisters it.
+    Registered { registration: RegistrationHandle, public_data: Vec<u8> },
+    /// A region of a remote agent, loaded from its metadata.
+    Remote { agent: String },
+    /// This agent's own registered memory as the target of a local transfer.
+    LocalTarget,
+}
+
+impl Md {
+    pub fn is_valid(&self) -> bool {
+        self.magic == MD_MAGIC
+    }
+}
+
+/// Optional arguments of one transfer.
+#[derive(Debug, Clone, Default)]
+pub struct XferArgs {
+    pub notif: Option<Vec<u8>>,
+    pub custom_param: Vec<u8>,
+}
+
+/// One side of a transfer: descriptors (each with the [`Md`] NIXL resolved for
+/// it, if any) and their memory kind.
+#[derive(Debug, Clone)]
+pub struct Side<'a> {
+    pub kind: MemKind,
+    pub descs: Vec<(Range, Option<&'a Md>)>,
+}
+
+/// A transfer request owned by NIXL's request handle.
+pub struct Request {
+    xfer: XferRequest,
+    args: XferArgs,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("args", &self.args).finish_non_exhaustive()
+    }
+}
+
+/// Per-transfer settings carried in NIXL's backend custom parameter, as
+/// `key=value` pairs separated by `;` or `,`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransferParams {
+    /// Per-request deadline override in milliseconds.
+    pub deadline_ms: Option<u64>,
+}
+
+impl TransferParams {
+    pub fn parse(raw: &[u8]) -> Result<Self> {
+        let text = std::str::from_utf8(raw)
+            .map_err(|_| Error::invalid("the transfer's custom parameter is not UTF-8 text"))?;
+        let mut out = Self::default();
+        for item in text.split([';', ',']).map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = item.split_once('=').ok_or_else(|| {
+                Error::invalid(format!("custom parameter item {item:?} is not key=value (known keys: deadline_ms)"))
+            })?;
+            match k.trim() {
+                "deadline_ms" => {
+                    let ms = v.trim().parse::<u64>().map_err(|_| {
+                        Error::invalid(format!("custom parameter deadline_ms={v:?} is not a whole number of milliseconds"))
+                    })?;
+                    out.deadline_ms = Some(ms);
+                }
+                other => {
+                    return Err(Error::invalid(format!(
+                        "unknown custom parameter key {other:?} (known keys: deadline_ms)"
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Counters readable from Rust and C (see `nixl_bounce_stats`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub registrations: AtomicU64,
+    pub transfers_posted: AtomicU64,
+    pub transfers_failed: AtomicU64,
+    pub notifs_sent: AtomicU64,
+    pub notifs_received: AtomicU64,
+    pub panics: AtomicU64,
+}
+
+/// The backend engine. Thread-safe: NIXL may call it from many threads.
+pub struct Engine {
+    local_name: String,
+    inner_name: String,
+    inner: Agent,
+    conn_info: Vec<u8>,
+    /// Outer remote agent name -> inner agent name.
+    remotes: Mutex<HashMap<String, String>>,
+    broken: AtomicBool,
+    pub counters: Counters,
+    /// The parameters this engine was created with (after validation).
+    pub params: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("local", &self.local_name).field("inner", &self.inner_name).finish()
+    }
+}
+
+impl Engine {
+    /// Creates the engine for agent `local_name` with the backend parameters
+    /// given to `createBackend("BOUNCE", params)`.
+    pub fn new(local_name: &str, params: BTreeMap<String, String>) -> Result<Self> {
+        crate::logging::init();
+        if local_name.is_empty() {
+            return Err(Error::invalid("the agent name is empty"));
+        }
+        crate::nixl_runtime::ensure_capi_loaded().map_err(|e| Error::new(Status::Backend, e))?;
+
+        let inner_name = format!("{local_name}{INNER_SUFFIX}");
+        let config = AgentConfig { thread_sync: ThreadSync::Strict, ..AgentConfig::default() };
+        let inner = Agent::new_configured(&inner_name, &config)
+            .map_err(|e| Error::nixl("creating the inner agent", e))?;
+
+        let (_mems, ucx_defaults) =
+            inner.get_plugin_params("UCX").map_err(|e| Error::nixl("querying the UCX plugin's parameters", e))?;
+        let ucx_keys: Vec<String> = ucx_defaults
+            .iter()
+            .map_err(|e| Error::nixl("reading the UCX plugin's parameters", e))?
+            .filter_map(|p| p.ok().map(|(key, _)| key.to_string()))
+            .collect();
+        let split = params::split(&params, &ucx_keys, &[]).map_err(Error::invalid)?;
+
+        let ucx_params = Params::from(split.ucx.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map_err(|e| Error::nixl("building the UCX parameters", e))?;
+        inner.create_backend("UCX", &ucx_params).map_err(|e| {
+            Error::new(
+                Status::InvalidParam,
+                format!(
+                    "the inner UCX backend rejected its parameters {:?} ({e}); check their values",
+                    split.ucx
+                ),
+            )
+        })?;
+
+        let inner_md = inner.get_local_md().map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
+        let conn_info = ConnInfo { inner_md, handshake: Vec::new() }.encode();
+
+        tracing::info!(agent = local_name, inner = %inner_name, ?params, "BOUNCE engine created");
+        Ok(Self {
+            local_name: local_name.to_string(),
+            inner_name,
+            inner,
+            conn_info,
+            remotes: Mutex::new(HashMap::new()),
+            broken: AtomicBool::new(false),
+            counters: Counters::default(),
+            params,
+        })
+    }
+
+    pub fn local_name(&self) -> &str {
+        &self.local_name
+    }
+
+    /// Marks the engine unusable (after a panic crossed into the FFI layer).
+    pub fn mark_broken(&self) {
+        self.broken.store(true, Ordering::SeqCst);
+        self.counters.panics.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    // ---- memory ----------------------------------------------------------------
+
+    pub fn register_mem(&self, range: Range, kind: MemKind) -> Result<Box<Md>> {
+        if range.len == 0 || range.end().is_none() {
+            return Err(Error::invalid(format!("cannot register {} bytes at {:#x}", range.len, range.addr)));
+        }
+        let region = RawRegion { range, kind };
+        let registration = self
+            .inner
+            .register_memory(&region, None)
+            .map_err(|e| Error::nixl(&format!("registering {} bytes at {:#x}", range.len, range.addr), e))?;
+        let mut descs =
+            RegDescList::new(kind.to_sys()).map_err(|e| Error::nixl("building a registration list", e))?;
+        descs.add_desc(range.addr, range.len, range.dev);
+        let public_data = self
+            .inner
+            .get_local_partial_md(&descs, None)
+            .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
+        self.counters.registrations.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(Md { magic: MD_MAGIC, range, kind, owner: MdOwner::Registered { registration, public_data } }))
+    }
+
+    /// Releases registered memory or loaded metadata.
+    pub fn release_md(&self, mut md: Box<Md>) -> Result<()> {
+        if !md.is_valid() {
+            return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
+        }
+        md.magic = 0;
+        if let MdOwner::Registered { registration, .. } = &mut md.owner {
+            registration
+                .deregister()
+                .map_err(|e| Error::nixl(&format!("deregistering {:#x}", md.range.addr), e))?;
+        }
+        Ok(())
+    }
+
+    pub fn public_data(&self, md: &Md) -> Result<Vec<u8>> {
+        match &md.owner {
+            MdOwner::Registered { public_data, .. } => Ok(public_data.clone()),
+            _ => Err(Error::invalid("public data exists only for memory registered by this agent")),
+        }
+    }
+
+    pub fn conn_info(&self) -> Vec<u8> {
+        self.conn_info.clone()
+    }
+
+    pub fn load_remote_conn_info(&self, remote: &str, info: &[u8]) -> Result<()> {
+        let info = ConnInfo::decode(info).map_err(|e| {
+            Error::new(Status::Mismatch, format!("connection info of agent {remote:?} is malformed: {e}"))
+        })?;
+        let inner_remote = self
+            .inner
+            .load_remote_md(&info.inner_md)
+            .map_err(|e| Error::nixl(&format!("loading agent {remote:?}'s connection"), e))?;
+        let expected = format!("{remote}{INNER_SUFFIX}");
+        if inner_remote != expected {
+            tracing::warn!(remote, inner_remote, expected, "peer's inner agent is not named after it");
+        }
+        self.remotes.lock().expect("remotes lock").insert(remote.to_string(), inner_remote);
+        tracing::debug!(remote, "loaded connection info");
+        Ok(())
+    }
+
+    pub fn load_remote_md(&self, remote: &str, range: Range, kind: MemKind, public_data: &[u8]) -> Result<Box<Md>> {
+        let inner_remote = self.inner_remote(remote)?;
+        let loaded = self
+            .inner
+            .load_remote_md(public_data)
+            .map_err(|e| Error::nixl(&format!("loading a memory section of agent {remote:?}"), e))?;
+        if loaded != inner_remote {
+            return Err(Error::new(
+                Status::Mismatch,
+                format!("metadata for agent {remote:?} describes agent {loaded:?}"),
+            ));
+        }
+        Ok(Box::new(Md { magic: MD_MAGIC, range, kind, owner: MdOwner::Remote { agent: remote.to_string() } }))
+    }
+
+    pub fn load_local_md(&self, input: &Md) -> Result<Box<Md>> {
+        match input.owner {
+            MdOwner::Registered { .. } => {
+                Ok(Box::new(Md { magic: MD_MAGIC, range: input.range, kind: input.kind, owner: MdOwner::LocalTarget }))
+            }
+            _ => Err(Error::invalid("local metadata can only be loaded for memory registered by this agent")),
+        }
+    }
+
+    // ---- connections -------------------------------------------------------------
+
+    pub fn connect(&self, remote: &str) -> Result<()> {
+        if remote == self.local_name {
+            return Ok(());
+        }
+        let inner_remote = self.inner_remote(remote)?;
+        self.inner
+            .make_connection(&inner_remote, None)
+            .map_err(|e| Error::nixl(&format!("connecting to agent {remote:?}"), e))
+    }
+
+    pub fn disconnect(&self, remote: &str) -> Result<()> {
+        let inner_remote = self.remotes.lock().expect("remotes lock").remove(remote);
+        if let Some(inner_remote) = inner_remote {
+            self.inner
+                .invalidate_remote_md(&inner_remote)
+                .map_err(|e| Error::nixl(&format!("disconnecting from agent {remote:?}"), e))?;
+            tracing::debug!(remote, "disconnected");
+        }
+        Ok(())
+    }
+
+    fn inner_remote(&self, remote: &str) -> Result<String> {
+        if remote == self.local_name {
+            return Ok(self.inner_name.clone());
+        }
+        self.remotes.lock().expect("remotes lock").get(remote).cloned().ok_or_else(|| {
+            Error::new(Status::NotFound, format!("agent {remote:?} is unknown to BOUNCE (load its metadata first)"))
+        })
+    }
+
+    // ---- transfers ---------------------------------------------------------------
+
+    /// Checks a transfer's descriptors and creates its inner request.
+    pub fn prep_xfer(&self, op: Op, local: &Side<'_>, remote: &Side<'_>, agent: &str, args: XferArgs) -> Result<Request> {
+        if local.descs.len() != remote.descs.len() {
+            return Err(Error::invalid(format!(
+                "{} local descriptors but {} remote descriptors",
+                local.descs.len(),
+                remote.descs.len()
+            )));
+        }
+        TransferParams::parse(&args.custom_param)?;
+        check_side("local", local)?;
+        check_side("remote", remote)?;
+        let inner_remote = self.inner_remote(agent)?;
+
+        let mut l = XferDescList::new(local.kind.to_sys()).map_err(|e| Error::nixl("building a descriptor list", e))?;
+        let mut r = XferDescList::new(remote.kind.to_sys()).map_err(|e| Error::nixl("building a descriptor list", e))?;
+        for ((lr, _), (rr, _)) in local.descs.iter().zip(&remote.descs) {
+            l.add_desc(lr.addr, lr.len, lr.dev);
+            r.add_desc(rr.addr, rr.len, rr.dev);
+        }
+        let opt = opt_args(&args)?;
+        let xfer = self
+            .inner
+            .create_xfer_req(op.to_sys(), &l, &r, &inner_remote, opt.as_ref())
+            .map_err(|e| Error::nixl(&format!("preparing a {op:?} of {} descriptors to {agent:?}", l.len().unwrap_or(0)), e))?;
+        Ok(Request { xfer, args })
+    }
+
+    /// Posts (or re-posts) a request.
+    pub fn post_xfer(&self, req: &mut Request, args: XferArgs) -> Result<Status> {
+        TransferParams::parse(&args.custom_param)?;
+        req.args = args;
+        let opt = opt_args(&req.args)?;
+        self.counters.transfers_posted.fetch_add(1, Ordering::Relaxed);
+        match self.inner.post_xfer_req(&req.xfer, opt.as_ref()) {
+            Ok(true) => Ok(Status::InProgress),
+            Ok(false) => Ok(Status::Success),
+            Err(e) => {
+                self.counters.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                Err(Error::nixl("posting a transfer", e))
+            }
+        }
+    }
+
+    pub fn check_xfer(&self, req: &Request) -> Result<Status> {
+        match self.inner.get_xfer_status(&req.xfer) {
+            Ok(XferStatus::Success) => Ok(Status::Success),
+            Ok(XferStatus::InProgress) => Ok(Status::InProgress),
+            Err(e) => {
+                self.counters.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                Err(Error::nixl("transfer failed", e))
+            }
+        }
+    }
+
+    /// Releases a request (aborting it if it is still running).
+    pub fn release_req(&self, req: Request) -> Result<()> {
+        drop(req);
+        Ok(())
+    }
+
+    // ---- notifications -------------------------------------------------------------
+
+    /// Drains received notifications as (sending agent, message) pairs.
+    pub fn get_notifs(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut map = NotificationMap::new().map_err(|e| Error::nixl("allocating a notification map", e))?;
+        self.inner.get_notifications(&mut map, None).map_err(|e| Error::nixl("reading notifications", e))?;
+        let mut out = Vec::new();
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_string))
+            .collect();
+        for inner_agent in agents {
+            let n = map.get_notifications_size(&inner_agent).map_err(|e| Error::nixl("reading notifications", e))?;
+            let outer = inner_agent.strip_suffix(INNER_SUFFIX).unwrap_or(&inner_agent).to_string();
+            for i in 0..n {
+                let msg = map
+                    .get_notification_bytes(&inner_agent, i)
+                    .map_err(|e| Error::nixl("reading a notification", e))?;
+                out.push((outer.clone(), msg));
+            }
+        }
+        self.counters.notifs_received.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    pub fn gen_notif(&self, remote: &str, msg: &[u8]) -> Result<()> {
+        let inner_remote = self.inner_remote(remote)?;
+        self.inner
+            .send_notification(&inner_remote, msg, None)
+            .map_err(|e| Error::nixl(&format!("sending a notification to {remote:?}"), e))?;
+        self.counters.notifs_sent.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        tracing::info!(
+            agent = %self.local_name,
+            registrations = self.counters.registrations.load(Ordering::Relaxed),
+            transfers_posted = self.counters.transfers_posted.load(Ordering::Relaxed),
+            transfers_failed = self.counters.transfers_failed.load(Ordering::Relaxed),
+            "BOUNCE engine shutting down"
+        );
+    }
+}
+
+/// Every descriptor must be non-empty-addressable and lie inside the memory
+/// NIXL resolved it to (NIXL checks this too; a failure here means NIXL and
+/// this plugin disagree about the descriptor layout).
+fn check_side(which: &str, side: &Side<'_>) -> Result<()> {
+    for (i, (range, md)) in side.descs.iter().enumerate() {
+        if range.end().is_none() {
+            return Err(Error::invalid(format!("{which} descriptor {i} wraps around the address space")));
+        }
+        if let Some(md) = md {
+            if !md.is_valid() {
+                return Err(Error::new(
+                    Status::Mismatch,
+                    format!("{which} descriptor {i} carries a metadata pointer that is not BOUNCE's (NIXL ABI mismatch?)"),
+                ));
+            }
+            if range.len > 0 && !md.range.covers(range) {
+                return Err(Error::invalid(format!(
+                    "{which} descriptor {i} ({} bytes at {:#x}, device {}) lies outside its registered region ({} bytes at {:#x}, device {})",
+                    range.len, range.addr, range.dev, md.range.len, md.range.addr, md.range.dev
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn opt_args(args: &XferArgs) -> Result<Option<OptArgs>> {
+    let Some(msg) = &args.notif else { return Ok(None) };
+    let mut opt = OptArgs::new().map_err(|e| Error::nixl("allocating transfer arguments", e))?;
+    opt.set_has_notification(true).map_err(|e| Error::nixl("setting the notification flag", e))?;
+    opt.set_notification_message(msg).map_err(|e| Error::nixl("setting the notification", e))?;
+    Ok(Some(opt))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfer_params_parse() {
+        assert_eq!(TransferParams::parse(b"").unwrap(), TransferParams::default());
+        assert_eq!(TransferParams::parse(b"deadline_ms=250").unwrap().deadline_ms, Some(250));
+        assert_eq!(TransferParams::parse(b" deadline_ms = 7 ;").unwrap().deadline_ms, Some(7));
+        assert!(TransferParams::parse(b"deadline_ms=soon").unwrap_err().message.contains("deadline_ms"));
+        assert!(TransferParams::parse(b"bogus=1").unwrap_err().message.contains("\"bogus\""));
+        assert!(TransferParams::parse(b"novalue").is_err());
+        assert!(TransferParams::parse(&[0xff]).is_err());
+    }
+
+    #[test]
+    fn range_cover_checks_device_and_overflow() {
+        let outer = Range { addr: 100, len: 100, dev: 0 };
+        assert!(outer.covers(&Range { addr: 100, len: 100, dev: 0 }));
+        assert!(outer.covers(&Range { addr: 150, len: 10, dev: 0 }));
+        assert!(!outer.covers(&Range { addr: 150, len: 51, dev: 0 }));
+        assert!(!outer.covers(&Range { addr: 150, len: 10, dev: 1 }));
+        assert!(!outer.covers(&Range { addr: usize::MAX, len: 2, dev: 0 }));
+    }
+}
+
+/// The backend options NIXL lists for BOUNCE (`get_backend_options`), with
+/// their defaults: BOUNCE's own. UCX's parameters are accepted too and passed
+/// to the inner UCX backend.
+pub fn advertised_options() -> Vec<(String, String)> {
+    Vec::new()
+}

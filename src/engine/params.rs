@@ -1,0 +1,72 @@
+//! Backend parameters: which belong to the inner UCX backend, which to
+//! BOUNCE, and which are unknown (rejected, naming them).
+
+use std::collections::BTreeMap;
+
+/// The parameters of one `createBackend("BOUNCE", params)` call, split.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SplitParams {
+    /// Passed unchanged to the inner UCX backend.
+    pub ucx: BTreeMap<String, String>,
+    /// Read by BOUNCE.
+    pub bounce: BTreeMap<String, String>,
+}
+
+/// Splits `params` into UCX's and BOUNCE's. `ucx_keys` are the parameters the
+/// installed UCX plugin advertises (asked from NIXL at run time, so a newer
+/// UCX plugin's parameters pass through without a change here); `bounce_keys`
+/// are BOUNCE's own.
+pub fn split(
+    params: &BTreeMap<String, String>,
+    ucx_keys: &[String],
+    bounce_keys: &[&str],
+) -> Result<SplitParams, String> {
+    let mut out = SplitParams::default();
+    let mut unknown = Vec::new();
+    for (k, v) in params {
+        if bounce_keys.contains(&k.as_str()) {
+            out.bounce.insert(k.clone(), v.clone());
+        } else if ucx_keys.iter().any(|u| u == k) {
+            out.ucx.insert(k.clone(), v.clone());
+        } else {
+            unknown.push(k.as_str());
+        }
+    }
+    if unknown.is_empty() {
+        Ok(out)
+    } else {
+        let mut known: Vec<&str> = bounce_keys.to_vec();
+        known.extend(ucx_keys.iter().map(String::as_str));
+        known.sort_unstable();
+        Err(format!(
+            "unknown BOUNCE backend parameter{} {}; known parameters: {}",
+            if unknown.len() == 1 { "" } else { "s" },
+            unknown.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "),
+            known.join(", ")
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn splits_ucx_and_bounce_parameters() {
+        let ucx = vec!["num_threads".to_string(), "ucx_error_handling_mode".to_string()];
+        let s = split(&map(&[("num_threads", "4"), ("arena_size_bytes", "1M")]), &ucx, &["arena_size_bytes"]).unwrap();
+        assert_eq!(s.ucx, map(&[("num_threads", "4")]));
+        assert_eq!(s.bounce, map(&[("arena_size_bytes", "1M")]));
+    }
+
+    #[test]
+    fn unknown_parameters_are_named() {
+        let err = split(&map(&[("no_such_param", "1"), ("num_threads", "2")]), &["num_threads".into()], &[]).unwrap_err();
+        assert!(err.contains("\"no_such_param\""), "{err}");
+        assert!(err.contains("num_threads"), "known list missing: {err}");
+    }
+}

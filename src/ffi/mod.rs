@@ -1,0 +1,577 @@
+//! The `extern "C"` entry points of `include/bounce_ffi.h`, called by the C++
+//! shim in `plugin/`.
+//!
+//! Every entry point runs its body under [`std::panic::catch_unwind`]: a panic
+//! never unwinds into C++ (which would abort the host process); it is logged,
+//! turned into `BOUNCE_ERR_BACKEND`, and the engine is marked broken, after
+//! which it refuses all work with an error. Handle ownership is documented in
+//! the header and at each function below.
+
+#![allow(non_camel_case_types)]
+
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::engine::{Engine, Error, MemKind, Md, Op, Range, Request, Side, Status, XferArgs};
+
+/// Types generated from `include/bounce_ffi.h`.
+pub mod sys {
+    #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code)]
+    include!(concat!(env!("OUT_DIR"), "/bounce_ffi.rs"));
+}
+
+use sys::{bounce_bytes_t, bounce_desc_list_t, bounce_notif_sink_t, bounce_param_t, bounce_sink_t, bounce_xfer_args_t};
+
+/// Opaque handle types of the header: each is a Rust object behind a Box.
+pub type bounce_engine_t = Engine;
+pub type bounce_md_t = Md;
+pub type bounce_req_t = Request;
+
+const VERSION: &[u8] = concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes();
+
+extern "C" {
+    /// The shim's static `nixlBackendPlugin` (plugin/bounce_plugin.cpp).
+    fn bounce_shim_plugin() -> *mut c_void;
+}
+
+/// NIXL's plugin entry point: returns the static plugin descriptor.
+#[no_mangle]
+pub extern "C" fn nixl_plugin_init() -> *mut c_void {
+    match catch_unwind(|| {
+        crate::logging::init();
+        // SAFETY: bounce_shim_plugin has no preconditions and returns a
+        // pointer to a static object that lives as long as the library.
+        unsafe { bounce_shim_plugin() }
+    }) {
+        Ok(p) => p,
+        Err(_) => std::ptr::null_mut(),
+    }
+}
+
+/// NIXL's plugin exit point. Engines are destroyed by NIXL before this.
+#[no_mangle]
+pub extern "C" fn nixl_plugin_fini() {}
+
+fn status(s: Status) -> i32 {
+    s as i32
+}
+
+fn fail(e: Error) -> i32 {
+    tracing::error!("{}", e.message);
+    status(e.status)
+}
+
+/// Runs `f` with the engine, catching panics (which mark the engine broken).
+fn with_engine(engine: *const Engine, what: &str, f: impl FnOnce(&Engine) -> Result<Status, Error>) -> i32 {
+    if engine.is_null() {
+        return fail(Error::new(Status::InvalidParam, format!("{what}: no engine (its creation failed)")));
+    }
+    // SAFETY: a non-null engine pointer is one bounce_engine_new handed out
+    // and the C++ side has not yet passed to bounce_engine_free (ownership
+    // contract of bounce_ffi.h); Engine is Sync, so a shared reference from
+    // any thread is fine.
+    let engine = unsafe { &*engine };
+    if engine.is_broken() {
+        return fail(Error::new(
+            Status::Backend,
+            format!("{what}: the BOUNCE engine of {:?} stopped after an internal error", engine.local_name()),
+        ));
+    }
+    match catch_unwind(AssertUnwindSafe(|| f(engine))) {
+        Ok(Ok(s)) => status(s),
+        Ok(Err(e)) => fail(Error::new(e.status, format!("{what}: {}", e.message))),
+        Err(panic) => {
+            engine.mark_broken();
+            let msg = panic_message(&panic);
+            tracing::error!(agent = engine.local_name(), "{what}: internal error (panic: {msg}); engine disabled");
+            status(Status::Backend)
+        }
+    }
+}
+
+/// Runs a body that needs no engine, catching panics.
+fn guarded(what: &str, f: impl FnOnce() -> Result<Status, Error>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(s)) => status(s),
+        Ok(Err(e)) => fail(Error::new(e.status, format!("{what}: {}", e.message))),
+        Err(panic) => {
+            tracing::error!("{what}: internal error (panic: {})", panic_message(&panic));
+            status(Status::Backend)
+        }
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+/// Borrows the bytes of a bounce_bytes_t.
+///
+/// # Safety
+/// `b.ptr` must point to `b.len` readable bytes for the returned lifetime, or
+/// `b.len` must be 0.
+unsafe fn borrow<'a>(b: bounce_bytes_t) -> &'a [u8] {
+    if b.len == 0 || b.ptr.is_null() {
+        &[]
+    } else {
+        // SAFETY: guaranteed by the caller (header contract: borrowed for the call).
+        unsafe { std::slice::from_raw_parts(b.ptr, b.len) }
+    }
+}
+
+/// Borrows a UTF-8 string (agent names are UTF-8 in NIXL's APIs).
+///
+/// # Safety
+/// As for [`borrow`].
+unsafe fn borrow_str<'a>(b: bounce_bytes_t, what: &str) -> Result<&'a str, Error> {
+    // SAFETY: forwarded contract.
+    std::str::from_utf8(unsafe { borrow(b) })
+        .map_err(|_| Error::new(Status::InvalidParam, format!("{what} is not valid UTF-8")))
+}
+
+fn sink_bytes(sink: bounce_sink_t, ctx: *mut c_void, bytes: &[u8]) -> Result<(), Error> {
+    let sink = sink.ok_or_else(|| Error::new(Status::InvalidParam, "no output callback"))?;
+    // SAFETY: the callback and ctx come from the C++ caller, which guarantees
+    // they are valid for this call; the bytes are valid for the call.
+    unsafe { sink(ctx, bytes.as_ptr(), bytes.len()) };
+    Ok(())
+}
+
+/// # Safety
+/// `md` is null or a live bounce_md_t owned by the caller.
+unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
+    if md.is_null() {
+        return Err(Error::new(Status::InvalidParam, "null metadata handle"));
+    }
+    // SAFETY: non-null handles are live Md boxes per the header's contract.
+    let md = unsafe { &*md };
+    if !md.is_valid() {
+        return Err(Error::new(Status::InvalidParam, "metadata handle is not a live BOUNCE handle"));
+    }
+    Ok(md)
+}
+
+/// # Safety
+/// `list` points to a valid bounce_desc_list_t whose arrays live for the call.
+unsafe fn side<'a>(list: *const bounce_desc_list_t, which: &str) -> Result<Side<'a>, Error> {
+    if list.is_null() {
+        return Err(Error::new(Status::InvalidParam, format!("no {which} descriptor list")));
+    }
+    // SAFETY: caller contract.
+    let list = unsafe { &*list };
+    let kind = MemKind::from_nixl(list.mem)?;
+    let raw: &[sys::bounce_desc_t] = if list.count == 0 {
+        &[]
+    } else {
+        // SAFETY: the shim passes a vector's data pointer and its length.
+        unsafe { std::slice::from_raw_parts(list.descs, list.count) }
+    };
+    let mut descs = Vec::with_capacity(raw.len());
+    for d in raw {
+        let md = if d.md.is_null() {
+            None
+        } else {
+            // SAFETY: NIXL hands back the md pointers we created; md_ref
+            // checks the magic before trusting the contents.
+            Some(unsafe { md_ref(d.md as *const Md) }?)
+        };
+        descs.push((Range { addr: d.addr, len: d.len, dev: d.dev_id }, md));
+    }
+    Ok(Side { kind, descs })
+}
+
+/// # Safety
+/// `args` is null or points to a valid bounce_xfer_args_t for the call.
+unsafe fn xfer_args(args: *const bounce_xfer_args_t) -> XferArgs {
+    if args.is_null() {
+        return XferArgs::default();
+    }
+    // SAFETY: caller contract.
+    let a = unsafe { &*args };
+    XferArgs {
+        // SAFETY: borrowed for the call (header contract).
+        notif: (a.has_notif != 0).then(|| unsafe { borrow(a.notif_msg) }.to_vec()),
+        // SAFETY: as above.
+        custom_param: unsafe { borrow(a.custom_param) }.to_vec(),
+    }
+}
+
+// ---- plugin-level ----------------------------------------------------------------
+
+#[no_mangle]
+pub extern "C" fn bounce_plugin_version() -> *const c_char {
+    VERSION.as_ptr() as *const c_char
+}
+
+/// Backend options and their defaults, as advertised to NIXL.
+#[no_mangle]
+pub extern "C" fn bounce_plugin_options(sink: bounce_sink_t, ctx: *mut c_void) -> i32 {
+    guarded("listing the backend options", || {
+        for (key, default) in crate::engine::advertised_options() {
+            sink_bytes(sink, ctx, key.as_bytes())?;
+            sink_bytes(sink, ctx, default.as_bytes())?;
+        }
+        Ok(Status::Success)
+    })
+}
+
+// ---- engine lifecycle -------------------------------------------------------------
+
+/// Creates an engine. On success `*out` owns it until `bounce_engine_free`.
+///
+/// # Safety
+/// `params` points to `param_count` valid entries whose bytes live for the
+/// call; `out` is valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_new(
+    local_agent: bounce_bytes_t,
+    params: *const bounce_param_t,
+    param_count: usize,
+    error_sink: bounce_sink_t,
+    error_ctx: *mut c_void,
+    out: *mut *mut Engine,
+) -> i32 {
+    crate::logging::init();
+    let result = catch_unwind(AssertUnwindSafe(|| -> Result<Box<Engine>, Error> {
+        if out.is_null() {
+            return Err(Error::new(Status::InvalidParam, "no output pointer"));
+        }
+        // SAFETY: caller contract (borrowed for the call).
+        let name = unsafe { borrow_str(local_agent, "the agent name") }?;
+        let raw: &[bounce_param_t] =
+            // SAFETY: caller contract.
+            if param_count == 0 { &[] } else { unsafe { std::slice::from_raw_parts(params, param_count) } };
+        let mut map = BTreeMap::new();
+        for p in raw {
+            // SAFETY: caller contract.
+            let k = unsafe { borrow_str(p.key, "a parameter name") }?;
+            // SAFETY: caller contract.
+            let v = unsafe { borrow_str(p.value, "a parameter value") }?;
+            map.insert(k.to_string(), v.to_string());
+        }
+        Engine::new(name, map).map(Box::new)
+    }));
+    let err = match result {
+        Ok(Ok(engine)) => {
+            // SAFETY: `out` checked non-null above.
+            unsafe { *out = Box::into_raw(engine) };
+            return status(Status::Success);
+        }
+        Ok(Err(e)) => e,
+        Err(p) => Error::new(Status::Backend, format!("internal error (panic: {})", panic_message(&p))),
+    };
+    let message = format!("BOUNCE backend not created: {}", err.message);
+    tracing::error!("{message}");
+    let _ = sink_bytes(error_sink, error_ctx, message.as_bytes());
+    status(err.status)
+}
+
+/// Destroys an engine created by `bounce_engine_new` (takes ownership).
+///
+/// # Safety
+/// `engine` is null or an engine pointer not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_free(engine: *mut Engine) {
+    if engine.is_null() {
+        return;
+    }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: ownership returns to Rust exactly once (header contract).
+        drop(unsafe { Box::from_raw(engine) });
+    }));
+}
+
+// ---- memory ---------------------------------------------------------------------
+
+/// Registers memory. On success `*out` is a new handle owned by the caller,
+/// released by `bounce_engine_deregister_mem`.
+///
+/// # Safety
+/// `out` is valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_register_mem(
+    engine: *mut Engine,
+    addr: usize,
+    len: usize,
+    dev_id: u64,
+    mem: i32,
+    out: *mut *mut Md,
+) -> i32 {
+    with_engine(engine, "registerMem", |e| {
+        let md = e.register_mem(Range { addr, len, dev: dev_id }, MemKind::from_nixl(mem)?)?;
+        // SAFETY: the shim passes the address of a local pointer.
+        unsafe { *out = Box::into_raw(md) };
+        Ok(Status::Success)
+    })
+}
+
+/// Deregisters memory; takes ownership of `md` and frees it.
+///
+/// # Safety
+/// `md` is a handle from `bounce_engine_register_mem`, not yet released.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_deregister_mem(engine: *mut Engine, md: *mut Md) -> i32 {
+    release(engine, md, "deregisterMem")
+}
+
+/// Unloads loaded metadata; takes ownership of `md` and frees it.
+///
+/// # Safety
+/// `md` is a handle from `_load_remote_md` / `_load_local_md`, not yet released.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_unload_md(engine: *mut Engine, md: *mut Md) -> i32 {
+    release(engine, md, "unloadMD")
+}
+
+fn release(engine: *mut Engine, md: *mut Md, what: &str) -> i32 {
+    if md.is_null() {
+        return fail(Error::new(Status::InvalidParam, format!("{what}: null metadata handle")));
+    }
+    // SAFETY: ownership of a live handle returns to Rust exactly once (header
+    // contract). It is dropped even when the engine refuses the call.
+    let md = unsafe { Box::from_raw(md) };
+    if engine.is_null() {
+        drop(md);
+        return fail(Error::new(Status::InvalidParam, format!("{what}: no engine")));
+    }
+    with_engine(engine, what, move |e| e.release_md(md).map(|()| Status::Success))
+}
+
+/// # Safety
+/// `md` is a live handle; `sink`/`ctx` are valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_public_data(
+    engine: *mut Engine,
+    md: *const Md,
+    sink: bounce_sink_t,
+    ctx: *mut c_void,
+) -> i32 {
+    with_engine(engine, "getPublicData", |e| {
+        // SAFETY: caller contract.
+        let data = e.public_data(unsafe { md_ref(md) }?)?;
+        sink_bytes(sink, ctx, &data)?;
+        Ok(Status::Success)
+    })
+}
+
+/// # Safety
+/// `sink`/`ctx` are valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_conn_info(engine: *mut Engine, sink: bounce_sink_t, ctx: *mut c_void) -> i32 {
+    with_engine(engine, "getConnInfo", |e| {
+        sink_bytes(sink, ctx, &e.conn_info())?;
+        Ok(Status::Success)
+    })
+}
+
+/// # Safety
+/// The byte arguments are borrowed for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_load_remote_conn_info(
+    engine: *mut Engine,
+    remote_agent: bounce_bytes_t,
+    conn_info: bounce_bytes_t,
+) -> i32 {
+    with_engine(engine, "loadRemoteConnInfo", |e| {
+        // SAFETY: caller contract.
+        let (agent, info) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(conn_info)) };
+        e.load_remote_conn_info(agent, info).map(|()| Status::Success)
+    })
+}
+
+/// Loads a remote region. On success `*out` is a new handle owned by the
+/// caller, released by `bounce_engine_unload_md`.
+///
+/// # Safety
+/// The byte arguments are borrowed for the call; `out` is valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_load_remote_md(
+    engine: *mut Engine,
+    addr: usize,
+    len: usize,
+    dev_id: u64,
+    public_data: bounce_bytes_t,
+    mem: i32,
+    remote_agent: bounce_bytes_t,
+    out: *mut *mut Md,
+) -> i32 {
+    with_engine(engine, "loadRemoteMD", |e| {
+        // SAFETY: caller contract.
+        let (agent, data) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(public_data)) };
+        let md = e.load_remote_md(agent, Range { addr, len, dev: dev_id }, MemKind::from_nixl(mem)?, data)?;
+        // SAFETY: the shim passes the address of a local pointer.
+        unsafe { *out = Box::into_raw(md) };
+        Ok(Status::Success)
+    })
+}
+
+/// # Safety
+/// `input` is a live handle; `out` is valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_load_local_md(engine: *mut Engine, input: *const Md, out: *mut *mut Md) -> i32 {
+    with_engine(engine, "loadLocalMD", |e| {
+        // SAFETY: caller contract.
+        let md = e.load_local_md(unsafe { md_ref(input) }?)?;
+        // SAFETY: the shim passes the address of a local pointer.
+        unsafe { *out = Box::into_raw(md) };
+        Ok(Status::Success)
+    })
+}
+
+// ---- connections ------------------------------------------------------------------
+
+/// # Safety
+/// `remote_agent` is borrowed for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_connect(engine: *mut Engine, remote_agent: bounce_bytes_t) -> i32 {
+    with_engine(engine, "connect", |e| {
+        // SAFETY: caller contract.
+        e.connect(unsafe { borrow_str(remote_agent, "the remote agent name") }?).map(|()| Status::Success)
+    })
+}
+
+/// # Safety
+/// `remote_agent` is borrowed for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_disconnect(engine: *mut Engine, remote_agent: bounce_bytes_t) -> i32 {
+    with_engine(engine, "disconnect", |e| {
+        // SAFETY: caller contract.
+        e.disconnect(unsafe { borrow_str(remote_agent, "the remote agent name") }?).map(|()| Status::Success)
+    })
+}
+
+// ---- transfers --------------------------------------------------------------------
+
+/// Prepares a transfer. On success `*req` is a new request owned by the
+/// caller, released by `bounce_engine_release_req`.
+///
+/// # Safety
+/// Lists and args are valid for the call; `req` is valid for writing.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_prep_xfer(
+    engine: *mut Engine,
+    op: i32,
+    local: *const bounce_desc_list_t,
+    remote: *const bounce_desc_list_t,
+    remote_agent: bounce_bytes_t,
+    args: *const bounce_xfer_args_t,
+    req: *mut *mut Request,
+) -> i32 {
+    with_engine(engine, "prepXfer", |e| {
+        // SAFETY: caller contract.
+        let (l, r, agent, args) = unsafe {
+            (side(local, "local")?, side(remote, "remote")?, borrow_str(remote_agent, "the remote agent name")?, xfer_args(args))
+        };
+        let request = e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)?;
+        // SAFETY: the shim passes the address of a local pointer.
+        unsafe { *req = Box::into_raw(Box::new(request)) };
+        Ok(Status::Success)
+    })
+}
+
+/// Posts a transfer: `*req` is a prepared request (posted again) or null (a
+/// request is prepared first and stored in `*req`, owned by the caller).
+///
+/// # Safety
+/// As for `bounce_engine_prep_xfer`; a non-null `*req` is a live request.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_post_xfer(
+    engine: *mut Engine,
+    op: i32,
+    local: *const bounce_desc_list_t,
+    remote: *const bounce_desc_list_t,
+    remote_agent: bounce_bytes_t,
+    args: *const bounce_xfer_args_t,
+    req: *mut *mut Request,
+) -> i32 {
+    with_engine(engine, "postXfer", |e| {
+        // SAFETY: caller contract.
+        let args = unsafe { xfer_args(args) };
+        if req.is_null() {
+            return Err(Error::new(Status::InvalidParam, "no request pointer"));
+        }
+        // SAFETY: caller contract: *req is null or a live request.
+        let existing = unsafe { *req };
+        if existing.is_null() {
+            // SAFETY: caller contract.
+            let (l, r, agent) = unsafe {
+                (side(local, "local")?, side(remote, "remote")?, borrow_str(remote_agent, "the remote agent name")?)
+            };
+            let mut request = Box::new(e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args.clone())?);
+            let st = e.post_xfer(&mut request, args);
+            // The request is handed out even when posting failed, so NIXL can
+            // release it like any other.
+            // SAFETY: `req` checked non-null.
+            unsafe { *req = Box::into_raw(request) };
+            st
+        } else {
+            // SAFETY: a live request owned by the caller, not aliased during the call.
+            e.post_xfer(unsafe { &mut *existing }, args)
+        }
+    })
+}
+
+/// # Safety
+/// `req` is a live request.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_check_xfer(engine: *mut Engine, req: *mut Request) -> i32 {
+    with_engine(engine, "checkXfer", |e| {
+        if req.is_null() {
+            return Err(Error::new(Status::InvalidParam, "null request handle"));
+        }
+        // SAFETY: caller contract.
+        e.check_xfer(unsafe { &*req })
+    })
+}
+
+/// Releases a request (takes ownership; aborts it if still running).
+///
+/// # Safety
+/// `req` is a live request, not used again after this call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_release_req(engine: *mut Engine, req: *mut Request) -> i32 {
+    if req.is_null() {
+        return fail(Error::new(Status::InvalidParam, "releaseReqH: null request handle"));
+    }
+    // SAFETY: ownership returns to Rust exactly once (header contract); freed
+    // even when the engine refuses the call.
+    let request = unsafe { Box::from_raw(req) };
+    if engine.is_null() {
+        return status(Status::Success);
+    }
+    with_engine(engine, "releaseReqH", move |e| e.release_req(*request).map(|()| Status::Success))
+}
+
+// ---- notifications ------------------------------------------------------------------
+
+/// # Safety
+/// `sink`/`ctx` are valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_get_notifs(engine: *mut Engine, sink: bounce_notif_sink_t, ctx: *mut c_void) -> i32 {
+    with_engine(engine, "getNotifs", |e| {
+        let sink = sink.ok_or_else(|| Error::new(Status::InvalidParam, "no notification callback"))?;
+        for (agent, msg) in e.get_notifs()? {
+            let a = bounce_bytes_t { ptr: agent.as_ptr(), len: agent.len() };
+            let m = bounce_bytes_t { ptr: msg.as_ptr(), len: msg.len() };
+            // SAFETY: the callback and ctx are valid for the call; the bytes
+            // live until after it returns.
+            unsafe { sink(ctx, a, m) };
+        }
+        Ok(Status::Success)
+    })
+}
+
+/// # Safety
+/// The byte arguments are borrowed for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_gen_notif(engine: *mut Engine, remote_agent: bounce_bytes_t, msg: bounce_bytes_t) -> i32 {
+    with_engine(engine, "genNotif", |e| {
+        // SAFETY: caller contract.
+        let (agent, msg) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(msg)) };
+        e.gen_notif(agent, msg).map(|()| Status::Success)
+    })
+}
