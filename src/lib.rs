@@ -10,9 +10,11 @@
 //!   transfers and notifications, delegated to an inner NIXL agent that owns a
 //!   UCX backend.
 //! - [`nixl_runtime`]: finds the NIXL C API next to the NIXL that loaded us.
+//! - [`stats`]: per-engine counters, exported to C as `nixl_bounce_stats`.
 //! - [`logging`]: `tracing` set-up from `NIXL_BOUNCE_LOG` / `NIXL_BOUNCE_LOG_FILE`.
 
 pub mod engine;
 pub mod ffi;
 pub mod logging;
 pub mod nixl_runtime;
+pub mod stats;

@@ -12,14 +12,15 @@ pub mod conn_info;
 pub mod params;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs, Params,
     RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
 };
 
+use crate::stats::EngineStats;
 use conn_info::ConnInfo;
 
 /// Appended to the outer agent's name to name its inner agent. Peers use it to
@@ -264,17 +265,6 @@ impl TransferParams {
     }
 }
 
-/// Counters readable from Rust and C (see `nixl_bounce_stats`).
-#[derive(Debug, Default)]
-pub struct Counters {
-    pub registrations: AtomicU64,
-    pub transfers_posted: AtomicU64,
-    pub transfers_failed: AtomicU64,
-    pub notifs_sent: AtomicU64,
-    pub notifs_received: AtomicU64,
-    pub panics: AtomicU64,
-}
-
 /// The backend engine. Thread-safe: NIXL may call it from many threads.
 pub struct Engine {
     local_name: String,
@@ -284,9 +274,8 @@ pub struct Engine {
     /// Outer remote agent name -> inner agent name.
     remotes: Mutex<HashMap<String, String>>,
     broken: AtomicBool,
-    pub counters: Counters,
-    /// The parameters this engine was created with (after validation).
-    pub params: BTreeMap<String, String>,
+    /// Counters and identity, published for `nixl_bounce_stats`.
+    pub stats: Arc<EngineStats>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -342,8 +331,7 @@ impl Engine {
             conn_info,
             remotes: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
-            counters: Counters::default(),
-            params,
+            stats: EngineStats::new(local_name, params),
         })
     }
 
@@ -354,7 +342,7 @@ impl Engine {
     /// Marks the engine unusable (after a panic crossed into the FFI layer).
     pub fn mark_broken(&self) {
         self.broken.store(true, Ordering::SeqCst);
-        self.counters.panics.fetch_add(1, Ordering::Relaxed);
+        EngineStats::bump(&self.stats.counters.panics);
     }
 
     pub fn is_broken(&self) -> bool {
@@ -379,7 +367,7 @@ impl Engine {
             .inner
             .get_local_partial_md(&descs, None)
             .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
-        self.counters.registrations.fetch_add(1, Ordering::Relaxed);
+        EngineStats::bump(&self.stats.counters.registrations);
         Ok(Box::new(Md { magic: MD_MAGIC, range, kind, owner: MdOwner::Registered { registration, public_data } }))
     }
 
@@ -390,6 +378,7 @@ impl Engine {
         }
         md.magic = 0;
         if let MdOwner::Registered { registration, .. } = &mut md.owner {
+            EngineStats::bump(&self.stats.counters.deregistrations);
             registration
                 .deregister()
                 .map_err(|e| Error::nixl(&format!("deregistering {:#x}", md.range.addr), e))?;
@@ -508,6 +497,7 @@ impl Engine {
             .inner
             .create_xfer_req(op.to_sys(), &l, &r, &inner_remote, opt.as_ref())
             .map_err(|e| Error::nixl(&format!("preparing a {op:?} of {} descriptors to {agent:?}", l.len().unwrap_or(0)), e))?;
+        EngineStats::bump(&self.stats.counters.transfers_prepared);
         Ok(Request { xfer, args })
     }
 
@@ -516,12 +506,12 @@ impl Engine {
         TransferParams::parse(&args.custom_param)?;
         req.args = args;
         let opt = opt_args(&req.args)?;
-        self.counters.transfers_posted.fetch_add(1, Ordering::Relaxed);
+        EngineStats::bump(&self.stats.counters.transfers_posted);
         match self.inner.post_xfer_req(&req.xfer, opt.as_ref()) {
             Ok(true) => Ok(Status::InProgress),
             Ok(false) => Ok(Status::Success),
             Err(e) => {
-                self.counters.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                EngineStats::bump(&self.stats.counters.transfers_failed);
                 Err(Error::nixl("posting a transfer", e))
             }
         }
@@ -532,7 +522,7 @@ impl Engine {
             Ok(XferStatus::Success) => Ok(Status::Success),
             Ok(XferStatus::InProgress) => Ok(Status::InProgress),
             Err(e) => {
-                self.counters.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                EngineStats::bump(&self.stats.counters.transfers_failed);
                 Err(Error::nixl("transfer failed", e))
             }
         }
@@ -565,7 +555,7 @@ impl Engine {
                 out.push((outer.clone(), msg));
             }
         }
-        self.counters.notifs_received.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats.counters.notifs_received.fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 
@@ -574,20 +564,15 @@ impl Engine {
         self.inner
             .send_notification(&inner_remote, msg, None)
             .map_err(|e| Error::nixl(&format!("sending a notification to {remote:?}"), e))?;
-        self.counters.notifs_sent.fetch_add(1, Ordering::Relaxed);
+        EngineStats::bump(&self.stats.counters.notifs_sent);
         Ok(())
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        tracing::info!(
-            agent = %self.local_name,
-            registrations = self.counters.registrations.load(Ordering::Relaxed),
-            transfers_posted = self.counters.transfers_posted.load(Ordering::Relaxed),
-            transfers_failed = self.counters.transfers_failed.load(Ordering::Relaxed),
-            "BOUNCE engine shutting down"
-        );
+        let snapshot = self.stats.snapshot();
+        tracing::info!(agent = %self.local_name, counters = ?snapshot.counters, "BOUNCE engine shutting down");
     }
 }
 

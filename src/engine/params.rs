@@ -3,6 +3,19 @@
 
 use std::collections::BTreeMap;
 
+/// Parameters NIXL 1.5's UCX engine reads although its plugin does not list
+/// them among its options (the plugin advertises only `num_workers`,
+/// `ucx_devices` and `ucx_error_handling_mode`). They pass through to the
+/// inner UCX backend like the advertised ones.
+pub const UCX_UNADVERTISED_KEYS: &[&str] = &[
+    "num_threads",
+    "split_batch_size",
+    "ucx_ep_close_force",
+    "device_list",
+    "ucx_num_device_channels",
+    "engine_config",
+];
+
 /// The parameters of one `createBackend("BOUNCE", params)` call, split.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct SplitParams {
@@ -26,7 +39,7 @@ pub fn split(
     for (k, v) in params {
         if bounce_keys.contains(&k.as_str()) {
             out.bounce.insert(k.clone(), v.clone());
-        } else if ucx_keys.iter().any(|u| u == k) {
+        } else if ucx_keys.iter().any(|u| u == k) || UCX_UNADVERTISED_KEYS.contains(&k.as_str()) {
             out.ucx.insert(k.clone(), v.clone());
         } else {
             unknown.push(k.as_str());
@@ -37,7 +50,9 @@ pub fn split(
     } else {
         let mut known: Vec<&str> = bounce_keys.to_vec();
         known.extend(ucx_keys.iter().map(String::as_str));
+        known.extend(UCX_UNADVERTISED_KEYS);
         known.sort_unstable();
+        known.dedup();
         Err(format!(
             "unknown BOUNCE backend parameter{} {}; known parameters: {}",
             if unknown.len() == 1 { "" } else { "s" },

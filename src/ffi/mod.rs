@@ -80,7 +80,10 @@ fn with_engine(engine: *const Engine, what: &str, f: impl FnOnce(&Engine) -> Res
     }
     match catch_unwind(AssertUnwindSafe(|| f(engine))) {
         Ok(Ok(s)) => status(s),
-        Ok(Err(e)) => fail(Error::new(e.status, format!("{what}: {}", e.message))),
+        Ok(Err(e)) => {
+            crate::stats::EngineStats::bump(&engine.stats.counters.rejected_calls);
+            fail(Error::new(e.status, format!("{what}: {}", e.message)))
+        }
         Err(panic) => {
             engine.mark_broken();
             let msg = panic_message(&panic);
@@ -574,4 +577,31 @@ pub unsafe extern "C" fn bounce_engine_gen_notif(engine: *mut Engine, remote_age
         let (agent, msg) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(msg)) };
         e.gen_notif(agent, msg).map(|()| Status::Success)
     })
+}
+
+// ---- observability ------------------------------------------------------------------
+
+/// Writes a JSON snapshot of the counters of `agent`'s BOUNCE engine into
+/// `buf` (up to `cap` bytes) and returns the snapshot's full length (call
+/// again with a larger buffer if it exceeds `cap`), or -1 when this library
+/// holds no engine for that agent. Callable from Python with ctypes.
+///
+/// # Safety
+/// `agent` points to `agent_len` readable bytes; `buf` to `cap` writable bytes
+/// (or `cap` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn nixl_bounce_stats(agent: *const u8, agent_len: usize, buf: *mut u8, cap: usize) -> isize {
+    catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: caller contract.
+        let name = unsafe { borrow(bounce_bytes_t { ptr: agent, len: agent_len }) };
+        let Ok(name) = std::str::from_utf8(name) else { return -1 };
+        let Some(snapshot) = crate::stats::local_snapshot(name) else { return -1 };
+        let json = serde_json::to_vec(&snapshot).unwrap_or_default();
+        if !buf.is_null() && json.len() <= cap {
+            // SAFETY: buf has cap >= json.len() writable bytes (caller contract).
+            unsafe { std::ptr::copy_nonoverlapping(json.as_ptr(), buf, json.len()) };
+        }
+        json.len() as isize
+    }))
+    .unwrap_or(-1)
 }

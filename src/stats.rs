@@ -1,0 +1,163 @@
+//! Per-engine counters, readable from Rust, from C and from Python.
+//!
+//! Each engine registers its [`EngineStats`] under its agent name. The C
+//! export `nixl_bounce_stats` (see `src/ffi`) renders a JSON snapshot; Python
+//! reaches it with `ctypes` on the loaded plugin. Rust code that uses BOUNCE
+//! through NIXL calls [`plugin_stats`], which finds the copy of this library
+//! that NIXL loaded (a separate copy from any the program links itself).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use once_cell::sync::Lazy;
+use serde::{Deserialize, Serialize};
+
+/// Counters of one engine. All monotonic.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub registrations: AtomicU64,
+    pub deregistrations: AtomicU64,
+    pub transfers_prepared: AtomicU64,
+    pub transfers_posted: AtomicU64,
+    pub transfers_failed: AtomicU64,
+    pub notifs_sent: AtomicU64,
+    pub notifs_received: AtomicU64,
+    pub rejected_calls: AtomicU64,
+    pub panics: AtomicU64,
+}
+
+/// What an engine exposes about itself.
+#[derive(Debug)]
+pub struct EngineStats {
+    pub agent: String,
+    pub params: BTreeMap<String, String>,
+    pub counters: Counters,
+}
+
+/// A point-in-time copy of an engine's statistics (the JSON shape).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub agent: String,
+    pub version: String,
+    pub params: BTreeMap<String, String>,
+    pub counters: BTreeMap<String, u64>,
+}
+
+impl EngineStats {
+    pub fn new(agent: &str, params: BTreeMap<String, String>) -> Arc<Self> {
+        let stats = Arc::new(Self { agent: agent.to_string(), params, counters: Counters::default() });
+        REGISTRY.lock().expect("stats registry").insert(agent.to_string(), Arc::downgrade(&stats));
+        stats
+    }
+
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let c = &self.counters;
+        let counters = [
+            ("registrations", &c.registrations),
+            ("deregistrations", &c.deregistrations),
+            ("transfers_prepared", &c.transfers_prepared),
+            ("transfers_posted", &c.transfers_posted),
+            ("transfers_failed", &c.transfers_failed),
+            ("notifs_sent", &c.notifs_sent),
+            ("notifs_received", &c.notifs_received),
+            ("rejected_calls", &c.rejected_calls),
+            ("panics", &c.panics),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
+        .collect();
+        Snapshot {
+            agent: self.agent.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            params: self.params.clone(),
+            counters,
+        }
+    }
+}
+
+impl Drop for EngineStats {
+    fn drop(&mut self) {
+        if let Ok(mut reg) = REGISTRY.lock() {
+            // Only remove our own entry (a newer engine may reuse the name).
+            if reg.get(&self.agent).is_some_and(|w| w.strong_count() == 0) {
+                reg.remove(&self.agent);
+            }
+        }
+    }
+}
+
+static REGISTRY: Lazy<Mutex<HashMap<String, Weak<EngineStats>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The snapshot of the engine of `agent` in THIS copy of the library.
+pub fn local_snapshot(agent: &str) -> Option<Snapshot> {
+    let reg = REGISTRY.lock().ok()?;
+    reg.get(agent).and_then(Weak::upgrade).map(|s| s.snapshot())
+}
+
+/// The snapshot of `agent`'s BOUNCE engine in the plugin NIXL loaded into this
+/// process (`libplugin_BOUNCE.so`).
+pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
+    let path = crate::nixl_runtime::loaded_object_path("libplugin_BOUNCE.so")
+        .ok_or("libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)")?;
+    let c_path = std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|_| "bad plugin path")?;
+    // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded object;
+    // c_path is NUL-terminated.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return Err(format!("cannot open the loaded plugin {}", path.display()));
+    }
+    // SAFETY: handle is valid; the symbol name is NUL-terminated.
+    let sym = unsafe { libc::dlsym(handle, c"nixl_bounce_stats".as_ptr()) };
+    let result = if sym.is_null() {
+        Err(format!("{} does not export nixl_bounce_stats", path.display()))
+    } else {
+        // SAFETY: the symbol is the plugin's nixl_bounce_stats, whose
+        // signature is declared in src/ffi (the same source as this crate).
+        let f: StatsFn = unsafe { std::mem::transmute::<*mut libc::c_void, StatsFn>(sym) };
+        call_stats(f, agent)
+    };
+    // SAFETY: balances the NOLOAD dlopen above (the object stays loaded).
+    unsafe { libc::dlclose(handle) };
+    result
+}
+
+type StatsFn = unsafe extern "C" fn(*const u8, usize, *mut u8, usize) -> isize;
+
+fn call_stats(f: StatsFn, agent: &str) -> Result<Snapshot, String> {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        // SAFETY: the pointers and lengths describe live buffers.
+        let n = unsafe { f(agent.as_ptr(), agent.len(), buf.as_mut_ptr(), buf.len()) };
+        if n < 0 {
+            return Err(format!("no BOUNCE engine for agent {agent:?} in the loaded plugin"));
+        }
+        let n = n as usize;
+        if n <= buf.len() {
+            return serde_json::from_slice(&buf[..n]).map_err(|e| format!("malformed stats JSON: {e}"));
+        }
+        buf.resize(n, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_is_registered_by_name_and_dropped_with_the_engine() {
+        let s = EngineStats::new("stats-test-agent", BTreeMap::from([("k".into(), "v".into())]));
+        EngineStats::bump(&s.counters.transfers_posted);
+        let snap = local_snapshot("stats-test-agent").unwrap();
+        assert_eq!(snap.counters["transfers_posted"], 1);
+        assert_eq!(snap.params["k"], "v");
+        let json = serde_json::to_string(&snap).unwrap();
+        assert_eq!(serde_json::from_str::<Snapshot>(&json).unwrap(), snap);
+        drop(s);
+        assert!(local_snapshot("stats-test-agent").is_none());
+    }
+}
