@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run the whole test suite: set up (scripts/setup.sh, dev profile), then
+# `cargo test` over every target with the NIXL runtime REQUIRED, so tests that
+# need the runtime or the BOUNCE plugin fail instead of skipping.
+# Extra arguments go to `cargo test` (e.g. scripts/test.sh --test loopback).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup.sh "${NIXL_BOUNCE_PROFILE:-dev}"
+export NIXL_BOUNCE_REQUIRE_RUNTIME=1
+echo "[test] cargo test --all-targets $* (NIXL_BOUNCE_REQUIRE_RUNTIME=1)" >&2
+cargo test --all-targets "$@"
+echo "[test] cargo test --doc" >&2
+cargo test --doc
+echo "[test] all tests passed" >&2
