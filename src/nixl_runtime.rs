@@ -49,7 +49,8 @@ fn load_capi() -> Result<PathBuf, String> {
 }
 
 fn dlopen_global(path: &Path) -> Result<(), String> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| "path contains a NUL byte".to_string())?;
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| "path contains a NUL byte".to_string())?;
     // SAFETY: `c` is a valid NUL-terminated string; dlopen has no other
     // preconditions. The handle is deliberately leaked: the library must stay
     // loaded for the life of the process (nixl-sys keeps function pointers).
@@ -61,7 +62,9 @@ fn dlopen_global(path: &Path) -> Result<(), String> {
             "unknown dlopen error".to_string()
         } else {
             // SAFETY: non-null dlerror results are NUL-terminated strings.
-            unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(err) }
+                .to_string_lossy()
+                .into_owned()
         };
         return Err(msg);
     }
@@ -74,7 +77,11 @@ pub fn loaded_object_path(file_name: &str) -> Option<PathBuf> {
         file_name: &'a str,
         found: Option<PathBuf>,
     }
-    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: libc::size_t, data: *mut libc::c_void) -> libc::c_int {
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
         // SAFETY: dl_iterate_phdr passes a valid info pointer for the duration
         // of the callback, and `data` is the &mut Search we passed in below.
         let (info, search) = unsafe { (&*info, &mut *(data as *mut Search<'_>)) };
@@ -90,9 +97,17 @@ pub fn loaded_object_path(file_name: &str) -> Option<PathBuf> {
         }
         0
     }
-    let mut search = Search { file_name, found: None };
+    let mut search = Search {
+        file_name,
+        found: None,
+    };
     // SAFETY: `visit` matches the callback signature and only touches
     // `search`, which outlives the call.
-    unsafe { libc::dl_iterate_phdr(Some(visit), &mut search as *mut Search<'_> as *mut libc::c_void) };
+    unsafe {
+        libc::dl_iterate_phdr(
+            Some(visit),
+            &mut search as *mut Search<'_> as *mut libc::c_void,
+        )
+    };
     search.found
 }

@@ -46,8 +46,15 @@ pub struct Snapshot {
 
 impl EngineStats {
     pub fn new(agent: &str, params: BTreeMap<String, String>) -> Arc<Self> {
-        let stats = Arc::new(Self { agent: agent.to_string(), params, counters: Counters::default() });
-        REGISTRY.lock().expect("stats registry").insert(agent.to_string(), Arc::downgrade(&stats));
+        let stats = Arc::new(Self {
+            agent: agent.to_string(),
+            params,
+            counters: Counters::default(),
+        });
+        REGISTRY
+            .lock()
+            .expect("stats registry")
+            .insert(agent.to_string(), Arc::downgrade(&stats));
         stats
     }
 
@@ -91,7 +98,8 @@ impl Drop for EngineStats {
     }
 }
 
-static REGISTRY: Lazy<Mutex<HashMap<String, Weak<EngineStats>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static REGISTRY: Lazy<Mutex<HashMap<String, Weak<EngineStats>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The snapshot of the engine of `agent` in THIS copy of the library.
 pub fn local_snapshot(agent: &str) -> Option<Snapshot> {
@@ -102,9 +110,11 @@ pub fn local_snapshot(agent: &str) -> Option<Snapshot> {
 /// The snapshot of `agent`'s BOUNCE engine in the plugin NIXL loaded into this
 /// process (`libplugin_BOUNCE.so`).
 pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
-    let path = crate::nixl_runtime::loaded_object_path("libplugin_BOUNCE.so")
-        .ok_or("libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)")?;
-    let c_path = std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|_| "bad plugin path")?;
+    let path = crate::nixl_runtime::loaded_object_path("libplugin_BOUNCE.so").ok_or(
+        "libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)",
+    )?;
+    let c_path =
+        std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|_| "bad plugin path")?;
     // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded object;
     // c_path is NUL-terminated.
     let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
@@ -114,7 +124,10 @@ pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
     // SAFETY: handle is valid; the symbol name is NUL-terminated.
     let sym = unsafe { libc::dlsym(handle, c"nixl_bounce_stats".as_ptr()) };
     let result = if sym.is_null() {
-        Err(format!("{} does not export nixl_bounce_stats", path.display()))
+        Err(format!(
+            "{} does not export nixl_bounce_stats",
+            path.display()
+        ))
     } else {
         // SAFETY: the symbol is the plugin's nixl_bounce_stats, whose
         // signature is declared in src/ffi (the same source as this crate).
@@ -134,11 +147,14 @@ fn call_stats(f: StatsFn, agent: &str) -> Result<Snapshot, String> {
         // SAFETY: the pointers and lengths describe live buffers.
         let n = unsafe { f(agent.as_ptr(), agent.len(), buf.as_mut_ptr(), buf.len()) };
         if n < 0 {
-            return Err(format!("no BOUNCE engine for agent {agent:?} in the loaded plugin"));
+            return Err(format!(
+                "no BOUNCE engine for agent {agent:?} in the loaded plugin"
+            ));
         }
         let n = n as usize;
         if n <= buf.len() {
-            return serde_json::from_slice(&buf[..n]).map_err(|e| format!("malformed stats JSON: {e}"));
+            return serde_json::from_slice(&buf[..n])
+                .map_err(|e| format!("malformed stats JSON: {e}"));
         }
         buf.resize(n, 0);
     }
@@ -150,7 +166,10 @@ mod tests {
 
     #[test]
     fn snapshot_is_registered_by_name_and_dropped_with_the_engine() {
-        let s = EngineStats::new("stats-test-agent", BTreeMap::from([("k".into(), "v".into())]));
+        let s = EngineStats::new(
+            "stats-test-agent",
+            BTreeMap::from([("k".into(), "v".into())]),
+        );
         EngineStats::bump(&s.counters.transfers_posted);
         let snap = local_snapshot("stats-test-agent").unwrap();
         assert_eq!(snap.counters["transfers_posted"], 1);

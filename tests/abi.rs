@@ -20,29 +20,58 @@ fn init_params_and_mem_types_round_trip_through_nixl() {
         return;
     }
     let name = unique_name("abi-params");
-    let node = Node::new(&name, "BOUNCE", &[("num_threads", "2"), ("ucx_error_handling_mode", "peer")]).or_fail("create");
-    let (mems, params) = node.agent.get_backend_params(&node.backend).expect("get_backend_params");
+    let node = Node::new(
+        &name,
+        "BOUNCE",
+        &[("num_threads", "2"), ("ucx_error_handling_mode", "peer")],
+    )
+    .or_fail("create");
+    let (mems, params) = node
+        .agent
+        .get_backend_params(&node.backend)
+        .expect("get_backend_params");
     let mems: Vec<MemType> = mems.iter().map(|m| m.expect("mem type")).collect();
-    assert_eq!(mems, vec![MemType::Dram, MemType::Vram], "getSupportedMems as NIXL sees it");
-    let mut got: Vec<(String, String)> =
-        params.iter().expect("params").map(|p| p.expect("param")).map(|(k, v)| (k.into(), v.into())).collect();
+    assert_eq!(
+        mems,
+        vec![MemType::Dram, MemType::Vram],
+        "getSupportedMems as NIXL sees it"
+    );
+    let mut got: Vec<(String, String)> = params
+        .iter()
+        .expect("params")
+        .map(|p| p.expect("param"))
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect();
     got.sort();
     let mut want = Vec::new();
     // The plugin's advertised defaults are part of what the harness passes.
-    let (_m, defaults) = node.agent.get_plugin_params("BOUNCE").expect("plugin params");
-    for (k, v) in defaults.iter().expect("defaults").map(|p| p.expect("default")) {
+    let (_m, defaults) = node
+        .agent
+        .get_plugin_params("BOUNCE")
+        .expect("plugin params");
+    for (k, v) in defaults
+        .iter()
+        .expect("defaults")
+        .map(|p| p.expect("default"))
+    {
         want.push((k.to_string(), v.to_string()));
     }
     want.retain(|(k, _)| k != "num_threads" && k != "ucx_error_handling_mode");
     want.push(("num_threads".into(), "2".into()));
     want.push(("ucx_error_handling_mode".into(), "peer".into()));
     want.sort();
-    assert_eq!(got, want, "custom params read back by NIXL from the engine's base object");
+    assert_eq!(
+        got, want,
+        "custom params read back by NIXL from the engine's base object"
+    );
 
     // The engine saw the same agent name and parameters (init params layout).
     let snap = nixl_bounce::stats::plugin_stats(&name).expect("plugin stats");
     assert_eq!(snap.agent, name);
-    assert_eq!(snap.params.get("num_threads").map(String::as_str), Some("2"));
+    assert_eq!(
+        snap.params.get("num_threads").map(String::as_str),
+        Some("2")
+    );
 }
 
 /// Descriptor lists (nixlDescList<nixlMetaDesc>: vptr, type, vector of
@@ -77,9 +106,18 @@ fn descriptor_lists_arrive_intact() {
         .init
         .node
         .agent
-        .create_xfer_req(XferOp::Write, &l, &r, &pair.target.node.name.clone(), Some(&opt))
+        .create_xfer_req(
+            XferOp::Write,
+            &l,
+            &r,
+            &pair.target.node.name.clone(),
+            Some(&opt),
+        )
         .expect("create");
-    pair.init.node.post_and_wait(&req, wait_timeout()).or_fail("transfer");
+    pair.init
+        .node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("transfer");
     let mut want = before.clone();
     for &(s, d, n) in &moves {
         want[d..d + n].copy_from_slice(&pair.init.buf.as_slice()[s..s + n]);
@@ -104,9 +142,21 @@ fn transfer_custom_param_reaches_the_engine() {
         opt.set_custom_param(param).expect("custom param");
         let l = xfer_list(pair.init.buf.addr(), &plan.src, plan.block).unwrap();
         let r = xfer_list(pair.target.buf.addr(), &plan.dst, plan.block).unwrap();
-        pair.init.node.agent.create_xfer_req(XferOp::Write, &l, &r, &pair.target.node.name.clone(), Some(&opt))
+        pair.init.node.agent.create_xfer_req(
+            XferOp::Write,
+            &l,
+            &r,
+            &pair.target.node.name.clone(),
+            Some(&opt),
+        )
     };
     let ok = make(b"deadline_ms=60000").expect("a known custom parameter is accepted");
-    pair.init.node.post_and_wait(&ok, wait_timeout()).or_fail("transfer");
-    assert!(make(b"no_such_key=1").is_err(), "an unknown custom parameter must be refused");
+    pair.init
+        .node
+        .post_and_wait(&ok, wait_timeout())
+        .or_fail("transfer");
+    assert!(
+        make(b"no_such_key=1").is_err(),
+        "an unknown custom parameter must be refused"
+    );
 }

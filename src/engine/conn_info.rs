@@ -45,29 +45,48 @@ impl ConnInfo {
                 magic, MAGIC
             ));
         }
-        let version = u16::from_le_bytes(take(&mut bytes, 2, "version")?.try_into().expect("2 bytes"));
+        let version =
+            u16::from_le_bytes(take(&mut bytes, 2, "version")?.try_into().expect("2 bytes"));
         if version != CONN_INFO_VERSION {
             return Err(format!(
                 "peer speaks BOUNCE connection-info version {version}, this plugin speaks {CONN_INFO_VERSION}"
             ));
         }
-        let md_len = u32::from_le_bytes(take(&mut bytes, 4, "metadata length")?.try_into().expect("4 bytes"));
+        let md_len = u32::from_le_bytes(
+            take(&mut bytes, 4, "metadata length")?
+                .try_into()
+                .expect("4 bytes"),
+        );
         let inner_md = take(&mut bytes, md_len as usize, "inner metadata")?.to_vec();
-        let hs_len = u32::from_le_bytes(take(&mut bytes, 4, "handshake length")?.try_into().expect("4 bytes"));
+        let hs_len = u32::from_le_bytes(
+            take(&mut bytes, 4, "handshake length")?
+                .try_into()
+                .expect("4 bytes"),
+        );
         let handshake = take(&mut bytes, hs_len as usize, "handshake")?.to_vec();
         if !bytes.is_empty() {
-            return Err(format!("{} unexpected trailing bytes after {} bytes of connection info", bytes.len(), total - bytes.len()));
+            return Err(format!(
+                "{} unexpected trailing bytes after {} bytes of connection info",
+                bytes.len(),
+                total - bytes.len()
+            ));
         }
         if inner_md.is_empty() {
             return Err("connection info carries no inner-agent metadata".into());
         }
-        Ok(Self { inner_md, handshake })
+        Ok(Self {
+            inner_md,
+            handshake,
+        })
     }
 }
 
 fn take<'a>(bytes: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8], String> {
     if bytes.len() < n {
-        return Err(format!("connection info truncated: {what} needs {n} bytes, {} left", bytes.len()));
+        return Err(format!(
+            "connection info truncated: {what} needs {n} bytes, {} left",
+            bytes.len()
+        ));
     }
     let (head, tail) = bytes.split_at(n);
     *bytes = tail;
@@ -80,15 +99,25 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        let c = ConnInfo { inner_md: vec![1, 2, 3], handshake: vec![9; 40] };
+        let c = ConnInfo {
+            inner_md: vec![1, 2, 3],
+            handshake: vec![9; 40],
+        };
         assert_eq!(ConnInfo::decode(&c.encode()).unwrap(), c);
     }
 
     #[test]
     fn rejects_every_malformed_prefix_and_trailing_bytes() {
-        let good = ConnInfo { inner_md: vec![7; 10], handshake: vec![] }.encode();
+        let good = ConnInfo {
+            inner_md: vec![7; 10],
+            handshake: vec![],
+        }
+        .encode();
         for n in 0..good.len() {
-            assert!(ConnInfo::decode(&good[..n]).is_err(), "prefix of {n} bytes accepted");
+            assert!(
+                ConnInfo::decode(&good[..n]).is_err(),
+                "prefix of {n} bytes accepted"
+            );
         }
         let mut long = good.clone();
         long.push(0);
@@ -97,7 +126,11 @@ mod tests {
 
     #[test]
     fn names_the_version_mismatch() {
-        let mut b = ConnInfo { inner_md: vec![1], handshake: vec![] }.encode();
+        let mut b = ConnInfo {
+            inner_md: vec![1],
+            handshake: vec![],
+        }
+        .encode();
         b[8] = 9;
         let e = ConnInfo::decode(&b).unwrap_err();
         assert!(e.contains("version 9"), "{e}");
@@ -105,6 +138,8 @@ mod tests {
 
     #[test]
     fn rejects_foreign_blobs() {
-        assert!(ConnInfo::decode(b"UCX-worker-address-bytes").unwrap_err().contains("not BOUNCE"));
+        assert!(ConnInfo::decode(b"UCX-worker-address-bytes")
+            .unwrap_err()
+            .contains("not BOUNCE"));
     }
 }

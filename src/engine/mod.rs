@@ -16,8 +16,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nixl_sys::{
-    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs, Params,
-    RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
+    Params, RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest,
+    XferStatus,
 };
 
 use crate::stats::EngineStats;
@@ -55,7 +56,10 @@ pub struct Error {
 
 impl Error {
     pub fn new(status: Status, message: impl Into<String>) -> Self {
-        Self { status, message: message.into() }
+        Self {
+            status,
+            message: message.into(),
+        }
     }
     fn invalid(message: impl Into<String>) -> Self {
         Self::new(Status::InvalidParam, message)
@@ -116,7 +120,9 @@ impl Op {
         match v {
             0 => Ok(Self::Read),
             1 => Ok(Self::Write),
-            other => Err(Error::invalid(format!("unknown transfer operation {other}"))),
+            other => Err(Error::invalid(format!(
+                "unknown transfer operation {other}"
+            ))),
         }
     }
     fn to_sys(self) -> XferOp {
@@ -142,7 +148,9 @@ impl Range {
     /// Whether `inner` lies entirely inside `self` on the same device.
     pub fn covers(&self, inner: &Range) -> bool {
         match (self.end(), inner.end()) {
-            (Some(end), Some(inner_end)) => self.dev == inner.dev && self.addr <= inner.addr && inner_end <= end,
+            (Some(end), Some(inner_end)) => {
+                self.dev == inner.dev && self.addr <= inner.addr && inner_end <= end
+            }
             _ => false,
         }
     }
@@ -190,7 +198,10 @@ const MD_MAGIC: u64 = 0x4e58_424d_445f_4f4b; // "NXBMD_OK"
 #[derive(Debug)]
 pub enum MdOwner {
     /// Memory this agent registered. Dropping the handle deregisters it.
-    Registered { registration: RegistrationHandle, public_data: Vec<u8> },
+    Registered {
+        registration: RegistrationHandle,
+        public_data: Vec<u8>,
+    },
     /// A region of a remote agent, loaded from its metadata.
     Remote { agent: String },
     /// This agent's own registered memory as the target of a local transfer.
@@ -226,7 +237,9 @@ pub struct Request {
 
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Request").field("args", &self.args).finish_non_exhaustive()
+        f.debug_struct("Request")
+            .field("args", &self.args)
+            .finish_non_exhaustive()
     }
 }
 
@@ -243,9 +256,15 @@ impl TransferParams {
         let text = std::str::from_utf8(raw)
             .map_err(|_| Error::invalid("the transfer's custom parameter is not UTF-8 text"))?;
         let mut out = Self::default();
-        for item in text.split([';', ',']).map(str::trim).filter(|s| !s.is_empty()) {
+        for item in text
+            .split([';', ','])
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             let (k, v) = item.split_once('=').ok_or_else(|| {
-                Error::invalid(format!("custom parameter item {item:?} is not key=value (known keys: deadline_ms)"))
+                Error::invalid(format!(
+                    "custom parameter item {item:?} is not key=value (known keys: deadline_ms)"
+                ))
             })?;
             match k.trim() {
                 "deadline_ms" => {
@@ -280,7 +299,10 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("local", &self.local_name).field("inner", &self.inner_name).finish()
+        f.debug_struct("Engine")
+            .field("local", &self.local_name)
+            .field("inner", &self.inner_name)
+            .finish()
     }
 }
 
@@ -295,12 +317,16 @@ impl Engine {
         crate::nixl_runtime::ensure_capi_loaded().map_err(|e| Error::new(Status::Backend, e))?;
 
         let inner_name = format!("{local_name}{INNER_SUFFIX}");
-        let config = AgentConfig { thread_sync: ThreadSync::Strict, ..AgentConfig::default() };
+        let config = AgentConfig {
+            thread_sync: ThreadSync::Strict,
+            ..AgentConfig::default()
+        };
         let inner = Agent::new_configured(&inner_name, &config)
             .map_err(|e| Error::nixl("creating the inner agent", e))?;
 
-        let (_mems, ucx_defaults) =
-            inner.get_plugin_params("UCX").map_err(|e| Error::nixl("querying the UCX plugin's parameters", e))?;
+        let (_mems, ucx_defaults) = inner
+            .get_plugin_params("UCX")
+            .map_err(|e| Error::nixl("querying the UCX plugin's parameters", e))?;
         let ucx_keys: Vec<String> = ucx_defaults
             .iter()
             .map_err(|e| Error::nixl("reading the UCX plugin's parameters", e))?
@@ -320,8 +346,14 @@ impl Engine {
             )
         })?;
 
-        let inner_md = inner.get_local_md().map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
-        let conn_info = ConnInfo { inner_md, handshake: Vec::new() }.encode();
+        let inner_md = inner
+            .get_local_md()
+            .map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
+        let conn_info = ConnInfo {
+            inner_md,
+            handshake: Vec::new(),
+        }
+        .encode();
 
         tracing::info!(agent = local_name, inner = %inner_name, ?params, "BOUNCE engine created");
         Ok(Self {
@@ -353,22 +385,35 @@ impl Engine {
 
     pub fn register_mem(&self, range: Range, kind: MemKind) -> Result<Box<Md>> {
         if range.len == 0 || range.end().is_none() {
-            return Err(Error::invalid(format!("cannot register {} bytes at {:#x}", range.len, range.addr)));
+            return Err(Error::invalid(format!(
+                "cannot register {} bytes at {:#x}",
+                range.len, range.addr
+            )));
         }
         let region = RawRegion { range, kind };
-        let registration = self
-            .inner
-            .register_memory(&region, None)
-            .map_err(|e| Error::nixl(&format!("registering {} bytes at {:#x}", range.len, range.addr), e))?;
-        let mut descs =
-            RegDescList::new(kind.to_sys()).map_err(|e| Error::nixl("building a registration list", e))?;
+        let registration = self.inner.register_memory(&region, None).map_err(|e| {
+            Error::nixl(
+                &format!("registering {} bytes at {:#x}", range.len, range.addr),
+                e,
+            )
+        })?;
+        let mut descs = RegDescList::new(kind.to_sys())
+            .map_err(|e| Error::nixl("building a registration list", e))?;
         descs.add_desc(range.addr, range.len, range.dev);
         let public_data = self
             .inner
             .get_local_partial_md(&descs, None)
             .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
         EngineStats::bump(&self.stats.counters.registrations);
-        Ok(Box::new(Md { magic: MD_MAGIC, range, kind, owner: MdOwner::Registered { registration, public_data } }))
+        Ok(Box::new(Md {
+            magic: MD_MAGIC,
+            range,
+            kind,
+            owner: MdOwner::Registered {
+                registration,
+                public_data,
+            },
+        }))
     }
 
     /// Releases registered memory or loaded metadata.
@@ -389,7 +434,9 @@ impl Engine {
     pub fn public_data(&self, md: &Md) -> Result<Vec<u8>> {
         match &md.owner {
             MdOwner::Registered { public_data, .. } => Ok(public_data.clone()),
-            _ => Err(Error::invalid("public data exists only for memory registered by this agent")),
+            _ => Err(Error::invalid(
+                "public data exists only for memory registered by this agent",
+            )),
         }
     }
 
@@ -399,7 +446,10 @@ impl Engine {
 
     pub fn load_remote_conn_info(&self, remote: &str, info: &[u8]) -> Result<()> {
         let info = ConnInfo::decode(info).map_err(|e| {
-            Error::new(Status::Mismatch, format!("connection info of agent {remote:?} is malformed: {e}"))
+            Error::new(
+                Status::Mismatch,
+                format!("connection info of agent {remote:?} is malformed: {e}"),
+            )
         })?;
         let inner_remote = self
             .inner
@@ -407,34 +457,59 @@ impl Engine {
             .map_err(|e| Error::nixl(&format!("loading agent {remote:?}'s connection"), e))?;
         let expected = format!("{remote}{INNER_SUFFIX}");
         if inner_remote != expected {
-            tracing::warn!(remote, inner_remote, expected, "peer's inner agent is not named after it");
+            tracing::warn!(
+                remote,
+                inner_remote,
+                expected,
+                "peer's inner agent is not named after it"
+            );
         }
-        self.remotes.lock().expect("remotes lock").insert(remote.to_string(), inner_remote);
+        self.remotes
+            .lock()
+            .expect("remotes lock")
+            .insert(remote.to_string(), inner_remote);
         tracing::debug!(remote, "loaded connection info");
         Ok(())
     }
 
-    pub fn load_remote_md(&self, remote: &str, range: Range, kind: MemKind, public_data: &[u8]) -> Result<Box<Md>> {
+    pub fn load_remote_md(
+        &self,
+        remote: &str,
+        range: Range,
+        kind: MemKind,
+        public_data: &[u8],
+    ) -> Result<Box<Md>> {
         let inner_remote = self.inner_remote(remote)?;
-        let loaded = self
-            .inner
-            .load_remote_md(public_data)
-            .map_err(|e| Error::nixl(&format!("loading a memory section of agent {remote:?}"), e))?;
+        let loaded = self.inner.load_remote_md(public_data).map_err(|e| {
+            Error::nixl(&format!("loading a memory section of agent {remote:?}"), e)
+        })?;
         if loaded != inner_remote {
             return Err(Error::new(
                 Status::Mismatch,
                 format!("metadata for agent {remote:?} describes agent {loaded:?}"),
             ));
         }
-        Ok(Box::new(Md { magic: MD_MAGIC, range, kind, owner: MdOwner::Remote { agent: remote.to_string() } }))
+        Ok(Box::new(Md {
+            magic: MD_MAGIC,
+            range,
+            kind,
+            owner: MdOwner::Remote {
+                agent: remote.to_string(),
+            },
+        }))
     }
 
     pub fn load_local_md(&self, input: &Md) -> Result<Box<Md>> {
         match input.owner {
-            MdOwner::Registered { .. } => {
-                Ok(Box::new(Md { magic: MD_MAGIC, range: input.range, kind: input.kind, owner: MdOwner::LocalTarget }))
-            }
-            _ => Err(Error::invalid("local metadata can only be loaded for memory registered by this agent")),
+            MdOwner::Registered { .. } => Ok(Box::new(Md {
+                magic: MD_MAGIC,
+                range: input.range,
+                kind: input.kind,
+                owner: MdOwner::LocalTarget,
+            })),
+            _ => Err(Error::invalid(
+                "local metadata can only be loaded for memory registered by this agent",
+            )),
         }
     }
 
@@ -465,15 +540,30 @@ impl Engine {
         if remote == self.local_name {
             return Ok(self.inner_name.clone());
         }
-        self.remotes.lock().expect("remotes lock").get(remote).cloned().ok_or_else(|| {
-            Error::new(Status::NotFound, format!("agent {remote:?} is unknown to BOUNCE (load its metadata first)"))
-        })
+        self.remotes
+            .lock()
+            .expect("remotes lock")
+            .get(remote)
+            .cloned()
+            .ok_or_else(|| {
+                Error::new(
+                    Status::NotFound,
+                    format!("agent {remote:?} is unknown to BOUNCE (load its metadata first)"),
+                )
+            })
     }
 
     // ---- transfers ---------------------------------------------------------------
 
     /// Checks a transfer's descriptors and creates its inner request.
-    pub fn prep_xfer(&self, op: Op, local: &Side<'_>, remote: &Side<'_>, agent: &str, args: XferArgs) -> Result<Request> {
+    pub fn prep_xfer(
+        &self,
+        op: Op,
+        local: &Side<'_>,
+        remote: &Side<'_>,
+        agent: &str,
+        args: XferArgs,
+    ) -> Result<Request> {
         if local.descs.len() != remote.descs.len() {
             return Err(Error::invalid(format!(
                 "{} local descriptors but {} remote descriptors",
@@ -486,8 +576,10 @@ impl Engine {
         check_side("remote", remote)?;
         let inner_remote = self.inner_remote(agent)?;
 
-        let mut l = XferDescList::new(local.kind.to_sys()).map_err(|e| Error::nixl("building a descriptor list", e))?;
-        let mut r = XferDescList::new(remote.kind.to_sys()).map_err(|e| Error::nixl("building a descriptor list", e))?;
+        let mut l = XferDescList::new(local.kind.to_sys())
+            .map_err(|e| Error::nixl("building a descriptor list", e))?;
+        let mut r = XferDescList::new(remote.kind.to_sys())
+            .map_err(|e| Error::nixl("building a descriptor list", e))?;
         for ((lr, _), (rr, _)) in local.descs.iter().zip(&remote.descs) {
             l.add_desc(lr.addr, lr.len, lr.dev);
             r.add_desc(rr.addr, rr.len, rr.dev);
@@ -496,7 +588,15 @@ impl Engine {
         let xfer = self
             .inner
             .create_xfer_req(op.to_sys(), &l, &r, &inner_remote, opt.as_ref())
-            .map_err(|e| Error::nixl(&format!("preparing a {op:?} of {} descriptors to {agent:?}", l.len().unwrap_or(0)), e))?;
+            .map_err(|e| {
+                Error::nixl(
+                    &format!(
+                        "preparing a {op:?} of {} descriptors to {agent:?}",
+                        l.len().unwrap_or(0)
+                    ),
+                    e,
+                )
+            })?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
         Ok(Request { xfer, args })
     }
@@ -538,16 +638,24 @@ impl Engine {
 
     /// Drains received notifications as (sending agent, message) pairs.
     pub fn get_notifs(&self) -> Result<Vec<(String, Vec<u8>)>> {
-        let mut map = NotificationMap::new().map_err(|e| Error::nixl("allocating a notification map", e))?;
-        self.inner.get_notifications(&mut map, None).map_err(|e| Error::nixl("reading notifications", e))?;
+        let mut map =
+            NotificationMap::new().map_err(|e| Error::nixl("allocating a notification map", e))?;
+        self.inner
+            .get_notifications(&mut map, None)
+            .map_err(|e| Error::nixl("reading notifications", e))?;
         let mut out = Vec::new();
         let agents: Vec<String> = map
             .agents()
             .filter_map(|a| a.ok().map(str::to_string))
             .collect();
         for inner_agent in agents {
-            let n = map.get_notifications_size(&inner_agent).map_err(|e| Error::nixl("reading notifications", e))?;
-            let outer = inner_agent.strip_suffix(INNER_SUFFIX).unwrap_or(&inner_agent).to_string();
+            let n = map
+                .get_notifications_size(&inner_agent)
+                .map_err(|e| Error::nixl("reading notifications", e))?;
+            let outer = inner_agent
+                .strip_suffix(INNER_SUFFIX)
+                .unwrap_or(&inner_agent)
+                .to_string();
             for i in 0..n {
                 let msg = map
                     .get_notification_bytes(&inner_agent, i)
@@ -555,7 +663,10 @@ impl Engine {
                 out.push((outer.clone(), msg));
             }
         }
-        self.stats.counters.notifs_received.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats
+            .counters
+            .notifs_received
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 
@@ -582,7 +693,9 @@ impl Drop for Engine {
 fn check_side(which: &str, side: &Side<'_>) -> Result<()> {
     for (i, (range, md)) in side.descs.iter().enumerate() {
         if range.end().is_none() {
-            return Err(Error::invalid(format!("{which} descriptor {i} wraps around the address space")));
+            return Err(Error::invalid(format!(
+                "{which} descriptor {i} wraps around the address space"
+            )));
         }
         if let Some(md) = md {
             if !md.is_valid() {
@@ -603,10 +716,14 @@ fn check_side(which: &str, side: &Side<'_>) -> Result<()> {
 }
 
 fn opt_args(args: &XferArgs) -> Result<Option<OptArgs>> {
-    let Some(msg) = &args.notif else { return Ok(None) };
+    let Some(msg) = &args.notif else {
+        return Ok(None);
+    };
     let mut opt = OptArgs::new().map_err(|e| Error::nixl("allocating transfer arguments", e))?;
-    opt.set_has_notification(true).map_err(|e| Error::nixl("setting the notification flag", e))?;
-    opt.set_notification_message(msg).map_err(|e| Error::nixl("setting the notification", e))?;
+    opt.set_has_notification(true)
+        .map_err(|e| Error::nixl("setting the notification flag", e))?;
+    opt.set_notification_message(msg)
+        .map_err(|e| Error::nixl("setting the notification", e))?;
     Ok(Some(opt))
 }
 
@@ -616,23 +733,66 @@ mod tests {
 
     #[test]
     fn transfer_params_parse() {
-        assert_eq!(TransferParams::parse(b"").unwrap(), TransferParams::default());
-        assert_eq!(TransferParams::parse(b"deadline_ms=250").unwrap().deadline_ms, Some(250));
-        assert_eq!(TransferParams::parse(b" deadline_ms = 7 ;").unwrap().deadline_ms, Some(7));
-        assert!(TransferParams::parse(b"deadline_ms=soon").unwrap_err().message.contains("deadline_ms"));
-        assert!(TransferParams::parse(b"bogus=1").unwrap_err().message.contains("\"bogus\""));
+        assert_eq!(
+            TransferParams::parse(b"").unwrap(),
+            TransferParams::default()
+        );
+        assert_eq!(
+            TransferParams::parse(b"deadline_ms=250")
+                .unwrap()
+                .deadline_ms,
+            Some(250)
+        );
+        assert_eq!(
+            TransferParams::parse(b" deadline_ms = 7 ;")
+                .unwrap()
+                .deadline_ms,
+            Some(7)
+        );
+        assert!(TransferParams::parse(b"deadline_ms=soon")
+            .unwrap_err()
+            .message
+            .contains("deadline_ms"));
+        assert!(TransferParams::parse(b"bogus=1")
+            .unwrap_err()
+            .message
+            .contains("\"bogus\""));
         assert!(TransferParams::parse(b"novalue").is_err());
         assert!(TransferParams::parse(&[0xff]).is_err());
     }
 
     #[test]
     fn range_cover_checks_device_and_overflow() {
-        let outer = Range { addr: 100, len: 100, dev: 0 };
-        assert!(outer.covers(&Range { addr: 100, len: 100, dev: 0 }));
-        assert!(outer.covers(&Range { addr: 150, len: 10, dev: 0 }));
-        assert!(!outer.covers(&Range { addr: 150, len: 51, dev: 0 }));
-        assert!(!outer.covers(&Range { addr: 150, len: 10, dev: 1 }));
-        assert!(!outer.covers(&Range { addr: usize::MAX, len: 2, dev: 0 }));
+        let outer = Range {
+            addr: 100,
+            len: 100,
+            dev: 0,
+        };
+        assert!(outer.covers(&Range {
+            addr: 100,
+            len: 100,
+            dev: 0
+        }));
+        assert!(outer.covers(&Range {
+            addr: 150,
+            len: 10,
+            dev: 0
+        }));
+        assert!(!outer.covers(&Range {
+            addr: 150,
+            len: 51,
+            dev: 0
+        }));
+        assert!(!outer.covers(&Range {
+            addr: 150,
+            len: 10,
+            dev: 1
+        }));
+        assert!(!outer.covers(&Range {
+            addr: usize::MAX,
+            len: 2,
+            dev: 0
+        }));
     }
 }
 

@@ -56,7 +56,11 @@ pub fn split(
         Err(format!(
             "unknown BOUNCE backend parameter{} {}; known parameters: {}",
             if unknown.len() == 1 { "" } else { "s" },
-            unknown.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "),
+            unknown
+                .iter()
+                .map(|k| format!("{k:?}"))
+                .collect::<Vec<_>>()
+                .join(", "),
             known.join(", ")
         ))
     }
@@ -67,20 +71,35 @@ mod tests {
     use super::*;
 
     fn map(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
-        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn splits_ucx_and_bounce_parameters() {
-        let ucx = vec!["num_threads".to_string(), "ucx_error_handling_mode".to_string()];
-        let s = split(&map(&[("num_threads", "4"), ("arena_size_bytes", "1M")]), &ucx, &["arena_size_bytes"]).unwrap();
+        let ucx = vec![
+            "num_threads".to_string(),
+            "ucx_error_handling_mode".to_string(),
+        ];
+        let s = split(
+            &map(&[("num_threads", "4"), ("arena_size_bytes", "1M")]),
+            &ucx,
+            &["arena_size_bytes"],
+        )
+        .unwrap();
         assert_eq!(s.ucx, map(&[("num_threads", "4")]));
         assert_eq!(s.bounce, map(&[("arena_size_bytes", "1M")]));
     }
 
     #[test]
     fn unknown_parameters_are_named() {
-        let err = split(&map(&[("no_such_param", "1"), ("num_threads", "2")]), &["num_threads".into()], &[]).unwrap_err();
+        let err = split(
+            &map(&[("no_such_param", "1"), ("num_threads", "2")]),
+            &["num_threads".into()],
+            &[],
+        )
+        .unwrap_err();
         assert!(err.contains("\"no_such_param\""), "{err}");
         assert!(err.contains("num_threads"), "known list missing: {err}");
     }

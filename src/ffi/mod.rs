@@ -13,15 +13,23 @@ use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::engine::{Engine, Error, MemKind, Md, Op, Range, Request, Side, Status, XferArgs};
+use crate::engine::{Engine, Error, Md, MemKind, Op, Range, Request, Side, Status, XferArgs};
 
 /// Types generated from `include/bounce_ffi.h`.
 pub mod sys {
-    #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code)]
+    #![allow(
+        non_upper_case_globals,
+        non_camel_case_types,
+        non_snake_case,
+        dead_code
+    )]
     include!(concat!(env!("OUT_DIR"), "/bounce_ffi.rs"));
 }
 
-use sys::{bounce_bytes_t, bounce_desc_list_t, bounce_notif_sink_t, bounce_param_t, bounce_sink_t, bounce_xfer_args_t};
+use sys::{
+    bounce_bytes_t, bounce_desc_list_t, bounce_notif_sink_t, bounce_param_t, bounce_sink_t,
+    bounce_xfer_args_t,
+};
 
 /// Opaque handle types of the header: each is a Rust object behind a Box.
 pub type bounce_engine_t = Engine;
@@ -63,9 +71,16 @@ fn fail(e: Error) -> i32 {
 }
 
 /// Runs `f` with the engine, catching panics (which mark the engine broken).
-fn with_engine(engine: *const Engine, what: &str, f: impl FnOnce(&Engine) -> Result<Status, Error>) -> i32 {
+fn with_engine(
+    engine: *const Engine,
+    what: &str,
+    f: impl FnOnce(&Engine) -> Result<Status, Error>,
+) -> i32 {
     if engine.is_null() {
-        return fail(Error::new(Status::InvalidParam, format!("{what}: no engine (its creation failed)")));
+        return fail(Error::new(
+            Status::InvalidParam,
+            format!("{what}: no engine (its creation failed)"),
+        ));
     }
     // SAFETY: a non-null engine pointer is one bounce_engine_new handed out
     // and the C++ side has not yet passed to bounce_engine_free (ownership
@@ -75,7 +90,10 @@ fn with_engine(engine: *const Engine, what: &str, f: impl FnOnce(&Engine) -> Res
     if engine.is_broken() {
         return fail(Error::new(
             Status::Backend,
-            format!("{what}: the BOUNCE engine of {:?} stopped after an internal error", engine.local_name()),
+            format!(
+                "{what}: the BOUNCE engine of {:?} stopped after an internal error",
+                engine.local_name()
+            ),
         ));
     }
     match catch_unwind(AssertUnwindSafe(|| f(engine))) {
@@ -87,7 +105,10 @@ fn with_engine(engine: *const Engine, what: &str, f: impl FnOnce(&Engine) -> Res
         Err(panic) => {
             engine.mark_broken();
             let msg = panic_message(&panic);
-            tracing::error!(agent = engine.local_name(), "{what}: internal error (panic: {msg}); engine disabled");
+            tracing::error!(
+                agent = engine.local_name(),
+                "{what}: internal error (panic: {msg}); engine disabled"
+            );
             status(Status::Backend)
         }
     }
@@ -153,7 +174,10 @@ unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
     // SAFETY: non-null handles are live Md boxes per the header's contract.
     let md = unsafe { &*md };
     if !md.is_valid() {
-        return Err(Error::new(Status::InvalidParam, "metadata handle is not a live BOUNCE handle"));
+        return Err(Error::new(
+            Status::InvalidParam,
+            "metadata handle is not a live BOUNCE handle",
+        ));
     }
     Ok(md)
 }
@@ -162,7 +186,10 @@ unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
 /// `list` points to a valid bounce_desc_list_t whose arrays live for the call.
 unsafe fn side<'a>(list: *const bounce_desc_list_t, which: &str) -> Result<Side<'a>, Error> {
     if list.is_null() {
-        return Err(Error::new(Status::InvalidParam, format!("no {which} descriptor list")));
+        return Err(Error::new(
+            Status::InvalidParam,
+            format!("no {which} descriptor list"),
+        ));
     }
     // SAFETY: caller contract.
     let list = unsafe { &*list };
@@ -182,7 +209,14 @@ unsafe fn side<'a>(list: *const bounce_desc_list_t, which: &str) -> Result<Side<
             // checks the magic before trusting the contents.
             Some(unsafe { md_ref(d.md as *const Md) }?)
         };
-        descs.push((Range { addr: d.addr, len: d.len, dev: d.dev_id }, md));
+        descs.push((
+            Range {
+                addr: d.addr,
+                len: d.len,
+                dev: d.dev_id,
+            },
+            md,
+        ));
     }
     Ok(Side { kind, descs })
 }
@@ -265,7 +299,10 @@ pub unsafe extern "C" fn bounce_engine_new(
             return status(Status::Success);
         }
         Ok(Err(e)) => e,
-        Err(p) => Error::new(Status::Backend, format!("internal error (panic: {})", panic_message(&p))),
+        Err(p) => Error::new(
+            Status::Backend,
+            format!("internal error (panic: {})", panic_message(&p)),
+        ),
     };
     let message = format!("BOUNCE backend not created: {}", err.message);
     tracing::error!("{message}");
@@ -305,7 +342,14 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
     out: *mut *mut Md,
 ) -> i32 {
     with_engine(engine, "registerMem", |e| {
-        let md = e.register_mem(Range { addr, len, dev: dev_id }, MemKind::from_nixl(mem)?)?;
+        let md = e.register_mem(
+            Range {
+                addr,
+                len,
+                dev: dev_id,
+            },
+            MemKind::from_nixl(mem)?,
+        )?;
         // SAFETY: the shim passes the address of a local pointer.
         unsafe { *out = Box::into_raw(md) };
         Ok(Status::Success)
@@ -332,16 +376,24 @@ pub unsafe extern "C" fn bounce_engine_unload_md(engine: *mut Engine, md: *mut M
 
 fn release(engine: *mut Engine, md: *mut Md, what: &str) -> i32 {
     if md.is_null() {
-        return fail(Error::new(Status::InvalidParam, format!("{what}: null metadata handle")));
+        return fail(Error::new(
+            Status::InvalidParam,
+            format!("{what}: null metadata handle"),
+        ));
     }
     // SAFETY: ownership of a live handle returns to Rust exactly once (header
     // contract). It is dropped even when the engine refuses the call.
     let md = unsafe { Box::from_raw(md) };
     if engine.is_null() {
         drop(md);
-        return fail(Error::new(Status::InvalidParam, format!("{what}: no engine")));
+        return fail(Error::new(
+            Status::InvalidParam,
+            format!("{what}: no engine"),
+        ));
     }
-    with_engine(engine, what, move |e| e.release_md(md).map(|()| Status::Success))
+    with_engine(engine, what, move |e| {
+        e.release_md(md).map(|()| Status::Success)
+    })
 }
 
 /// # Safety
@@ -364,7 +416,11 @@ pub unsafe extern "C" fn bounce_engine_public_data(
 /// # Safety
 /// `sink`/`ctx` are valid for the call.
 #[no_mangle]
-pub unsafe extern "C" fn bounce_engine_conn_info(engine: *mut Engine, sink: bounce_sink_t, ctx: *mut c_void) -> i32 {
+pub unsafe extern "C" fn bounce_engine_conn_info(
+    engine: *mut Engine,
+    sink: bounce_sink_t,
+    ctx: *mut c_void,
+) -> i32 {
     with_engine(engine, "getConnInfo", |e| {
         sink_bytes(sink, ctx, &e.conn_info())?;
         Ok(Status::Success)
@@ -381,8 +437,14 @@ pub unsafe extern "C" fn bounce_engine_load_remote_conn_info(
 ) -> i32 {
     with_engine(engine, "loadRemoteConnInfo", |e| {
         // SAFETY: caller contract.
-        let (agent, info) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(conn_info)) };
-        e.load_remote_conn_info(agent, info).map(|()| Status::Success)
+        let (agent, info) = unsafe {
+            (
+                borrow_str(remote_agent, "the remote agent name")?,
+                borrow(conn_info),
+            )
+        };
+        e.load_remote_conn_info(agent, info)
+            .map(|()| Status::Success)
     })
 }
 
@@ -404,8 +466,22 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
 ) -> i32 {
     with_engine(engine, "loadRemoteMD", |e| {
         // SAFETY: caller contract.
-        let (agent, data) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(public_data)) };
-        let md = e.load_remote_md(agent, Range { addr, len, dev: dev_id }, MemKind::from_nixl(mem)?, data)?;
+        let (agent, data) = unsafe {
+            (
+                borrow_str(remote_agent, "the remote agent name")?,
+                borrow(public_data),
+            )
+        };
+        let md = e.load_remote_md(
+            agent,
+            Range {
+                addr,
+                len,
+                dev: dev_id,
+            },
+            MemKind::from_nixl(mem)?,
+            data,
+        )?;
         // SAFETY: the shim passes the address of a local pointer.
         unsafe { *out = Box::into_raw(md) };
         Ok(Status::Success)
@@ -415,7 +491,11 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
 /// # Safety
 /// `input` is a live handle; `out` is valid for writing.
 #[no_mangle]
-pub unsafe extern "C" fn bounce_engine_load_local_md(engine: *mut Engine, input: *const Md, out: *mut *mut Md) -> i32 {
+pub unsafe extern "C" fn bounce_engine_load_local_md(
+    engine: *mut Engine,
+    input: *const Md,
+    out: *mut *mut Md,
+) -> i32 {
     with_engine(engine, "loadLocalMD", |e| {
         // SAFETY: caller contract.
         let md = e.load_local_md(unsafe { md_ref(input) }?)?;
@@ -430,20 +510,28 @@ pub unsafe extern "C" fn bounce_engine_load_local_md(engine: *mut Engine, input:
 /// # Safety
 /// `remote_agent` is borrowed for the call.
 #[no_mangle]
-pub unsafe extern "C" fn bounce_engine_connect(engine: *mut Engine, remote_agent: bounce_bytes_t) -> i32 {
+pub unsafe extern "C" fn bounce_engine_connect(
+    engine: *mut Engine,
+    remote_agent: bounce_bytes_t,
+) -> i32 {
     with_engine(engine, "connect", |e| {
         // SAFETY: caller contract.
-        e.connect(unsafe { borrow_str(remote_agent, "the remote agent name") }?).map(|()| Status::Success)
+        e.connect(unsafe { borrow_str(remote_agent, "the remote agent name") }?)
+            .map(|()| Status::Success)
     })
 }
 
 /// # Safety
 /// `remote_agent` is borrowed for the call.
 #[no_mangle]
-pub unsafe extern "C" fn bounce_engine_disconnect(engine: *mut Engine, remote_agent: bounce_bytes_t) -> i32 {
+pub unsafe extern "C" fn bounce_engine_disconnect(
+    engine: *mut Engine,
+    remote_agent: bounce_bytes_t,
+) -> i32 {
     with_engine(engine, "disconnect", |e| {
         // SAFETY: caller contract.
-        e.disconnect(unsafe { borrow_str(remote_agent, "the remote agent name") }?).map(|()| Status::Success)
+        e.disconnect(unsafe { borrow_str(remote_agent, "the remote agent name") }?)
+            .map(|()| Status::Success)
     })
 }
 
@@ -467,7 +555,12 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
     with_engine(engine, "prepXfer", |e| {
         // SAFETY: caller contract.
         let (l, r, agent, args) = unsafe {
-            (side(local, "local")?, side(remote, "remote")?, borrow_str(remote_agent, "the remote agent name")?, xfer_args(args))
+            (
+                side(local, "local")?,
+                side(remote, "remote")?,
+                borrow_str(remote_agent, "the remote agent name")?,
+                xfer_args(args),
+            )
         };
         let request = e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)?;
         // SAFETY: the shim passes the address of a local pointer.
@@ -502,9 +595,14 @@ pub unsafe extern "C" fn bounce_engine_post_xfer(
         if existing.is_null() {
             // SAFETY: caller contract.
             let (l, r, agent) = unsafe {
-                (side(local, "local")?, side(remote, "remote")?, borrow_str(remote_agent, "the remote agent name")?)
+                (
+                    side(local, "local")?,
+                    side(remote, "remote")?,
+                    borrow_str(remote_agent, "the remote agent name")?,
+                )
             };
-            let mut request = Box::new(e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args.clone())?);
+            let mut request =
+                Box::new(e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args.clone())?);
             let st = e.post_xfer(&mut request, args);
             // The request is handed out even when posting failed, so NIXL can
             // release it like any other.
@@ -538,7 +636,10 @@ pub unsafe extern "C" fn bounce_engine_check_xfer(engine: *mut Engine, req: *mut
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_release_req(engine: *mut Engine, req: *mut Request) -> i32 {
     if req.is_null() {
-        return fail(Error::new(Status::InvalidParam, "releaseReqH: null request handle"));
+        return fail(Error::new(
+            Status::InvalidParam,
+            "releaseReqH: null request handle",
+        ));
     }
     // SAFETY: ownership returns to Rust exactly once (header contract); freed
     // even when the engine refuses the call.
@@ -546,7 +647,9 @@ pub unsafe extern "C" fn bounce_engine_release_req(engine: *mut Engine, req: *mu
     if engine.is_null() {
         return status(Status::Success);
     }
-    with_engine(engine, "releaseReqH", move |e| e.release_req(*request).map(|()| Status::Success))
+    with_engine(engine, "releaseReqH", move |e| {
+        e.release_req(*request).map(|()| Status::Success)
+    })
 }
 
 // ---- notifications ------------------------------------------------------------------
@@ -554,12 +657,23 @@ pub unsafe extern "C" fn bounce_engine_release_req(engine: *mut Engine, req: *mu
 /// # Safety
 /// `sink`/`ctx` are valid for the call.
 #[no_mangle]
-pub unsafe extern "C" fn bounce_engine_get_notifs(engine: *mut Engine, sink: bounce_notif_sink_t, ctx: *mut c_void) -> i32 {
+pub unsafe extern "C" fn bounce_engine_get_notifs(
+    engine: *mut Engine,
+    sink: bounce_notif_sink_t,
+    ctx: *mut c_void,
+) -> i32 {
     with_engine(engine, "getNotifs", |e| {
-        let sink = sink.ok_or_else(|| Error::new(Status::InvalidParam, "no notification callback"))?;
+        let sink =
+            sink.ok_or_else(|| Error::new(Status::InvalidParam, "no notification callback"))?;
         for (agent, msg) in e.get_notifs()? {
-            let a = bounce_bytes_t { ptr: agent.as_ptr(), len: agent.len() };
-            let m = bounce_bytes_t { ptr: msg.as_ptr(), len: msg.len() };
+            let a = bounce_bytes_t {
+                ptr: agent.as_ptr(),
+                len: agent.len(),
+            };
+            let m = bounce_bytes_t {
+                ptr: msg.as_ptr(),
+                len: msg.len(),
+            };
             // SAFETY: the callback and ctx are valid for the call; the bytes
             // live until after it returns.
             unsafe { sink(ctx, a, m) };
@@ -571,10 +685,19 @@ pub unsafe extern "C" fn bounce_engine_get_notifs(engine: *mut Engine, sink: bou
 /// # Safety
 /// The byte arguments are borrowed for the call.
 #[no_mangle]
-pub unsafe extern "C" fn bounce_engine_gen_notif(engine: *mut Engine, remote_agent: bounce_bytes_t, msg: bounce_bytes_t) -> i32 {
+pub unsafe extern "C" fn bounce_engine_gen_notif(
+    engine: *mut Engine,
+    remote_agent: bounce_bytes_t,
+    msg: bounce_bytes_t,
+) -> i32 {
     with_engine(engine, "genNotif", |e| {
         // SAFETY: caller contract.
-        let (agent, msg) = unsafe { (borrow_str(remote_agent, "the remote agent name")?, borrow(msg)) };
+        let (agent, msg) = unsafe {
+            (
+                borrow_str(remote_agent, "the remote agent name")?,
+                borrow(msg),
+            )
+        };
         e.gen_notif(agent, msg).map(|()| Status::Success)
     })
 }
@@ -590,12 +713,26 @@ pub unsafe extern "C" fn bounce_engine_gen_notif(engine: *mut Engine, remote_age
 /// `agent` points to `agent_len` readable bytes; `buf` to `cap` writable bytes
 /// (or `cap` is 0).
 #[no_mangle]
-pub unsafe extern "C" fn nixl_bounce_stats(agent: *const u8, agent_len: usize, buf: *mut u8, cap: usize) -> isize {
+pub unsafe extern "C" fn nixl_bounce_stats(
+    agent: *const u8,
+    agent_len: usize,
+    buf: *mut u8,
+    cap: usize,
+) -> isize {
     catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: caller contract.
-        let name = unsafe { borrow(bounce_bytes_t { ptr: agent, len: agent_len }) };
-        let Ok(name) = std::str::from_utf8(name) else { return -1 };
-        let Some(snapshot) = crate::stats::local_snapshot(name) else { return -1 };
+        let name = unsafe {
+            borrow(bounce_bytes_t {
+                ptr: agent,
+                len: agent_len,
+            })
+        };
+        let Ok(name) = std::str::from_utf8(name) else {
+            return -1;
+        };
+        let Some(snapshot) = crate::stats::local_snapshot(name) else {
+            return -1;
+        };
         let json = serde_json::to_vec(&snapshot).unwrap_or_default();
         if !buf.is_null() && json.len() <= cap {
             // SAFETY: buf has cap >= json.len() writable bytes (caller contract).
