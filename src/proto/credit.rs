@@ -9,7 +9,7 @@
 //! | held by a flow | granted to exactly one remote flow (a remote write target, possibly being scattered) |
 //! | held locally | gather staging of the local sender role (eager or credit-backed) |
 //! | orphaned | its flow was reclaimed while a scatter still read it; freed when the scatter ends |
-//! | quarantined | its flow expired with a grant that may still be written; freed only when the peer is forgotten (its data path torn down) |
+//! | quarantined | its flow was aborted by the receiver while the sender might still write into it; freed when the sender cancels (after its writes ended) or the peer is forgotten (its data path torn down) |
 //! | local reserve | one max-chunk block kept for credit-backed local staging (see below) |
 //!
 //! # Scheduling
@@ -119,8 +119,9 @@ pub enum Owner {
     },
     /// Reclaimed while scattering; freed when the scatter ends.
     Orphan,
-    /// Possibly still written by the peer; freed when the peer is forgotten.
-    Quarantine(PeerId),
+    /// Possibly still written by the flow's sender; freed when the sender
+    /// cancels the flow (after its writes ended) or the peer is forgotten.
+    Quarantine(FlowId),
     /// The idle local reserve block.
     Reserve,
 }
@@ -282,6 +283,11 @@ impl CreditScheduler {
     /// Number of live flows.
     pub fn flow_count(&self) -> usize {
         self.flows.len()
+    }
+
+    /// The live flows, in key order.
+    pub fn flow_ids(&self) -> Vec<FlowId> {
+        self.flows.keys().cloned().collect()
     }
 
     /// Whether `flow` exists.
@@ -647,7 +653,7 @@ impl CreditScheduler {
                 e.scattering = false;
                 r.orphaned += 1;
             } else if quarantine {
-                e.owner = Owner::Quarantine(flow.peer.clone());
+                e.owner = Owner::Quarantine(flow.clone());
                 r.quarantined += 1;
             } else {
                 self.free_region(off);
@@ -676,7 +682,7 @@ impl CreditScheduler {
         let quarantined: Vec<u64> = self
             .regions
             .iter()
-            .filter(|(_, e)| e.owner == Owner::Quarantine(peer.clone()))
+            .filter(|(_, e)| matches!(&e.owner, Owner::Quarantine(f) if f.peer == *peer))
             .map(|(&o, _)| o)
             .collect();
         for off in quarantined {
@@ -684,6 +690,30 @@ impl CreditScheduler {
             total.freed += 1;
         }
         total
+    }
+
+    /// Frees the quarantined regions of `flow` (its sender reported, by
+    /// cancelling, that none of its writes can still land). Returns how many.
+    pub fn release_quarantine(&mut self, flow: &FlowId) -> usize {
+        let offs: Vec<u64> = self
+            .regions
+            .iter()
+            .filter(|(_, e)| matches!(&e.owner, Owner::Quarantine(f) if f == flow))
+            .map(|(&o, _)| o)
+            .collect();
+        for &off in &offs {
+            self.free_region(off);
+        }
+        offs.len()
+    }
+
+    /// Local staging regions, in offset order.
+    pub fn local_regions(&self) -> Vec<RegionHandle> {
+        self.regions
+            .iter()
+            .filter(|(_, e)| matches!(e.owner, Owner::Local { .. }))
+            .map(|(&o, _)| RegionHandle(o))
+            .collect()
     }
 
     /// Takes a local gather-staging region of at least `bytes` bytes.

@@ -32,6 +32,8 @@ pub mod receiver;
 pub mod sender;
 pub mod wire;
 
+pub use endpoint::{Action, Endpoint, EndpointConfig, FailureReason, Outcome, SubmitError};
+
 /// A point in virtual time: nanoseconds since an arbitrary origin chosen by
 /// the runtime (usually the moment the endpoint was created).
 ///
