@@ -1,20 +1,51 @@
 //! nixl-bounce: a NIXL backend plugin (`libplugin_BOUNCE.so`) that is a
 //! drop-in replacement for NIXL's UCX backend and, for transfers made of many
-//! small descriptors, gathers them into a registered arena and moves each
-//! chunk with one write ("bounce buffers").
+//! small descriptors, gathers them into a registered arena, moves each chunk
+//! with one write into the peer's arena, and lets the receiver scatter it to
+//! the final destinations ("bounce buffers").
 //!
 //! Crate map:
 //! - [`ffi`]: the `extern "C"` entry points the C++ shim (`plugin/`) calls;
 //!   the panic boundary and handle ownership live there.
 //! - [`engine`]: the backend itself: registration, metadata, connections,
-//!   transfers and notifications, delegated to an inner NIXL agent that owns a
-//!   UCX backend.
+//!   routing, transfers and notifications; the standard path is delegated to
+//!   an inner NIXL agent that owns a UCX backend.
+//! - [`config`]: environment variables and backend parameters -> a validated
+//!   [`config::Config`].
+//! - [`proto`]: the pure protocol (see below).
+//! - [`runtime`]: the reactor thread and copy workers that run [`proto`].
+//! - [`control`]: control channels (ZMQ, NIXL notifications).
+//! - [`dataplane`]: the arena and the chunk writes through the inner agent.
+//! - [`copy`]: gather/scatter engines (memcpy for DRAM).
 //! - [`nixl_runtime`]: finds the NIXL C API next to the NIXL that loaded us.
 //! - [`stats`]: per-engine counters, exported to C as `nixl_bounce_stats`.
 //! - [`logging`]: `tracing` set-up from `NIXL_BOUNCE_LOG` / `NIXL_BOUNCE_LOG_FILE`.
+//!
+//! # The determinism contract of `proto/`
+//!
+//! [`proto`] is the whole protocol (planning, wire codec, arena allocation,
+//! credit scheduling, sender and receiver state machines) as pure Rust:
+//!
+//! - no threads, sockets, clocks, GPU or NIXL calls, no global state and no
+//!   randomness: the same sequence of `handle_*` calls (with the same
+//!   [`proto::Time`] values) produces the same sequence of actions;
+//! - time is always an argument; timers are reported by `poll_timeout` and
+//!   fired by calling `handle_timeout`;
+//! - effects leave only through `poll_action` as [`proto::Action`] values,
+//!   which the runtime executes (gather, write, scatter, send, complete) and
+//!   whose results it feeds back as events;
+//! - malformed input (wire bytes, descriptors, peer behaviour) is an error
+//!   value or a counted, logged drop, never a panic;
+//! - no `unsafe`.
+//!
+//! This is what lets `tests/sim.rs` run tens of thousands of seeded,
+//! reproducible scenarios with simulated memory, loss, reordering and
+//! crashes.
 
+pub mod config;
 pub mod engine;
 pub mod ffi;
 pub mod logging;
 pub mod nixl_runtime;
+pub mod proto;
 pub mod stats;

@@ -1,0 +1,741 @@
+//! Configuration: environment variables and backend parameters -> [`Config`].
+//!
+//! Every setting has an environment variable `NIXL_BOUNCE_<SUFFIX>` and a
+//! backend parameter `<suffix>` (the same name in lower snake case, e.g.
+//! `NIXL_BOUNCE_ARENA_SIZE_BYTES` and `arena_size_bytes`). Precedence, per
+//! setting: backend parameter, then environment variable, then the default.
+//! A value that cannot be parsed (or is zero where zero means nothing) is
+//! skipped with a [`ConfigWarning`] and the next source is used, so a bad
+//! value never silently becomes 0.
+//!
+//! Parsing never reads the process environment by itself: the caller passes
+//! a lookup function ([`Config::resolve`]); [`Config::from_process_env`] is
+//! the thin wrapper for production.
+//!
+//! Value syntax:
+//! - byte sizes: a decimal integer with an optional binary suffix
+//!   `K`/`KB`/`KiB`, `M`/`MB`/`MiB`, `G`/`GB`/`GiB` (any case, optional space;
+//!   all powers of two, so `1MB` is 1048576);
+//! - counts and milliseconds: decimal integers;
+//! - booleans: `1`/`0`, `true`/`false`, `on`/`off`, `yes`/`no` (any case).
+//!
+//! # Usable arena capacity
+//!
+//! The arena is managed by a buddy allocator with one root block, so the
+//! *usable capacity* is the largest power of two not above
+//! `arena_size_bytes` (e.g. 384 MiB -> 256 MiB; the rest is left unused and
+//! a warning says so). The allocation granularity must be a power of two and
+//! no larger than the usable capacity. `max_chunk_size_bytes` is clamped to
+//! the usable capacity (the largest block the allocator can ever hand out),
+//! so a fully drained arena can always fit any chunk.
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use thiserror::Error;
+
+/// Prefix of every environment variable.
+pub const ENV_PREFIX: &str = "NIXL_BOUNCE_";
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const GIB: u64 = 1024 * MIB;
+
+/// The validated bounce configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Master switch.
+    pub enabled: bool,
+    /// Shared region arena size (bytes).
+    pub arena_size_bytes: u64,
+    /// Buddy minimum block (allocation granularity, bytes, power of two).
+    pub arena_allocation_granularity_bytes: u64,
+    /// Per-chunk byte cap; clamped to the arena's usable capacity; must match
+    /// the peer's (handshake-checked).
+    pub max_chunk_size_bytes: u64,
+    /// Per-flow in-flight cap W (pipeline depth).
+    pub max_inflight_chunks_per_request: u32,
+    /// Copy execution contexts (GPU kernel concurrency cap).
+    pub copy_stream_count: u32,
+    /// Scatter worker thread count.
+    pub scatter_worker_count: u32,
+    /// Routing gate: minimum descriptor count for the bounce path.
+    pub min_descriptor_count: u64,
+    /// Routing gate: maximum average descriptor size (bytes).
+    pub max_average_descriptor_size_bytes: u64,
+    /// Per-request no-progress timeout (ms).
+    pub request_timeout_ms: u64,
+    /// Use plain device allocation instead of fabric memory for the arena.
+    pub disable_fabric_memory: bool,
+    /// Launch gathers before the GRANT arrives (eager staging capped at half
+    /// the arena).
+    pub enable_eager_gather: bool,
+    /// Control plane over NIXL notifications instead of ZMQ/TCP; must match
+    /// the peer (handshake-checked).
+    pub use_nixl_notifications: bool,
+    /// Copy kernel reads its plan directly from pinned host memory.
+    pub use_zero_copy_arguments: bool,
+    /// Use a library batched memcpy instead of the custom copy kernel
+    /// (experimental).
+    pub use_cub_copy: bool,
+    /// DEBUG ONLY: one run per descriptor instead of coalesced runs.
+    pub disable_scatter_run_merging: bool,
+    /// Absolute per-request deadline from submission (ms); 0 = none.
+    pub request_deadline_ms: u64,
+    /// Network interface for the ZMQ control socket; empty = auto-detect.
+    pub control_interface: String,
+    /// Bind the ZMQ control socket to 127.0.0.1 (single-host tests only).
+    pub control_bind_loopback: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            enabled: false,
+            arena_size_bytes: 256 * MIB,
+            arena_allocation_granularity_bytes: MIB,
+            max_chunk_size_bytes: 32 * MIB,
+            max_inflight_chunks_per_request: 8,
+            copy_stream_count: 8,
+            scatter_worker_count: 4,
+            min_descriptor_count: 1024,
+            max_average_descriptor_size_bytes: 16 * KIB,
+            request_timeout_ms: 30_000,
+            disable_fabric_memory: false,
+            enable_eager_gather: true,
+            use_nixl_notifications: false,
+            use_zero_copy_arguments: true,
+            use_cub_copy: false,
+            disable_scatter_run_merging: false,
+            request_deadline_ms: 0,
+            control_interface: String::new(),
+            control_bind_loopback: false,
+        }
+    }
+}
+
+/// Where a value came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigSource {
+    /// A backend parameter (its key).
+    Param(String),
+    /// An environment variable (its full name).
+    Env(String),
+    /// A derived adjustment (the setting's key).
+    Derived(String),
+}
+
+impl fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigSource::Param(k) => write!(f, "backend parameter `{k}`"),
+            ConfigSource::Env(v) => write!(f, "environment variable {v}"),
+            ConfigSource::Derived(k) => write!(f, "setting `{k}`"),
+        }
+    }
+}
+
+/// A value that was ignored or adjusted. Also logged with `tracing::warn!`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigWarning {
+    /// The variable or parameter concerned.
+    pub source: ConfigSource,
+    /// The raw value given.
+    pub value: String,
+    /// What was wrong and what is used instead.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} = {:?}: {}", self.source, self.value, self.message)
+    }
+}
+
+/// Settings that contradict each other; the message says what to change.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ConfigError {
+    /// The granularity is not a power of two.
+    #[error("arena_allocation_granularity_bytes ({NIXL}ARENA_ALLOCATION_GRANULARITY_BYTES) = {0} is not a power of two; set it to a power of two such as 1MiB", NIXL = ENV_PREFIX)]
+    GranularityNotPowerOfTwo(u64),
+    /// The granularity is below the 32-byte region alignment.
+    #[error("arena_allocation_granularity_bytes = {0} is below the 32-byte region alignment; set it to at least 32 (1MiB is the default)")]
+    GranularityTooSmall(u64),
+    /// The granularity exceeds the arena.
+    #[error("arena_allocation_granularity_bytes = {granularity} is larger than arena_size_bytes = {arena}; lower the granularity or raise {NIXL}ARENA_SIZE_BYTES", NIXL = ENV_PREFIX)]
+    GranularityAboveArena {
+        /// The granularity.
+        granularity: u64,
+        /// The arena size.
+        arena: u64,
+    },
+    /// A setting that must be positive is zero.
+    #[error("{key} must be at least 1; set {NIXL}{env} to a positive value", NIXL = ENV_PREFIX)]
+    ZeroNotAllowed {
+        /// The parameter key.
+        key: &'static str,
+        /// The environment suffix.
+        env: &'static str,
+    },
+    /// The chunk cap is below the region alignment.
+    #[error("max_chunk_size_bytes = {0} is below 32 bytes; set it to at least the allocation granularity")]
+    ChunkTooSmall(u64),
+    /// Both an interface and loopback binding were requested.
+    #[error("control_interface = {0:?} and control_bind_loopback = true contradict each other; set only one of them")]
+    InterfaceAndLoopback(String),
+}
+
+/// The kind of a setting's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueKind {
+    /// Byte size with optional binary suffix.
+    Bytes,
+    /// Non-negative integer.
+    Count,
+    /// Milliseconds.
+    Millis,
+    /// Boolean.
+    Bool,
+    /// Free text.
+    Text,
+}
+
+/// One row of [`Config::describe`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SettingInfo {
+    /// Backend parameter key.
+    pub key: &'static str,
+    /// Full environment variable name.
+    pub env: String,
+    /// Default, rendered.
+    pub default: String,
+    /// Value syntax.
+    pub kind: ValueKind,
+    /// What it does.
+    pub meaning: &'static str,
+}
+
+enum Parsed {
+    Bool(bool),
+    Num(u64),
+    Text(String),
+}
+
+struct Setting {
+    key: &'static str,
+    env: &'static str,
+    kind: ValueKind,
+    /// Zero is a meaningful value (otherwise zero falls back with a warning).
+    zero_ok: bool,
+    meaning: &'static str,
+    set: fn(&mut Config, Parsed),
+    get: fn(&Config) -> String,
+}
+
+macro_rules! setting {
+    ($field:ident, $key:literal, $env:literal, $kind:ident, $zero_ok:literal, $meaning:literal) => {
+        Setting {
+            key: $key,
+            env: $env,
+            kind: ValueKind::$kind,
+            zero_ok: $zero_ok,
+            meaning: $meaning,
+            set: |c, v| setting!(@set c.$field, v, $kind),
+            get: |c| setting!(@get c.$field, $kind),
+        }
+    };
+    (@set $target:expr, $v:ident, Bool) => { if let Parsed::Bool(b) = $v { $target = b; } };
+    (@set $target:expr, $v:ident, Text) => { if let Parsed::Text(s) = $v { $target = s; } };
+    (@set $target:expr, $v:ident, $other:ident) => {
+        if let Parsed::Num(n) = $v { $target = n.try_into().unwrap_or($target); }
+    };
+    (@get $target:expr, Bytes) => { format_bytes($target) };
+    (@get $target:expr, Text) => { format!("{:?}", $target) };
+    (@get $target:expr, $other:ident) => { $target.to_string() };
+}
+
+static SETTINGS: &[Setting] = &[
+    setting!(enabled, "enable", "ENABLE", Bool, true, "Master switch."),
+    setting!(arena_size_bytes, "arena_size_bytes", "ARENA_SIZE_BYTES", Bytes, false, "Shared region arena size; usable capacity is the largest power of two not above it."),
+    setting!(arena_allocation_granularity_bytes, "arena_allocation_granularity_bytes", "ARENA_ALLOCATION_GRANULARITY_BYTES", Bytes, false, "Buddy minimum block (allocation granularity); power of two, >= 32."),
+    setting!(max_chunk_size_bytes, "max_chunk_size_bytes", "MAX_CHUNK_SIZE_BYTES", Bytes, false, "Per-chunk byte cap (plan bin-pack cap); clamped to the arena's usable capacity; must match the peer's (handshake-checked)."),
+    setting!(max_inflight_chunks_per_request, "max_inflight_chunks_per_request", "MAX_INFLIGHT_CHUNKS_PER_REQUEST", Count, false, "Per-flow in-flight cap W (pipeline depth)."),
+    setting!(copy_stream_count, "copy_stream_count", "COPY_STREAM_COUNT", Count, false, "Copy execution contexts (GPU kernel concurrency cap)."),
+    setting!(scatter_worker_count, "scatter_worker_count", "SCATTER_WORKER_COUNT", Count, false, "Scatter worker thread count."),
+    setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Routing gate: minimum descriptor count."),
+    setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Routing gate: maximum average descriptor bytes."),
+    setting!(request_timeout_ms, "request_timeout_ms", "REQUEST_TIMEOUT_MS", Millis, false, "Per-request no-progress timeout."),
+    setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
+    setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging capped at half the arena."),
+    setting!(use_nixl_notifications, "use_nixl_notifications", "USE_NIXL_NOTIFICATIONS", Bool, true, "Control plane over NIXL notifications instead of ZMQ/TCP; must match the peer (handshake-checked)."),
+    setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload)."),
+    setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
+    setting!(disable_scatter_run_merging, "disable_scatter_run_merging", "DISABLE_SCATTER_RUN_MERGING", Bool, true, "DEBUG ONLY: one run per descriptor instead of coalesced runs."),
+    setting!(request_deadline_ms, "request_deadline_ms", "REQUEST_DEADLINE_MS", Millis, true, "Absolute per-request deadline from submission; 0 = none."),
+    setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the ZMQ control socket; empty = auto-detect."),
+    setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the ZMQ control socket to 127.0.0.1 (single-host tests only)."),
+];
+
+/// Renders a byte count with the largest exact binary suffix.
+pub fn format_bytes(n: u64) -> String {
+    if n != 0 && n % GIB == 0 {
+        format!("{}GiB", n / GIB)
+    } else if n != 0 && n % MIB == 0 {
+        format!("{}MiB", n / MIB)
+    } else if n != 0 && n % KIB == 0 {
+        format!("{}KiB", n / KIB)
+    } else {
+        n.to_string()
+    }
+}
+
+/// Parses a byte size: decimal digits, optional spaces, optional binary
+/// suffix (K, KB, KiB, M, MB, MiB, G, GB, GiB, B; any case).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(
+            "expected a number, optionally followed by K/KB/KiB, M/MB/MiB or G/GB/GiB".into(),
+        );
+    }
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{digits:?} is too large"))?;
+    let mult = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => KIB,
+        "m" | "mb" | "mib" => MIB,
+        "g" | "gb" | "gib" => GIB,
+        other => {
+            return Err(format!(
+                "unknown size suffix {other:?} (use K/KB/KiB, M/MB/MiB or G/GB/GiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{t:?} overflows 64 bits"))
+}
+
+/// Parses a boolean: 1/0, true/false, on/off, yes/no (any case).
+pub fn parse_bool(text: &str) -> Result<bool, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" => Ok(false),
+        _ => Err("expected one of 1/0, true/false, on/off, yes/no".into()),
+    }
+}
+
+fn parse_count(text: &str) -> Result<u64, String> {
+    text.trim()
+        .parse::<u64>()
+        .map_err(|_| "expected a non-negative decimal integer".to_string())
+}
+
+impl Setting {
+    fn parse(&self, raw: &str) -> Result<Parsed, String> {
+        let parsed = match self.kind {
+            ValueKind::Bool => Parsed::Bool(parse_bool(raw)?),
+            ValueKind::Bytes => Parsed::Num(parse_bytes(raw)?),
+            ValueKind::Count | ValueKind::Millis => Parsed::Num(parse_count(raw)?),
+            ValueKind::Text => Parsed::Text(raw.trim().to_string()),
+        };
+        if let Parsed::Num(n) = parsed {
+            if n == 0 && !self.zero_ok {
+                return Err("zero is not allowed here".into());
+            }
+            if matches!(
+                self.key,
+                "max_inflight_chunks_per_request" | "copy_stream_count" | "scatter_worker_count"
+            ) && n > u64::from(u32::MAX)
+            {
+                return Err(format!("{n} is larger than {}", u32::MAX));
+            }
+        }
+        Ok(parsed)
+    }
+
+    fn env_name(&self) -> String {
+        format!("{ENV_PREFIX}{}", self.env)
+    }
+}
+
+impl Config {
+    /// The backend parameter keys this crate understands.
+    pub fn known_param_keys() -> Vec<&'static str> {
+        SETTINGS.iter().map(|s| s.key).collect()
+    }
+
+    /// Keys of `params` that are not known settings (for the engine to reject).
+    pub fn unknown_params<'a>(params: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        params
+            .into_iter()
+            .filter(|k| !SETTINGS.iter().any(|s| s.key == *k))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// One row per setting: key, env variable, default, value kind, meaning.
+    pub fn describe() -> Vec<SettingInfo> {
+        let defaults = Config::default();
+        SETTINGS
+            .iter()
+            .map(|s| SettingInfo {
+                key: s.key,
+                env: s.env_name(),
+                default: (s.get)(&defaults),
+                kind: s.kind,
+                meaning: s.meaning,
+            })
+            .collect()
+    }
+
+    /// [`Config::describe`] as a Markdown table (for the README and docs).
+    pub fn describe_markdown() -> String {
+        let mut out = String::from(
+            "| parameter | environment variable | default | meaning |\n|---|---|---|---|\n",
+        );
+        for row in Config::describe() {
+            out.push_str(&format!(
+                "| `{}` | `{}` | {} | {} |\n",
+                row.key, row.env, row.default, row.meaning
+            ));
+        }
+        out
+    }
+
+    /// Resolves the configuration from the real process environment and the
+    /// backend parameters.
+    pub fn from_process_env(
+        params: &BTreeMap<String, String>,
+    ) -> Result<(Config, Vec<ConfigWarning>), ConfigError> {
+        Config::resolve(&|name: &str| std::env::var(name).ok(), params)
+    }
+
+    /// Resolves the configuration: for each setting the backend parameter
+    /// wins over the environment variable (looked up through `env`), which
+    /// wins over the default. Invalid values are skipped with a warning.
+    /// Unknown parameter keys are ignored here (see
+    /// [`Config::unknown_params`]). Returns the validated config and every
+    /// warning (each one is also logged).
+    pub fn resolve(
+        env: &dyn Fn(&str) -> Option<String>,
+        params: &BTreeMap<String, String>,
+    ) -> Result<(Config, Vec<ConfigWarning>), ConfigError> {
+        let mut config = Config::default();
+        let mut warnings = Vec::new();
+        for setting in SETTINGS {
+            let env_name = setting.env_name();
+            let candidates = [
+                params
+                    .get(setting.key)
+                    .map(|v| (ConfigSource::Param(setting.key.to_string()), v.clone())),
+                env(&env_name).map(|v| (ConfigSource::Env(env_name.clone()), v)),
+            ];
+            for (source, raw) in candidates.into_iter().flatten() {
+                match setting.parse(&raw) {
+                    Ok(value) => {
+                        (setting.set)(&mut config, value);
+                        break;
+                    }
+                    Err(why) => warnings.push(ConfigWarning {
+                        source,
+                        value: raw,
+                        message: format!("{why}; ignored (the next source or the default applies)"),
+                    }),
+                }
+            }
+        }
+        config.validate_into(&mut warnings)?;
+        for w in &warnings {
+            tracing::warn!(target: "nixl_bounce::config", "{w}");
+        }
+        Ok((config, warnings))
+    }
+
+    /// The arena's usable capacity: the largest power of two not above
+    /// `arena_size_bytes` (0 when the arena size is 0).
+    pub fn arena_usable_capacity(&self) -> u64 {
+        match self.arena_size_bytes {
+            0 => 0,
+            n => 1u64 << (63 - n.leading_zeros()),
+        }
+    }
+
+    /// Checks the settings against each other and clamps
+    /// `max_chunk_size_bytes` to the usable capacity. Returns the
+    /// adjustments as warnings.
+    pub fn validate(&mut self) -> Result<Vec<ConfigWarning>, ConfigError> {
+        let mut warnings = Vec::new();
+        self.validate_into(&mut warnings)?;
+        Ok(warnings)
+    }
+
+    fn validate_into(&mut self, warnings: &mut Vec<ConfigWarning>) -> Result<(), ConfigError> {
+        let g = self.arena_allocation_granularity_bytes;
+        for (value, key, env) in [
+            (
+                u64::from(self.max_inflight_chunks_per_request),
+                "max_inflight_chunks_per_request",
+                "MAX_INFLIGHT_CHUNKS_PER_REQUEST",
+            ),
+            (
+                u64::from(self.copy_stream_count),
+                "copy_stream_count",
+                "COPY_STREAM_COUNT",
+            ),
+            (
+                u64::from(self.scatter_worker_count),
+                "scatter_worker_count",
+                "SCATTER_WORKER_COUNT",
+            ),
+            (
+                self.arena_size_bytes,
+                "arena_size_bytes",
+                "ARENA_SIZE_BYTES",
+            ),
+            (
+                g,
+                "arena_allocation_granularity_bytes",
+                "ARENA_ALLOCATION_GRANULARITY_BYTES",
+            ),
+            (
+                self.max_chunk_size_bytes,
+                "max_chunk_size_bytes",
+                "MAX_CHUNK_SIZE_BYTES",
+            ),
+            (
+                self.request_timeout_ms,
+                "request_timeout_ms",
+                "REQUEST_TIMEOUT_MS",
+            ),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::ZeroNotAllowed { key, env });
+            }
+        }
+        if !g.is_power_of_two() {
+            return Err(ConfigError::GranularityNotPowerOfTwo(g));
+        }
+        if g < 32 {
+            return Err(ConfigError::GranularityTooSmall(g));
+        }
+        if g > self.arena_size_bytes {
+            return Err(ConfigError::GranularityAboveArena {
+                granularity: g,
+                arena: self.arena_size_bytes,
+            });
+        }
+        if self.max_chunk_size_bytes < 32 {
+            return Err(ConfigError::ChunkTooSmall(self.max_chunk_size_bytes));
+        }
+        if self.control_bind_loopback && !self.control_interface.is_empty() {
+            return Err(ConfigError::InterfaceAndLoopback(
+                self.control_interface.clone(),
+            ));
+        }
+        let usable = self.arena_usable_capacity();
+        if usable != self.arena_size_bytes {
+            warnings.push(ConfigWarning {
+                source: ConfigSource::Derived("arena_size_bytes".into()),
+                value: self.arena_size_bytes.to_string(),
+                message: format!(
+                    "not a power of two: only {} ({usable} bytes) are usable by the buddy allocator; \
+                     choose a power of two to use all of it",
+                    format_bytes(usable)
+                ),
+            });
+        }
+        if self.max_chunk_size_bytes > usable {
+            warnings.push(ConfigWarning {
+                source: ConfigSource::Derived("max_chunk_size_bytes".into()),
+                value: self.max_chunk_size_bytes.to_string(),
+                message: format!(
+                    "larger than the arena's usable capacity; clamped to {} ({usable} bytes)",
+                    format_bytes(usable)
+                ),
+            });
+            self.max_chunk_size_bytes = usable;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: BTreeMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k: &str| map.get(k).cloned()
+    }
+
+    fn params_of(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_match_the_table() {
+        let (c, w) = Config::resolve(&|_| None, &BTreeMap::new()).unwrap();
+        assert_eq!(c, Config::default());
+        assert!(w.is_empty());
+        assert_eq!(c.arena_usable_capacity(), 256 * MIB);
+        let keys = Config::known_param_keys();
+        assert_eq!(keys.len(), 19);
+        assert!(keys.contains(&"enable"));
+        assert!(keys.contains(&"arena_size_bytes"));
+        assert!(keys.contains(&"control_bind_loopback"));
+        let rows = Config::describe();
+        assert_eq!(rows[0].env, "NIXL_BOUNCE_ENABLE");
+        assert_eq!(rows[1].default, "256MiB");
+        assert!(Config::describe_markdown().contains("`NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES`"));
+    }
+
+    #[test]
+    fn byte_suffixes() {
+        for (text, want) in [
+            ("512", 512),
+            ("4k", 4 * KIB),
+            ("4 KB", 4 * KIB),
+            ("4KiB", 4 * KIB),
+            ("256MB", 256 * MIB),
+            ("1gb", GIB),
+            ("2 GiB", 2 * GIB),
+            ("  8m ", 8 * MIB),
+            ("64B", 64),
+        ] {
+            assert_eq!(parse_bytes(text), Ok(want), "{text}");
+        }
+        for bad in [
+            "",
+            "MB",
+            "12XB",
+            "-1",
+            "1.5MB",
+            "99999999999999999999",
+            "17179869184G",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn bools() {
+        for t in ["1", "true", "ON", "Yes"] {
+            assert_eq!(parse_bool(t), Ok(true));
+        }
+        for f in ["0", "False", "off", "NO"] {
+            assert_eq!(parse_bool(f), Ok(false));
+        }
+        assert!(parse_bool("maybe").is_err());
+    }
+
+    #[test]
+    fn params_win_over_env_and_garbage_falls_back() {
+        let env = env_of(&[
+            ("NIXL_BOUNCE_ARENA_SIZE_BYTES", "64MiB"),
+            ("NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES", "garbage"),
+            ("NIXL_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST", "0"),
+            ("NIXL_BOUNCE_ENABLE", "yes"),
+            ("NIXL_BOUNCE_COPY_STREAM_COUNT", "3"),
+        ]);
+        let params = params_of(&[
+            ("arena_size_bytes", "128MiB"),
+            ("copy_stream_count", "nope"),
+        ]);
+        let (c, w) = Config::resolve(&env, &params).unwrap();
+        assert!(c.enabled);
+        assert_eq!(c.arena_size_bytes, 128 * MIB);
+        assert_eq!(c.max_chunk_size_bytes, 32 * MIB);
+        assert_eq!(c.max_inflight_chunks_per_request, 8);
+        // The bad parameter is skipped, the env value applies.
+        assert_eq!(c.copy_stream_count, 3);
+        let named: Vec<String> = w.iter().map(|w| w.source.to_string()).collect();
+        assert!(named
+            .iter()
+            .any(|s| s.contains("NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES")));
+        assert!(named
+            .iter()
+            .any(|s| s.contains("NIXL_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST")));
+        assert!(named.iter().any(|s| s.contains("`copy_stream_count`")));
+        assert_eq!(w.len(), 3);
+    }
+
+    #[test]
+    fn chunk_clamped_to_usable_capacity() {
+        let env = env_of(&[
+            ("NIXL_BOUNCE_ARENA_SIZE_BYTES", "24MiB"),
+            ("NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES", "32MiB"),
+        ]);
+        let (c, w) = Config::resolve(&env, &BTreeMap::new()).unwrap();
+        assert_eq!(c.arena_usable_capacity(), 16 * MIB);
+        assert_eq!(c.max_chunk_size_bytes, 16 * MIB);
+        assert_eq!(w.len(), 2, "{w:?}");
+    }
+
+    #[test]
+    fn contradictions_are_errors_that_say_what_to_change() {
+        let e = Config::resolve(
+            &env_of(&[("NIXL_BOUNCE_ARENA_ALLOCATION_GRANULARITY_BYTES", "3MiB")]),
+            &BTreeMap::new(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::GranularityNotPowerOfTwo(_)));
+        assert!(e.to_string().contains("power of two"));
+        let e = Config::resolve(
+            &env_of(&[
+                ("NIXL_BOUNCE_ARENA_SIZE_BYTES", "1MiB"),
+                ("NIXL_BOUNCE_ARENA_ALLOCATION_GRANULARITY_BYTES", "2MiB"),
+            ]),
+            &BTreeMap::new(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("lower the granularity"));
+        let mut c = Config {
+            max_inflight_chunks_per_request: 0,
+            ..Config::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("MAX_INFLIGHT_CHUNKS_PER_REQUEST"));
+        let e = Config::resolve(
+            &|_| None,
+            &params_of(&[
+                ("control_interface", "eth0"),
+                ("control_bind_loopback", "1"),
+            ]),
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::InterfaceAndLoopback(_)));
+    }
+
+    #[test]
+    fn unknown_params_are_listed() {
+        assert_eq!(
+            Config::unknown_params(["arena_size_bytes", "bogus", "enable"]),
+            vec!["bogus".to_string()]
+        );
+    }
+
+    #[test]
+    fn deadline_zero_means_none_and_is_accepted() {
+        let (c, w) = Config::resolve(
+            &env_of(&[("NIXL_BOUNCE_REQUEST_DEADLINE_MS", "0")]),
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        assert_eq!(c.request_deadline_ms, 0);
+        assert!(w.is_empty());
+    }
+}

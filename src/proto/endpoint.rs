@@ -1,0 +1,589 @@
+//! One local agent: the shared arena scheduler plus the sender and receiver
+//! roles, driven by events and handing out [`Action`]s.
+//!
+//! The runtime owns one `Endpoint` per agent (on its reactor thread) and:
+//! 1. feeds every event into a `handle_*` method (with the current time);
+//! 2. drains [`Endpoint::poll_action`] and executes each action in order
+//!    (actions for one peer must be executed in the order given: a
+//!    [`Action::Connect`] precedes the first message to that peer);
+//! 3. calls [`Endpoint::handle_timeout`] when [`Endpoint::poll_timeout`]
+//!    says so.
+//!
+//! Contract with the runtime (what the protocol relies on):
+//! - every `StartGather`, `PostWrite` and `StartScatter` is eventually
+//!   answered by exactly one of its `handle_*_done` / `_failed` / `_stuck`
+//!   events; `failed` with `quiesced = true` means nothing touches the
+//!   memory any more; when that cannot be established, report `stuck` (or
+//!   `quiesced = false`) and the arena is poisoned;
+//! - `handle_write_done` means the data is visible at the target;
+//! - [`Endpoint::forget_peer`] is called only after the data path to that
+//!   peer is torn down (no write from or to it can still land);
+//! - request ids are never reused across incarnations of an agent: seed
+//!   [`EndpointConfig::request_id_base`] from a random or clock value.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use super::credit::{CreditScheduler, HeldBytes, Owner, SchedError, SchedulerParams};
+use super::plan::{Descriptor, PlanError, PlanOptions};
+use super::receiver::Receiver;
+use super::sender::Sender;
+use super::wire::{Message, WireError};
+use super::{ChunkRef, FlowId, PeerId, RegionHandle, RequestId, Run, Time};
+use crate::config::Config;
+
+/// Protocol parameters of one endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointConfig {
+    /// Usable arena capacity (power of two).
+    pub arena_capacity: u64,
+    /// Buddy granularity.
+    pub granularity: u64,
+    /// Chunk cap.
+    pub max_chunk: u64,
+    /// Per-flow in-flight cap W.
+    pub window: u32,
+    /// No-progress timeout per request.
+    pub request_timeout: Duration,
+    /// Absolute deadline per request, if any.
+    pub request_deadline: Option<Duration>,
+    /// A receiver flow with no message for this long is aborted.
+    pub flow_idle_timeout: Duration,
+    /// How long a cancelled flow id is remembered (late WANTs ignored).
+    pub tombstone_ttl: Duration,
+    /// Eager gather.
+    pub eager_gather: bool,
+    /// Coalesce runs.
+    pub merge_runs: bool,
+    /// Keep a local reserve block (see [`super::credit`]).
+    pub local_reserve: bool,
+    /// This agent's control endpoint, sent in every WANT.
+    pub local_endpoint: Vec<u8>,
+    /// First request id (see the module docs).
+    pub request_id_base: u64,
+}
+
+impl EndpointConfig {
+    /// Derives the protocol parameters from a validated [`Config`].
+    pub fn from_config(
+        config: &Config,
+        local_endpoint: Vec<u8>,
+        request_id_base: u64,
+    ) -> EndpointConfig {
+        let timeout = Duration::from_millis(config.request_timeout_ms.max(1));
+        EndpointConfig {
+            arena_capacity: config.arena_usable_capacity(),
+            granularity: config.arena_allocation_granularity_bytes,
+            max_chunk: config.max_chunk_size_bytes,
+            window: config.max_inflight_chunks_per_request,
+            request_timeout: timeout,
+            request_deadline: (config.request_deadline_ms > 0)
+                .then(|| Duration::from_millis(config.request_deadline_ms)),
+            flow_idle_timeout: timeout * 2,
+            tombstone_ttl: timeout * 4,
+            eager_gather: config.enable_eager_gather,
+            merge_runs: !config.disable_scatter_run_merging,
+            local_reserve: true,
+            local_endpoint,
+            request_id_base,
+        }
+    }
+}
+
+/// Why a request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FailureReason {
+    /// No progress within the request timeout.
+    Timeout,
+    /// Cancelled by the application.
+    Cancelled,
+    /// The peer was forgotten (lost).
+    PeerLost,
+    /// A write failed.
+    WriteFailed,
+    /// A gather failed.
+    GatherFailed,
+    /// The receiver refused or aborted the flow.
+    Rejected,
+    /// The endpoint shut down.
+    Shutdown,
+    /// The local arena is poisoned.
+    Poisoned,
+    /// The request's absolute deadline passed.
+    DeadlineExceeded,
+    /// The peer broke the protocol (impossible credit, ...).
+    ProtocolError,
+    /// The receiver's scatter failed.
+    RemoteScatterFailed,
+}
+
+/// The terminal outcome of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Every chunk was written and scattered.
+    Success,
+    /// The request failed; its destination bytes are unspecified.
+    Failure(FailureReason),
+}
+
+/// Work for the runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Register `peer`'s control endpoint (learned from its WANT) so replies
+    /// can reach it. On failure call [`Endpoint::forget_peer`].
+    Connect {
+        /// The peer.
+        peer: PeerId,
+        /// Its endpoint bytes.
+        endpoint: Vec<u8>,
+    },
+    /// Send a control message (encode with [`Message::encode`]).
+    Send {
+        /// Destination.
+        peer: PeerId,
+        /// The message.
+        message: Message,
+    },
+    /// Copy application memory into local region `region` (`runs` are
+    /// relative to the region; `addr` is the source). Answer with
+    /// `handle_gather_done` / `handle_gather_failed`.
+    StartGather {
+        /// The chunk.
+        chunk: ChunkRef,
+        /// Local staging region.
+        region: RegionHandle,
+        /// Copies.
+        runs: Vec<Run>,
+    },
+    /// Write `len` bytes from local `local` into the peer's region `remote`
+    /// (address: the peer's arena base + offset). Answer with
+    /// `handle_write_done` / `handle_write_failed` / `handle_write_stuck`.
+    PostWrite {
+        /// The chunk.
+        chunk: ChunkRef,
+        /// Target agent.
+        peer: PeerId,
+        /// Local source region.
+        local: RegionHandle,
+        /// Remote target region.
+        remote: RegionHandle,
+        /// Bytes.
+        len: u64,
+    },
+    /// Copy local region `region` out to application memory (`runs` are
+    /// validated against the region; `addr` is the destination). Answer
+    /// with `handle_scatter_done` / `handle_scatter_failed`.
+    StartScatter {
+        /// The flow.
+        flow: FlowId,
+        /// Chunk index.
+        chunk: u32,
+        /// The region.
+        region: RegionHandle,
+        /// Copies.
+        runs: Vec<Run>,
+    },
+    /// A request reached its terminal outcome (exactly once per request).
+    Complete {
+        /// The request.
+        request: RequestId,
+        /// Its outcome.
+        outcome: Outcome,
+    },
+    /// The arena was poisoned (emitted once): the runtime should stop
+    /// routing transfers to the bounce path and plan a restart.
+    Poisoned {
+        /// What happened.
+        cause: String,
+    },
+}
+
+/// Why a submission was refused synchronously (no request was created).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The arena is poisoned.
+    #[error("bounce arena is poisoned ({0}); use the standard path")]
+    Poisoned(String),
+    /// The endpoint is shut down.
+    #[error("bounce endpoint is shut down")]
+    ShutDown,
+    /// The descriptors cannot be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+}
+
+/// Counters for observability (and the simulation's checks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Requests submitted.
+    pub submitted: u64,
+    /// Requests succeeded.
+    pub succeeded: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Control messages that failed to decode.
+    pub malformed: u64,
+    /// DATA dropped because the region is not (or no longer) the flow's.
+    pub late_data: u64,
+    /// Messages ignored as stale or unexpected.
+    pub ignored: u64,
+    /// Credits granted to remote flows.
+    pub grants: u64,
+    /// Local staging acquisitions that had to wait (parked credits).
+    pub parked: u64,
+}
+
+/// State shared by both roles.
+pub(crate) struct Ctx {
+    pub cfg: EndpointConfig,
+    pub sched: CreditScheduler,
+    pub actions: VecDeque<Action>,
+    pub poisoned: Option<String>,
+    pub shut_down: bool,
+    pub stats: Stats,
+    pub plan_options: PlanOptions,
+}
+
+impl Ctx {
+    pub fn send(&mut self, peer: &PeerId, message: Message) {
+        self.actions.push_back(Action::Send {
+            peer: peer.clone(),
+            message,
+        });
+    }
+
+    /// Marks the arena poisoned (idempotent). The endpoint then fails the
+    /// work that depends on new allocations.
+    pub fn poison(&mut self, cause: String) {
+        if self.poisoned.is_none() {
+            tracing::error!(target: "nixl_bounce::proto", "arena poisoned: {cause}");
+            self.sched.poison();
+            self.actions.push_back(Action::Poisoned {
+                cause: cause.clone(),
+            });
+            self.poisoned = Some(cause);
+        }
+    }
+}
+
+/// Invariant violations found by [`Endpoint::check_invariants`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("invariant violated: {0}")]
+pub struct InvariantViolation(pub String);
+
+/// One local agent. See the module docs.
+pub struct Endpoint {
+    ctx: Ctx,
+    sender: Sender,
+    receiver: Receiver,
+    handled_poison: bool,
+}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("stats", &self.ctx.stats)
+            .field("poisoned", &self.ctx.poisoned)
+            .field("shut_down", &self.ctx.shut_down)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Endpoint {
+    /// A fresh endpoint over an empty arena.
+    pub fn new(cfg: EndpointConfig) -> Result<Endpoint, SchedError> {
+        let sched = CreditScheduler::new(SchedulerParams {
+            capacity: cfg.arena_capacity,
+            granularity: cfg.granularity,
+            window: cfg.window,
+            max_chunk: cfg.max_chunk,
+            local_reserve: cfg.local_reserve,
+        })?;
+        let plan_options = PlanOptions {
+            max_chunk_bytes: cfg.max_chunk,
+            merge_runs: cfg.merge_runs,
+        };
+        let sender = Sender::new(cfg.request_id_base);
+        Ok(Endpoint {
+            ctx: Ctx {
+                cfg,
+                sched,
+                actions: VecDeque::new(),
+                poisoned: None,
+                shut_down: false,
+                stats: Stats::default(),
+                plan_options,
+            },
+            sender,
+            receiver: Receiver::default(),
+            handled_poison: false,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.ctx.cfg
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Stats {
+        self.ctx.stats
+    }
+
+    /// Why the arena is poisoned, if it is.
+    pub fn poisoned(&self) -> Option<&str> {
+        self.ctx.poisoned.as_deref()
+    }
+
+    /// Arena bytes per owner class.
+    pub fn arena_usage(&self) -> HeldBytes {
+        self.ctx.sched.held_bytes()
+    }
+
+    /// Free arena bytes.
+    pub fn arena_free(&self) -> u64 {
+        self.ctx.sched.free_bytes()
+    }
+
+    /// Who holds `region` of this agent's arena.
+    pub fn region_owner(&self, region: RegionHandle) -> Option<&Owner> {
+        self.ctx.sched.owner(region)
+    }
+
+    /// Live receiver flows.
+    pub fn flow_count(&self) -> usize {
+        self.ctx.sched.flow_count()
+    }
+
+    /// Sender requests still tracked (live, or failed with operations still
+    /// running).
+    pub fn request_count(&self) -> usize {
+        self.sender.len()
+    }
+
+    /// Plans `descriptors` and starts a transfer to `peer`. The request ends
+    /// with exactly one [`Action::Complete`].
+    pub fn submit(
+        &mut self,
+        now: Time,
+        peer: &PeerId,
+        descriptors: &[Descriptor],
+    ) -> Result<RequestId, SubmitError> {
+        if self.ctx.shut_down {
+            return Err(SubmitError::ShutDown);
+        }
+        if let Some(cause) = &self.ctx.poisoned {
+            return Err(SubmitError::Poisoned(cause.clone()));
+        }
+        let id = self.sender.submit(&mut self.ctx, now, peer, descriptors)?;
+        self.pump(now);
+        Ok(id)
+    }
+
+    /// Cancels a request (it fails with [`FailureReason::Cancelled`]).
+    /// Returns false if it is unknown or already terminal.
+    pub fn cancel(&mut self, now: Time, request: RequestId) -> bool {
+        let done = self
+            .sender
+            .fail(&mut self.ctx, request, FailureReason::Cancelled);
+        self.pump(now);
+        done
+    }
+
+    /// A control message arrived from `from` as bytes.
+    pub fn handle_control(
+        &mut self,
+        now: Time,
+        from: &PeerId,
+        bytes: &[u8],
+    ) -> Result<(), WireError> {
+        match Message::decode(bytes) {
+            Ok(msg) => {
+                self.handle_message(now, from, msg);
+                Ok(())
+            }
+            Err(e) => {
+                self.ctx.stats.malformed += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "malformed control message from {from}: {e}");
+                Err(e)
+            }
+        }
+    }
+
+    /// A decoded control message arrived from `from`.
+    pub fn handle_message(&mut self, now: Time, from: &PeerId, msg: Message) {
+        match msg {
+            Message::Want {
+                request,
+                chunk_sizes,
+                endpoint,
+            } => self
+                .receiver
+                .on_want(&mut self.ctx, now, from, request, &chunk_sizes, endpoint),
+            Message::Cancel { request, endpoint } => {
+                self.receiver
+                    .on_cancel(&mut self.ctx, now, from, request, endpoint)
+            }
+            Message::Data {
+                request,
+                chunk,
+                region,
+                runs,
+            } => self
+                .receiver
+                .on_data(&mut self.ctx, now, from, request, chunk, region, runs),
+            Message::Grant { request, credits } => {
+                self.sender
+                    .on_grant(&mut self.ctx, now, from, request, &credits)
+            }
+            Message::Ack {
+                request,
+                chunk,
+                region,
+            } => self
+                .sender
+                .on_ack(&mut self.ctx, now, from, request, chunk, region),
+            Message::Refuse { request, reason } => {
+                self.sender.on_refuse(&mut self.ctx, from, request, reason)
+            }
+        }
+        self.pump(now);
+    }
+
+    /// The gather of `chunk` finished.
+    pub fn handle_gather_done(&mut self, now: Time, chunk: ChunkRef) {
+        self.sender.on_gather_done(&mut self.ctx, now, chunk);
+        self.pump(now);
+    }
+
+    /// The gather of `chunk` failed. `quiesced`: nothing still writes its
+    /// staging region (else the arena is poisoned).
+    pub fn handle_gather_failed(&mut self, now: Time, chunk: ChunkRef, quiesced: bool) {
+        self.sender.on_gather_failed(&mut self.ctx, chunk, quiesced);
+        self.pump(now);
+    }
+
+    /// The write of `chunk` completed (data visible at the target).
+    pub fn handle_write_done(&mut self, now: Time, chunk: ChunkRef) {
+        self.sender.on_write_done(&mut self.ctx, now, chunk);
+        self.pump(now);
+    }
+
+    /// The write of `chunk` reached a failed terminal state (nothing reads
+    /// its source any more, nothing more lands at the target).
+    pub fn handle_write_failed(&mut self, now: Time, chunk: ChunkRef) {
+        self.sender.on_write_failed(&mut self.ctx, chunk);
+        self.pump(now);
+    }
+
+    /// The write of `chunk` can never be proven terminal: the arena is
+    /// poisoned and the request fails.
+    pub fn handle_write_stuck(&mut self, now: Time, chunk: ChunkRef) {
+        self.sender.on_write_stuck(&mut self.ctx, chunk);
+        self.pump(now);
+    }
+
+    /// The scatter of `region` finished.
+    pub fn handle_scatter_done(&mut self, now: Time, region: RegionHandle) {
+        self.receiver.on_scatter_done(&mut self.ctx, now, region);
+        self.pump(now);
+    }
+
+    /// The scatter of `region` failed. `quiesced`: nothing still reads the
+    /// region (else the arena is poisoned).
+    pub fn handle_scatter_failed(&mut self, now: Time, region: RegionHandle, quiesced: bool) {
+        self.receiver
+            .on_scatter_failed(&mut self.ctx, now, region, quiesced);
+        self.pump(now);
+    }
+
+    /// Fires due timers (request timeouts and deadlines, idle receiver
+    /// flows, tombstone expiry).
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.sender.on_timeout(&mut self.ctx, now);
+        self.receiver.on_timeout(&mut self.ctx, now);
+        self.pump(now);
+    }
+
+    /// The earliest time [`Endpoint::handle_timeout`] has work.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        [
+            self.sender.next_timeout(&self.ctx),
+            self.receiver.next_timeout(&self.ctx),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// The peer is gone and its data path torn down: fail its requests
+    /// ([`FailureReason::PeerLost`]) and reclaim its flows.
+    pub fn forget_peer(&mut self, now: Time, peer: &PeerId) {
+        self.sender.forget_peer(&mut self.ctx, peer);
+        self.receiver.forget_peer(&mut self.ctx, peer);
+        self.pump(now);
+    }
+
+    /// Shuts down: every live request fails with
+    /// [`FailureReason::Shutdown`], live flows are refused, nothing new is
+    /// granted or accepted. Operations already handed out must still be
+    /// reported.
+    pub fn shutdown(&mut self, now: Time) {
+        if !self.ctx.shut_down {
+            self.ctx.shut_down = true;
+            self.sender.fail_all(&mut self.ctx, FailureReason::Shutdown);
+            self.receiver
+                .abort_all(&mut self.ctx, now, super::wire::RefuseReason::ShuttingDown);
+        }
+        self.pump(now);
+    }
+
+    /// The next action, if any.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.ctx.actions.pop_front()
+    }
+
+    /// Re-runs allocation after any state change: parked credits first,
+    /// then remote grants, then eager staging.
+    fn pump(&mut self, now: Time) {
+        if self.ctx.poisoned.is_some() && !self.handled_poison {
+            self.handled_poison = true;
+            self.sender.fail_all(&mut self.ctx, FailureReason::Poisoned);
+            self.receiver
+                .abort_all(&mut self.ctx, now, super::wire::RefuseReason::Poisoned);
+        }
+        self.sender.retry_parked(&mut self.ctx);
+        if !self.ctx.shut_down {
+            self.receiver.schedule(&mut self.ctx);
+        }
+        self.sender.eager_fill(&mut self.ctx);
+    }
+
+    /// Checks the scheduler's conservation invariant and that every local
+    /// staging region is referenced by exactly one sender chunk.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.ctx
+            .sched
+            .check_invariants()
+            .map_err(InvariantViolation)?;
+        let mut staged = self.sender.staged_regions();
+        staged.sort_unstable();
+        let before = staged.len();
+        staged.dedup();
+        if staged.len() != before {
+            return Err(InvariantViolation(
+                "a staging region is used by two chunks".into(),
+            ));
+        }
+        let local = self.ctx.sched.local_regions();
+        if staged != local {
+            return Err(InvariantViolation(format!(
+                "sender staging regions {staged:?} differ from the scheduler's local regions {local:?}"
+            )));
+        }
+        Ok(())
+    }
+}

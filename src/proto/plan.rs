@@ -1,0 +1,482 @@
+//! Transfer plan: bin-packs (source, destination) descriptor pairs into
+//! chunks and computes, per chunk, the coalesced gather runs (source ->
+//! region) and scatter runs (region -> destination).
+//!
+//! Packing rules:
+//! - descriptors are taken in order; zero-length descriptors are skipped;
+//! - every piece starts at a 32-byte-aligned offset inside its region;
+//! - a descriptor that fits in a chunk is never split: when it does not fit
+//!   in the current chunk's remaining space it starts a new chunk;
+//! - a descriptor longer than `max_chunk_bytes` is split into pieces: the
+//!   first piece fills the current chunk (when at least one aligned byte is
+//!   left), then whole chunks, then the remainder starts a new chunk;
+//! - a chunk's size is the end offset of its last piece (alignment padding
+//!   between pieces included, no trailing padding).
+
+use thiserror::Error;
+
+use super::Run;
+
+/// Alignment of every piece inside a region.
+pub const REGION_ALIGN: u64 = 32;
+
+/// Upper bound on chunks per request (the wire carries chunk indices as u32).
+pub const MAX_CHUNKS: usize = 1 << 24;
+
+/// One (source, destination) pair of the application's transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Source address (local).
+    pub src_addr: u64,
+    /// Source device id.
+    pub src_dev: u32,
+    /// Destination address (on the peer).
+    pub dst_addr: u64,
+    /// Destination device id.
+    pub dst_dev: u32,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+/// Why a plan could not be built.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum PlanError {
+    /// The chunk cap is below the region alignment.
+    #[error("max chunk size {0} is below the {REGION_ALIGN}-byte region alignment")]
+    ChunkTooSmall(u64),
+    /// Sources on different devices.
+    #[error("descriptor {index} has source device {found} but descriptor 0 has {expected}; all sources of one bounce transfer must be on one device")]
+    MixedSourceDevices {
+        /// Index of the first mismatching descriptor.
+        index: usize,
+        /// Device of the first descriptor.
+        expected: u32,
+        /// Device found.
+        found: u32,
+    },
+    /// Destinations on different devices.
+    #[error("descriptor {index} has destination device {found} but descriptor 0 has {expected}; all destinations of one bounce transfer must be on one device")]
+    MixedDestinationDevices {
+        /// Index of the first mismatching descriptor.
+        index: usize,
+        /// Device of the first descriptor.
+        expected: u32,
+        /// Device found.
+        found: u32,
+    },
+    /// A descriptor's address range wraps around the address space.
+    #[error("descriptor {index}: address + length overflows 64 bits")]
+    AddressOverflow {
+        /// Index of the descriptor.
+        index: usize,
+    },
+    /// The transfer needs more chunks than the protocol can number.
+    #[error(
+        "transfer needs more than {MAX_CHUNKS} chunks; raise the chunk size or split the transfer"
+    )]
+    TooManyChunks,
+}
+
+/// One chunk: a region's worth of descriptors, moved by one write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Packed bytes (alignment padding included).
+    pub bytes: u64,
+    /// Source -> region copies (`addr` = source).
+    pub gather_runs: Vec<Run>,
+    /// Region -> destination copies (`addr` = destination).
+    pub scatter_runs: Vec<Run>,
+    /// Number of descriptor pieces packed into this chunk.
+    pub pieces: u32,
+}
+
+/// The plan for one transfer.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// The chunks, in order.
+    pub chunks: Vec<Chunk>,
+    /// Source device (0 when there are no descriptors).
+    pub src_dev: u32,
+    /// Destination device (0 when there are no descriptors).
+    pub dst_dev: u32,
+    /// Payload bytes (sum of descriptor lengths).
+    pub payload_bytes: u64,
+}
+
+impl Plan {
+    /// Per-chunk byte sizes (what WANT carries).
+    pub fn chunk_sizes(&self) -> Vec<u64> {
+        self.chunks.iter().map(|c| c.bytes).collect()
+    }
+}
+
+/// Plan options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Chunk byte cap.
+    pub max_chunk_bytes: u64,
+    /// Coalesce runs (false = one run per piece, for debugging).
+    pub merge_runs: bool,
+}
+
+fn align_up(x: u64) -> u64 {
+    // Offsets are bounded by max_chunk_bytes, far from u64::MAX.
+    x.div_ceil(REGION_ALIGN) * REGION_ALIGN
+}
+
+/// Builds the plan for `descriptors`.
+pub fn build(descriptors: &[Descriptor], options: PlanOptions) -> Result<Plan, PlanError> {
+    let cap = options.max_chunk_bytes;
+    if cap < REGION_ALIGN {
+        return Err(PlanError::ChunkTooSmall(cap));
+    }
+    let mut plan = Plan::default();
+    if let Some(first) = descriptors.first() {
+        plan.src_dev = first.src_dev;
+        plan.dst_dev = first.dst_dev;
+    }
+    for (index, d) in descriptors.iter().enumerate() {
+        if d.src_dev != plan.src_dev {
+            return Err(PlanError::MixedSourceDevices {
+                index,
+                expected: plan.src_dev,
+                found: d.src_dev,
+            });
+        }
+        if d.dst_dev != plan.dst_dev {
+            return Err(PlanError::MixedDestinationDevices {
+                index,
+                expected: plan.dst_dev,
+                found: d.dst_dev,
+            });
+        }
+        if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
+            return Err(PlanError::AddressOverflow { index });
+        }
+    }
+
+    let mut builder = ChunkBuilder::new(options.merge_runs);
+    for d in descriptors.iter().filter(|d| d.len > 0) {
+        plan.payload_bytes = plan.payload_bytes.saturating_add(d.len);
+        let mut done = 0u64;
+        while done < d.len {
+            let left = d.len - done;
+            let mut at = align_up(builder.used);
+            let room = cap.saturating_sub(at);
+            // Whole descriptors that fit a fresh chunk are never split.
+            let fits_fresh = d.len <= cap && done == 0;
+            if (fits_fresh && left > room) || room == 0 {
+                builder.finish_into(&mut plan.chunks)?;
+                at = 0;
+            }
+            let room = cap - at;
+            let piece = left.min(room);
+            builder.push(at, d.src_addr + done, d.dst_addr + done, piece);
+            done += piece;
+        }
+    }
+    builder.finish_into(&mut plan.chunks)?;
+    Ok(plan)
+}
+
+struct ChunkBuilder {
+    merge: bool,
+    used: u64,
+    pieces: u32,
+    gather: Vec<Run>,
+    scatter: Vec<Run>,
+}
+
+impl ChunkBuilder {
+    fn new(merge: bool) -> ChunkBuilder {
+        ChunkBuilder {
+            merge,
+            used: 0,
+            pieces: 0,
+            gather: Vec::new(),
+            scatter: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, at: u64, src: u64, dst: u64, len: u64) {
+        add_piece(&mut self.gather, at, src, len, self.merge);
+        add_piece(&mut self.scatter, at, dst, len, self.merge);
+        self.used = at + len;
+        self.pieces += 1;
+    }
+
+    fn finish_into(&mut self, chunks: &mut Vec<Chunk>) -> Result<(), PlanError> {
+        if self.pieces == 0 {
+            return Ok(());
+        }
+        if chunks.len() >= MAX_CHUNKS {
+            return Err(PlanError::TooManyChunks);
+        }
+        chunks.push(Chunk {
+            bytes: self.used,
+            gather_runs: std::mem::take(&mut self.gather),
+            scatter_runs: std::mem::take(&mut self.scatter),
+            pieces: self.pieces,
+        });
+        self.used = 0;
+        self.pieces = 0;
+        Ok(())
+    }
+}
+
+/// Appends the piece `(region_offset, addr, len)` to `runs`, merging it into
+/// the last run when the two are contiguous on both sides (the run grows) or
+/// continue a uniform stride on both sides (the run's count grows).
+pub fn add_piece(runs: &mut Vec<Run>, region_offset: u64, addr: u64, len: u64, merge: bool) {
+    if merge {
+        if let Some(last) = runs.last_mut() {
+            if try_merge(last, region_offset, addr, len) {
+                return;
+            }
+        }
+    }
+    runs.push(Run::single(region_offset, addr, len));
+}
+
+fn try_merge(run: &mut Run, region_offset: u64, addr: u64, len: u64) -> bool {
+    if run.count == 1 {
+        // Contiguous on both sides: extend.
+        if run.region_offset.checked_add(run.len) == Some(region_offset)
+            && run.addr.checked_add(run.len) == Some(addr)
+        {
+            run.len += len;
+            return true;
+        }
+        // Equal lengths, both sides moving forward without overlap: start a
+        // strided run.
+        if len == run.len
+            && region_offset >= run.region_offset + run.len
+            && addr >= run.addr.saturating_add(run.len)
+        {
+            run.region_stride = region_offset - run.region_offset;
+            run.addr_stride = addr - run.addr;
+            run.count = 2;
+            return true;
+        }
+        return false;
+    }
+    if len != run.len || run.count == u32::MAX {
+        return false;
+    }
+    let n = u64::from(run.count);
+    let next_region = n
+        .checked_mul(run.region_stride)
+        .and_then(|s| run.region_offset.checked_add(s));
+    let next_addr = n
+        .checked_mul(run.addr_stride)
+        .and_then(|s| run.addr.checked_add(s));
+    if next_region == Some(region_offset) && next_addr == Some(addr) {
+        run.count += 1;
+        return true;
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn d(src: u64, dst: u64, len: u64) -> Descriptor {
+        Descriptor {
+            src_addr: src,
+            src_dev: 0,
+            dst_addr: dst,
+            dst_dev: 1,
+            len,
+        }
+    }
+
+    fn opts(cap: u64) -> PlanOptions {
+        PlanOptions {
+            max_chunk_bytes: cap,
+            merge_runs: true,
+        }
+    }
+
+    /// Expands runs into (region_offset, addr, len) triples.
+    fn expand(runs: &[Run]) -> Vec<(u64, u64, u64)> {
+        runs.iter()
+            .flat_map(|r| r.copies().collect::<Vec<_>>())
+            .collect()
+    }
+
+    #[test]
+    fn empty_and_zero_length() {
+        let p = build(&[], opts(1024)).unwrap();
+        assert!(p.chunks.is_empty());
+        let p = build(&[d(0, 0, 0), d(10, 10, 0)], opts(1024)).unwrap();
+        assert!(p.chunks.is_empty());
+    }
+
+    #[test]
+    fn aligned_offsets_and_chunk_boundaries() {
+        let p = build(
+            &[d(0, 1000, 10), d(100, 2000, 10), d(200, 3000, 40)],
+            opts(64),
+        )
+        .unwrap();
+        // 10 @0, 10 @32, 40 does not fit at 64 -> new chunk.
+        assert_eq!(p.chunk_sizes(), vec![42, 40]);
+        assert_eq!(
+            expand(&p.chunks[0].scatter_runs),
+            vec![(0, 1000, 10), (32, 2000, 10)]
+        );
+    }
+
+    #[test]
+    fn large_descriptor_is_split() {
+        let p = build(&[d(0, 0, 10), d(1000, 5000, 200)], opts(64)).unwrap();
+        // 10 @0; 200 bytes: 32 bytes fill chunk 0 at 32, then 64, 64, 40.
+        assert_eq!(p.chunk_sizes(), vec![64, 64, 64, 40]);
+        let all: Vec<_> = p
+            .chunks
+            .iter()
+            .flat_map(|c| expand(&c.gather_runs))
+            .collect();
+        assert_eq!(all[1], (32, 1000, 32));
+        assert_eq!(all[2], (0, 1032, 64));
+        assert_eq!(all.last(), Some(&(0, 1160, 40)));
+    }
+
+    #[test]
+    fn mixed_devices_rejected() {
+        let mut x = d(0, 0, 8);
+        x.src_dev = 3;
+        assert_eq!(
+            build(&[d(0, 0, 8), x], opts(64)),
+            Err(PlanError::MixedSourceDevices {
+                index: 1,
+                expected: 0,
+                found: 3
+            })
+        );
+        let mut y = d(0, 0, 8);
+        y.dst_dev = 7;
+        assert!(matches!(
+            build(&[d(0, 0, 8), y], opts(64)),
+            Err(PlanError::MixedDestinationDevices { index: 1, .. })
+        ));
+        assert!(matches!(
+            build(&[d(u64::MAX, 0, 8)], opts(64)),
+            Err(PlanError::AddressOverflow { index: 0 })
+        ));
+        assert!(matches!(
+            build(&[d(0, 0, 8)], opts(16)),
+            Err(PlanError::ChunkTooSmall(16))
+        ));
+    }
+
+    #[test]
+    fn dense_descriptors_collapse_to_one_run() {
+        let descs: Vec<_> = (0..64)
+            .map(|i| d(i * 4096, 1 << 30 | i * 4096, 4096))
+            .collect();
+        let p = build(&descs, opts(1 << 20)).unwrap();
+        assert_eq!(p.chunks.len(), 1);
+        assert_eq!(p.chunks[0].scatter_runs.len(), 1);
+        assert_eq!(p.chunks[0].scatter_runs[0].len, 64 * 4096);
+    }
+
+    #[test]
+    fn strided_descriptors_collapse_to_one_strided_run() {
+        // Every other 4 KiB block on the destination (tp split), dense source.
+        let descs: Vec<_> = (0..100).map(|i| d(i * 4096, i * 8192, 4096)).collect();
+        let p = build(&descs, opts(1 << 20)).unwrap();
+        let s = &p.chunks[0].scatter_runs;
+        assert_eq!(s.len(), 1);
+        assert_eq!(
+            (s[0].count, s[0].region_stride, s[0].addr_stride),
+            (100, 4096, 8192)
+        );
+        assert_eq!(p.chunks[0].gather_runs.len(), 1);
+        // Debug option: no merging.
+        let p = build(
+            &descs,
+            PlanOptions {
+                max_chunk_bytes: 1 << 20,
+                merge_runs: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(p.chunks[0].scatter_runs.len(), 100);
+    }
+
+    #[test]
+    fn unaligned_lengths_stride_over_padding() {
+        let descs: Vec<_> = (0..10).map(|i| d(i * 100, 5000 + i * 100, 100)).collect();
+        let p = build(&descs, opts(1 << 20)).unwrap();
+        let s = &p.chunks[0].scatter_runs;
+        assert_eq!(s.len(), 1);
+        assert_eq!(
+            (s[0].count, s[0].region_stride, s[0].addr_stride),
+            (10, 128, 100)
+        );
+        assert_eq!(p.chunks[0].bytes, 9 * 128 + 100);
+    }
+
+    proptest! {
+        /// Every descriptor byte is moved exactly once, pieces never overlap
+        /// in a region, offsets are aligned, chunks respect the cap, and
+        /// merged and unmerged plans move the same bytes.
+        #[test]
+        fn plan_covers_every_byte_once(
+            lens in proptest::collection::vec(0u64..300, 0..60),
+            gaps in proptest::collection::vec(0u64..3, 60),
+            cap in 32u64..512,
+            merge in any::<bool>(),
+        ) {
+            let mut descs = Vec::new();
+            let (mut src, mut dst) = (1u64 << 20, 1u64 << 30);
+            for (i, &len) in lens.iter().enumerate() {
+                descs.push(d(src, dst, len));
+                src += len + gaps[i] * 7;
+                dst += len + gaps[(i + 1) % 60] * 16;
+            }
+            let p = build(&descs, PlanOptions { max_chunk_bytes: cap, merge_runs: merge }).unwrap();
+            let mut moved_src = Vec::new();
+            let mut moved_dst = Vec::new();
+            for c in &p.chunks {
+                prop_assert!(c.bytes <= cap && c.bytes > 0);
+                let g = expand(&c.gather_runs);
+                let s = expand(&c.scatter_runs);
+                let gb: u64 = g.iter().map(|x| x.2).sum();
+                let sb: u64 = s.iter().map(|x| x.2).sum();
+                prop_assert_eq!(gb, sb);
+                let mut spans: Vec<(u64, u64)> = g.iter().map(|&(o, _, l)| (o, o + l)).collect();
+                spans.sort_unstable();
+                for w in spans.windows(2) {
+                    prop_assert!(w[0].1 <= w[1].0, "overlap in region");
+                }
+                prop_assert_eq!(spans.last().map(|s| s.1), Some(c.bytes));
+                for r in c.scatter_runs.iter().chain(&c.gather_runs) {
+                    prop_assert!(r.region_end().unwrap() <= c.bytes);
+                }
+                // Map region bytes back to src and dst byte by byte.
+                for &(o, a, l) in &g { for k in 0..l { moved_src.push((o + k, a + k)); } }
+                for &(o, a, l) in &s { for k in 0..l { moved_dst.push((o + k, a + k)); } }
+                let mut ms: Vec<_> = moved_src.drain(..).collect();
+                let mut md: Vec<_> = moved_dst.drain(..).collect();
+                ms.sort_unstable(); md.sort_unstable();
+                prop_assert_eq!(ms.len(), md.len());
+                for (x, y) in ms.iter().zip(&md) {
+                    prop_assert_eq!(x.0, y.0);
+                    // Same descriptor byte: src and dst offsets agree.
+                    let di = descs.iter().position(|dd| x.1 >= dd.src_addr && x.1 < dd.src_addr + dd.len).unwrap();
+                    prop_assert_eq!(x.1 - descs[di].src_addr, y.1 - descs[di].dst_addr);
+                }
+                for r in &c.gather_runs {
+                    prop_assert_eq!(r.region_offset % REGION_ALIGN, 0);
+                }
+            }
+            let total: u64 = lens.iter().sum();
+            let planned: u64 = p.chunks.iter().flat_map(|c| &c.scatter_runs).map(|r| r.total_bytes().unwrap()).sum();
+            prop_assert_eq!(total, planned);
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! The receiver role: flows, grants, DATA validation, scatter, ACK.
+//!
+//! ```text
+//! WANT --> flow (pending chunks) --schedule--> GRANT (region held by the flow)
+//! DATA(region, runs) --valid, region held by this flow--> StartScatter
+//! scatter done --> region freed, ACK, reschedule
+//! ```
+//!
+//! Guards:
+//! - *late DATA*: a DATA whose region is not (or no longer) held by its flow
+//!   for that chunk is dropped; it never scatters a region now owned by
+//!   someone else;
+//! - *run validation*: every run of a DATA must lie inside the granted
+//!   length of the region; otherwise the flow is aborted (REFUSE) and its
+//!   regions quarantined;
+//! - *orphans*: reclaiming a flow while a scatter reads one of its regions
+//!   defers that region's free until the scatter ends;
+//! - *quarantine*: when the receiver aborts a flow on its own (expiry,
+//!   refusal, shutdown, poison), the sender may still be writing: the
+//!   flow's regions are kept out of use until the sender's CANCEL (sent
+//!   only after its writes ended) or until the peer is forgotten.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::credit::ScatterEnd;
+use super::endpoint::{Action, Ctx};
+use super::wire::{Credit, Message, RefuseReason};
+use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Time};
+
+/// Upper bound on the copies one DATA may expand to.
+pub const MAX_COPIES_PER_CHUNK: u64 = 1 << 24;
+
+/// The receiver role's state.
+#[derive(Debug, Default)]
+pub(crate) struct Receiver {
+    /// Cancelled or aborted flows: a late WANT for them is ignored.
+    tombstones: BTreeMap<FlowId, Time>,
+    /// Peers whose endpoint was handed to the runtime.
+    known_peers: BTreeSet<PeerId>,
+}
+
+/// Why DATA runs are invalid.
+fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String> {
+    if runs.is_empty() {
+        return Err("no runs".into());
+    }
+    let mut copies = 0u64;
+    for (i, r) in runs.iter().enumerate() {
+        if r.len == 0 || r.count == 0 {
+            return Err(format!("run {i} is empty"));
+        }
+        let end = r.region_end().ok_or_else(|| format!("run {i} overflows"))?;
+        if end > region_len {
+            return Err(format!(
+                "run {i} ends at {end}, beyond the granted {region_len} bytes"
+            ));
+        }
+        r.addr_end()
+            .ok_or_else(|| format!("run {i} destination overflows"))?;
+        copies = copies.saturating_add(u64::from(r.count));
+    }
+    if copies > MAX_COPIES_PER_CHUNK {
+        return Err(format!(
+            "{copies} copies exceed the limit {MAX_COPIES_PER_CHUNK}"
+        ));
+    }
+    Ok(())
+}
+
+impl Receiver {
+    fn register_endpoint(&mut self, ctx: &mut Ctx, from: &PeerId, endpoint: Vec<u8>) {
+        if !endpoint.is_empty() && !self.known_peers.contains(from) {
+            self.known_peers.insert(from.clone());
+            ctx.actions.push_back(Action::Connect {
+                peer: from.clone(),
+                endpoint,
+            });
+        }
+    }
+
+    fn tombstone(&mut self, ctx: &Ctx, flow: FlowId, now: Time) {
+        self.tombstones
+            .insert(flow, now.after(ctx.cfg.tombstone_ttl));
+    }
+
+    /// Aborts a live flow on the receiver's own initiative: tell the sender,
+    /// quarantine its regions (the sender may still write), remember it.
+    fn abort(&mut self, ctx: &mut Ctx, now: Time, flow: &FlowId, reason: RefuseReason) {
+        ctx.sched.quarantine_flow(flow);
+        ctx.send(
+            &flow.peer,
+            Message::Refuse {
+                request: flow.request,
+                reason,
+            },
+        );
+        self.tombstone(ctx, flow.clone(), now);
+    }
+
+    pub fn on_want(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        from: &PeerId,
+        request: RequestId,
+        chunk_sizes: &[u64],
+        endpoint: Vec<u8>,
+    ) {
+        self.register_endpoint(ctx, from, endpoint);
+        let refuse = if ctx.poisoned.is_some() {
+            Some(RefuseReason::Poisoned)
+        } else if ctx.shut_down {
+            Some(RefuseReason::ShuttingDown)
+        } else {
+            None
+        };
+        if let Some(reason) = refuse {
+            ctx.send(from, Message::Refuse { request, reason });
+            return;
+        }
+        let flow = FlowId {
+            peer: from.clone(),
+            request,
+        };
+        if self.tombstones.contains_key(&flow) || ctx.sched.has_flow(&flow) {
+            ctx.stats.ignored += 1;
+            return;
+        }
+        if let Err(e) = ctx.sched.add_flow(now, flow.clone(), chunk_sizes) {
+            tracing::warn!(target: "nixl_bounce::proto", "refusing WANT from {from}: {e}");
+            let reason = match e {
+                super::credit::SchedError::BadChunkSize { .. } => RefuseReason::ChunkTooLarge,
+                _ => RefuseReason::ProtocolViolation,
+            };
+            ctx.send(from, Message::Refuse { request, reason });
+            self.tombstone(ctx, flow, now);
+        }
+    }
+
+    pub fn on_cancel(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        from: &PeerId,
+        request: RequestId,
+        endpoint: Vec<u8>,
+    ) {
+        self.register_endpoint(ctx, from, endpoint);
+        let flow = FlowId {
+            peer: from.clone(),
+            request,
+        };
+        // The sender cancels only once none of its writes can land: every
+        // region of the flow that no scatter reads is free to reuse.
+        ctx.sched.reclaim_flow(&flow);
+        ctx.sched.release_quarantine(&flow);
+        self.tombstone(ctx, flow, now);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_data(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        from: &PeerId,
+        request: RequestId,
+        chunk: u32,
+        region: RegionHandle,
+        runs: Vec<Run>,
+    ) {
+        let flow = FlowId {
+            peer: from.clone(),
+            request,
+        };
+        let held = ctx
+            .sched
+            .held(&flow, region)
+            .filter(|h| h.chunk == chunk && !h.scattering);
+        let Some(held) = held else {
+            ctx.stats.late_data += 1;
+            tracing::debug!(target: "nixl_bounce::proto", "dropping late DATA {flow}#{chunk} {region}");
+            return;
+        };
+        if let Err(why) = validate_runs(&runs, held.len) {
+            tracing::warn!(target: "nixl_bounce::proto", "invalid DATA from {from} for {flow}#{chunk}: {why}");
+            self.abort(ctx, now, &flow, RefuseReason::ProtocolViolation);
+            return;
+        }
+        if ctx.sched.begin_scatter(&flow, region).is_err() {
+            ctx.stats.late_data += 1;
+            return;
+        }
+        ctx.sched.touch(&flow, now);
+        ctx.actions.push_back(Action::StartScatter {
+            flow,
+            chunk,
+            region,
+            runs,
+        });
+    }
+
+    pub fn on_scatter_done(&mut self, ctx: &mut Ctx, _now: Time, region: RegionHandle) {
+        match ctx.sched.finish_scatter(region) {
+            Ok(ScatterEnd::Owned { flow, chunk }) => ctx.send(
+                &flow.peer,
+                Message::Ack {
+                    request: flow.request,
+                    chunk,
+                    region,
+                },
+            ),
+            Ok(ScatterEnd::Orphaned) => {}
+            Err(e) => {
+                ctx.stats.ignored += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "scatter done for {region}: {e}");
+            }
+        }
+    }
+
+    pub fn on_scatter_failed(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        region: RegionHandle,
+        quiesced: bool,
+    ) {
+        if !quiesced {
+            ctx.poison(format!(
+                "scatter of {region} failed and could not be synchronised"
+            ));
+            return;
+        }
+        match ctx.sched.finish_scatter(region) {
+            Ok(ScatterEnd::Owned { flow, .. }) => {
+                // No ACK: the destination bytes are not there.
+                if ctx.sched.has_flow(&flow) {
+                    self.abort(ctx, now, &flow, RefuseReason::ScatterFailed);
+                } else {
+                    ctx.send(
+                        &flow.peer,
+                        Message::Refuse {
+                            request: flow.request,
+                            reason: RefuseReason::ScatterFailed,
+                        },
+                    );
+                    self.tombstone(ctx, flow, now);
+                }
+            }
+            Ok(ScatterEnd::Orphaned) => {}
+            Err(e) => {
+                ctx.stats.ignored += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "scatter failed for {region}: {e}");
+            }
+        }
+    }
+
+    /// Grants what the arena allows and sends one GRANT per flow.
+    pub fn schedule(&mut self, ctx: &mut Ctx) {
+        let grants = ctx.sched.schedule();
+        if grants.is_empty() {
+            return;
+        }
+        ctx.stats.grants += grants.len() as u64;
+        let mut by_flow: BTreeMap<FlowId, Vec<Credit>> = BTreeMap::new();
+        let mut order = Vec::new();
+        for g in grants {
+            if !by_flow.contains_key(&g.flow) {
+                order.push(g.flow.clone());
+            }
+            by_flow.entry(g.flow).or_default().push(g.credit);
+        }
+        for flow in order {
+            if let Some(credits) = by_flow.remove(&flow) {
+                ctx.send(
+                    &flow.peer,
+                    Message::Grant {
+                        request: flow.request,
+                        credits,
+                    },
+                );
+            }
+        }
+    }
+
+    pub fn on_timeout(&mut self, ctx: &mut Ctx, now: Time) {
+        for flow in ctx.sched.idle_flows(now, ctx.cfg.flow_idle_timeout) {
+            tracing::warn!(target: "nixl_bounce::proto", "flow {flow} idle too long; aborting");
+            self.abort(ctx, now, &flow, RefuseReason::Expired);
+        }
+        self.tombstones.retain(|_, &mut until| until > now);
+    }
+
+    pub fn next_timeout(&self, ctx: &Ctx) -> Option<Time> {
+        let idle = ctx.sched.next_idle_deadline(ctx.cfg.flow_idle_timeout);
+        let tomb = self.tombstones.values().min().copied();
+        [idle, tomb].into_iter().flatten().min()
+    }
+
+    pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
+        ctx.sched.reclaim_peer(peer);
+        self.known_peers.remove(peer);
+    }
+
+    pub fn abort_all(&mut self, ctx: &mut Ctx, now: Time, reason: RefuseReason) {
+        for flow in ctx.sched.flow_ids() {
+            self.abort(ctx, now, &flow, reason);
+        }
+    }
+
+    /// Tombstones currently remembered.
+    #[allow(dead_code)]
+    pub fn tombstone_count(&self) -> usize {
+        self.tombstones.len()
+    }
+}

@@ -1,0 +1,618 @@
+//! The sender role: request and chunk lifecycle.
+//!
+//! Per chunk:
+//!
+//! ```text
+//! Idle --eager acquire--> Gathering --gather done--> Gathered --credit--> Writing
+//! Idle --credit, staging ok--> Gathering --gather done (credit held)--> Writing
+//! Idle --credit, arena full--> Parked --staging ok--> Gathering
+//! Writing --write done--> Written (DATA sent, staging released) --ACK--> Acked
+//! ```
+//!
+//! A request succeeds when every chunk is acked. It fails (exactly once) on
+//! timeout, deadline, cancel, peer loss, write or gather failure, refusal,
+//! protocol error, poisoning or shutdown. After a failure the request stays
+//! tracked as long as any of its operations still runs:
+//! - its `Complete` is emitted once no gather reads its source memory;
+//! - a staging region under a running gather or write is *orphaned*: freed
+//!   only when that operation reports a terminal state;
+//! - its CANCEL (empty WANT) is sent only once none of its writes can still
+//!   land in the receiver's regions, so the receiver may reuse them at once.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::endpoint::{Action, Ctx, FailureReason, Outcome, SubmitError};
+use super::plan::{self, Descriptor, Plan};
+use super::wire::{Credit, Message, RefuseReason};
+use super::{ChunkRef, PeerId, RegionHandle, RequestId, Time};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Idle,
+    Parked,
+    Gathering(RegionHandle),
+    Gathered(RegionHandle),
+    Writing(RegionHandle),
+    Written,
+    Acked,
+    Abandoned,
+}
+
+#[derive(Clone, Debug)]
+struct Slot {
+    credit: Option<Credit>,
+    stage: Stage,
+}
+
+#[derive(Debug)]
+struct Request {
+    peer: PeerId,
+    plan: Plan,
+    slots: Vec<Slot>,
+    acked: usize,
+    last_progress: Time,
+    deadline: Option<Time>,
+    failed: Option<FailureReason>,
+    completed: bool,
+    cancel_pending: bool,
+    /// A write may land at any time in the future: never send CANCEL.
+    cancel_forbidden: bool,
+    gathers: u32,
+    writes: u32,
+    /// Chunks holding a staging region (Gathering, Gathered, Writing).
+    staged: u32,
+    /// First chunk that may still be Idle.
+    next_idle: usize,
+}
+
+impl Request {
+    fn active(&self) -> bool {
+        self.failed.is_none()
+    }
+}
+
+/// The sender role's state.
+#[derive(Debug)]
+pub(crate) struct Sender {
+    next_id: u64,
+    requests: BTreeMap<RequestId, Request>,
+    parked: VecDeque<ChunkRef>,
+    /// Staging regions abandoned by stuck operations (never released).
+    leaked: Vec<RegionHandle>,
+}
+
+impl Sender {
+    pub fn new(request_id_base: u64) -> Sender {
+        Sender {
+            next_id: request_id_base,
+            requests: BTreeMap::new(),
+            parked: VecDeque::new(),
+            leaked: Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Every staging region referenced by a chunk (plus leaked ones).
+    pub fn staged_regions(&self) -> Vec<RegionHandle> {
+        let mut out = self.leaked.clone();
+        for r in self.requests.values() {
+            for s in &r.slots {
+                if let Stage::Gathering(x) | Stage::Gathered(x) | Stage::Writing(x) = s.stage {
+                    out.push(x);
+                }
+            }
+        }
+        out
+    }
+
+    pub fn submit(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        peer: &PeerId,
+        descriptors: &[Descriptor],
+    ) -> Result<RequestId, SubmitError> {
+        let plan = plan::build(descriptors, ctx.plan_options)?;
+        let id = RequestId(self.next_id);
+        self.next_id = self.next_id.wrapping_add(1);
+        ctx.stats.submitted += 1;
+        if plan.chunks.is_empty() {
+            ctx.stats.succeeded += 1;
+            ctx.actions.push_back(Action::Complete {
+                request: id,
+                outcome: Outcome::Success,
+            });
+            return Ok(id);
+        }
+        ctx.send(
+            peer,
+            Message::Want {
+                request: id,
+                chunk_sizes: plan.chunk_sizes(),
+                endpoint: ctx.cfg.local_endpoint.clone(),
+            },
+        );
+        let n = plan.chunks.len();
+        self.requests.insert(
+            id,
+            Request {
+                peer: peer.clone(),
+                plan,
+                slots: vec![
+                    Slot {
+                        credit: None,
+                        stage: Stage::Idle
+                    };
+                    n
+                ],
+                acked: 0,
+                last_progress: now,
+                deadline: ctx.cfg.request_deadline.map(|d| now.after(d)),
+                failed: None,
+                completed: false,
+                cancel_pending: false,
+                cancel_forbidden: false,
+                gathers: 0,
+                writes: 0,
+                staged: 0,
+                next_idle: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    fn start_gather(
+        ctx: &mut Ctx,
+        id: RequestId,
+        req: &mut Request,
+        chunk: usize,
+        region: RegionHandle,
+    ) {
+        req.slots[chunk].stage = Stage::Gathering(region);
+        req.gathers += 1;
+        req.staged += 1;
+        ctx.actions.push_back(Action::StartGather {
+            chunk: ChunkRef {
+                request: id,
+                chunk: chunk as u32,
+            },
+            region,
+            runs: req.plan.chunks[chunk].gather_runs.clone(),
+        });
+    }
+
+    fn post_write(
+        ctx: &mut Ctx,
+        id: RequestId,
+        req: &mut Request,
+        chunk: usize,
+        local: RegionHandle,
+    ) {
+        let Some(credit) = req.slots[chunk].credit else {
+            return;
+        };
+        req.slots[chunk].stage = Stage::Writing(local);
+        req.writes += 1;
+        ctx.actions.push_back(Action::PostWrite {
+            chunk: ChunkRef {
+                request: id,
+                chunk: chunk as u32,
+            },
+            peer: req.peer.clone(),
+            local,
+            remote: credit.region,
+            len: req.plan.chunks[chunk].bytes,
+        });
+    }
+
+    /// Eagerly stages the next idle chunks of live requests (no credit yet),
+    /// at most W staged chunks per request, within the eager budget. Skipped
+    /// while credits are parked: those need the memory more.
+    pub fn eager_fill(&mut self, ctx: &mut Ctx) {
+        if !ctx.cfg.eager_gather
+            || !self.parked.is_empty()
+            || ctx.poisoned.is_some()
+            || ctx.shut_down
+        {
+            return;
+        }
+        let window = ctx.cfg.window;
+        for (&id, req) in self.requests.iter_mut() {
+            if !req.active() {
+                continue;
+            }
+            while req.staged < window {
+                while req.next_idle < req.slots.len()
+                    && req.slots[req.next_idle].stage != Stage::Idle
+                {
+                    req.next_idle += 1;
+                }
+                let c = req.next_idle;
+                if c >= req.slots.len() {
+                    break;
+                }
+                let Some(region) = ctx.sched.acquire_local(req.plan.chunks[c].bytes, true) else {
+                    return;
+                };
+                Self::start_gather(ctx, id, req, c, region);
+            }
+        }
+    }
+
+    /// Stages parked credits in arrival order while the arena allows.
+    pub fn retry_parked(&mut self, ctx: &mut Ctx) {
+        while let Some(&cref) = self.parked.front() {
+            let Some(req) = self.requests.get_mut(&cref.request) else {
+                self.parked.pop_front();
+                continue;
+            };
+            let c = cref.chunk as usize;
+            if !req.active() || req.slots.get(c).map(|s| s.stage) != Some(Stage::Parked) {
+                self.parked.pop_front();
+                continue;
+            }
+            let Some(region) = ctx.sched.acquire_local(req.plan.chunks[c].bytes, false) else {
+                return;
+            };
+            self.parked.pop_front();
+            Self::start_gather(ctx, cref.request, req, c, region);
+        }
+    }
+
+    pub fn on_grant(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        from: &PeerId,
+        id: RequestId,
+        credits: &[Credit],
+    ) {
+        let Some(req) = self.requests.get_mut(&id) else {
+            // Unknown (finished long ago or never ours): retract the flow so
+            // the receiver frees the regions at once.
+            ctx.stats.ignored += 1;
+            ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone()));
+            return;
+        };
+        if req.peer != *from {
+            ctx.stats.ignored += 1;
+            tracing::warn!(target: "nixl_bounce::proto", "GRANT for {id} from {from}, but the request goes to {}", req.peer);
+            return;
+        }
+        if !req.active() {
+            ctx.stats.ignored += 1;
+            if !req.cancel_pending && !req.cancel_forbidden && req.writes == 0 {
+                ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone()));
+            }
+            return;
+        }
+        let mut bad = false;
+        for credit in credits {
+            let c = credit.chunk as usize;
+            let valid = req
+                .slots
+                .get(c)
+                .is_some_and(|s| s.credit.is_none() && credit.len >= req.plan.chunks[c].bytes);
+            if !valid {
+                tracing::warn!(target: "nixl_bounce::proto", "impossible credit {credit:?} for {id} from {from}");
+                bad = true;
+                break;
+            }
+            req.slots[c].credit = Some(*credit);
+            req.last_progress = now;
+            match req.slots[c].stage {
+                Stage::Idle => {
+                    // Never overtake older parked credits.
+                    let region = if self.parked.is_empty() {
+                        ctx.sched.acquire_local(req.plan.chunks[c].bytes, false)
+                    } else {
+                        None
+                    };
+                    match region {
+                        Some(region) => Self::start_gather(ctx, id, req, c, region),
+                        None => {
+                            req.slots[c].stage = Stage::Parked;
+                            ctx.stats.parked += 1;
+                            self.parked.push_back(ChunkRef {
+                                request: id,
+                                chunk: credit.chunk,
+                            });
+                        }
+                    }
+                }
+                Stage::Gathering(region) => {
+                    let _ = ctx.sched.promote_local(region);
+                }
+                Stage::Gathered(region) => {
+                    let _ = ctx.sched.promote_local(region);
+                    Self::post_write(ctx, id, req, c, region);
+                }
+                _ => {}
+            }
+        }
+        if bad {
+            self.fail(ctx, id, FailureReason::ProtocolError);
+        }
+    }
+
+    pub fn on_gather_done(&mut self, ctx: &mut Ctx, now: Time, cref: ChunkRef) {
+        let Some(req) = self.requests.get_mut(&cref.request) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        let c = cref.chunk as usize;
+        let Some(Stage::Gathering(region)) = req.slots.get(c).map(|s| s.stage) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        req.gathers -= 1;
+        if !req.active() {
+            let _ = ctx.sched.release_local(region);
+            req.slots[c].stage = Stage::Abandoned;
+            req.staged -= 1;
+            self.settle(ctx, cref.request);
+            return;
+        }
+        req.last_progress = now;
+        if req.slots[c].credit.is_some() {
+            Self::post_write(ctx, cref.request, req, c, region);
+        } else {
+            req.slots[c].stage = Stage::Gathered(region);
+        }
+    }
+
+    pub fn on_gather_failed(&mut self, ctx: &mut Ctx, cref: ChunkRef, quiesced: bool) {
+        let Some(req) = self.requests.get_mut(&cref.request) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        let c = cref.chunk as usize;
+        let Some(Stage::Gathering(region)) = req.slots.get(c).map(|s| s.stage) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        req.gathers -= 1;
+        req.staged -= 1;
+        req.slots[c].stage = Stage::Abandoned;
+        if quiesced {
+            let _ = ctx.sched.release_local(region);
+        } else {
+            self.leaked.push(region);
+            ctx.poison(format!(
+                "gather of {cref} failed and could not be synchronised"
+            ));
+        }
+        self.fail(ctx, cref.request, FailureReason::GatherFailed);
+        self.settle(ctx, cref.request);
+    }
+
+    pub fn on_write_done(&mut self, ctx: &mut Ctx, now: Time, cref: ChunkRef) {
+        let Some((req, c, region)) = self.writing(cref) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        req.writes -= 1;
+        req.staged -= 1;
+        let _ = ctx.sched.release_local(region);
+        if !req.active() {
+            req.slots[c].stage = Stage::Abandoned;
+            self.settle(ctx, cref.request);
+            return;
+        }
+        req.slots[c].stage = Stage::Written;
+        req.last_progress = now;
+        if let Some(credit) = req.slots[c].credit {
+            let msg = Message::Data {
+                request: cref.request,
+                chunk: cref.chunk,
+                region: credit.region,
+                runs: req.plan.chunks[c].scatter_runs.clone(),
+            };
+            let peer = req.peer.clone();
+            ctx.send(&peer, msg);
+        }
+    }
+
+    pub fn on_write_failed(&mut self, ctx: &mut Ctx, cref: ChunkRef) {
+        let Some((req, c, region)) = self.writing(cref) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        req.writes -= 1;
+        req.staged -= 1;
+        req.slots[c].stage = Stage::Abandoned;
+        let _ = ctx.sched.release_local(region);
+        self.fail(ctx, cref.request, FailureReason::WriteFailed);
+        self.settle(ctx, cref.request);
+    }
+
+    pub fn on_write_stuck(&mut self, ctx: &mut Ctx, cref: ChunkRef) {
+        let Some((req, c, region)) = self.writing(cref) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        // The write may still read the staging region and land remotely at
+        // any time: never release the region, never cancel the flow.
+        req.writes -= 1;
+        req.staged -= 1;
+        req.slots[c].stage = Stage::Abandoned;
+        req.cancel_forbidden = true;
+        req.cancel_pending = false;
+        self.leaked.push(region);
+        ctx.poison(format!("write of {cref} can never be proven complete"));
+        self.fail(ctx, cref.request, FailureReason::Poisoned);
+        self.settle(ctx, cref.request);
+    }
+
+    fn writing(&mut self, cref: ChunkRef) -> Option<(&mut Request, usize, RegionHandle)> {
+        let req = self.requests.get_mut(&cref.request)?;
+        let c = cref.chunk as usize;
+        match req.slots.get(c)?.stage {
+            Stage::Writing(region) => Some((req, c, region)),
+            _ => None,
+        }
+    }
+
+    pub fn on_ack(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        from: &PeerId,
+        id: RequestId,
+        chunk: u32,
+        region: RegionHandle,
+    ) {
+        let Some(req) = self.requests.get_mut(&id) else {
+            ctx.stats.ignored += 1;
+            return;
+        };
+        let c = chunk as usize;
+        let matches = req.peer == *from
+            && req.active()
+            && req.slots.get(c).is_some_and(|s| {
+                s.stage == Stage::Written && s.credit.map(|k| k.region) == Some(region)
+            });
+        if !matches {
+            ctx.stats.ignored += 1;
+            return;
+        }
+        req.slots[c].stage = Stage::Acked;
+        req.acked += 1;
+        req.last_progress = now;
+        if req.acked == req.slots.len() {
+            req.completed = true;
+            ctx.stats.succeeded += 1;
+            ctx.actions.push_back(Action::Complete {
+                request: id,
+                outcome: Outcome::Success,
+            });
+            self.requests.remove(&id);
+        }
+    }
+
+    pub fn on_refuse(&mut self, ctx: &mut Ctx, from: &PeerId, id: RequestId, reason: RefuseReason) {
+        let ours = self
+            .requests
+            .get(&id)
+            .is_some_and(|r| r.peer == *from && r.active());
+        if !ours {
+            ctx.stats.ignored += 1;
+            return;
+        }
+        tracing::warn!(target: "nixl_bounce::proto", "{from} refused {id}: {reason:?}");
+        let why = match reason {
+            RefuseReason::ScatterFailed => FailureReason::RemoteScatterFailed,
+            _ => FailureReason::Rejected,
+        };
+        self.fail(ctx, id, why);
+    }
+
+    /// Fails `id` with `reason` if it is live. Returns whether it was.
+    pub fn fail(&mut self, ctx: &mut Ctx, id: RequestId, reason: FailureReason) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        if !req.active() {
+            return false;
+        }
+        req.failed = Some(reason);
+        for slot in req.slots.iter_mut() {
+            match slot.stage {
+                Stage::Idle | Stage::Parked => slot.stage = Stage::Abandoned,
+                Stage::Gathered(region) => {
+                    let _ = ctx.sched.release_local(region);
+                    req.staged -= 1;
+                    slot.stage = Stage::Abandoned;
+                }
+                _ => {}
+            }
+        }
+        req.cancel_pending = reason != FailureReason::PeerLost && !req.cancel_forbidden;
+        self.settle(ctx, id);
+        true
+    }
+
+    /// After a failure: emit Complete once no gather runs, CANCEL once no
+    /// write runs, and forget the request once nothing runs.
+    fn settle(&mut self, ctx: &mut Ctx, id: RequestId) {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let Some(reason) = req.failed else {
+            return;
+        };
+        if !req.completed && req.gathers == 0 {
+            req.completed = true;
+            ctx.stats.failed += 1;
+            ctx.actions.push_back(Action::Complete {
+                request: id,
+                outcome: Outcome::Failure(reason),
+            });
+        }
+        if req.cancel_pending && req.writes == 0 {
+            req.cancel_pending = false;
+            let peer = req.peer.clone();
+            ctx.send(&peer, Message::cancel(id, ctx.cfg.local_endpoint.clone()));
+        }
+        if req.completed && req.gathers == 0 && req.writes == 0 {
+            self.requests.remove(&id);
+        }
+    }
+
+    pub fn fail_all(&mut self, ctx: &mut Ctx, reason: FailureReason) {
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.fail(ctx, id, reason);
+        }
+    }
+
+    pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
+        let ids: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.peer == *peer)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            self.fail(ctx, id, FailureReason::PeerLost);
+            if let Some(r) = self.requests.get_mut(&id) {
+                r.cancel_pending = false;
+            }
+        }
+    }
+
+    pub fn on_timeout(&mut self, ctx: &mut Ctx, now: Time) {
+        let timeout = ctx.cfg.request_timeout;
+        let due: Vec<(RequestId, FailureReason)> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.active())
+            .filter_map(|(&id, r)| {
+                if r.deadline.is_some_and(|d| now >= d) {
+                    Some((id, FailureReason::DeadlineExceeded))
+                } else if now >= r.last_progress.after(timeout) {
+                    Some((id, FailureReason::Timeout))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (id, reason) in due {
+            self.fail(ctx, id, reason);
+        }
+    }
+
+    pub fn next_timeout(&self, ctx: &Ctx) -> Option<Time> {
+        self.requests
+            .values()
+            .filter(|r| r.active())
+            .map(|r| {
+                let t = r.last_progress.after(ctx.cfg.request_timeout);
+                r.deadline.map_or(t, |d| d.min(t))
+            })
+            .min()
+    }
+}

@@ -1,0 +1,1091 @@
+//! Control-plane wire codec: messages and the capability handshake blob.
+//!
+//! All integers little-endian. Every message starts with a 12-byte header:
+//!
+//! | bytes | field | value |
+//! |---|---|---|
+//! | 0..4 | magic | `NXBM` |
+//! | 4..6 | wire version | [`WIRE_VERSION`] |
+//! | 6 | type | [`MessageType`] |
+//! | 7 | flags | 0 (reserved; non-zero is rejected) |
+//! | 8..12 | payload length | bytes after the header |
+//!
+//! The decoder checks every field, bounds every count against the bytes that
+//! are actually present before allocating, rejects trailing bytes and
+//! returns a [`WireError`] naming what was wrong. It never panics.
+
+use thiserror::Error;
+
+use super::{RegionHandle, RequestId, Run};
+
+/// Message header magic.
+pub const MESSAGE_MAGIC: [u8; 4] = *b"NXBM";
+/// Handshake blob magic.
+pub const HANDSHAKE_MAGIC: [u8; 4] = *b"NXBH";
+/// The wire version this build speaks.
+pub const WIRE_VERSION: u16 = 1;
+/// Handshake blob format version.
+pub const HANDSHAKE_FORMAT: u16 = 1;
+/// Header length.
+pub const HEADER_LEN: usize = 12;
+
+/// Maximum chunks in one WANT.
+pub const MAX_WANT_CHUNKS: u32 = 1 << 24;
+/// Maximum credits in one GRANT.
+pub const MAX_GRANT_CREDITS: u32 = 1 << 16;
+/// Maximum runs in one DATA.
+pub const MAX_DATA_RUNS: u32 = 1 << 22;
+/// Maximum endpoint length (bytes).
+pub const MAX_ENDPOINT_LEN: u32 = 64 * 1024;
+
+const CREDIT_LEN: usize = 4 + 8 + 8;
+const RUN_LEN: usize = 8 + 8 + 8 + 4 + 8 + 8;
+
+/// Message type codes. 16..=31 are reserved for the READ direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum MessageType {
+    /// Sender asks for credits (an empty WANT is a CANCEL).
+    Want = 1,
+    /// Receiver hands out credits.
+    Grant = 2,
+    /// Sender reports a chunk written.
+    Data = 3,
+    /// Receiver reports a chunk scattered.
+    Ack = 4,
+    /// Receiver refuses or aborts a flow.
+    Refuse = 5,
+}
+
+/// First type code reserved for READ messages.
+pub const RESERVED_READ_FIRST: u8 = 16;
+/// Last type code reserved for READ messages.
+pub const RESERVED_READ_LAST: u8 = 31;
+
+/// Decode failures.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum WireError {
+    /// Input ended early.
+    #[error("truncated {what}: need {need} more bytes, {have} left")]
+    Truncated {
+        /// The field being read.
+        what: &'static str,
+        /// Bytes needed.
+        need: usize,
+        /// Bytes left.
+        have: usize,
+    },
+    /// Wrong magic.
+    #[error("bad magic {found:02x?} (expected {expected:02x?})")]
+    BadMagic {
+        /// Bytes found.
+        found: [u8; 4],
+        /// Bytes expected.
+        expected: [u8; 4],
+    },
+    /// Unsupported version.
+    #[error("unsupported {what} version {found} (this build speaks {supported})")]
+    Version {
+        /// Which version field.
+        what: &'static str,
+        /// Version found.
+        found: u16,
+        /// Version supported.
+        supported: u16,
+    },
+    /// Unknown message type.
+    #[error("unknown message type {0}")]
+    UnknownType(u8),
+    /// A type reserved for a later protocol revision (READ).
+    #[error("message type {0} is reserved for READ messages, not supported by this build")]
+    ReservedType(u8),
+    /// Non-zero reserved header flags.
+    #[error("reserved header flags {0:#04x} must be zero")]
+    BadFlags(u8),
+    /// Header length disagrees with the bytes present.
+    #[error("header says {declared} payload bytes but {actual} are present")]
+    LengthMismatch {
+        /// Declared length.
+        declared: u64,
+        /// Actual length.
+        actual: u64,
+    },
+    /// Bytes left after the last field.
+    #[error("{0} trailing bytes after the {1}")]
+    Trailing(usize, &'static str),
+    /// A count above its protocol bound.
+    #[error("{what} count {count} exceeds the limit {limit}")]
+    CountTooLarge {
+        /// The counted thing.
+        what: &'static str,
+        /// Count found.
+        count: u64,
+        /// Bound.
+        limit: u64,
+    },
+    /// A field with an invalid value.
+    #[error("invalid {what}: {why}")]
+    Invalid {
+        /// The field.
+        what: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+/// Reads little-endian fields from a byte slice, with bounds checks.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    /// Reads from `buf`.
+    pub fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader { buf }
+    }
+
+    /// Bytes not yet read.
+    pub fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Takes the next `n` bytes.
+    pub fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], WireError> {
+        if self.buf.len() < n {
+            return Err(WireError::Truncated {
+                what,
+                need: n,
+                have: self.buf.len(),
+            });
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], WireError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N, what)?);
+        Ok(out)
+    }
+
+    /// Reads a u8.
+    pub fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
+        Ok(self.array::<1>(what)?[0])
+    }
+
+    /// Reads a little-endian u16.
+    pub fn u16(&mut self, what: &'static str) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.array(what)?))
+    }
+
+    /// Reads a little-endian u32.
+    pub fn u32(&mut self, what: &'static str) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    /// Reads a little-endian u64.
+    pub fn u64(&mut self, what: &'static str) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    /// Reads a u32 element count, checks it against `limit` and against the
+    /// bytes left (`elem_len` bytes per element) before anything is
+    /// allocated.
+    pub fn count(
+        &mut self,
+        what: &'static str,
+        limit: u32,
+        elem_len: usize,
+    ) -> Result<usize, WireError> {
+        let n = self.u32(what)?;
+        if n > limit {
+            return Err(WireError::CountTooLarge {
+                what,
+                count: u64::from(n),
+                limit: u64::from(limit),
+            });
+        }
+        let n = n as usize;
+        let need = n.saturating_mul(elem_len);
+        if need > self.remaining() {
+            return Err(WireError::Truncated {
+                what,
+                need,
+                have: self.remaining(),
+            });
+        }
+        Ok(n)
+    }
+
+    /// Fails if any byte is left.
+    pub fn finish(&self, what: &'static str) -> Result<(), WireError> {
+        match self.remaining() {
+            0 => Ok(()),
+            n => Err(WireError::Trailing(n, what)),
+        }
+    }
+}
+
+/// Appends little-endian fields to a byte vector.
+#[derive(Debug, Default)]
+pub struct Writer {
+    buf: Vec<u8>,
+}
+
+impl Writer {
+    /// An empty writer.
+    pub fn new() -> Writer {
+        Writer::default()
+    }
+
+    /// Appends a u8.
+    pub fn u8(&mut self, v: u8) {
+        self.buf.push(v);
+    }
+
+    /// Appends a u16.
+    pub fn u16(&mut self, v: u16) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    /// Appends a u32.
+    pub fn u32(&mut self, v: u32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    /// Appends a u64.
+    pub fn u64(&mut self, v: u64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    /// Appends raw bytes.
+    pub fn bytes(&mut self, v: &[u8]) {
+        self.buf.extend_from_slice(v);
+    }
+
+    /// Appends a u32 length then the bytes.
+    pub fn len_prefixed(&mut self, v: &[u8]) {
+        self.u32(u32::try_from(v.len()).unwrap_or(u32::MAX));
+        self.bytes(v);
+    }
+
+    /// Bytes written so far.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Nothing written yet.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// The bytes.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.buf
+    }
+}
+
+/// One credit: exclusive permission to write chunk `chunk` into the
+/// receiver's region `region` of `len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Credit {
+    /// Chunk index within the request.
+    pub chunk: u32,
+    /// Region in the receiver's arena.
+    pub region: RegionHandle,
+    /// Granted bytes (the chunk's size).
+    pub len: u64,
+}
+
+/// Why a receiver refuses or aborts a flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RefuseReason {
+    /// The receiver's arena is poisoned.
+    Poisoned = 1,
+    /// The receiver is shutting down.
+    ShuttingDown = 2,
+    /// A chunk is larger than the receiver can ever grant.
+    ChunkTooLarge = 3,
+    /// The sender broke the protocol (bad DATA runs, duplicate flow, ...).
+    ProtocolViolation = 4,
+    /// The receiver's scatter failed.
+    ScatterFailed = 5,
+    /// The flow expired at the receiver (no activity).
+    Expired = 6,
+}
+
+impl RefuseReason {
+    fn from_u8(v: u8) -> Result<RefuseReason, WireError> {
+        Ok(match v {
+            1 => RefuseReason::Poisoned,
+            2 => RefuseReason::ShuttingDown,
+            3 => RefuseReason::ChunkTooLarge,
+            4 => RefuseReason::ProtocolViolation,
+            5 => RefuseReason::ScatterFailed,
+            6 => RefuseReason::Expired,
+            other => {
+                return Err(WireError::Invalid {
+                    what: "refuse reason",
+                    why: format!("unknown code {other}"),
+                })
+            }
+        })
+    }
+}
+
+/// A control message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// Sender -> receiver: the chunk sizes of a new request.
+    Want {
+        /// The sender's request id (the flow id together with the peer).
+        request: RequestId,
+        /// Per-chunk byte sizes (never empty; empty is [`Message::Cancel`]).
+        chunk_sizes: Vec<u64>,
+        /// The sender's own control endpoint (reverse-path bootstrap).
+        endpoint: Vec<u8>,
+    },
+    /// Sender -> receiver: retract the flow (encoded as a WANT with no
+    /// chunks). Sent only once none of the request's writes can still land.
+    Cancel {
+        /// The sender's request id.
+        request: RequestId,
+        /// The sender's control endpoint.
+        endpoint: Vec<u8>,
+    },
+    /// Receiver -> sender: credits.
+    Grant {
+        /// The request.
+        request: RequestId,
+        /// The credits, in chunk order.
+        credits: Vec<Credit>,
+    },
+    /// Sender -> receiver: chunk `chunk` landed in `region`; scatter it.
+    Data {
+        /// The request.
+        request: RequestId,
+        /// The chunk.
+        chunk: u32,
+        /// The receiver region written.
+        region: RegionHandle,
+        /// Region -> destination runs (offsets relative to the region).
+        runs: Vec<Run>,
+    },
+    /// Receiver -> sender: chunk `chunk` scattered, region recycled.
+    Ack {
+        /// The request.
+        request: RequestId,
+        /// The chunk.
+        chunk: u32,
+        /// The region it used.
+        region: RegionHandle,
+    },
+    /// Receiver -> sender: the flow is refused or aborted.
+    Refuse {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        reason: RefuseReason,
+    },
+}
+
+impl Message {
+    /// A CANCEL (empty WANT) for `request`.
+    pub fn cancel(request: RequestId, endpoint: Vec<u8>) -> Message {
+        Message::Cancel { request, endpoint }
+    }
+
+    /// The request id every message carries.
+    pub fn request(&self) -> RequestId {
+        match self {
+            Message::Want { request, .. }
+            | Message::Cancel { request, .. }
+            | Message::Grant { request, .. }
+            | Message::Data { request, .. }
+            | Message::Ack { request, .. }
+            | Message::Refuse { request, .. } => *request,
+        }
+    }
+
+    /// The wire type.
+    pub fn message_type(&self) -> MessageType {
+        match self {
+            Message::Want { .. } | Message::Cancel { .. } => MessageType::Want,
+            Message::Grant { .. } => MessageType::Grant,
+            Message::Data { .. } => MessageType::Data,
+            Message::Ack { .. } => MessageType::Ack,
+            Message::Refuse { .. } => MessageType::Refuse,
+        }
+    }
+
+    /// Encodes header + payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut p = Writer::new();
+        match self {
+            Message::Want {
+                request,
+                chunk_sizes,
+                endpoint,
+            } => encode_want(&mut p, *request, chunk_sizes, endpoint),
+            Message::Cancel { request, endpoint } => encode_want(&mut p, *request, &[], endpoint),
+            Message::Grant { request, credits } => {
+                p.u64(request.0);
+                p.u32(credits.len() as u32);
+                for c in credits {
+                    p.u32(c.chunk);
+                    p.u64(c.region.0);
+                    p.u64(c.len);
+                }
+            }
+            Message::Data {
+                request,
+                chunk,
+                region,
+                runs,
+            } => {
+                p.u64(request.0);
+                p.u32(*chunk);
+                p.u64(region.0);
+                p.u32(runs.len() as u32);
+                for r in runs {
+                    p.u64(r.region_offset);
+                    p.u64(r.addr);
+                    p.u64(r.len);
+                    p.u32(r.count);
+                    p.u64(r.region_stride);
+                    p.u64(r.addr_stride);
+                }
+            }
+            Message::Ack {
+                request,
+                chunk,
+                region,
+            } => {
+                p.u64(request.0);
+                p.u32(*chunk);
+                p.u64(region.0);
+            }
+            Message::Refuse { request, reason } => {
+                p.u64(request.0);
+                p.u8(*reason as u8);
+            }
+        }
+        let payload = p.into_bytes();
+        let mut w = Writer::new();
+        w.bytes(&MESSAGE_MAGIC);
+        w.u16(WIRE_VERSION);
+        w.u8(self.message_type() as u8);
+        w.u8(0);
+        w.u32(payload.len() as u32);
+        w.bytes(&payload);
+        w.into_bytes()
+    }
+
+    /// Decodes one message; the input must be exactly one message.
+    pub fn decode(bytes: &[u8]) -> Result<Message, WireError> {
+        let mut r = Reader::new(bytes);
+        let magic: [u8; 4] = r.array("magic")?;
+        if magic != MESSAGE_MAGIC {
+            return Err(WireError::BadMagic {
+                found: magic,
+                expected: MESSAGE_MAGIC,
+            });
+        }
+        let version = r.u16("wire version")?;
+        if version != WIRE_VERSION {
+            return Err(WireError::Version {
+                what: "wire",
+                found: version,
+                supported: WIRE_VERSION,
+            });
+        }
+        let ty = r.u8("message type")?;
+        let flags = r.u8("header flags")?;
+        let declared = r.u32("payload length")?;
+        if u64::from(declared) != r.remaining() as u64 {
+            return Err(WireError::LengthMismatch {
+                declared: u64::from(declared),
+                actual: r.remaining() as u64,
+            });
+        }
+        if (RESERVED_READ_FIRST..=RESERVED_READ_LAST).contains(&ty) {
+            return Err(WireError::ReservedType(ty));
+        }
+        if flags != 0 {
+            return Err(WireError::BadFlags(flags));
+        }
+        let msg = match ty {
+            1 => decode_want(&mut r)?,
+            2 => {
+                let request = RequestId(r.u64("request id")?);
+                let n = r.count("credit", MAX_GRANT_CREDITS, CREDIT_LEN)?;
+                if n == 0 {
+                    return Err(WireError::Invalid {
+                        what: "GRANT",
+                        why: "no credits".into(),
+                    });
+                }
+                let mut credits = Vec::with_capacity(n);
+                for _ in 0..n {
+                    credits.push(Credit {
+                        chunk: r.u32("credit chunk")?,
+                        region: RegionHandle(r.u64("credit region")?),
+                        len: r.u64("credit length")?,
+                    });
+                }
+                Message::Grant { request, credits }
+            }
+            3 => {
+                let request = RequestId(r.u64("request id")?);
+                let chunk = r.u32("chunk index")?;
+                let region = RegionHandle(r.u64("region")?);
+                let n = r.count("run", MAX_DATA_RUNS, RUN_LEN)?;
+                let mut runs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    runs.push(Run {
+                        region_offset: r.u64("run region offset")?,
+                        addr: r.u64("run address")?,
+                        len: r.u64("run length")?,
+                        count: r.u32("run count")?,
+                        region_stride: r.u64("run region stride")?,
+                        addr_stride: r.u64("run address stride")?,
+                    });
+                }
+                Message::Data {
+                    request,
+                    chunk,
+                    region,
+                    runs,
+                }
+            }
+            4 => Message::Ack {
+                request: RequestId(r.u64("request id")?),
+                chunk: r.u32("chunk index")?,
+                region: RegionHandle(r.u64("region")?),
+            },
+            5 => Message::Refuse {
+                request: RequestId(r.u64("request id")?),
+                reason: RefuseReason::from_u8(r.u8("refuse reason")?)?,
+            },
+            other => return Err(WireError::UnknownType(other)),
+        };
+        r.finish("message")?;
+        Ok(msg)
+    }
+}
+
+fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8]) {
+    p.u64(request.0);
+    p.u32(sizes.len() as u32);
+    for &s in sizes {
+        p.u64(s);
+    }
+    p.len_prefixed(endpoint);
+}
+
+fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
+    let request = RequestId(r.u64("request id")?);
+    let n = r.count("chunk size", MAX_WANT_CHUNKS, 8)?;
+    let mut chunk_sizes = Vec::with_capacity(n);
+    for _ in 0..n {
+        chunk_sizes.push(r.u64("chunk size")?);
+    }
+    let elen = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
+    let endpoint = r.take(elen, "endpoint")?.to_vec();
+    Ok(if chunk_sizes.is_empty() {
+        Message::Cancel { request, endpoint }
+    } else {
+        Message::Want {
+            request,
+            chunk_sizes,
+            endpoint,
+        }
+    })
+}
+
+/// The control transport an agent uses; peers must agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ControlKind {
+    /// ZMQ over TCP.
+    Zmq = 1,
+    /// NIXL notifications.
+    NixlNotif = 2,
+}
+
+/// Capability flags advertised in the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    /// Understands CANCEL (empty WANT) and REFUSE.
+    pub const CANCEL: Capabilities = Capabilities(1 << 0);
+    /// Supports the READ direction (reserved, not implemented).
+    pub const READ: Capabilities = Capabilities(1 << 1);
+
+    /// Whether every flag of `other` is set.
+    pub fn contains(self, other: Capabilities) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Union.
+    pub fn with(self, other: Capabilities) -> Capabilities {
+        Capabilities(self.0 | other.0)
+    }
+}
+
+/// The per-agent capability blob carried in the agent metadata.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0..4 | magic `NXBH` |
+/// | 4..6 | handshake format version |
+/// | 6..8 | wire version |
+/// | 8 | control kind |
+/// | 9..17 | capability flags |
+/// | 17..25 | arena usable capacity |
+/// | 25..33 | max chunk size |
+/// | 33..41 | arena base address |
+/// | 41..45 | arena device id |
+/// | 45..49 | endpoint length n |
+/// | 49..49+n | endpoint |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Handshake {
+    /// Wire version spoken.
+    pub wire_version: u16,
+    /// Control transport.
+    pub control: ControlKind,
+    /// Capability flags.
+    pub capabilities: Capabilities,
+    /// Usable arena capacity (largest grantable region).
+    pub arena_usable_capacity: u64,
+    /// Max chunk size (must match).
+    pub max_chunk_size: u64,
+    /// Arena base address (remote write targets are base + region offset).
+    pub arena_base: u64,
+    /// Arena device id.
+    pub arena_device: u32,
+    /// Control endpoint.
+    pub endpoint: Vec<u8>,
+}
+
+/// Why a peer's handshake is not compatible.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum Incompatible {
+    /// Different wire versions.
+    #[error("peer speaks wire version {peer}, this agent {local}")]
+    WireVersion {
+        /// Local.
+        local: u16,
+        /// Peer.
+        peer: u16,
+    },
+    /// Different control transports.
+    #[error("peer uses control kind {peer:?}, this agent {local:?} (set NIXL_BOUNCE_USE_NIXL_NOTIFICATIONS alike on both)")]
+    ControlKind {
+        /// Local.
+        local: ControlKind,
+        /// Peer.
+        peer: ControlKind,
+    },
+    /// Different chunk sizes.
+    #[error("peer max chunk size {peer} differs from this agent's {local} (set NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES alike on both)")]
+    MaxChunk {
+        /// Local.
+        local: u64,
+        /// Peer.
+        peer: u64,
+    },
+    /// The peer cannot cancel.
+    #[error("peer lacks the CANCEL capability")]
+    NoCancel,
+    /// The peer has no endpoint.
+    #[error("peer advertises an empty control endpoint")]
+    NoEndpoint,
+}
+
+impl Handshake {
+    /// Encodes the blob.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.bytes(&HANDSHAKE_MAGIC);
+        w.u16(HANDSHAKE_FORMAT);
+        w.u16(self.wire_version);
+        w.u8(self.control as u8);
+        w.u64(self.capabilities.0);
+        w.u64(self.arena_usable_capacity);
+        w.u64(self.max_chunk_size);
+        w.u64(self.arena_base);
+        w.u32(self.arena_device);
+        w.len_prefixed(&self.endpoint);
+        w.into_bytes()
+    }
+
+    /// Decodes a blob; the input must be exactly one blob.
+    pub fn decode(bytes: &[u8]) -> Result<Handshake, WireError> {
+        let mut r = Reader::new(bytes);
+        let magic: [u8; 4] = r.array("handshake magic")?;
+        if magic != HANDSHAKE_MAGIC {
+            return Err(WireError::BadMagic {
+                found: magic,
+                expected: HANDSHAKE_MAGIC,
+            });
+        }
+        let format = r.u16("handshake format")?;
+        if format != HANDSHAKE_FORMAT {
+            return Err(WireError::Version {
+                what: "handshake format",
+                found: format,
+                supported: HANDSHAKE_FORMAT,
+            });
+        }
+        let wire_version = r.u16("wire version")?;
+        let control = match r.u8("control kind")? {
+            1 => ControlKind::Zmq,
+            2 => ControlKind::NixlNotif,
+            other => {
+                return Err(WireError::Invalid {
+                    what: "control kind",
+                    why: format!("unknown code {other}"),
+                })
+            }
+        };
+        let capabilities = Capabilities(r.u64("capabilities")?);
+        let arena_usable_capacity = r.u64("arena usable capacity")?;
+        let max_chunk_size = r.u64("max chunk size")?;
+        let arena_base = r.u64("arena base")?;
+        let arena_device = r.u32("arena device")?;
+        let n = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
+        let endpoint = r.take(n, "endpoint")?.to_vec();
+        r.finish("handshake")?;
+        if max_chunk_size == 0 || max_chunk_size > arena_usable_capacity {
+            return Err(WireError::Invalid {
+                what: "max chunk size",
+                why: format!(
+                    "{max_chunk_size} is zero or above the usable capacity {arena_usable_capacity}"
+                ),
+            });
+        }
+        Ok(Handshake {
+            wire_version,
+            control,
+            capabilities,
+            arena_usable_capacity,
+            max_chunk_size,
+            arena_base,
+            arena_device,
+            endpoint,
+        })
+    }
+
+    /// Whether this agent (`self`) may use the bounce path with `peer`.
+    pub fn check_compatible(&self, peer: &Handshake) -> Result<(), Incompatible> {
+        if peer.wire_version != self.wire_version {
+            return Err(Incompatible::WireVersion {
+                local: self.wire_version,
+                peer: peer.wire_version,
+            });
+        }
+        if peer.control != self.control {
+            return Err(Incompatible::ControlKind {
+                local: self.control,
+                peer: peer.control,
+            });
+        }
+        if peer.max_chunk_size != self.max_chunk_size {
+            return Err(Incompatible::MaxChunk {
+                local: self.max_chunk_size,
+                peer: peer.max_chunk_size,
+            });
+        }
+        if !peer.capabilities.contains(Capabilities::CANCEL) {
+            return Err(Incompatible::NoCancel);
+        }
+        if peer.endpoint.is_empty() {
+            return Err(Incompatible::NoEndpoint);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_run() -> impl Strategy<Value = Run> {
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u64>(),
+        )
+            .prop_map(
+                |(region_offset, addr, len, count, region_stride, addr_stride)| Run {
+                    region_offset,
+                    addr,
+                    len,
+                    count,
+                    region_stride,
+                    addr_stride,
+                },
+            )
+    }
+
+    fn arb_message() -> impl Strategy<Value = Message> {
+        let rid = any::<u64>().prop_map(RequestId);
+        prop_oneof![
+            (
+                rid.clone(),
+                proptest::collection::vec(any::<u64>(), 1..20),
+                proptest::collection::vec(any::<u8>(), 0..40)
+            )
+                .prop_map(|(request, chunk_sizes, endpoint)| Message::Want {
+                    request,
+                    chunk_sizes,
+                    endpoint
+                }),
+            (rid.clone(), proptest::collection::vec(any::<u8>(), 0..40))
+                .prop_map(|(request, endpoint)| Message::Cancel { request, endpoint }),
+            (
+                rid.clone(),
+                proptest::collection::vec((any::<u32>(), any::<u64>(), any::<u64>()), 1..10)
+            )
+                .prop_map(|(request, cs)| Message::Grant {
+                    request,
+                    credits: cs
+                        .into_iter()
+                        .map(|(chunk, r, len)| Credit {
+                            chunk,
+                            region: RegionHandle(r),
+                            len
+                        })
+                        .collect()
+                }),
+            (
+                rid.clone(),
+                any::<u32>(),
+                any::<u64>(),
+                proptest::collection::vec(arb_run(), 0..10)
+            )
+                .prop_map(|(request, chunk, region, runs)| Message::Data {
+                    request,
+                    chunk,
+                    region: RegionHandle(region),
+                    runs
+                }),
+            (rid.clone(), any::<u32>(), any::<u64>()).prop_map(|(request, chunk, region)| {
+                Message::Ack {
+                    request,
+                    chunk,
+                    region: RegionHandle(region),
+                }
+            }),
+            (rid, 1u8..=6).prop_map(|(request, code)| Message::Refuse {
+                request,
+                reason: RefuseReason::from_u8(code).unwrap()
+            }),
+        ]
+    }
+
+    fn handshake() -> Handshake {
+        Handshake {
+            wire_version: WIRE_VERSION,
+            control: ControlKind::Zmq,
+            capabilities: Capabilities::CANCEL,
+            arena_usable_capacity: 1 << 28,
+            max_chunk_size: 1 << 25,
+            arena_base: 0x7f00_0000_0000,
+            arena_device: 3,
+            endpoint: b"tcp://10.0.0.1:5555".to_vec(),
+        }
+    }
+
+    #[test]
+    fn header_checks() {
+        let good = Message::Ack {
+            request: RequestId(7),
+            chunk: 2,
+            region: RegionHandle(64),
+        }
+        .encode();
+        assert_eq!(good.len(), HEADER_LEN + 20);
+        let mut bad = good.clone();
+        bad[0] = b'X';
+        assert!(matches!(
+            Message::decode(&bad),
+            Err(WireError::BadMagic { .. })
+        ));
+        let mut bad = good.clone();
+        bad[4] = 9;
+        assert!(matches!(
+            Message::decode(&bad),
+            Err(WireError::Version { found: 9, .. })
+        ));
+        let mut bad = good.clone();
+        bad[6] = 17;
+        assert_eq!(Message::decode(&bad), Err(WireError::ReservedType(17)));
+        let mut bad = good.clone();
+        bad[6] = 99;
+        assert_eq!(Message::decode(&bad), Err(WireError::UnknownType(99)));
+        let mut bad = good.clone();
+        bad[7] = 1;
+        assert_eq!(Message::decode(&bad), Err(WireError::BadFlags(1)));
+        let mut bad = good.clone();
+        bad.push(0);
+        assert!(matches!(
+            Message::decode(&bad),
+            Err(WireError::LengthMismatch { .. })
+        ));
+        // Trailing bytes inside a consistent length.
+        let mut bad = good.clone();
+        bad.push(0);
+        bad[8] += 1;
+        assert_eq!(
+            Message::decode(&bad),
+            Err(WireError::Trailing(1, "message"))
+        );
+        assert!(matches!(
+            Message::decode(&good[..5]),
+            Err(WireError::Truncated { .. })
+        ));
+    }
+
+    #[test]
+    fn empty_want_is_cancel() {
+        let c = Message::cancel(RequestId(5), b"ep".to_vec());
+        let bytes = c.encode();
+        assert_eq!(bytes[6], MessageType::Want as u8);
+        assert_eq!(Message::decode(&bytes).unwrap(), c);
+    }
+
+    #[test]
+    fn absurd_counts_rejected_before_allocation() {
+        let mut w = Writer::new();
+        w.u64(1);
+        w.u32(u32::MAX);
+        let payload = w.into_bytes();
+        let mut m = Writer::new();
+        m.bytes(&MESSAGE_MAGIC);
+        m.u16(WIRE_VERSION);
+        m.u8(1);
+        m.u8(0);
+        m.u32(payload.len() as u32);
+        m.bytes(&payload);
+        assert!(matches!(
+            Message::decode(&m.into_bytes()),
+            Err(WireError::CountTooLarge { .. })
+        ));
+        // A plausible count with too few bytes behind it.
+        let mut w = Writer::new();
+        w.u64(1);
+        w.u32(1000);
+        let payload = w.into_bytes();
+        let mut m = Writer::new();
+        m.bytes(&MESSAGE_MAGIC);
+        m.u16(WIRE_VERSION);
+        m.u8(1);
+        m.u8(0);
+        m.u32(payload.len() as u32);
+        m.bytes(&payload);
+        assert!(matches!(
+            Message::decode(&m.into_bytes()),
+            Err(WireError::Truncated { need: 8000, .. })
+        ));
+    }
+
+    #[test]
+    fn handshake_round_trip_and_compatibility() {
+        let h = handshake();
+        assert_eq!(Handshake::decode(&h.encode()).unwrap(), h);
+        assert!(h.check_compatible(&h).is_ok());
+        let mut p = h.clone();
+        p.control = ControlKind::NixlNotif;
+        assert!(matches!(
+            h.check_compatible(&p),
+            Err(Incompatible::ControlKind { .. })
+        ));
+        let mut p = h.clone();
+        p.max_chunk_size /= 2;
+        assert!(h
+            .check_compatible(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("MAX_CHUNK_SIZE_BYTES"));
+        let mut p = h.clone();
+        p.capabilities = Capabilities(0);
+        assert_eq!(h.check_compatible(&p), Err(Incompatible::NoCancel));
+        let mut bytes = h.encode();
+        bytes.push(1);
+        assert!(matches!(
+            Handshake::decode(&bytes),
+            Err(WireError::Trailing(1, _))
+        ));
+        let mut p = h.clone();
+        p.max_chunk_size = p.arena_usable_capacity + 1;
+        assert!(Handshake::decode(&p.encode()).is_err());
+        for cut in 0..h.encode().len() {
+            assert!(Handshake::decode(&h.encode()[..cut]).is_err());
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip(m in arb_message()) {
+            let bytes = m.encode();
+            prop_assert_eq!(Message::decode(&bytes), Ok(m));
+        }
+
+        #[test]
+        fn truncations_are_errors(m in arb_message(), cut in any::<prop::sample::Index>()) {
+            let bytes = m.encode();
+            let cut = cut.index(bytes.len());
+            prop_assert!(Message::decode(&bytes[..cut]).is_err());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = Message::decode(&bytes);
+            let _ = Handshake::decode(&bytes);
+        }
+
+        #[test]
+        fn arbitrary_payloads_behind_a_valid_header_never_panic(
+            ty in 0u8..8, payload in proptest::collection::vec(any::<u8>(), 0..200)
+        ) {
+            let mut m = Writer::new();
+            m.bytes(&MESSAGE_MAGIC);
+            m.u16(WIRE_VERSION);
+            m.u8(ty);
+            m.u8(0);
+            m.u32(payload.len() as u32);
+            m.bytes(&payload);
+            if let Ok(msg) = Message::decode(&m.into_bytes()) {
+                // Whatever decodes re-encodes to the same bytes.
+                let again = msg.encode();
+                prop_assert_eq!(&again[HEADER_LEN..], &payload[..]);
+            }
+        }
+
+        #[test]
+        fn handshakes_round_trip(cap in 0u32..40, chunk_shift in 0u32..40, ep in proptest::collection::vec(any::<u8>(), 0..64), flags in any::<u64>()) {
+            let usable = 1u64 << cap;
+            let h = Handshake {
+                wire_version: WIRE_VERSION,
+                control: if flags & 1 == 0 { ControlKind::Zmq } else { ControlKind::NixlNotif },
+                capabilities: Capabilities(flags),
+                arena_usable_capacity: usable,
+                max_chunk_size: (1u64 << chunk_shift).min(usable),
+                arena_base: flags.rotate_left(7),
+                arena_device: cap,
+                endpoint: ep,
+            };
+            prop_assert_eq!(Handshake::decode(&h.encode()), Ok(h));
+        }
+    }
+}
