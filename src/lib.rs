@@ -12,6 +12,7 @@
 //! - [`nixl_runtime`]: finds the NIXL C API next to the NIXL that loaded us.
 //! - [`logging`]: `tracing` set-up from `NIXL_BOUNCE_LOG` / `NIXL_BOUNCE_LOG_FILE`.
 
+pub mod control;
 pub mod engine;
 pub mod ffi;
 pub mod logging;
