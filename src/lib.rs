@@ -43,6 +43,7 @@
 //! crashes.
 
 pub mod config;
+pub mod control;
 pub mod engine;
 pub mod ffi;
 pub mod logging;

@@ -1,0 +1,251 @@
+//! Control channels: how the credit protocol's messages (WANT / GRANT / DATA /
+//! ACK; a cancel is an empty WANT) travel between two bounce engines.
+//!
+//! A [`ControlChannel`] is an unreliable, per-peer FIFO datagram pipe used by
+//! exactly one thread (the engine's reactor). Two implementations exist and
+//! the choice must match on both sides (the handshake checks [`ControlKind`]):
+//!
+//! - [`zmq::ZmqChannel`] (default): a ZMQ ROUTER bound to a routable address
+//!   receives; one DEALER per peer sends. Endpoints look like
+//!   `tcp://10.0.0.7:41234` or `tcp://[fd00::7]:41234`.
+//! - [`notif::NotifChannel`]: messages ride NIXL notifications through the
+//!   engine's inner UCX agent (no TCP). Endpoints name the peer's inner agent
+//!   and may carry its connection metadata (see [`notif`]).
+//!
+//! Both identify the sender of every message by the sender's own endpoint
+//! ([`Incoming::from`]), so a receiver can answer on the reverse path with
+//! `add_peer(&incoming.from)` even if it never loaded the sender's metadata.
+//!
+//! Delivery is best effort: `send` never blocks and drops (returning
+//! [`SendError::WouldBlock`]) when the peer's queue is full. The protocol
+//! above recovers through its request timeouts.
+
+use std::fmt;
+use std::time::Duration;
+
+pub mod notif;
+pub mod zmq;
+
+pub use self::zmq::{BindSpec, ZmqChannel, ZmqConfig};
+
+/// Which transport carries the control messages. Both peers must use the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ControlKind {
+    /// ZMQ over TCP ([`zmq::ZmqChannel`]).
+    Zmq,
+    /// NIXL notifications through the inner agent ([`notif::NotifChannel`]).
+    NixlNotif,
+}
+
+impl ControlKind {
+    /// The kind's stable name, as used in configuration and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ControlKind::Zmq => "zmq",
+            ControlKind::NixlNotif => "nixl_notif",
+        }
+    }
+}
+
+impl fmt::Display for ControlKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How peers reach a control channel: opaque bytes whose meaning belongs to
+/// the channel kind (a `tcp://ip:port` string for ZMQ; an agent name, possibly
+/// with connection metadata, for NIXL notifications). It travels in the
+/// handshake and in every WANT.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Endpoint(Vec<u8>);
+
+impl Endpoint {
+    /// Wraps raw endpoint bytes (as received in a handshake or a WANT).
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// The endpoint's bytes, for encoding into messages.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The endpoint as text, when it is UTF-8 (always so for ZMQ endpoints).
+    pub fn as_str(&self) -> Option<&str> {
+        std::str::from_utf8(&self.0).ok()
+    }
+
+    /// Consumes the endpoint, returning its bytes.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
+
+    /// A short printable form for logs and error messages: the UTF-8 text up
+    /// to the first NUL byte (a NIXL-notification endpoint's metadata is
+    /// omitted), escaped.
+    pub fn display_name(&self) -> String {
+        let head = self.0.split(|b| *b == 0).next().unwrap_or(&[]);
+        let mut s = String::from_utf8_lossy(head).escape_debug().to_string();
+        if head.len() < self.0.len() {
+            s.push_str(&format!(
+                " (+{} bytes of metadata)",
+                self.0.len() - head.len()
+            ));
+        }
+        s
+    }
+}
+
+impl From<&str> for Endpoint {
+    fn from(s: &str) -> Self {
+        Self(s.as_bytes().to_vec())
+    }
+}
+
+impl From<String> for Endpoint {
+    fn from(s: String) -> Self {
+        Self(s.into_bytes())
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.display_name())
+    }
+}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Endpoint({:?})", self.display_name())
+    }
+}
+
+/// A peer registered with [`ControlChannel::add_peer`]. Handles are never
+/// reused within one channel, so a handle kept after `remove_peer` is simply
+/// unknown (sends to it fail with [`SendError::UnknownPeer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerHandle(u64);
+
+impl PeerHandle {
+    pub(crate) fn new(id: u64) -> Self {
+        Self(id)
+    }
+
+    /// The handle's number (for logs).
+    pub fn id(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for PeerHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer#{}", self.0)
+    }
+}
+
+/// One received control message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Incoming {
+    /// The sender's own endpoint, as the channel identified it; pass it to
+    /// [`ControlChannel::add_peer`] to reply.
+    pub from: Endpoint,
+    /// The message bytes, exactly as the sender passed them to `send`.
+    pub payload: Vec<u8>,
+}
+
+/// Errors of channel set-up, peer registration and receiving.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// An endpoint failed validation; nothing was connected.
+    #[error("endpoint \"{endpoint}\" is not a valid {expected} address: {reason}")]
+    InvalidEndpoint {
+        /// The offending endpoint, printable.
+        endpoint: String,
+        /// The expected form, e.g. `tcp://<ip>:<port>`.
+        expected: &'static str,
+        /// What exactly was wrong.
+        reason: String,
+    },
+    /// No address to bind could be chosen (interface missing, no address...).
+    #[error("cannot choose an address to bind the control channel: {0}")]
+    BindAddress(String),
+    /// A ZMQ call failed.
+    #[error("ZMQ failed while {context}: {source}")]
+    Zmq {
+        /// What the channel was doing.
+        context: String,
+        /// ZMQ's error.
+        source: ::zmq::Error,
+    },
+    /// A NIXL call made for the notification channel failed.
+    #[error("NIXL failed while {context}: {reason}")]
+    Nixl {
+        /// What the channel was doing.
+        context: String,
+        /// NIXL's error, printable.
+        reason: String,
+    },
+}
+
+impl ControlError {
+    pub(crate) fn zmq(context: impl Into<String>, source: ::zmq::Error) -> Self {
+        Self::Zmq {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Errors of [`ControlChannel::send`]. In every case the message was dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// The peer's send queue is full (the peer is slow, stalled or
+    /// unreachable); the message was dropped instead of blocking.
+    #[error("the send queue to {endpoint} is full; message dropped")]
+    WouldBlock {
+        /// The peer's endpoint, printable.
+        endpoint: String,
+    },
+    /// The handle is not (or no longer) registered.
+    #[error("{0} is not a registered peer of this control channel")]
+    UnknownPeer(PeerHandle),
+    /// The transport refused the message for another reason.
+    #[error("sending to {endpoint} failed: {reason}")]
+    Failed {
+        /// The peer's endpoint, printable.
+        endpoint: String,
+        /// Why, printable.
+        reason: String,
+    },
+}
+
+/// A bidirectional, best-effort, per-peer FIFO message channel between bounce
+/// engines. Owned and used by the single reactor thread; object safe.
+pub trait ControlChannel: Send {
+    /// What peers use to reach this channel (advertised in the handshake and
+    /// carried in every WANT).
+    fn local_endpoint(&self) -> &Endpoint;
+
+    /// Registers a peer to send to, validating `endpoint` before any
+    /// connection is attempted. Adding an already registered endpoint returns
+    /// the existing handle.
+    fn add_peer(&mut self, endpoint: &Endpoint) -> Result<PeerHandle, ControlError>;
+
+    /// Forgets a peer and releases everything held for it (sockets, queued
+    /// messages). Returns whether the handle was registered.
+    fn remove_peer(&mut self, peer: PeerHandle) -> bool;
+
+    /// Queues one message for `peer`. Never blocks: when the peer's queue is
+    /// full the message is dropped with a warning and
+    /// [`SendError::WouldBlock`] is returned.
+    fn send(&mut self, peer: PeerHandle, msg: &[u8]) -> Result<(), SendError>;
+
+    /// Waits up to `timeout` for one message (`Duration::ZERO` only polls).
+    /// Malformed input from the network is dropped with a warning and never
+    /// surfaces as an error.
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Incoming>, ControlError>;
+
+    /// Which transport this is.
+    fn kind(&self) -> ControlKind;
+}
