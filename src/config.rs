@@ -93,7 +93,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            enabled: false,
+            enabled: true,
             arena_size_bytes: 256 * MIB,
             arena_allocation_granularity_bytes: MIB,
             max_chunk_size_bytes: 32 * MIB,

@@ -44,9 +44,12 @@
 
 pub mod config;
 pub mod control;
+pub mod copy;
+pub mod dataplane;
 pub mod engine;
 pub mod ffi;
 pub mod logging;
 pub mod nixl_runtime;
 pub mod proto;
+pub mod runtime;
 pub mod stats;

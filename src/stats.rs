@@ -28,11 +28,21 @@ pub struct Counters {
 }
 
 /// What an engine exposes about itself.
-#[derive(Debug)]
 pub struct EngineStats {
     pub agent: String,
     pub params: BTreeMap<String, String>,
     pub counters: Counters,
+    /// Counters by name (fallback reasons, bounce submissions, ...).
+    named: Mutex<BTreeMap<&'static str, u64>>,
+    /// Live values from the bounce runtime, read at snapshot time.
+    #[allow(clippy::type_complexity)]
+    source: Mutex<Option<Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send>>>,
+}
+
+impl std::fmt::Debug for EngineStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineStats").field("agent", &self.agent).finish_non_exhaustive()
+    }
 }
 
 /// A point-in-time copy of an engine's statistics (the JSON shape).
@@ -42,6 +52,9 @@ pub struct Snapshot {
     pub version: String,
     pub params: BTreeMap<String, String>,
     pub counters: BTreeMap<String, u64>,
+    /// Why the bounce arena is poisoned, if it is.
+    #[serde(default)]
+    pub poisoned: Option<String>,
 }
 
 impl EngineStats {
@@ -50,6 +63,8 @@ impl EngineStats {
             agent: agent.to_string(),
             params,
             counters: Counters::default(),
+            named: Mutex::new(BTreeMap::new()),
+            source: Mutex::new(None),
         });
         REGISTRY
             .lock()
@@ -60,6 +75,19 @@ impl EngineStats {
 
     pub fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn bump_named(&self, name: &'static str) {
+        self.add_named(name, 1);
+    }
+
+    pub fn add_named(&self, name: &'static str, n: u64) {
+        *self.named.lock().expect("named counters").entry(name).or_default() += n;
+    }
+
+    /// Installs the source of live runtime counters and poison state.
+    pub fn set_source(&self, f: Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send>) {
+        *self.source.lock().expect("stats source") = Some(f);
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -77,12 +105,23 @@ impl EngineStats {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
-        .collect();
+        .collect::<BTreeMap<String, u64>>();
+        let mut counters = counters;
+        for (k, v) in self.named.lock().expect("named counters").iter() {
+            counters.insert(k.to_string(), *v);
+        }
+        let mut poisoned = None;
+        if let Some(f) = self.source.lock().expect("stats source").as_ref() {
+            let (extra, p) = f();
+            counters.extend(extra);
+            poisoned = p;
+        }
         Snapshot {
             agent: self.agent.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             params: self.params.clone(),
             counters,
+            poisoned,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! requests. This is the "standard path"; the bounce path is routed in front
 //! of it for eligible transfers.
 
+pub mod bounce;
 pub mod conn_info;
 pub mod params;
 
@@ -21,7 +22,13 @@ use nixl_sys::{
     XferStatus,
 };
 
+use crate::config::{Config, ConfigSource};
+use crate::proto::plan::Descriptor;
+use crate::proto::wire::Handshake;
+use crate::proto::PeerId;
+use crate::runtime::{DeferredNotif, Ticket};
 use crate::stats::EngineStats;
+use bounce::{Bounce, Fallback, RouteInput};
 use conn_info::ConnInfo;
 
 /// Appended to the outer agent's name to name its inner agent. Peers use it to
@@ -231,16 +238,48 @@ pub struct Side<'a> {
 
 /// A transfer request owned by NIXL's request handle.
 pub struct Request {
-    xfer: XferRequest,
+    route: Route,
     args: XferArgs,
+}
+
+enum Route {
+    /// The standard path: one inner UCX request.
+    Standard(XferRequest),
+    /// The bounce path.
+    Bounce(BounceXfer),
+}
+
+struct BounceXfer {
+    peer: PeerId,
+    /// The peer's inner agent (target of the completion notification).
+    peer_inner: String,
+    descriptors: Vec<Descriptor>,
+    ticket: Option<Arc<Ticket>>,
+    reported: bool,
+}
+
+impl Request {
+    /// Whether this request took the bounce path.
+    pub fn is_bounce(&self) -> bool {
+        matches!(self.route, Route::Bounce(_))
+    }
 }
 
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Request")
+            .field("bounce", &self.is_bounce())
             .field("args", &self.args)
             .finish_non_exhaustive()
     }
+}
+
+/// What this engine knows about a remote agent.
+#[derive(Debug, Clone)]
+struct Remote {
+    inner: String,
+    /// Set when the peer's handshake is compatible with ours.
+    bounce_peer: Option<PeerId>,
 }
 
 /// Per-transfer settings carried in NIXL's backend custom parameter, as
@@ -290,9 +329,12 @@ pub struct Engine {
     inner_name: String,
     inner: Agent,
     conn_info: Vec<u8>,
-    /// Outer remote agent name -> inner agent name.
-    remotes: Mutex<HashMap<String, String>>,
+    /// Outer remote agent name -> what we know of it.
+    remotes: Mutex<HashMap<String, Remote>>,
     broken: AtomicBool,
+    config: Config,
+    /// The bounce path, when enabled and set up.
+    bounce: Option<Bounce>,
     /// Counters and identity, published for `nixl_bounce_stats`.
     pub stats: Arc<EngineStats>,
 }
@@ -332,7 +374,14 @@ impl Engine {
             .map_err(|e| Error::nixl("reading the UCX plugin's parameters", e))?
             .filter_map(|p| p.ok().map(|(key, _)| key.to_string()))
             .collect();
-        let split = params::split(&params, &ucx_keys, &[]).map_err(Error::invalid)?;
+        let split = params::split(&params, &ucx_keys, &Config::known_param_keys()).map_err(Error::invalid)?;
+        let (config, warnings) = Config::resolve(&|name: &str| std::env::var(name).ok(), &split.bounce)
+            .map_err(|e| Error::invalid(format!("BOUNCE configuration: {e}")))?;
+        // Explicit backend parameters are strict: a value that cannot be used
+        // is an error (environment variables fall back with a warning).
+        if let Some(w) = warnings.iter().find(|w| matches!(w.source, ConfigSource::Param(_))) {
+            return Err(Error::invalid(format!("bad BOUNCE backend parameter: {w}")));
+        }
 
         let ucx_params = Params::from(split.ucx.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .map_err(|e| Error::nixl("building the UCX parameters", e))?;
@@ -346,16 +395,36 @@ impl Engine {
             )
         })?;
 
+        let bounce = if config.enabled {
+            match Bounce::start(&inner, local_name, config.clone()) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::warn!(
+                        agent = local_name,
+                        "bounce path unavailable, all transfers use UCX: {e}"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        // Taken after the arena's registration, so peers that load it can
+        // write into our arena.
         let inner_md = inner
             .get_local_md()
             .map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
         let conn_info = ConnInfo {
             inner_md,
-            handshake: Vec::new(),
+            handshake: bounce.as_ref().map(|b| b.handshake.encode()).unwrap_or_default(),
         }
         .encode();
 
-        tracing::info!(agent = local_name, inner = %inner_name, ?params, "BOUNCE engine created");
+        let stats = EngineStats::new(local_name, params);
+        if let Some(b) = &bounce {
+            stats.set_source(b.runtime.stats_source());
+        }
+        tracing::info!(agent = local_name, inner = %inner_name, bounce = bounce.is_some(), "BOUNCE engine created");
         Ok(Self {
             local_name: local_name.to_string(),
             inner_name,
@@ -363,7 +432,9 @@ impl Engine {
             conn_info,
             remotes: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
-            stats: EngineStats::new(local_name, params),
+            stats,
+            config,
+            bounce,
         })
     }
 
@@ -405,6 +476,9 @@ impl Engine {
             .get_local_partial_md(&descs, None)
             .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
         EngineStats::bump(&self.stats.counters.registrations);
+        if let Some(b) = &self.bounce {
+            b.runtime.targets.add(range.addr, range.len);
+        }
         Ok(Box::new(Md {
             magic: MD_MAGIC,
             range,
@@ -424,6 +498,9 @@ impl Engine {
         md.magic = 0;
         if let MdOwner::Registered { registration, .. } = &mut md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
+            if let Some(b) = &self.bounce {
+                b.runtime.targets.remove(md.range.addr, md.range.len);
+            }
             registration
                 .deregister()
                 .map_err(|e| Error::nixl(&format!("deregistering {:#x}", md.range.addr), e))?;
@@ -457,19 +534,50 @@ impl Engine {
             .map_err(|e| Error::nixl(&format!("loading agent {remote:?}'s connection"), e))?;
         let expected = format!("{remote}{INNER_SUFFIX}");
         if inner_remote != expected {
-            tracing::warn!(
-                remote,
-                inner_remote,
-                expected,
-                "peer's inner agent is not named after it"
-            );
+            tracing::warn!(remote, inner_remote, expected, "peer's inner agent is not named after it");
         }
+        let bounce_peer = self.admit_bounce_peer(remote, &inner_remote, &info.handshake);
         self.remotes
             .lock()
             .expect("remotes lock")
-            .insert(remote.to_string(), inner_remote);
+            .insert(remote.to_string(), Remote { inner: inner_remote, bounce_peer });
         tracing::debug!(remote, "loaded connection info");
         Ok(())
+    }
+
+    /// Checks a peer's bounce handshake. An absent, unreadable or
+    /// incompatible handshake is not an error: the peer is served by the
+    /// standard path, decided now rather than after a timeout.
+    fn admit_bounce_peer(&self, remote: &str, inner_remote: &str, handshake: &[u8]) -> Option<PeerId> {
+        let bounce = self.bounce.as_ref()?;
+        if handshake.is_empty() {
+            tracing::info!(remote, "peer offers no bounce path; using UCX for it");
+            return None;
+        }
+        let peer = match Handshake::decode(handshake) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(remote, "peer's bounce handshake is unreadable ({e}); using UCX for it");
+                return None;
+            }
+        };
+        match bounce.accepts(&peer) {
+            Ok(mut arena) => {
+                let Ok(endpoint) = std::str::from_utf8(&peer.endpoint) else {
+                    tracing::warn!(remote, "peer's control endpoint is not text; using UCX for it");
+                    return None;
+                };
+                arena.inner_agent = inner_remote.to_string();
+                let id = PeerId::new(endpoint);
+                bounce.runtime.add_peer(id.clone(), arena);
+                tracing::debug!(remote, endpoint, "peer is bounce-capable");
+                Some(id)
+            }
+            Err(why) => {
+                tracing::info!(remote, "peer's bounce path is incompatible ({why}); using UCX for it");
+                None
+            }
+        }
     }
 
     pub fn load_remote_md(
@@ -526,8 +634,11 @@ impl Engine {
     }
 
     pub fn disconnect(&self, remote: &str) -> Result<()> {
-        let inner_remote = self.remotes.lock().expect("remotes lock").remove(remote);
-        if let Some(inner_remote) = inner_remote {
+        let known = self.remotes.lock().expect("remotes lock").remove(remote);
+        if let Some(Remote { inner: inner_remote, bounce_peer }) = known {
+            if let (Some(peer), Some(b)) = (bounce_peer, &self.bounce) {
+                b.runtime.forget_peer(peer);
+            }
             self.inner
                 .invalidate_remote_md(&inner_remote)
                 .map_err(|e| Error::nixl(&format!("disconnecting from agent {remote:?}"), e))?;
@@ -544,7 +655,7 @@ impl Engine {
             .lock()
             .expect("remotes lock")
             .get(remote)
-            .cloned()
+            .map(|r| r.inner.clone())
             .ok_or_else(|| {
                 Error::new(
                     Status::NotFound,
@@ -575,6 +686,41 @@ impl Engine {
         check_side("local", local)?;
         check_side("remote", remote)?;
         let inner_remote = self.inner_remote(agent)?;
+        EngineStats::bump(&self.stats.counters.transfers_prepared);
+
+        match self.choose_route(op, local, remote, agent) {
+            Ok(peer) => {
+                let descriptors = local
+                    .descs
+                    .iter()
+                    .zip(&remote.descs)
+                    .map(|((l, _), (r, _))| Descriptor {
+                        src_addr: l.addr as u64,
+                        src_dev: l.dev as u32,
+                        dst_addr: r.addr as u64,
+                        dst_dev: r.dev as u32,
+                        len: l.len.min(r.len) as u64,
+                    })
+                    .collect();
+                if let Some(i) = local.descs.iter().zip(&remote.descs).position(|((l, _), (r, _))| l.len != r.len) {
+                    return Err(Error::invalid(format!(
+                        "descriptor {i}: local length {} differs from remote length {}",
+                        local.descs[i].0.len, remote.descs[i].0.len
+                    )));
+                }
+                return Ok(Request {
+                    route: Route::Bounce(BounceXfer {
+                        peer,
+                        peer_inner: inner_remote,
+                        descriptors,
+                        ticket: None,
+                        reported: false,
+                    }),
+                    args,
+                });
+            }
+            Err(reason) => self.stats.bump_named(reason.name()),
+        }
 
         let mut l = XferDescList::new(local.kind.to_sys())
             .map_err(|e| Error::nixl("building a descriptor list", e))?;
@@ -597,41 +743,110 @@ impl Engine {
                     e,
                 )
             })?;
-        EngineStats::bump(&self.stats.counters.transfers_prepared);
-        Ok(Request { xfer, args })
+        Ok(Request { route: Route::Standard(xfer), args })
+    }
+
+    /// Decides the path of a transfer: `Ok(peer)` for the bounce path.
+    fn choose_route(&self, op: Op, local: &Side<'_>, remote: &Side<'_>, agent: &str) -> std::result::Result<PeerId, Fallback> {
+        let Some(bounce) = &self.bounce else { return Err(Fallback::BounceDisabled) };
+        let peer = self.remotes.lock().expect("remotes lock").get(agent).and_then(|r| r.bounce_peer.clone());
+        let input = RouteInput {
+            op,
+            local: local.kind,
+            remote: remote.kind,
+            descriptors: local.descs.len() as u64,
+            bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
+            peer_capable: peer.is_some(),
+            local_transfer: agent == self.local_name,
+        };
+        bounce::route(&self.config, bounce.runtime.poisoned().is_some(), &input)?;
+        peer.ok_or(Fallback::PeerNotBounceCapable)
     }
 
     /// Posts (or re-posts) a request.
     pub fn post_xfer(&self, req: &mut Request, args: XferArgs) -> Result<Status> {
         TransferParams::parse(&args.custom_param)?;
         req.args = args;
-        let opt = opt_args(&req.args)?;
         EngineStats::bump(&self.stats.counters.transfers_posted);
-        match self.inner.post_xfer_req(&req.xfer, opt.as_ref()) {
-            Ok(true) => Ok(Status::InProgress),
-            Ok(false) => Ok(Status::Success),
-            Err(e) => {
-                EngineStats::bump(&self.stats.counters.transfers_failed);
-                Err(Error::nixl("posting a transfer", e))
+        match &mut req.route {
+            Route::Standard(xfer) => {
+                let opt = opt_args(&req.args)?;
+                match self.inner.post_xfer_req(xfer, opt.as_ref()) {
+                    Ok(true) => Ok(Status::InProgress),
+                    Ok(false) => Ok(Status::Success),
+                    Err(e) => {
+                        EngineStats::bump(&self.stats.counters.transfers_failed);
+                        Err(Error::nixl("posting a transfer", e))
+                    }
+                }
+            }
+            Route::Bounce(b) => {
+                if b.ticket.as_ref().is_some_and(|t| t.outcome().is_none()) {
+                    return Err(Error::new(Status::RepostActive, "the bounce transfer is still running"));
+                }
+                let runtime = &self.bounce.as_ref().expect("bounce routes exist only with a bounce path").runtime;
+                let notif = req.args.notif.clone().map(|message| DeferredNotif { inner_agent: b.peer_inner.clone(), message });
+                b.ticket = Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif));
+                b.reported = false;
+                self.stats.bump_named("bounce_submitted");
+                self.stats
+                    .add_named("bounce_bytes", b.descriptors.iter().map(|d| d.len).sum());
+                Ok(Status::InProgress)
             }
         }
     }
 
-    pub fn check_xfer(&self, req: &Request) -> Result<Status> {
-        match self.inner.get_xfer_status(&req.xfer) {
-            Ok(XferStatus::Success) => Ok(Status::Success),
-            Ok(XferStatus::InProgress) => Ok(Status::InProgress),
-            Err(e) => {
-                EngineStats::bump(&self.stats.counters.transfers_failed);
-                Err(Error::nixl("transfer failed", e))
+    pub fn check_xfer(&self, req: &mut Request) -> Result<Status> {
+        match &mut req.route {
+            Route::Standard(xfer) => match self.inner.get_xfer_status(xfer) {
+                Ok(XferStatus::Success) => Ok(Status::Success),
+                Ok(XferStatus::InProgress) => Ok(Status::InProgress),
+                Err(e) => {
+                    EngineStats::bump(&self.stats.counters.transfers_failed);
+                    Err(Error::nixl("transfer failed", e))
+                }
+            },
+            Route::Bounce(b) => {
+                let Some(ticket) = &b.ticket else {
+                    return Err(Error::new(Status::NotPosted, "the bounce transfer was not posted"));
+                };
+                match ticket.outcome() {
+                    None => Ok(Status::InProgress),
+                    Some(Ok(())) => Ok(Status::Success),
+                    Some(Err(reason)) => {
+                        if !b.reported {
+                            b.reported = true;
+                            EngineStats::bump(&self.stats.counters.transfers_failed);
+                        }
+                        Err(Error::new(
+                            failure_status(reason),
+                            format!("bounce transfer to {} failed: {reason:?}", b.peer),
+                        ))
+                    }
+                }
             }
         }
     }
 
-    /// Releases a request (aborting it if it is still running).
+    /// Releases a request. A bounce request still running is cancelled: the
+    /// call returns at once, and the runtime reclaims its regions only once
+    /// nothing can still touch them.
     pub fn release_req(&self, req: Request) -> Result<()> {
+        if let (Route::Bounce(b), Some(bounce)) = (&req.route, &self.bounce) {
+            if let Some(t) = &b.ticket {
+                if t.outcome().is_none() {
+                    bounce.runtime.cancel(t);
+                    self.stats.bump_named("bounce_cancelled");
+                }
+            }
+        }
         drop(req);
         Ok(())
+    }
+
+    /// Why the bounce arena is poisoned, if it is.
+    pub fn poisoned(&self) -> Option<String> {
+        self.bounce.as_ref().and_then(|b| b.runtime.poisoned())
     }
 
     // ---- notifications -------------------------------------------------------------
@@ -713,6 +928,15 @@ fn check_side(which: &str, side: &Side<'_>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn failure_status(reason: crate::proto::FailureReason) -> Status {
+    use crate::proto::FailureReason as F;
+    match reason {
+        F::Cancelled => Status::Canceled,
+        F::PeerLost => Status::RemoteDisconnect,
+        _ => Status::Backend,
+    }
 }
 
 fn opt_args(args: &XferArgs) -> Result<Option<OptArgs>> {
@@ -800,5 +1024,5 @@ mod tests {
 /// their defaults: BOUNCE's own. UCX's parameters are accepted too and passed
 /// to the inner UCX backend.
 pub fn advertised_options() -> Vec<(String, String)> {
-    Vec::new()
+    Config::describe().into_iter().map(|s| (s.key.to_string(), s.default)).collect()
 }

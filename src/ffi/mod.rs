@@ -625,7 +625,7 @@ pub unsafe extern "C" fn bounce_engine_check_xfer(engine: *mut Engine, req: *mut
             return Err(Error::new(Status::InvalidParam, "null request handle"));
         }
         // SAFETY: caller contract.
-        e.check_xfer(unsafe { &*req })
+        e.check_xfer(unsafe { &mut *req })
     })
 }
 

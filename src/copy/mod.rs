@@ -1,0 +1,73 @@
+//! Copy engines: gather scattered application memory into an arena region,
+//! and scatter a region back out. One trait, so the DRAM (memcpy) engine and
+//! the CUDA engine slot into the same runtime.
+
+pub mod host;
+
+use crate::proto::Run;
+
+/// Which way a copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Application memory (`Run::addr`) -> region.
+    Gather,
+    /// Region -> application memory (`Run::addr`).
+    Scatter,
+}
+
+/// A copy that could not be carried out. Nothing was copied when the runs
+/// were rejected up front; `quiesced` says whether the engine can prove that
+/// nothing still touches the memory (always true for the host engine).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{direction:?} failed: {reason}")]
+pub struct CopyError {
+    pub direction: Direction,
+    pub reason: String,
+    pub quiesced: bool,
+}
+
+/// A region of the local arena, as an address range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionSpan {
+    pub addr: usize,
+    pub len: usize,
+}
+
+/// Moves bytes between application memory and arena regions.
+///
+/// `copy` blocks until the bytes are in place (the runtime calls it from a
+/// copy worker, never from the IO thread). Implementations check that every
+/// run lies inside `region` before touching memory; the application side of
+/// each run was validated by the caller (the sender's descriptors by NIXL,
+/// the receiver's destinations against registered memory).
+pub trait CopyEngine: Send + Sync + std::fmt::Debug {
+    fn copy(&self, direction: Direction, region: RegionSpan, runs: &[Run])
+        -> Result<(), CopyError>;
+}
+
+/// Checks that every run of `runs` lies inside a region of `region_len`
+/// bytes and that no application range wraps around the address space.
+pub fn check_runs(direction: Direction, region_len: usize, runs: &[Run]) -> Result<u64, CopyError> {
+    let mut total = 0u64;
+    for (i, run) in runs.iter().enumerate() {
+        let bad = |why: String| CopyError {
+            direction,
+            reason: format!("run {i}: {why}"),
+            quiesced: true,
+        };
+        let end = run
+            .region_end()
+            .ok_or_else(|| bad("empty or overflowing run".into()))?;
+        if end > region_len as u64 {
+            return Err(bad(format!(
+                "ends at region offset {end}, past the region's {region_len} bytes"
+            )));
+        }
+        run.addr_end()
+            .ok_or_else(|| bad("application range wraps around".into()))?;
+        total += run
+            .total_bytes()
+            .ok_or_else(|| bad("size overflows".into()))?;
+    }
+    Ok(total)
+}

@@ -1,0 +1,689 @@
+//! The runtime: the thin shell that runs the sans-IO [`proto::Endpoint`].
+//!
+//! One reactor thread per engine owns the endpoint, the control channel and
+//! the data plane. Application threads talk to it through [`Runtime`]
+//! (commands in a queue, results in per-request [`Ticket`]s); copy workers run
+//! gathers and scatters and report back. Nothing here decides anything: every
+//! decision is the endpoint's, every action it emits is carried out here.
+//!
+//! Adaptive polling: while copies or writes are in flight the reactor polls
+//! without sleeping (yielding, and backing off to short sleeps after a long
+//! busy stretch); when idle it blocks in the control channel for up to
+//! [`IDLE_WAIT`] or until the next protocol timer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
+use crate::copy::{CopyEngine, Direction, RegionSpan};
+use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
+use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
+use crate::proto::plan::Descriptor;
+use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Time};
+
+/// Longest the idle reactor sleeps in the control channel.
+pub const IDLE_WAIT: Duration = Duration::from_millis(1);
+/// How long a forgotten peer's in-flight writes may take to finish before
+/// the arena is declared poisoned.
+pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
+
+/// Status values of a ticket (NIXL status codes).
+const IN_PROGRESS: i32 = 1;
+const SUCCESS: i32 = 0;
+
+/// The application's view of one bounce request.
+#[derive(Debug)]
+pub struct Ticket {
+    status: AtomicI32,
+    failure: Mutex<Option<FailureReason>>,
+    request: Mutex<Option<RequestId>>,
+}
+
+impl Ticket {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { status: AtomicI32::new(IN_PROGRESS), failure: Mutex::new(None), request: Mutex::new(None) })
+    }
+    /// `None` while running; then `Ok(())` or the failure reason.
+    pub fn outcome(&self) -> Option<Result<(), FailureReason>> {
+        match self.status.load(Ordering::Acquire) {
+            IN_PROGRESS => None,
+            SUCCESS => Some(Ok(())),
+            _ => Some(Err(self.failure.lock().expect("ticket").unwrap_or(FailureReason::Rejected))),
+        }
+    }
+    fn finish(&self, outcome: Result<(), FailureReason>) {
+        if let Err(reason) = outcome {
+            *self.failure.lock().expect("ticket") = Some(reason);
+            self.status.store(-1, Ordering::Release);
+        } else {
+            self.status.store(SUCCESS, Ordering::Release);
+        }
+    }
+}
+
+/// A user notification to deliver once the request's data is in place.
+#[derive(Debug, Clone)]
+pub struct DeferredNotif {
+    /// The peer's inner agent name.
+    pub inner_agent: String,
+    pub message: Vec<u8>,
+}
+
+enum Command {
+    Submit { peer: PeerId, descriptors: Vec<Descriptor>, ticket: Arc<Ticket>, notif: Option<DeferredNotif> },
+    Cancel { ticket: Arc<Ticket> },
+    AddPeer { peer: PeerId, arena: PeerArena },
+    ForgetPeer { peer: PeerId },
+}
+
+/// Counters the runtime keeps (read by the engine's stats).
+#[derive(Debug, Default)]
+pub struct RuntimeCounters {
+    pub chunks_written: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub chunks_scattered: AtomicU64,
+    pub scatter_refused: AtomicU64,
+    pub write_failures: AtomicU64,
+    pub copy_failures: AtomicU64,
+    pub control_send_drops: AtomicU64,
+    pub grants: AtomicU64,
+    pub malformed_messages: AtomicU64,
+    pub late_data: AtomicU64,
+    pub succeeded: AtomicU64,
+    pub failed: AtomicU64,
+    pub timeouts: AtomicU64,
+    pub cancelled: AtomicU64,
+}
+
+/// Memory ranges the receiver may scatter into: memory registered with this
+/// backend (the check an RDMA key gives the standard path).
+#[derive(Debug, Default)]
+pub struct ScatterTargets {
+    ranges: RwLock<Vec<(usize, usize)>>,
+}
+
+impl ScatterTargets {
+    pub fn add(&self, addr: usize, len: usize) {
+        self.ranges.write().expect("targets").push((addr, len));
+    }
+    pub fn remove(&self, addr: usize, len: usize) {
+        let mut r = self.ranges.write().expect("targets");
+        if let Some(i) = r.iter().position(|&x| x == (addr, len)) {
+            r.swap_remove(i);
+        }
+    }
+    /// Whether every copy of every run lands inside one registered range.
+    pub fn admits(&self, runs: &[Run]) -> Result<(), String> {
+        let r = self.ranges.read().expect("targets");
+        for (i, run) in runs.iter().enumerate() {
+            let start = run.addr;
+            let end = run.addr_end().ok_or_else(|| format!("run {i} wraps around"))?;
+            let inside = r.iter().any(|&(a, l)| start >= a as u64 && end <= (a as u64).saturating_add(l as u64));
+            if !inside {
+                return Err(format!(
+                    "run {i} writes [{start:#x}, {end:#x}), outside every memory region registered with BOUNCE"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Shared {
+    commands: Mutex<Vec<Command>>,
+    stop: AtomicBool,
+    poisoned: Mutex<Option<String>>,
+    counters: RuntimeCounters,
+}
+
+/// Handle to a running reactor. Dropping it shuts the reactor down: every
+/// live request fails, in-flight operations are waited for (bounded), and
+/// the thread is joined.
+pub struct Runtime {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    pub targets: Arc<ScatterTargets>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("poisoned", &self.poisoned()).finish_non_exhaustive()
+    }
+}
+
+/// Everything the reactor needs, built by the engine.
+pub struct Parts {
+    pub name: String,
+    pub endpoint: Endpoint,
+    pub channel: Box<dyn ControlChannel>,
+    pub data: DataPlane,
+    pub arena: RegionSpan,
+    pub copier: Arc<dyn CopyEngine>,
+    pub copy_workers: usize,
+    /// Sends a user notification through the inner agent.
+    pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+}
+
+impl Runtime {
+    pub fn start(parts: Parts) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            commands: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+            poisoned: Mutex::new(None),
+            counters: RuntimeCounters::default(),
+        });
+        let targets = Arc::new(ScatterTargets::default());
+        let (job_tx, job_rx) = mpsc::channel::<CopyJob>();
+        let (done_tx, done_rx) = mpsc::channel::<CopyDone>();
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        let mut workers = Vec::new();
+        for i in 0..parts.copy_workers.max(1) {
+            let (rx, tx, copier) = (job_rx.clone(), done_tx.clone(), parts.copier.clone());
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("bounce-copy-{i}"))
+                    .spawn(move || copy_worker(rx, tx, copier))?,
+            );
+        }
+        let reactor = Reactor {
+            name: parts.name.clone(),
+            endpoint: parts.endpoint,
+            channel: parts.channel,
+            data: parts.data,
+            arena: parts.arena,
+            notify: parts.notify,
+            shared: shared.clone(),
+            targets: targets.clone(),
+            start: Instant::now(),
+            jobs: Some(job_tx),
+            done: done_rx,
+            copies_in_flight: 0,
+            writes: Vec::new(),
+            peers: HashMap::new(),
+            handles: HashMap::new(),
+            tickets: HashMap::new(),
+            workers,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("bounce-io-{}", parts.name))
+            .spawn(move || reactor.run())?;
+        Ok(Self { shared, thread: Some(thread), targets })
+    }
+
+    fn push(&self, c: Command) {
+        self.shared.commands.lock().expect("commands").push(c);
+    }
+
+    /// Starts a bounce transfer. Never blocks on the network.
+    pub fn submit(&self, peer: PeerId, descriptors: Vec<Descriptor>, notif: Option<DeferredNotif>) -> Arc<Ticket> {
+        let ticket = Ticket::new();
+        self.push(Command::Submit { peer, descriptors, ticket: ticket.clone(), notif });
+        ticket
+    }
+
+    /// Cancels a request (it fails; its regions are reclaimed safely).
+    pub fn cancel(&self, ticket: &Arc<Ticket>) {
+        if ticket.outcome().is_none() {
+            self.push(Command::Cancel { ticket: ticket.clone() });
+        }
+    }
+
+    pub fn add_peer(&self, peer: PeerId, arena: PeerArena) {
+        self.push(Command::AddPeer { peer, arena });
+    }
+
+    pub fn forget_peer(&self, peer: PeerId) {
+        self.push(Command::ForgetPeer { peer });
+    }
+
+    /// Why the arena is poisoned, if it is.
+    pub fn poisoned(&self) -> Option<String> {
+        self.shared.poisoned.lock().expect("poisoned").clone()
+    }
+
+    pub fn counters(&self) -> &RuntimeCounters {
+        &self.shared.counters
+    }
+
+    /// A reader of the runtime's counters and poison state for the engine's
+    /// stats snapshot (holds the shared state, not the reactor).
+    #[allow(clippy::type_complexity)]
+    pub fn stats_source(&self) -> Box<dyn Fn() -> (std::collections::BTreeMap<String, u64>, Option<String>) + Send> {
+        let shared = self.shared.clone();
+        Box::new(move || {
+            let c = &shared.counters;
+            let rows = [
+                ("chunks_written", &c.chunks_written),
+                ("bytes_written", &c.bytes_written),
+                ("chunks_scattered", &c.chunks_scattered),
+                ("scatter_refused", &c.scatter_refused),
+                ("write_failures", &c.write_failures),
+                ("copy_failures", &c.copy_failures),
+                ("control_send_drops", &c.control_send_drops),
+                ("grants", &c.grants),
+                ("malformed_messages", &c.malformed_messages),
+                ("late_data", &c.late_data),
+                ("bounce_succeeded", &c.succeeded),
+                ("bounce_failed", &c.failed),
+                ("bounce_timeouts", &c.timeouts),
+                ("bounce_cancels", &c.cancelled),
+            ];
+            let map = rows.into_iter().map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed))).collect();
+            (map, shared.poisoned.lock().expect("poisoned").clone())
+        })
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the bounce reactor thread panicked during shutdown");
+            }
+        }
+    }
+}
+
+struct CopyJob {
+    id: CopyId,
+    direction: Direction,
+    span: RegionSpan,
+    runs: Vec<Run>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum CopyId {
+    Gather(ChunkRef),
+    Scatter(RegionHandle),
+}
+
+struct CopyDone {
+    id: CopyId,
+    result: Result<(), crate::copy::CopyError>,
+}
+
+fn copy_worker(jobs: Arc<Mutex<Receiver<CopyJob>>>, done: Sender<CopyDone>, copier: Arc<dyn CopyEngine>) {
+    loop {
+        let job = match jobs.lock().expect("copy jobs").recv() {
+            Ok(j) => j,
+            Err(_) => return, // the reactor is gone
+        };
+        let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            copier.copy(job.direction, job.span, &job.runs)
+        })) {
+            Ok(r) => r,
+            Err(_) => Err(crate::copy::CopyError {
+                direction: job.direction,
+                reason: "the copy engine panicked".into(),
+                quiesced: false,
+            }),
+        };
+        if done.send(CopyDone { id: job.id, result }).is_err() {
+            return;
+        }
+    }
+}
+
+struct PeerState {
+    arena: PeerArena,
+}
+
+struct Reactor {
+    name: String,
+    endpoint: Endpoint,
+    channel: Box<dyn ControlChannel>,
+    data: DataPlane,
+    arena: RegionSpan,
+    notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    shared: Arc<Shared>,
+    targets: Arc<ScatterTargets>,
+    start: Instant,
+    jobs: Option<Sender<CopyJob>>,
+    done: Receiver<CopyDone>,
+    copies_in_flight: usize,
+    writes: Vec<(ChunkRef, PeerId, ChunkWrite, u64)>,
+    /// Peers we send data to (from their handshake).
+    peers: HashMap<PeerId, PeerState>,
+    /// Control-channel handles by peer.
+    handles: HashMap<PeerId, PeerHandle>,
+    tickets: HashMap<RequestId, (Arc<Ticket>, Option<DeferredNotif>)>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Reactor {
+    fn now(&self) -> Time {
+        Time::from_nanos(self.start.elapsed().as_nanos() as u64)
+    }
+
+    fn run(mut self) {
+        let mut idle_spins = 0u32;
+        while !self.shared.stop.load(Ordering::SeqCst) {
+            let mut progressed = self.drain_commands();
+            progressed |= self.drain_copies();
+            progressed |= self.poll_writes();
+            let busy = self.copies_in_flight > 0 || !self.writes.is_empty();
+            let wait = if progressed || busy {
+                Duration::ZERO
+            } else {
+                let until_timer = self.endpoint.poll_timeout().map(|t| t.since(self.now()));
+                until_timer.map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
+            };
+            progressed |= self.receive(wait);
+            self.fire_timers();
+            self.execute_actions();
+            if progressed {
+                idle_spins = 0;
+            } else if busy {
+                idle_spins += 1;
+                if idle_spins > 2000 {
+                    std::thread::sleep(Duration::from_micros(20));
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        self.shutdown();
+    }
+
+    fn drain_commands(&mut self) -> bool {
+        let cmds = std::mem::take(&mut *self.shared.commands.lock().expect("commands"));
+        let any = !cmds.is_empty();
+        for c in cmds {
+            let now = self.now();
+            match c {
+                Command::Submit { peer, descriptors, ticket, notif } => {
+                    match self.endpoint.submit(now, &peer, &descriptors) {
+                        Ok(id) => {
+                            *ticket.request.lock().expect("ticket") = Some(id);
+                            self.tickets.insert(id, (ticket, notif));
+                        }
+                        Err(e) => {
+                            tracing::warn!(agent = %self.name, "bounce submission refused: {e}");
+                            ticket.finish(Err(FailureReason::Rejected));
+                        }
+                    }
+                }
+                Command::Cancel { ticket } => {
+                    if let Some(id) = *ticket.request.lock().expect("ticket") {
+                        self.endpoint.cancel(now, id);
+                    }
+                }
+                Command::AddPeer { peer, arena } => {
+                    self.peers.insert(peer, PeerState { arena });
+                }
+                Command::ForgetPeer { peer } => self.forget_peer(&peer),
+            }
+            self.execute_actions();
+        }
+        any
+    }
+
+    fn forget_peer(&mut self, peer: &PeerId) {
+        // Tear the data path down first: no write to the peer may still run.
+        let deadline = Instant::now() + QUIESCE_BOUND;
+        while self.writes.iter().any(|(_, p, _, _)| p == peer) && Instant::now() < deadline {
+            self.poll_writes();
+            std::thread::yield_now();
+        }
+        let now = self.now();
+        let stuck: Vec<ChunkRef> = self.writes.iter().filter(|(_, p, _, _)| p == peer).map(|(c, _, _, _)| *c).collect();
+        for chunk in stuck {
+            tracing::error!(agent = %self.name, %peer, %chunk, "write to a forgotten peer never finished");
+            self.endpoint.handle_write_stuck(now, chunk);
+        }
+        self.writes.retain(|(_, p, _, _)| p != peer);
+        self.peers.remove(peer);
+        if let Some(h) = self.handles.remove(peer) {
+            self.channel.remove_peer(h);
+        }
+        self.endpoint.forget_peer(now, peer);
+    }
+
+    fn drain_copies(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(done) = self.done.try_recv() {
+            any = true;
+            self.copies_in_flight -= 1;
+            let now = self.now();
+            match (done.id, done.result) {
+                (CopyId::Gather(chunk), Ok(())) => self.endpoint.handle_gather_done(now, chunk),
+                (CopyId::Gather(chunk), Err(e)) => {
+                    self.shared.counters.copy_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(agent = %self.name, %chunk, "gather failed: {e}");
+                    self.endpoint.handle_gather_failed(now, chunk, e.quiesced);
+                }
+                (CopyId::Scatter(region), Ok(())) => {
+                    self.shared.counters.chunks_scattered.fetch_add(1, Ordering::Relaxed);
+                    self.endpoint.handle_scatter_done(now, region);
+                }
+                (CopyId::Scatter(region), Err(e)) => {
+                    self.shared.counters.copy_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(agent = %self.name, %region, "scatter failed: {e}");
+                    self.endpoint.handle_scatter_failed(now, region, e.quiesced);
+                }
+            }
+        }
+        any
+    }
+
+    fn poll_writes(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.writes.len() {
+            match self.data.poll(&self.writes[i].2) {
+                WriteState::InProgress => i += 1,
+                state => {
+                    any = true;
+                    let (chunk, _peer, _w, len) = self.writes.swap_remove(i);
+                    let now = self.now();
+                    if state == WriteState::Done {
+                        self.shared.counters.chunks_written.fetch_add(1, Ordering::Relaxed);
+                        self.shared.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
+                        self.endpoint.handle_write_done(now, chunk);
+                    } else {
+                        self.shared.counters.write_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(agent = %self.name, %chunk, "{state:?}");
+                        self.endpoint.handle_write_failed(now, chunk);
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    fn receive(&mut self, wait: Duration) -> bool {
+        let mut any = false;
+        let mut wait = wait;
+        // Take everything that is ready, blocking at most once.
+        loop {
+            match self.channel.recv(wait) {
+                Ok(Some(incoming)) => {
+                    any = true;
+                    wait = Duration::ZERO;
+                    let Some(from) = incoming.from.as_str().map(PeerId::new) else {
+                        tracing::warn!(agent = %self.name, "control message from a non-UTF-8 endpoint dropped");
+                        continue;
+                    };
+                    let now = self.now();
+                    if self.endpoint.handle_control(now, &from, &incoming.payload).is_err() {
+                        self.shared.counters.malformed_messages.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.execute_actions();
+                }
+                Ok(None) => return any,
+                Err(e) => {
+                    tracing::warn!(agent = %self.name, "control channel receive failed: {e}");
+                    return any;
+                }
+            }
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = self.now();
+        if self.endpoint.poll_timeout().is_some_and(|t| t <= now) {
+            self.endpoint.handle_timeout(now);
+        }
+    }
+
+    fn handle(&mut self, peer: &PeerId) -> Option<PeerHandle> {
+        if let Some(h) = self.handles.get(peer) {
+            return Some(*h);
+        }
+        match self.channel.add_peer(&ControlEndpoint::from(peer.as_str())) {
+            Ok(h) => {
+                self.handles.insert(peer.clone(), h);
+                Some(h)
+            }
+            Err(e) => {
+                tracing::warn!(agent = %self.name, %peer, "cannot reach peer's control endpoint: {e}");
+                None
+            }
+        }
+    }
+
+    fn execute_actions(&mut self) {
+        while let Some(action) = self.endpoint.poll_action() {
+            let now = self.now();
+            match action {
+                Action::Connect { peer, endpoint } => {
+                    let ok = std::str::from_utf8(&endpoint).is_ok_and(|e| e == peer.as_str()) && self.handle(&peer).is_some();
+                    if !ok {
+                        tracing::warn!(agent = %self.name, %peer, "peer's advertised endpoint is unusable; forgetting it");
+                        self.endpoint.forget_peer(now, &peer);
+                    }
+                }
+                Action::Send { peer, message } => {
+                    let bytes = message.encode();
+                    if let Some(h) = self.handle(&peer) {
+                        if let Err(e) = self.channel.send(h, &bytes) {
+                            self.shared.counters.control_send_drops.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(agent = %self.name, %peer, "control message dropped: {e}");
+                        }
+                    }
+                }
+                Action::StartGather { chunk, region, runs } => {
+                    self.start_copy(CopyId::Gather(chunk), Direction::Gather, region, runs);
+                }
+                Action::StartScatter { flow, chunk, region, runs } => {
+                    if let Err(why) = self.targets.admits(&runs) {
+                        self.shared.counters.scatter_refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(agent = %self.name, %flow, chunk, "DATA refused: {why}");
+                        self.endpoint.handle_scatter_failed(now, region, true);
+                        continue;
+                    }
+                    self.start_copy(CopyId::Scatter(region), Direction::Scatter, region, runs);
+                }
+                Action::PostWrite { chunk, peer, local, remote, len } => {
+                    let posted = match self.peers.get(&peer) {
+                        Some(p) => self.data.post_write(&p.arena, local.0, remote.0, len),
+                        None => Err(format!("no data path to peer {peer}")),
+                    };
+                    match posted {
+                        Ok(w) => self.writes.push((chunk, peer, w, len)),
+                        Err(e) => {
+                            self.shared.counters.write_failures.fetch_add(1, Ordering::Relaxed);
+                            tracing::error!(agent = %self.name, %chunk, "{e}");
+                            self.endpoint.handle_write_failed(now, chunk);
+                        }
+                    }
+                }
+                Action::Complete { request, outcome } => self.complete(request, outcome),
+                Action::Poisoned { cause } => {
+                    tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
+                    *self.shared.poisoned.lock().expect("poisoned") = Some(cause);
+                }
+            }
+        }
+        let s = self.endpoint.stats();
+        let c = &self.shared.counters;
+        c.grants.store(s.grants, Ordering::Relaxed);
+        c.late_data.store(s.late_data, Ordering::Relaxed);
+    }
+
+    fn start_copy(&mut self, id: CopyId, direction: Direction, region: RegionHandle, runs: Vec<Run>) {
+        let offset = region.0 as usize;
+        let span = RegionSpan { addr: self.arena.addr + offset, len: self.arena.len.saturating_sub(offset) };
+        let sent = self.jobs.as_ref().map(|j| j.send(CopyJob { id, direction, span, runs }).is_ok()).unwrap_or(false);
+        if sent {
+            self.copies_in_flight += 1;
+        } else {
+            let now = self.now();
+            match id {
+                CopyId::Gather(chunk) => self.endpoint.handle_gather_failed(now, chunk, true),
+                CopyId::Scatter(region) => self.endpoint.handle_scatter_failed(now, region, true),
+            }
+        }
+    }
+
+    fn complete(&mut self, request: RequestId, outcome: Outcome) {
+        let Some((ticket, notif)) = self.tickets.remove(&request) else { return };
+        let c = &self.shared.counters;
+        let result = match outcome {
+            Outcome::Success => match notif {
+                // The data is scattered (every chunk was ACKed after its
+                // scatter), so the notification now means "the data is there".
+                Some(n) => (self.notify)(&n.inner_agent, &n.message).map_err(|e| {
+                    tracing::error!(agent = %self.name, "transfer done but its notification failed: {e}");
+                    FailureReason::Rejected
+                }),
+                None => Ok(()),
+            },
+            Outcome::Failure(reason) => {
+                match reason {
+                    FailureReason::Timeout | FailureReason::DeadlineExceeded => {
+                        c.timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    FailureReason::Cancelled => {
+                        c.cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+                tracing::warn!(agent = %self.name, %request, ?reason, "bounce transfer failed");
+                Err(reason)
+            }
+        };
+        if result.is_ok() {
+            c.succeeded.fetch_add(1, Ordering::Relaxed);
+        } else {
+            c.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        ticket.finish(result);
+    }
+
+    /// Fails everything live, waits (bounded) for operations already
+    /// handed out, then stops the copy workers.
+    fn shutdown(&mut self) {
+        let now = self.now();
+        self.endpoint.shutdown(now);
+        self.execute_actions();
+        let deadline = Instant::now() + QUIESCE_BOUND;
+        while (self.copies_in_flight > 0 || !self.writes.is_empty()) && Instant::now() < deadline {
+            self.drain_copies();
+            self.poll_writes();
+            self.execute_actions();
+            std::thread::yield_now();
+        }
+        if self.copies_in_flight > 0 || !self.writes.is_empty() {
+            tracing::error!(
+                agent = %self.name,
+                copies = self.copies_in_flight,
+                writes = self.writes.len(),
+                "shutdown: operations still running after {QUIESCE_BOUND:?}; arena left poisoned"
+            );
+            *self.shared.poisoned.lock().expect("poisoned") = Some("shutdown with operations in flight".into());
+        }
+        for (_, (ticket, _)) in self.tickets.drain() {
+            ticket.finish(Err(FailureReason::Shutdown));
+        }
+        self.jobs = None; // closes the job queue: workers exit
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
