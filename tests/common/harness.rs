@@ -134,21 +134,32 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+const PATTERN_TABLE: usize = 64 * 1024;
+
 /// Fill `buf` with the pattern of `seed`. The byte at offset `i` depends on
 /// `(seed, i)` only, so any process can recompute the pattern of a peer.
-/// Different seeds give different bytes (almost) everywhere.
+///
+/// Built to be fast even in unoptimised test builds: a 64 KiB pseudo-random
+/// table per seed; each 4 KiB page of `buf` is a copy of the table taken at a
+/// pseudo-random offset, then stamped in its first 16 bytes with a hash of
+/// (seed, page index) and the page index. So every page is distinct, every
+/// seed gives different bytes, and a block moved to the wrong place shows.
 pub fn fill_pattern(buf: &mut [u8], seed: u64) {
     let key = mix(seed.wrapping_mul(0xd134_2543_de82_ef95) ^ 0x5851_f42d_4c95_7f2d);
-    let mut chunks = buf.chunks_exact_mut(8);
-    let mut w = 0u64;
-    for c in &mut chunks {
-        c.copy_from_slice(&mix(key ^ w).to_le_bytes());
-        w += 1;
+    let mut table = vec![0u8; PATTERN_TABLE + PAGE];
+    for (w, c) in table.chunks_exact_mut(8).enumerate() {
+        c.copy_from_slice(&mix(key ^ (w as u64).wrapping_mul(0xa076_1d64_78bd_642f)).to_le_bytes());
     }
-    let rem = chunks.into_remainder();
-    if !rem.is_empty() {
-        let b = mix(key ^ w).to_le_bytes();
-        rem.copy_from_slice(&b[..rem.len()]);
+    for (page, chunk) in buf.chunks_mut(PAGE).enumerate() {
+        let h = mix(key ^ (page as u64).wrapping_add(0xe703_7ed1_a0b4_28db));
+        let off = (h as usize % (PATTERN_TABLE / 8)) * 8;
+        let n = chunk.len();
+        chunk.copy_from_slice(&table[off..off + n]);
+        let mut stamp = [0u8; 16];
+        stamp[..8].copy_from_slice(&h.to_le_bytes());
+        stamp[8..].copy_from_slice(&(page as u64 ^ key.rotate_left(17)).to_le_bytes());
+        let k = n.min(16);
+        chunk[..k].copy_from_slice(&stamp[..k]);
     }
 }
 
@@ -307,7 +318,13 @@ impl Plan {
     /// `n` descriptors of `block` bytes: a random subset of the source's
     /// `src_blocks` blocks in random order, to a random subset of the
     /// destination's `dst_blocks` blocks in another random order.
-    pub fn scattered(n: usize, block: usize, src_blocks: usize, dst_blocks: usize, seed: u64) -> Self {
+    pub fn scattered(
+        n: usize,
+        block: usize,
+        src_blocks: usize,
+        dst_blocks: usize,
+        seed: u64,
+    ) -> Self {
         assert!(n <= src_blocks && n <= dst_blocks);
         let mut rng = Rng::new(seed);
         let mut s: Vec<usize> = (0..src_blocks).collect();
@@ -364,12 +381,20 @@ pub fn verify_bytes(
     describe: impl Fn(usize) -> String,
 ) -> Result<(), String> {
     if actual.len() != expected.len() {
-        return Err(format!("length {} != expected {}", actual.len(), expected.len()));
+        return Err(format!(
+            "length {} != expected {}",
+            actual.len(),
+            expected.len()
+        ));
     }
     if actual == expected {
         return Ok(());
     }
-    let first = actual.iter().zip(expected).position(|(a, e)| a != e).unwrap();
+    let first = actual
+        .iter()
+        .zip(expected)
+        .position(|(a, e)| a != e)
+        .unwrap();
     let count = actual.iter().zip(expected).filter(|(a, e)| a != e).count();
     Err(format!(
         "{count} byte(s) differ; first at offset {first} ({}): got {:#04x}, expected {:#04x}",
@@ -379,7 +404,11 @@ pub fn verify_bytes(
     ))
 }
 
-pub fn xfer_list(base: usize, offsets: &[usize], len: usize) -> Result<XferDescList<'static>, NixlError> {
+pub fn xfer_list(
+    base: usize,
+    offsets: &[usize],
+    len: usize,
+) -> Result<XferDescList<'static>, NixlError> {
     let mut l = XferDescList::new(MemType::Dram)?;
     for o in offsets {
         l.add_desc(base + o, len, 0);
@@ -396,7 +425,11 @@ fn err(ctx: &str, e: NixlError) -> String {
 }
 
 /// The plugin's default parameters with `extra` set on top.
-pub fn backend_params(agent: &Agent, backend: &str, extra: &[(&str, &str)]) -> Result<Params, String> {
+pub fn backend_params(
+    agent: &Agent,
+    backend: &str,
+    extra: &[(&str, &str)],
+) -> Result<Params, String> {
     let (_mems, defaults) = agent
         .get_plugin_params(backend)
         .map_err(|e| err(&format!("get_plugin_params({backend})"), e))?;
@@ -432,26 +465,34 @@ impl Node {
 
     pub fn register(&self, buf: &DramBuffer) -> Result<RegistrationHandle, String> {
         let mut opt = OptArgs::new().map_err(|e| err("OptArgs::new", e))?;
-        opt.add_backend(&self.backend).map_err(|e| err("OptArgs::add_backend", e))?;
+        opt.add_backend(&self.backend)
+            .map_err(|e| err("OptArgs::add_backend", e))?;
         self.agent
             .register_memory(buf, Some(&opt))
             .map_err(|e| err(&format!("register_memory({buf:?})"), e))
     }
 
     pub fn local_md(&self) -> Result<Vec<u8>, String> {
-        self.agent.get_local_md().map_err(|e| err("get_local_md", e))
+        self.agent
+            .get_local_md()
+            .map_err(|e| err("get_local_md", e))
     }
 
     pub fn load_md(&self, md: &[u8]) -> Result<String, String> {
-        self.agent.load_remote_md(md).map_err(|e| err("load_remote_md", e))
+        self.agent
+            .load_remote_md(md)
+            .map_err(|e| err("load_remote_md", e))
     }
 
     pub fn opt_args(&self, notif: Option<&[u8]>) -> Result<OptArgs, String> {
         let mut opt = OptArgs::new().map_err(|e| err("OptArgs::new", e))?;
-        opt.add_backend(&self.backend).map_err(|e| err("OptArgs::add_backend", e))?;
+        opt.add_backend(&self.backend)
+            .map_err(|e| err("OptArgs::add_backend", e))?;
         if let Some(m) = notif {
-            opt.set_has_notification(true).map_err(|e| err("set_has_notification", e))?;
-            opt.set_notification_message(m).map_err(|e| err("set_notification_message", e))?;
+            opt.set_has_notification(true)
+                .map_err(|e| err("set_has_notification", e))?;
+            opt.set_notification_message(m)
+                .map_err(|e| err("set_notification_message", e))?;
         }
         Ok(opt)
     }
@@ -474,11 +515,17 @@ impl Node {
             XferOp::Read => (&plan.dst, &plan.src),
         };
         let local = xfer_list(local_base, lo, plan.block).map_err(|e| err("XferDescList", e))?;
-        let remote_l = xfer_list(remote_base, ro, plan.block).map_err(|e| err("XferDescList", e))?;
+        let remote_l =
+            xfer_list(remote_base, ro, plan.block).map_err(|e| err("XferDescList", e))?;
         let opt = self.opt_args(notif)?;
         self.agent
             .create_xfer_req(op, &local, &remote_l, remote, Some(&opt))
-            .map_err(|e| err(&format!("create_xfer_req({op:?}, {} descs, to {remote})", plan.len()), e))
+            .map_err(|e| {
+                err(
+                    &format!("create_xfer_req({op:?}, {} descs, to {remote})", plan.len()),
+                    e,
+                )
+            })
     }
 
     /// Post `req` and poll it to completion within `timeout`. Returns the
@@ -495,7 +542,12 @@ impl Node {
         Ok(t0.elapsed())
     }
 
-    pub fn wait_xfer(&self, req: &XferRequest, t0: Instant, timeout: Duration) -> Result<(), String> {
+    pub fn wait_xfer(
+        &self,
+        req: &XferRequest,
+        t0: Instant,
+        timeout: Duration,
+    ) -> Result<(), String> {
         let mut spins = 0u64;
         loop {
             match self.agent.get_xfer_status(req) {
@@ -528,11 +580,18 @@ impl Node {
             self.agent
                 .get_notifications(&mut map, None)
                 .map_err(|e| err("get_notifications", e))?;
-            let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(|s| s.to_string())).collect();
+            let agents: Vec<String> = map
+                .agents()
+                .filter_map(|a| a.ok().map(|s| s.to_string()))
+                .collect();
             for a in agents {
-                let n = map.get_notifications_size(&a).map_err(|e| err("notifs size", e))?;
+                let n = map
+                    .get_notifications_size(&a)
+                    .map_err(|e| err("notifs size", e))?;
                 for i in 0..n {
-                    let b = map.get_notification_bytes(&a, i).map_err(|e| err("notif bytes", e))?;
+                    let b = map
+                        .get_notification_bytes(&a, i)
+                        .map_err(|e| err("notif bytes", e))?;
                     if a == from && b == msg {
                         return Ok(());
                     }
@@ -564,11 +623,21 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    pub fn new(prefix: &str, backend: &str, extra: &[(&str, &str)], len: usize, seed: u64) -> Result<Self, String> {
+    pub fn new(
+        prefix: &str,
+        backend: &str,
+        extra: &[(&str, &str)],
+        len: usize,
+        seed: u64,
+    ) -> Result<Self, String> {
         let node = Node::new(&unique_name(prefix), backend, extra)?;
         let buf = DramBuffer::with_pattern(len, seed);
         let reg = node.register(&buf)?;
-        Ok(Endpoint { reg: Some(reg), buf, node })
+        Ok(Endpoint {
+            reg: Some(reg),
+            buf,
+            node,
+        })
     }
     pub fn name(&self) -> &str {
         &self.node.name
@@ -587,11 +656,17 @@ impl LocalPair {
         let target = Endpoint::new("target", backend, extra, len, 2)?;
         let tn = init.node.load_md(&target.node.local_md()?)?;
         if tn != target.name() {
-            return Err(format!("load_remote_md returned {tn:?}, expected {:?}", target.name()));
+            return Err(format!(
+                "load_remote_md returned {tn:?}, expected {:?}",
+                target.name()
+            ));
         }
         let inn = target.node.load_md(&init.node.local_md()?)?;
         if inn != init.name() {
-            return Err(format!("load_remote_md returned {inn:?}, expected {:?}", init.name()));
+            return Err(format!(
+                "load_remote_md returned {inn:?}, expected {:?}",
+                init.name()
+            ));
         }
         Ok(LocalPair { init, target })
     }
@@ -599,7 +674,13 @@ impl LocalPair {
     /// Fill both buffers with fresh seeded patterns, run `op` for `plan`
     /// (initiator = `init`), wait, then verify the destination byte-exact
     /// (and the guard zones). With `notif`, also wait for it at the target.
-    pub fn run(&mut self, op: XferOp, plan: &Plan, seeds: (u64, u64), notif: Option<&[u8]>) -> Result<Duration, String> {
+    pub fn run(
+        &mut self,
+        op: XferOp,
+        plan: &Plan,
+        seeds: (u64, u64),
+        notif: Option<&[u8]>,
+    ) -> Result<Duration, String> {
         self.init.buf.fill_pattern(seeds.0);
         self.target.buf.fill_pattern(seeds.1);
         let init_before = self.init.buf.as_slice().to_vec();
@@ -614,15 +695,35 @@ impl LocalPair {
         )?;
         let dt = self.init.node.post_and_wait(&req, wait_timeout())?;
         if let Some(m) = notif {
-            self.target.node.wait_notif(&self.init.node.name, m, wait_timeout())?;
+            self.target
+                .node
+                .wait_notif(&self.init.node.name, m, wait_timeout())?;
         }
         drop(req);
         let (what, src_before, dst_before, dst_after, src_after) = match op {
-            XferOp::Write => ("WRITE", &init_before, &target_before, self.target.buf.as_slice(), self.init.buf.as_slice()),
-            XferOp::Read => ("READ", &target_before, &init_before, self.init.buf.as_slice(), self.target.buf.as_slice()),
+            XferOp::Write => (
+                "WRITE",
+                &init_before,
+                &target_before,
+                self.target.buf.as_slice(),
+                self.init.buf.as_slice(),
+            ),
+            XferOp::Read => (
+                "READ",
+                &target_before,
+                &init_before,
+                self.init.buf.as_slice(),
+                self.target.buf.as_slice(),
+            ),
         };
         plan.verify(dst_after, dst_before, src_before)
-            .map_err(|e| format!("{what} of {} x {} B: destination wrong: {e}", plan.len(), plan.block))?;
+            .map_err(|e| {
+                format!(
+                    "{what} of {} x {} B: destination wrong: {e}",
+                    plan.len(),
+                    plan.block
+                )
+            })?;
         verify_bytes(src_after, src_before, |_| "source buffer".into())
             .map_err(|e| format!("{what}: source buffer changed: {e}"))?;
         self.init.buf.check_guards()?;
