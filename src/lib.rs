@@ -17,6 +17,7 @@
 //! - [`control`]: control channels (ZMQ, NIXL notifications).
 //! - [`dataplane`]: the arena and the chunk writes through the inner agent.
 //! - [`copy`]: gather/scatter engines (memcpy for DRAM).
+//! - [`failpoint`]: fault injection (`NIXL_BOUNCE_FAILPOINTS`) for tests.
 //! - [`nixl_runtime`]: finds the NIXL C API next to the NIXL that loaded us.
 //! - [`stats`]: per-engine counters, exported to C as `nixl_bounce_stats`.
 //! - [`logging`]: `tracing` set-up from `NIXL_BOUNCE_LOG` / `NIXL_BOUNCE_LOG_FILE`.
@@ -47,6 +48,7 @@ pub mod control;
 pub mod copy;
 pub mod dataplane;
 pub mod engine;
+pub mod failpoint;
 pub mod ffi;
 pub mod logging;
 pub mod nixl_runtime;

@@ -11,6 +11,7 @@ use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
 use crate::copy::RegionSpan;
+use crate::failpoint::Failpoints;
 use crate::dataplane::{DataPlane, HostArena, PeerArena};
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
 use crate::proto::{Endpoint, EndpointConfig};
@@ -37,7 +38,7 @@ impl Bounce {
     /// Allocates and registers the arena, binds the control channel and
     /// starts the reactor. Must run before the inner agent's metadata is
     /// taken, so that the arena's registration travels in it.
-    pub fn start(inner: &Agent, agent: &str, config: Config) -> Result<Self, String> {
+    pub fn start(inner: &Agent, agent: &str, config: Config, failpoints: &Failpoints) -> Result<Self, String> {
         if config.use_nixl_notifications {
             return Err("control over NIXL notifications is not available in this build; use ZMQ".into());
         }
@@ -78,6 +79,7 @@ impl Bounce {
             arena: RegionSpan { addr: arena.base(), len: arena.len() },
             copier: Arc::new(HostCopy::default()),
             copy_workers: workers,
+            failpoints: failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier.send_notification(target, msg, None).map_err(|e| e.to_string())
             }),

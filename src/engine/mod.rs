@@ -23,6 +23,7 @@ use nixl_sys::{
 };
 
 use crate::config::{Config, ConfigSource};
+use crate::failpoint::Failpoints;
 use crate::proto::plan::Descriptor;
 use crate::proto::wire::Handshake;
 use crate::proto::PeerId;
@@ -333,6 +334,7 @@ pub struct Engine {
     remotes: Mutex<HashMap<String, Remote>>,
     broken: AtomicBool,
     config: Config,
+    failpoints: Failpoints,
     /// The bounce path, when enabled and set up.
     bounce: Option<Bounce>,
     /// Counters and identity, published for `nixl_bounce_stats`.
@@ -395,8 +397,9 @@ impl Engine {
             )
         })?;
 
+        let failpoints = Failpoints::from_env();
         let bounce = if config.enabled {
-            match Bounce::start(&inner, local_name, config.clone()) {
+            match Bounce::start(&inner, local_name, config.clone(), &failpoints) {
                 Ok(b) => Some(b),
                 Err(e) => {
                     tracing::warn!(
@@ -434,6 +437,7 @@ impl Engine {
             broken: AtomicBool::new(false),
             stats,
             config,
+            failpoints,
             bounce,
         })
     }
@@ -766,6 +770,9 @@ impl Engine {
     /// Posts (or re-posts) a request.
     pub fn post_xfer(&self, req: &mut Request, args: XferArgs) -> Result<Status> {
         TransferParams::parse(&args.custom_param)?;
+        if self.failpoints.is_set("panic_in_post_xfer") {
+            panic!("failpoint panic_in_post_xfer");
+        }
         req.args = args;
         EngineStats::bump(&self.stats.counters.transfers_posted);
         match &mut req.route {

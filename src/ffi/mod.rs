@@ -71,9 +71,29 @@ fn fail(e: Error) -> i32 {
 }
 
 /// Runs `f` with the engine, catching panics (which mark the engine broken).
+/// A broken engine refuses the call.
 fn with_engine(
     engine: *const Engine,
     what: &str,
+    f: impl FnOnce(&Engine) -> Result<Status, Error>,
+) -> i32 {
+    run_with_engine(engine, what, false, f)
+}
+
+/// As [`with_engine`] for calls that release resources: they still run on a
+/// broken engine, so that NIXL's teardown frees everything.
+fn with_engine_cleanup(
+    engine: *const Engine,
+    what: &str,
+    f: impl FnOnce(&Engine) -> Result<Status, Error>,
+) -> i32 {
+    run_with_engine(engine, what, true, f)
+}
+
+fn run_with_engine(
+    engine: *const Engine,
+    what: &str,
+    cleanup: bool,
     f: impl FnOnce(&Engine) -> Result<Status, Error>,
 ) -> i32 {
     if engine.is_null() {
@@ -87,7 +107,7 @@ fn with_engine(
     // contract of bounce_ffi.h); Engine is Sync, so a shared reference from
     // any thread is fine.
     let engine = unsafe { &*engine };
-    if engine.is_broken() {
+    if engine.is_broken() && !cleanup {
         return fail(Error::new(
             Status::Backend,
             format!(
@@ -391,7 +411,7 @@ fn release(engine: *mut Engine, md: *mut Md, what: &str) -> i32 {
             format!("{what}: no engine"),
         ));
     }
-    with_engine(engine, what, move |e| {
+    with_engine_cleanup(engine, what, move |e| {
         e.release_md(md).map(|()| Status::Success)
     })
 }
@@ -528,7 +548,7 @@ pub unsafe extern "C" fn bounce_engine_disconnect(
     engine: *mut Engine,
     remote_agent: bounce_bytes_t,
 ) -> i32 {
-    with_engine(engine, "disconnect", |e| {
+    with_engine_cleanup(engine, "disconnect", |e| {
         // SAFETY: caller contract.
         e.disconnect(unsafe { borrow_str(remote_agent, "the remote agent name") }?)
             .map(|()| Status::Success)
@@ -647,7 +667,7 @@ pub unsafe extern "C" fn bounce_engine_release_req(engine: *mut Engine, req: *mu
     if engine.is_null() {
         return status(Status::Success);
     }
-    with_engine(engine, "releaseReqH", move |e| {
+    with_engine_cleanup(engine, "releaseReqH", move |e| {
         e.release_req(*request).map(|()| Status::Success)
     })
 }

@@ -164,6 +164,7 @@ pub struct Parts {
     pub arena: RegionSpan,
     pub copier: Arc<dyn CopyEngine>,
     pub copy_workers: usize,
+    pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
 }
@@ -196,6 +197,7 @@ impl Runtime {
             data: parts.data,
             arena: parts.arena,
             notify: parts.notify,
+            failpoints: parts.failpoints,
             shared: shared.clone(),
             targets: targets.clone(),
             start: Instant::now(),
@@ -340,6 +342,7 @@ struct Reactor {
     data: DataPlane,
     arena: RegionSpan,
     notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    failpoints: crate::failpoint::Failpoints,
     shared: Arc<Shared>,
     targets: Arc<ScatterTargets>,
     start: Instant,
@@ -559,6 +562,10 @@ impl Reactor {
                     }
                 }
                 Action::Send { peer, message } => {
+                    if self.failpoints.is_set("drop_control") {
+                        self.shared.counters.control_send_drops.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
                     let bytes = message.encode();
                     if let Some(h) = self.handle(&peer) {
                         if let Err(e) = self.channel.send(h, &bytes) {
@@ -581,6 +588,9 @@ impl Reactor {
                 }
                 Action::PostWrite { chunk, peer, local, remote, len } => {
                     let posted = match self.peers.get(&peer) {
+                        _ if self.failpoints.is_set("fail_chunk_writes") => {
+                            Err("failpoint fail_chunk_writes".to_string())
+                        }
                         Some(p) => self.data.post_write(&p.arena, local.0, remote.0, len),
                         None => Err(format!("no data path to peer {peer}")),
                     };

@@ -1,0 +1,41 @@
+//! A panic inside the engine never crosses into NIXL (which would abort the
+//! host process): it becomes an error status, and the engine then refuses
+//! all further work with an error.
+
+mod common;
+
+use common::*;
+use nixl_sys::XferOp;
+use serial_test::serial;
+
+#[test]
+#[serial]
+fn a_panic_becomes_an_error_and_disables_the_engine() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // Read once at engine creation; only the initiator gets the failpoint.
+    std::env::set_var("NIXL_BOUNCE_FAILPOINTS", "panic_in_post_xfer");
+    let init = Endpoint::new("panic-init", "BOUNCE", &[], 1 << 16, 1);
+    std::env::remove_var("NIXL_BOUNCE_FAILPOINTS");
+    let init = init.or_fail("initiator");
+    let target = Endpoint::new("panic-target", "BOUNCE", &[], 1 << 16, 2).or_fail("target");
+    init.node.load_md(&target.node.local_md().or_fail("md")).or_fail("load");
+
+    let plan = Plan::standard(4, 4096, 3);
+    let req = init
+        .node
+        .create_xfer(XferOp::Write, &plan, init.buf.addr(), target.buf.addr(), target.name(), None)
+        .or_fail("prepare");
+    let posted = init.node.agent.post_xfer_req(&req, None);
+    assert!(posted.is_err(), "a panicking postXfer must report an error, got {posted:?}");
+
+    // The engine is now disabled: further work is refused, the process lives.
+    let again = init
+        .node
+        .create_xfer(XferOp::Write, &plan, init.buf.addr(), target.buf.addr(), target.name(), None);
+    assert!(again.is_err(), "a disabled engine must refuse new transfers");
+    let snap = nixl_bounce::stats::plugin_stats(init.name()).expect("stats still readable");
+    assert_eq!(snap.counters["panics"], 1, "{snap:?}");
+    drop(req);
+}
