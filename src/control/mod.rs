@@ -26,6 +26,8 @@ use std::time::Duration;
 pub mod notif;
 pub mod zmq;
 
+pub use self::notif::{NotifChannel, NotifHub, NotifSource};
+
 pub use self::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 
 /// Which transport carries the control messages. Both peers must use the same.
