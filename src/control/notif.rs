@@ -439,9 +439,12 @@ mod tests {
 
     /// An in-memory "fabric": agents with inboxes; `send` appends to the
     /// target's inbox when the sender has loaded the target's metadata.
+    /// Notifications waiting for one agent: (sender, message).
+    type Inbox = Vec<(String, Vec<u8>)>;
+
     #[derive(Default)]
     struct Fabric {
-        inboxes: Mutex<HashMap<String, Vec<(String, Vec<u8>)>>>,
+        inboxes: Mutex<HashMap<String, Inbox>>,
     }
 
     struct FakeAgent {
