@@ -252,6 +252,15 @@ pub trait ControlChannel: Send {
     fn kind(&self) -> ControlKind;
 }
 
+/// `now + timeout`, saturating far in the future for huge timeouts (such as
+/// `Duration::MAX`) instead of panicking on overflow.
+pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

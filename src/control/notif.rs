@@ -397,7 +397,7 @@ impl ControlChannel for NotifChannel {
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Option<Incoming>, ControlError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = super::deadline_after(timeout);
         // NIXL has no blocking wait for notifications: poll the agent, backing
         // off from 50 us to 1 ms, and wake early when another thread's drain
         // files a control message.
@@ -696,6 +696,9 @@ mod tests {
             "{took:?}"
         );
         assert!(a.recv(Duration::ZERO).unwrap().is_none());
+        let to_self = a.add_peer(&a.local_endpoint().clone()).unwrap();
+        a.send(to_self, b"self").unwrap();
+        assert_eq!(a.recv(Duration::MAX).unwrap().unwrap().payload, b"self");
     }
 
     #[test]
