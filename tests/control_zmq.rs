@@ -63,6 +63,10 @@ fn exchange_in_both_directions_over_the_reverse_path() {
     assert_eq!(reply.payload, b"GRANT");
     assert_eq!(&reply.from, b.local_endpoint());
 
+    // A huge timeout is fine (no overflow) and returns as soon as a message is there.
+    b.send(to_a, b"again").unwrap();
+    assert_eq!(a.recv(Duration::MAX).unwrap().unwrap().payload, b"again");
+
     // Empty messages travel too.
     a.send(to_b, b"").unwrap();
     assert_eq!(recv_one(&mut b).payload, b"");

@@ -26,6 +26,8 @@ use std::time::Duration;
 pub mod notif;
 pub mod zmq;
 
+pub use self::notif::{NotifChannel, NotifHub, NotifSource};
+
 pub use self::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 
 /// Which transport carries the control messages. Both peers must use the same.
@@ -248,4 +250,36 @@ pub trait ControlChannel: Send {
 
     /// Which transport this is.
     fn kind(&self) -> ControlKind;
+}
+
+/// `now + timeout`, saturating far in the future for huge timeouts (such as
+/// `Duration::MAX`) instead of panicking on overflow.
+pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn channels_can_move_to_the_reactor_thread() {
+        fn assert_send<T: Send + ?Sized>() {}
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send::<Box<dyn ControlChannel>>();
+        assert_send::<ZmqChannel>();
+        assert_send::<NotifChannel>();
+        assert_send_sync::<NotifHub>();
+    }
+
+    #[test]
+    fn endpoint_display_hides_metadata() {
+        let ep = Endpoint::from_bytes(&b"nixl:a/bounce\0\x01\x02"[..]);
+        assert_eq!(ep.display_name(), "nixl:a/bounce (+3 bytes of metadata)");
+        assert_eq!(Endpoint::from("tcp://[::1]:5").to_string(), "tcp://[::1]:5");
+        assert_eq!(ControlKind::NixlNotif.to_string(), "nixl_notif");
+    }
 }

@@ -576,7 +576,7 @@ impl ControlChannel for ZmqChannel {
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Option<Incoming>, ControlError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = super::deadline_after(timeout);
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             // Round up so a sub-millisecond wait still waits.
