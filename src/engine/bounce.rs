@@ -8,6 +8,7 @@ use nixl_sys::{Agent, MemType};
 
 use crate::config::Config;
 use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
+use crate::control::notif::{NotifChannel, NotifHub};
 use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
 use crate::copy::RegionSpan;
@@ -38,30 +39,39 @@ impl Bounce {
     /// Allocates and registers the arena, binds the control channel and
     /// starts the reactor. Must run before the inner agent's metadata is
     /// taken, so that the arena's registration travels in it.
-    pub fn start(inner: &Agent, agent: &str, config: Config, failpoints: &Failpoints) -> Result<Self, String> {
-        if config.use_nixl_notifications {
-            return Err("control over NIXL notifications is not available in this build; use ZMQ".into());
-        }
+    pub fn start(
+        inner: &Agent,
+        hub: &Arc<NotifHub>,
+        agent: &str,
+        config: Config,
+        failpoints: &Failpoints,
+    ) -> Result<Self, String> {
         let capacity = config.arena_usable_capacity();
         let arena = Arc::new(
             HostArena::new(capacity as usize)
                 .map_err(|e| format!("allocating the {capacity}-byte host arena: {e}"))?,
         );
         let data = DataPlane::new(inner.clone(), &arena)?;
-        let bind = if config.control_bind_loopback {
-            BindSpec::loopback()
-        } else if !config.control_interface.is_empty() {
-            BindSpec::interface(config.control_interface.clone())
+        let (channel, control): (Box<dyn ControlChannel>, ControlKind) = if config.use_nixl_notifications {
+            let ch = NotifChannel::new(hub.clone()).map_err(|e| e.to_string())?;
+            (Box::new(ch), ControlKind::NixlNotif)
         } else {
-            BindSpec::auto()
+            let bind = if config.control_bind_loopback {
+                BindSpec::loopback()
+            } else if !config.control_interface.is_empty() {
+                BindSpec::interface(config.control_interface.clone())
+            } else {
+                BindSpec::auto()
+            };
+            let ch = ZmqChannel::new(&bind, ZmqConfig::default()).map_err(|e| e.to_string())?;
+            (Box::new(ch), ControlKind::Zmq)
         };
-        let channel = ZmqChannel::new(&bind, ZmqConfig::default()).map_err(|e| e.to_string())?;
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
         let endpoint = Endpoint::new(EndpointConfig::from_config(&config, endpoint_bytes.clone(), request_id_base()))
             .map_err(|e| format!("protocol endpoint: {e}"))?;
         let handshake = Handshake {
             wire_version: WIRE_VERSION,
-            control: ControlKind::Zmq,
+            control,
             capabilities: Capabilities::CANCEL,
             arena_usable_capacity: capacity,
             max_chunk_size: config.max_chunk_size_bytes,
@@ -74,7 +84,7 @@ impl Bounce {
         let runtime = Runtime::start(Parts {
             name: agent.to_string(),
             endpoint,
-            channel: Box::new(channel),
+            channel,
             data,
             arena: RegionSpan { addr: arena.base(), len: arena.len() },
             copier: Arc::new(HostCopy::default()),
@@ -98,6 +108,14 @@ impl Bounce {
             mem: MemType::Dram,
         })
     }
+}
+
+/// The protocol's name for a peer: its control endpoint up to the first NUL
+/// byte (a notification endpoint carries the peer's metadata after one; the
+/// channel names senders without it).
+pub fn peer_id_of(endpoint: &[u8]) -> Option<crate::proto::PeerId> {
+    let head = endpoint.split(|&b| b == 0).next().unwrap_or_default();
+    std::str::from_utf8(head).ok().filter(|s| !s.is_empty()).map(crate::proto::PeerId::new)
 }
 
 /// Request ids must not repeat across incarnations of an agent (the peer may

@@ -17,12 +17,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nixl_sys::{
-    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, OptArgs,
     Params, RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest,
     XferStatus,
 };
 
 use crate::config::{Config, ConfigSource};
+use crate::control::notif::NotifHub;
 use crate::failpoint::Failpoints;
 use crate::proto::plan::Descriptor;
 use crate::proto::wire::Handshake;
@@ -335,6 +336,7 @@ pub struct Engine {
     broken: AtomicBool,
     config: Config,
     failpoints: Failpoints,
+    hub: Arc<NotifHub>,
     /// The bounce path, when enabled and set up.
     bounce: Option<Bounce>,
     /// Counters and identity, published for `nixl_bounce_stats`.
@@ -398,8 +400,11 @@ impl Engine {
         })?;
 
         let failpoints = Failpoints::from_env();
+        // User notifications and (optionally) bounce control messages share
+        // the inner agent's notification stream; the hub splits them.
+        let hub = Arc::new(NotifHub::new(Arc::new(inner.clone())));
         let bounce = if config.enabled {
-            match Bounce::start(&inner, local_name, config.clone(), &failpoints) {
+            match Bounce::start(&inner, &hub, local_name, config.clone(), &failpoints) {
                 Ok(b) => Some(b),
                 Err(e) => {
                     tracing::warn!(
@@ -438,6 +443,7 @@ impl Engine {
             stats,
             config,
             failpoints,
+            hub,
             bounce,
         })
     }
@@ -567,14 +573,13 @@ impl Engine {
         };
         match bounce.accepts(&peer) {
             Ok(mut arena) => {
-                let Ok(endpoint) = std::str::from_utf8(&peer.endpoint) else {
+                let Some(id) = bounce::peer_id_of(&peer.endpoint) else {
                     tracing::warn!(remote, "peer's control endpoint is not text; using UCX for it");
                     return None;
                 };
                 arena.inner_agent = inner_remote.to_string();
-                let id = PeerId::new(endpoint);
                 bounce.runtime.add_peer(id.clone(), arena);
-                tracing::debug!(remote, endpoint, "peer is bounce-capable");
+                tracing::debug!(remote, peer = %id, "peer is bounce-capable");
                 Some(id)
             }
             Err(why) => {
@@ -860,35 +865,18 @@ impl Engine {
 
     /// Drains received notifications as (sending agent, message) pairs.
     pub fn get_notifs(&self) -> Result<Vec<(String, Vec<u8>)>> {
-        let mut map =
-            NotificationMap::new().map_err(|e| Error::nixl("allocating a notification map", e))?;
-        self.inner
-            .get_notifications(&mut map, None)
-            .map_err(|e| Error::nixl("reading notifications", e))?;
-        let mut out = Vec::new();
-        let agents: Vec<String> = map
-            .agents()
-            .filter_map(|a| a.ok().map(str::to_string))
+        let notifs = self
+            .hub
+            .take_user()
+            .map_err(|e| Error::new(Status::Backend, format!("reading notifications: {e}")))?;
+        let out: Vec<(String, Vec<u8>)> = notifs
+            .into_iter()
+            .map(|(inner_agent, msg)| {
+                let outer = inner_agent.strip_suffix(INNER_SUFFIX).unwrap_or(&inner_agent).to_string();
+                (outer, msg)
+            })
             .collect();
-        for inner_agent in agents {
-            let n = map
-                .get_notifications_size(&inner_agent)
-                .map_err(|e| Error::nixl("reading notifications", e))?;
-            let outer = inner_agent
-                .strip_suffix(INNER_SUFFIX)
-                .unwrap_or(&inner_agent)
-                .to_string();
-            for i in 0..n {
-                let msg = map
-                    .get_notification_bytes(&inner_agent, i)
-                    .map_err(|e| Error::nixl("reading a notification", e))?;
-                out.push((outer.clone(), msg));
-            }
-        }
-        self.stats
-            .counters
-            .notifs_received
-            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats.counters.notifs_received.fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 

@@ -555,10 +555,17 @@ impl Reactor {
             let now = self.now();
             match action {
                 Action::Connect { peer, endpoint } => {
-                    let ok = std::str::from_utf8(&endpoint).is_ok_and(|e| e == peer.as_str()) && self.handle(&peer).is_some();
-                    if !ok {
-                        tracing::warn!(agent = %self.name, %peer, "peer's advertised endpoint is unusable; forgetting it");
-                        self.endpoint.forget_peer(now, &peer);
+                    // The endpoint a WANT carries (for notification channels
+                    // it includes the peer's metadata) registers the reverse
+                    // path for `peer`, the name the channel gives the sender.
+                    match self.channel.add_peer(&ControlEndpoint::from_bytes(endpoint)) {
+                        Ok(h) => {
+                            self.handles.insert(peer, h);
+                        }
+                        Err(e) => {
+                            tracing::warn!(agent = %self.name, %peer, "peer's advertised endpoint is unusable ({e}); forgetting it");
+                            self.endpoint.forget_peer(now, &peer);
+                        }
                     }
                 }
                 Action::Send { peer, message } => {
