@@ -17,7 +17,8 @@ use std::time::Duration;
 const USAGE: &str = "\
 bounce-demo: move N scattered DRAM descriptors between two agents in one
 process through each backend and print backend, descriptors, bytes, p50 ms,
-GB/s, verified.
+GB/s, verified, and for BOUNCE the path its engine took (from the plugin's
+nixl_bounce_stats counters: bounce, or the UCX fallback reasons).
 
 Options:
   -n, --count N        descriptors per transfer (default 4096)
@@ -26,7 +27,8 @@ Options:
   -w, --warmup K       untimed transfers first (default 3)
   -b, --backends LIST  comma-separated backends (default BOUNCE,UCX)
   -o, --op OP          write or read (default write)
-  -p, --param K=V      backend parameter for every backend (repeatable)
+  -p, --param [B:]K=V  backend parameter K=V for backend B (default BOUNCE),
+                       repeatable, e.g. -p num_threads=4 -p UCX:num_threads=4
       --seed S         layout/pattern seed (default 1)
   -h, --help           this text";
 
@@ -37,7 +39,7 @@ struct Opts {
     warmup: usize,
     backends: Vec<String>,
     op: XferOp,
-    params: Vec<(String, String)>,
+    params: Vec<(String, String, String)>,
     seed: u64,
 }
 
@@ -94,11 +96,12 @@ fn parse() -> Result<Opts, String> {
                 }
             }
             "-p" | "--param" => {
-                let kv = val(&flag)?;
-                let (k, v) = kv
+                let arg = val(&flag)?;
+                let (k, v) = arg
                     .split_once('=')
-                    .ok_or_else(|| format!("--param: expected KEY=VALUE, got {kv}"))?;
-                o.params.push((k.to_string(), v.to_string()));
+                    .ok_or_else(|| format!("--param: expected [BACKEND:]KEY=VALUE, got {arg}"))?;
+                let (b, k) = k.split_once(':').unwrap_or(("BOUNCE", k));
+                o.params.push((b.to_string(), k.to_string(), v.to_string()));
             }
             other => return Err(format!("unknown argument {other}\n\n{USAGE}")),
         }
@@ -118,6 +121,7 @@ struct Row {
     bytes: usize,
     p50: Option<Duration>,
     verified: Result<(), String>,
+    path: String,
 }
 
 fn run_backend(o: &Opts, backend: &str) -> Row {
@@ -128,8 +132,14 @@ fn run_backend(o: &Opts, backend: &str) -> Row {
         bytes,
         p50: None,
         verified: Err("not run".into()),
+        path: "-".into(),
     };
-    let params: Vec<(&str, &str)> = o.params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let params: Vec<(&str, &str)> = o
+        .params
+        .iter()
+        .filter(|(b, _, _)| b == backend)
+        .map(|(_, k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let res = (|| -> Result<Duration, String> {
         let len = blocks_for(o.count) * o.size;
         let mut pair = LocalPair::new(backend, &params, len)?;
@@ -168,6 +178,9 @@ fn run_backend(o: &Opts, backend: &str) -> Row {
             .verify(dst_after, dst_before, src_before)
             .and_then(|_| pair.init.buf.check_guards())
             .and_then(|_| pair.target.buf.check_guards());
+        if backend == "BOUNCE" {
+            row.path = bounce_path(&pair.init.node.name);
+        }
         Ok(p50)
     })();
     match res {
@@ -175,6 +188,28 @@ fn run_backend(o: &Opts, backend: &str) -> Row {
         Err(e) => row.verified = Err(e),
     }
     row
+}
+
+/// Which path the initiator's BOUNCE engine took, from its counters.
+fn bounce_path(agent: &str) -> String {
+    match nixl_bounce::stats::plugin_stats(agent) {
+        Err(e) => format!("? ({e})"),
+        Ok(s) => {
+            let bounced = s.counters.get("bounce_submitted").copied().unwrap_or(0);
+            let fallbacks: Vec<String> = s
+                .counters
+                .iter()
+                .filter(|(k, v)| k.starts_with("fallback_") && **v > 0)
+                .map(|(k, v)| format!("{}={v}", k.trim_start_matches("fallback_")))
+                .collect();
+            match (bounced, fallbacks.is_empty()) {
+                (0, true) => "UCX (no transfer routed)".into(),
+                (n, true) => format!("bounce ({n} requests)"),
+                (0, false) => format!("UCX fallback: {}", fallbacks.join(",")),
+                (n, false) => format!("bounce ({n}) + UCX fallback: {}", fallbacks.join(",")),
+            }
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -204,14 +239,15 @@ fn main() -> ExitCode {
         if o.params.is_empty() {
             String::new()
         } else {
-            format!(", params {:?}", o.params)
+            let ps: Vec<String> = o.params.iter().map(|(b, k, v)| format!("{b}:{k}={v}")).collect();
+            format!("; params {}", ps.join(" "))
         }
     );
     let rows: Vec<Row> = o.backends.iter().map(|b| run_backend(&o, b)).collect();
 
     println!(
-        "{:<8} {:>11} {:>12} {:>9} {:>8}  {}",
-        "backend", "descriptors", "bytes", "p50 ms", "GB/s", "verified"
+        "{:<8} {:>11} {:>12} {:>9} {:>8}  {:<8}  {}",
+        "backend", "descriptors", "bytes", "p50 ms", "GB/s", "verified", "path"
     );
     let mut ok = true;
     for r in &rows {
@@ -222,17 +258,20 @@ fn main() -> ExitCode {
             ),
             None => ("-".into(), "-".into()),
         };
-        let v = match &r.verified {
-            Ok(()) => "yes".to_string(),
+        let (v, why) = match &r.verified {
+            Ok(()) => ("yes".to_string(), String::new()),
             Err(e) => {
                 ok = false;
-                format!("NO: {e}")
+                ("NO".to_string(), e.clone())
             }
         };
         println!(
-            "{:<8} {:>11} {:>12} {:>9} {:>8}  {}",
-            r.backend, r.descriptors, r.bytes, ms, gbs, v
+            "{:<8} {:>11} {:>12} {:>9} {:>8}  {:<8}  {}",
+            r.backend, r.descriptors, r.bytes, ms, gbs, v, r.path
         );
+        if !why.is_empty() {
+            println!("         {}: {why}", r.backend);
+        }
     }
     if ok {
         ExitCode::SUCCESS
