@@ -252,7 +252,7 @@ macro_rules! setting {
         if let Parsed::Num(n) = $v { $target = n.try_into().unwrap_or($target); }
     };
     (@get $target:expr, Bytes) => { format_bytes($target) };
-    (@get $target:expr, Text) => { format!("{:?}", $target) };
+    (@get $target:expr, Text) => { $target.clone() };
     (@get $target:expr, $other:ident) => { $target.to_string() };
 }
 

@@ -250,7 +250,15 @@ pub trait ControlChannel: Send {
 
     /// Which transport this is.
     fn kind(&self) -> ControlKind;
+
+    /// A handle any thread may call to make a `recv` that is waiting (or the
+    /// next one) return early, e.g. when the application submitted work.
+    fn waker(&self) -> Waker;
 }
+
+/// Wakes a channel's `recv` from another thread (see
+/// [`ControlChannel::waker`]). Cheap and non-blocking.
+pub type Waker = std::sync::Arc<dyn Fn() + Send + Sync>;
 
 /// `now + timeout`, saturating far in the future for huge timeouts (such as
 /// `Duration::MAX`) instead of panicking on overflow.

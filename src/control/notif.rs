@@ -139,6 +139,8 @@ pub struct NotifHub {
     /// draining at once cannot reorder one sender's notifications.
     queues: Mutex<Queues>,
     control_arrived: Condvar,
+    /// Set by [`NotifHub::wake`]; makes a waiting `recv` return early.
+    woken: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for NotifHub {
@@ -156,6 +158,7 @@ impl NotifHub {
             source,
             queues: Mutex::new(Queues::default()),
             control_arrived: Condvar::new(),
+            woken: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -220,9 +223,20 @@ impl NotifHub {
     }
 
     /// Waits up to `max` for a control message to be queued by any drainer.
+    /// Wakes a `recv` waiting on this hub.
+    pub fn wake(&self) {
+        self.woken.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _q = self.lock();
+        self.control_arrived.notify_all();
+    }
+
+    fn take_wake(&self) -> bool {
+        self.woken.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
     fn wait_for_control(&self, max: Duration) {
         let q = self.lock();
-        if q.control.is_empty() {
+        if q.control.is_empty() && !self.woken.load(std::sync::atomic::Ordering::SeqCst) {
             let _ = self.control_arrived.wait_timeout(q, max);
         }
     }
@@ -420,7 +434,7 @@ impl ControlChannel for NotifChannel {
                 }));
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() {
+            if remaining.is_zero() || self.hub.take_wake() {
                 return Ok(None);
             }
             self.hub.wait_for_control(pause.min(remaining));
@@ -430,6 +444,11 @@ impl ControlChannel for NotifChannel {
 
     fn kind(&self) -> ControlKind {
         ControlKind::NixlNotif
+    }
+
+    fn waker(&self) -> super::Waker {
+        let hub = self.hub.clone();
+        Arc::new(move || hub.wake())
     }
 }
 

@@ -29,6 +29,7 @@
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{ControlChannel, ControlError, ControlKind, Endpoint, Incoming, PeerHandle, SendError};
@@ -390,6 +391,10 @@ pub struct ZmqChannel {
     next_peer: u64,
     local: Endpoint,
     config: ZmqConfig,
+    /// In-process wake-up: `waker()` pushes an empty message that makes a
+    /// waiting `recv` return (the ROUTER and this socket are polled together).
+    wake_rx: zmq::Socket,
+    wake_tx: Arc<Mutex<zmq::Socket>>,
     context: zmq::Context,
 }
 
@@ -439,6 +444,23 @@ impl ZmqChannel {
             })?;
         let addr = parse_tcp_endpoint(&Endpoint::from(last.as_str()))?;
         let local = Endpoint::from(canonical(addr));
+        // One inproc pair per channel (the context is the channel's own, so
+        // the name only has to be unique within it).
+        let wake_rx = context
+            .socket(zmq::PULL)
+            .map_err(|e| ControlError::zmq("creating the wake-up socket", e))?;
+        wake_rx
+            .set_linger(0)
+            .and_then(|()| wake_rx.bind("inproc://wake"))
+            .map_err(|e| ControlError::zmq("binding the wake-up socket", e))?;
+        let wake_tx = context
+            .socket(zmq::PUSH)
+            .map_err(|e| ControlError::zmq("creating the wake-up sender", e))?;
+        wake_tx
+            .set_linger(0)
+            .and_then(|()| wake_tx.set_sndhwm(1))
+            .and_then(|()| wake_tx.connect("inproc://wake"))
+            .map_err(|e| ControlError::zmq("connecting the wake-up sender", e))?;
         tracing::info!(endpoint = %local, "ZMQ control channel bound");
         Ok(Self {
             router,
@@ -447,6 +469,8 @@ impl ZmqChannel {
             next_peer: 1,
             local,
             config,
+            wake_rx,
+            wake_tx: Arc::new(Mutex::new(wake_tx)),
             context,
         })
     }
@@ -581,11 +605,22 @@ impl ControlChannel for ZmqChannel {
             let remaining = deadline.saturating_duration_since(Instant::now());
             // Round up so a sub-millisecond wait still waits.
             let ms = i64::try_from(remaining.as_micros().div_ceil(1000)).unwrap_or(i64::MAX);
-            match self.router.poll(zmq::POLLIN, ms) {
+            let mut items = [
+                self.router.as_poll_item(zmq::POLLIN),
+                self.wake_rx.as_poll_item(zmq::POLLIN),
+            ];
+            match zmq::poll(&mut items, ms) {
                 Ok(0) => return Ok(None),
                 Ok(_) => {}
                 Err(zmq::Error::EINTR) => continue,
                 Err(e) => return Err(ControlError::zmq("polling the ROUTER", e)),
+            }
+            let (router_ready, woken) = (items[0].is_readable(), items[1].is_readable());
+            if woken {
+                while self.wake_rx.recv_bytes(zmq::DONTWAIT).is_ok() {}
+                if !router_ready {
+                    return Ok(None);
+                }
             }
             match self.router.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => {
@@ -604,6 +639,18 @@ impl ControlChannel for ZmqChannel {
 
     fn kind(&self) -> ControlKind {
         ControlKind::Zmq
+    }
+
+    fn waker(&self) -> super::Waker {
+        let tx = self.wake_tx.clone();
+        Arc::new(move || {
+            // The mutex serialises use of the socket across threads (ZMQ
+            // sockets may move between threads behind a full barrier). A
+            // full queue means a wake-up is already pending: nothing to do.
+            if let Ok(s) = tx.lock() {
+                let _ = s.send(&[] as &[u8], zmq::DONTWAIT);
+            }
+        })
     }
 }
 

@@ -9,7 +9,8 @@
 //! Adaptive polling: while copies or writes are in flight the reactor polls
 //! without sleeping (yielding, and backing off to short sleeps after a long
 //! busy stretch); when idle it blocks in the control channel for up to
-//! [`IDLE_WAIT`] or until the next protocol timer.
+//! [`IDLE_WAIT`], until the next protocol timer, or until woken (application
+//! submissions and finished copies wake the channel).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
@@ -26,7 +27,7 @@ use crate::proto::plan::Descriptor;
 use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Time};
 
 /// Longest the idle reactor sleeps in the control channel.
-pub const IDLE_WAIT: Duration = Duration::from_millis(1);
+pub const IDLE_WAIT: Duration = Duration::from_millis(10);
 /// How long a forgotten peer's in-flight writes may take to finish before
 /// the arena is declared poisoned.
 pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
@@ -135,6 +136,8 @@ impl ScatterTargets {
 
 struct Shared {
     commands: Mutex<Vec<Command>>,
+    /// Wakes the reactor out of its wait in the control channel.
+    waker: crate::control::Waker,
     stop: AtomicBool,
     poisoned: Mutex<Option<String>>,
     counters: RuntimeCounters,
@@ -173,6 +176,7 @@ impl Runtime {
     pub fn start(parts: Parts) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
             commands: Mutex::new(Vec::new()),
+            waker: parts.channel.waker(),
             stop: AtomicBool::new(false),
             poisoned: Mutex::new(None),
             counters: RuntimeCounters::default(),
@@ -184,10 +188,11 @@ impl Runtime {
         let mut workers = Vec::new();
         for i in 0..parts.copy_workers.max(1) {
             let (rx, tx, copier) = (job_rx.clone(), done_tx.clone(), parts.copier.clone());
+            let waker = shared.waker.clone();
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("bounce-copy-{i}"))
-                    .spawn(move || copy_worker(rx, tx, copier))?,
+                    .spawn(move || copy_worker(rx, tx, copier, waker))?,
             );
         }
         let reactor = Reactor {
@@ -218,6 +223,7 @@ impl Runtime {
 
     fn push(&self, c: Command) {
         self.shared.commands.lock().expect("commands").push(c);
+        (self.shared.waker)();
     }
 
     /// Starts a bounce transfer. Never blocks on the network.
@@ -283,6 +289,7 @@ impl Runtime {
 impl Drop for Runtime {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        (self.shared.waker)();
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
                 tracing::error!("the bounce reactor thread panicked during shutdown");
@@ -309,7 +316,12 @@ struct CopyDone {
     result: Result<(), crate::copy::CopyError>,
 }
 
-fn copy_worker(jobs: Arc<Mutex<Receiver<CopyJob>>>, done: Sender<CopyDone>, copier: Arc<dyn CopyEngine>) {
+fn copy_worker(
+    jobs: Arc<Mutex<Receiver<CopyJob>>>,
+    done: Sender<CopyDone>,
+    copier: Arc<dyn CopyEngine>,
+    waker: crate::control::Waker,
+) {
     loop {
         let job = match jobs.lock().expect("copy jobs").recv() {
             Ok(j) => j,
@@ -328,6 +340,7 @@ fn copy_worker(jobs: Arc<Mutex<Receiver<CopyJob>>>, done: Sender<CopyDone>, copi
         if done.send(CopyDone { id: job.id, result }).is_err() {
             return;
         }
+        waker();
     }
 }
 
@@ -369,7 +382,9 @@ impl Reactor {
             let mut progressed = self.drain_commands();
             progressed |= self.drain_copies();
             progressed |= self.poll_writes();
-            let busy = self.copies_in_flight > 0 || !self.writes.is_empty();
+            // Copy workers wake the channel when they finish; chunk writes
+            // must be polled, so only they keep the reactor spinning.
+            let busy = !self.writes.is_empty();
             let wait = if progressed || busy {
                 Duration::ZERO
             } else {
@@ -383,7 +398,7 @@ impl Reactor {
                 idle_spins = 0;
             } else if busy {
                 idle_spins += 1;
-                if idle_spins > 2000 {
+                if idle_spins > 64 {
                     std::thread::sleep(Duration::from_micros(20));
                 } else {
                     std::thread::yield_now();
