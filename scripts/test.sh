@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh "${NIXL_BOUNCE_PROFILE:-dev}"
 export NIXL_BOUNCE_REQUIRE_RUNTIME=1
-echo "[test] cargo test --all-targets $* (NIXL_BOUNCE_REQUIRE_RUNTIME=1)" >&2
-cargo test --all-targets "$@"
+# --no-fail-fast: one failing suite must not hide the results of the others.
+echo "[test] cargo test --no-fail-fast --all-targets $* (NIXL_BOUNCE_REQUIRE_RUNTIME=1)" >&2
+cargo test --no-fail-fast --all-targets "$@"
 echo "[test] cargo test --doc" >&2
 cargo test --doc
 echo "[test] all tests passed" >&2
