@@ -353,6 +353,11 @@ impl Endpoint {
         self.ctx.sched.owner(region)
     }
 
+    /// Who holds `region` of this agent's arena, and its granted length.
+    pub fn region_info(&self, region: RegionHandle) -> Option<(&Owner, u64)> {
+        self.ctx.sched.region(region)
+    }
+
     /// Live receiver flows.
     pub fn flow_count(&self) -> usize {
         self.ctx.sched.flow_count()
@@ -547,7 +552,8 @@ impl Endpoint {
     }
 
     /// Re-runs allocation after any state change: parked credits first,
-    /// then remote grants, then eager staging.
+    /// then remote grants (evicting uncredited eager staging when a remote
+    /// flow waits for space), then eager staging.
     fn pump(&mut self, now: Time) {
         if self.ctx.poisoned.is_some() && !self.handled_poison {
             self.handled_poison = true;
@@ -558,6 +564,10 @@ impl Endpoint {
         self.sender.retry_parked(&mut self.ctx);
         if !self.ctx.shut_down {
             self.receiver.schedule(&mut self.ctx);
+            if self.ctx.sched.has_blocked_flow() && self.sender.evict_eager(&mut self.ctx) > 0 {
+                self.sender.retry_parked(&mut self.ctx);
+                self.receiver.schedule(&mut self.ctx);
+            }
         }
         self.sender.eager_fill(&mut self.ctx);
     }
