@@ -959,9 +959,13 @@ impl Sim {
             if usage.local != 0 || usage.flows != 0 || usage.orphan != 0 {
                 return Err(format!("a{i}: arena not idle at the end: {usage:?}"));
             }
-            if self.faults.drop_p == 0.0 && !self.faults.crash && usage.quarantine != 0 {
+            if self.faults.drop_p == 0.0
+                && !self.faults.crash
+                && self.faults.stuck_p == 0.0
+                && usage.quarantine != 0
+            {
                 return Err(format!(
-                    "a{i}: quarantine left without message loss or crash: {usage:?}"
+                    "a{i}: quarantine left without message loss, crash or stuck operation: {usage:?}"
                 ));
             }
             for n in &names {

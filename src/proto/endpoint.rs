@@ -552,8 +552,9 @@ impl Endpoint {
     }
 
     /// Re-runs allocation after any state change: parked credits first,
-    /// then remote grants (evicting uncredited eager staging when a remote
-    /// flow waits for space), then eager staging.
+    /// then remote grants, then (when a remote flow or a parked credit
+    /// still waits for space) eviction of uncredited eager staging and a
+    /// second pass, then new eager staging.
     fn pump(&mut self, now: Time) {
         if self.ctx.poisoned.is_some() && !self.handled_poison {
             self.handled_poison = true;
@@ -564,8 +565,11 @@ impl Endpoint {
         self.sender.retry_parked(&mut self.ctx);
         if !self.ctx.shut_down {
             self.receiver.schedule(&mut self.ctx);
-            if self.ctx.sched.has_blocked_flow() && self.sender.evict_eager(&mut self.ctx) > 0 {
-                self.sender.retry_parked(&mut self.ctx);
+        }
+        let starved = self.ctx.sched.has_blocked_flow() || self.sender.has_parked();
+        if starved && self.sender.evict_eager(&mut self.ctx) > 0 {
+            self.sender.retry_parked(&mut self.ctx);
+            if !self.ctx.shut_down {
                 self.receiver.schedule(&mut self.ctx);
             }
         }
