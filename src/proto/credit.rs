@@ -1224,6 +1224,7 @@ mod tests {
             }
             // Drain everything: all flows must finish (no starvation).
             for r in locals.drain(..) { s.release_local(r).unwrap(); }
+            live.extend(s.schedule());
             for _ in 0..10_000 {
                 if let Some(g) = scattering.pop() {
                     s.finish_scatter(g.credit.region).unwrap();
