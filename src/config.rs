@@ -27,7 +27,10 @@
 //! a warning says so). The allocation granularity must be a power of two and
 //! no larger than the usable capacity. `max_chunk_size_bytes` is clamped to
 //! the usable capacity (the largest block the allocator can ever hand out),
-//! so a fully drained arena can always fit any chunk.
+//! so a fully drained arena can always fit any chunk. A chunk cap above half
+//! the usable capacity is accepted with a warning: the scheduler's local
+//! reserve block (see `proto::credit`) then does not fit, and an agent that
+//! both sends and receives can stall until the request timeout.
 
 #![forbid(unsafe_code)]
 
@@ -560,6 +563,18 @@ impl Config {
             });
             self.max_chunk_size_bytes = usable;
         }
+        if self.max_chunk_size_bytes > usable / 2 {
+            warnings.push(ConfigWarning {
+                source: ConfigSource::Derived("max_chunk_size_bytes".into()),
+                value: self.max_chunk_size_bytes.to_string(),
+                message: format!(
+                    "above half the usable arena ({}): no local reserve block fits, so an agent that both \
+                     sends and receives can stall until request_timeout_ms; set it to at most {}",
+                    format_bytes(usable),
+                    format_bytes(usable / 2)
+                ),
+            });
+        }
         Ok(())
     }
 }
@@ -679,7 +694,8 @@ mod tests {
         let (c, w) = Config::resolve(&env, &BTreeMap::new()).unwrap();
         assert_eq!(c.arena_usable_capacity(), 16 * MIB);
         assert_eq!(c.max_chunk_size_bytes, 16 * MIB);
-        assert_eq!(w.len(), 2, "{w:?}");
+        // Not a power of two, clamped, and no room for the local reserve.
+        assert_eq!(w.len(), 3, "{w:?}");
     }
 
     #[test]

@@ -41,7 +41,10 @@
 //!
 //! The local sender role takes gather staging from the same arena:
 //! `acquire_local(bytes, eager)`. Eager staging (before any credit exists)
-//! is capped at half the arena so incoming grants always keep room.
+//! is capped at half of the shared arena (the reserve excluded) and only
+//! happens while no remote flow is blocked for space; when one is, the
+//! sender gives uncredited eager regions back (see `sender`), so eager
+//! staging is purely opportunistic and can never hold space a grant needs.
 //! Credit-backed staging is not capped and, when the shared space is full,
 //! falls back to the *local reserve*: one block of the max chunk size taken
 //! at start-up (only when the arena holds at least two such blocks). The
@@ -235,7 +238,7 @@ impl CreditScheduler {
             buddy,
             window: params.window,
             max_chunk: params.max_chunk,
-            eager_cap: params.capacity / 2,
+            eager_cap: 0,
             eager_bytes: 0,
             regions: BTreeMap::new(),
             flows: BTreeMap::new(),
@@ -262,6 +265,7 @@ impl CreditScheduler {
                 s.reserve = Some(off);
             }
         }
+        s.eager_cap = (s.buddy.free_bytes()) / 2;
         Ok(s)
     }
 
@@ -310,6 +314,11 @@ impl CreditScheduler {
         self.regions.get(&region.0).map(|e| &e.owner)
     }
 
+    /// Who holds `region` and its granted length, if it is allocated.
+    pub fn region(&self, region: RegionHandle) -> Option<(&Owner, u64)> {
+        self.regions.get(&region.0).map(|e| (&e.owner, e.len))
+    }
+
     /// Bytes held in each owner class: (flows, local, orphan, quarantine, reserve).
     pub fn held_bytes(&self) -> HeldBytes {
         let mut h = HeldBytes::default();
@@ -328,6 +337,17 @@ impl CreditScheduler {
     /// The flow currently being drained, if any.
     pub fn drain_flow(&self) -> Option<&FlowId> {
         self.drain.as_ref()
+    }
+
+    /// Whether a remote flow waits for space (its next chunk did not fit, or
+    /// drain mode is on). Eager staging yields to it: no new eager staging,
+    /// and uncredited eager regions should be given back.
+    pub fn has_blocked_flow(&self) -> bool {
+        self.drain.is_some()
+            || self
+                .flows
+                .values()
+                .any(|f| f.blocked_since.is_some() && f.wants_more(self.window))
     }
 
     /// Marks the arena poisoned: no region is ever allocated again.
@@ -717,14 +737,15 @@ impl CreditScheduler {
     }
 
     /// Takes a local gather-staging region of at least `bytes` bytes.
-    /// `eager` staging (no credit yet) is capped at half the arena and is
-    /// refused in drain mode; credit-backed staging may use the reserve.
+    /// `eager` staging (no credit yet) is capped at half of the shared arena
+    /// (the reserve excluded) and refused while a remote flow waits for
+    /// space; credit-backed staging may use the reserve.
     pub fn acquire_local(&mut self, bytes: u64, eager: bool) -> Option<RegionHandle> {
         if self.poisoned || bytes == 0 || bytes > self.max_chunk {
             return None;
         }
         let block = self.buddy.block_size_for(bytes)?;
-        if eager && (self.drain.is_some() || self.eager_bytes + block > self.eager_cap) {
+        if eager && (self.has_blocked_flow() || self.eager_bytes + block > self.eager_cap) {
             return None;
         }
         if let Some(offset) = self.buddy.alloc(bytes) {
@@ -1203,6 +1224,7 @@ mod tests {
             }
             // Drain everything: all flows must finish (no starvation).
             for r in locals.drain(..) { s.release_local(r).unwrap(); }
+            live.extend(s.schedule());
             for _ in 0..10_000 {
                 if let Some(g) = scattering.pop() {
                     s.finish_scatter(g.credit.region).unwrap();

@@ -353,6 +353,11 @@ impl Endpoint {
         self.ctx.sched.owner(region)
     }
 
+    /// Who holds `region` of this agent's arena, and its granted length.
+    pub fn region_info(&self, region: RegionHandle) -> Option<(&Owner, u64)> {
+        self.ctx.sched.region(region)
+    }
+
     /// Live receiver flows.
     pub fn flow_count(&self) -> usize {
         self.ctx.sched.flow_count()
@@ -547,7 +552,9 @@ impl Endpoint {
     }
 
     /// Re-runs allocation after any state change: parked credits first,
-    /// then remote grants, then eager staging.
+    /// then remote grants, then (when a remote flow or a parked credit
+    /// still waits for space) eviction of uncredited eager staging and a
+    /// second pass, then new eager staging.
     fn pump(&mut self, now: Time) {
         if self.ctx.poisoned.is_some() && !self.handled_poison {
             self.handled_poison = true;
@@ -558,6 +565,13 @@ impl Endpoint {
         self.sender.retry_parked(&mut self.ctx);
         if !self.ctx.shut_down {
             self.receiver.schedule(&mut self.ctx);
+        }
+        let starved = self.ctx.sched.has_blocked_flow() || self.sender.has_parked();
+        if starved && self.sender.evict_eager(&mut self.ctx) > 0 {
+            self.sender.retry_parked(&mut self.ctx);
+            if !self.ctx.shut_down {
+                self.receiver.schedule(&mut self.ctx);
+            }
         }
         self.sender.eager_fill(&mut self.ctx);
     }
@@ -585,5 +599,468 @@ impl Endpoint {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::credit::Owner;
+    use crate::proto::wire::{Credit, RefuseReason};
+
+    fn cfg(eager: bool) -> EndpointConfig {
+        EndpointConfig {
+            arena_capacity: 4096,
+            granularity: 64,
+            max_chunk: 1024,
+            window: 2,
+            request_timeout: Duration::from_millis(10),
+            request_deadline: None,
+            flow_idle_timeout: Duration::from_millis(20),
+            tombstone_ttl: Duration::from_millis(40),
+            eager_gather: eager,
+            merge_runs: true,
+            local_reserve: true,
+            local_endpoint: b"ep".to_vec(),
+            request_id_base: 100,
+        }
+    }
+
+    fn drain(ep: &mut Endpoint) -> Vec<Action> {
+        std::iter::from_fn(|| ep.poll_action()).collect()
+    }
+
+    fn descs(n: u64, len: u64) -> Vec<Descriptor> {
+        (0..n)
+            .map(|i| Descriptor {
+                src_addr: 0x1000 + i * len,
+                src_dev: 0,
+                dst_addr: 0x9000 + i * 2 * len,
+                dst_dev: 0,
+                len,
+            })
+            .collect()
+    }
+
+    fn sent(actions: &[Action]) -> Vec<&Message> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { message, .. } => Some(message),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn completes(actions: &[Action]) -> Vec<(RequestId, Outcome)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Complete { request, outcome } => Some((*request, *outcome)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn t(ms: u64) -> Time {
+        Time::from_millis(ms)
+    }
+
+    /// Drives one chunk end to end between two endpoints by hand.
+    #[test]
+    fn one_chunk_end_to_end() {
+        let (a, b) = (PeerId::new("A"), PeerId::new("B"));
+        let mut tx = Endpoint::new(cfg(false)).unwrap();
+        let mut rx = Endpoint::new(cfg(false)).unwrap();
+        let id = tx.submit(t(0), &b, &descs(4, 100)).unwrap();
+        assert_eq!(id, RequestId(100));
+        let acts = drain(&mut tx);
+        let [Action::Send { message: want, .. }] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        rx.handle_message(t(1), &a, want.clone());
+        let acts = drain(&mut rx);
+        assert!(
+            matches!(&acts[0], Action::Connect { peer, endpoint } if *peer == a && endpoint == b"ep")
+        );
+        let grant = sent(&acts)[0].clone();
+        tx.handle_message(t(2), &b, grant);
+        let acts = drain(&mut tx);
+        let Action::StartGather {
+            chunk,
+            region,
+            runs,
+        } = &acts[0]
+        else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(
+            runs.len(),
+            1,
+            "4 dense descriptors gather as one strided run"
+        );
+        assert!(matches!(
+            tx.region_owner(*region),
+            Some(Owner::Local { eager: false })
+        ));
+        tx.handle_gather_done(t(3), *chunk);
+        let acts = drain(&mut tx);
+        let Action::PostWrite { remote, len, .. } = &acts[0] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(*len, 3 * 128 + 100);
+        assert!(matches!(rx.region_owner(*remote), Some(Owner::Flow(f)) if f.peer == a));
+        tx.handle_write_done(t(4), *chunk);
+        tx.check_invariants().unwrap();
+        let acts = drain(&mut tx);
+        assert_eq!(
+            tx.arena_usage().local,
+            0,
+            "staging released at write completion"
+        );
+        rx.handle_message(t(5), &a, sent(&acts)[0].clone());
+        let acts = drain(&mut rx);
+        let Action::StartScatter { region, .. } = &acts[0] else {
+            panic!("{acts:?}")
+        };
+        rx.handle_scatter_done(t(6), *region);
+        let acts = drain(&mut rx);
+        assert!(matches!(sent(&acts)[0], Message::Ack { .. }));
+        assert_eq!(rx.flow_count(), 0);
+        tx.handle_message(t(7), &b, sent(&acts)[0].clone());
+        assert_eq!(completes(&drain(&mut tx)), vec![(id, Outcome::Success)]);
+        assert_eq!(tx.request_count(), 0);
+        tx.check_invariants().unwrap();
+        rx.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn empty_transfer_succeeds_at_once() {
+        let mut tx = Endpoint::new(cfg(true)).unwrap();
+        let id = tx.submit(t(0), &PeerId::new("B"), &descs(3, 0)).unwrap();
+        assert_eq!(completes(&drain(&mut tx)), vec![(id, Outcome::Success)]);
+    }
+
+    #[test]
+    fn cancel_is_deferred_until_the_write_ends() {
+        let b = PeerId::new("B");
+        let mut tx = Endpoint::new(cfg(true)).unwrap();
+        let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
+        let acts = drain(&mut tx);
+        let Action::StartGather { chunk, .. } = acts[1].clone() else {
+            panic!("{acts:?}")
+        };
+        tx.handle_message(
+            t(1),
+            &b,
+            Message::Grant {
+                request: id,
+                credits: vec![Credit {
+                    chunk: 0,
+                    region: RegionHandle(0),
+                    len: 4096,
+                }],
+            },
+        );
+        // Eager gather in flight: the credit only promotes it.
+        assert!(drain(&mut tx).is_empty());
+        tx.handle_gather_done(t(2), chunk);
+        assert!(matches!(drain(&mut tx)[0], Action::PostWrite { .. }));
+        assert!(tx.cancel(t(3), id));
+        let acts = drain(&mut tx);
+        assert_eq!(
+            completes(&acts),
+            vec![(id, Outcome::Failure(FailureReason::Cancelled))]
+        );
+        assert!(
+            sent(&acts).is_empty(),
+            "no CANCEL while the write may still land"
+        );
+        assert!(!tx.cancel(t(3), id), "terminal exactly once");
+        tx.handle_write_done(t(4), chunk);
+        let acts = drain(&mut tx);
+        assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec())]);
+        assert!(completes(&acts).is_empty());
+        assert_eq!(tx.request_count(), 0);
+        tx.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn failure_is_reported_after_running_gathers_end() {
+        let b = PeerId::new("B");
+        let mut tx = Endpoint::new(cfg(true)).unwrap();
+        let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
+        let acts = drain(&mut tx);
+        let Action::StartGather { chunk, .. } = acts[1].clone() else {
+            panic!("{acts:?}")
+        };
+        tx.handle_timeout(t(11));
+        let acts = drain(&mut tx);
+        assert!(
+            completes(&acts).is_empty(),
+            "a gather still reads the source"
+        );
+        // No write can land (none was posted): the CANCEL goes at once.
+        assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec())]);
+        tx.handle_gather_done(t(12), chunk);
+        let acts = drain(&mut tx);
+        assert_eq!(
+            completes(&acts),
+            vec![(id, Outcome::Failure(FailureReason::Timeout))]
+        );
+        assert_eq!(tx.arena_usage().local, 0);
+        tx.check_invariants().unwrap();
+    }
+
+    fn receiver_with_grant() -> (Endpoint, PeerId, RegionHandle) {
+        let a = PeerId::new("A");
+        let mut rx = Endpoint::new(cfg(false)).unwrap();
+        rx.handle_message(
+            t(0),
+            &a,
+            Message::Want {
+                request: RequestId(7),
+                chunk_sizes: vec![500, 500],
+                endpoint: vec![],
+            },
+        );
+        let acts = drain(&mut rx);
+        let Some(Message::Grant { credits, .. }) = sent(&acts).first().cloned().cloned() else {
+            panic!("{acts:?}")
+        };
+        (rx, a, credits[0].region)
+    }
+
+    #[test]
+    fn late_data_after_cancel_is_dropped() {
+        let (mut rx, a, region) = receiver_with_grant();
+        rx.handle_message(t(1), &a, Message::cancel(RequestId(7), vec![]));
+        assert_eq!(rx.flow_count(), 0);
+        assert_eq!(rx.arena_usage().flows, 0);
+        rx.handle_message(
+            t(2),
+            &a,
+            Message::Data {
+                request: RequestId(7),
+                chunk: 0,
+                region,
+                runs: vec![Run::single(0, 0x10, 500)],
+            },
+        );
+        assert!(drain(&mut rx).is_empty());
+        assert_eq!(rx.stats().late_data, 1);
+        // A WANT arriving after its CANCEL is ignored (tombstone).
+        rx.handle_message(
+            t(3),
+            &a,
+            Message::Want {
+                request: RequestId(7),
+                chunk_sizes: vec![8],
+                endpoint: vec![],
+            },
+        );
+        assert_eq!(rx.flow_count(), 0);
+        rx.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn out_of_region_runs_abort_the_flow() {
+        let (mut rx, a, region) = receiver_with_grant();
+        rx.handle_message(
+            t(1),
+            &a,
+            Message::Data {
+                request: RequestId(7),
+                chunk: 0,
+                region,
+                runs: vec![Run::single(400, 0x10, 101)],
+            },
+        );
+        let acts = drain(&mut rx);
+        assert_eq!(
+            sent(&acts),
+            vec![&Message::Refuse {
+                request: RequestId(7),
+                reason: RefuseReason::ProtocolViolation
+            }]
+        );
+        assert!(
+            rx.arena_usage().quarantine > 0,
+            "the sender may still write: quarantined"
+        );
+        // The sender's CANCEL (after its writes ended) releases them.
+        rx.handle_message(t(2), &a, Message::cancel(RequestId(7), vec![]));
+        assert_eq!(rx.arena_usage().quarantine, 0);
+        rx.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn orphaned_scatter_region_is_freed_when_the_scatter_ends() {
+        let (mut rx, a, region) = receiver_with_grant();
+        rx.handle_message(
+            t(1),
+            &a,
+            Message::Data {
+                request: RequestId(7),
+                chunk: 0,
+                region,
+                runs: vec![Run::single(0, 0x10, 500)],
+            },
+        );
+        assert!(matches!(drain(&mut rx)[0], Action::StartScatter { .. }));
+        rx.forget_peer(t(2), &a);
+        assert_eq!(rx.region_owner(region), Some(&Owner::Orphan));
+        rx.handle_scatter_done(t(3), region);
+        assert!(
+            sent(&drain(&mut rx)).is_empty(),
+            "no ACK for a forgotten flow"
+        );
+        assert_eq!(rx.arena_free() + rx.arena_usage().reserve, 4096);
+    }
+
+    #[test]
+    fn grant_for_an_unknown_request_is_answered_with_cancel() {
+        let b = PeerId::new("B");
+        let mut tx = Endpoint::new(cfg(false)).unwrap();
+        tx.handle_message(
+            t(0),
+            &b,
+            Message::Grant {
+                request: RequestId(5),
+                credits: vec![Credit {
+                    chunk: 0,
+                    region: RegionHandle(0),
+                    len: 64,
+                }],
+            },
+        );
+        assert_eq!(
+            sent(&drain(&mut tx)),
+            vec![&Message::cancel(RequestId(5), b"ep".to_vec())]
+        );
+    }
+
+    #[test]
+    fn impossible_credit_is_a_protocol_error() {
+        let b = PeerId::new("B");
+        let mut tx = Endpoint::new(cfg(false)).unwrap();
+        let id = tx.submit(t(0), &b, &descs(1, 64)).unwrap();
+        drain(&mut tx);
+        tx.handle_message(
+            t(1),
+            &b,
+            Message::Grant {
+                request: id,
+                credits: vec![Credit {
+                    chunk: 3,
+                    region: RegionHandle(0),
+                    len: 64,
+                }],
+            },
+        );
+        assert_eq!(
+            completes(&drain(&mut tx)),
+            vec![(id, Outcome::Failure(FailureReason::ProtocolError))]
+        );
+    }
+
+    #[test]
+    fn stuck_write_poisons_the_arena() {
+        let b = PeerId::new("B");
+        let mut tx = Endpoint::new(cfg(false)).unwrap();
+        let id = tx.submit(t(0), &b, &descs(1, 64)).unwrap();
+        drain(&mut tx);
+        tx.handle_message(
+            t(1),
+            &b,
+            Message::Grant {
+                request: id,
+                credits: vec![Credit {
+                    chunk: 0,
+                    region: RegionHandle(0),
+                    len: 64,
+                }],
+            },
+        );
+        let Action::StartGather { chunk, .. } = drain(&mut tx)[0].clone() else {
+            panic!()
+        };
+        tx.handle_gather_done(t(2), chunk);
+        drain(&mut tx);
+        tx.handle_write_stuck(t(3), chunk);
+        let acts = drain(&mut tx);
+        assert!(acts.iter().any(|a| matches!(a, Action::Poisoned { .. })));
+        assert_eq!(
+            completes(&acts),
+            vec![(id, Outcome::Failure(FailureReason::Poisoned))]
+        );
+        assert!(
+            sent(&acts).is_empty(),
+            "never cancel while a write may land"
+        );
+        assert!(
+            tx.arena_usage().local > 0,
+            "the stuck source region is never reused"
+        );
+        assert!(matches!(
+            tx.submit(t(4), &b, &descs(1, 64)),
+            Err(SubmitError::Poisoned(_))
+        ));
+        tx.handle_message(
+            t(5),
+            &b,
+            Message::Want {
+                request: RequestId(1),
+                chunk_sizes: vec![64],
+                endpoint: vec![],
+            },
+        );
+        assert_eq!(
+            sent(&drain(&mut tx)),
+            vec![&Message::Refuse {
+                request: RequestId(1),
+                reason: RefuseReason::Poisoned
+            }]
+        );
+        tx.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn shutdown_fails_everything_once() {
+        let b = PeerId::new("B");
+        let mut tx = Endpoint::new(cfg(false)).unwrap();
+        let ids: Vec<RequestId> = (0..3)
+            .map(|_| tx.submit(t(0), &b, &descs(1, 64)).unwrap())
+            .collect();
+        drain(&mut tx);
+        tx.shutdown(t(1));
+        tx.shutdown(t(2));
+        let done = completes(&drain(&mut tx));
+        assert_eq!(done.len(), 3);
+        assert!(done
+            .iter()
+            .all(|(id, o)| ids.contains(id) && *o == Outcome::Failure(FailureReason::Shutdown)));
+        assert_eq!(
+            tx.submit(t(3), &b, &descs(1, 64)),
+            Err(SubmitError::ShutDown)
+        );
+    }
+
+    #[test]
+    fn deadline_and_malformed_input() {
+        let b = PeerId::new("B");
+        let mut c = cfg(false);
+        c.request_deadline = Some(Duration::from_millis(3));
+        let mut tx = Endpoint::new(c).unwrap();
+        let id = tx.submit(t(0), &b, &descs(1, 64)).unwrap();
+        drain(&mut tx);
+        assert_eq!(tx.poll_timeout(), Some(t(3)));
+        tx.handle_timeout(t(3));
+        assert_eq!(
+            completes(&drain(&mut tx)),
+            vec![(id, Outcome::Failure(FailureReason::DeadlineExceeded))]
+        );
+        assert!(tx.handle_control(t(4), &b, b"garbage").is_err());
+        assert_eq!(tx.stats().malformed, 1);
     }
 }

@@ -375,7 +375,7 @@ mod tests {
     #[test]
     fn dense_descriptors_collapse_to_one_run() {
         let descs: Vec<_> = (0..64)
-            .map(|i| d(i * 4096, 1 << 30 | i * 4096, 4096))
+            .map(|i| d(i * 4096, (1 << 30) | (i * 4096), 4096))
             .collect();
         let p = build(&descs, opts(1 << 20)).unwrap();
         assert_eq!(p.chunks.len(), 1);
@@ -460,8 +460,8 @@ mod tests {
                 // Map region bytes back to src and dst byte by byte.
                 for &(o, a, l) in &g { for k in 0..l { moved_src.push((o + k, a + k)); } }
                 for &(o, a, l) in &s { for k in 0..l { moved_dst.push((o + k, a + k)); } }
-                let mut ms: Vec<_> = moved_src.drain(..).collect();
-                let mut md: Vec<_> = moved_dst.drain(..).collect();
+                let mut ms = std::mem::take(&mut moved_src);
+                let mut md = std::mem::take(&mut moved_dst);
                 ms.sort_unstable(); md.sort_unstable();
                 prop_assert_eq!(ms.len(), md.len());
                 for (x, y) in ms.iter().zip(&md) {

@@ -7,6 +7,7 @@
 //! Idle --credit, staging ok--> Gathering --gather done (credit held)--> Writing
 //! Idle --credit, arena full--> Parked --staging ok--> Gathering
 //! Writing --write done--> Written (DATA sent, staging released) --ACK--> Acked
+//! Gathered (no credit) --a remote flow or parked credit waits--> Idle (evicted)
 //! ```
 //!
 //! A request succeeds when every chunk is acked. It fails (exactly once) on
@@ -89,6 +90,11 @@ impl Sender {
             parked: VecDeque::new(),
             leaked: Vec::new(),
         }
+    }
+
+    /// Whether credits wait for staging space.
+    pub fn has_parked(&self) -> bool {
+        !self.parked.is_empty()
     }
 
     pub fn len(&self) -> usize {
@@ -359,9 +365,36 @@ impl Sender {
         req.last_progress = now;
         if req.slots[c].credit.is_some() {
             Self::post_write(ctx, cref.request, req, c, region);
+        } else if ctx.sched.has_blocked_flow() || !self.parked.is_empty() {
+            // Eager staging yields to remote flows and parked credits
+            // waiting for space.
+            let _ = ctx.sched.release_local(region);
+            req.slots[c].stage = Stage::Idle;
+            req.staged -= 1;
+            req.next_idle = req.next_idle.min(c);
         } else {
             req.slots[c].stage = Stage::Gathered(region);
         }
+    }
+
+    /// Gives back every eagerly gathered region that has no credit yet (the
+    /// chunk returns to Idle and is gathered again when its credit comes).
+    /// Called while a remote flow or a parked credit waits for space.
+    /// Returns how many.
+    pub fn evict_eager(&mut self, ctx: &mut Ctx) -> usize {
+        let mut evicted = 0;
+        for req in self.requests.values_mut() {
+            for (c, slot) in req.slots.iter_mut().enumerate() {
+                if let (Stage::Gathered(region), None) = (slot.stage, slot.credit) {
+                    let _ = ctx.sched.release_local(region);
+                    slot.stage = Stage::Idle;
+                    req.staged -= 1;
+                    req.next_idle = req.next_idle.min(c);
+                    evicted += 1;
+                }
+            }
+        }
+        evicted
     }
 
     pub fn on_gather_failed(&mut self, ctx: &mut Ctx, cref: ChunkRef, quiesced: bool) {

@@ -1,0 +1,1097 @@
+//! Deterministic simulation of the bounce protocol.
+//!
+//! Several agents (senders, receivers, agents that are both) run real
+//! [`Endpoint`]s in virtual time. The harness plays the runtime: it carries
+//! control messages (with seeded random delay, reordering and loss),
+//! executes gathers, writes and scatters on simulated memory at simulated
+//! times (with seeded failures), and injects cancels, deadlines, peer
+//! crashes and restarts, and operations that never finish (poisoning).
+//!
+//! After every step it checks each agent's invariants (conservation, no
+//! region owned twice) and, whenever a write lands, that the target region
+//! is granted to exactly that flow. At the end it checks that every request
+//! ended exactly once within its bound, that every successful request is
+//! byte-exact, that no byte outside the transfers' destinations changed,
+//! that fault-free scenarios succeed completely (no starvation, no
+//! deadlock) and that no state is left behind.
+//!
+//! `SIM_SEED=<n> cargo test --test sim -- --nocapture` replays one scenario
+//! with a trace; `SIM_SCENARIOS=<n>` changes how many scenarios each test
+//! runs (a soak).
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+use nixl_bounce::proto::credit::Owner;
+use nixl_bounce::proto::plan::Descriptor;
+use nixl_bounce::proto::wire::Message;
+use nixl_bounce::proto::{
+    Action, ChunkRef, Endpoint, EndpointConfig, FailureReason, FlowId, Outcome, PeerId,
+    RegionHandle, RequestId, Run, Time,
+};
+
+/// splitmix64: tiny, seedable, good enough for scenario generation.
+#[derive(Clone, Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p && p > 0.0
+    }
+}
+
+const US: u64 = 1_000;
+const MEM: usize = 48 * 1024;
+const SRC_AREA: usize = MEM / 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpEnd {
+    Ok,
+    Fail,
+    Stuck,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Deliver {
+        to: usize,
+        to_inc: u32,
+        from: usize,
+        bytes: Vec<u8>,
+    },
+    GatherEnd {
+        agent: usize,
+        inc: u32,
+        chunk: ChunkRef,
+        region: RegionHandle,
+        runs: Vec<Run>,
+        end: OpEnd,
+    },
+    WriteEnd {
+        agent: usize,
+        inc: u32,
+        chunk: ChunkRef,
+        peer: usize,
+        peer_inc: u32,
+        local: RegionHandle,
+        remote: RegionHandle,
+        len: u64,
+        end: OpEnd,
+    },
+    ScatterEnd {
+        agent: usize,
+        inc: u32,
+        flow: FlowId,
+        region: RegionHandle,
+        runs: Vec<Run>,
+        end: OpEnd,
+    },
+    Submit {
+        agent: usize,
+        to: usize,
+        descs: Vec<Descriptor>,
+    },
+    Cancel {
+        agent: usize,
+        pick: u64,
+    },
+    Crash {
+        agent: usize,
+    },
+    Detect {
+        agent: usize,
+    },
+    Restart {
+        agent: usize,
+    },
+}
+
+#[derive(Clone, Debug, Default)]
+struct Faults {
+    drop_p: f64,
+    gather_fail_p: f64,
+    write_fail_p: f64,
+    scatter_fail_p: f64,
+    stuck_p: f64,
+    cancels: u32,
+    crash: bool,
+}
+
+impl Faults {
+    fn none(&self) -> bool {
+        self.drop_p == 0.0
+            && self.gather_fail_p == 0.0
+            && self.write_fail_p == 0.0
+            && self.scatter_fail_p == 0.0
+            && self.stuck_p == 0.0
+            && self.cancels == 0
+            && !self.crash
+    }
+}
+
+struct Agent {
+    name: PeerId,
+    ep: Endpoint,
+    arena: Vec<u8>,
+    mem: Vec<u8>,
+    initial_mem: Vec<u8>,
+    alive: bool,
+    inc: u32,
+    src_bump: usize,
+    dst_bump: usize,
+}
+
+struct ReqInfo {
+    sender: usize,
+    receiver: usize,
+    descs: Vec<Descriptor>,
+    expected: Vec<Vec<u8>>,
+    chunks: u64,
+    submitted: Time,
+    outcome: Option<(Outcome, Time)>,
+    void: bool,
+}
+
+struct Sim {
+    rng: Rng,
+    now: Time,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(Time, u64)>>,
+    events: BTreeMap<u64, Ev>,
+    agents: Vec<Agent>,
+    by_name: BTreeMap<PeerId, usize>,
+    reqs: BTreeMap<(usize, RequestId), ReqInfo>,
+    faults: Faults,
+    cfg: EndpointConfig,
+    trace: bool,
+    steps: u64,
+    /// Agents that send, and agents that receive, in this scenario.
+    senders: BTreeSet<usize>,
+    receivers: BTreeSet<usize>,
+    refused_submits: u64,
+}
+
+fn fail(seed: u64, msg: String) -> String {
+    format!("seed {seed}: {msg}\n  reproduce: SIM_SEED={seed} cargo test --test sim -- --nocapture")
+}
+
+impl Sim {
+    fn new(seed: u64) -> Sim {
+        let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5_5A5A);
+        let capacity = 1u64 << rng.range(11, 14); // 2..16 KiB
+        let granularity = 1u64 << rng.range(6, 8); // 64..256 B
+        let max_chunk = (capacity >> rng.range(0, 3)).max(granularity);
+        let cfg = EndpointConfig {
+            arena_capacity: capacity,
+            granularity,
+            max_chunk,
+            window: rng.range(1, 4) as u32,
+            request_timeout: Duration::from_millis(20),
+            request_deadline: rng
+                .chance(0.2)
+                .then(|| Duration::from_millis(rng.range(1, 30))),
+            flow_idle_timeout: Duration::from_millis(40),
+            tombstone_ttl: Duration::from_millis(80),
+            eager_gather: rng.chance(0.7),
+            merge_runs: rng.chance(0.8),
+            local_reserve: rng.chance(0.9),
+            local_endpoint: Vec::new(),
+            request_id_base: 0,
+        };
+        let mut faults = Faults::default();
+        if rng.chance(0.5) {
+            let heavy = rng.chance(0.3);
+            let p = |rng: &mut Rng, base: f64| if rng.chance(0.5) { base } else { 0.0 };
+            faults.drop_p = p(&mut rng, if heavy { 0.05 } else { 0.01 });
+            faults.gather_fail_p = p(&mut rng, 0.02);
+            faults.write_fail_p = p(&mut rng, 0.03);
+            faults.scatter_fail_p = p(&mut rng, 0.02);
+            faults.stuck_p = if rng.chance(0.1) { 0.01 } else { 0.0 };
+            faults.cancels = if rng.chance(0.4) {
+                rng.range(1, 4) as u32
+            } else {
+                0
+            };
+            faults.crash = rng.chance(0.2);
+        }
+        let n_agents = rng.range(2, 4) as usize;
+        let mut agents = Vec::new();
+        let mut by_name = BTreeMap::new();
+        for i in 0..n_agents {
+            let name = PeerId::new(&format!("a{i}"));
+            by_name.insert(name.clone(), i);
+            let mut c = cfg.clone();
+            c.local_endpoint = format!("sim://a{i}").into_bytes();
+            c.request_id_base = (i as u64) << 48;
+            let mut mem = vec![0u8; MEM];
+            for b in mem.iter_mut() {
+                *b = rng.next() as u8;
+            }
+            agents.push(Agent {
+                name,
+                ep: Endpoint::new(c).expect("endpoint"),
+                arena: vec![0u8; capacity as usize],
+                initial_mem: mem.clone(),
+                mem,
+                alive: true,
+                inc: 0,
+                src_bump: 0,
+                dst_bump: SRC_AREA,
+            });
+        }
+        let trace = std::env::var("SIM_SEED").is_ok();
+        let mut sim = Sim {
+            rng,
+            now: Time::ZERO,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            events: BTreeMap::new(),
+            agents,
+            by_name,
+            reqs: BTreeMap::new(),
+            faults,
+            cfg,
+            trace,
+            steps: 0,
+            senders: BTreeSet::new(),
+            receivers: BTreeSet::new(),
+            refused_submits: 0,
+        };
+        sim.plan_workload();
+        sim
+    }
+
+    fn at(&mut self, t: Time, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse((t, self.seq)));
+        self.events.insert(self.seq, ev);
+    }
+
+    fn log(&self, what: impl FnOnce() -> String) {
+        if self.trace {
+            println!("[{}] {}", self.now, what());
+        }
+    }
+
+    /// Generates the submissions (and cancels / crash) of the scenario.
+    fn plan_workload(&mut self) {
+        let n = self.agents.len();
+        let pattern = self.rng.below(4); // 0 random, 1 many->one, 2 one->one, 3 bidirectional
+        let n_reqs = self.rng.range(1, 10);
+        let cap = self.cfg.max_chunk;
+        for _ in 0..n_reqs {
+            let (from, to) = match pattern {
+                1 => (1 + self.rng.below(n as u64 - 1) as usize, 0),
+                2 => (0, 1),
+                3 => {
+                    if self.rng.chance(0.5) {
+                        (0, 1)
+                    } else {
+                        (1, 0)
+                    }
+                }
+                _ => {
+                    let a = self.rng.below(n as u64) as usize;
+                    let b = (a + 1 + self.rng.below(n as u64 - 1) as usize) % n;
+                    (a, b)
+                }
+            };
+            let count = self.rng.range(1, 24);
+            let shape = self.rng.below(4);
+            let mut lens = Vec::new();
+            for i in 0..count {
+                let len = match shape {
+                    0 => 64,                                         // dense uniform
+                    1 => self.rng.range(1, 200),                     // random small
+                    2 if i == 0 => self.rng.range(cap, 2 * cap + 7), // larger than a chunk
+                    _ => {
+                        if self.rng.chance(0.1) {
+                            0
+                        } else {
+                            self.rng.range(1, cap.min(1500))
+                        }
+                    }
+                };
+                lens.push(len);
+            }
+            let strided = self.rng.chance(0.3);
+            let gap = self.rng.below(3) * 16;
+            let src_total: u64 = lens.iter().map(|l| l + gap).sum();
+            let dst_total: u64 = lens
+                .iter()
+                .map(|l| l * if strided { 2 } else { 1 } + gap)
+                .sum();
+            if self.agents[from].src_bump as u64 + src_total > SRC_AREA as u64
+                || self.agents[to].dst_bump as u64 + dst_total > MEM as u64
+            {
+                continue;
+            }
+            let mut descs = Vec::new();
+            for len in lens {
+                let src = self.agents[from].src_bump as u64;
+                let dst = self.agents[to].dst_bump as u64;
+                self.agents[from].src_bump += (len + gap) as usize;
+                self.agents[to].dst_bump += (len * if strided { 2 } else { 1 } + gap) as usize;
+                descs.push(Descriptor {
+                    src_addr: src,
+                    src_dev: 0,
+                    dst_addr: dst,
+                    dst_dev: 0,
+                    len,
+                });
+            }
+            self.senders.insert(from);
+            self.receivers.insert(to);
+            let t = Time::from_nanos(self.rng.below(2_000 * US));
+            self.at(
+                t,
+                Ev::Submit {
+                    agent: from,
+                    to,
+                    descs,
+                },
+            );
+        }
+        for _ in 0..self.faults.cancels {
+            let t = Time::from_nanos(self.rng.below(3_000 * US));
+            let agent = self.rng.below(n as u64) as usize;
+            let pick = self.rng.next();
+            self.at(t, Ev::Cancel { agent, pick });
+        }
+        if self.faults.crash {
+            let agent = self.rng.below(n as u64) as usize;
+            let t = Time::from_nanos(self.rng.range(100 * US, 3_000 * US));
+            self.at(t, Ev::Crash { agent });
+        }
+    }
+
+    fn control_delay(&mut self) -> Time {
+        self.now
+            .after(Duration::from_nanos(self.rng.range(5 * US, 300 * US)))
+    }
+
+    fn op_end(&mut self, fail_p: f64) -> OpEnd {
+        if self.rng.chance(self.faults.stuck_p) {
+            OpEnd::Stuck
+        } else if self.rng.chance(fail_p) {
+            OpEnd::Fail
+        } else {
+            OpEnd::Ok
+        }
+    }
+
+    /// Executes every action agent `a` has queued.
+    fn run_actions(&mut self, a: usize) -> Result<(), String> {
+        while let Some(action) = self.agents[a].ep.poll_action() {
+            let inc = self.agents[a].inc;
+            self.log(|| format!("a{a} -> {action:?}"));
+            match action {
+                Action::Connect { peer, endpoint } => {
+                    if endpoint != format!("sim://{peer}").into_bytes() {
+                        return Err(format!("a{a} connect to {peer} with endpoint {endpoint:?}"));
+                    }
+                }
+                Action::Send { peer, message } => {
+                    let Some(&to) = self.by_name.get(&peer) else {
+                        return Err(format!("send to unknown peer {peer}"));
+                    };
+                    let bytes = message.encode();
+                    if Message::decode(&bytes).as_ref() != Ok(&message) {
+                        return Err(format!("message does not round-trip: {message:?}"));
+                    }
+                    if self.rng.chance(self.faults.drop_p) {
+                        self.log(|| "   (dropped)".into());
+                        continue;
+                    }
+                    let t = self.control_delay();
+                    let to_inc = self.agents[to].inc;
+                    self.at(
+                        t,
+                        Ev::Deliver {
+                            to,
+                            to_inc,
+                            from: a,
+                            bytes,
+                        },
+                    );
+                }
+                Action::StartGather {
+                    chunk,
+                    region,
+                    runs,
+                } => {
+                    let end = self.op_end(self.faults.gather_fail_p);
+                    let t = self
+                        .now
+                        .after(Duration::from_nanos(self.rng.range(US, 60 * US)));
+                    self.at(
+                        t,
+                        Ev::GatherEnd {
+                            agent: a,
+                            inc,
+                            chunk,
+                            region,
+                            runs,
+                            end,
+                        },
+                    );
+                }
+                Action::PostWrite {
+                    chunk,
+                    peer,
+                    local,
+                    remote,
+                    len,
+                } => {
+                    let p = self.by_name[&peer];
+                    let peer_inc = self.agents[p].inc;
+                    let end = self.op_end(self.faults.write_fail_p);
+                    let t = self
+                        .now
+                        .after(Duration::from_nanos(self.rng.range(5 * US, 200 * US)));
+                    self.at(
+                        t,
+                        Ev::WriteEnd {
+                            agent: a,
+                            inc,
+                            chunk,
+                            peer: p,
+                            peer_inc,
+                            local,
+                            remote,
+                            len,
+                            end,
+                        },
+                    );
+                }
+                Action::StartScatter {
+                    flow,
+                    chunk: _,
+                    region,
+                    runs,
+                } => {
+                    let end = self.op_end(self.faults.scatter_fail_p);
+                    let t = self
+                        .now
+                        .after(Duration::from_nanos(self.rng.range(US, 60 * US)));
+                    self.at(
+                        t,
+                        Ev::ScatterEnd {
+                            agent: a,
+                            inc,
+                            flow,
+                            region,
+                            runs,
+                            end,
+                        },
+                    );
+                }
+                Action::Complete { request, outcome } => {
+                    let now = self.now;
+                    let Some(info) = self.reqs.get_mut(&(a, request)) else {
+                        return Err(format!("a{a}: Complete for unknown request {request}"));
+                    };
+                    if let Some(prev) = info.outcome {
+                        return Err(format!(
+                            "a{a}: {request} completed twice: {prev:?} then {outcome:?}"
+                        ));
+                    }
+                    info.outcome = Some((outcome, now));
+                }
+                Action::Poisoned { cause } => {
+                    if self.faults.stuck_p == 0.0 {
+                        return Err(format!("a{a} poisoned without stuck operations: {cause}"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_all(&self) -> Result<(), String> {
+        for (i, ag) in self.agents.iter().enumerate() {
+            if ag.alive {
+                ag.ep.check_invariants().map_err(|e| format!("a{i}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_runs_into_arena(
+        &mut self,
+        a: usize,
+        region: RegionHandle,
+        runs: &[Run],
+    ) -> Result<(), String> {
+        for run in runs {
+            for (off, addr, len) in run.copies() {
+                let (off, addr, len) = ((region.0 + off) as usize, addr as usize, len as usize);
+                if addr + len > SRC_AREA || off + len > self.agents[a].arena.len() {
+                    return Err(format!("a{a}: gather out of bounds {off}+{len} <- {addr}"));
+                }
+                let src = self.agents[a].mem[addr..addr + len].to_vec();
+                self.agents[a].arena[off..off + len].copy_from_slice(&src);
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, ev: Ev) -> Result<(), String> {
+        match ev {
+            Ev::Submit { agent, to, descs } => {
+                if !self.agents[agent].alive {
+                    return Ok(());
+                }
+                let peer = self.agents[to].name.clone();
+                let expected: Vec<Vec<u8>> = descs
+                    .iter()
+                    .map(|d| {
+                        self.agents[agent].mem[d.src_addr as usize..(d.src_addr + d.len) as usize]
+                            .to_vec()
+                    })
+                    .collect();
+                let now = self.now;
+                match self.agents[agent].ep.submit(now, &peer, &descs) {
+                    Ok(id) => {
+                        let chunks = descs.iter().map(|d| d.len).sum::<u64>()
+                            / self.cfg.max_chunk.max(1)
+                            + descs.len() as u64;
+                        self.log(|| {
+                            format!("a{agent} submit {id} -> a{to}: {} descs", descs.len())
+                        });
+                        self.reqs.insert(
+                            (agent, id),
+                            ReqInfo {
+                                sender: agent,
+                                receiver: to,
+                                descs,
+                                expected,
+                                chunks,
+                                submitted: now,
+                                outcome: None,
+                                void: false,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        if self.agents[agent].ep.poisoned().is_none() {
+                            return Err(format!("a{agent}: submit refused: {e}"));
+                        }
+                        self.refused_submits += 1;
+                    }
+                }
+                self.run_actions(agent)?;
+            }
+            Ev::Cancel { agent, pick } => {
+                if !self.agents[agent].alive {
+                    return Ok(());
+                }
+                let live: Vec<RequestId> = self
+                    .reqs
+                    .iter()
+                    .filter(|((s, _), r)| *s == agent && r.outcome.is_none() && !r.void)
+                    .map(|((_, id), _)| *id)
+                    .collect();
+                if !live.is_empty() {
+                    let id = live[(pick % live.len() as u64) as usize];
+                    let now = self.now;
+                    self.agents[agent].ep.cancel(now, id);
+                    self.run_actions(agent)?;
+                }
+            }
+            Ev::Deliver {
+                to,
+                to_inc,
+                from,
+                bytes,
+            } => {
+                if !self.agents[to].alive || self.agents[to].inc != to_inc {
+                    return Ok(());
+                }
+                let from_name = self.agents[from].name.clone();
+                let now = self.now;
+                self.agents[to]
+                    .ep
+                    .handle_control(now, &from_name, &bytes)
+                    .map_err(|e| format!("a{to}: valid bytes failed to decode: {e}"))?;
+                self.run_actions(to)?;
+            }
+            Ev::GatherEnd {
+                agent,
+                inc,
+                chunk,
+                region,
+                runs,
+                end,
+            } => {
+                if !self.agents[agent].alive || self.agents[agent].inc != inc {
+                    return Ok(());
+                }
+                match self.agents[agent].ep.region_info(region) {
+                    Some((Owner::Local { .. }, _)) => {}
+                    other => {
+                        return Err(format!(
+                            "a{agent}: gather into {region} not held locally: {other:?}"
+                        ))
+                    }
+                }
+                let now = self.now;
+                match end {
+                    OpEnd::Ok => {
+                        self.copy_runs_into_arena(agent, region, &runs)?;
+                        self.agents[agent].ep.handle_gather_done(now, chunk);
+                    }
+                    OpEnd::Fail => self.agents[agent].ep.handle_gather_failed(now, chunk, true),
+                    OpEnd::Stuck => self.agents[agent]
+                        .ep
+                        .handle_gather_failed(now, chunk, false),
+                }
+                self.run_actions(agent)?;
+            }
+            Ev::WriteEnd {
+                agent,
+                inc,
+                chunk,
+                peer,
+                peer_inc,
+                local,
+                remote,
+                len,
+                end,
+            } => {
+                if !self.agents[agent].alive || self.agents[agent].inc != inc {
+                    return Ok(());
+                }
+                match self.agents[agent].ep.region_info(local) {
+                    Some((Owner::Local { .. }, l)) if l >= len => {}
+                    other => {
+                        return Err(format!(
+                            "a{agent}: write source {local} not held locally: {other:?}"
+                        ))
+                    }
+                }
+                let now = self.now;
+                let peer_ok = self.agents[peer].alive && self.agents[peer].inc == peer_inc;
+                let end = if peer_ok { end } else { OpEnd::Fail };
+                if end == OpEnd::Stuck {
+                    self.agents[agent].ep.handle_write_stuck(now, chunk);
+                    return self.run_actions(agent);
+                }
+                // Bytes that land (all of them, or a prefix for a failed write).
+                let landed = if end == OpEnd::Ok {
+                    len
+                } else {
+                    self.rng.below(len + 1)
+                };
+                if peer_ok && landed > 0 {
+                    let flow = FlowId {
+                        peer: self.agents[agent].name.clone(),
+                        request: chunk.request,
+                    };
+                    match self.agents[peer].ep.region_info(remote) {
+                        // Granted to this flow, or quarantined for it (the
+                        // receiver aborted the flow and keeps the region out
+                        // of use precisely because this write may land).
+                        Some((Owner::Flow(f) | Owner::Quarantine(f), glen)) if *f == flow && glen >= len => {}
+                        other => {
+                            return Err(format!(
+                                "write of {chunk} from a{agent} lands in a{peer} {remote}, which is not granted to {flow}: {other:?}"
+                            ))
+                        }
+                    }
+                    let data = self.agents[agent].arena
+                        [local.0 as usize..(local.0 + landed) as usize]
+                        .to_vec();
+                    self.agents[peer].arena[remote.0 as usize..(remote.0 + landed) as usize]
+                        .copy_from_slice(&data);
+                }
+                match end {
+                    OpEnd::Ok => self.agents[agent].ep.handle_write_done(now, chunk),
+                    _ => self.agents[agent].ep.handle_write_failed(now, chunk),
+                }
+                self.run_actions(agent)?;
+            }
+            Ev::ScatterEnd {
+                agent,
+                inc,
+                flow,
+                region,
+                runs,
+                end,
+            } => {
+                if !self.agents[agent].alive || self.agents[agent].inc != inc {
+                    return Ok(());
+                }
+                match self.agents[agent].ep.region_info(region) {
+                    Some((Owner::Flow(f), _)) if *f == flow => {}
+                    Some((Owner::Orphan, _)) => {}
+                    other => {
+                        return Err(format!(
+                            "a{agent}: scatter of {region} for {flow} but owner is {other:?}"
+                        ))
+                    }
+                }
+                let sender = self.by_name[&flow.peer];
+                let dsts: Vec<(u64, u64)> = match self.reqs.get(&(sender, flow.request)) {
+                    Some(r) if r.receiver == agent => {
+                        r.descs.iter().map(|d| (d.dst_addr, d.len)).collect()
+                    }
+                    _ => return Err(format!("a{agent}: scatter for unknown flow {flow}")),
+                };
+                let now = self.now;
+                let mut copies: Vec<(u64, u64, u64)> = runs
+                    .iter()
+                    .flat_map(|r| r.copies().collect::<Vec<_>>())
+                    .collect();
+                if end != OpEnd::Ok {
+                    let keep = self.rng.below(copies.len() as u64 + 1) as usize;
+                    copies.truncate(keep);
+                }
+                for (off, addr, len) in copies {
+                    let inside = covered(&dsts, addr, len);
+                    if !inside {
+                        return Err(format!("a{agent}: scatter for {flow} writes {addr}+{len}, outside its destinations"));
+                    }
+                    let src = (region.0 + off) as usize;
+                    let data = self.agents[agent].arena[src..src + len as usize].to_vec();
+                    self.agents[agent].mem[addr as usize..(addr + len) as usize]
+                        .copy_from_slice(&data);
+                }
+                match end {
+                    OpEnd::Ok => self.agents[agent].ep.handle_scatter_done(now, region),
+                    OpEnd::Fail => self.agents[agent]
+                        .ep
+                        .handle_scatter_failed(now, region, true),
+                    OpEnd::Stuck => self.agents[agent]
+                        .ep
+                        .handle_scatter_failed(now, region, false),
+                }
+                self.run_actions(agent)?;
+            }
+            Ev::Crash { agent } => {
+                self.log(|| format!("a{agent} CRASHES"));
+                self.agents[agent].alive = false;
+                for ((s, _), r) in self.reqs.iter_mut() {
+                    if *s == agent && r.outcome.is_none() {
+                        r.void = true;
+                    }
+                }
+                let t = self
+                    .now
+                    .after(Duration::from_micros(self.rng.range(50, 2_000)));
+                self.at(t, Ev::Detect { agent });
+            }
+            Ev::Detect { agent } => {
+                let name = self.agents[agent].name.clone();
+                let now = self.now;
+                for i in 0..self.agents.len() {
+                    if i != agent && self.agents[i].alive {
+                        self.agents[i].ep.forget_peer(now, &name);
+                        self.run_actions(i)?;
+                    }
+                }
+                let t = self
+                    .now
+                    .after(Duration::from_micros(self.rng.range(10, 500)));
+                self.at(t, Ev::Restart { agent });
+            }
+            Ev::Restart { agent } => {
+                self.log(|| format!("a{agent} RESTARTS"));
+                let ag = &mut self.agents[agent];
+                ag.inc += 1;
+                let mut c = self.cfg.clone();
+                c.local_endpoint = format!("sim://a{agent}").into_bytes();
+                c.request_id_base = ((agent as u64) << 48) | (u64::from(ag.inc) << 32);
+                ag.ep = Endpoint::new(c).map_err(|e| e.to_string())?;
+                ag.arena.iter_mut().for_each(|b| *b = 0);
+                ag.alive = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        loop {
+            self.steps += 1;
+            if self.steps > 500_000 {
+                return Err("simulation did not terminate".into());
+            }
+            let next_event = self.queue.peek().map(|Reverse((t, _))| *t);
+            let next_timer = self
+                .agents
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.alive)
+                .filter_map(|(i, a)| a.ep.poll_timeout().map(|t| (t, i)))
+                .min();
+            match (next_event, next_timer) {
+                (None, None) => break,
+                (e, Some((t, i))) if e.map_or(true, |e| t < e) => {
+                    self.now = self.now.max(t);
+                    let now = self.now;
+                    self.log(|| format!("a{i} timer"));
+                    self.agents[i].ep.handle_timeout(now);
+                    self.run_actions(i)?;
+                    if self.agents[i].ep.poll_timeout().is_some_and(|t2| t2 <= now) {
+                        return Err(format!(
+                            "a{i}: timer at {t2:?} not consumed at {now}",
+                            t2 = self.agents[i].ep.poll_timeout()
+                        ));
+                    }
+                }
+                _ => {
+                    let Reverse((t, seq)) = self.queue.pop().ok_or("queue empty")?;
+                    self.now = self.now.max(t);
+                    let ev = self.events.remove(&seq).ok_or("event lost")?;
+                    self.step(ev)?;
+                }
+            }
+            self.check_all()?;
+        }
+        self.final_checks()
+    }
+
+    /// Whether every request must succeed when nothing fails: always,
+    /// unless an agent both sends and receives without a local reserve
+    /// (then both arenas can fill with each other's grants and the requests
+    /// end by timeout; see the credit module).
+    fn liveness_guaranteed(&self) -> bool {
+        let reserve = self.cfg.local_reserve && self.cfg.max_chunk <= self.cfg.arena_capacity / 2;
+        reserve || self.senders.is_disjoint(&self.receivers)
+    }
+
+    fn final_checks(&mut self) -> Result<(), String> {
+        let max_op = Duration::from_micros(300);
+        let mut touched: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
+        for ((s, id), r) in &self.reqs {
+            for d in &r.descs {
+                touched
+                    .entry(r.receiver)
+                    .or_default()
+                    .push((d.dst_addr, d.len));
+            }
+            if r.void {
+                continue;
+            }
+            let Some((outcome, at)) = r.outcome else {
+                return Err(format!("a{s} {id} never completed"));
+            };
+            // Bound: the no-progress timeout can restart once per chunk event.
+            let per_step = self.cfg.request_timeout + max_op;
+            let mut bound = r.submitted.after(per_step * (4 * r.chunks as u32 + 8));
+            if let Some(d) = self.cfg.request_deadline {
+                bound = bound.min(r.submitted.after(d + max_op));
+            }
+            if at > bound {
+                return Err(format!(
+                    "a{s} {id} completed at {at}, after its bound {bound} ({outcome:?})"
+                ));
+            }
+            if outcome == Outcome::Success {
+                let mem = &self.agents[r.receiver].mem;
+                for (d, want) in r.descs.iter().zip(&r.expected) {
+                    let got = &mem[d.dst_addr as usize..(d.dst_addr + d.len) as usize];
+                    if got != &want[..] {
+                        return Err(format!("a{s} {id} succeeded but destination {d:?} differs"));
+                    }
+                }
+            } else if self.faults.none() && self.liveness_guaranteed() {
+                let deadline_hit = outcome == Outcome::Failure(FailureReason::DeadlineExceeded);
+                if !deadline_hit {
+                    return Err(format!("fault-free scenario: a{s} {id} failed: {outcome:?} (starvation or deadlock)"));
+                }
+            }
+            let _ = r.sender;
+        }
+        for (i, ag) in self.agents.iter().enumerate() {
+            // No byte outside the destinations changed (sources included).
+            let ranges = touched.get(&i).cloned().unwrap_or_default();
+            for (addr, (now, before)) in ag.mem.iter().zip(&ag.initial_mem).enumerate() {
+                if now != before
+                    && !ranges
+                        .iter()
+                        .any(|&(d, l)| (addr as u64) >= d && (addr as u64) < d + l)
+                {
+                    return Err(format!(
+                        "a{i}: byte {addr} changed outside every destination"
+                    ));
+                }
+            }
+        }
+        let names: Vec<PeerId> = self.agents.iter().map(|a| a.name.clone()).collect();
+        let now = self.now;
+        for (i, ag) in self.agents.iter_mut().enumerate() {
+            if !ag.alive {
+                continue;
+            }
+            if ag.ep.request_count() != 0 {
+                return Err(format!(
+                    "a{i}: {} requests left behind",
+                    ag.ep.request_count()
+                ));
+            }
+            if ag.ep.flow_count() != 0 {
+                return Err(format!("a{i}: {} flows left behind", ag.ep.flow_count()));
+            }
+            let usage = ag.ep.arena_usage();
+            if ag.ep.poisoned().is_some() {
+                continue;
+            }
+            if usage.local != 0 || usage.flows != 0 || usage.orphan != 0 {
+                return Err(format!("a{i}: arena not idle at the end: {usage:?}"));
+            }
+            if self.faults.drop_p == 0.0
+                && !self.faults.crash
+                && self.faults.stuck_p == 0.0
+                && usage.quarantine != 0
+            {
+                return Err(format!(
+                    "a{i}: quarantine left without message loss, crash or stuck operation: {usage:?}"
+                ));
+            }
+            for n in &names {
+                if *n != ag.name {
+                    ag.ep.forget_peer(now, n);
+                }
+            }
+            while ag.ep.poll_action().is_some() {}
+            let usage = ag.ep.arena_usage();
+            if ag.ep.arena_free() + usage.reserve != self.cfg.arena_capacity {
+                return Err(format!(
+                    "a{i}: arena not fully free after forgetting every peer: {usage:?}"
+                ));
+            }
+            ag.ep.check_invariants().map_err(|e| format!("a{i}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether every byte of `[addr, addr + len)` lies in one of `ranges`.
+fn covered(ranges: &[(u64, u64)], addr: u64, len: u64) -> bool {
+    let mut pos = addr;
+    while pos < addr + len {
+        match ranges.iter().find(|&&(d, l)| pos >= d && pos < d + l) {
+            Some(&(d, l)) => pos = d + l,
+            None => return false,
+        }
+    }
+    true
+}
+
+#[derive(Default, Debug)]
+struct Tally {
+    scenarios: u64,
+    requests: u64,
+    succeeded: u64,
+    failed: u64,
+    steps: u64,
+}
+
+fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
+    let mut sim = Sim::new(seed);
+    let result = catch_unwind(AssertUnwindSafe(|| sim.run()));
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(fail(seed, e)),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            return Err(fail(seed, format!("panic: {msg}")));
+        }
+    }
+    tally.scenarios += 1;
+    tally.steps += sim.steps;
+    for r in sim.reqs.values() {
+        tally.requests += 1;
+        match r.outcome {
+            Some((Outcome::Success, _)) => tally.succeeded += 1,
+            Some(_) => tally.failed += 1,
+            None => {}
+        }
+    }
+    Ok(())
+}
+
+fn scenarios_per_test() -> u64 {
+    std::env::var("SIM_SCENARIOS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_500)
+}
+
+/// Runs seeds `[first, first + n)`; with `SIM_SEED` set, runs only that one
+/// (in the test whose range holds it).
+fn run_range(first: u64) {
+    let n = scenarios_per_test();
+    if let Ok(seed) = std::env::var("SIM_SEED") {
+        let seed: u64 = seed.parse().expect("SIM_SEED must be an integer");
+        if first == 0 {
+            let mut tally = Tally::default();
+            if let Err(e) = run_seed(seed, &mut tally) {
+                panic!("{e}");
+            }
+            println!("seed {seed} ok: {tally:?}");
+        }
+        return;
+    }
+    let mut tally = Tally::default();
+    let mut failures = BTreeSet::new();
+    let mut first_error = None;
+    for seed in first..first + n {
+        if let Err(e) = run_seed(seed, &mut tally) {
+            failures.insert(seed);
+            first_error.get_or_insert(e);
+            if failures.len() >= 5 {
+                break;
+            }
+        }
+    }
+    println!("seeds {first}..{}: {tally:?}", first + n);
+    if let Some(e) = first_error {
+        panic!("{} failing seeds {failures:?}; first: {e}", failures.len());
+    }
+    assert!(tally.succeeded > 0, "no request ever succeeded");
+}
+
+#[test]
+fn sim_seeds_block_0() {
+    run_range(0);
+}
+
+#[test]
+fn sim_seeds_block_1() {
+    run_range(1_000_000);
+}
+
+#[test]
+fn sim_seeds_block_2() {
+    run_range(2_000_000);
+}
+
+#[test]
+fn sim_seeds_block_3() {
+    run_range(3_000_000);
+}
