@@ -1,0 +1,296 @@
+//! Shared helpers of the `tests/bounce_*.rs` suites (included with
+//! `#[path = "support/bounce.rs"] mod bounce;` after `mod common;`).
+//!
+//! - agents with a chosen NIXL thread-sync mode (the harness' `Node::new`
+//!   uses the C API's default, which serialises nothing);
+//! - metadata exchange (both ways or one way);
+//! - the plugin's counters (`plugin_stats`) as a map, with deltas;
+//! - assertions that a transfer did (or did not) take the bounce path;
+//! - plans shifted into disjoint slices of one buffer, combined expectations;
+//! - bounded waits over several requests at once.
+#![allow(dead_code)]
+
+use crate::common::*;
+use nixl_sys::{Agent, AgentConfig, NotificationMap, ThreadSync, XferRequest, XferStatus};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+pub const BLOCK: usize = 4096;
+pub const KIB: usize = 1024;
+pub const MIB: usize = 1024 * 1024;
+
+/// Single-host tests bind the ZMQ control socket to 127.0.0.1.
+pub const LOOPBACK: (&str, &str) = ("control_bind_loopback", "true");
+/// The NIXL-notification control channel.
+pub const NOTIF_CONTROL: (&str, &str) = ("use_nixl_notifications", "true");
+
+/// Every fallback reason the engine counts.
+pub const FALLBACKS: &[&str] = &[
+    "fallback_bounce_disabled",
+    "fallback_poisoned",
+    "fallback_not_write",
+    "fallback_memory_kind",
+    "fallback_peer_not_bounce_capable",
+    "fallback_local_transfer",
+    "fallback_too_few_descriptors",
+    "fallback_descriptors_too_large",
+];
+
+// ---------------------------------------------------------------------------
+// Counters
+// ---------------------------------------------------------------------------
+
+/// A snapshot of one engine's counters; a missing counter reads as 0.
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub agent: String,
+    pub map: BTreeMap<String, u64>,
+    pub poisoned: Option<String>,
+}
+
+impl Counters {
+    pub fn get(&self, k: &str) -> u64 {
+        self.map.get(k).copied().unwrap_or(0)
+    }
+    /// `self[k] - before[k]` (counters are monotonic).
+    pub fn since(&self, before: &Counters, k: &str) -> u64 {
+        self.get(k).saturating_sub(before.get(k))
+    }
+    /// One line listing the counters that changed since `before`.
+    pub fn diff(&self, before: &Counters) -> String {
+        let mut out = Vec::new();
+        for (k, v) in &self.map {
+            let b = before.get(k);
+            if *v != b {
+                out.push(format!("{k}+{}", v.saturating_sub(b)));
+            }
+        }
+        format!("{}: [{}]", self.agent, out.join(" "))
+    }
+}
+
+/// The counters of `agent`'s BOUNCE engine in the loaded plugin.
+#[track_caller]
+pub fn stats(agent: &str) -> Counters {
+    let s = nixl_bounce::stats::plugin_stats(agent)
+        .unwrap_or_else(|e| panic!("plugin_stats({agent}): {e}"));
+    Counters {
+        agent: agent.to_string(),
+        map: s.counters,
+        poisoned: s.poisoned,
+    }
+}
+
+/// Counters as one JSON object line (for child processes to print).
+pub fn stats_json(agent: &str) -> String {
+    let c = stats(agent);
+    serde_json::to_string(&c.map).expect("json")
+}
+
+pub fn counters_from_json(agent: &str, json: &str) -> Counters {
+    Counters {
+        agent: agent.to_string(),
+        map: serde_json::from_str(json).unwrap_or_else(|e| panic!("counters JSON {json:?}: {e}")),
+        poisoned: None,
+    }
+}
+
+/// The sender side took the bounce path for exactly `n` more transfers, all
+/// succeeded, and nothing fell back.
+#[track_caller]
+pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
+    let d = after.diff(before);
+    assert_eq!(after.since(before, "bounce_submitted"), n, "bounce_submitted; {d}");
+    assert_eq!(after.since(before, "bounce_succeeded"), n, "bounce_succeeded; {d}");
+    assert_eq!(after.since(before, "bounce_failed"), 0, "bounce_failed; {d}");
+    assert!(after.since(before, "chunks_written") >= n, "chunks_written; {d}");
+    for f in FALLBACKS {
+        assert_eq!(after.since(before, f), 0, "{f} rose: {d}");
+    }
+    assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
+}
+
+/// The receiver side scattered at least `chunks` chunks and refused none.
+#[track_caller]
+pub fn assert_receiver_scattered(before: &Counters, after: &Counters, chunks: u64) {
+    let d = after.diff(before);
+    assert!(after.since(before, "chunks_scattered") >= chunks, "chunks_scattered; {d}");
+    assert!(after.since(before, "grants") >= chunks, "grants; {d}");
+    assert_eq!(after.since(before, "scatter_refused"), 0, "scatter_refused; {d}");
+    assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
+}
+
+/// The sender did NOT take the bounce path for its last `n` transfers, and
+/// `reason` rose by `n`.
+#[track_caller]
+pub fn assert_fell_back(before: &Counters, after: &Counters, n: u64, reason: &str) {
+    let d = after.diff(before);
+    assert_eq!(after.since(before, "bounce_submitted"), 0, "bounce_submitted; {d}");
+    assert_eq!(after.since(before, "chunks_written"), 0, "chunks_written; {d}");
+    assert_eq!(after.since(before, reason), n, "{reason}; {d}");
+}
+
+// ---------------------------------------------------------------------------
+// Agents
+// ---------------------------------------------------------------------------
+
+/// A BOUNCE node on an agent created with `sync` (`Rw` lets NIXL call the
+/// engine from several threads at once; `Strict` serialises the agent).
+pub fn node_with(name: &str, extra: &[(&str, &str)], sync: ThreadSync) -> Result<Node, String> {
+    let cfg = AgentConfig {
+        thread_sync: sync,
+        ..AgentConfig::default()
+    };
+    let agent = Agent::new_configured(name, &cfg).map_err(|e| format!("Agent::new_configured({name}): {e:?}"))?;
+    let params = backend_params(&agent, "BOUNCE", extra)?;
+    let backend = agent
+        .create_backend("BOUNCE", &params)
+        .map_err(|e| format!("create_backend(BOUNCE, {extra:?}): {e:?}"))?;
+    Ok(Node {
+        name: name.to_string(),
+        backend_name: "BOUNCE".into(),
+        backend,
+        agent,
+    })
+}
+
+/// An endpoint (node + one registered, patterned buffer).
+#[track_caller]
+pub fn endpoint(prefix: &str, extra: &[(&str, &str)], len: usize, seed: u64, sync: ThreadSync) -> Endpoint {
+    let node = node_with(&unique_name(prefix), extra, sync).or_fail(&format!("create {prefix}"));
+    let buf = DramBuffer::with_pattern(len, seed);
+    let reg = node.register(&buf).or_fail(&format!("register {prefix}'s buffer"));
+    Endpoint {
+        reg: Some(reg),
+        buf,
+        node,
+    }
+}
+
+/// `a` loads `b`'s metadata.
+#[track_caller]
+pub fn load(a: &Node, b: &Node) {
+    let n = a.load_md(&b.local_md().or_fail("local md")).or_fail(&format!("{} loads {}", a.name, b.name));
+    assert_eq!(n, b.name);
+}
+
+/// Both load each other's metadata.
+#[track_caller]
+pub fn pair_up(a: &Node, b: &Node) {
+    load(a, b);
+    load(b, a);
+}
+
+/// `extra` with LOOPBACK added.
+pub fn with_loopback<'a>(extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut v = vec![LOOPBACK];
+    v.extend_from_slice(extra);
+    v
+}
+
+// ---------------------------------------------------------------------------
+// Plans in slices
+// ---------------------------------------------------------------------------
+
+/// A scattered plan of `n` blocks whose source lies in the slice starting at
+/// `src_base` (`src_blocks` blocks) and destination in the slice starting at
+/// `dst_base` (`dst_blocks` blocks) of their buffers.
+pub fn plan_in(n: usize, block: usize, src_base: usize, src_blocks: usize, dst_base: usize, dst_blocks: usize, seed: u64) -> Plan {
+    let mut p = Plan::scattered(n, block, src_blocks, dst_blocks, seed);
+    for o in &mut p.src {
+        *o += src_base;
+    }
+    for o in &mut p.dst {
+        *o += dst_base;
+    }
+    p
+}
+
+/// What a destination holds after all `(plan, source bytes)` were applied.
+/// The plans' destinations must be disjoint.
+pub fn expected_after(dst_before: &[u8], writes: &[(&Plan, &[u8])]) -> Vec<u8> {
+    let mut out = dst_before.to_vec();
+    for (p, src) in writes {
+        for (s, d) in p.src.iter().zip(&p.dst) {
+            out[*d..*d + p.block].copy_from_slice(&src[*s..*s + p.block]);
+        }
+    }
+    out
+}
+
+/// Byte-exact check of a whole destination against `expected_after`.
+pub fn verify_all(what: &str, dst: &DramBuffer, expected: &[u8], writes: &[(&Plan, &[u8])]) -> Result<(), String> {
+    verify_bytes(dst.as_slice(), expected, |off| {
+        for (i, (p, _)) in writes.iter().enumerate() {
+            if let Some(k) = p.dst.iter().position(|d| off >= *d && off < *d + p.block) {
+                return format!("inside destination block of descriptor {k} of write {i}");
+            }
+        }
+        "OUTSIDE every destination block".into()
+    })
+    .map_err(|e| format!("{what}: {e}"))?;
+    dst.check_guards().map_err(|e| format!("{what}: {e}"))
+}
+
+// ---------------------------------------------------------------------------
+// Waiting
+// ---------------------------------------------------------------------------
+
+/// Poll one request once: Ok(true) when done.
+pub fn poll(node: &Node, req: &XferRequest) -> Result<bool, String> {
+    match node.agent.get_xfer_status(req) {
+        Ok(XferStatus::Success) => Ok(true),
+        Ok(XferStatus::InProgress) => Ok(false),
+        Err(e) => Err(format!("get_xfer_status: {e} ({e:?})")),
+    }
+}
+
+/// Post a request (no wait).
+pub fn post(node: &Node, req: &XferRequest) -> Result<(), String> {
+    node.agent
+        .post_xfer_req(req, None)
+        .map(|_| ())
+        .map_err(|e| format!("post_xfer_req: {e} ({e:?})"))
+}
+
+/// Drain the notifications `node` has received, as (agent, message).
+pub fn take_notifs(node: &Node) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let mut map = NotificationMap::new().map_err(|e| format!("NotificationMap::new: {e:?}"))?;
+    node.agent
+        .get_notifications(&mut map, None)
+        .map_err(|e| format!("get_notifications: {e:?}"))?;
+    let mut out = Vec::new();
+    let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(|s| s.to_string())).collect();
+    for a in agents {
+        let n = map.get_notifications_size(&a).map_err(|e| format!("{e:?}"))?;
+        for i in 0..n {
+            out.push((a.clone(), map.get_notification_bytes(&a, i).map_err(|e| format!("{e:?}"))?));
+        }
+    }
+    Ok(out)
+}
+
+/// Sleep-free short pause between polls.
+pub fn pause(spins: &mut u64) {
+    *spins += 1;
+    if *spins % 256 == 0 {
+        std::thread::sleep(Duration::from_micros(100));
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+/// Deadline helper: panics with `what` once `limit` has passed since `t0`.
+#[track_caller]
+pub fn check_deadline(t0: Instant, limit: Duration, what: &dyn Fn() -> String) {
+    if t0.elapsed() > limit {
+        panic!("timed out after {limit:?}: {}", what());
+    }
+}
+
+/// Resident set size of this process in bytes (from /proc/self/statm).
+pub fn rss_bytes() -> usize {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: usize = s.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+    pages * 4096
+}
