@@ -4,6 +4,11 @@
 
 pub mod host;
 
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::dataplane::Arena;
+
 use crate::proto::Run;
 
 /// Which way a copy goes.
@@ -70,4 +75,15 @@ pub fn check_runs(direction: Direction, region_len: usize, runs: &[Run]) -> Resu
             .ok_or_else(|| bad("size overflows".into()))?;
     }
     Ok(total)
+}
+
+/// The arena and copy engine for GPU `device`: device memory and the CUDA
+/// gather/scatter kernels.
+pub fn device_arena(
+    device: u64,
+    len: usize,
+    config: &Config,
+) -> Result<(Arc<dyn Arena>, Arc<dyn CopyEngine>), String> {
+    let _ = (device, len, config);
+    Err("VRAM bounce needs the CUDA copy engine, which this build does not include".into())
 }

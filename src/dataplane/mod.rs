@@ -86,6 +86,50 @@ impl NixlDescriptor for HostArena {
     }
 }
 
+/// A bounce arena: registered memory the protocol carves into regions. Host
+/// memory ([`HostArena`]) or device memory (the CUDA arena).
+pub trait Arena: NixlDescriptor + Send + Sync + std::fmt::Debug {
+    /// Address of the first byte (a device address for device memory).
+    fn base(&self) -> usize;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Arena for HostArena {
+    fn base(&self) -> usize {
+        HostArena::base(self)
+    }
+    fn len(&self) -> usize {
+        HostArena::len(self)
+    }
+}
+
+/// Lends any arena (also behind `dyn`) to nixl-sys, which registers sized
+/// descriptors only.
+#[derive(Debug)]
+struct ArenaRef<'a, A: Arena + ?Sized>(&'a A);
+
+impl<A: Arena + ?Sized> MemoryRegion for ArenaRef<'_, A> {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        // SAFETY: forwards to the arena's own as_ptr under the same contract.
+        unsafe { self.0.as_ptr() }
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+}
+
+impl<A: Arena + ?Sized> NixlDescriptor for ArenaRef<'_, A> {
+    fn mem_type(&self) -> MemType {
+        self.0.mem_type()
+    }
+    fn device_id(&self) -> u64 {
+        self.0.device_id()
+    }
+}
+
 /// Where a peer's arena lives, from its handshake.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerArena {
@@ -129,8 +173,8 @@ pub enum WriteState {
 
 impl DataPlane {
     /// Registers `arena` with the inner agent (once, for the engine's life).
-    pub fn new(agent: Agent, arena: &HostArena) -> Result<Self, String> {
-        let registration = agent.register_memory(arena, None).map_err(|e| {
+    pub fn new<A: Arena + ?Sized>(agent: Agent, arena: &A) -> Result<Self, String> {
+        let registration = agent.register_memory(&ArenaRef(arena), None).map_err(|e| {
             format!(
                 "registering the {}-byte arena with the inner UCX agent: {e}",
                 arena.len()
@@ -140,10 +184,21 @@ impl DataPlane {
             agent,
             arena_base: arena.base(),
             arena_len: arena.len(),
-            arena_mem: MemType::Dram,
-            arena_dev: 0,
+            arena_mem: arena.mem_type(),
+            arena_dev: arena.device_id(),
             _registration: registration,
         })
+    }
+
+    /// The inner agent's metadata for the arena alone: what a peer loads to
+    /// be able to write into it.
+    pub fn arena_metadata(&self) -> Result<Vec<u8>, String> {
+        let mut descs = nixl_sys::RegDescList::new(self.arena_mem)
+            .map_err(|e| format!("descriptor list: {e}"))?;
+        descs.add_desc(self.arena_base, self.arena_len, self.arena_dev);
+        self.agent
+            .get_local_partial_md(&descs, None)
+            .map_err(|e| format!("exporting the arena's metadata: {e}"))
     }
 
     /// Starts writing `len` bytes at local arena offset `local` into the

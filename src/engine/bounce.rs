@@ -1,7 +1,9 @@
-//! The bounce path of one engine: its arena, control channel, protocol
-//! endpoint and reactor, plus the routing decision.
+//! The bounce path of one engine: an instance (arena, control channel,
+//! protocol endpoint, reactor) per memory location in use, the admission of
+//! peers' instances, and the routing decision.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use nixl_sys::{Agent, MemType};
@@ -11,49 +13,83 @@ use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 use crate::control::notif::{NotifChannel, NotifHub};
 use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
-use crate::copy::RegionSpan;
+use crate::copy::{CopyEngine, RegionSpan};
 use crate::failpoint::Failpoints;
-use crate::dataplane::{DataPlane, HostArena, PeerArena};
+use crate::dataplane::{Arena, DataPlane, HostArena, PeerArena};
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
 use crate::proto::{Endpoint, EndpointConfig};
+use crate::proto::PeerId;
 use crate::runtime::{Parts, Runtime};
 
 use super::{MemKind, Op};
 
-/// A running bounce path. Field order matters: the runtime (which reads and
-/// writes the arena) stops before the arena is unmapped.
+/// Where memory lives: host memory, or the memory of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Location {
+    pub kind: MemKind,
+    pub device: u64,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            MemKind::Dram => f.write_str("DRAM"),
+            MemKind::Vram => write!(f, "VRAM device {}", self.device),
+        }
+    }
+}
+
+/// The bounce path for one memory location of one engine: its arena, control
+/// channel, protocol endpoint and reactor. Created when memory at that
+/// location is first registered. Field order matters: the runtime (which
+/// reads and writes the arena) stops before the arena is released.
 pub struct Bounce {
-    pub config: Config,
+    pub location: Location,
     pub handshake: Handshake,
+    /// The inner agent's metadata for the arena (peers load it to write).
+    pub arena_metadata: Vec<u8>,
     pub runtime: Runtime,
-    _arena: Arc<HostArena>,
+    /// Peers this instance's runtime already knows (to add each once).
+    known_peers: Mutex<HashSet<PeerId>>,
+    _arena: Arc<dyn Arena>,
 }
 
 impl std::fmt::Debug for Bounce {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Bounce").field("handshake", &self.handshake).finish_non_exhaustive()
+        f.debug_struct("Bounce")
+            .field("location", &self.location)
+            .field("handshake", &self.handshake)
+            .finish_non_exhaustive()
     }
 }
 
+/// Everything an instance shares with its engine.
+pub struct Shared<'a> {
+    pub inner: &'a Agent,
+    pub hub: &'a Arc<NotifHub>,
+    pub agent: &'a str,
+    pub config: &'a Config,
+    pub failpoints: &'a Failpoints,
+}
+
 impl Bounce {
-    /// Allocates and registers the arena, binds the control channel and
-    /// starts the reactor. Must run before the inner agent's metadata is
-    /// taken, so that the arena's registration travels in it.
-    pub fn start(
-        inner: &Agent,
-        hub: &Arc<NotifHub>,
-        agent: &str,
-        config: Config,
-        failpoints: &Failpoints,
-    ) -> Result<Self, String> {
+    /// Allocates and registers the arena at `location`, binds the control
+    /// channel and starts the reactor.
+    pub fn start(shared: &Shared<'_>, location: Location) -> Result<Self, String> {
+        let config = shared.config;
         let capacity = config.arena_usable_capacity();
-        let arena = Arc::new(
-            HostArena::new(capacity as usize)
-                .map_err(|e| format!("allocating the {capacity}-byte host arena: {e}"))?,
-        );
-        let data = DataPlane::new(inner.clone(), &arena)?;
+        let (arena, copier): (Arc<dyn Arena>, Arc<dyn CopyEngine>) = match location.kind {
+            MemKind::Dram => {
+                let arena = HostArena::new(capacity as usize)
+                    .map_err(|e| format!("allocating the {capacity}-byte host arena: {e}"))?;
+                (Arc::new(arena), Arc::new(HostCopy::default()))
+            }
+            MemKind::Vram => crate::copy::device_arena(location.device, capacity as usize, config)?,
+        };
+        let data = DataPlane::new(shared.inner.clone(), &*arena)?;
+        let arena_metadata = data.arena_metadata()?;
         let (channel, control): (Box<dyn ControlChannel>, ControlKind) = if config.use_nixl_notifications {
-            let ch = NotifChannel::new(hub.clone()).map_err(|e| e.to_string())?;
+            let ch = NotifChannel::new(shared.hub.clone()).map_err(|e| e.to_string())?;
             (Box::new(ch), ControlKind::NixlNotif)
         } else {
             let bind = if config.control_bind_loopback {
@@ -67,47 +103,104 @@ impl Bounce {
             (Box::new(ch), ControlKind::Zmq)
         };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
-        let endpoint = Endpoint::new(EndpointConfig::from_config(&config, endpoint_bytes.clone(), request_id_base()))
-            .map_err(|e| format!("protocol endpoint: {e}"))?;
+        let endpoint = Endpoint::new(EndpointConfig::from_config(
+            config,
+            endpoint_bytes.clone(),
+            request_id_base(),
+        ))
+        .map_err(|e| format!("protocol endpoint: {e}"))?;
         let handshake = Handshake {
-            wire_version: WIRE_VERSION,
-            control,
-            capabilities: Capabilities::CANCEL,
-            arena_usable_capacity: capacity,
-            max_chunk_size: config.max_chunk_size_bytes,
-            arena_base: arena.base() as u64,
-            arena_device: 0,
             endpoint: endpoint_bytes,
+            arena_base: arena.base() as u64,
+            arena_device: location.device as u32,
+            ..local_handshake(config, control)
         };
-        let notifier = inner.clone();
+        let notifier = shared.inner.clone();
         let workers = (config.scatter_worker_count as usize).clamp(1, 64);
         let runtime = Runtime::start(Parts {
-            name: agent.to_string(),
+            name: format!("{} {location}", shared.agent),
             endpoint,
             channel,
             data,
             arena: RegionSpan { addr: arena.base(), len: arena.len() },
-            copier: Arc::new(HostCopy::default()),
+            copier,
             copy_workers: workers,
-            failpoints: failpoints.clone(),
+            failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier.send_notification(target, msg, None).map_err(|e| e.to_string())
             }),
         })
         .map_err(|e| format!("starting the reactor: {e}"))?;
-        Ok(Self { config, handshake, runtime, _arena: arena })
-    }
-
-    /// Whether a peer advertising `peer` can be served by the bounce path.
-    pub fn accepts(&self, peer: &Handshake) -> Result<PeerArena, Incompatible> {
-        self.handshake.check_compatible(peer)?;
-        Ok(PeerArena {
-            inner_agent: String::new(),
-            base: peer.arena_base,
-            device: u64::from(peer.arena_device),
-            mem: MemType::Dram,
+        tracing::info!(agent = shared.agent, %location, capacity, "bounce arena ready");
+        Ok(Self {
+            location,
+            handshake,
+            arena_metadata,
+            runtime,
+            known_peers: Mutex::new(HashSet::new()),
+            _arena: arena,
         })
     }
+
+    /// Tells this instance's runtime about `peer` (once).
+    pub fn ensure_peer(&self, peer: &PeerBounce) {
+        if self.known_peers.lock().expect("known peers").insert(peer.id.clone()) {
+            self.runtime.add_peer(peer.id.clone(), peer.arena.clone());
+        }
+    }
+
+    /// Forgets `peer` if this instance knew it.
+    pub fn forget_peer(&self, peer: &PeerId) {
+        if self.known_peers.lock().expect("known peers").remove(peer) {
+            self.runtime.forget_peer(peer.clone());
+        }
+    }
+}
+
+/// The handshake fields that depend only on the configuration (what two
+/// peers must agree on).
+pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
+    Handshake {
+        wire_version: WIRE_VERSION,
+        control,
+        capabilities: Capabilities::CANCEL,
+        arena_usable_capacity: config.arena_usable_capacity(),
+        max_chunk_size: config.max_chunk_size_bytes,
+        arena_base: 0,
+        arena_device: 0,
+        endpoint: Vec::new(),
+    }
+}
+
+/// A peer's bounce instance for the memory a remote region lives in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerBounce {
+    pub id: PeerId,
+    pub arena: PeerArena,
+}
+
+/// Checks a peer's advertised bounce instance against our configuration.
+pub fn admit(
+    config: &Config,
+    kind: MemKind,
+    inner_agent: &str,
+    peer: &Handshake,
+) -> Result<PeerBounce, String> {
+    let control = if config.use_nixl_notifications { ControlKind::NixlNotif } else { ControlKind::Zmq };
+    local_handshake(config, control).check_compatible(peer).map_err(|e: Incompatible| e.to_string())?;
+    let id = peer_id_of(&peer.endpoint).ok_or("the peer's control endpoint is not text")?;
+    Ok(PeerBounce {
+        id,
+        arena: PeerArena {
+            inner_agent: inner_agent.to_string(),
+            base: peer.arena_base,
+            device: u64::from(peer.arena_device),
+            mem: match kind {
+                MemKind::Dram => MemType::Dram,
+                MemKind::Vram => MemType::Vram,
+            },
+        },
+    })
 }
 
 /// The protocol's name for a peer: its control endpoint up to the first NUL
@@ -131,9 +224,9 @@ pub enum Fallback {
     BounceDisabled,
     Poisoned,
     NotWrite,
-    MemoryKind,
     PeerNotBounceCapable,
     LocalTransfer,
+    NoLocalArena,
     TooFewDescriptors,
     DescriptorsTooLarge,
 }
@@ -144,9 +237,9 @@ impl Fallback {
             Self::BounceDisabled => "fallback_bounce_disabled",
             Self::Poisoned => "fallback_poisoned",
             Self::NotWrite => "fallback_not_write",
-            Self::MemoryKind => "fallback_memory_kind",
             Self::PeerNotBounceCapable => "fallback_peer_not_bounce_capable",
             Self::LocalTransfer => "fallback_local_transfer",
+            Self::NoLocalArena => "fallback_no_local_arena",
             Self::TooFewDescriptors => "fallback_too_few_descriptors",
             Self::DescriptorsTooLarge => "fallback_descriptors_too_large",
         }
@@ -155,9 +248,9 @@ impl Fallback {
         Self::BounceDisabled,
         Self::Poisoned,
         Self::NotWrite,
-        Self::MemoryKind,
         Self::PeerNotBounceCapable,
         Self::LocalTransfer,
+        Self::NoLocalArena,
         Self::TooFewDescriptors,
         Self::DescriptorsTooLarge,
     ];
@@ -173,10 +266,14 @@ pub struct RouteInput {
     pub bytes: u64,
     pub peer_capable: bool,
     pub local_transfer: bool,
+    /// All local descriptors lie in memory of one location that has a bounce
+    /// instance.
+    pub local_arena: bool,
 }
 
-/// The routing rule: WRITE between memory the arena serves, to a peer that
-/// passed the handshake, with many small descriptors.
+/// The routing rule: a WRITE from memory that has a local bounce instance to
+/// memory of a peer whose instance passed the handshake, with many small
+/// descriptors.
 pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallback> {
     if !cfg.enabled {
         return Err(Fallback::BounceDisabled);
@@ -187,11 +284,11 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.op != Op::Write {
         return Err(Fallback::NotWrite);
     }
-    if r.local != MemKind::Dram || r.remote != MemKind::Dram {
-        return Err(Fallback::MemoryKind);
-    }
     if r.local_transfer {
         return Err(Fallback::LocalTransfer);
+    }
+    if !r.local_arena {
+        return Err(Fallback::NoLocalArena);
     }
     if !r.peer_capable {
         return Err(Fallback::PeerNotBounceCapable);
@@ -218,6 +315,7 @@ mod tests {
             bytes: 4096 * 4096,
             peer_capable: true,
             local_transfer: false,
+            local_arena: true,
         }
     }
 
@@ -234,7 +332,8 @@ mod tests {
         assert_eq!(route(&off, false, &input()), Err(Fallback::BounceDisabled));
         assert_eq!(route(&on, true, &input()), Err(Fallback::Poisoned));
         assert_eq!(route(&on, false, &RouteInput { op: Op::Read, ..input() }), Err(Fallback::NotWrite));
-        assert_eq!(route(&on, false, &RouteInput { remote: MemKind::Vram, ..input() }), Err(Fallback::MemoryKind));
+        assert_eq!(route(&on, false, &RouteInput { remote: MemKind::Vram, ..input() }), Ok(()));
+        assert_eq!(route(&on, false, &RouteInput { local_arena: false, ..input() }), Err(Fallback::NoLocalArena));
         assert_eq!(route(&on, false, &RouteInput { peer_capable: false, ..input() }), Err(Fallback::PeerNotBounceCapable));
         assert_eq!(route(&on, false, &RouteInput { local_transfer: true, ..input() }), Err(Fallback::LocalTransfer));
         assert_eq!(route(&on, false, &RouteInput { descriptors: 10, bytes: 40960, ..input() }), Err(Fallback::TooFewDescriptors));

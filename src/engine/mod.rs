@@ -12,7 +12,7 @@ pub mod bounce;
 pub mod conn_info;
 pub mod params;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -30,8 +30,8 @@ use crate::proto::wire::Handshake;
 use crate::proto::PeerId;
 use crate::runtime::{DeferredNotif, Ticket};
 use crate::stats::EngineStats;
-use bounce::{Bounce, Fallback, RouteInput};
-use conn_info::ConnInfo;
+use bounce::{Bounce, Fallback, Location, PeerBounce, RouteInput};
+use conn_info::{ConnInfo, PublicBounce, PublicData};
 
 /// Appended to the outer agent's name to name its inner agent. Peers use it to
 /// map inner agent names (as seen in notifications) back to outer names.
@@ -92,7 +92,7 @@ impl std::fmt::Display for Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Memory kinds as NIXL numbers them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MemKind {
     Dram,
     Vram,
@@ -210,9 +210,16 @@ pub enum MdOwner {
     Registered {
         registration: RegistrationHandle,
         public_data: Vec<u8>,
+        /// The bounce instance of the region's location, if any.
+        bounce: Option<Arc<Bounce>>,
     },
     /// A region of a remote agent, loaded from its metadata.
-    Remote { agent: String },
+    Remote {
+        agent: String,
+        /// The peer's bounce instance for the region's location, when it
+        /// advertised a compatible one.
+        bounce: Option<PeerBounce>,
+    },
     /// This agent's own registered memory as the target of a local transfer.
     LocalTarget,
 }
@@ -252,7 +259,10 @@ enum Route {
 }
 
 struct BounceXfer {
+    /// The local instance that runs it.
+    instance: Arc<Bounce>,
     peer: PeerId,
+    peer_arena: PeerBounce,
     /// The peer's inner agent (target of the completion notification).
     peer_inner: String,
     descriptors: Vec<Descriptor>,
@@ -280,9 +290,12 @@ impl std::fmt::Debug for Request {
 #[derive(Debug, Clone)]
 struct Remote {
     inner: String,
-    /// Set when the peer's handshake is compatible with ours.
-    bounce_peer: Option<PeerId>,
+    /// The peer's bounce instances whose arena metadata we loaded.
+    bounce_peers: HashSet<PeerId>,
 }
+
+/// Bounce instances by memory location (`None`: set-up failed, not retried).
+type Instances = Arc<Mutex<HashMap<Location, Option<Arc<Bounce>>>>>;
 
 /// Per-transfer settings carried in NIXL's backend custom parameter, as
 /// `key=value` pairs separated by `;` or `,`.
@@ -337,8 +350,8 @@ pub struct Engine {
     config: Config,
     failpoints: Failpoints,
     hub: Arc<NotifHub>,
-    /// The bounce path, when enabled and set up.
-    bounce: Option<Bounce>,
+    /// The bounce path: one instance per memory location in use.
+    instances: Instances,
     /// Counters and identity, published for `nixl_bounce_stats`.
     pub stats: Arc<EngineStats>,
 }
@@ -403,36 +416,17 @@ impl Engine {
         // User notifications and (optionally) bounce control messages share
         // the inner agent's notification stream; the hub splits them.
         let hub = Arc::new(NotifHub::new(Arc::new(inner.clone())));
-        let bounce = if config.enabled {
-            match Bounce::start(&inner, &hub, local_name, config.clone(), &failpoints) {
-                Ok(b) => Some(b),
-                Err(e) => {
-                    tracing::warn!(
-                        agent = local_name,
-                        "bounce path unavailable, all transfers use UCX: {e}"
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        // Taken after the arena's registration, so peers that load it can
-        // write into our arena.
+        let instances: Instances = Arc::new(Mutex::new(HashMap::new()));
         let inner_md = inner
             .get_local_md()
             .map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
-        let conn_info = ConnInfo {
-            inner_md,
-            handshake: bounce.as_ref().map(|b| b.handshake.encode()).unwrap_or_default(),
-        }
-        .encode();
+        // Bounce handshakes travel in each region's public data (see
+        // conn_info::PublicData), so the connection info carries none.
+        let conn_info = ConnInfo { inner_md, handshake: Vec::new() }.encode();
 
         let stats = EngineStats::new(local_name, params);
-        if let Some(b) = &bounce {
-            stats.set_source(b.runtime.stats_source());
-        }
-        tracing::info!(agent = local_name, inner = %inner_name, bounce = bounce.is_some(), "BOUNCE engine created");
+        stats.set_source(instances_stats(instances.clone()));
+        tracing::info!(agent = local_name, inner = %inner_name, bounce = config.enabled, "BOUNCE engine created");
         Ok(Self {
             local_name: local_name.to_string(),
             inner_name,
@@ -444,7 +438,7 @@ impl Engine {
             config,
             failpoints,
             hub,
-            bounce,
+            instances,
         })
     }
 
@@ -460,6 +454,41 @@ impl Engine {
 
     pub fn is_broken(&self) -> bool {
         self.broken.load(Ordering::SeqCst)
+    }
+
+    /// The bounce instance for `location`, started on first use. A set-up
+    /// failure is logged once and that location stays on the standard path.
+    fn instance(&self, location: Location) -> Option<Arc<Bounce>> {
+        if !self.config.enabled {
+            return None;
+        }
+        let mut map = self.instances.lock().expect("instances lock");
+        if let Some(existing) = map.get(&location) {
+            return existing.clone();
+        }
+        let started = if self.config.use_nixl_notifications && !map.is_empty() {
+            // One notification channel per inner agent: its endpoint cannot
+            // tell two instances apart.
+            Err("control over NIXL notifications serves one memory location per agent".to_string())
+        } else {
+            let shared = bounce::Shared {
+                inner: &self.inner,
+                hub: &self.hub,
+                agent: &self.local_name,
+                config: &self.config,
+                failpoints: &self.failpoints,
+            };
+            Bounce::start(&shared, location).map(Arc::new)
+        };
+        let instance = match started {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!(agent = %self.local_name, %location, "bounce path unavailable for this memory, it uses UCX: {e}");
+                None
+            }
+        };
+        map.insert(location, instance.clone());
+        instance
     }
 
     // ---- memory ----------------------------------------------------------------
@@ -481,14 +510,24 @@ impl Engine {
         let mut descs = RegDescList::new(kind.to_sys())
             .map_err(|e| Error::nixl("building a registration list", e))?;
         descs.add_desc(range.addr, range.len, range.dev);
-        let public_data = self
+        let region_md = self
             .inner
             .get_local_partial_md(&descs, None)
             .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
         EngineStats::bump(&self.stats.counters.registrations);
-        if let Some(b) = &self.bounce {
+        let bounce = self.instance(Location { kind, device: range.dev });
+        if let Some(b) = &bounce {
             b.runtime.targets.add(range.addr, range.len);
         }
+        let public_data = PublicData {
+            region_md,
+            bounce: bounce.as_ref().map(|b| PublicBounce {
+                kind: kind as u8,
+                arena_md: b.arena_metadata.clone(),
+                handshake: b.handshake.encode(),
+            }),
+        }
+        .encode();
         Ok(Box::new(Md {
             magic: MD_MAGIC,
             range,
@@ -496,6 +535,7 @@ impl Engine {
             owner: MdOwner::Registered {
                 registration,
                 public_data,
+                bounce,
             },
         }))
     }
@@ -506,9 +546,9 @@ impl Engine {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }
         md.magic = 0;
-        if let MdOwner::Registered { registration, .. } = &mut md.owner {
+        if let MdOwner::Registered { registration, bounce, .. } = &mut md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
-            if let Some(b) = &self.bounce {
+            if let Some(b) = bounce {
                 b.runtime.targets.remove(md.range.addr, md.range.len);
             }
             registration
@@ -546,47 +586,52 @@ impl Engine {
         if inner_remote != expected {
             tracing::warn!(remote, inner_remote, expected, "peer's inner agent is not named after it");
         }
-        let bounce_peer = self.admit_bounce_peer(remote, &inner_remote, &info.handshake);
-        self.remotes
-            .lock()
-            .expect("remotes lock")
-            .insert(remote.to_string(), Remote { inner: inner_remote, bounce_peer });
+        if !info.handshake.is_empty() {
+            tracing::debug!(remote, "ignoring a connection-level bounce handshake (handshakes travel with regions)");
+        }
+        self.remotes.lock().expect("remotes lock").insert(
+            remote.to_string(),
+            Remote { inner: inner_remote, bounce_peers: HashSet::new() },
+        );
         tracing::debug!(remote, "loaded connection info");
         Ok(())
     }
 
-    /// Checks a peer's bounce handshake. An absent, unreadable or
-    /// incompatible handshake is not an error: the peer is served by the
-    /// standard path, decided now rather than after a timeout.
-    fn admit_bounce_peer(&self, remote: &str, inner_remote: &str, handshake: &[u8]) -> Option<PeerId> {
-        let bounce = self.bounce.as_ref()?;
-        if handshake.is_empty() {
-            tracing::info!(remote, "peer offers no bounce path; using UCX for it");
+    /// Admits the bounce instance a peer advertised with one of its regions.
+    /// An absent, unreadable or incompatible one is not an error: transfers to
+    /// that memory use the standard path, decided now rather than after a
+    /// timeout.
+    fn admit_peer_instance(&self, remote: &str, inner_remote: &str, public: &PublicBounce) -> Option<PeerBounce> {
+        if !self.config.enabled {
             return None;
         }
-        let peer = match Handshake::decode(handshake) {
+        let kind = MemKind::from_nixl(i32::from(public.kind)).ok()?;
+        let peer = match Handshake::decode(&public.handshake) {
             Ok(h) => h,
             Err(e) => {
-                tracing::warn!(remote, "peer's bounce handshake is unreadable ({e}); using UCX for it");
+                tracing::warn!(remote, "peer's bounce handshake is unreadable ({e}); using UCX for that memory");
                 return None;
             }
         };
-        match bounce.accepts(&peer) {
-            Ok(mut arena) => {
-                let Some(id) = bounce::peer_id_of(&peer.endpoint) else {
-                    tracing::warn!(remote, "peer's control endpoint is not text; using UCX for it");
-                    return None;
-                };
-                arena.inner_agent = inner_remote.to_string();
-                bounce.runtime.add_peer(id.clone(), arena);
-                tracing::debug!(remote, peer = %id, "peer is bounce-capable");
-                Some(id)
-            }
+        let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer) {
+            Ok(p) => p,
             Err(why) => {
-                tracing::info!(remote, "peer's bounce path is incompatible ({why}); using UCX for it");
-                None
+                tracing::info!(remote, "peer's bounce path is incompatible ({why}); using UCX for that memory");
+                return None;
             }
+        };
+        let mut remotes = self.remotes.lock().expect("remotes lock");
+        let entry = remotes.get_mut(remote)?;
+        if !entry.bounce_peers.contains(&admitted.id) {
+            // The peer's arena registration: lets our inner agent write into it.
+            if let Err(e) = self.inner.load_remote_md(&public.arena_md) {
+                tracing::warn!(remote, "cannot load the peer's arena metadata ({e}); using UCX for that memory");
+                return None;
+            }
+            entry.bounce_peers.insert(admitted.id.clone());
+            tracing::debug!(remote, peer = %admitted.id, "peer instance is bounce-capable");
         }
+        Some(admitted)
     }
 
     pub fn load_remote_md(
@@ -597,7 +642,10 @@ impl Engine {
         public_data: &[u8],
     ) -> Result<Box<Md>> {
         let inner_remote = self.inner_remote(remote)?;
-        let loaded = self.inner.load_remote_md(public_data).map_err(|e| {
+        let public = PublicData::decode(public_data).map_err(|e| {
+            Error::new(Status::Mismatch, format!("region metadata of agent {remote:?} is malformed: {e}"))
+        })?;
+        let loaded = self.inner.load_remote_md(&public.region_md).map_err(|e| {
             Error::nixl(&format!("loading a memory section of agent {remote:?}"), e)
         })?;
         if loaded != inner_remote {
@@ -612,6 +660,7 @@ impl Engine {
             kind,
             owner: MdOwner::Remote {
                 agent: remote.to_string(),
+                bounce: public.bounce.as_ref().and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
             },
         }))
     }
@@ -644,9 +693,13 @@ impl Engine {
 
     pub fn disconnect(&self, remote: &str) -> Result<()> {
         let known = self.remotes.lock().expect("remotes lock").remove(remote);
-        if let Some(Remote { inner: inner_remote, bounce_peer }) = known {
-            if let (Some(peer), Some(b)) = (bounce_peer, &self.bounce) {
-                b.runtime.forget_peer(peer);
+        if let Some(Remote { inner: inner_remote, bounce_peers }) = known {
+            let instances: Vec<Arc<Bounce>> =
+                self.instances.lock().expect("instances lock").values().flatten().cloned().collect();
+            for peer in &bounce_peers {
+                for b in &instances {
+                    b.forget_peer(peer);
+                }
             }
             self.inner
                 .invalidate_remote_md(&inner_remote)
@@ -698,7 +751,7 @@ impl Engine {
         EngineStats::bump(&self.stats.counters.transfers_prepared);
 
         match self.choose_route(op, local, remote, agent) {
-            Ok(peer) => {
+            Ok((instance, peer)) => {
                 let descriptors = local
                     .descs
                     .iter()
@@ -719,7 +772,9 @@ impl Engine {
                 }
                 return Ok(Request {
                     route: Route::Bounce(BounceXfer {
-                        peer,
+                        instance,
+                        peer: peer.id.clone(),
+                        peer_arena: peer,
                         peer_inner: inner_remote,
                         descriptors,
                         ticket: None,
@@ -755,10 +810,28 @@ impl Engine {
         Ok(Request { route: Route::Standard(xfer), args })
     }
 
-    /// Decides the path of a transfer: `Ok(peer)` for the bounce path.
-    fn choose_route(&self, op: Op, local: &Side<'_>, remote: &Side<'_>, agent: &str) -> std::result::Result<PeerId, Fallback> {
-        let Some(bounce) = &self.bounce else { return Err(Fallback::BounceDisabled) };
-        let peer = self.remotes.lock().expect("remotes lock").get(agent).and_then(|r| r.bounce_peer.clone());
+    /// Decides the path of a transfer: the local instance and the peer's for
+    /// the bounce path. The instances come with the descriptors' metadata:
+    /// every local descriptor must lie in memory of one location with an
+    /// instance, every remote one in memory of one peer instance.
+    fn choose_route(
+        &self,
+        op: Op,
+        local: &Side<'_>,
+        remote: &Side<'_>,
+        agent: &str,
+    ) -> std::result::Result<(Arc<Bounce>, PeerBounce), Fallback> {
+        if !self.config.enabled {
+            return Err(Fallback::BounceDisabled);
+        }
+        let local_instance = uniform(local.descs.iter().map(|(_, md)| match md.map(|m| &m.owner) {
+            Some(MdOwner::Registered { bounce: Some(b), .. }) => Some(b),
+            _ => None,
+        }), |a, b| Arc::ptr_eq(a, b));
+        let peer = uniform(remote.descs.iter().map(|(_, md)| match md.map(|m| &m.owner) {
+            Some(MdOwner::Remote { bounce: Some(p), .. }) => Some(p),
+            _ => None,
+        }), |a, b| a == b);
         let input = RouteInput {
             op,
             local: local.kind,
@@ -767,9 +840,15 @@ impl Engine {
             bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
             peer_capable: peer.is_some(),
             local_transfer: agent == self.local_name,
+            local_arena: local_instance.is_some(),
         };
-        bounce::route(&self.config, bounce.runtime.poisoned().is_some(), &input)?;
-        peer.ok_or(Fallback::PeerNotBounceCapable)
+        let poisoned = local_instance.is_some_and(|b| b.runtime.poisoned().is_some());
+        bounce::route(&self.config, poisoned, &input)?;
+        match (local_instance, peer) {
+            (Some(b), Some(p)) => Ok((b.clone(), p.clone())),
+            (None, _) => Err(Fallback::NoLocalArena),
+            (_, None) => Err(Fallback::PeerNotBounceCapable),
+        }
     }
 
     /// Posts (or re-posts) a request.
@@ -796,7 +875,8 @@ impl Engine {
                 if b.ticket.as_ref().is_some_and(|t| t.outcome().is_none()) {
                     return Err(Error::new(Status::RepostActive, "the bounce transfer is still running"));
                 }
-                let runtime = &self.bounce.as_ref().expect("bounce routes exist only with a bounce path").runtime;
+                b.instance.ensure_peer(&b.peer_arena);
+                let runtime = &b.instance.runtime;
                 let notif = req.args.notif.clone().map(|message| DeferredNotif { inner_agent: b.peer_inner.clone(), message });
                 b.ticket = Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif));
                 b.reported = false;
@@ -844,10 +924,10 @@ impl Engine {
     /// call returns at once, and the runtime reclaims its regions only once
     /// nothing can still touch them.
     pub fn release_req(&self, req: Request) -> Result<()> {
-        if let (Route::Bounce(b), Some(bounce)) = (&req.route, &self.bounce) {
+        if let Route::Bounce(b) = &req.route {
             if let Some(t) = &b.ticket {
                 if t.outcome().is_none() {
-                    bounce.runtime.cancel(t);
+                    b.instance.runtime.cancel(t);
                     self.stats.bump_named("bounce_cancelled");
                 }
             }
@@ -858,7 +938,9 @@ impl Engine {
 
     /// Why the bounce arena is poisoned, if it is.
     pub fn poisoned(&self) -> Option<String> {
-        self.bounce.as_ref().and_then(|b| b.runtime.poisoned())
+        let map = self.instances.lock().expect("instances lock");
+        map.iter()
+            .find_map(|(loc, b)| b.as_ref().and_then(|b| b.runtime.poisoned()).map(|why| format!("{loc}: {why}")))
     }
 
     // ---- notifications -------------------------------------------------------------
@@ -923,6 +1005,45 @@ fn check_side(which: &str, side: &Side<'_>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The common value of an iterator of optional references, if every item is
+/// `Some` and all are equal under `same`.
+fn uniform<'a, T: 'a>(
+    mut items: impl Iterator<Item = Option<&'a T>>,
+    same: impl Fn(&T, &T) -> bool,
+) -> Option<&'a T> {
+    let first = items.next()??;
+    for item in items {
+        if !same(first, item?) {
+            return None;
+        }
+    }
+    Some(first)
+}
+
+/// Sums the counters of every bounce instance (for the stats snapshot).
+#[allow(clippy::type_complexity)]
+fn instances_stats(
+    instances: Instances,
+) -> Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send> {
+    Box::new(move || {
+        let map = instances.lock().expect("instances lock");
+        let mut total = BTreeMap::new();
+        let mut poisoned = None;
+        for (loc, b) in map.iter() {
+            let Some(b) = b else { continue };
+            let (counters, p) = (b.runtime.stats_source())();
+            for (k, v) in counters {
+                *total.entry(k).or_insert(0) += v;
+            }
+            if poisoned.is_none() {
+                poisoned = p.map(|why| format!("{loc}: {why}"));
+            }
+        }
+        total.insert("bounce_instances".into(), map.values().flatten().count() as u64);
+        (total, poisoned)
+    })
 }
 
 fn failure_status(reason: crate::proto::FailureReason) -> Status {
