@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
+# Usage: bash .gpu/run.sh [quick|full]   Logs and JSON go to $OUT (or ./out).
+set -uo pipefail
+mode="${1:-quick}"
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out="${OUT:-$PWD/out}"
+mkdir -p "$out"
+nb=/tmp/nixl-bounce-gpu
+rm -rf "$nb" && mkdir -p "$nb" && tar -C "$nb" -xJf "$here/bundle.tar.xz"
+export NIXL_PLUGIN_DIR="$nb/site/.nixl_cu13.mesonpy.libs/plugins"
+export LD_LIBRARY_PATH="$nb/site/.nixl_cu13.mesonpy.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NIXL_BOUNCE_REQUIRE_RUNTIME=1 NIXL_BOUNCE_CONTROL_BIND_LOOPBACK=1
+status=0
+run() {  # run NAME CMD...: log to $out/NAME.log, remember failures
+    local name=$1; shift
+    echo "== $name: $*" | tee -a "$out/summary.txt"
+    local t0=$SECONDS
+    if "$@" >"$out/$name.log" 2>&1; then
+        echo "   ok ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"
+    else
+        echo "   FAILED rc=$? ($((SECONDS - t0)) s); tail:" | tee -a "$out/summary.txt"
+        tail -n 30 "$out/$name.log" | tee -a "$out/summary.txt"
+        status=1
+    fi
+}
+{ nvidia-smi -L; nvidia-smi topo -m; } >"$out/gpu.txt" 2>&1
+run probe "$nb/bin/gpu-probe"
+for t in "$nb"/bin/gpu_*; do
+    [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
+done
+if [[ -x "$nb/bin/bench" ]]; then
+    if [[ "$mode" == full ]]; then
+        run bench "$nb/bin/bench" --mem vram --full --json "$out/bench-vram.json"
+    else
+        run bench "$nb/bin/bench" --mem vram --quick --json "$out/bench-vram.json"
+    fi
+fi
+exit $status
