@@ -6,7 +6,9 @@
 //!   UCX needs for a WRITE);
 //! - with a notification: the target checks its destination the moment the
 //!   notification shows up (the notification must mean "the data is there"),
-//!   with one big chunk and with many small chunks.
+//!   with one big chunk and with many small chunks;
+//! - the same over the NIXL-notification control channel
+//!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
@@ -47,21 +49,51 @@ fn write_once(a: &mut Endpoint, b: &mut Endpoint, plan_seed: u64, seeds: (u64, u
     dt
 }
 
+fn both_directions(ex: &[(&str, &str)], seed: u64) {
+    let mut a = endpoint("op-a", ex, len(), seed, ThreadSync::Default);
+    let mut b = endpoint("op-b", ex, len(), seed + 1, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let s = 100 * seed;
+    write_once(&mut a, &mut b, s + 11, (s + 101, s + 102));
+    write_once(&mut b, &mut a, s + 12, (s + 103, s + 104));
+    // Again, same agents, other layouts and data.
+    write_once(&mut a, &mut b, s + 13, (s + 105, s + 106));
+    write_once(&mut b, &mut a, s + 14, (s + 107, s + 108));
+}
+
 #[test]
 #[serial_test::serial]
 fn write_4096_both_directions() {
     if !ready("BOUNCE") {
         return;
     }
-    let ex = [LOOPBACK];
-    let mut a = endpoint("op-a", &ex, len(), 1, ThreadSync::Default);
-    let mut b = endpoint("op-b", &ex, len(), 2, ThreadSync::Default);
-    pair_up(&a.node, &b.node);
-    write_once(&mut a, &mut b, 11, (101, 102));
-    write_once(&mut b, &mut a, 12, (103, 104));
-    // Again, same agents, other layouts and data.
-    write_once(&mut a, &mut b, 13, (105, 106));
-    write_once(&mut b, &mut a, 14, (107, 108));
+    both_directions(&[LOOPBACK], 1);
+}
+
+#[test]
+#[serial_test::serial]
+fn write_4096_both_directions_over_nixl_notifications() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // Control messages as NIXL notifications (no ZMQ socket at all).
+    both_directions(&[NOTIF_CONTROL], 11);
+}
+
+#[test]
+#[serial_test::serial]
+fn write_4096_one_way_pairing_over_nixl_notifications() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let ex = [NOTIF_CONTROL];
+    let mut a = endpoint("op-a", &ex, len(), 15, ThreadSync::Default);
+    let mut b = endpoint("op-b", &ex, len(), 16, ThreadSync::Default);
+    // The target never loaded the initiator's metadata: its replies must
+    // find their way back through what the WANT carries.
+    load(&a.node, &b.node);
+    write_once(&mut a, &mut b, 33, (125, 126));
+    write_once(&mut a, &mut b, 34, (127, 128));
 }
 
 #[test]
@@ -159,6 +191,23 @@ fn notification_only_after_data_in_place() {
         return;
     }
     notif_check_at_arrival(&[LOOPBACK], 41, (7, 8), b"op-notif-default-chunks");
+}
+
+#[test]
+#[serial_test::serial]
+fn notification_only_after_data_in_place_over_nixl_notifications() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // The control messages and the user's notification share the inner
+    // agent's notification stream: the user must see only its own message,
+    // and only once the data is there.
+    notif_check_at_arrival(
+        &[NOTIF_CONTROL, ("max_chunk_size_bytes", "256KiB"), ("arena_size_bytes", "8MiB")],
+        61,
+        (11, 12),
+        b"op-notif-over-notif-control",
+    );
 }
 
 #[test]
