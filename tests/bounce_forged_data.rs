@@ -1,0 +1,299 @@
+//! Receiver safety: the scatter destinations of a DATA arrive over the
+//! network, so the receiver must scatter only into memory registered with
+//! its own BOUNCE engine. A fake sender (raw ZMQ sockets in this test,
+//! speaking the wire protocol through `nixl_bounce::proto::wire`) reads
+//! the receiver's control endpoint from its published metadata, asks for a
+//! credit (WANT), receives the GRANT, and sends forged DATA messages whose
+//! runs point:
+//! - at a buffer nobody registered;
+//! - across the end of a registered buffer (half inside, half outside);
+//! - at memory registered with ANOTHER agent's engine in this process;
+//! - at a buffer that was registered and then deregistered;
+//! - at the receiver's own arena;
+//! - beyond the granted region (region offsets past the credit's length);
+//! - with a destination that wraps around the address space;
+//! - at a region that was never granted to this flow.
+//! Each must be refused (REFUSE, or a dropped late DATA) with nothing
+//! written anywhere (every byte of every buffer compared, guard zones
+//! included); the refusals of the destination check must be counted in
+//! `scatter_refused`; and the receiver must stay healthy: a real bounce
+//! transfer into it afterwards succeeds byte-exact and the arena is not
+//! poisoned.
+mod common;
+#[path = "support/bounce.rs"]
+mod bounce;
+
+use bounce::*;
+use common::*;
+use nixl_bounce::engine::conn_info::{ConnInfo, MAGIC};
+use nixl_bounce::proto::wire::{Handshake, Message, RefuseReason};
+use nixl_bounce::proto::{RegionHandle, RequestId, Run};
+use nixl_sys::{ThreadSync, XferOp};
+use std::time::{Duration, Instant};
+
+const MANY: usize = 4096;
+const WAIT: Duration = Duration::from_secs(10);
+
+/// The BOUNCE handshake inside an agent's metadata blob: NIXL carries the
+/// backend's connection info verbatim; find it by its magic and cut it to
+/// its exact length (the layout is documented in `engine::conn_info`).
+fn handshake_of(agent_md: &[u8]) -> Handshake {
+    let at = agent_md
+        .windows(MAGIC.len())
+        .position(|w| w == MAGIC)
+        .expect("no BOUNCE connection info (NXBOUNCE) in the agent's metadata");
+    let rest = &agent_md[at..];
+    let u32_at = |o: usize| u32::from_le_bytes(rest[o..o + 4].try_into().unwrap()) as usize;
+    let md_len = u32_at(10);
+    let hs_len = u32_at(14 + md_len);
+    let info = ConnInfo::decode(&rest[..18 + md_len + hs_len]).expect("decode the BOUNCE connection info");
+    assert!(!info.handshake.is_empty(), "the receiver offers no bounce path");
+    Handshake::decode(&info.handshake).expect("decode the handshake")
+}
+
+/// A sender that is not a NIXL agent: a ROUTER to hear replies and a DEALER
+/// (routing id = our own endpoint, as the real channel does) to talk.
+struct FakeSender {
+    _ctx: zmq::Context,
+    router: zmq::Socket,
+    dealer: zmq::Socket,
+    endpoint: String,
+    next_request: u64,
+}
+
+impl FakeSender {
+    fn new(receiver_endpoint: &str) -> Self {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:*").expect("bind the fake sender's ROUTER on loopback");
+        let endpoint = router.get_last_endpoint().unwrap().unwrap();
+        let dealer = ctx.socket(zmq::DEALER).unwrap();
+        dealer.set_linger(0).unwrap();
+        dealer.set_identity(endpoint.as_bytes()).unwrap();
+        dealer.connect(receiver_endpoint).unwrap();
+        FakeSender {
+            _ctx: ctx,
+            router,
+            dealer,
+            endpoint,
+            next_request: 0x00F0_0000_0000_0000 + std::process::id() as u64 * 1000,
+        }
+    }
+
+    fn send(&self, m: &Message) {
+        self.dealer.send(m.encode(), 0).expect("send to the receiver");
+    }
+
+    /// The next message from the receiver (bounded wait).
+    fn recv(&self, what: &str) -> Message {
+        let t0 = Instant::now();
+        loop {
+            let left = WAIT.saturating_sub(t0.elapsed());
+            if left.is_zero() {
+                panic!("fake sender: no {what} from the receiver within {WAIT:?}");
+            }
+            if self.router.poll(zmq::POLLIN, left.as_millis() as i64).unwrap() > 0 {
+                let frames = self.router.recv_multipart(0).unwrap();
+                assert_eq!(frames.len(), 2, "expected [routing id, message], got {} frames", frames.len());
+                return Message::decode(&frames[1]).unwrap_or_else(|e| panic!("undecodable message from the receiver: {e}"));
+            }
+        }
+    }
+
+    /// No message within `d`.
+    fn quiet_for(&self, d: Duration) -> Option<Message> {
+        if self.router.poll(zmq::POLLIN, d.as_millis() as i64).unwrap() > 0 {
+            let frames = self.router.recv_multipart(0).unwrap();
+            return Message::decode(&frames[1]).ok();
+        }
+        None
+    }
+
+    /// WANT one chunk of `len` bytes; returns (request, granted region, granted length).
+    fn want(&mut self, len: u64) -> (RequestId, RegionHandle, u64) {
+        self.next_request += 1;
+        let request = RequestId(self.next_request);
+        self.send(&Message::Want {
+            request,
+            chunk_sizes: vec![len],
+            endpoint: self.endpoint.as_bytes().to_vec(),
+        });
+        match self.recv("GRANT") {
+            Message::Grant { request: r, credits } => {
+                assert_eq!(r, request, "GRANT for another request");
+                assert_eq!(credits.len(), 1, "{credits:?}");
+                assert_eq!(credits[0].chunk, 0);
+                assert!(credits[0].len >= len, "{credits:?}");
+                (request, credits[0].region, credits[0].len)
+            }
+            other => panic!("expected a GRANT, got {other:?}"),
+        }
+    }
+
+    fn data(&self, request: RequestId, region: RegionHandle, runs: Vec<Run>) {
+        self.send(&Message::Data { request, chunk: 0, region, runs });
+    }
+
+    fn cancel(&self, request: RequestId) {
+        self.send(&Message::cancel(request, self.endpoint.as_bytes().to_vec()));
+    }
+}
+
+/// A buffer and the bytes it must keep.
+struct Watched<'a> {
+    what: &'a str,
+    buf: &'a DramBuffer,
+    bytes: Vec<u8>,
+}
+
+impl<'a> Watched<'a> {
+    fn new(what: &'a str, buf: &'a DramBuffer) -> Self {
+        Watched { what, buf, bytes: buf.as_slice().to_vec() }
+    }
+    #[track_caller]
+    fn unchanged(&self, case: &str) {
+        verify_bytes(self.buf.as_slice(), &self.bytes, |_| "a byte the forged DATA must not touch".into())
+            .unwrap_or_else(|e| panic!("{case}: {} was written: {e}", self.what));
+        self.buf.check_guards().unwrap_or_else(|e| panic!("{case}: {}: {e}", self.what));
+    }
+}
+
+/// A real bounce WRITE from `s` into `r` (the receiver is still healthy).
+fn healthy(s: &mut Endpoint, r: &mut Endpoint, seed: u64) {
+    let plan = Plan::standard(MANY, BLOCK, seed);
+    s.buf.fill_pattern(seed + 1);
+    let (src, dst_before) = (s.buf.as_slice().to_vec(), r.buf.as_slice().to_vec());
+    let (ss, sr) = (stats(s.name()), stats(r.name()));
+    let req = s
+        .node
+        .create_xfer(XferOp::Write, &plan, s.buf.addr(), r.buf.addr(), &r.node.name.clone(), None)
+        .or_fail("create_xfer_req");
+    s.node.post_and_wait(&req, wait_timeout()).or_fail("a real transfer after the forged DATA");
+    drop(req);
+    plan.verify(r.buf.as_slice(), &dst_before, &src).or_fail("a real transfer after the forged DATA");
+    r.buf.check_guards().or_fail("guards");
+    let (es, er) = (stats(s.name()), stats(r.name()));
+    assert_sender_bounced(&ss, &es, 1);
+    assert_receiver_scattered(&sr, &er, es.since(&ss, "chunks_written"));
+}
+
+#[test]
+#[serial_test::serial]
+fn forged_data_outside_registered_memory_is_refused() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let len = blocks_for(MANY) * BLOCK;
+    let mut r = endpoint("fd-rx", &[LOOPBACK], len, 1, ThreadSync::Default);
+    let mut s = endpoint("fd-tx", &[LOOPBACK], len, 2, ThreadSync::Default);
+    pair_up(&s.node, &r.node);
+    healthy(&mut s, &mut r, 10);
+
+    let hs = handshake_of(&r.node.local_md().or_fail("receiver md"));
+    let rx_endpoint = String::from_utf8(hs.endpoint.clone()).expect("ZMQ endpoint is text");
+    eprintln!("receiver {} control endpoint {rx_endpoint}, arena at {:#x}", r.name(), hs.arena_base);
+    assert!(rx_endpoint.starts_with("tcp://127.0.0.1:"), "{rx_endpoint}");
+    let mut fake = FakeSender::new(&rx_endpoint);
+
+    // Memory the receiver's engine never registered.
+    let stranger = DramBuffer::with_pattern(64 * KIB, 77);
+    // Memory registered and then deregistered again.
+    let gone = DramBuffer::with_pattern(64 * KIB, 78);
+    drop(r.node.register(&gone).or_fail("register"));
+    // The other agent's registered buffer lives in this process too.
+    let watched = [
+        Watched::new("the unregistered buffer", &stranger),
+        Watched::new("the deregistered buffer", &gone),
+        Watched::new("the receiver's registered buffer", &r.buf),
+        Watched::new("the other agent's registered buffer", &s.buf),
+    ];
+    let chunk = 4096u64;
+    let r_end = (r.buf.addr() + r.buf.len()) as u64;
+    // (case, destination, counted in scatter_refused)
+    let cases: Vec<(&str, u64)> = vec![
+        ("DATA into an unregistered buffer", stranger.addr() as u64 + 4096),
+        ("DATA across the end of the registered buffer", r_end - 2048),
+        ("DATA into another agent's registered buffer", s.buf.addr() as u64),
+        ("DATA into a deregistered buffer", gone.addr() as u64),
+        ("DATA into the receiver's own arena", hs.arena_base + (1 << 20)),
+    ];
+    for (case, addr) in cases {
+        let before = stats(r.name());
+        let (req, region, granted) = fake.want(chunk);
+        fake.data(req, region, vec![Run::single(0, addr, chunk)]);
+        match fake.recv("REFUSE") {
+            Message::Refuse { request, reason } => {
+                assert_eq!(request, req);
+                assert_eq!(reason, RefuseReason::ScatterFailed, "{case}");
+            }
+            other => panic!("{case}: expected a REFUSE, got {other:?}"),
+        }
+        fake.cancel(req);
+        let after = stats(r.name());
+        eprintln!("{case} (granted {granted} B at {region}): refused; {}", after.diff(&before));
+        assert_eq!(after.since(&before, "scatter_refused"), 1, "{case}: {}", after.diff(&before));
+        assert_eq!(after.since(&before, "chunks_scattered"), 0, "{case}: {}", after.diff(&before));
+        assert!(after.poisoned.is_none(), "{case}: poisoned {:?}", after.poisoned);
+        for w in &watched {
+            w.unchanged(case);
+        }
+    }
+
+    // Runs that break the grant itself: refused by the protocol before any
+    // destination is looked at.
+    let inside = r.buf.addr() as u64 + 8192;
+    let proto_cases: Vec<(&str, Vec<Run>)> = vec![
+        ("DATA reading beyond the granted region", vec![Run::single(0, inside, 2 * 1024 * 1024)]),
+        ("DATA whose destination wraps around", vec![Run::single(0, u64::MAX - 1024, chunk)]),
+        (
+            "DATA whose strided run leaves the granted region",
+            vec![Run { region_offset: 0, addr: inside, len: 4096, count: 1024, region_stride: 4096, addr_stride: 4096 }],
+        ),
+    ];
+    for (case, runs) in proto_cases {
+        let before = stats(r.name());
+        let (req, region, _) = fake.want(chunk);
+        fake.data(req, region, runs);
+        match fake.recv("REFUSE") {
+            Message::Refuse { request, reason } => {
+                assert_eq!(request, req);
+                assert_eq!(reason, RefuseReason::ProtocolViolation, "{case}");
+            }
+            other => panic!("{case}: expected a REFUSE, got {other:?}"),
+        }
+        fake.cancel(req);
+        let after = stats(r.name());
+        eprintln!("{case}: refused; {}", after.diff(&before));
+        assert_eq!(after.since(&before, "chunks_scattered"), 0, "{case}");
+        for w in &watched {
+            w.unchanged(case);
+        }
+    }
+
+    // A region this flow was never granted: dropped as late DATA, no reply.
+    {
+        let case = "DATA naming a region that was not granted";
+        let before = stats(r.name());
+        let (req, region, granted) = fake.want(chunk);
+        let other = RegionHandle(region.0 ^ (granted.max(1 << 20) * 2));
+        fake.data(req, other, vec![Run::single(0, inside, chunk)]);
+        if let Some(m) = fake.quiet_for(Duration::from_millis(300)) {
+            assert!(!matches!(m, Message::Ack { .. }), "{case}: ACKed: {m:?}");
+        }
+        fake.cancel(req);
+        let after = stats(r.name());
+        eprintln!("{case}: {}", after.diff(&before));
+        assert_eq!(after.since(&before, "chunks_scattered"), 0, "{case}");
+        assert!(after.since(&before, "late_data") >= 1, "{case}: not counted as late DATA: {}", after.diff(&before));
+        for w in &watched {
+            w.unchanged(case);
+        }
+    }
+
+    drop(watched);
+    // Still healthy: real bounce transfers into the receiver succeed.
+    healthy(&mut s, &mut r, 20);
+    healthy(&mut s, &mut r, 30);
+    assert!(stats(r.name()).poisoned.is_none());
+}
