@@ -1,0 +1,363 @@
+//! `bench`: BOUNCE versus UCX, side by side in one process.
+//!
+//! Two NIXL agents per variant (initiator and target, one backend each) move
+//! the same scattered DRAM blocks of the same two buffers, for every
+//! configuration of a sweep (descriptor count x descriptor size x requests in
+//! flight). Output: a table on stdout and, with `--json`, every row plus the
+//! run's metadata; `scripts/plot_bench.py` draws the JSON. See `--help`,
+//! `scripts/bench.sh` (set-up + run + plot) and `docs/benchmarks.md`.
+//!
+//! Layout: [`cli`] (options), [`mem`] (the buffers; DRAM now, a VRAM kind
+//! slots in behind the same trait), [`variant`] (live agent pairs), [`run`]
+//! (one configuration through one variant), [`report`] (rows, table, JSON),
+//! [`sysinfo`] (machine metadata, per-thread CPU time).
+
+#[path = "../../tests/common/harness.rs"]
+mod harness;
+
+#[path = "bench/cli.rs"]
+mod cli;
+#[path = "bench/mem.rs"]
+mod mem;
+#[path = "bench/report.rs"]
+mod report;
+#[path = "bench/run.rs"]
+mod run;
+#[path = "bench/sysinfo.rs"]
+mod sysinfo;
+#[path = "bench/variant.rs"]
+mod variant;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use cli::{Options, Parsed};
+use report::{Meta, Row, VariantInfo};
+use run::{Failure, Shape};
+use variant::Variant;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let o = match cli::parse(args.iter().skip(1).cloned()) {
+        Ok(Parsed::Run(o)) => o,
+        Ok(Parsed::Help) => {
+            println!("{}", cli::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run_all(&o, &args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("bench: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The sweep, in the order it runs: sizes, then counts, then in-flight.
+fn shapes(o: &Options) -> Vec<Shape> {
+    let mut v = Vec::new();
+    for &size in &o.sizes {
+        for &count in &o.counts {
+            for &inflight in &o.inflight {
+                v.push(Shape { count, size, inflight });
+            }
+        }
+    }
+    v
+}
+
+fn progress(o: &Options, msg: &str) {
+    if !o.quiet {
+        eprintln!("[bench] {msg}");
+    }
+}
+
+fn shell_quote(a: &str) -> String {
+    if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_=.,:/[]@%+".contains(c)) {
+        a.to_string()
+    } else {
+        format!("'{}'", a.replace('\'', r"'\''"))
+    }
+}
+
+fn meta(o: &Options, args: &[String]) -> Meta {
+    let (git_commit, git_dirty) = sysinfo::git_commit(ROOT);
+    let machine = sysinfo::machine();
+    Meta {
+        tool: "nixl-bounce bench",
+        schema: 1,
+        command: args.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "),
+        args: args.to_vec(),
+        git_commit,
+        git_dirty,
+        started_utc: sysinfo::utc_now(),
+        finished_utc: None,
+        setup: format!(
+            "{} {}, two agents per variant in ONE process, {} CPU cores, control and data over loopback",
+            o.mem.name().to_uppercase(),
+            o.op.name().to_uppercase(),
+            machine.nproc
+        ),
+        machine,
+        preset: o.preset.into(),
+        op: o.op.name().into(),
+        mem: o.mem.name().into(),
+        counts: o.counts.clone(),
+        sizes: o.sizes.clone(),
+        inflight: o.inflight.clone(),
+        warmup_batches: o.warmup,
+        max_timed_batches: o.iters,
+        min_timed_batches: o.min_iters,
+        config_budget_s: o.config_budget.as_secs_f64(),
+        timeout_s: o.timeout.as_secs_f64(),
+        poll: o.poll.describe(),
+        seed: o.seed,
+        variants: Vec::new(),
+        bounce_defaults: nixl_bounce::config::Config::describe()
+            .into_iter()
+            .map(|s| (s.key.to_string(), s.default))
+            .collect(),
+        env: sysinfo::relevant_env(),
+        foreign_cpu_cores_at_start: None,
+        load_average_at_start: None,
+        plugin_dir: std::env::var("NIXL_PLUGIN_DIR").ok(),
+    }
+}
+
+/// Tears a variant down on a helper thread, waiting at most `timeout`. A
+/// teardown that does not finish is left running (the thread is detached)
+/// and reported.
+fn close(v: Variant, timeout: Duration) -> Result<Duration, String> {
+    let label = v.label.clone();
+    let t = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("bench-teardown".into())
+        .spawn(move || {
+            drop(v);
+            let _ = tx.send(());
+        })
+        .map_err(|e| format!("cannot start the teardown thread: {e}"))?;
+    match rx.recv_timeout(timeout) {
+        Ok(()) => Ok(t.elapsed()),
+        Err(_) => Err(format!("teardown of {label}'s agents did not finish within {timeout:?}; variant abandoned")),
+    }
+}
+
+fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
+    let started = Instant::now();
+    harness::preload_capi(Some(Path::new(ROOT)))
+        .map_err(|e| format!("NIXL runtime not found: {e}\n(run scripts/bench.sh, which sets it up)"))?;
+    sysinfo::claim_new_threads("main");
+    let mut meta = meta(o, args);
+    let all = shapes(o);
+    let fits = |s: &Shape| s.buffer_len() <= o.max_buffer;
+    let buffer_len = all.iter().filter(|s| fits(s)).map(Shape::buffer_len).max().unwrap_or(4096);
+    progress(
+        o,
+        &format!(
+            "{} {} x {} configurations x {} variants; two buffers of {:.1} MiB",
+            meta.op.to_uppercase(),
+            meta.mem.to_uppercase(),
+            all.len(),
+            o.variants.len(),
+            buffer_len as f64 / (1 << 20) as f64
+        ),
+    );
+    let mut src = mem::allocate(o.mem, buffer_len)?;
+    let mut dst = mem::allocate(o.mem, buffer_len)?;
+
+    // Probe: open every variant once to check its parameters, record what
+    // its backend was created with and what its agents cost while idle, and
+    // close it again. Each row then gets fresh agents, so that no other
+    // variant's idle threads run beside it.
+    let mut usable: Vec<Result<(), String>> = Vec::new();
+    for spec in &o.variants {
+        let t = Instant::now();
+        let mut info = VariantInfo {
+            label: spec.label(),
+            backend: spec.backend.plugin().into(),
+            contiguous: spec.contiguous,
+            params_given: spec.params.iter().cloned().collect(),
+            params_effective: BTreeMap::new(),
+            setup_s: None,
+            idle_cpu_cores: None,
+            idle_cpu_by_thread: BTreeMap::new(),
+            error: None,
+        };
+        let state = match Variant::open(spec, src.as_ref(), dst.as_ref()) {
+            Ok(v) => {
+                info.setup_s = Some(t.elapsed().as_secs_f64());
+                info.params_effective = v.params.clone();
+                let (idle, groups, _) = idle_cpu(Duration::from_millis(500));
+                info.idle_cpu_cores = Some(idle);
+                info.idle_cpu_by_thread = groups;
+                progress(
+                    o,
+                    &format!(
+                        "{}: agents ready in {:.2} s; idle, they keep {idle:.3} CPU cores busy",
+                        info.label,
+                        info.setup_s.unwrap_or(0.0)
+                    ),
+                );
+                close(v, o.timeout).map(|_| ())
+            }
+            Err(e) => Err(format!("set-up failed: {e}")),
+        };
+        if let Err(e) = &state {
+            progress(o, &format!("{}: unusable: {e}", info.label));
+            info.error = Some(e.clone());
+        }
+        meta.variants.push(info);
+        usable.push(state);
+    }
+    let (_, _, foreign) = idle_cpu(Duration::from_millis(1000));
+    meta.foreign_cpu_cores_at_start = foreign;
+    meta.load_average_at_start = sysinfo::load_average();
+    if let Some(f) = foreign.filter(|f| *f > 0.2) {
+        progress(
+            o,
+            &format!(
+                "warning: other processes keep {f:.2} CPU cores busy (load average {}); results will be noisy",
+                meta.load_average_at_start.map_or("?".into(), |l| l.to_string())
+            ),
+        );
+    }
+
+    let mut rows: Vec<Row> = Vec::new();
+    let mut abandoned = false;
+    let save = |meta: &Meta, rows: &mut Vec<Row>| -> Result<(), String> {
+        report::add_speedups(rows);
+        match &o.json {
+            Some(p) => report::write_json(p, meta, rows),
+            None => Ok(()),
+        }
+    };
+    for (shape_id, shape) in all.iter().copied().enumerate() {
+        let over_budget = started.elapsed() > o.budget;
+        for (variant_id, spec) in o.variants.iter().enumerate() {
+            let row = Row::new(o, &spec.label(), spec.backend.plugin(), &spec.name, shape);
+            let row = if !fits(&shape) {
+                row.skipped(format!(
+                    "needs {} MiB per side, above --max-buffer {} MiB",
+                    shape.buffer_len() >> 20,
+                    o.max_buffer >> 20
+                ))
+            } else if over_budget {
+                row.skipped(format!("--budget of {:.0} s spent", o.budget.as_secs_f64()))
+            } else if let Err(why) = &usable[variant_id] {
+                row.failed(why.clone())
+            } else {
+                let t = Instant::now();
+                match Variant::open(spec, src.as_ref(), dst.as_ref()) {
+                    Err(e) => row.failed(format!("set-up failed: {e}")),
+                    Ok(v) => {
+                        let setup_s = t.elapsed().as_secs_f64();
+                        let ids = (shape_id as u64, variant_id as u64);
+                        let outcome = run::run_shape(o, &v, shape, ids, src.as_mut(), dst.as_mut());
+                        let mut row = match outcome {
+                            Ok(m) => row.measured(m, &v.label),
+                            Err(Failure::Setup(e)) => row.failed(e),
+                            Err(Failure::Batch(e)) => {
+                                // Requests may still be in flight: never reuse
+                                // or tear down these agents (teardown could
+                                // hang, or free memory a transfer still
+                                // writes to).
+                                std::mem::forget(v);
+                                abandoned = true;
+                                usable[variant_id] = Err(format!("abandoned after an earlier failure: {e}"));
+                                let mut row = row.failed(e);
+                                row.setup_s = Some(setup_s);
+                                progress(o, &describe(&row));
+                                rows.push(row);
+                                save(&meta, &mut rows)?;
+                                continue;
+                            }
+                        };
+                        row.setup_s = Some(setup_s);
+                        match close(v, o.timeout) {
+                            Ok(d) => row.teardown_s = Some(d.as_secs_f64()),
+                            Err(e) => {
+                                usable[variant_id] = Err(e.clone());
+                                row = row.failed(e);
+                            }
+                        }
+                        row
+                    }
+                }
+            };
+            progress(o, &describe(&row));
+            rows.push(row);
+            save(&meta, &mut rows)?;
+        }
+        if o.model && shape.inflight == 1 && fits(&shape) && !over_budget {
+            let (gather, scatter) = run::memcpy_model(o, shape, shape_id as u64, src.as_ref(), dst.as_mut());
+            for (name, samples) in [("gather", gather), ("scatter", scatter)] {
+                let row = Row::new(o, &format!("memcpy[{name}]"), "memcpy", name, shape).timed(o.warmup, &samples, &samples);
+                progress(o, &describe(&row));
+                rows.push(row);
+            }
+            save(&meta, &mut rows)?;
+        }
+    }
+
+    meta.finished_utc = Some(sysinfo::utc_now());
+    save(&meta, &mut rows)?;
+    println!();
+    report::print_table(&rows, &mut std::io::stdout()).map_err(|e| e.to_string())?;
+    if let Some(p) = &o.json {
+        println!("\njson: {}", p.display());
+    }
+    if abandoned {
+        // The abandoned variants were leaked; so must the buffers they may
+        // still write to.
+        std::mem::forget(src);
+        std::mem::forget(dst);
+    }
+    progress(o, &format!("done in {:.1} s", started.elapsed().as_secs_f64()));
+    Ok(rows.iter().all(Row::ok))
+}
+
+fn describe(r: &Row) -> String {
+    let what = format!("{:<14} {:>5} x {:>6} B x {:>3}", r.label, r.descriptors, r.descriptor_bytes, r.inflight);
+    match (&r.status[..], &r.latency_ms, r.throughput_gbps) {
+        ("ok", Some(l), Some(g)) => format!(
+            "{what}: p50 {:.3} ms, p99 {:.3} ms, {g:.2} GB/s, {} batches, other processes {} cores{}{}",
+            l.p50,
+            l.p99,
+            r.timed_batches,
+            r.foreign_cpu_cores.map_or("?".into(), |c| format!("{c:.2}")),
+            match r.verified {
+                Some(false) => ", VERIFICATION FAILED",
+                _ => "",
+            },
+            r.bounce_path.as_ref().map(|b| format!(", bounce path {b}")).unwrap_or_default()
+        ),
+        (status, _, _) => format!("{what}: {status}: {}", r.error.as_deref().unwrap_or("")),
+    }
+}
+
+/// CPU cores kept busy by this process while nothing is transferred, in
+/// total and by thread group; and by other processes.
+fn idle_cpu(window: Duration) -> (f64, BTreeMap<String, f64>, Option<f64>) {
+    let before = sysinfo::CpuSample::take();
+    let t = Instant::now();
+    std::thread::sleep(window);
+    let after = sysinfo::CpuSample::take();
+    let wall = t.elapsed().as_nanos() as f64;
+    let mut u = sysinfo::CpuUse::default();
+    u.add(&before, &after);
+    let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+    let groups = u.groups.iter().map(|(k, ns)| (k.clone(), r3(*ns as f64 / wall))).filter(|(_, c)| *c > 0.0).collect();
+    (r3(u.process_ns as f64 / wall), groups, u.foreign_cores(wall).map(r3))
+}

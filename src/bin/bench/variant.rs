@@ -1,0 +1,76 @@
+//! A live variant: an initiator and a target agent with one backend each,
+//! both buffers registered, metadata exchanged.
+
+use std::collections::BTreeMap;
+
+use nixl_bounce::stats::{plugin_stats, Snapshot};
+use nixl_sys::RegistrationHandle;
+
+use crate::cli::{BackendKind, VariantSpec};
+use crate::harness::{backend_params, unique_name, Node};
+use crate::mem::BenchMemory;
+use crate::sysinfo::claim_new_threads;
+
+/// Parameters every BOUNCE row gets: the control socket binds 127.0.0.1.
+/// `control_interface` is set to empty explicitly because the plugin
+/// advertises its default as the two-character text `""`, which a caller
+/// that starts from the advertised defaults (as the harness does) passes
+/// back as an interface name.
+const BOUNCE_LOOPBACK: &[(&str, &str)] = &[("control_bind_loopback", "true"), ("control_interface", "")];
+
+pub struct Variant {
+    pub spec: VariantSpec,
+    pub label: String,
+    /// Effective backend parameters (plugin defaults + ours), as NIXL got them.
+    pub params: BTreeMap<String, String>,
+    // Field order matters: registrations go before the agents.
+    regs: Vec<RegistrationHandle>,
+    pub init: Node,
+    pub target: Node,
+}
+
+impl Variant {
+    /// Creates both agents, registers `src` with the initiator and `dst`
+    /// with the target, and exchanges metadata both ways.
+    pub fn open(spec: &VariantSpec, src: &dyn BenchMemory, dst: &dyn BenchMemory) -> Result<Self, String> {
+        let label = spec.label();
+        let mut extra: Vec<(&str, &str)> = Vec::new();
+        if spec.backend == BackendKind::Bounce {
+            extra.extend_from_slice(BOUNCE_LOOPBACK);
+        }
+        extra.extend(spec.params.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let plugin = spec.backend.plugin();
+        let agent_prefix: String =
+            label.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+
+        let init = Node::new(&unique_name(&format!("{agent_prefix}-init")), plugin, &extra)?;
+        claim_new_threads(&format!("{label}/init"));
+        let target = Node::new(&unique_name(&format!("{agent_prefix}-target")), plugin, &extra)?;
+        claim_new_threads(&format!("{label}/target"));
+        let regs = vec![src.register(&init)?, dst.register(&target)?];
+        let t = init.load_md(&target.local_md()?)?;
+        let i = target.load_md(&init.local_md()?)?;
+        if t != target.name || i != init.name {
+            return Err(format!("metadata exchange returned {t:?}/{i:?}, expected {:?}/{:?}", target.name, init.name));
+        }
+        claim_new_threads(&format!("{label}/connect"));
+        let params = backend_params(&init.agent, plugin, &extra)?
+            .iter()
+            .map_err(|e| format!("reading backend parameters: {e}"))?
+            .filter_map(|p| p.ok().map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect();
+        Ok(Variant { spec: spec.clone(), label, params, regs, init, target })
+    }
+
+    /// The BOUNCE plugin's counters of the initiator and the target.
+    pub fn bounce_stats(&self) -> Option<Result<(Snapshot, Snapshot), String>> {
+        (self.spec.backend == BackendKind::Bounce)
+            .then(|| Ok((plugin_stats(&self.init.name)?, plugin_stats(&self.target.name)?)))
+    }
+}
+
+impl Drop for Variant {
+    fn drop(&mut self) {
+        self.regs.clear();
+    }
+}
