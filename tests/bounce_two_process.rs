@@ -1,0 +1,102 @@
+//! The bounce path across two processes: this test and a peer process (this
+//! test binary re-executed, see tests/support/peer.rs), ZMQ control on
+//! 127.0.0.1 (and, in a second test, over NIXL notifications). 4096
+//! scattered 4 KiB WRITEs both ways, byte-exact on the receiving side, each
+//! checked on both sides' counters (the peer prints its own):
+//! - this process -> peer, with and without a notification (the peer
+//!   checks its buffer once the notification is there);
+//! - peer -> this process (the peer is the initiator: its counters must
+//!   show the bounce submission, ours the scatter).
+mod common;
+#[path = "support/bounce.rs"]
+mod bounce;
+#[path = "support/peer.rs"]
+mod peer;
+
+use bounce::*;
+use common::*;
+use nixl_sys::{ThreadSync, XferOp};
+use peer::*;
+
+const MANY: usize = 4096;
+
+fn len() -> usize {
+    blocks_for(MANY) * BLOCK
+}
+
+/// The peer process. A no-op unless started by a test below.
+#[test]
+fn peer_helper() {
+    peer_main();
+}
+
+fn run(extra: &[(&str, &str)], seed: u64) {
+    let len = len();
+    let mut p = Peer::spawn("target", peer_command(&[], len, extra, "bp-peer")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.len, len);
+    let mut me = endpoint("bp-me", extra, len, seed, ThreadSync::Default);
+    assert_eq!(me.node.load_md(&p.md).or_fail("load the peer's metadata"), p.name);
+    let r = p.cmd(&format!("PEER {}", hex(&me.node.local_md().or_fail("md"))));
+    assert_eq!(r, me.name());
+
+    // This process -> peer, with and without a notification.
+    for (i, notif) in [Some(b"bp-notif".as_slice()), None].into_iter().enumerate() {
+        let s = seed * 100 + 10 * i as u64;
+        let (my_seed, peer_seed, plan_seed) = (s + 1, s + 2, s + 3);
+        me.buf.fill_pattern(my_seed);
+        p.cmd(&format!("FILL {peer_seed}"));
+        let (before_me, before_peer) = (stats(me.name()), p.stats());
+        let plan = plan(len, MANY, plan_seed);
+        let req = me
+            .node
+            .create_xfer(XferOp::Write, &plan, me.buf.addr(), p.addr, &p.name, notif)
+            .or_fail("create_xfer_req");
+        let dt = me.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE to the peer process");
+        drop(req);
+        let notif_hex = notif.map(hex).unwrap_or_else(|| "-".into());
+        p.cmd(&format!("CHECK_WRITE {} {MANY} {plan_seed} {my_seed} {peer_seed} {notif_hex}", me.name()));
+        verify_bytes(me.buf.as_slice(), &pattern(len, my_seed), |_| "source".into()).or_fail("source changed");
+        let (after_me, after_peer) = (stats(me.name()), p.stats());
+        eprintln!("{} -> {} ({:?}): {dt:?}; {} ; {}", me.name(), p.name, notif.map(String::from_utf8_lossy), after_me.diff(&before_me), after_peer.diff(&before_peer));
+        assert_sender_bounced(&before_me, &after_me, 1);
+        assert_receiver_scattered(&before_peer, &after_peer, after_me.since(&before_me, "chunks_written"));
+    }
+
+    // Peer -> this process: the peer initiates.
+    for i in 0..2u64 {
+        let s = seed * 100 + 50 + 10 * i;
+        let (my_seed, peer_seed, plan_seed) = (s + 1, s + 2, s + 3);
+        me.buf.fill_pattern(my_seed);
+        p.cmd(&format!("FILL {peer_seed}"));
+        let (before_me, before_peer) = (stats(me.name()), p.stats());
+        let us = p.cmd(&format!("WRITE {} {} {MANY} {plan_seed} -", me.name(), me.buf.addr()));
+        plan(len, MANY, plan_seed)
+            .verify(me.buf.as_slice(), &pattern(len, my_seed), &pattern(len, peer_seed))
+            .or_fail("WRITE from the peer process");
+        me.buf.check_guards().or_fail("guards");
+        p.cmd(&format!("CHECK_UNCHANGED {peer_seed}"));
+        let (after_me, after_peer) = (stats(me.name()), p.stats());
+        eprintln!("{} -> {}: {us} us; {} ; {}", p.name, me.name(), after_peer.diff(&before_peer), after_me.diff(&before_me));
+        assert_sender_bounced(&before_peer, &after_peer, 1);
+        assert_receiver_scattered(&before_me, &after_me, after_peer.since(&before_peer, "chunks_written"));
+    }
+    p.finish();
+}
+
+#[test]
+#[serial_test::serial]
+fn two_processes_both_ways() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    run(&[LOOPBACK], 1);
+}
+
+#[test]
+#[serial_test::serial]
+fn two_processes_both_ways_over_nixl_notifications() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    run(&[NOTIF_CONTROL, ("max_chunk_size_bytes", "1MiB")], 2);
+}

@@ -1,0 +1,301 @@
+//! A BOUNCE peer in another process, driven over its stdin/stdout (the
+//! re-exec pattern of tests/two_process.rs): a test binary re-executes
+//! itself (`<exe> --exact peer_helper --nocapture`) with
+//! `NIXL_BOUNCE_BP_ROLE=peer`; its `peer_helper` test calls [`peer_main`].
+//! Replies are lines tagged `@@BP `; everything else on stdout is libtest
+//! noise. Both sides compute the same seeded plans and patterns, so each
+//! side checks its own buffer byte-exact.
+//!
+//! Include after `common` and `bounce`:
+//! `#[path = "support/peer.rs"] mod peer;`
+//!
+//! Commands (one line each; every reply is `OK ...` or `ERR ...`):
+//! - `PEER <md hex>`: load a peer's metadata, reply with its name;
+//! - `FILL <seed>`: fill the buffer with the seed's pattern;
+//! - `WRITE <peer> <peer addr> <n> <plan seed> <notif hex|->`: a WRITE of
+//!   `plan(n, plan seed)` from this buffer into the peer's, waited for;
+//!   replies with the elapsed microseconds;
+//! - `CHECK_WRITE <from> <n> <plan seed> <src seed> <dst seed> <notif hex|->`:
+//!   wait for the notification (if any) from `from`, then verify the buffer;
+//! - `CHECK_UNCHANGED <seed>`;
+//! - `STATS`: this agent's BOUNCE counters as one JSON line;
+//! - `NETDEV <dev>`: `<rx bytes> <tx bytes>` of a network device as this
+//!   process sees it;
+//! - `QUIT`.
+#![allow(dead_code)]
+
+use crate::bounce::*;
+use crate::common::*;
+use nixl_sys::{ThreadSync, XferOp};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+pub const ROLE_ENV: &str = "NIXL_BOUNCE_BP_ROLE";
+/// Backend parameters of the peer, `key=value` separated by `;`.
+pub const EXTRA_ENV: &str = "NIXL_BOUNCE_BP_EXTRA";
+pub const LEN_ENV: &str = "NIXL_BOUNCE_BP_LEN";
+pub const PREFIX_ENV: &str = "NIXL_BOUNCE_BP_PREFIX";
+const TAG: &str = "@@BP ";
+
+/// The plan every process computes for (`n`, `seed`) over buffers of `len`.
+pub fn plan(len: usize, n: usize, seed: u64) -> Plan {
+    let blocks = len / BLOCK;
+    Plan::scattered(n, BLOCK, blocks, blocks, seed)
+}
+
+pub fn extra_to_env(extra: &[(&str, &str)]) -> String {
+    extra.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(";")
+}
+
+fn extra_from_env() -> Vec<(String, String)> {
+    std::env::var(EXTRA_ENV)
+        .unwrap_or_default()
+        .split(';')
+        .filter(|s| !s.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+fn netdev(dev: &str) -> Result<String, String> {
+    let read = |what: &str| -> Result<u64, String> {
+        let p = format!("/sys/class/net/{dev}/statistics/{what}");
+        std::fs::read_to_string(&p)
+            .map_err(|e| format!("{p}: {e}"))?
+            .trim()
+            .parse()
+            .map_err(|e| format!("{p}: {e}"))
+    };
+    Ok(format!("{} {}", read("rx_bytes")?, read("tx_bytes")?))
+}
+
+/// The child side. A no-op unless started with `NIXL_BOUNCE_BP_ROLE=peer`.
+pub fn peer_main() {
+    if std::env::var(ROLE_ENV).as_deref() != Ok("peer") {
+        return;
+    }
+    let reply = |s: &str| {
+        let mut out = std::io::stdout().lock();
+        // Leading newline: libtest may have printed "test peer_helper ... ".
+        write!(out, "\n{TAG}{s}\n").unwrap();
+        out.flush().unwrap();
+    };
+    let len: usize = std::env::var(LEN_ENV).expect("len").parse().expect("len");
+    let prefix = std::env::var(PREFIX_ENV).unwrap_or_else(|_| "bp".into());
+    if let Err(e) = preload_capi(Some(&repo_root())) {
+        reply(&format!("ERR runtime: {e}"));
+        return;
+    }
+    let extra_owned = extra_from_env();
+    let extra: Vec<(&str, &str)> = extra_owned.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let node = match node_with(&unique_name(&prefix), &extra, ThreadSync::Default) {
+        Ok(n) => n,
+        Err(e) => {
+            reply(&format!("ERR setup: {e}"));
+            return;
+        }
+    };
+    let mut buf = DramBuffer::with_pattern(len, 0);
+    let reg = match node.register(&buf) {
+        Ok(r) => r,
+        Err(e) => {
+            reply(&format!("ERR register: {e}"));
+            return;
+        }
+    };
+    let md = node.local_md().expect("local md");
+    reply(&format!("HELLO {} {} {} {}", node.name, buf.addr(), buf.len(), hex(&md)));
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let Ok(line) = line else { break };
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> u64 { w[i].parse().expect("number") };
+        let notif_arg = |i: usize| -> Result<Option<Vec<u8>>, String> {
+            if w[i] == "-" {
+                Ok(None)
+            } else {
+                unhex(w[i]).map(Some)
+            }
+        };
+        let res: Result<String, String> = match w.first().copied() {
+            Some("PEER") => unhex(w[1]).and_then(|m| node.load_md(&m)),
+            Some("FILL") => {
+                buf.fill_pattern(num(1));
+                Ok(String::new())
+            }
+            Some("WRITE") => (|| {
+                let p = plan(len, num(3) as usize, num(4));
+                let notif = notif_arg(5)?;
+                let req = node.create_xfer(XferOp::Write, &p, buf.addr(), num(2) as usize, w[1], notif.as_deref())?;
+                let dt = node.post_and_wait(&req, wait_timeout())?;
+                Ok(dt.as_micros().to_string())
+            })(),
+            Some("CHECK_WRITE") => (|| {
+                if let Some(m) = notif_arg(6)? {
+                    node.wait_notif(w[1], &m, wait_timeout())?;
+                }
+                let p = plan(len, num(2) as usize, num(3));
+                p.verify(buf.as_slice(), &pattern(len, num(5)), &pattern(len, num(4)))?;
+                buf.check_guards()?;
+                Ok(String::new())
+            })(),
+            Some("CHECK_UNCHANGED") => verify_bytes(buf.as_slice(), &pattern(len, num(1)), |_| "source".into())
+                .and_then(|_| buf.check_guards())
+                .map(|_| String::new()),
+            Some("STATS") => nixl_bounce::stats::plugin_stats(&node.name)
+                .map(|s| serde_json::to_string(&s.counters).expect("json")),
+            Some("NETDEV") => netdev(w[1]),
+            Some("QUIT") => {
+                reply("BYE");
+                break;
+            }
+            _ => Err(format!("unknown command {line:?}")),
+        };
+        match res {
+            Ok(s) => reply(&format!("OK {s}")),
+            Err(e) => reply(&format!("ERR {e}")),
+        }
+    }
+    drop(reg);
+}
+
+/// The parent's handle on a peer process.
+pub struct Peer {
+    pub label: String,
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    pub name: String,
+    pub addr: usize,
+    pub len: usize,
+    pub md: Vec<u8>,
+}
+
+/// The command that re-executes this test binary as a peer.
+pub fn peer_command(program_prefix: &[&str], len: usize, extra: &[(&str, &str)], prefix: &str) -> Command {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut c = match program_prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
+    c.args(["--exact", "peer_helper", "--nocapture", "--test-threads=1"])
+        .env(ROLE_ENV, "peer")
+        .env(LEN_ENV, len.to_string())
+        .env(EXTRA_ENV, extra_to_env(extra))
+        .env(PREFIX_ENV, prefix);
+    c
+}
+
+impl Peer {
+    /// Starts `cmd` (from [`peer_command`]) and waits for its HELLO.
+    pub fn spawn(label: &str, mut cmd: Command) -> Result<Peer, String> {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("spawn the {label} peer: {e}"))?;
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(at) = line.find(TAG) {
+                    if tx.send(line[at + TAG.len()..].to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let mut p = Peer {
+            label: label.to_string(),
+            child,
+            stdin,
+            lines: rx,
+            name: String::new(),
+            addr: 0,
+            len: 0,
+            md: Vec::new(),
+        };
+        let hello = p.recv("HELLO")?;
+        let w: Vec<&str> = hello.split_whitespace().collect();
+        if w.len() != 5 || w[0] != "HELLO" {
+            return Err(format!("{label} peer: unexpected greeting {hello:?}"));
+        }
+        p.name = w[1].to_string();
+        p.addr = w[2].parse().map_err(|e| format!("{e}"))?;
+        p.len = w[3].parse().map_err(|e| format!("{e}"))?;
+        p.md = unhex(w[4])?;
+        Ok(p)
+    }
+
+    fn recv(&mut self, what: &str) -> Result<String, String> {
+        let timeout = wait_timeout() + Duration::from_secs(30);
+        match self.lines.recv_timeout(timeout) {
+            Ok(l) if l.starts_with("ERR") => Err(format!("{} peer failed at {what}: {l}", self.label)),
+            Ok(l) => Ok(l),
+            Err(RecvTimeoutError::Timeout) => Err(format!("{} peer: no reply to {what} within {timeout:?}", self.label)),
+            Err(RecvTimeoutError::Disconnected) => {
+                let st = self.child.wait().ok();
+                Err(format!("{} peer exited during {what} (status {st:?})", self.label))
+            }
+        }
+    }
+
+    /// Sends a command; returns the text after `OK `, or panics with the
+    /// peer's error.
+    #[track_caller]
+    pub fn cmd(&mut self, line: &str) -> String {
+        writeln!(self.stdin, "{line}").expect("write to the peer");
+        self.stdin.flush().unwrap();
+        let what = line.split_whitespace().next().unwrap_or("").to_string();
+        let r = self.recv(&what).unwrap_or_else(|e| panic!("{e}"));
+        match r.strip_prefix("OK") {
+            Some(rest) => rest.trim().to_string(),
+            None if r == "BYE" => r,
+            None => panic!("{} peer: unexpected reply to {what}: {r}", self.label),
+        }
+    }
+
+    pub fn stats(&mut self) -> Counters {
+        let json = self.cmd("STATS");
+        counters_from_json(&self.name.clone(), &json)
+    }
+
+    /// Quits and waits (bounded) for a clean exit.
+    pub fn finish(mut self) {
+        self.cmd("QUIT");
+        let t0 = Instant::now();
+        loop {
+            match self.child.try_wait().expect("try_wait") {
+                Some(st) => {
+                    assert!(st.success(), "{} peer exited with {st}", self.label);
+                    return;
+                }
+                None if t0.elapsed() > Duration::from_secs(30) => {
+                    panic!("{} peer did not exit within 30 s after QUIT", self.label)
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        // Never leave a child behind (e.g. when an assertion failed).
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
