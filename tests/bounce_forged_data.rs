@@ -25,31 +25,13 @@ mod bounce;
 
 use bounce::*;
 use common::*;
-use nixl_bounce::engine::conn_info::{ConnInfo, MAGIC};
-use nixl_bounce::proto::wire::{Handshake, Message, RefuseReason};
+use nixl_bounce::proto::wire::{Message, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, RequestId, Run};
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
 
 const MANY: usize = 4096;
 const WAIT: Duration = Duration::from_secs(10);
-
-/// The BOUNCE handshake inside an agent's metadata blob: NIXL carries the
-/// backend's connection info verbatim; find it by its magic and cut it to
-/// its exact length (the layout is documented in `engine::conn_info`).
-fn handshake_of(agent_md: &[u8]) -> Handshake {
-    let at = agent_md
-        .windows(MAGIC.len())
-        .position(|w| w == MAGIC)
-        .expect("no BOUNCE connection info (NXBOUNCE) in the agent's metadata");
-    let rest = &agent_md[at..];
-    let u32_at = |o: usize| u32::from_le_bytes(rest[o..o + 4].try_into().unwrap()) as usize;
-    let md_len = u32_at(10);
-    let hs_len = u32_at(14 + md_len);
-    let info = ConnInfo::decode(&rest[..18 + md_len + hs_len]).expect("decode the BOUNCE connection info");
-    assert!(!info.handshake.is_empty(), "the receiver offers no bounce path");
-    Handshake::decode(&info.handshake).expect("decode the handshake")
-}
 
 /// A sender that is not a NIXL agent: a ROUTER to hear replies and a DEALER
 /// (routing id = our own endpoint, as the real channel does) to talk.

@@ -294,3 +294,25 @@ pub fn rss_bytes() -> usize {
     let pages: usize = s.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
     pages * 4096
 }
+
+// ---------------------------------------------------------------------------
+// Published handshake
+// ---------------------------------------------------------------------------
+
+/// The BOUNCE handshake inside an agent's metadata blob: NIXL carries the
+/// backend's connection info verbatim; find it by its magic and cut it to
+/// its exact length (the layout is documented in `engine::conn_info`).
+pub fn handshake_of(agent_md: &[u8]) -> nixl_bounce::proto::wire::Handshake {
+    use nixl_bounce::engine::conn_info::{ConnInfo, MAGIC};
+    let at = agent_md
+        .windows(MAGIC.len())
+        .position(|w| w == MAGIC)
+        .expect("no BOUNCE connection info (NXBOUNCE) in the agent's metadata");
+    let rest = &agent_md[at..];
+    let u32_at = |o: usize| u32::from_le_bytes(rest[o..o + 4].try_into().unwrap()) as usize;
+    let md_len = u32_at(10);
+    let hs_len = u32_at(14 + md_len);
+    let info = ConnInfo::decode(&rest[..18 + md_len + hs_len]).expect("decode the BOUNCE connection info");
+    assert!(!info.handshake.is_empty(), "the agent offers no bounce path");
+    nixl_bounce::proto::wire::Handshake::decode(&info.handshake).expect("decode the handshake")
+}

@@ -1,0 +1,208 @@
+//! Two hosts, simulated: two network namespaces created by this test and
+//! joined by a veth pair (10.203.X.1/24 <-> 10.203.X.2/24, X from the pid),
+//! one BOUNCE peer process in each (`ip netns exec`, this test binary
+//! re-executed, see tests/support/peer.rs). UCX is restricted to TCP over
+//! the veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES=<veth>`: no shared memory
+//! between the "hosts"), ZMQ binds the veth address
+//! (`control_interface=<veth>`). 4096 scattered 4 KiB WRITEs both ways,
+//! byte-exact, counted on both sides as bounce transfers; the handshakes
+//! must advertise the veth addresses, and the veth's byte counters must
+//! show the data crossed it. Everything created is removed by a Drop guard,
+//! also on failure.
+//!
+//! Where namespaces cannot be created for lack of privilege, the test prints
+//! `SKIP:` and passes (even with NIXL_BOUNCE_REQUIRE_RUNTIME=1: that is a
+//! property of the machine); any other failure to set them up fails under
+//! NIXL_BOUNCE_REQUIRE_RUNTIME=1 and skips otherwise.
+mod common;
+#[path = "support/bounce.rs"]
+mod bounce;
+#[path = "support/peer.rs"]
+mod peer;
+
+use bounce::*;
+use common::*;
+use peer::*;
+use std::process::Command;
+
+const MANY: usize = 4096;
+
+/// The peer processes. A no-op unless started by the test below.
+#[test]
+fn peer_helper() {
+    peer_main();
+}
+
+/// Why `ip` failed, and whether it is a permission problem.
+struct IpError {
+    message: String,
+    permission: bool,
+}
+
+fn ip(args: &[&str]) -> Result<(), IpError> {
+    let out = Command::new("ip").args(args).output().map_err(|e| IpError {
+        message: format!("cannot run `ip {}`: {e}", args.join(" ")),
+        permission: e.kind() == std::io::ErrorKind::PermissionDenied,
+    })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    let permission = err.contains("Operation not permitted") || err.contains("Permission denied") || err.contains("must be root");
+    Err(IpError {
+        message: format!("`ip {}` failed ({}): {err}", args.join(" "), out.status),
+        permission,
+    })
+}
+
+/// Two namespaces and a veth pair; removed on drop.
+struct Netns {
+    ns: [String; 2],
+    veth: [String; 2],
+    addr: [String; 2],
+}
+
+/// Removes namespaces an earlier run left behind when it was killed
+/// (`nbb-<pid>-*` of a process that no longer exists).
+fn remove_stale() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else { return };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(rest) = name.strip_prefix("nbb-") else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            eprintln!("removing stale namespace {name} of a dead test run");
+            let _ = ip(&["netns", "del", name]);
+        }
+    }
+}
+
+impl Netns {
+    fn create() -> Result<Netns, IpError> {
+        remove_stale();
+        let pid = std::process::id();
+        let x = pid % 250 + 1;
+        let n = Netns {
+            ns: [format!("nbb-{pid}-a"), format!("nbb-{pid}-b")],
+            // Interface names: at most 15 bytes.
+            veth: [format!("nbb{pid}a"), format!("nbb{pid}b")],
+            addr: [format!("10.203.{x}.1"), format!("10.203.{x}.2")],
+        };
+        // From here on, Drop cleans up whatever was created.
+        let (a, b) = (&n.ns[0], &n.ns[1]);
+        let (va, vb) = (&n.veth[0], &n.veth[1]);
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        ip(&["link", "add", va, "type", "veth", "peer", "name", vb])?;
+        ip(&["link", "set", va, "netns", a])?;
+        ip(&["link", "set", vb, "netns", b])?;
+        for i in 0..2 {
+            let (ns, v, addr) = (&n.ns[i], &n.veth[i], &n.addr[i]);
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", v])?;
+            ip(&["-n", ns, "link", "set", v, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(n)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for ns in &self.ns {
+            // Deleting a namespace destroys the veth end inside it (and so
+            // the pair).
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                eprintln!("cleanup: {}", e.message);
+            }
+        }
+        // In case the pair never left the root namespace.
+        let _ = ip(&["link", "del", &self.veth[0]]);
+        eprintln!("cleanup: namespaces {:?} and veth pair {:?} removed", self.ns, self.veth);
+    }
+}
+
+fn netdev(p: &mut Peer, dev: &str) -> (u64, u64) {
+    let r = p.cmd(&format!("NETDEV {dev}"));
+    let w: Vec<u64> = r.split_whitespace().map(|v| v.parse().expect("bytes")).collect();
+    (w[0], w[1])
+}
+
+#[test]
+#[serial_test::serial]
+fn two_hosts_over_a_veth_pair() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let net = match Netns::create() {
+        Ok(n) => n,
+        Err(e) if e.permission => {
+            eprintln!("SKIP: network namespaces are not permitted on this machine (a permission problem, not a failure): {}", e.message);
+            return;
+        }
+        Err(e) if require_runtime() => panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set and the namespaces could not be set up: {}", e.message),
+        Err(e) => {
+            eprintln!("SKIP: cannot set up the network namespaces: {}", e.message);
+            return;
+        }
+    };
+    eprintln!("namespaces {:?}, veth {:?}, addresses {:?}", net.ns, net.veth, net.addr);
+    let len = blocks_for(MANY) * BLOCK;
+    let spawn = |i: usize, label: &str| -> Peer {
+        let extra = [("control_interface", net.veth[i].as_str())];
+        let mut c = peer_command(&["ip", "netns", "exec", &net.ns[i]], len, &extra, &format!("nn-{label}"));
+        c.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", &net.veth[i]);
+        Peer::spawn(label, c).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let mut a = spawn(0, "host-a");
+    let mut b = spawn(1, "host-b");
+
+    // The control endpoints are on the veth addresses.
+    for (p, addr) in [(&a, &net.addr[0]), (&b, &net.addr[1])] {
+        let hs = handshake_of(&p.md);
+        let ep = String::from_utf8_lossy(&hs.endpoint).to_string();
+        eprintln!("{} advertises control endpoint {ep}", p.name);
+        assert!(ep.starts_with(&format!("tcp://{addr}:")), "{}: control endpoint {ep} is not on {addr}", p.name);
+    }
+    let (amd, bmd) = (hex(&a.md), hex(&b.md));
+    assert_eq!(a.cmd(&format!("PEER {bmd}")), b.name);
+    assert_eq!(b.cmd(&format!("PEER {amd}")), a.name);
+
+    let (a_rx0, a_tx0) = netdev(&mut a, &net.veth[0]);
+    let (b_rx0, b_tx0) = netdev(&mut b, &net.veth[1]);
+    let steps: [(usize, Option<&[u8]>); 4] = [(0, Some(b"netns-a-to-b")), (1, None), (0, None), (1, Some(b"netns-b-to-a"))];
+    for (i, (from, notif)) in steps.into_iter().enumerate() {
+        let s = 100 * (i as u64 + 1);
+        let (src_seed, dst_seed, plan_seed) = (s + 1, s + 2, s + 3);
+        let (src, dst) = if from == 0 { (&mut a, &mut b) } else { (&mut b, &mut a) };
+        src.cmd(&format!("FILL {src_seed}"));
+        dst.cmd(&format!("FILL {dst_seed}"));
+        let (s0, d0) = (src.stats(), dst.stats());
+        let notif_hex = notif.map(hex).unwrap_or_else(|| "-".into());
+        let us = src.cmd(&format!("WRITE {} {} {MANY} {plan_seed} {notif_hex}", dst.name, dst.addr));
+        dst.cmd(&format!("CHECK_WRITE {} {MANY} {plan_seed} {src_seed} {dst_seed} {notif_hex}", src.name));
+        src.cmd(&format!("CHECK_UNCHANGED {src_seed}"));
+        let (s1, d1) = (src.stats(), dst.stats());
+        eprintln!("{} -> {}: {us} us; {} ; {}", src.name, dst.name, s1.diff(&s0), d1.diff(&d0));
+        assert_sender_bounced(&s0, &s1, 1);
+        assert_receiver_scattered(&d0, &d1, s1.since(&s0, "chunks_written"));
+    }
+    let (a_rx1, a_tx1) = netdev(&mut a, &net.veth[0]);
+    let (b_rx1, b_tx1) = netdev(&mut b, &net.veth[1]);
+    eprintln!(
+        "veth bytes: {} tx +{} rx +{}; {} tx +{} rx +{}",
+        net.veth[0],
+        a_tx1 - a_tx0,
+        a_rx1 - a_rx0,
+        net.veth[1],
+        b_tx1 - b_tx0,
+        b_rx1 - b_rx0
+    );
+    // Two 16 MiB WRITEs each way crossed the veth (UCX used it, not
+    // loopback or shared memory).
+    let moved = 2 * (MANY * BLOCK) as u64;
+    assert!(a_tx1 - a_tx0 >= moved, "only {} bytes left {} (expected >= {moved})", a_tx1 - a_tx0, net.veth[0]);
+    assert!(b_tx1 - b_tx0 >= moved, "only {} bytes left {} (expected >= {moved})", b_tx1 - b_tx0, net.veth[1]);
+    a.finish();
+    b.finish();
+    drop(net);
+}
