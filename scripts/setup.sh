@@ -31,7 +31,8 @@ _nb_setup_main() (
         # build-essential: cc/c++ for the C++ shim and libzmq (built from source
         # by zmq-sys, with the cc crate; no cmake needed). libclang-dev: bindgen.
         # python3-pip: installs the wheel into .nixl/site (--target, no system site).
-        for p in build-essential pkg-config libclang-dev python3 python3-pip ca-certificates curl; do
+        # iproute2: `ip netns` for the network-namespace tests.
+        for p in build-essential pkg-config libclang-dev python3 python3-pip ca-certificates curl iproute2; do
             have_pkg "$p" || missing+=("$p")
         done
     fi
