@@ -4,12 +4,14 @@
 //! strided run, both argument modes), verified byte-exact.
 //!
 //! Exits 0 with a `SKIP:` line on machines without CUDA; non-zero on any
-//! CUDA error or mismatch. Usage: `gpu-probe [--iters N] [--blocks N] [--size BYTES]`.
+//! CUDA error or mismatch. Usage:
+//! `gpu-probe [--iters N] [--blocks N] [--size BYTES] [--tile BYTES] [--max-blocks N]`
+//! (`--tile` and `--max-blocks` tune the kernel: see `CopyOptions`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use nixl_bounce::copy::cuda::{CudaCopy, CudaRuntime, ExecPool};
+use nixl_bounce::copy::cuda::{CopyOptions, CudaCopy, CudaRuntime, ExecPool, DEFAULT_TILE_BYTES};
 use nixl_bounce::copy::{CopyEngine, Direction};
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_bounce::proto::Run;
@@ -45,6 +47,9 @@ fn run() -> Result<(), String> {
     let iters = arg("--iters", 20)?;
     let n = arg("--blocks", 16384)?;
     let b = arg("--size", 4096)?;
+    let tile = arg("--tile", DEFAULT_TILE_BYTES as usize)? as u64;
+    let mb = arg("--max-blocks", usize::MAX)?;
+    let max_blocks = (mb != usize::MAX).then(|| mb.min(u32::MAX as usize) as u32);
     let rt = match CudaRuntime::probe() {
         Ok(rt) => rt,
         Err(e) => {
@@ -86,7 +91,12 @@ fn run() -> Result<(), String> {
     let single_s: Vec<Run> = (0..nu).map(|i| Run::single(i * bu, dst.base() + (2 * i + 1) * bu, bu)).collect();
 
     for zero_copy in [true, false] {
-        let engine = CudaCopy::new(ExecPool::new(dev.clone(), 2, zero_copy)?);
+        let opts = CopyOptions {
+            tile_bytes: tile,
+            max_blocks,
+            ..Default::default()
+        };
+        let engine = CudaCopy::with_options(ExecPool::new(dev.clone(), 2, zero_copy)?, opts)?;
         for (name, g, s) in [("single runs", &single_g, &single_s), ("merged run", &merged_g, &merged_s)] {
             dst.fill(0xAB)?;
             let (mut tg, mut ts) = (Vec::new(), Vec::new());

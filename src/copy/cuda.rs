@@ -48,6 +48,10 @@ pub const KERNEL_NAME: &str = "bounce_copy";
 pub const BLOCK_THREADS: u32 = 256;
 /// Default bytes per tile (one block's unit of work); a multiple of 16.
 pub const DEFAULT_TILE_BYTES: u64 = 16 * 1024;
+/// Default launch size in "waves" of resident blocks: more blocks than fit
+/// at once let the scheduler balance uneven tiles (tune with
+/// [`CopyOptions::max_blocks`]; `gpu-probe --max-blocks N` measures it).
+pub const GRID_WAVES: u32 = 4;
 /// Runs the pinned table is sized for before it first grows.
 const INITIAL_TABLE_RUNS: usize = 1024;
 
@@ -456,7 +460,7 @@ pub struct CopyKernel {
     pub compile_time: Duration,
     /// Resident blocks per SM at `BLOCK_THREADS` threads (occupancy query).
     pub blocks_per_sm: u32,
-    /// Most blocks one launch uses (`sm_count * blocks_per_sm`).
+    /// Most blocks one launch uses (`sm_count * blocks_per_sm * GRID_WAVES`).
     pub max_grid: u32,
 }
 
@@ -596,7 +600,11 @@ impl CopyKernel {
             target,
             compile_time,
             blocks_per_sm,
-            max_grid: dev.sm_count.saturating_mul(blocks_per_sm).max(1),
+            max_grid: dev
+                .sm_count
+                .saturating_mul(blocks_per_sm)
+                .saturating_mul(GRID_WAVES)
+                .max(1),
         })
     }
 }
@@ -1386,8 +1394,8 @@ mod tests {
             let src: Vec<u8> = (0..app_len).map(|_| rng.next() as u8).collect();
             let mut region_ref = vec![0xABu8; region_len as usize];
             let mut region_model = vec![0xABu8; region_len as usize];
-            let mk = |region: &Vec<u8>, app_base: usize| -> (RegionSpan, Vec<Run>) {
-                let span = RegionSpan { addr: region.as_ptr() as usize, len: region.len() };
+            let mk = |region: &mut Vec<u8>, app_base: usize| -> (RegionSpan, Vec<Run>) {
+                let span = RegionSpan { addr: region.as_mut_ptr() as usize, len: region.len() };
                 let runs = layout
                     .iter()
                     .map(|&(ro, ao, len, count, rs, as_)| Run {
@@ -1402,11 +1410,11 @@ mod tests {
                 (span, runs)
             };
             // Gather: host reference vs model.
-            let (span_ref, runs_ref) = mk(&region_ref, src.as_ptr() as usize);
+            let (span_ref, runs_ref) = mk(&mut region_ref, src.as_ptr() as usize);
             HostCopy { threads: 1, parallel_threshold: u64::MAX }
                 .copy(Direction::Gather, span_ref, &runs_ref)
                 .unwrap();
-            let (span_m, runs_m) = mk(&region_model, src.as_ptr() as usize);
+            let (span_m, runs_m) = mk(&mut region_model, src.as_ptr() as usize);
             let mut table = vec![DevRun::default(); runs_m.len()];
             let mut blocks = vec![u32::MAX; max_grid as usize];
             let shape = fill_table(Direction::Gather, span_m, &runs_m, tile, max_grid, &mut table, &mut blocks).unwrap();
@@ -1417,11 +1425,11 @@ mod tests {
             // Scatter back into poisoned application buffers.
             let mut dst_ref = vec![0xABu8; app_len as usize];
             let mut dst_model = vec![0xABu8; app_len as usize];
-            let (_, s_ref) = mk(&region_ref, dst_ref.as_mut_ptr() as usize);
+            let (_, s_ref) = mk(&mut region_ref, dst_ref.as_mut_ptr() as usize);
             HostCopy { threads: 1, parallel_threshold: u64::MAX }
                 .copy(Direction::Scatter, span_ref, &s_ref)
                 .unwrap();
-            let (_, s_m) = mk(&region_model, dst_model.as_mut_ptr() as usize);
+            let (_, s_m) = mk(&mut region_model, dst_model.as_mut_ptr() as usize);
             let shape = fill_table(Direction::Scatter, span_m, &s_m, tile, max_grid, &mut table, &mut blocks).unwrap();
             run_model(&table, &blocks, &shape);
             assert!(dst_model == dst_ref, "case {case}: scatter differs");
@@ -1448,8 +1456,9 @@ mod tests {
         let big = [Run::single(0, 1 << 40, 4096 * 1000)];
         let s = fill_table(Direction::Gather, region, &big, DEFAULT_TILE_BYTES, 100, &mut table, &mut blocks).unwrap();
         assert_eq!(s.total_tiles, (4096u64 * 1000).div_ceil(DEFAULT_TILE_BYTES));
-        assert_eq!(s.grid, 100);
-        assert!(blocks[..100].iter().all(|&b| b == 0));
+        // 250 tiles over at most 100 blocks: 3 tiles each, so 84 blocks.
+        assert_eq!((s.total_tiles, s.tiles_per_block, s.grid), (250, 3, 84));
+        assert!(blocks[..84].iter().all(|&b| b == 0));
     }
 
     #[test]
