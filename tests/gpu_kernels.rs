@@ -13,7 +13,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nixl_bounce::copy::cuda::{CopyOptions, CudaCopy, CudaDevice, CudaRuntime, ExecPool, DEFAULT_TILE_BYTES};
+use nixl_bounce::copy::cuda::{
+    CopyOptions, CudaCopy, CudaDevice, CudaRuntime, ExecPool, DEFAULT_TILE_BYTES,
+};
 use nixl_bounce::copy::host::HostCopy;
 use nixl_bounce::copy::{CopyEngine, Direction, RegionSpan};
 use nixl_bounce::dataplane::vram::DeviceArena;
@@ -50,12 +52,26 @@ type Layout = Vec<(u64, u64, u64, u32, u64, u64)>;
 
 /// Random runs whose region sides do not overlap and whose application
 /// sides do not overlap (so gather and scatter results are defined).
-fn random_layout(rng: &mut Rng, region_len: u64, app_len: u64, max_len: u64, max_runs: usize) -> Layout {
+fn random_layout(
+    rng: &mut Rng,
+    region_len: u64,
+    app_len: u64,
+    max_len: u64,
+    max_runs: usize,
+) -> Layout {
     let mut out = Vec::new();
     let (mut ro, mut ao) = (rng.below(64), rng.below(64));
     while out.len() < max_runs {
-        let len = if rng.below(4) == 0 { 1 + rng.below(max_len) } else { 1 + rng.below(max_len.min(5000)) };
-        let count = if rng.below(3) == 0 { 2 + rng.below(20) as u32 } else { 1 };
+        let len = if rng.below(4) == 0 {
+            1 + rng.below(max_len)
+        } else {
+            1 + rng.below(max_len.min(5000))
+        };
+        let count = if rng.below(3) == 0 {
+            2 + rng.below(20) as u32
+        } else {
+            1
+        };
         let rs = len + rng.below(40);
         let as_ = len + rng.below(300);
         let rspan = (count as u64 - 1) * rs + len;
@@ -157,15 +173,27 @@ impl Buffers {
         };
         let (dspan, hspan) = self.spans(off, len);
         gpu(Direction::Gather, dspan, &runs_for(layout, self.src.base()));
-        host.copy(Direction::Gather, hspan, &runs_for(layout, self.src_h.as_ptr() as u64))
-            .unwrap();
+        host.copy(
+            Direction::Gather,
+            hspan,
+            &runs_for(layout, self.src_h.as_ptr() as u64),
+        )
+        .unwrap();
         let mut got = vec![0u8; self.region_h.len()];
         self.region.read(0, &mut got).unwrap();
         assert_same(&format!("{what}: gather"), &got, &self.region_h);
 
-        gpu(Direction::Scatter, dspan, &runs_for(layout, self.dst.base()));
-        host.copy(Direction::Scatter, hspan, &runs_for(layout, self.dst_h.as_mut_ptr() as u64))
-            .unwrap();
+        gpu(
+            Direction::Scatter,
+            dspan,
+            &runs_for(layout, self.dst.base()),
+        );
+        host.copy(
+            Direction::Scatter,
+            hspan,
+            &runs_for(layout, self.dst_h.as_mut_ptr() as u64),
+        )
+        .unwrap();
         let mut got = vec![0u8; self.dst_h.len()];
         self.dst.read(0, &mut got).unwrap();
         assert_same(&format!("{what}: scatter"), &got, &self.dst_h);
@@ -176,7 +204,12 @@ impl Buffers {
 fn random_runs_match_the_host_reference_in_both_argument_modes() {
     let Some(dev) = device() else { return };
     let k = dev.copy_kernel().expect("the copy kernel compiles");
-    println!("device {} ({:?}), kernel {:?}", dev.name(), dev.compute_capability(), k);
+    println!(
+        "device {} ({:?}), kernel {:?}",
+        dev.name(),
+        dev.compute_capability(),
+        k
+    );
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
     let (region_len, app_len) = (4 << 20, 8 << 20);
     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
@@ -184,13 +217,29 @@ fn random_runs_match_the_host_reference_in_both_argument_modes() {
         let pool = ExecPool::new(dev.clone(), 2, zero_copy).unwrap();
         let option_sets = [
             CopyOptions::default(),
-            CopyOptions { tile_bytes: 16, max_blocks: Some(7), ..Default::default() },
-            CopyOptions { tile_bytes: 4096, max_blocks: Some(1), ..Default::default() },
-            CopyOptions { tile_bytes: 1 << 20, max_blocks: Some(64), ..Default::default() },
+            CopyOptions {
+                tile_bytes: 16,
+                max_blocks: Some(7),
+                ..Default::default()
+            },
+            CopyOptions {
+                tile_bytes: 4096,
+                max_blocks: Some(1),
+                ..Default::default()
+            },
+            CopyOptions {
+                tile_bytes: 1 << 20,
+                max_blocks: Some(64),
+                ..Default::default()
+            },
         ];
         for (oi, opts) in option_sets.iter().enumerate() {
             let engine = CudaCopy::with_options(pool.clone(), *opts).unwrap();
-            let cases = if opts.max_blocks == Some(1) || opts.tile_bytes == 16 { 6 } else { 25 };
+            let cases = if opts.max_blocks == Some(1) || opts.tile_bytes == 16 {
+                6
+            } else {
+                25
+            };
             for case in 0..cases {
                 let max_len = [1, 16, 300, 4096, 70000][case % 5];
                 let max_runs = if opts.tile_bytes == 16 { 300 } else { 3000 };
@@ -200,9 +249,14 @@ fn random_runs_match_the_host_reference_in_both_argument_modes() {
                 if layout.is_empty() {
                     continue;
                 }
-                let what = format!("zero_copy={zero_copy} options#{oi} case {case} ({} runs, max len {max_len})", layout.len());
+                let what = format!(
+                    "zero_copy={zero_copy} options#{oi} case {case} ({} runs, max len {max_len})",
+                    layout.len()
+                );
                 bufs.round_trip(&what, &layout, off, len, |d, span, runs| {
-                    engine.copy(d, span, runs).unwrap_or_else(|e| panic!("{what}: {e}"))
+                    engine
+                        .copy(d, span, runs)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"))
                 });
             }
         }
@@ -227,7 +281,10 @@ fn non_blocking_start_and_poll() {
                     .try_start(d, span, runs)
                     .unwrap()
                     .expect("the only context is idle");
-                assert!(pool.try_acquire().is_none(), "the copy holds the only context");
+                assert!(
+                    pool.try_acquire().is_none(),
+                    "the copy holds the only context"
+                );
                 let deadline = Instant::now() + Duration::from_secs(10);
                 let r = loop {
                     if let Some(r) = p.poll() {
@@ -251,7 +308,10 @@ fn non_blocking_start_and_poll() {
         drop(p);
         assert_eq!(pool.idle(), 1);
         // An empty run list is done at once.
-        let mut p = engine.try_start(Direction::Scatter, span, &[]).unwrap().unwrap();
+        let mut p = engine
+            .try_start(Direction::Scatter, span, &[])
+            .unwrap()
+            .unwrap();
         assert_eq!(p.poll(), Some(Ok(())));
     }
 }
@@ -271,10 +331,13 @@ fn concurrent_copies_through_one_pool() {
                     let (region_len, app_len) = (1 << 20, 2 << 20);
                     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
                     for i in 0..12 {
-                        let layout = random_layout(&mut rng, region_len as u64, app_len as u64, 9000, 800);
+                        let layout =
+                            random_layout(&mut rng, region_len as u64, app_len as u64, 9000, 800);
                         let what = format!("thread {t} iteration {i} zero_copy={zero_copy}");
                         bufs.round_trip(&what, &layout, 0, region_len, |d, span, runs| {
-                            engine.copy(d, span, runs).unwrap_or_else(|e| panic!("{what}: {e}"))
+                            engine
+                                .copy(d, span, runs)
+                                .unwrap_or_else(|e| panic!("{what}: {e}"))
                         });
                     }
                 });
@@ -295,7 +358,10 @@ fn a_run_outside_the_region_is_rejected_without_launching() {
     arena.fill(0xAB).unwrap();
     src.fill(0x11).unwrap();
     let span = arena.span(0, 4096).unwrap();
-    let runs = [Run::single(0, src.base(), 100), Run::single(4000, src.base(), 200)];
+    let runs = [
+        Run::single(0, src.base(), 100),
+        Run::single(4000, src.base(), 200),
+    ];
     for d in [Direction::Gather, Direction::Scatter] {
         let e = engine.copy(d, span, &runs).unwrap_err();
         assert!(e.reason.contains("run 1") && e.quiesced, "{e}");
@@ -308,7 +374,14 @@ fn a_run_outside_the_region_is_rejected_without_launching() {
     src.read(0, &mut got).unwrap();
     assert!(got.iter().all(|&b| b == 0x11), "nothing may be copied");
     assert_eq!(pool.idle(), 1);
-    assert!(CudaCopy::with_options(pool.clone(), CopyOptions { tile_bytes: 24, ..Default::default() }).is_err());
+    assert!(CudaCopy::with_options(
+        pool.clone(),
+        CopyOptions {
+            tile_bytes: 24,
+            ..Default::default()
+        }
+    )
+    .is_err());
 }
 
 #[test]
@@ -342,11 +415,34 @@ fn sixteen_thousand_4k_blocks_merged_and_unmerged() {
         let engine = CudaCopy::new(ExecPool::new(dev.clone(), 2, zero_copy).unwrap());
         let span = region.span(0, N * B).unwrap();
         // Block i of the source (every other 4 KiB) -> region slot i -> dst block 2i+1.
-        let merged_g = [Run { region_offset: 0, addr: src.base(), len: B as u64, count: N as u32, region_stride: B as u64, addr_stride: 2 * B as u64 }];
-        let merged_s = [Run { addr: dst.base() + B as u64, ..merged_g[0] }];
-        let single_g: Vec<Run> = (0..N).map(|i| Run::single((i * B) as u64, src.base() + (2 * i * B) as u64, B as u64)).collect();
-        let single_s: Vec<Run> = (0..N).map(|i| Run::single((i * B) as u64, dst.base() + ((2 * i + 1) * B) as u64, B as u64)).collect();
-        for (name, g, s) in [("merged", &merged_g[..], &merged_s[..]), ("single", &single_g[..], &single_s[..])] {
+        let merged_g = [Run {
+            region_offset: 0,
+            addr: src.base(),
+            len: B as u64,
+            count: N as u32,
+            region_stride: B as u64,
+            addr_stride: 2 * B as u64,
+        }];
+        let merged_s = [Run {
+            addr: dst.base() + B as u64,
+            ..merged_g[0]
+        }];
+        let single_g: Vec<Run> = (0..N)
+            .map(|i| Run::single((i * B) as u64, src.base() + (2 * i * B) as u64, B as u64))
+            .collect();
+        let single_s: Vec<Run> = (0..N)
+            .map(|i| {
+                Run::single(
+                    (i * B) as u64,
+                    dst.base() + ((2 * i + 1) * B) as u64,
+                    B as u64,
+                )
+            })
+            .collect();
+        for (name, g, s) in [
+            ("merged", &merged_g[..], &merged_s[..]),
+            ("single", &single_g[..], &single_s[..]),
+        ] {
             region.fill(0xAB).unwrap();
             dst.fill(0xAB).unwrap();
             let t = Instant::now();
@@ -359,8 +455,18 @@ fn sixteen_thousand_4k_blocks_merged_and_unmerged() {
             let mut got = vec![0u8; 2 * N * B];
             dst.read(0, &mut got).unwrap();
             for i in 0..N {
-                assert_eq!(&got[2 * i * B..(2 * i + 1) * B], &[0xABu8; B][..], "{name}: dst block {} must stay poisoned", 2 * i);
-                assert_eq!(&got[(2 * i + 1) * B..(2 * i + 2) * B], &src_h[2 * i * B..(2 * i + 1) * B], "{name}: dst block {}", 2 * i + 1);
+                assert_eq!(
+                    &got[2 * i * B..(2 * i + 1) * B],
+                    &[0xABu8; B][..],
+                    "{name}: dst block {} must stay poisoned",
+                    2 * i
+                );
+                assert_eq!(
+                    &got[(2 * i + 1) * B..(2 * i + 2) * B],
+                    &src_h[2 * i * B..(2 * i + 1) * B],
+                    "{name}: dst block {}",
+                    2 * i + 1
+                );
             }
         }
     }

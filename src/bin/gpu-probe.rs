@@ -65,7 +65,11 @@ fn run() -> Result<(), String> {
     );
     let dev = rt.device(0)?;
     let (ma, mi) = dev.compute_capability();
-    println!("device 0: {} (sm_{ma}{mi}, {} SMs)", dev.name(), dev.sm_count());
+    println!(
+        "device 0: {} (sm_{ma}{mi}, {} SMs)",
+        dev.name(),
+        dev.sm_count()
+    );
     let k = dev.copy_kernel()?;
     println!(
         "copy kernel: {:?}, compile+load {:.1} ms, {} blocks/SM, max grid {}",
@@ -75,20 +79,43 @@ fn run() -> Result<(), String> {
         k.max_grid
     );
     nixl_bounce::copy::cuda::warn_if_cub_copy_requested(false);
-    println!("nvtx: {}", if nixl_bounce::nvtx::enabled() { "library found" } else { "no library (ranges are no-ops)" });
+    println!(
+        "nvtx: {}",
+        if nixl_bounce::nvtx::enabled() {
+            "library found"
+        } else {
+            "no library (ranges are no-ops)"
+        }
+    );
 
     let total = n.checked_mul(b).ok_or("size overflows")?;
     let region = DeviceArena::new(&dev, total)?;
     let src = DeviceArena::new(&dev, 2 * total)?;
     let dst = DeviceArena::new(&dev, 2 * total)?;
-    let pattern: Vec<u8> = (0..2 * total).map(|i| (i as u64).wrapping_mul(0x9E37_79B9) as u8 ^ (i >> 12) as u8).collect();
+    let pattern: Vec<u8> = (0..2 * total)
+        .map(|i| (i as u64).wrapping_mul(0x9E37_79B9) as u8 ^ (i >> 12) as u8)
+        .collect();
     src.write(0, &pattern)?;
     let span = region.span(0, total).ok_or("region span")?;
     let (bu, nu) = (b as u64, n as u64);
-    let merged_g = vec![Run { region_offset: 0, addr: src.base(), len: bu, count: n as u32, region_stride: bu, addr_stride: 2 * bu }];
-    let merged_s = vec![Run { addr: dst.base() + bu, ..merged_g[0] }];
-    let single_g: Vec<Run> = (0..nu).map(|i| Run::single(i * bu, src.base() + 2 * i * bu, bu)).collect();
-    let single_s: Vec<Run> = (0..nu).map(|i| Run::single(i * bu, dst.base() + (2 * i + 1) * bu, bu)).collect();
+    let merged_g = vec![Run {
+        region_offset: 0,
+        addr: src.base(),
+        len: bu,
+        count: n as u32,
+        region_stride: bu,
+        addr_stride: 2 * bu,
+    }];
+    let merged_s = vec![Run {
+        addr: dst.base() + bu,
+        ..merged_g[0]
+    }];
+    let single_g: Vec<Run> = (0..nu)
+        .map(|i| Run::single(i * bu, src.base() + 2 * i * bu, bu))
+        .collect();
+    let single_s: Vec<Run> = (0..nu)
+        .map(|i| Run::single(i * bu, dst.base() + (2 * i + 1) * bu, bu))
+        .collect();
 
     for zero_copy in [true, false] {
         let opts = CopyOptions {
@@ -97,15 +124,22 @@ fn run() -> Result<(), String> {
             ..Default::default()
         };
         let engine = CudaCopy::with_options(ExecPool::new(dev.clone(), 2, zero_copy)?, opts)?;
-        for (name, g, s) in [("single runs", &single_g, &single_s), ("merged run", &merged_g, &merged_s)] {
+        for (name, g, s) in [
+            ("single runs", &single_g, &single_s),
+            ("merged run", &merged_g, &merged_s),
+        ] {
             dst.fill(0xAB)?;
             let (mut tg, mut ts) = (Vec::new(), Vec::new());
             for _ in 0..iters + 2 {
                 let t = Instant::now();
-                engine.copy(Direction::Gather, span, g).map_err(|e| e.to_string())?;
+                engine
+                    .copy(Direction::Gather, span, g)
+                    .map_err(|e| e.to_string())?;
                 tg.push(t.elapsed());
                 let t = Instant::now();
-                engine.copy(Direction::Scatter, span, s).map_err(|e| e.to_string())?;
+                engine
+                    .copy(Direction::Scatter, span, s)
+                    .map_err(|e| e.to_string())?;
                 ts.push(t.elapsed());
             }
             // The first two are warm-up.
@@ -115,8 +149,11 @@ fn run() -> Result<(), String> {
             for i in 0..n {
                 let kept = &got[2 * i * b..(2 * i + 1) * b];
                 let moved = &got[(2 * i + 1) * b..(2 * i + 2) * b];
-                if kept.iter().any(|&x| x != 0xAB) || moved != &pattern[2 * i * b..(2 * i + 1) * b] {
-                    return Err(format!("{name}, zero_copy={zero_copy}: block {i} is wrong after gather+scatter"));
+                if kept.iter().any(|&x| x != 0xAB) || moved != &pattern[2 * i * b..(2 * i + 1) * b]
+                {
+                    return Err(format!(
+                        "{name}, zero_copy={zero_copy}: block {i} is wrong after gather+scatter"
+                    ));
                 }
             }
             let gbs = |d: Duration| total as f64 / d.as_secs_f64() / 1e9;

@@ -136,8 +136,13 @@ pub fn fill_table(
     if runs.is_empty() {
         return Err(fail("no runs to copy".into()));
     }
-    let nruns = u32::try_from(runs.len())
-        .map_err(|_| fail(format!("{} runs in one launch (at most {})", runs.len(), u32::MAX)))?;
+    let nruns = u32::try_from(runs.len()).map_err(|_| {
+        fail(format!(
+            "{} runs in one launch (at most {})",
+            runs.len(),
+            u32::MAX
+        ))
+    })?;
     if out_runs.len() < runs.len() || out_blocks.len() < max_grid as usize {
         return Err(fail(format!(
             "run table too small: {} run slots and {} block slots for {} runs and {} blocks",
@@ -223,7 +228,10 @@ pub fn arch_number(major: i32, minor: i32) -> Option<u32> {
     if major <= 0 || !(0..10).contains(&minor) {
         return None;
     }
-    u32::try_from(major).ok()?.checked_mul(10)?.checked_add(minor as u32)
+    u32::try_from(major)
+        .ok()?
+        .checked_mul(10)?
+        .checked_add(minor as u32)
 }
 
 /// Picks the NVRTC target: machine code for the device's own architecture
@@ -232,7 +240,7 @@ pub fn arch_number(major: i32, minor: i32) -> Option<u32> {
 pub fn choose_target(major: i32, minor: i32, supported: &[i32]) -> Result<NvrtcTarget, String> {
     let want = arch_number(major, minor)
         .ok_or_else(|| format!("unusable compute capability {major}.{minor}"))?;
-    if supported.is_empty() || supported.iter().any(|&s| s == want as i32) {
+    if supported.is_empty() || supported.contains(&(want as i32)) {
         return Ok(NvrtcTarget::Cubin(want));
     }
     supported
@@ -276,7 +284,10 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
-        Err(p) => Err(format!("{what}: the CUDA library panicked: {}", panic_text(p))),
+        Err(p) => Err(format!(
+            "{what}: the CUDA library panicked: {}",
+            panic_text(p)
+        )),
     }
 }
 
@@ -337,7 +348,9 @@ impl CudaRuntime {
         if let Some(d) = devices.get(&ordinal) {
             return Ok(d.clone());
         }
-        let d = Arc::new(guarded("opening a CUDA device", || CudaDevice::open(ordinal))?);
+        let d = Arc::new(guarded("opening a CUDA device", || {
+            CudaDevice::open(ordinal)
+        })?);
         devices.insert(ordinal, d.clone());
         Ok(d)
     }
@@ -551,12 +564,19 @@ pub fn compile_copy_kernel(target: NvrtcTarget) -> Result<(Vec<u8>, Duration), S
 fn nvrtc_supported_archs() -> Vec<i32> {
     let mut n: std::ffi::c_int = 0;
     // SAFETY: writes one int.
-    if unsafe { nvrtc::sys::nvrtcGetNumSupportedArchs(&mut n) }.result().is_err() || n <= 0 {
+    if unsafe { nvrtc::sys::nvrtcGetNumSupportedArchs(&mut n) }
+        .result()
+        .is_err()
+        || n <= 0
+    {
         return Vec::new();
     }
     let mut v = vec![0i32; n as usize];
     // SAFETY: v has room for the n entries NVRTC reported.
-    if unsafe { nvrtc::sys::nvrtcGetSupportedArchs(v.as_mut_ptr()) }.result().is_err() {
+    if unsafe { nvrtc::sys::nvrtcGetSupportedArchs(v.as_mut_ptr()) }
+        .result()
+        .is_err()
+    {
         return Vec::new();
     }
     v
@@ -576,10 +596,12 @@ impl CopyKernel {
             NvrtcTarget::Cubin(_) => nvrtc::Ptx::from_binary(image),
             NvrtcTarget::Ptx(_) => nvrtc::Ptx::from_src(String::from_utf8_lossy(&image)),
         };
-        let module = dev
-            .ctx
-            .load_module(ptx)
-            .map_err(|e| format!("loading the copy kernel ({target:?}) on device {}: {e}", dev.ordinal))?;
+        let module = dev.ctx.load_module(ptx).map_err(|e| {
+            format!(
+                "loading the copy kernel ({target:?}) on device {}: {e}",
+                dev.ordinal
+            )
+        })?;
         let func = module
             .load_function(KERNEL_NAME)
             .map_err(|e| format!("cuModuleGetFunction({KERNEL_NAME}): {e}"))?;
@@ -628,12 +650,17 @@ impl PinnedTable {
             .map_err(|e| format!("binding the CUDA context: {e}"))?;
         // SAFETY: plain allocation of cap bytes; the result is checked.
         let host = unsafe {
-            result::malloc_host(cap, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            result::malloc_host(
+                cap,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
         }
-        .map_err(|e| format!("cuMemHostAlloc({cap} bytes) for a run table: {e}"))? as *mut u8;
+        .map_err(|e| format!("cuMemHostAlloc({cap} bytes) for a run table: {e}"))?
+            as *mut u8;
         let mut dev: sys::CUdeviceptr = 0;
         // SAFETY: host was just allocated with DEVICEMAP; dev is a valid out pointer.
-        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0) }.result();
+        let mapped =
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0) }.result();
         if let Err(e) = mapped {
             // SAFETY: host came from cuMemHostAlloc and nothing uses it yet.
             let _ = unsafe { result::free_host(host as *mut c_void) };
@@ -783,7 +810,11 @@ impl ExecPool {
     /// Compiles the kernel (if not yet) and creates `count` contexts.
     /// `zero_copy`: the kernel reads its run table from pinned host memory
     /// (`use_zero_copy_arguments`); otherwise the table is uploaded first.
-    pub fn new(device: Arc<CudaDevice>, count: usize, zero_copy: bool) -> Result<Arc<Self>, String> {
+    pub fn new(
+        device: Arc<CudaDevice>,
+        count: usize,
+        zero_copy: bool,
+    ) -> Result<Arc<Self>, String> {
         if count == 0 {
             return Err("an execution pool needs at least one context".into());
         }
@@ -880,7 +911,9 @@ impl std::fmt::Debug for ExecGuard {
 
 impl ExecGuard {
     fn ctx(&self) -> &ExecCtx {
-        self.ctx.as_ref().expect("an ExecGuard holds its context until dropped")
+        self.ctx
+            .as_ref()
+            .expect("an ExecGuard holds its context until dropped")
     }
 
     /// The context's stream.
@@ -923,10 +956,17 @@ impl ExecGuard {
             quiesced,
         };
         let max_grid = opts.max_blocks.unwrap_or(kernel.max_grid).max(1);
-        let need = table_capacity(runs.len(), max_grid)
-            .ok_or_else(|| err(format!("{} runs overflow the run table size", runs.len()), true))?;
+        let need = table_capacity(runs.len(), max_grid).ok_or_else(|| {
+            err(
+                format!("{} runs overflow the run table size", runs.len()),
+                true,
+            )
+        })?;
         dev.bind().map_err(|e| err(e, true))?;
-        let ctx = self.ctx.as_mut().expect("an ExecGuard holds its context until dropped");
+        let ctx = self
+            .ctx
+            .as_mut()
+            .expect("an ExecGuard holds its context until dropped");
         ctx.table.ensure(need).map_err(|e| err(e, true))?;
         let nruns = runs.len();
         // SAFETY: the table holds at least `need` bytes (nruns DevRuns then
@@ -944,7 +984,15 @@ impl ExecGuard {
                 ),
             )
         };
-        let shape = fill_table(direction, region, runs, opts.tile_bytes, max_grid, out_runs, out_blocks)?;
+        let shape = fill_table(
+            direction,
+            region,
+            runs,
+            opts.tile_bytes,
+            max_grid,
+            out_runs,
+            out_blocks,
+        )?;
         let used = shape.table_bytes();
         let stream = ctx.stream.cu_stream();
         let table_dev = if zero_copy {
@@ -961,7 +1009,10 @@ impl ExecGuard {
             let src = unsafe { std::slice::from_raw_parts(ctx.table.host as *const u8, used) };
             // SAFETY: as above; the copy is ordered before the launch on the same stream.
             if let Err(e) = unsafe { result::memcpy_htod_async(scratch.ptr, src, stream) } {
-                return Err(self.after_failure(direction, format!("uploading the run table (cuMemcpyHtoDAsync): {e}")));
+                return Err(self.after_failure(
+                    direction,
+                    format!("uploading the run table (cuMemcpyHtoDAsync): {e}"),
+                ));
             }
             scratch.ptr
         };
@@ -1009,7 +1060,10 @@ impl ExecGuard {
         }
         let ctx = self.ctx();
         if let Err(e) = ctx.done.record(&ctx.stream) {
-            return Err(self.after_failure(direction, format!("cuEventRecord after the {direction:?} kernel: {e}")));
+            return Err(self.after_failure(
+                direction,
+                format!("cuEventRecord after the {direction:?} kernel: {e}"),
+            ));
         }
         Ok(shape)
     }
@@ -1038,7 +1092,9 @@ impl ExecGuard {
                 }
                 CopyError {
                     direction,
-                    reason: format!("{reason}; synchronising the stream afterwards failed too: {e}"),
+                    reason: format!(
+                        "{reason}; synchronising the stream afterwards failed too: {e}"
+                    ),
                     quiesced: false,
                 }
             }
@@ -1200,7 +1256,12 @@ impl CudaCopy {
 }
 
 impl CopyEngine for CudaCopy {
-    fn copy(&self, direction: Direction, region: RegionSpan, runs: &[Run]) -> Result<(), CopyError> {
+    fn copy(
+        &self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<(), CopyError> {
         self.start(direction, region, runs)?.wait()
     }
 }
@@ -1279,16 +1340,11 @@ impl PendingCopy {
         match std::mem::replace(&mut self.state, PendingState::Finished(Ok(()))) {
             PendingState::Finished(r) => r,
             PendingState::Running(mut g) => {
-                let synced = g
-                    .pool
-                    .device
-                    .bind()
-                    .and_then(|()| {
-                        g.ctx()
-                            .stream
-                            .synchronize()
-                            .map_err(|e| format!("the {direction:?} kernel failed (cuStreamSynchronize): {e}"))
-                    });
+                let synced = g.pool.device.bind().and_then(|()| {
+                    g.ctx().stream.synchronize().map_err(|e| {
+                        format!("the {direction:?} kernel failed (cuStreamSynchronize): {e}")
+                    })
+                });
                 match synced {
                     Ok(()) => Ok(()),
                     Err(reason) => Err(g.after_failure(direction, reason)),
@@ -1303,7 +1359,10 @@ impl Drop for PendingCopy {
         if let PendingState::Running(g) = &mut self.state {
             let _ = g.pool.device.bind();
             if let Err(e) = g.ctx().stream.synchronize() {
-                let e = g.after_failure(self.direction, format!("synchronising an abandoned copy: {e}"));
+                let e = g.after_failure(
+                    self.direction,
+                    format!("synchronising an abandoned copy: {e}"),
+                );
                 tracing::warn!("{e}");
             }
         }
@@ -1338,7 +1397,11 @@ mod tests {
                 let d = run.dst + i * run.dst_stride + off;
                 // SAFETY: test buffers; the runs were built inside them.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(s as usize as *const u8, d as usize as *mut u8, n as usize)
+                    std::ptr::copy_nonoverlapping(
+                        s as usize as *const u8,
+                        d as usize as *mut u8,
+                        n as usize,
+                    )
                 };
             }
         }
@@ -1358,12 +1421,21 @@ mod tests {
     }
 
     /// Random non-overlapping runs: (region_offset, app_offset, len, count, rstride, astride).
-    fn random_runs(rng: &mut Rng, region_len: u64, app_len: u64, max_len: u64) -> Vec<(u64, u64, u64, u32, u64, u64)> {
+    fn random_runs(
+        rng: &mut Rng,
+        region_len: u64,
+        app_len: u64,
+        max_len: u64,
+    ) -> Vec<(u64, u64, u64, u32, u64, u64)> {
         let mut out = Vec::new();
         let (mut ro, mut ao) = (rng.below(40), rng.below(40));
         loop {
             let len = 1 + rng.below(max_len);
-            let count = if rng.below(3) == 0 { 1 + rng.below(12) as u32 } else { 1 };
+            let count = if rng.below(3) == 0 {
+                1 + rng.below(12) as u32
+            } else {
+                1
+            };
             let rs = len + rng.below(24);
             let as_ = len + rng.below(100);
             let rspan = (count as u64 - 1) * rs + len;
@@ -1395,7 +1467,10 @@ mod tests {
             let mut region_ref = vec![0xABu8; region_len as usize];
             let mut region_model = vec![0xABu8; region_len as usize];
             let mk = |region: &mut Vec<u8>, app_base: usize| -> (RegionSpan, Vec<Run>) {
-                let span = RegionSpan { addr: region.as_mut_ptr() as usize, len: region.len() };
+                let span = RegionSpan {
+                    addr: region.as_mut_ptr() as usize,
+                    len: region.len(),
+                };
                 let runs = layout
                     .iter()
                     .map(|&(ro, ao, len, count, rs, as_)| Run {
@@ -1411,26 +1486,53 @@ mod tests {
             };
             // Gather: host reference vs model.
             let (span_ref, runs_ref) = mk(&mut region_ref, src.as_ptr() as usize);
-            HostCopy { threads: 1, parallel_threshold: u64::MAX }
-                .copy(Direction::Gather, span_ref, &runs_ref)
-                .unwrap();
+            HostCopy {
+                threads: 1,
+                parallel_threshold: u64::MAX,
+            }
+            .copy(Direction::Gather, span_ref, &runs_ref)
+            .unwrap();
             let (span_m, runs_m) = mk(&mut region_model, src.as_ptr() as usize);
             let mut table = vec![DevRun::default(); runs_m.len()];
             let mut blocks = vec![u32::MAX; max_grid as usize];
-            let shape = fill_table(Direction::Gather, span_m, &runs_m, tile, max_grid, &mut table, &mut blocks).unwrap();
+            let shape = fill_table(
+                Direction::Gather,
+                span_m,
+                &runs_m,
+                tile,
+                max_grid,
+                &mut table,
+                &mut blocks,
+            )
+            .unwrap();
             assert!(shape.grid >= 1 && shape.grid <= max_grid);
-            assert_eq!(shape.total_bytes, runs_m.iter().map(|r| r.len * r.count as u64).sum::<u64>());
+            assert_eq!(
+                shape.total_bytes,
+                runs_m.iter().map(|r| r.len * r.count as u64).sum::<u64>()
+            );
             run_model(&table, &blocks, &shape);
             assert!(region_model == region_ref, "case {case}: gather differs");
             // Scatter back into poisoned application buffers.
             let mut dst_ref = vec![0xABu8; app_len as usize];
             let mut dst_model = vec![0xABu8; app_len as usize];
             let (_, s_ref) = mk(&mut region_ref, dst_ref.as_mut_ptr() as usize);
-            HostCopy { threads: 1, parallel_threshold: u64::MAX }
-                .copy(Direction::Scatter, span_ref, &s_ref)
-                .unwrap();
+            HostCopy {
+                threads: 1,
+                parallel_threshold: u64::MAX,
+            }
+            .copy(Direction::Scatter, span_ref, &s_ref)
+            .unwrap();
             let (_, s_m) = mk(&mut region_model, dst_model.as_mut_ptr() as usize);
-            let shape = fill_table(Direction::Scatter, span_m, &s_m, tile, max_grid, &mut table, &mut blocks).unwrap();
+            let shape = fill_table(
+                Direction::Scatter,
+                span_m,
+                &s_m,
+                tile,
+                max_grid,
+                &mut table,
+                &mut blocks,
+            )
+            .unwrap();
             run_model(&table, &blocks, &shape);
             assert!(dst_model == dst_ref, "case {case}: scatter differs");
         }
@@ -1438,23 +1540,63 @@ mod tests {
 
     #[test]
     fn a_run_of_many_copies_is_one_table_entry() {
-        let region = RegionSpan { addr: 1 << 20, len: 4096 * 1000 };
-        let runs = [Run { region_offset: 0, addr: 1 << 40, len: 4096, count: 1000, region_stride: 4096, addr_stride: 8192 }];
+        let region = RegionSpan {
+            addr: 1 << 20,
+            len: 4096 * 1000,
+        };
+        let runs = [Run {
+            region_offset: 0,
+            addr: 1 << 40,
+            len: 4096,
+            count: 1000,
+            region_stride: 4096,
+            addr_stride: 8192,
+        }];
         let mut table = vec![DevRun::default(); 1];
         let mut blocks = vec![0u32; 132 * 8];
-        let s = fill_table(Direction::Gather, region, &runs, DEFAULT_TILE_BYTES, 132 * 8, &mut table, &mut blocks).unwrap();
-        assert_eq!((s.nruns, s.total_tiles, s.grid, s.tiles_per_block), (1, 1000, 1000, 1));
+        let s = fill_table(
+            Direction::Gather,
+            region,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            132 * 8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap();
+        assert_eq!(
+            (s.nruns, s.total_tiles, s.grid, s.tiles_per_block),
+            (1, 1000, 1000, 1)
+        );
         assert_eq!(table[0].src, 1 << 40);
         assert_eq!(table[0].dst, 1 << 20);
         assert_eq!((table[0].src_stride, table[0].dst_stride), (8192, 4096));
         assert_eq!(s.table_bytes(), 64 + 4000);
-        let s = fill_table(Direction::Scatter, region, &runs, DEFAULT_TILE_BYTES, 132 * 8, &mut table, &mut blocks).unwrap();
+        let s = fill_table(
+            Direction::Scatter,
+            region,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            132 * 8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap();
         assert_eq!(s.total_bytes, 4096 * 1000);
         assert_eq!((table[0].src, table[0].dst), (1 << 20, 1 << 40));
         assert_eq!((table[0].src_stride, table[0].dst_stride), (4096, 8192));
         // A large single copy is split into tiles.
         let big = [Run::single(0, 1 << 40, 4096 * 1000)];
-        let s = fill_table(Direction::Gather, region, &big, DEFAULT_TILE_BYTES, 100, &mut table, &mut blocks).unwrap();
+        let s = fill_table(
+            Direction::Gather,
+            region,
+            &big,
+            DEFAULT_TILE_BYTES,
+            100,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap();
         assert_eq!(s.total_tiles, (4096u64 * 1000).div_ceil(DEFAULT_TILE_BYTES));
         // 250 tiles over at most 100 blocks: 3 tiles each, so 84 blocks.
         assert_eq!((s.total_tiles, s.tiles_per_block, s.grid), (250, 3, 84));
@@ -1463,23 +1605,80 @@ mod tests {
 
     #[test]
     fn bad_input_is_refused_before_anything_is_launched() {
-        let region = RegionSpan { addr: 4096, len: 4096 };
+        let region = RegionSpan {
+            addr: 4096,
+            len: 4096,
+        };
         let mut table = vec![DevRun::default(); 4];
         let mut blocks = vec![0u32; 8];
         let ok = Run::single(0, 1 << 30, 100);
         let past = Run::single(4000, 1 << 30, 200);
-        let e = fill_table(Direction::Gather, region, &[ok, past], 4096, 8, &mut table, &mut blocks).unwrap_err();
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[ok, past],
+            4096,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
         assert!(e.reason.contains("run 1") && e.quiesced, "{e}");
-        let e = fill_table(Direction::Gather, region, &[ok], 100, 8, &mut table, &mut blocks).unwrap_err();
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[ok],
+            100,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
         assert!(e.reason.contains("multiple of 16"), "{e}");
-        let e = fill_table(Direction::Gather, region, &[], 4096, 8, &mut table, &mut blocks).unwrap_err();
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[],
+            4096,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
         assert!(e.reason.contains("no runs"), "{e}");
-        let e = fill_table(Direction::Gather, region, &[ok; 5], 4096, 8, &mut table, &mut blocks).unwrap_err();
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[ok; 5],
+            4096,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
         assert!(e.reason.contains("too small"), "{e}");
         let empty = Run { count: 0, ..ok };
-        assert!(fill_table(Direction::Scatter, region, &[empty], 4096, 8, &mut table, &mut blocks).is_err());
+        assert!(fill_table(
+            Direction::Scatter,
+            region,
+            &[empty],
+            4096,
+            8,
+            &mut table,
+            &mut blocks
+        )
+        .is_err());
         let wrap = Run::single(0, u64::MAX - 10, 100);
-        assert!(fill_table(Direction::Scatter, region, &[wrap], 4096, 8, &mut table, &mut blocks).is_err());
+        assert!(fill_table(
+            Direction::Scatter,
+            region,
+            &[wrap],
+            4096,
+            8,
+            &mut table,
+            &mut blocks
+        )
+        .is_err());
     }
 
     #[test]
@@ -1489,11 +1688,23 @@ mod tests {
         assert_eq!(arch_number(12, 1), Some(121));
         assert_eq!(arch_number(0, 0), None);
         assert_eq!(choose_target(9, 0, &[]).unwrap(), NvrtcTarget::Cubin(90));
-        assert_eq!(choose_target(9, 0, &[75, 80, 86, 89, 90, 100]).unwrap(), NvrtcTarget::Cubin(90));
-        assert_eq!(choose_target(12, 0, &[75, 80, 90, 100]).unwrap(), NvrtcTarget::Ptx(100));
+        assert_eq!(
+            choose_target(9, 0, &[75, 80, 86, 89, 90, 100]).unwrap(),
+            NvrtcTarget::Cubin(90)
+        );
+        assert_eq!(
+            choose_target(12, 0, &[75, 80, 90, 100]).unwrap(),
+            NvrtcTarget::Ptx(100)
+        );
         assert!(choose_target(7, 0, &[75, 80]).is_err());
-        assert_eq!(NvrtcTarget::Cubin(90).arch_option(), "--gpu-architecture=sm_90");
-        assert_eq!(NvrtcTarget::Ptx(100).arch_option(), "--gpu-architecture=compute_100");
+        assert_eq!(
+            NvrtcTarget::Cubin(90).arch_option(),
+            "--gpu-architecture=sm_90"
+        );
+        assert_eq!(
+            NvrtcTarget::Ptx(100).arch_option(),
+            "--gpu-architecture=compute_100"
+        );
         let o = nvrtc_options(NvrtcTarget::Cubin(90));
         assert!(o.contains(&"--std=c++17".to_string()));
     }
@@ -1501,8 +1712,13 @@ mod tests {
     #[test]
     fn the_kernel_source_matches_the_host_constants() {
         assert!(KERNEL_SOURCE.contains(&format!("#define BOUNCE_THREADS {BLOCK_THREADS}")));
-        assert!(KERNEL_SOURCE.contains(&format!("void __launch_bounds__(BOUNCE_THREADS)\n{KERNEL_NAME}(")));
-        assert!(!KERNEL_SOURCE.contains("#include"), "NVRTC has no toolkit headers");
+        assert!(KERNEL_SOURCE.contains(&format!(
+            "void __launch_bounds__(BOUNCE_THREADS)\n{KERNEL_NAME}("
+        )));
+        assert!(
+            !KERNEL_SOURCE.contains("#include"),
+            "NVRTC has no toolkit headers"
+        );
     }
 
     #[test]
@@ -1520,6 +1736,18 @@ mod tests {
                 Err(e) => panic!("{e}"),
             }
         }
+    }
+
+    #[test]
+    fn handles_cross_threads_as_the_runtime_needs() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send::<PendingCopy>();
+        send::<ExecGuard>();
+        send_sync::<CudaCopy>();
+        send_sync::<ExecPool>();
+        send_sync::<CudaRuntime>();
+        send_sync::<crate::dataplane::vram::DeviceArena>();
     }
 
     #[test]
