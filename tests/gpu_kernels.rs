@@ -472,3 +472,48 @@ fn sixteen_thousand_4k_blocks_merged_and_unmerged() {
     }
     let _ = DEFAULT_TILE_BYTES;
 }
+
+/// The experimental `use_cub_copy` path (cuMemcpyBatchAsync) against the
+/// same reference. A driver without the entry point is reported, not failed.
+#[test]
+fn batched_memcpy_path_matches_the_host_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(0xBA7C4);
+    let (region_len, app_len) = (2 << 20, 4 << 20);
+    let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
+    let pool = ExecPool::new(dev.clone(), 2, true).unwrap();
+    let engine = CudaCopy::with_options(
+        pool.clone(),
+        CopyOptions {
+            batch_memcpy: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let probe_span = bufs.region.span(0, 16).unwrap();
+    if let Err(e) = engine.copy(
+        Direction::Gather,
+        probe_span,
+        &[Run::single(0, bufs.src.base(), 16)],
+    ) {
+        assert!(e.quiesced, "{e}");
+        println!("SKIP: cuMemcpyBatchAsync unavailable: {e}");
+        return;
+    }
+    for case in 0..10 {
+        let layout = random_layout(
+            &mut rng,
+            region_len as u64,
+            app_len as u64,
+            [16, 4096, 70000][case % 3],
+            1500,
+        );
+        let what = format!("batched memcpy case {case}");
+        bufs.round_trip(&what, &layout, 0, region_len, |d, span, runs| {
+            engine
+                .copy(d, span, runs)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        });
+    }
+    assert_eq!(pool.idle(), 2);
+}

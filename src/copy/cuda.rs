@@ -946,7 +946,10 @@ impl ExecGuard {
         region: RegionSpan,
         runs: &[Run],
         opts: &CopyOptions,
-    ) -> Result<LaunchShape, CopyError> {
+    ) -> Result<(), CopyError> {
+        if opts.batch_memcpy {
+            return self.launch_batch(direction, region, runs);
+        }
         let kernel = self.pool.kernel.clone();
         let zero_copy = self.pool.zero_copy;
         let dev = self.pool.device.clone();
@@ -1065,7 +1068,96 @@ impl ExecGuard {
                 format!("cuEventRecord after the {direction:?} kernel: {e}"),
             ));
         }
-        Ok(shape)
+        Ok(())
+    }
+
+    /// The batched-memcpy alternative to the kernel (see
+    /// [`CopyOptions::batch_memcpy`]).
+    fn launch_batch(
+        &mut self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<(), CopyError> {
+        let err = |reason: String| CopyError {
+            direction,
+            reason,
+            quiesced: true,
+        };
+        check_runs(direction, region.len, runs)?;
+        let mut srcs: Vec<sys::CUdeviceptr> = Vec::new();
+        let mut dsts: Vec<sys::CUdeviceptr> = Vec::new();
+        let mut sizes: Vec<usize> = Vec::new();
+        for run in runs {
+            for (off, addr, len) in run.copies() {
+                let reg = (region.addr as u64).wrapping_add(off);
+                let (s, d) = match direction {
+                    Direction::Gather => (addr, reg),
+                    Direction::Scatter => (reg, addr),
+                };
+                srcs.push(s);
+                dsts.push(d);
+                sizes.push(len as usize);
+            }
+        }
+        let dev = self.pool.device.clone();
+        dev.bind().map_err(err)?;
+        let loc = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev.ordinal as i32,
+        };
+        let mut attrs = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc,
+            dstLocHint: loc,
+            flags: 0,
+        }];
+        let mut attr_idx = [0usize];
+        let stream = self.ctx().stream.cu_stream();
+        let count = sizes.len();
+        let called = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the three arrays hold `count` entries and live across
+            // the call (the driver reads them before returning); one
+            // attribute applies from copy 0 on. Every address was checked
+            // as for the kernel (region side by check_runs, application
+            // side by the caller).
+            unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    count,
+                    attrs.as_mut_ptr(),
+                    attr_idx.as_mut_ptr(),
+                    1,
+                    stream,
+                )
+            }
+            .result()
+        }));
+        match called {
+            Err(p) => {
+                return Err(err(format!(
+                    "cuMemcpyBatchAsync is not available in this driver: {}",
+                    panic_text(p)
+                )))
+            }
+            Ok(Err(e)) => {
+                return Err(self.after_failure(
+                    direction,
+                    format!("cuMemcpyBatchAsync ({count} copies): {e}"),
+                ))
+            }
+            Ok(Ok(())) => {}
+        }
+        let ctx = self.ctx();
+        if let Err(e) = ctx.done.record(&ctx.stream) {
+            return Err(self.after_failure(
+                direction,
+                format!("cuEventRecord after cuMemcpyBatchAsync: {e}"),
+            ));
+        }
+        Ok(())
     }
 
     /// After a failed launch or completion: synchronise the stream to learn
@@ -1128,6 +1220,24 @@ pub struct CopyOptions {
     /// How long the blocking paths ([`CopyEngine::copy`], [`CudaCopy::start`])
     /// wait for a free context.
     pub acquire_timeout: Duration,
+    /// Experimental (`use_cub_copy`): copy with the driver's batched memcpy
+    /// (`cuMemcpyBatchAsync`, CUDA 12.8+; the `_v2` entry point of CUDA 13)
+    /// instead of the kernel. The copies are expanded on the host (one
+    /// entry per copy). CUB's `DeviceMemcpy::Batched` itself needs the
+    /// toolkit's CCCL headers, which NVRTC does not have, so the driver API
+    /// stands in for "a library batched memcpy".
+    pub batch_memcpy: bool,
+}
+
+impl CopyOptions {
+    /// The options the configuration asks for (`use_cub_copy` selects the
+    /// batched-memcpy path).
+    pub fn for_config(cfg: &crate::config::Config) -> Self {
+        CopyOptions {
+            batch_memcpy: cfg.use_cub_copy,
+            ..Default::default()
+        }
+    }
 }
 
 impl Default for CopyOptions {
@@ -1136,6 +1246,7 @@ impl Default for CopyOptions {
             tile_bytes: DEFAULT_TILE_BYTES,
             max_blocks: None,
             acquire_timeout: Duration::from_secs(10),
+            batch_memcpy: false,
         }
     }
 }
@@ -1153,19 +1264,6 @@ impl std::fmt::Debug for CudaCopy {
             .field("pool", &self.pool)
             .field("opts", &self.opts)
             .finish()
-    }
-}
-
-/// Which batched-copy implementation `use_cub_copy` selects. Only the custom
-/// kernel exists so far: asking for the library path logs a warning and
-/// falls back.
-// TODO(issue 5): a second implementation with cuMemcpyBatchAsync (CUDA 12.8+,
-// `_v2` in CUDA 13) for comparison; it needs the copies expanded on the host.
-pub fn warn_if_cub_copy_requested(use_cub_copy: bool) {
-    if use_cub_copy {
-        tracing::warn!(
-            "use_cub_copy is set, but the library batched-memcpy path is not implemented yet; using the custom copy kernel"
-        );
     }
 }
 
