@@ -145,11 +145,11 @@ impl Buffers {
     }
 
     /// Region span `[off, off+len)` on the device and on the host mirror.
-    fn spans(&self, off: usize, len: usize) -> (RegionSpan, RegionSpan) {
+    fn spans(&mut self, off: usize, len: usize) -> (RegionSpan, RegionSpan) {
         (
             self.region.span(off, len).unwrap(),
             RegionSpan {
-                addr: self.region_h.as_ptr() as usize + off,
+                addr: self.region_h.as_mut_ptr() as usize + off,
                 len,
             },
         )

@@ -958,7 +958,11 @@ impl ExecGuard {
             reason,
             quiesced,
         };
-        let max_grid = opts.max_blocks.unwrap_or(kernel.max_grid).max(1);
+        // A grid's x dimension is at most 2^31 - 1 blocks.
+        let max_grid = opts
+            .max_blocks
+            .unwrap_or(kernel.max_grid)
+            .clamp(1, i32::MAX as u32);
         let need = table_capacity(runs.len(), max_grid).ok_or_else(|| {
             err(
                 format!("{} runs overflow the run table size", runs.len()),
