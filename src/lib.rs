@@ -52,6 +52,7 @@ pub mod failpoint;
 pub mod ffi;
 pub mod logging;
 pub mod nixl_runtime;
+pub mod nvtx;
 pub mod proto;
 pub mod runtime;
 pub mod stats;

@@ -2,6 +2,8 @@
 //! one NIXL WRITE per chunk from a local region into a region of the peer's
 //! arena.
 
+pub mod vram;
+
 use std::ptr::NonNull;
 
 use nixl_sys::{

@@ -1,0 +1,1862 @@
+//! The CUDA copy engine: gather/scatter of a chunk's whole run list with one
+//! kernel launch (`kernels/gather_scatter.cu`, compiled at first use with
+//! NVRTC for the running GPU and cached per process and device).
+//!
+//! Pieces, bottom up:
+//! - [`CudaRuntime::probe`]: finds the driver without panicking (cudarc's
+//!   dynamic loading panics when `libcuda.so` is absent) and counts devices;
+//!   [`CudaRuntime::device`] opens a device once per process ([`CudaDevice`]).
+//! - [`CudaDevice::copy_kernel`]: the NVRTC-compiled kernel ([`CopyKernel`]),
+//!   compiled once; a compile error carries NVRTC's log.
+//! - [`ExecPool`]: `copy_stream_count` execution contexts {stream, event,
+//!   pinned run table, optional device copy of the table}; borrowed through
+//!   [`ExecGuard`] (returned on drop). A context in the pool never has work
+//!   in flight.
+//! - [`CudaCopy`]: [`CopyEngine`] (blocking, for scatter workers) plus the
+//!   non-blocking [`CudaCopy::try_start`] / [`PendingCopy::poll`] pair for the
+//!   IO thread (eager gathers; completion by event query).
+//!
+//! The run table ([`DevRun`], 64 bytes per run) and the per-block start runs
+//! are built by [`fill_table`], a pure function that is unit-tested (with a
+//! host model of the kernel) on machines without a GPU.
+//!
+//! Errors: every CUDA call is checked; a [`CopyError`] names the call and the
+//! driver's error name. After a failed launch or a failed completion,
+//! `quiesced` says whether the context's stream could be synchronised: when
+//! it is false the memory the copy touched may still be in use, the context
+//! is discarded (its pinned memory leaked on purpose, never freed under a
+//! running kernel) and the caller must poison the arena.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc;
+
+use super::{check_runs, CopyEngine, CopyError, Direction, RegionSpan};
+use crate::proto::Run;
+
+/// The kernel's CUDA C source.
+pub const KERNEL_SOURCE: &str = include_str!("../../kernels/gather_scatter.cu");
+/// The kernel's (unmangled) name.
+pub const KERNEL_NAME: &str = "bounce_copy";
+/// Threads per block (matches `BOUNCE_THREADS` / `__launch_bounds__` in the source).
+pub const BLOCK_THREADS: u32 = 256;
+/// Default bytes per tile (one block's unit of work); a multiple of 16.
+pub const DEFAULT_TILE_BYTES: u64 = 16 * 1024;
+/// Default launch size in "waves" of resident blocks: more blocks than fit
+/// at once let the scheduler balance uneven tiles (tune with
+/// [`CopyOptions::max_blocks`]; `gpu-probe --max-blocks N` measures it).
+pub const GRID_WAVES: u32 = 4;
+/// Runs the pinned table is sized for before it first grows.
+const INITIAL_TABLE_RUNS: usize = 1024;
+
+// ---------------------------------------------------------------------------
+// Host-side planning (pure; runs everywhere)
+// ---------------------------------------------------------------------------
+
+/// One run as the kernel reads it: 8 little-endian 64-bit words (the layout
+/// documented at the top of `kernels/gather_scatter.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevRun {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+    pub src_stride: u64,
+    pub dst_stride: u64,
+    pub first_tile: u64,
+    pub tiles_per_copy: u64,
+    pub count: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<DevRun>() == 64);
+
+/// The launch a filled table describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    pub nruns: u32,
+    pub total_tiles: u64,
+    pub tiles_per_block: u64,
+    /// Blocks to launch (`block_run` holds this many entries).
+    pub grid: u32,
+    pub tile_bytes: u64,
+    pub total_bytes: u64,
+}
+
+impl LaunchShape {
+    /// Bytes of the table actually used: the runs, then one `u32` per block.
+    pub fn table_bytes(&self) -> usize {
+        self.nruns as usize * std::mem::size_of::<DevRun>() + self.grid as usize * 4
+    }
+    /// Offset of the `block_run` array within the table.
+    pub fn block_run_offset(&self) -> usize {
+        self.nruns as usize * std::mem::size_of::<DevRun>()
+    }
+}
+
+/// Table capacity needed for `nruns` runs and at most `max_grid` blocks.
+pub fn table_capacity(nruns: usize, max_grid: u32) -> Option<usize> {
+    nruns
+        .checked_mul(std::mem::size_of::<DevRun>())?
+        .checked_add(max_grid as usize * 4)
+}
+
+/// Validates `runs` against `region`, writes the kernel's run table into
+/// `out_runs` (at least `runs.len()` entries) and the first run of each block
+/// into `out_blocks` (at least `max_grid` entries), and returns the launch
+/// shape. Nothing is written past what the shape uses. `tile_bytes` must be
+/// a non-zero multiple of 16 (so tiles keep the copies' alignment).
+pub fn fill_table(
+    direction: Direction,
+    region: RegionSpan,
+    runs: &[Run],
+    tile_bytes: u64,
+    max_grid: u32,
+    out_runs: &mut [DevRun],
+    out_blocks: &mut [u32],
+) -> Result<LaunchShape, CopyError> {
+    let fail = |reason: String| CopyError {
+        direction,
+        reason,
+        quiesced: true,
+    };
+    if tile_bytes == 0 || tile_bytes % 16 != 0 {
+        return Err(fail(format!(
+            "tile size {tile_bytes} is not a non-zero multiple of 16"
+        )));
+    }
+    if max_grid == 0 {
+        return Err(fail("a launch of at most 0 blocks".into()));
+    }
+    if runs.is_empty() {
+        return Err(fail("no runs to copy".into()));
+    }
+    let nruns = u32::try_from(runs.len()).map_err(|_| {
+        fail(format!(
+            "{} runs in one launch (at most {})",
+            runs.len(),
+            u32::MAX
+        ))
+    })?;
+    if out_runs.len() < runs.len() || out_blocks.len() < max_grid as usize {
+        return Err(fail(format!(
+            "run table too small: {} run slots and {} block slots for {} runs and {} blocks",
+            out_runs.len(),
+            out_blocks.len(),
+            runs.len(),
+            max_grid
+        )));
+    }
+    let total_bytes = check_runs(direction, region.len, runs)?;
+    let mut total_tiles: u64 = 0;
+    for (i, (run, out)) in runs.iter().zip(out_runs.iter_mut()).enumerate() {
+        // check_runs proved len > 0, count > 0 and that the region side fits.
+        let region_addr = (region.addr as u64)
+            .checked_add(run.region_offset)
+            .ok_or_else(|| fail(format!("run {i}: region address overflows")))?;
+        let tiles_per_copy = run.len.div_ceil(tile_bytes);
+        let tiles = tiles_per_copy
+            .checked_mul(u64::from(run.count))
+            .ok_or_else(|| fail(format!("run {i}: tile count overflows")))?;
+        let (src, dst, src_stride, dst_stride) = match direction {
+            Direction::Gather => (run.addr, region_addr, run.addr_stride, run.region_stride),
+            Direction::Scatter => (region_addr, run.addr, run.region_stride, run.addr_stride),
+        };
+        *out = DevRun {
+            src,
+            dst,
+            len: run.len,
+            src_stride,
+            dst_stride,
+            first_tile: total_tiles,
+            tiles_per_copy,
+            count: u64::from(run.count),
+        };
+        total_tiles = total_tiles
+            .checked_add(tiles)
+            .ok_or_else(|| fail("total tile count overflows".into()))?;
+    }
+    let grid0 = total_tiles.min(u64::from(max_grid));
+    let tiles_per_block = total_tiles.div_ceil(grid0);
+    // No block without work: shrink the grid to what the tiles need.
+    let grid = total_tiles.div_ceil(tiles_per_block) as u32;
+    let mut r = 0usize;
+    for (b, slot) in out_blocks.iter_mut().take(grid as usize).enumerate() {
+        let t = b as u64 * tiles_per_block;
+        while t >= out_runs[r].first_tile + out_runs[r].tiles_per_copy * out_runs[r].count {
+            r += 1;
+        }
+        *slot = r as u32;
+    }
+    Ok(LaunchShape {
+        nruns,
+        total_tiles,
+        tiles_per_block,
+        grid,
+        tile_bytes,
+        total_bytes,
+    })
+}
+
+/// What NVRTC should produce for a device of compute capability `cc`
+/// (`major * 10 + minor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NvrtcTarget {
+    /// Machine code for `sm_XY` (the normal case: no JIT at load time).
+    Cubin(u32),
+    /// PTX for `compute_XY`, JIT-compiled by the driver (NVRTC older than the GPU).
+    Ptx(u32),
+}
+
+impl NvrtcTarget {
+    /// The `--gpu-architecture` option for this target.
+    pub fn arch_option(&self) -> String {
+        match self {
+            NvrtcTarget::Cubin(a) => format!("--gpu-architecture=sm_{a}"),
+            NvrtcTarget::Ptx(a) => format!("--gpu-architecture=compute_{a}"),
+        }
+    }
+}
+
+/// `major * 10 + minor`, as NVRTC numbers architectures (9.0 -> 90, 10.0 -> 100).
+pub fn arch_number(major: i32, minor: i32) -> Option<u32> {
+    if major <= 0 || !(0..10).contains(&minor) {
+        return None;
+    }
+    u32::try_from(major)
+        .ok()?
+        .checked_mul(10)?
+        .checked_add(minor as u32)
+}
+
+/// Picks the NVRTC target: machine code for the device's own architecture
+/// when NVRTC supports it (or when the supported list is unknown), otherwise
+/// PTX for the newest older architecture NVRTC knows.
+pub fn choose_target(major: i32, minor: i32, supported: &[i32]) -> Result<NvrtcTarget, String> {
+    let want = arch_number(major, minor)
+        .ok_or_else(|| format!("unusable compute capability {major}.{minor}"))?;
+    if supported.is_empty() || supported.contains(&(want as i32)) {
+        return Ok(NvrtcTarget::Cubin(want));
+    }
+    supported
+        .iter()
+        .copied()
+        .filter(|&s| s > 0 && (s as u32) < want)
+        .max()
+        .map(|s| NvrtcTarget::Ptx(s as u32))
+        .ok_or_else(|| {
+            format!(
+                "NVRTC supports none of the architectures up to sm_{want} (it knows {supported:?})"
+            )
+        })
+}
+
+/// The NVRTC options for `target`.
+pub fn nvrtc_options(target: NvrtcTarget) -> Vec<String> {
+    vec![
+        target.arch_option(),
+        "--std=c++17".into(),
+        "--device-as-default-execution-space".into(),
+        "--generate-line-info".into(),
+    ]
+}
+
+// ---------------------------------------------------------------------------
+// Runtime and devices
+// ---------------------------------------------------------------------------
+
+fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+/// Runs `f`, turning a panic inside cudarc (missing library or symbol) into an error.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(format!(
+            "{what}: the CUDA library panicked: {}",
+            panic_text(p)
+        )),
+    }
+}
+
+/// The process's CUDA driver: present, initialised, with at least one device.
+/// Cheap to clone; one per process (devices are opened and kernels compiled
+/// once, whoever asks).
+#[derive(Clone)]
+pub struct CudaRuntime {
+    inner: Arc<RuntimeInner>,
+}
+
+struct RuntimeInner {
+    device_count: usize,
+    driver_version: i32,
+    devices: Mutex<HashMap<usize, Arc<CudaDevice>>>,
+}
+
+impl std::fmt::Debug for CudaRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaRuntime")
+            .field("device_count", &self.inner.device_count)
+            .field("driver_version", &self.inner.driver_version)
+            .finish()
+    }
+}
+
+impl CudaRuntime {
+    /// Finds and initialises the CUDA driver. Never panics: without
+    /// `libcuda.so`, without a device, or when `cuInit` fails, the error says
+    /// which. The result is cached for the process.
+    pub fn probe() -> Result<CudaRuntime, String> {
+        static RUNTIME: OnceLock<Result<CudaRuntime, String>> = OnceLock::new();
+        RUNTIME.get_or_init(probe_uncached).clone()
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.inner.device_count
+    }
+
+    /// The driver's CUDA version (e.g. 13000 for 13.0).
+    pub fn driver_version(&self) -> i32 {
+        self.inner.driver_version
+    }
+
+    /// Device `ordinal` (its primary context, retained once per process).
+    pub fn device(&self, ordinal: usize) -> Result<Arc<CudaDevice>, String> {
+        if ordinal >= self.inner.device_count {
+            return Err(format!(
+                "CUDA device {ordinal} does not exist ({} present)",
+                self.inner.device_count
+            ));
+        }
+        let mut devices = self
+            .inner
+            .devices
+            .lock()
+            .map_err(|_| "CUDA device table lock poisoned".to_string())?;
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(guarded("opening a CUDA device", || {
+            CudaDevice::open(ordinal)
+        })?);
+        devices.insert(ordinal, d.clone());
+        Ok(d)
+    }
+}
+
+fn probe_uncached() -> Result<CudaRuntime, String> {
+    // SAFETY: only tries to dlopen the candidate library names; no symbol
+    // is called.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver: libcuda.so could not be loaded".into());
+    }
+    guarded("probing the CUDA driver", || {
+        result::init().map_err(|e| format!("cuInit failed: {e}"))?;
+        let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e}"))?;
+        if count <= 0 {
+            return Err("the CUDA driver reports no device".into());
+        }
+        let mut version: i32 = 0;
+        // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
+        unsafe { sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .map_err(|e| format!("cuDriverGetVersion: {e}"))?;
+        Ok(CudaRuntime {
+            inner: Arc::new(RuntimeInner {
+                device_count: count as usize,
+                driver_version: version,
+                devices: Mutex::new(HashMap::new()),
+            }),
+        })
+    })
+}
+
+/// One GPU: its primary context and, once compiled, its copy kernel.
+pub struct CudaDevice {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    name: String,
+    cc: (i32, i32),
+    sm_count: u32,
+    kernel: OnceLock<Result<Arc<CopyKernel>, String>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("cc", &self.cc)
+            .field("sm_count", &self.sm_count)
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    fn open(ordinal: usize) -> Result<CudaDevice, String> {
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| format!("retaining the primary context of CUDA device {ordinal}: {e}"))?;
+        let name = ctx
+            .name()
+            .map_err(|e| format!("cuDeviceGetName({ordinal}): {e}"))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| format!("compute capability of device {ordinal}: {e}"))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| format!("multiprocessor count of device {ordinal}: {e}"))?;
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            name,
+            cc,
+            sm_count: sm_count.max(1) as u32,
+            kernel: OnceLock::new(),
+        })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+    /// The primary context (cudarc), e.g. to create more streams.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| format!("making CUDA device {} current: {e}", self.ordinal))
+    }
+
+    /// The copy kernel, compiled with NVRTC at the first call (once per
+    /// process and device; a failure is cached too and returned again).
+    pub fn copy_kernel(&self) -> Result<Arc<CopyKernel>, String> {
+        self.kernel
+            .get_or_init(|| {
+                guarded("compiling the copy kernel", || CopyKernel::build(self)).map(Arc::new)
+            })
+            .clone()
+    }
+}
+
+/// The loaded copy kernel of one device.
+pub struct CopyKernel {
+    func: CudaFunction,
+    _module: Arc<CudaModule>,
+    /// What NVRTC compiled for (e.g. `sm_90`).
+    pub target: NvrtcTarget,
+    /// NVRTC compile time (plus module load).
+    pub compile_time: Duration,
+    /// Resident blocks per SM at `BLOCK_THREADS` threads (occupancy query).
+    pub blocks_per_sm: u32,
+    /// Most blocks one launch uses (`sm_count * blocks_per_sm * GRID_WAVES`).
+    pub max_grid: u32,
+}
+
+impl std::fmt::Debug for CopyKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyKernel")
+            .field("target", &self.target)
+            .field("compile_time", &self.compile_time)
+            .field("blocks_per_sm", &self.blocks_per_sm)
+            .field("max_grid", &self.max_grid)
+            .finish()
+    }
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by create_program and is destroyed once.
+        let _ = unsafe { nvrtc::result::destroy_program(self.0) };
+    }
+}
+
+fn c_chars_to_string(v: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = v.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Compiles `src` and returns the cubin (or the PTX text, NUL-free).
+fn nvrtc_compile(src: &str, target: NvrtcTarget) -> Result<Vec<u8>, String> {
+    let csrc = CString::new(src).map_err(|_| "kernel source contains a NUL byte".to_string())?;
+    let name = CString::new("gather_scatter.cu").expect("no NUL in a literal");
+    let prog = Program(
+        nvrtc::result::create_program(&csrc, Some(&name))
+            .map_err(|e| format!("nvrtcCreateProgram: {e}"))?,
+    );
+    let options = nvrtc_options(target);
+    // SAFETY: prog is a live program; options are plain strings.
+    if let Err(e) = unsafe { nvrtc::result::compile_program(prog.0, &options) } {
+        // SAFETY: prog is still live.
+        let log = unsafe { nvrtc::result::get_program_log(prog.0) }
+            .map(|l| c_chars_to_string(&l))
+            .unwrap_or_else(|le| format!("(no log: {le})"));
+        return Err(format!(
+            "NVRTC failed to compile the copy kernel with {options:?}: {e}\n{log}"
+        ));
+    }
+    match target {
+        NvrtcTarget::Cubin(_) => {
+            let mut size = 0usize;
+            // SAFETY: prog was compiled for a real architecture, so it has a
+            // cubin; the size is written through a valid pointer.
+            unsafe { nvrtc::sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(|e| format!("nvrtcGetCUBINSize: {e}"))?;
+            let mut cubin = vec![0u8; size];
+            // SAFETY: cubin has exactly the size NVRTC reported.
+            unsafe { nvrtc::sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut _) }
+                .result()
+                .map_err(|e| format!("nvrtcGetCUBIN: {e}"))?;
+            Ok(cubin)
+        }
+        NvrtcTarget::Ptx(_) => {
+            // SAFETY: prog is compiled and live.
+            let ptx = unsafe { nvrtc::result::get_ptx(prog.0) }
+                .map_err(|e| format!("nvrtcGetPTX: {e}"))?;
+            Ok(c_chars_to_string(&ptx).into_bytes())
+        }
+    }
+}
+
+/// Compiles the copy kernel for `target` without any device (NVRTC only):
+/// the image (cubin, or PTX text) and the compile time. Err when NVRTC is
+/// absent or rejects the source (with its log).
+pub fn compile_copy_kernel(target: NvrtcTarget) -> Result<(Vec<u8>, Duration), String> {
+    // SAFETY: only tries to dlopen the candidate library names.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err("NVRTC is not available: libnvrtc.so could not be loaded".into());
+    }
+    guarded("compiling the copy kernel", || {
+        let t = Instant::now();
+        let image = nvrtc_compile(KERNEL_SOURCE, target)?;
+        Ok((image, t.elapsed()))
+    })
+}
+
+fn nvrtc_supported_archs() -> Vec<i32> {
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: writes one int.
+    if unsafe { nvrtc::sys::nvrtcGetNumSupportedArchs(&mut n) }
+        .result()
+        .is_err()
+        || n <= 0
+    {
+        return Vec::new();
+    }
+    let mut v = vec![0i32; n as usize];
+    // SAFETY: v has room for the n entries NVRTC reported.
+    if unsafe { nvrtc::sys::nvrtcGetSupportedArchs(v.as_mut_ptr()) }
+        .result()
+        .is_err()
+    {
+        return Vec::new();
+    }
+    v
+}
+
+impl CopyKernel {
+    fn build(dev: &CudaDevice) -> Result<CopyKernel, String> {
+        // SAFETY: only tries to dlopen the candidate library names.
+        if !unsafe { nvrtc::sys::is_culib_present() } {
+            return Err("NVRTC is not available: libnvrtc.so could not be loaded".into());
+        }
+        let started = Instant::now();
+        let target = choose_target(dev.cc.0, dev.cc.1, &nvrtc_supported_archs())?;
+        let image = nvrtc_compile(KERNEL_SOURCE, target)?;
+        dev.bind()?;
+        let ptx = match target {
+            NvrtcTarget::Cubin(_) => nvrtc::Ptx::from_binary(image),
+            NvrtcTarget::Ptx(_) => nvrtc::Ptx::from_src(String::from_utf8_lossy(&image)),
+        };
+        let module = dev.ctx.load_module(ptx).map_err(|e| {
+            format!(
+                "loading the copy kernel ({target:?}) on device {}: {e}",
+                dev.ordinal
+            )
+        })?;
+        let func = module
+            .load_function(KERNEL_NAME)
+            .map_err(|e| format!("cuModuleGetFunction({KERNEL_NAME}): {e}"))?;
+        let compile_time = started.elapsed();
+        // SAFETY: func is a live kernel of a loaded module.
+        let occ = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(
+                func.cu_function(),
+                BLOCK_THREADS as i32,
+                0,
+            )
+        }
+        .map_err(|e| format!("cuOccupancyMaxActiveBlocksPerMultiprocessor: {e}"))?;
+        let blocks_per_sm = occ.clamp(1, 32) as u32;
+        Ok(CopyKernel {
+            func,
+            _module: module,
+            target,
+            compile_time,
+            blocks_per_sm,
+            max_grid: dev
+                .sm_count
+                .saturating_mul(blocks_per_sm)
+                .saturating_mul(GRID_WAVES)
+                .max(1),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Execution contexts
+// ---------------------------------------------------------------------------
+
+/// Page-locked, device-mapped host memory holding a run table.
+struct PinnedTable {
+    ctx: Arc<CudaContext>,
+    host: *mut u8,
+    dev: u64,
+    cap: usize,
+}
+
+impl PinnedTable {
+    fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, String> {
+        let cap = cap.max(4096);
+        ctx.bind_to_thread()
+            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+        // SAFETY: plain allocation of cap bytes; the result is checked.
+        let host = unsafe {
+            result::malloc_host(
+                cap,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(|e| format!("cuMemHostAlloc({cap} bytes) for a run table: {e}"))?
+            as *mut u8;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: host was just allocated with DEVICEMAP; dev is a valid out pointer.
+        let mapped =
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0) }.result();
+        if let Err(e) = mapped {
+            // SAFETY: host came from cuMemHostAlloc and nothing uses it yet.
+            let _ = unsafe { result::free_host(host as *mut c_void) };
+            return Err(format!("cuMemHostGetDevicePointer for a run table: {e}"));
+        }
+        Ok(PinnedTable {
+            ctx: ctx.clone(),
+            host,
+            dev,
+            cap,
+        })
+    }
+
+    /// Makes room for `need` bytes (the old contents are not kept). Only
+    /// called on an idle context, so no kernel reads the old buffer.
+    fn ensure(&mut self, need: usize) -> Result<(), String> {
+        if need <= self.cap {
+            return Ok(());
+        }
+        let cap = need.checked_next_power_of_two().unwrap_or(need);
+        *self = PinnedTable::new(&self.ctx, cap)?;
+        Ok(())
+    }
+}
+
+impl Drop for PinnedTable {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: host came from cuMemHostAlloc; the owning context is idle
+        // (contexts with work in flight are leaked, never dropped).
+        let _ = unsafe { result::free_host(self.host as *mut c_void) };
+    }
+}
+
+/// Device memory holding an uploaded copy of the run table.
+struct DeviceScratch {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    cap: usize,
+}
+
+impl DeviceScratch {
+    fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, String> {
+        let cap = cap.max(4096);
+        ctx.bind_to_thread()
+            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+        // SAFETY: plain device allocation, checked.
+        let ptr = unsafe { result::malloc_sync(cap) }
+            .map_err(|e| format!("cuMemAlloc({cap} bytes) for an uploaded run table: {e}"))?;
+        Ok(DeviceScratch {
+            ctx: ctx.clone(),
+            ptr,
+            cap,
+        })
+    }
+    fn ensure(&mut self, need: usize) -> Result<(), String> {
+        if need <= self.cap {
+            return Ok(());
+        }
+        let cap = need.checked_next_power_of_two().unwrap_or(need);
+        *self = DeviceScratch::new(&self.ctx, cap)?;
+        Ok(())
+    }
+}
+
+impl Drop for DeviceScratch {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from cuMemAlloc and the owning context is idle.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// One execution context: a stream, its completion event, the pinned run
+/// table and (when arguments are uploaded) the table's device copy.
+struct ExecCtx {
+    stream: Arc<CudaStream>,
+    done: CudaEvent,
+    table: PinnedTable,
+    scratch: Option<DeviceScratch>,
+}
+
+// SAFETY: the raw pointers in PinnedTable/DeviceScratch are owned
+// allocations; an ExecCtx is used by one thread at a time (it is moved out
+// of the pool to be used), and the CUDA handles are thread-safe.
+unsafe impl Send for ExecCtx {}
+
+impl ExecCtx {
+    fn new(dev: &CudaDevice, table_cap: usize, zero_copy: bool) -> Result<Self, String> {
+        dev.bind()?;
+        let stream = dev
+            .ctx
+            .new_stream()
+            .map_err(|e| format!("cuStreamCreate: {e}"))?;
+        let done = dev
+            .ctx
+            .new_event(None)
+            .map_err(|e| format!("cuEventCreate: {e}"))?;
+        let table = PinnedTable::new(&dev.ctx, table_cap)?;
+        let scratch = if zero_copy {
+            None
+        } else {
+            Some(DeviceScratch::new(&dev.ctx, table_cap)?)
+        };
+        Ok(ExecCtx {
+            stream,
+            done,
+            table,
+            scratch,
+        })
+    }
+}
+
+/// `copy_stream_count` execution contexts of one device, borrowed per
+/// kernel. Thread-safe.
+pub struct ExecPool {
+    device: Arc<CudaDevice>,
+    kernel: Arc<CopyKernel>,
+    zero_copy: bool,
+    state: Mutex<PoolState>,
+    returned: Condvar,
+}
+
+struct PoolState {
+    idle: Vec<ExecCtx>,
+    /// Contexts not discarded (idle + borrowed).
+    live: usize,
+}
+
+impl std::fmt::Debug for ExecPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (idle, live) = self
+            .state
+            .lock()
+            .map(|s| (s.idle.len(), s.live))
+            .unwrap_or((0, 0));
+        f.debug_struct("ExecPool")
+            .field("device", &self.device.ordinal)
+            .field("zero_copy", &self.zero_copy)
+            .field("idle", &idle)
+            .field("live", &live)
+            .finish()
+    }
+}
+
+impl ExecPool {
+    /// Compiles the kernel (if not yet) and creates `count` contexts.
+    /// `zero_copy`: the kernel reads its run table from pinned host memory
+    /// (`use_zero_copy_arguments`); otherwise the table is uploaded first.
+    pub fn new(
+        device: Arc<CudaDevice>,
+        count: usize,
+        zero_copy: bool,
+    ) -> Result<Arc<Self>, String> {
+        if count == 0 {
+            return Err("an execution pool needs at least one context".into());
+        }
+        let kernel = device.copy_kernel()?;
+        let cap = table_capacity(INITIAL_TABLE_RUNS, kernel.max_grid).unwrap_or(1 << 20);
+        let idle = guarded("creating execution contexts", || {
+            (0..count)
+                .map(|_| ExecCtx::new(&device, cap, zero_copy))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        Ok(Arc::new(ExecPool {
+            device,
+            kernel,
+            zero_copy,
+            state: Mutex::new(PoolState { idle, live: count }),
+            returned: Condvar::new(),
+        }))
+    }
+
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+    pub fn kernel(&self) -> &Arc<CopyKernel> {
+        &self.kernel
+    }
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+    /// Contexts still usable (idle or borrowed).
+    pub fn live(&self) -> usize {
+        self.state.lock().map(|s| s.live).unwrap_or(0)
+    }
+    /// Contexts idle right now.
+    pub fn idle(&self) -> usize {
+        self.state.lock().map(|s| s.idle.len()).unwrap_or(0)
+    }
+
+    /// A context if one is idle now (never blocks).
+    pub fn try_acquire(self: &Arc<Self>) -> Option<ExecGuard> {
+        let ctx = self.state.lock().ok()?.idle.pop()?;
+        Some(ExecGuard {
+            pool: self.clone(),
+            ctx: Some(ctx),
+        })
+    }
+
+    /// A context, waiting up to `timeout` for one to be returned. Err when
+    /// the wait timed out or every context was discarded after errors.
+    pub fn acquire(self: &Arc<Self>, timeout: Duration) -> Result<ExecGuard, String> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| "execution pool lock poisoned".to_string())?;
+        loop {
+            if let Some(ctx) = st.idle.pop() {
+                return Ok(ExecGuard {
+                    pool: self.clone(),
+                    ctx: Some(ctx),
+                });
+            }
+            if st.live == 0 {
+                return Err("every execution context was discarded after CUDA errors".into());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "no execution context was free within {timeout:?} ({} in use)",
+                    st.live
+                ));
+            }
+            st = self
+                .returned
+                .wait_timeout(st, deadline - now)
+                .map_err(|_| "execution pool lock poisoned".to_string())?
+                .0;
+        }
+    }
+}
+
+/// A borrowed execution context; returned to its pool on drop.
+pub struct ExecGuard {
+    pool: Arc<ExecPool>,
+    ctx: Option<ExecCtx>,
+}
+
+impl std::fmt::Debug for ExecGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecGuard")
+            .field("device", &self.pool.device.ordinal)
+            .finish()
+    }
+}
+
+impl ExecGuard {
+    fn ctx(&self) -> &ExecCtx {
+        self.ctx
+            .as_ref()
+            .expect("an ExecGuard holds its context until dropped")
+    }
+
+    /// The context's stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.ctx().stream
+    }
+
+    /// Drops the context without returning it: its stream may still run
+    /// work that reads its buffers, so they are leaked on purpose.
+    pub fn discard(mut self) {
+        if let Some(ctx) = self.ctx.take() {
+            std::mem::forget(ctx);
+            if let Ok(mut st) = self.pool.state.lock() {
+                st.live = st.live.saturating_sub(1);
+                tracing::warn!(
+                    device = self.pool.device.ordinal,
+                    live = st.live,
+                    "a CUDA execution context was discarded after an error it could not be synchronised from"
+                );
+            }
+            self.pool.returned.notify_all();
+        }
+    }
+
+    /// Fills the run table and launches the copy; records the context's
+    /// event after it. Err: nothing launched (`quiesced`) or a launch error.
+    fn launch(
+        &mut self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+        opts: &CopyOptions,
+    ) -> Result<(), CopyError> {
+        if opts.batch_memcpy {
+            return self.launch_batch(direction, region, runs);
+        }
+        let kernel = self.pool.kernel.clone();
+        let zero_copy = self.pool.zero_copy;
+        let dev = self.pool.device.clone();
+        let err = |reason: String, quiesced: bool| CopyError {
+            direction,
+            reason,
+            quiesced,
+        };
+        // A grid's x dimension is at most 2^31 - 1 blocks.
+        let max_grid = opts
+            .max_blocks
+            .unwrap_or(kernel.max_grid)
+            .clamp(1, i32::MAX as u32);
+        let need = table_capacity(runs.len(), max_grid).ok_or_else(|| {
+            err(
+                format!("{} runs overflow the run table size", runs.len()),
+                true,
+            )
+        })?;
+        dev.bind().map_err(|e| err(e, true))?;
+        let ctx = self
+            .ctx
+            .as_mut()
+            .expect("an ExecGuard holds its context until dropped");
+        ctx.table.ensure(need).map_err(|e| err(e, true))?;
+        let nruns = runs.len();
+        // SAFETY: the table holds at least `need` bytes (nruns DevRuns then
+        // max_grid u32s); cuMemHostAlloc memory is page-aligned, so the
+        // DevRun part is 64-byte aligned and the u32 part 4-byte aligned.
+        // The context is borrowed exclusively and idle, so no kernel reads
+        // the table while it is rewritten.
+        let (out_runs, out_blocks) = unsafe {
+            let base = ctx.table.host;
+            (
+                std::slice::from_raw_parts_mut(base as *mut DevRun, nruns),
+                std::slice::from_raw_parts_mut(
+                    base.add(nruns * std::mem::size_of::<DevRun>()) as *mut u32,
+                    max_grid as usize,
+                ),
+            )
+        };
+        let shape = fill_table(
+            direction,
+            region,
+            runs,
+            opts.tile_bytes,
+            max_grid,
+            out_runs,
+            out_blocks,
+        )?;
+        let used = shape.table_bytes();
+        let stream = ctx.stream.cu_stream();
+        let table_dev = if zero_copy {
+            ctx.table.dev
+        } else {
+            let scratch = ctx
+                .scratch
+                .as_mut()
+                .expect("an uploading pool has a scratch buffer per context");
+            scratch.ensure(used).map_err(|e| err(e, true))?;
+            // SAFETY: table.host holds `used` initialised bytes (filled
+            // above); scratch holds at least `used` bytes; the pinned source
+            // stays untouched until the context is idle again.
+            let src = unsafe { std::slice::from_raw_parts(ctx.table.host as *const u8, used) };
+            // SAFETY: as above; the copy is ordered before the launch on the same stream.
+            if let Err(e) = unsafe { result::memcpy_htod_async(scratch.ptr, src, stream) } {
+                return Err(self.after_failure(
+                    direction,
+                    format!("uploading the run table (cuMemcpyHtoDAsync): {e}"),
+                ));
+            }
+            scratch.ptr
+        };
+        // The table writes above must be visible before the launch doorbell.
+        fence(Ordering::SeqCst);
+        let mut a_runs: u64 = table_dev;
+        let mut a_blocks: u64 = table_dev + shape.block_run_offset() as u64;
+        let mut a_total: u64 = shape.total_tiles;
+        let mut a_tpb: u64 = shape.tiles_per_block;
+        let mut a_tile: u64 = shape.tile_bytes;
+        let mut a_nruns: u32 = shape.nruns;
+        let mut params: [*mut c_void; 6] = [
+            &mut a_runs as *mut u64 as *mut c_void,
+            &mut a_blocks as *mut u64 as *mut c_void,
+            &mut a_total as *mut u64 as *mut c_void,
+            &mut a_tpb as *mut u64 as *mut c_void,
+            &mut a_tile as *mut u64 as *mut c_void,
+            &mut a_nruns as *mut u32 as *mut c_void,
+        ];
+        // SAFETY: the function is a live kernel of this device's module whose
+        // parameters are (u64, u64, u64, u64, u64, u32), matching `params`
+        // (cuLaunchKernel copies them before returning). The table it reads
+        // stays allocated and unchanged until the context is idle again.
+        // Every address in the table was checked: the region side against
+        // `region` (check_runs), the application side by the caller (see
+        // CopyEngine).
+        let launched = unsafe {
+            result::launch_kernel(
+                kernel.func.cu_function(),
+                (shape.grid, 1, 1),
+                (BLOCK_THREADS, 1, 1),
+                0,
+                stream,
+                &mut params,
+            )
+        };
+        if let Err(e) = launched {
+            return Err(self.after_failure(
+                direction,
+                format!(
+                    "launching the {direction:?} kernel ({} runs, {} blocks): {e}",
+                    shape.nruns, shape.grid
+                ),
+            ));
+        }
+        let ctx = self.ctx();
+        if let Err(e) = ctx.done.record(&ctx.stream) {
+            return Err(self.after_failure(
+                direction,
+                format!("cuEventRecord after the {direction:?} kernel: {e}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The batched-memcpy alternative to the kernel (see
+    /// [`CopyOptions::batch_memcpy`]).
+    fn launch_batch(
+        &mut self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<(), CopyError> {
+        let err = |reason: String| CopyError {
+            direction,
+            reason,
+            quiesced: true,
+        };
+        check_runs(direction, region.len, runs)?;
+        let mut srcs: Vec<sys::CUdeviceptr> = Vec::new();
+        let mut dsts: Vec<sys::CUdeviceptr> = Vec::new();
+        let mut sizes: Vec<usize> = Vec::new();
+        for run in runs {
+            for (off, addr, len) in run.copies() {
+                let reg = (region.addr as u64).wrapping_add(off);
+                let (s, d) = match direction {
+                    Direction::Gather => (addr, reg),
+                    Direction::Scatter => (reg, addr),
+                };
+                srcs.push(s);
+                dsts.push(d);
+                sizes.push(len as usize);
+            }
+        }
+        let dev = self.pool.device.clone();
+        dev.bind().map_err(err)?;
+        let loc = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev.ordinal as i32,
+        };
+        let mut attrs = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc,
+            dstLocHint: loc,
+            flags: 0,
+        }];
+        let mut attr_idx = [0usize];
+        let stream = self.ctx().stream.cu_stream();
+        let count = sizes.len();
+        let called = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the three arrays hold `count` entries and live across
+            // the call (the driver reads them before returning); one
+            // attribute applies from copy 0 on. Every address was checked
+            // as for the kernel (region side by check_runs, application
+            // side by the caller).
+            unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    count,
+                    attrs.as_mut_ptr(),
+                    attr_idx.as_mut_ptr(),
+                    1,
+                    stream,
+                )
+            }
+            .result()
+        }));
+        match called {
+            Err(p) => {
+                return Err(err(format!(
+                    "cuMemcpyBatchAsync is not available in this driver: {}",
+                    panic_text(p)
+                )))
+            }
+            Ok(Err(e)) => {
+                return Err(self.after_failure(
+                    direction,
+                    format!("cuMemcpyBatchAsync ({count} copies): {e}"),
+                ))
+            }
+            Ok(Ok(())) => {}
+        }
+        let ctx = self.ctx();
+        if let Err(e) = ctx.done.record(&ctx.stream) {
+            return Err(self.after_failure(
+                direction,
+                format!("cuEventRecord after cuMemcpyBatchAsync: {e}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// After a failed launch or completion: synchronise the stream to learn
+    /// whether the context is quiet. Builds the error; a context that cannot
+    /// be synchronised is discarded when the guard is dropped by the caller
+    /// (see `finish_failed`).
+    fn after_failure(&mut self, direction: Direction, reason: String) -> CopyError {
+        let quiesced = self.ctx().stream.synchronize();
+        match quiesced {
+            Ok(()) => CopyError {
+                direction,
+                reason,
+                quiesced: true,
+            },
+            Err(e) => {
+                if let Some(ctx) = self.ctx.take() {
+                    // Leak: the stream may still be running work that reads
+                    // the table (see `discard`).
+                    std::mem::forget(ctx);
+                    if let Ok(mut st) = self.pool.state.lock() {
+                        st.live = st.live.saturating_sub(1);
+                    }
+                    self.pool.returned.notify_all();
+                }
+                CopyError {
+                    direction,
+                    reason: format!(
+                        "{reason}; synchronising the stream afterwards failed too: {e}"
+                    ),
+                    quiesced: false,
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ExecGuard {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.ctx.take() {
+            if let Ok(mut st) = self.pool.state.lock() {
+                st.idle.push(ctx);
+            }
+            self.pool.returned.notify_one();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The copy engine
+// ---------------------------------------------------------------------------
+
+/// Tuning of [`CudaCopy`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyOptions {
+    /// Bytes per tile (one block's unit of work); a non-zero multiple of 16.
+    pub tile_bytes: u64,
+    /// Cap on blocks per launch (default: the kernel's occupancy-derived
+    /// `max_grid`). Tests use small values to exercise block walks.
+    pub max_blocks: Option<u32>,
+    /// How long the blocking paths ([`CopyEngine::copy`], [`CudaCopy::start`])
+    /// wait for a free context.
+    pub acquire_timeout: Duration,
+    /// Experimental (`use_cub_copy`): copy with the driver's batched memcpy
+    /// (`cuMemcpyBatchAsync`, CUDA 12.8+; the `_v2` entry point of CUDA 13)
+    /// instead of the kernel. The copies are expanded on the host (one
+    /// entry per copy). CUB's `DeviceMemcpy::Batched` itself needs the
+    /// toolkit's CCCL headers, which NVRTC does not have, so the driver API
+    /// stands in for "a library batched memcpy".
+    pub batch_memcpy: bool,
+}
+
+impl CopyOptions {
+    /// The options the configuration asks for (`use_cub_copy` selects the
+    /// batched-memcpy path).
+    pub fn for_config(cfg: &crate::config::Config) -> Self {
+        CopyOptions {
+            batch_memcpy: cfg.use_cub_copy,
+            ..Default::default()
+        }
+    }
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            tile_bytes: DEFAULT_TILE_BYTES,
+            max_blocks: None,
+            acquire_timeout: Duration::from_secs(10),
+            batch_memcpy: false,
+        }
+    }
+}
+
+/// Gather/scatter with the batched copy kernel.
+#[derive(Clone)]
+pub struct CudaCopy {
+    pool: Arc<ExecPool>,
+    opts: CopyOptions,
+}
+
+impl std::fmt::Debug for CudaCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCopy")
+            .field("pool", &self.pool)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+impl CudaCopy {
+    pub fn new(pool: Arc<ExecPool>) -> Self {
+        CudaCopy {
+            pool,
+            opts: CopyOptions::default(),
+        }
+    }
+
+    pub fn with_options(pool: Arc<ExecPool>, opts: CopyOptions) -> Result<Self, String> {
+        if opts.tile_bytes == 0 || opts.tile_bytes % 16 != 0 {
+            return Err(format!(
+                "tile size {} is not a non-zero multiple of 16",
+                opts.tile_bytes
+            ));
+        }
+        if opts.max_blocks == Some(0) {
+            return Err("max_blocks must be at least 1".into());
+        }
+        Ok(CudaCopy { pool, opts })
+    }
+
+    pub fn pool(&self) -> &Arc<ExecPool> {
+        &self.pool
+    }
+    pub fn options(&self) -> &CopyOptions {
+        &self.opts
+    }
+
+    /// Starts a copy if a context is idle: `Ok(None)` when every context is
+    /// busy (try again later). Never blocks. Err: the runs were refused
+    /// (nothing launched, `quiesced = true`) or CUDA failed.
+    pub fn try_start(
+        &self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<Option<PendingCopy>, CopyError> {
+        if runs.is_empty() {
+            return Ok(Some(PendingCopy::finished(direction)));
+        }
+        match self.pool.try_acquire() {
+            None => Ok(None),
+            Some(g) => self.launch_on(g, direction, region, runs).map(Some),
+        }
+    }
+
+    /// Starts a copy, waiting up to `acquire_timeout` for a context.
+    pub fn start(
+        &self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<PendingCopy, CopyError> {
+        if runs.is_empty() {
+            return Ok(PendingCopy::finished(direction));
+        }
+        let g = self
+            .pool
+            .acquire(self.opts.acquire_timeout)
+            .map_err(|reason| CopyError {
+                direction,
+                reason,
+                quiesced: true,
+            })?;
+        self.launch_on(g, direction, region, runs)
+    }
+
+    fn launch_on(
+        &self,
+        mut g: ExecGuard,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<PendingCopy, CopyError> {
+        let _range = crate::nvtx::range(match direction {
+            Direction::Gather => c"bounce.gather.launch",
+            Direction::Scatter => c"bounce.scatter.launch",
+        });
+        g.launch(direction, region, runs, &self.opts)?;
+        Ok(PendingCopy {
+            direction,
+            state: PendingState::Running(g),
+        })
+    }
+}
+
+impl CopyEngine for CudaCopy {
+    fn copy(
+        &self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Result<(), CopyError> {
+        self.start(direction, region, runs)?.wait()
+    }
+}
+
+/// A launched copy. Poll it (non-blocking) or wait for it. Dropping it
+/// before completion synchronises its stream first, so an abandoned copy
+/// never touches memory after the drop.
+pub struct PendingCopy {
+    direction: Direction,
+    state: PendingState,
+}
+
+enum PendingState {
+    Running(ExecGuard),
+    Finished(Result<(), CopyError>),
+}
+
+impl std::fmt::Debug for PendingCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            PendingState::Running(_) => "running",
+            PendingState::Finished(Ok(())) => "done",
+            PendingState::Finished(Err(_)) => "failed",
+        };
+        f.debug_struct("PendingCopy")
+            .field("direction", &self.direction)
+            .field("state", &state)
+            .finish()
+    }
+}
+
+impl PendingCopy {
+    fn finished(direction: Direction) -> Self {
+        PendingCopy {
+            direction,
+            state: PendingState::Finished(Ok(())),
+        }
+    }
+
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+
+    /// `None` while the copy runs; then its result (every later call returns
+    /// the same). Never blocks, except that a failure synchronises the
+    /// stream to tell whether it is quiet.
+    pub fn poll(&mut self) -> Option<Result<(), CopyError>> {
+        if let PendingState::Running(g) = &mut self.state {
+            let direction = self.direction;
+            let bound = g.pool.device.bind();
+            let outcome = match bound {
+                Err(e) => Some(Err(g.after_failure(direction, e))),
+                Ok(()) => match g.ctx().done.try_is_complete() {
+                    Ok(false) => None,
+                    Ok(true) => Some(Ok(())),
+                    Err(e) => Some(Err(g.after_failure(
+                        direction,
+                        format!("the {direction:?} kernel failed (cuEventQuery): {e}"),
+                    ))),
+                },
+            };
+            match outcome {
+                None => return None,
+                Some(r) => self.state = PendingState::Finished(r), // drops the guard: context back
+            }
+        }
+        match &self.state {
+            PendingState::Finished(r) => Some(r.clone()),
+            PendingState::Running(_) => None,
+        }
+    }
+
+    /// Blocks until the copy is done (stream synchronise).
+    pub fn wait(mut self) -> Result<(), CopyError> {
+        let direction = self.direction;
+        match std::mem::replace(&mut self.state, PendingState::Finished(Ok(()))) {
+            PendingState::Finished(r) => r,
+            PendingState::Running(mut g) => {
+                let synced = g.pool.device.bind().and_then(|()| {
+                    g.ctx().stream.synchronize().map_err(|e| {
+                        format!("the {direction:?} kernel failed (cuStreamSynchronize): {e}")
+                    })
+                });
+                match synced {
+                    Ok(()) => Ok(()),
+                    Err(reason) => Err(g.after_failure(direction, reason)),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        if let PendingState::Running(g) = &mut self.state {
+            let _ = g.pool.device.bind();
+            if let Err(e) = g.ctx().stream.synchronize() {
+                let e = g.after_failure(
+                    self.direction,
+                    format!("synchronising an abandoned copy: {e}"),
+                );
+                tracing::warn!("{e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copy::host::HostCopy;
+
+    /// The kernel's tile walk, on the host: same table, same arithmetic.
+    fn run_model(table: &[DevRun], blocks: &[u32], shape: &LaunchShape) {
+        for b in 0..shape.grid as u64 {
+            let t0 = b * shape.tiles_per_block;
+            assert!(t0 < shape.total_tiles, "block {b} has no work");
+            let t_end = (t0 + shape.tiles_per_block).min(shape.total_tiles);
+            let mut r = blocks[b as usize] as usize;
+            for t in t0..t_end {
+                let run = &table[r];
+                if t >= run.first_tile + run.tiles_per_copy * run.count {
+                    r += 1;
+                }
+                let run = &table[r];
+                assert!(t >= run.first_tile && t < run.first_tile + run.tiles_per_copy * run.count);
+                let local = t - run.first_tile;
+                let i = local / run.tiles_per_copy;
+                let j = local - i * run.tiles_per_copy;
+                let off = j * shape.tile_bytes;
+                let n = (run.len - off).min(shape.tile_bytes);
+                let s = run.src + i * run.src_stride + off;
+                let d = run.dst + i * run.dst_stride + off;
+                // SAFETY: test buffers; the runs were built inside them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        s as usize as *const u8,
+                        d as usize as *mut u8,
+                        n as usize,
+                    )
+                };
+            }
+        }
+    }
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Random non-overlapping runs: (region_offset, app_offset, len, count, rstride, astride).
+    fn random_runs(
+        rng: &mut Rng,
+        region_len: u64,
+        app_len: u64,
+        max_len: u64,
+    ) -> Vec<(u64, u64, u64, u32, u64, u64)> {
+        let mut out = Vec::new();
+        let (mut ro, mut ao) = (rng.below(40), rng.below(40));
+        loop {
+            let len = 1 + rng.below(max_len);
+            let count = if rng.below(3) == 0 {
+                1 + rng.below(12) as u32
+            } else {
+                1
+            };
+            let rs = len + rng.below(24);
+            let as_ = len + rng.below(100);
+            let rspan = (count as u64 - 1) * rs + len;
+            let aspan = (count as u64 - 1) * as_ + len;
+            if ro + rspan > region_len || ao + aspan > app_len {
+                break;
+            }
+            out.push((ro, ao, len, count, rs, as_));
+            ro += rspan + rng.below(33);
+            ao += aspan + rng.below(33);
+        }
+        out
+    }
+
+    #[test]
+    fn table_model_matches_host_copy_for_random_runs() {
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        for case in 0..60 {
+            let region_len = 64 * 1024;
+            let app_len = 96 * 1024;
+            let max_len = [8, 100, 5000, 40000][case % 4];
+            let tile = [16, 64, 4096, DEFAULT_TILE_BYTES][(case / 4) % 4];
+            let max_grid = [1, 3, 7, 1000][(case / 16) % 4];
+            let layout = random_runs(&mut rng, region_len, app_len, max_len);
+            if layout.is_empty() {
+                continue;
+            }
+            let src: Vec<u8> = (0..app_len).map(|_| rng.next() as u8).collect();
+            let mut region_ref = vec![0xABu8; region_len as usize];
+            let mut region_model = vec![0xABu8; region_len as usize];
+            let mk = |region: &mut Vec<u8>, app_base: usize| -> (RegionSpan, Vec<Run>) {
+                let span = RegionSpan {
+                    addr: region.as_mut_ptr() as usize,
+                    len: region.len(),
+                };
+                let runs = layout
+                    .iter()
+                    .map(|&(ro, ao, len, count, rs, as_)| Run {
+                        region_offset: ro,
+                        addr: app_base as u64 + ao,
+                        len,
+                        count,
+                        region_stride: rs,
+                        addr_stride: as_,
+                    })
+                    .collect();
+                (span, runs)
+            };
+            // Gather: host reference vs model.
+            let (span_ref, runs_ref) = mk(&mut region_ref, src.as_ptr() as usize);
+            HostCopy {
+                threads: 1,
+                parallel_threshold: u64::MAX,
+            }
+            .copy(Direction::Gather, span_ref, &runs_ref)
+            .unwrap();
+            let (span_m, runs_m) = mk(&mut region_model, src.as_ptr() as usize);
+            let mut table = vec![DevRun::default(); runs_m.len()];
+            let mut blocks = vec![u32::MAX; max_grid as usize];
+            let shape = fill_table(
+                Direction::Gather,
+                span_m,
+                &runs_m,
+                tile,
+                max_grid,
+                &mut table,
+                &mut blocks,
+            )
+            .unwrap();
+            assert!(shape.grid >= 1 && shape.grid <= max_grid);
+            assert_eq!(
+                shape.total_bytes,
+                runs_m.iter().map(|r| r.len * r.count as u64).sum::<u64>()
+            );
+            run_model(&table, &blocks, &shape);
+            assert!(region_model == region_ref, "case {case}: gather differs");
+            // Scatter back into poisoned application buffers.
+            let mut dst_ref = vec![0xABu8; app_len as usize];
+            let mut dst_model = vec![0xABu8; app_len as usize];
+            let (_, s_ref) = mk(&mut region_ref, dst_ref.as_mut_ptr() as usize);
+            HostCopy {
+                threads: 1,
+                parallel_threshold: u64::MAX,
+            }
+            .copy(Direction::Scatter, span_ref, &s_ref)
+            .unwrap();
+            let (_, s_m) = mk(&mut region_model, dst_model.as_mut_ptr() as usize);
+            let shape = fill_table(
+                Direction::Scatter,
+                span_m,
+                &s_m,
+                tile,
+                max_grid,
+                &mut table,
+                &mut blocks,
+            )
+            .unwrap();
+            run_model(&table, &blocks, &shape);
+            assert!(dst_model == dst_ref, "case {case}: scatter differs");
+        }
+    }
+
+    #[test]
+    fn a_run_of_many_copies_is_one_table_entry() {
+        let region = RegionSpan {
+            addr: 1 << 20,
+            len: 4096 * 1000,
+        };
+        let runs = [Run {
+            region_offset: 0,
+            addr: 1 << 40,
+            len: 4096,
+            count: 1000,
+            region_stride: 4096,
+            addr_stride: 8192,
+        }];
+        let mut table = vec![DevRun::default(); 1];
+        let mut blocks = vec![0u32; 132 * 8];
+        let s = fill_table(
+            Direction::Gather,
+            region,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            132 * 8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap();
+        assert_eq!(
+            (s.nruns, s.total_tiles, s.grid, s.tiles_per_block),
+            (1, 1000, 1000, 1)
+        );
+        assert_eq!(table[0].src, 1 << 40);
+        assert_eq!(table[0].dst, 1 << 20);
+        assert_eq!((table[0].src_stride, table[0].dst_stride), (8192, 4096));
+        assert_eq!(s.table_bytes(), 64 + 4000);
+        let s = fill_table(
+            Direction::Scatter,
+            region,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            132 * 8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap();
+        assert_eq!(s.total_bytes, 4096 * 1000);
+        assert_eq!((table[0].src, table[0].dst), (1 << 20, 1 << 40));
+        assert_eq!((table[0].src_stride, table[0].dst_stride), (4096, 8192));
+        // A large single copy is split into tiles.
+        let big = [Run::single(0, 1 << 40, 4096 * 1000)];
+        let s = fill_table(
+            Direction::Gather,
+            region,
+            &big,
+            DEFAULT_TILE_BYTES,
+            100,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap();
+        assert_eq!(s.total_tiles, (4096u64 * 1000).div_ceil(DEFAULT_TILE_BYTES));
+        // 250 tiles over at most 100 blocks: 3 tiles each, so 84 blocks.
+        assert_eq!((s.total_tiles, s.tiles_per_block, s.grid), (250, 3, 84));
+        assert!(blocks[..84].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn bad_input_is_refused_before_anything_is_launched() {
+        let region = RegionSpan {
+            addr: 4096,
+            len: 4096,
+        };
+        let mut table = vec![DevRun::default(); 4];
+        let mut blocks = vec![0u32; 8];
+        let ok = Run::single(0, 1 << 30, 100);
+        let past = Run::single(4000, 1 << 30, 200);
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[ok, past],
+            4096,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("run 1") && e.quiesced, "{e}");
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[ok],
+            100,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("multiple of 16"), "{e}");
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[],
+            4096,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("no runs"), "{e}");
+        let e = fill_table(
+            Direction::Gather,
+            region,
+            &[ok; 5],
+            4096,
+            8,
+            &mut table,
+            &mut blocks,
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("too small"), "{e}");
+        let empty = Run { count: 0, ..ok };
+        assert!(fill_table(
+            Direction::Scatter,
+            region,
+            &[empty],
+            4096,
+            8,
+            &mut table,
+            &mut blocks
+        )
+        .is_err());
+        let wrap = Run::single(0, u64::MAX - 10, 100);
+        assert!(fill_table(
+            Direction::Scatter,
+            region,
+            &[wrap],
+            4096,
+            8,
+            &mut table,
+            &mut blocks
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn architecture_strings() {
+        assert_eq!(arch_number(9, 0), Some(90));
+        assert_eq!(arch_number(10, 0), Some(100));
+        assert_eq!(arch_number(12, 1), Some(121));
+        assert_eq!(arch_number(0, 0), None);
+        assert_eq!(choose_target(9, 0, &[]).unwrap(), NvrtcTarget::Cubin(90));
+        assert_eq!(
+            choose_target(9, 0, &[75, 80, 86, 89, 90, 100]).unwrap(),
+            NvrtcTarget::Cubin(90)
+        );
+        assert_eq!(
+            choose_target(12, 0, &[75, 80, 90, 100]).unwrap(),
+            NvrtcTarget::Ptx(100)
+        );
+        assert!(choose_target(7, 0, &[75, 80]).is_err());
+        assert_eq!(
+            NvrtcTarget::Cubin(90).arch_option(),
+            "--gpu-architecture=sm_90"
+        );
+        assert_eq!(
+            NvrtcTarget::Ptx(100).arch_option(),
+            "--gpu-architecture=compute_100"
+        );
+        let o = nvrtc_options(NvrtcTarget::Cubin(90));
+        assert!(o.contains(&"--std=c++17".to_string()));
+    }
+
+    #[test]
+    fn the_kernel_source_matches_the_host_constants() {
+        assert!(KERNEL_SOURCE.contains(&format!("#define BOUNCE_THREADS {BLOCK_THREADS}")));
+        assert!(KERNEL_SOURCE.contains(&format!(
+            "void __launch_bounds__(BOUNCE_THREADS)\n{KERNEL_NAME}("
+        )));
+        assert!(
+            !KERNEL_SOURCE.contains("#include"),
+            "NVRTC has no toolkit headers"
+        );
+    }
+
+    #[test]
+    fn the_kernel_compiles_with_nvrtc_when_present() {
+        for target in [NvrtcTarget::Cubin(90), NvrtcTarget::Ptx(80)] {
+            match compile_copy_kernel(target) {
+                Ok((image, t)) => {
+                    assert!(!image.is_empty());
+                    println!("{target:?}: {} bytes in {t:?}", image.len());
+                }
+                Err(e) if e.contains("could not be loaded") => {
+                    println!("SKIP: {e}");
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn handles_cross_threads_as_the_runtime_needs() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send::<PendingCopy>();
+        send::<ExecGuard>();
+        send_sync::<CudaCopy>();
+        send_sync::<ExecPool>();
+        send_sync::<CudaRuntime>();
+        send_sync::<crate::dataplane::vram::DeviceArena>();
+    }
+
+    #[test]
+    fn probe_never_panics() {
+        match CudaRuntime::probe() {
+            Ok(rt) => assert!(rt.device_count() > 0),
+            Err(e) => assert!(!e.is_empty()),
+        }
+    }
+}

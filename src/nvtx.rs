@@ -1,0 +1,143 @@
+//! NVTX ranges for Nsight Systems timelines, loaded at run time.
+//!
+//! At first use this `dlopen`s an NVTX library: the path in
+//! `NIXL_BOUNCE_NVTX_LIB` if set, else `libnvToolsExt.so.1`, else
+//! `libnvToolsExt.so` (the NVTX v2 library, which itself forwards to the
+//! profiler's injection library named by `NVTX_INJECTION64_PATH` when Nsight
+//! runs the process). Python environments with CUDA wheels usually carry it
+//! (`nvidia/nvtx/lib/libnvToolsExt.so.1`); point `NIXL_BOUNCE_NVTX_LIB` at it.
+//! No library (or no symbols) means every call is a no-op, never an error.
+//!
+//! cudarc's `nvtx` feature is not used: it loads the same library but panics
+//! when it is absent.
+//!
+//! TODO: speak the NVTX3 injection protocol directly (read
+//! `NVTX_INJECTION64_PATH`, call `InitializeInjectionNvtx2`) so no v2
+//! library is needed; CUDA 13 toolkits no longer ship `libnvToolsExt.so`.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+type PushFn = unsafe extern "C" fn(*const c_char) -> c_int;
+type PopFn = unsafe extern "C" fn() -> c_int;
+
+struct Nvtx {
+    push: PushFn,
+    pop: PopFn,
+}
+
+fn load() -> Option<Nvtx> {
+    let mut names: Vec<CString> = Vec::new();
+    if let Some(p) = std::env::var_os("NIXL_BOUNCE_NVTX_LIB") {
+        if let Ok(c) = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str())) {
+            names.push(c);
+        }
+    }
+    names.push(c"libnvToolsExt.so.1".into());
+    names.push(c"libnvToolsExt.so".into());
+    for name in &names {
+        // SAFETY: dlopen with a NUL-terminated name; the handle is kept for
+        // the life of the process (never dlclosed), so the resolved function
+        // pointers stay valid.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            continue;
+        }
+        // SAFETY: dlsym on a live handle with NUL-terminated names.
+        let (push, pop) = unsafe {
+            (
+                libc::dlsym(handle, c"nvtxRangePushA".as_ptr()),
+                libc::dlsym(handle, c"nvtxRangePop".as_ptr()),
+            )
+        };
+        if push.is_null() || pop.is_null() {
+            continue;
+        }
+        tracing::debug!("NVTX ranges enabled through {}", name.to_string_lossy());
+        // SAFETY: the symbols are the NVTX C API functions
+        // `int nvtxRangePushA(const char*)` and `int nvtxRangePop(void)`.
+        return Some(unsafe {
+            Nvtx {
+                push: std::mem::transmute::<*mut libc::c_void, PushFn>(push),
+                pop: std::mem::transmute::<*mut libc::c_void, PopFn>(pop),
+            }
+        });
+    }
+    None
+}
+
+fn lib() -> Option<&'static Nvtx> {
+    static LIB: OnceLock<Option<Nvtx>> = OnceLock::new();
+    LIB.get_or_init(load).as_ref()
+}
+
+/// Whether an NVTX library was found.
+pub fn enabled() -> bool {
+    lib().is_some()
+}
+
+/// An open NVTX range; closed (popped) on drop. NVTX ranges are per thread,
+/// so the guard cannot move to another thread.
+#[must_use = "the range closes when this guard is dropped"]
+pub struct Range {
+    pushed: bool,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for Range {
+    fn drop(&mut self) {
+        if self.pushed {
+            if let Some(l) = lib() {
+                // SAFETY: pops the range this guard pushed on this thread.
+                unsafe { (l.pop)() };
+            }
+        }
+    }
+}
+
+/// Opens a range named `name` (no-op without an NVTX library).
+pub fn range(name: &CStr) -> Range {
+    let pushed = match lib() {
+        Some(l) => {
+            // SAFETY: name is NUL-terminated and outlives the call (NVTX
+            // copies the message).
+            unsafe { (l.push)(name.as_ptr()) };
+            true
+        }
+        None => false,
+    };
+    Range {
+        pushed,
+        _not_send: PhantomData,
+    }
+}
+
+/// Like [`range`] for a name built at run time (allocates only when NVTX is on).
+pub fn range_str(name: &str) -> Range {
+    if lib().is_none() {
+        return Range {
+            pushed: false,
+            _not_send: PhantomData,
+        };
+    }
+    match CString::new(name.replace('\0', " ")) {
+        Ok(c) => range(&c),
+        Err(_) => Range {
+            pushed: false,
+            _not_send: PhantomData,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ranges_nest_and_never_fail() {
+        let _outer = super::range(c"outer");
+        {
+            let _inner = super::range_str("inner 1");
+        }
+        let _ = super::enabled();
+    }
+}
