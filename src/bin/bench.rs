@@ -91,7 +91,13 @@ fn shell_quote(a: &str) -> String {
 }
 
 fn meta(o: &Options, args: &[String]) -> Meta {
-    let (git_commit, git_dirty) = sysinfo::git_commit(ROOT);
+    let (mut git_commit, mut git_dirty) = sysinfo::git_commit(ROOT);
+    if git_commit.is_none() {
+        // A binary run away from its source tree (e.g. carried to another
+        // machine) can be told its commit.
+        git_commit = std::env::var("NIXL_BOUNCE_BENCH_COMMIT").ok();
+        git_dirty = git_commit.as_ref().map(|_| false);
+    }
     let machine = sysinfo::machine();
     Meta {
         tool: "nixl-bounce bench",
@@ -115,6 +121,7 @@ fn meta(o: &Options, args: &[String]) -> Meta {
         counts: o.counts.clone(),
         sizes: o.sizes.clone(),
         inflight: o.inflight.clone(),
+        rounds: o.rounds,
         warmup_batches: o.warmup,
         max_timed_batches: o.iters,
         min_timed_batches: o.min_iters,
@@ -234,85 +241,134 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
         );
     }
 
-    let mut rows: Vec<Row> = Vec::new();
+    // Rounds repeat the whole sweep, so that each variant's runs of a
+    // configuration are spread over time, interleaved with the others'
+    // (fair under drifting load); each run gets fresh agents.
+    let nv = o.variants.len();
+    let mut cells: Vec<Cell> = (0..all.len() * nv).map(|_| Cell::default()).collect();
+    let mut model_rows: Vec<Vec<Row>> = vec![Vec::new(); all.len()];
     let mut abandoned = false;
-    let save = |meta: &Meta, rows: &mut Vec<Row>| -> Result<(), String> {
-        report::add_speedups(rows);
-        match &o.json {
-            Some(p) => report::write_json(p, meta, rows),
-            None => Ok(()),
+    let save = |meta: &Meta, cells: &[Cell], model_rows: &[Vec<Row>]| -> Result<Vec<Row>, String> {
+        let rows = build_rows(o, &all, cells, model_rows);
+        if let Some(p) = &o.json {
+            report::write_json(p, meta, &rows)?;
         }
+        Ok(rows)
     };
-    for (shape_id, shape) in all.iter().copied().enumerate() {
-        let over_budget = started.elapsed() > o.budget;
-        for (variant_id, spec) in o.variants.iter().enumerate() {
-            let row = Row::new(o, &spec.label(), spec.backend.plugin(), &spec.name, shape);
-            let row = if !fits(&shape) {
-                row.skipped(format!(
-                    "needs {} MiB per side, above --max-buffer {} MiB",
-                    shape.buffer_len() >> 20,
-                    o.max_buffer >> 20
-                ))
-            } else if over_budget {
-                row.skipped(format!("--budget of {:.0} s spent", o.budget.as_secs_f64()))
-            } else if let Err(why) = &usable[variant_id] {
-                row.failed(why.clone())
-            } else {
+    for round in 0..o.rounds {
+        for (shape_id, shape) in all.iter().copied().enumerate() {
+            for (variant_id, spec) in o.variants.iter().enumerate() {
+                let cell = &mut cells[shape_id * nv + variant_id];
+                if cell.failure.is_some() {
+                    continue;
+                }
+                if !fits(&shape) {
+                    cell.failure = Some((
+                        "skipped",
+                        format!(
+                            "needs {} MiB per side, above --max-buffer {} MiB",
+                            shape.buffer_len() >> 20,
+                            o.max_buffer >> 20
+                        ),
+                    ));
+                    continue;
+                }
+                if started.elapsed() > o.budget {
+                    if cell.measured.is_none() {
+                        cell.failure = Some(("skipped", format!("--budget of {:.0} s spent", o.budget.as_secs_f64())));
+                    }
+                    continue;
+                }
+                if let Err(why) = &usable[variant_id] {
+                    cell.failure = Some(("failed", why.clone()));
+                    continue;
+                }
+                if let Some(max) = o.wait_quiet {
+                    cell.quiet = Some(wait_quiet(max));
+                }
+                let what = format!(
+                    "round {}/{}: {:<14} {:>5} x {:>6} B x {:>3}",
+                    round + 1,
+                    o.rounds,
+                    spec.label(),
+                    shape.count,
+                    shape.size,
+                    shape.inflight
+                );
                 let t = Instant::now();
-                match Variant::open(spec, src.as_ref(), dst.as_ref()) {
-                    Err(e) => row.failed(format!("set-up failed: {e}")),
-                    Ok(v) => {
-                        let setup_s = t.elapsed().as_secs_f64();
-                        let ids = (shape_id as u64, variant_id as u64);
-                        let outcome = run::run_shape(o, &v, shape, ids, src.as_mut(), dst.as_mut());
-                        let mut row = match outcome {
-                            Ok(m) => row.measured(m, &v.label),
-                            Err(Failure::Setup(e)) => row.failed(e),
-                            Err(Failure::Batch(e)) => {
-                                // Requests may still be in flight: never reuse
-                                // or tear down these agents (teardown could
-                                // hang, or free memory a transfer still
-                                // writes to).
-                                std::mem::forget(v);
-                                abandoned = true;
-                                usable[variant_id] = Err(format!("abandoned after an earlier failure: {e}"));
-                                let mut row = row.failed(e);
-                                row.setup_s = Some(setup_s);
-                                progress(o, &describe(&row));
-                                rows.push(row);
-                                save(&meta, &mut rows)?;
-                                continue;
-                            }
-                        };
-                        row.setup_s = Some(setup_s);
-                        match close(v, o.timeout) {
-                            Ok(d) => row.teardown_s = Some(d.as_secs_f64()),
-                            Err(e) => {
-                                usable[variant_id] = Err(e.clone());
-                                row = row.failed(e);
-                            }
+                let v = match Variant::open(spec, src.as_ref(), dst.as_ref()) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        progress(o, &format!("{what}: set-up failed: {e}"));
+                        cell.failure = Some(("failed", format!("set-up failed: {e}")));
+                        continue;
+                    }
+                };
+                cell.setup_s.push(t.elapsed().as_secs_f64());
+                let ids = (shape_id as u64, variant_id as u64);
+                match run::run_shape(o, &v, shape, ids, src.as_mut(), dst.as_mut()) {
+                    Ok(m) => {
+                        let r = report::Round::of(&m, shape);
+                        progress(
+                            o,
+                            &format!(
+                                "{what}: p50 {:.3} ms, {:.2} GB/s, {} batches, other processes {} cores{}{}",
+                                r.p50_ms,
+                                r.throughput_gbps,
+                                m.batch_ms.len(),
+                                r.foreign_cpu_cores.map_or("?".into(), |c| format!("{c:.2}")),
+                                if m.verified.is_err() { ", VERIFICATION FAILED" } else { "" },
+                                m.bounce.as_ref().map(|b| format!(", bounce path {}", b.used)).unwrap_or_default()
+                            ),
+                        );
+                        cell.rounds.push(r);
+                        match &mut cell.measured {
+                            Some(acc) => acc.merge(m),
+                            None => cell.measured = Some(m),
                         }
-                        row
+                    }
+                    Err(Failure::Setup(e)) => {
+                        progress(o, &format!("{what}: failed: {e}"));
+                        cell.failure = Some(("failed", e));
+                    }
+                    Err(Failure::Batch(e)) => {
+                        progress(o, &format!("{what}: failed: {e}; variant abandoned"));
+                        // Requests may still be in flight: never reuse or
+                        // tear down these agents (teardown could hang, or
+                        // free memory a transfer still writes to).
+                        std::mem::forget(v);
+                        abandoned = true;
+                        usable[variant_id] = Err(format!("abandoned after an earlier failure: {e}"));
+                        cell.failure = Some(("failed", e));
+                        save(&meta, &cells, &model_rows)?;
+                        continue;
                     }
                 }
-            };
-            progress(o, &describe(&row));
-            rows.push(row);
-            save(&meta, &mut rows)?;
-        }
-        if o.model && shape.inflight == 1 && fits(&shape) && !over_budget {
-            let (gather, scatter) = run::memcpy_model(o, shape, shape_id as u64, src.as_ref(), dst.as_mut());
-            for (name, samples) in [("gather", gather), ("scatter", scatter)] {
-                let row = Row::new(o, &format!("memcpy[{name}]"), "memcpy", name, shape).timed(o.warmup, &samples, &samples);
-                progress(o, &describe(&row));
-                rows.push(row);
+                match close(v, o.timeout) {
+                    Ok(d) => cell.teardown_s.push(d.as_secs_f64()),
+                    Err(e) => {
+                        progress(o, &format!("{what}: {e}"));
+                        usable[variant_id] = Err(e.clone());
+                        cell.failure = Some(("failed", e));
+                    }
+                }
+                save(&meta, &cells, &model_rows)?;
             }
-            save(&meta, &mut rows)?;
+            if o.model && round == 0 && shape.inflight == 1 && fits(&shape) && started.elapsed() <= o.budget {
+                let (gather, scatter) = run::memcpy_model(o, shape, shape_id as u64, src.as_ref(), dst.as_mut());
+                for (name, samples) in [("gather", gather), ("scatter", scatter)] {
+                    let row =
+                        Row::new(o, &format!("memcpy[{name}]"), "memcpy", name, shape).timed(o.warmup, &samples, &samples);
+                    progress(o, &describe(&row));
+                    model_rows[shape_id].push(row);
+                }
+                save(&meta, &cells, &model_rows)?;
+            }
         }
     }
 
     meta.finished_utc = Some(sysinfo::utc_now());
-    save(&meta, &mut rows)?;
+    let rows = save(&meta, &cells, &model_rows)?;
     println!();
     report::print_table(&rows, &mut std::io::stdout()).map_err(|e| e.to_string())?;
     if let Some(p) = &o.json {
@@ -326,6 +382,52 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
     }
     progress(o, &format!("done in {:.1} s", started.elapsed().as_secs_f64()));
     Ok(rows.iter().all(Row::ok))
+}
+
+/// What one (configuration, variant) gathered over the rounds.
+#[derive(Default)]
+struct Cell {
+    measured: Option<run::Measured>,
+    rounds: Vec<report::Round>,
+    setup_s: Vec<f64>,
+    teardown_s: Vec<f64>,
+    /// Last `--wait-quiet`: seconds waited, other processes' CPU cores then.
+    quiet: Option<(f64, Option<f64>)>,
+    /// ("failed" | "skipped", why); a failed cell is not run again.
+    failure: Option<(&'static str, String)>,
+}
+
+/// The rows in sweep order (variants, then the memcpy model rows).
+fn build_rows(o: &Options, all: &[Shape], cells: &[Cell], model_rows: &[Vec<Row>]) -> Vec<Row> {
+    let nv = o.variants.len();
+    let mut rows = Vec::new();
+    for (shape_id, shape) in all.iter().enumerate() {
+        for (variant_id, spec) in o.variants.iter().enumerate() {
+            let cell = &cells[shape_id * nv + variant_id];
+            let mut row = Row::new(o, &spec.label(), spec.backend.plugin(), &spec.name, *shape);
+            if let Some(m) = &cell.measured {
+                row = row.measured(m.clone(), &spec.label());
+            }
+            row.rounds = cell.rounds.clone();
+            let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+            row.setup_s = mean(&cell.setup_s);
+            row.teardown_s = mean(&cell.teardown_s);
+            if let Some((waited, foreign)) = cell.quiet {
+                row.quiet_wait_s = Some(waited);
+                row.foreign_cpu_cores_before = foreign;
+            }
+            match &cell.failure {
+                Some(("skipped", why)) => row = row.skipped(why.clone()),
+                Some((_, why)) => row = row.failed(why.clone()),
+                None if cell.measured.is_none() => row = row.skipped("not run"),
+                None => {}
+            }
+            rows.push(row);
+        }
+        rows.extend(model_rows[shape_id].iter().cloned());
+    }
+    report::add_speedups(&mut rows);
+    rows
 }
 
 fn describe(r: &Row) -> String {
@@ -344,6 +446,19 @@ fn describe(r: &Row) -> String {
             r.bounce_path.as_ref().map(|b| format!(", bounce path {b}")).unwrap_or_default()
         ),
         (status, _, _) => format!("{what}: {status}: {}", r.error.as_deref().unwrap_or("")),
+    }
+}
+
+/// Waits until other processes keep fewer than 0.3 CPU cores busy (seen
+/// over 0.5 s), at most `max`. Returns the seconds waited and the last
+/// reading.
+fn wait_quiet(max: Duration) -> (f64, Option<f64>) {
+    let t = Instant::now();
+    loop {
+        let (_, _, foreign) = idle_cpu(Duration::from_millis(500));
+        if foreign.is_none_or(|f| f < 0.3) || t.elapsed() >= max {
+            return ((t.elapsed().as_secs_f64() * 10.0).round() / 10.0, foreign);
+        }
     }
 }
 

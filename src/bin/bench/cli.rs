@@ -24,10 +24,12 @@ USAGE:
 
 PRESETS (lists and iteration counts; later flags override them):
       --quick            counts 256,1024,4096,16384, size 4KiB, in-flight 1,8;
-                         10 timed batches, 2 s per configuration (~1-2 min here)
+                         2 rounds of up to 10 timed batches, 1 s per run
+                         (about 1.5 min on the 2-core machine)
       --full             counts 256,1024,4096,16384, sizes 1KiB,4KiB,16KiB,64KiB,
-                         in-flight 1,8,32,128; 20 batches, 4 s per configuration
-  (no preset)            the --quick lists with 20 batches, 4 s per configuration
+                         in-flight 1,8,32,128; 2 rounds of up to 20 batches,
+                         2 s per run (about 15 min on the 2-core machine)
+  (no preset)            the --quick lists, 2 rounds of up to 20 batches, 2 s per run
 
 WHAT TO MOVE:
       --op OP            write (default) | read (reserved: a later issue adds READ)
@@ -59,15 +61,23 @@ VARIANTS (rows):
   the control socket stays on 127.0.0.1.
 
 TIMING:
-  -w, --warmup N         untimed batches first (default 2)
+  -r, --rounds N         repeat the whole sweep N times and merge the runs of
+                         each row (fresh agents every run; the speedup is also
+                         given as the median of per-round ratios, which is
+                         robust to a machine whose load drifts); default 2
+  -w, --warmup N         untimed batches first in every run (default 2)
   -i, --iters N          timed batches at most (default 20; --quick 10)
       --min-iters N      timed batches at least (default 3)
-      --config-budget S  seconds of timed batches per configuration and variant;
-                         fewer batches are run when they are slow (default 4)
+      --config-budget S  seconds of timed batches per run of a configuration
+                         and variant; fewer batches when they are slow
+                         (default 2; --quick 1)
       --budget S         whole-run budget in seconds; remaining configurations
                          are skipped and reported once it is spent (default 1800)
       --timeout S        bound on one batch; a batch still running is an error
                          and the variant is abandoned (default 60)
+      --wait-quiet S     before each row, wait up to S seconds until other
+                         processes use less than 0.3 CPU cores (for shared
+                         machines; what was waited and seen is in the JSON)
       --poll MODE        how completions are polled: yield (default: yield
                          between polls, sleep 50us every 1024 polls), spin,
                          or sleep=US
@@ -184,6 +194,7 @@ pub struct Options {
     pub max_buffer: usize,
     pub variants: Vec<VariantSpec>,
     pub model: bool,
+    pub rounds: usize,
     pub warmup: usize,
     pub iters: usize,
     pub min_iters: usize,
@@ -191,6 +202,7 @@ pub struct Options {
     pub budget: Duration,
     pub timeout: Duration,
     pub poll: Poll,
+    pub wait_quiet: Option<Duration>,
     pub json: Option<PathBuf>,
     pub quiet: bool,
 }
@@ -273,13 +285,15 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
         max_buffer: 1536 << 20,
         variants: Vec::new(),
         model: false,
+        rounds: 2,
         warmup: 2,
         iters: 20,
         min_iters: 3,
-        config_budget: Duration::from_secs(4),
+        config_budget: Duration::from_secs(2),
         budget: Duration::from_secs(1800),
         timeout: Duration::from_secs(60),
         poll: Poll::Yield,
+        wait_quiet: None,
         json: None,
         quiet: false,
     };
@@ -304,16 +318,18 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                 o.counts = vec![256, 1024, 4096, 16384];
                 o.sizes = vec![4096];
                 o.inflight = vec![1, 8];
+                o.rounds = 2;
                 o.iters = 10;
-                o.config_budget = Duration::from_secs(2);
+                o.config_budget = Duration::from_secs(1);
             }
             "--full" => {
                 o.preset = "full";
                 o.counts = vec![256, 1024, 4096, 16384];
                 o.sizes = vec![1024, 4096, 16384, 65536];
                 o.inflight = vec![1, 8, 32, 128];
+                o.rounds = 2;
                 o.iters = 20;
-                o.config_budget = Duration::from_secs(4);
+                o.config_budget = Duration::from_secs(2);
             }
             "--op" => {
                 o.op = match value()?.to_ascii_lowercase().as_str() {
@@ -362,10 +378,12 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "-w" | "--warmup" => {
                 o.warmup = value()?.parse().map_err(|_| format!("{flag}: not a whole number"))?
             }
+            "-r" | "--rounds" => o.rounds = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "-i" | "--iters" => o.iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--min-iters" => o.min_iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--config-budget" => o.config_budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--budget" => o.budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
+            "--wait-quiet" => o.wait_quiet = Some(seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?),
             "--timeout" => o.timeout = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--poll" => {
                 let v = value()?;

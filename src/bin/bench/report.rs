@@ -38,6 +38,37 @@ pub fn percentiles(samples: &[f64]) -> Option<Percentiles> {
     })
 }
 
+/// One round's run of a (configuration, variant).
+#[derive(Debug, Clone, Serialize)]
+pub struct Round {
+    pub throughput_gbps: f64,
+    pub p50_ms: f64,
+    pub batches: usize,
+    pub foreign_cpu_cores: Option<f64>,
+}
+
+impl Round {
+    pub fn of(m: &Measured, shape: Shape) -> Round {
+        let wall_ms: f64 = m.batch_ms.iter().sum();
+        let bytes = (m.batch_ms.len() * shape.inflight * shape.request_bytes()) as f64;
+        Round {
+            throughput_gbps: if wall_ms > 0.0 { bytes / (wall_ms / 1e3) / 1e9 } else { 0.0 },
+            p50_ms: percentiles(&m.latencies_ms).map_or(0.0, |p| p.p50),
+            batches: m.batch_ms.len(),
+            foreign_cpu_cores: m.cpu.foreign_cores(wall_ms * 1e6).map(round3),
+        }
+    }
+}
+
+fn median(v: &mut [f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
     /// `BOUNCE`, `UCX`, `UCX[nt2]`, `memcpy[gather]`, ...
@@ -53,6 +84,10 @@ pub struct Row {
     /// `ok`, `failed` or `skipped`.
     pub status: String,
     pub error: Option<String>,
+    /// `--wait-quiet`: seconds waited before the row, and the CPU cores
+    /// other processes used when the wait ended.
+    pub quiet_wait_s: Option<f64>,
+    pub foreign_cpu_cores_before: Option<f64>,
     /// Seconds to set the row's fresh agents up and to tear them down.
     pub setup_s: Option<f64>,
     pub teardown_s: Option<f64>,
@@ -66,6 +101,11 @@ pub struct Row {
     pub throughput_gbps: Option<f64>,
     /// Throughput / the UCX default row's for the same configuration.
     pub speedup_vs_ucx: Option<f64>,
+    /// Median over rounds of (this row's round throughput / the UCX
+    /// default row's throughput in the same round): robust to load drift.
+    pub speedup_vs_ucx_by_round: Option<f64>,
+    /// Each round's run (the whole sweep is repeated `--rounds` times).
+    pub rounds: Vec<Round>,
     /// First and last timed batch verified byte-exact.
     pub verified: Option<bool>,
     pub verify_error: Option<String>,
@@ -101,6 +141,8 @@ impl Row {
             request_bytes: shape.request_bytes(),
             status: "skipped".into(),
             error: None,
+            quiet_wait_s: None,
+            foreign_cpu_cores_before: None,
             setup_s: None,
             teardown_s: None,
             warmup_batches: 0,
@@ -109,6 +151,8 @@ impl Row {
             batch_ms_median: None,
             throughput_gbps: None,
             speedup_vs_ucx: None,
+            speedup_vs_ucx_by_round: None,
+            rounds: Vec::new(),
             verified: None,
             verify_error: None,
             bounce_path: None,
@@ -199,19 +243,29 @@ fn cpu_groups(cpu: &CpuUse, label: &str, requests: f64) -> BTreeMap<String, f64>
     out
 }
 
-/// Fills `speedup_vs_ucx` from the UCX default row of each configuration.
+/// Fills the speedups from the UCX default row of each configuration.
 pub fn add_speedups(rows: &mut [Row]) {
-    let base: Vec<((usize, usize, usize), f64)> = rows
+    type Key = (usize, usize, usize);
+    let base: Vec<(Key, f64, Vec<f64>)> = rows
         .iter()
         .filter(|r| r.label == "UCX" && r.status == "ok")
-        .filter_map(|r| Some(((r.descriptors, r.descriptor_bytes, r.inflight), r.throughput_gbps?)))
+        .filter_map(|r| {
+            let per_round = r.rounds.iter().map(|x| x.throughput_gbps).collect();
+            Some(((r.descriptors, r.descriptor_bytes, r.inflight), r.throughput_gbps?, per_round))
+        })
         .collect();
     for r in rows.iter_mut().filter(|r| r.backend != "memcpy") {
         let key = (r.descriptors, r.descriptor_bytes, r.inflight);
-        r.speedup_vs_ucx = match (r.throughput_gbps, base.iter().find(|(k, _)| *k == key)) {
-            (Some(g), Some((_, b))) if *b > 0.0 => Some(g / b),
-            _ => None,
-        };
+        let Some((_, b, b_rounds)) = base.iter().find(|(k, _, _)| *k == key) else { continue };
+        r.speedup_vs_ucx = r.throughput_gbps.filter(|_| *b > 0.0).map(|g| round3(g / b));
+        let mut ratios: Vec<f64> = r
+            .rounds
+            .iter()
+            .zip(b_rounds)
+            .filter(|(_, u)| **u > 0.0)
+            .map(|(x, u)| x.throughput_gbps / u)
+            .collect();
+        r.speedup_vs_ucx_by_round = median(&mut ratios).map(round3);
     }
 }
 
@@ -227,8 +281,8 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
     let f = |x: Option<f64>, prec: usize| x.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     writeln!(
         out,
-        "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7}  {:<8} {}",
-        "variant", "descs", "size", "infl", "p50 ms", "p90 ms", "p99 ms", "GB/s", "vs UCX", "batches", "ext.cpu", "verified", "bounce path"
+        "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7}  {:<8} {}",
+        "variant", "descs", "size", "infl", "p50 ms", "p90 ms", "p99 ms", "GB/s", "vs UCX", "per-rnd", "batches", "ext.cpu", "verified", "bounce path"
     )?;
     for r in rows {
         let lat = r.latency_ms.as_ref();
@@ -247,7 +301,7 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
         let speedup = r.speedup_vs_ucx.map(|s| format!("{s:.2}x"));
         writeln!(
             out,
-            "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7}  {:<8} {}",
+            "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7}  {:<8} {}",
             r.label,
             r.descriptors,
             size_text(r.descriptor_bytes),
@@ -257,6 +311,7 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
             f(lat.map(|l| l.p99), 3),
             f(r.throughput_gbps, 2),
             speedup.unwrap_or_else(|| "-".into()),
+            r.speedup_vs_ucx_by_round.map_or("-".into(), |s| format!("{s:.2}x")),
             if r.status == "ok" { r.timed_batches.to_string() } else { "-".into() },
             f(r.foreign_cpu_cores, 2),
             verified,
@@ -273,7 +328,11 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
                 .map(|e| format!("  {} {}x{} B x{}: verification failed: {e}", r.label, r.descriptors, r.descriptor_bytes, r.inflight))
         }))
         .collect();
-    writeln!(out, "\next.cpu: CPU cores other processes kept busy during the timed batches (0 = quiet machine).")?;
+    writeln!(
+        out,
+        "\nvs UCX: throughput / the UCX row's; per-rnd: median over rounds of the same ratio within a round.\n\
+         batches: timed batches over all rounds. ext.cpu: CPU cores other processes kept busy meanwhile (0 = quiet)."
+    )?;
     if !notes.is_empty() {
         writeln!(out, "\nnotes:")?;
         for n in notes {
@@ -318,6 +377,7 @@ pub struct Meta {
     pub counts: Vec<usize>,
     pub sizes: Vec<usize>,
     pub inflight: Vec<usize>,
+    pub rounds: usize,
     pub warmup_batches: usize,
     pub max_timed_batches: usize,
     pub min_timed_batches: usize,

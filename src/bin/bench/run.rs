@@ -43,6 +43,7 @@ pub fn seed(parts: &[u64]) -> u64 {
 }
 
 /// What came out of one (configuration, variant).
+#[derive(Clone)]
 pub struct Measured {
     /// Per-request latency, post -> completion seen, in ms.
     pub latencies_ms: Vec<f64>,
@@ -56,13 +57,56 @@ pub struct Measured {
 }
 
 /// Whether BOUNCE really took the bounce path, from the plugin's counters.
+#[derive(Clone)]
 pub struct BounceCheck {
     /// "yes", "no (<reason>)", "partial (...)" or "unknown (...)".
     pub used: String,
     pub ok: bool,
+    /// Requests posted (warm-up included) while the counters were watched.
+    pub posted: u64,
     pub chunks_per_request: Option<f64>,
     pub init_delta: BTreeMap<String, u64>,
     pub target_delta: BTreeMap<String, u64>,
+}
+
+impl Measured {
+    /// Adds another round's measurements of the same configuration.
+    pub fn merge(&mut self, other: Measured) {
+        self.latencies_ms.extend(other.latencies_ms);
+        self.batch_ms.extend(other.batch_ms);
+        self.warmup += other.warmup;
+        if self.verified.is_ok() {
+            self.verified = other.verified;
+        }
+        self.cpu.merge(&other.cpu);
+        self.bounce = match (self.bounce.take(), other.bounce) {
+            (Some(a), Some(b)) => Some(a.merge(b)),
+            (a, b) => a.or(b),
+        };
+    }
+}
+
+impl BounceCheck {
+    fn merge(self, other: BounceCheck) -> BounceCheck {
+        let sum = |mut a: BTreeMap<String, u64>, b: BTreeMap<String, u64>| {
+            for (k, v) in b {
+                *a.entry(k).or_default() += v;
+            }
+            a
+        };
+        let posted = self.posted + other.posted;
+        let init_delta = sum(self.init_delta, other.init_delta);
+        let chunks = init_delta.get("chunks_written").copied().unwrap_or(0);
+        BounceCheck {
+            used: if self.ok { other.used } else { self.used },
+            ok: self.ok && other.ok,
+            posted,
+            chunks_per_request: (posted > 0 && self.chunks_per_request.is_some())
+                .then(|| chunks as f64 / posted as f64),
+            init_delta,
+            target_delta: sum(self.target_delta, other.target_delta),
+        }
+    }
 }
 
 pub enum Failure {
@@ -175,6 +219,7 @@ pub fn run_shape(
             Err(e) => BounceCheck {
                 used: format!("unknown ({e})"),
                 ok: false,
+                posted,
                 chunks_per_request: None,
                 init_delta: BTreeMap::new(),
                 target_delta: BTreeMap::new(),
@@ -313,6 +358,7 @@ fn bounce_check(before: &(Snapshot, Snapshot), after: &(Snapshot, Snapshot), pos
     BounceCheck {
         used,
         ok,
+        posted,
         chunks_per_request: (posted > 0 && submitted > 0).then(|| get("chunks_written") as f64 / posted as f64),
         init_delta,
         target_delta,

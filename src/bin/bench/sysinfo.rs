@@ -210,6 +210,15 @@ fn clock_ticks_per_second() -> f64 {
 }
 
 impl CpuUse {
+    pub fn merge(&mut self, other: &CpuUse) {
+        self.process_ns += other.process_ns;
+        self.host_busy_ticks += other.host_busy_ticks;
+        self.host_total_ticks += other.host_total_ticks;
+        for (k, v) in &other.groups {
+            *self.groups.entry(k.clone()).or_default() += v;
+        }
+    }
+
     /// Adds what happened between `before` and `after`.
     pub fn add(&mut self, before: &CpuSample, after: &CpuSample) {
         let process = after.process_ns.saturating_sub(before.process_ns);
