@@ -80,11 +80,21 @@ pub fn check_runs(direction: Direction, region_len: usize, runs: &[Run]) -> Resu
 
 /// The arena and copy engine for GPU `device`: device memory and the CUDA
 /// gather/scatter kernels.
+///
+/// Fails (and the engine keeps that GPU's memory on UCX) when no CUDA driver
+/// is present, the kernel does not compile, or the arena cannot be
+/// allocated.
 pub fn device_arena(
     device: u64,
     len: usize,
     config: &Config,
 ) -> Result<(Arc<dyn Arena>, Arc<dyn CopyEngine>), String> {
-    let _ = (device, len, config);
-    Err("VRAM bounce needs the CUDA copy engine, which this build does not include".into())
+    let cuda = cuda::CudaRuntime::probe()?;
+    let ordinal = usize::try_from(device).map_err(|_| format!("device id {device} is not a GPU ordinal"))?;
+    let dev = cuda.device(ordinal)?;
+    let arena = crate::dataplane::vram::DeviceArena::new(&dev, len)?;
+    let streams = (config.copy_stream_count as usize).max(1);
+    let pool = cuda::ExecPool::new(dev, streams, config.use_zero_copy_arguments)?;
+    let copier = cuda::CudaCopy::with_options(pool, cuda::CopyOptions::for_config(config))?;
+    Ok((Arc::new(arena), Arc::new(copier)))
 }

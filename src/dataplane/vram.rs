@@ -160,3 +160,12 @@ impl NixlDescriptor for DeviceArena {
         self.ordinal as u64
     }
 }
+
+impl super::Arena for DeviceArena {
+    fn base(&self) -> usize {
+        DeviceArena::base(self) as usize
+    }
+    fn len(&self) -> usize {
+        DeviceArena::len(self)
+    }
+}
