@@ -271,7 +271,7 @@ static SETTINGS: &[Setting] = &[
     setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Routing gate: maximum average descriptor bytes."),
     setting!(request_timeout_ms, "request_timeout_ms", "REQUEST_TIMEOUT_MS", Millis, false, "Per-request no-progress timeout."),
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
-    setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging capped at half the arena."),
+    setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),
     setting!(use_nixl_notifications, "use_nixl_notifications", "USE_NIXL_NOTIFICATIONS", Bool, true, "Control plane over NIXL notifications instead of ZMQ/TCP; must match the peer (handshake-checked)."),
     setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload)."),
     setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
@@ -753,5 +753,21 @@ mod tests {
         .unwrap();
         assert_eq!(c.request_deadline_ms, 0);
         assert!(w.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod doc_sync {
+    /// The configuration table in docs/design.md is generated from
+    /// `Config::describe_markdown()`; this keeps the two in step.
+    #[test]
+    fn design_doc_config_table_is_current() {
+        let table = super::Config::describe_markdown();
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/design.md"))
+            .expect("docs/design.md");
+        assert!(
+            doc.contains(&table),
+            "docs/design.md is missing the current configuration table; paste this:\n{table}"
+        );
     }
 }

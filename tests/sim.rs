@@ -243,8 +243,9 @@ impl Sim {
             c.local_endpoint = format!("sim://a{i}").into_bytes();
             c.request_id_base = (i as u64) << 48;
             let mut mem = vec![0u8; MEM];
-            for b in mem.iter_mut() {
-                *b = rng.next() as u8;
+            for word in mem.chunks_mut(8) {
+                let r = rng.next().to_le_bytes();
+                word.copy_from_slice(&r[..word.len()]);
             }
             agents.push(Agent {
                 name,
@@ -925,15 +926,19 @@ impl Sim {
         for (i, ag) in self.agents.iter().enumerate() {
             // No byte outside the destinations changed (sources included).
             let ranges = touched.get(&i).cloned().unwrap_or_default();
-            for (addr, (now, before)) in ag.mem.iter().zip(&ag.initial_mem).enumerate() {
-                if now != before
-                    && !ranges
-                        .iter()
-                        .any(|&(d, l)| (addr as u64) >= d && (addr as u64) < d + l)
-                {
-                    return Err(format!(
-                        "a{i}: byte {addr} changed outside every destination"
-                    ));
+            const BLOCK: usize = 256;
+            let blocks = ag.mem.chunks(BLOCK).zip(ag.initial_mem.chunks(BLOCK));
+            for (k, (now, before)) in blocks.enumerate() {
+                if now == before {
+                    continue;
+                }
+                for (j, (x, y)) in now.iter().zip(before).enumerate() {
+                    let addr = (k * BLOCK + j) as u64;
+                    if x != y && !ranges.iter().any(|&(d, l)| addr >= d && addr < d + l) {
+                        return Err(format!(
+                            "a{i}: byte {addr} changed outside every destination"
+                        ));
+                    }
                 }
             }
         }

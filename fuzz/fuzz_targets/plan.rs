@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
         })
         .collect();
     let total: u128 = descs.iter().map(|d| u128::from(d.len)).sum();
-    if total > 1 << 26 {
+    if total > 1 << 26 || total / u128::from(max_chunk_bytes.max(32)) > 50_000 {
         return; // keep runs fast
     }
     if let Ok(plan) = build(&descs, PlanOptions { max_chunk_bytes, merge_runs }) {

@@ -566,7 +566,8 @@ impl Endpoint {
         if !self.ctx.shut_down {
             self.receiver.schedule(&mut self.ctx);
         }
-        let starved = self.ctx.sched.has_blocked_flow() || self.sender.has_parked();
+        let starved = self.sender.has_eager_ready()
+            && (self.sender.has_parked() || self.ctx.sched.has_blocked_flow());
         if starved && self.sender.evict_eager(&mut self.ctx) > 0 {
             self.sender.retry_parked(&mut self.ctx);
             if !self.ctx.shut_down {

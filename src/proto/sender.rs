@@ -20,7 +20,7 @@
 //! - its CANCEL (empty WANT) is sent only once none of its writes can still
 //!   land in the receiver's regions, so the receiver may reuse them at once.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::endpoint::{Action, Ctx, FailureReason, Outcome, SubmitError};
 use super::plan::{self, Descriptor, Plan};
@@ -78,6 +78,9 @@ pub(crate) struct Sender {
     next_id: u64,
     requests: BTreeMap<RequestId, Request>,
     parked: VecDeque<ChunkRef>,
+    /// Chunks eagerly gathered and still waiting for their credit (the only
+    /// ones eviction has to look at).
+    eager_ready: BTreeSet<ChunkRef>,
     /// Staging regions abandoned by stuck operations (never released).
     leaked: Vec<RegionHandle>,
 }
@@ -88,6 +91,7 @@ impl Sender {
             next_id: request_id_base,
             requests: BTreeMap::new(),
             parked: VecDeque::new(),
+            eager_ready: BTreeSet::new(),
             leaked: Vec::new(),
         }
     }
@@ -99,6 +103,11 @@ impl Sender {
 
     pub fn len(&self) -> usize {
         self.requests.len()
+    }
+
+    /// Whether eagerly gathered chunks wait for their credit.
+    pub fn has_eager_ready(&self) -> bool {
+        !self.eager_ready.is_empty()
     }
 
     /// Every staging region referenced by a chunk (plus leaked ones).
@@ -333,6 +342,10 @@ impl Sender {
                     let _ = ctx.sched.promote_local(region);
                 }
                 Stage::Gathered(region) => {
+                    self.eager_ready.remove(&ChunkRef {
+                        request: id,
+                        chunk: credit.chunk,
+                    });
                     let _ = ctx.sched.promote_local(region);
                     Self::post_write(ctx, id, req, c, region);
                 }
@@ -374,6 +387,7 @@ impl Sender {
             req.next_idle = req.next_idle.min(c);
         } else {
             req.slots[c].stage = Stage::Gathered(region);
+            self.eager_ready.insert(cref);
         }
     }
 
@@ -383,15 +397,20 @@ impl Sender {
     /// Returns how many.
     pub fn evict_eager(&mut self, ctx: &mut Ctx) -> usize {
         let mut evicted = 0;
-        for req in self.requests.values_mut() {
-            for (c, slot) in req.slots.iter_mut().enumerate() {
-                if let (Stage::Gathered(region), None) = (slot.stage, slot.credit) {
-                    let _ = ctx.sched.release_local(region);
-                    slot.stage = Stage::Idle;
-                    req.staged -= 1;
-                    req.next_idle = req.next_idle.min(c);
-                    evicted += 1;
-                }
+        for cref in std::mem::take(&mut self.eager_ready) {
+            let Some(req) = self.requests.get_mut(&cref.request) else {
+                continue;
+            };
+            let c = cref.chunk as usize;
+            let Some(slot) = req.slots.get_mut(c) else {
+                continue;
+            };
+            if let (Stage::Gathered(region), None) = (slot.stage, slot.credit) {
+                let _ = ctx.sched.release_local(region);
+                slot.stage = Stage::Idle;
+                req.staged -= 1;
+                req.next_idle = req.next_idle.min(c);
+                evicted += 1;
             }
         }
         evicted
@@ -559,6 +578,7 @@ impl Sender {
                     let _ = ctx.sched.release_local(region);
                     req.staged -= 1;
                     slot.stage = Stage::Abandoned;
+                    // A stale entry in `eager_ready` is skipped by eviction.
                 }
                 _ => {}
             }
