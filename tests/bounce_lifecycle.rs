@@ -1,0 +1,211 @@
+//! Lifecycles around bounce transfers, each byte-exact and counted:
+//! - one prepared request posted again and again (new data each time);
+//! - a request released while it runs (cancelled), then the pair still
+//!   works;
+//! - the peer's metadata invalidated and loaded again;
+//! - the peer agent destroyed and re-created under the same name (new
+//!   arena, new control endpoint): the initiator must use the new one;
+//! - the peer destroyed while a transfer to it runs: the transfer fails
+//!   within its timeout instead of hanging.
+mod common;
+#[path = "support/bounce.rs"]
+mod bounce;
+
+use bounce::*;
+use common::*;
+use nixl_sys::{ThreadSync, XferOp};
+use std::time::{Duration, Instant};
+
+const MANY: usize = 4096;
+
+fn len() -> usize {
+    blocks_for(MANY) * BLOCK
+}
+
+/// One counted, byte-exact bounce WRITE a -> b with a fresh request.
+fn write(a: &mut Endpoint, b: &mut Endpoint, seed: u64) {
+    let plan = Plan::standard(MANY, BLOCK, seed);
+    a.buf.fill_pattern(seed + 1);
+    b.buf.fill_pattern(seed + 2);
+    let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
+    let (sa, sb) = (stats(a.name()), stats(b.name()));
+    let req = a
+        .node
+        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .or_fail("create_xfer_req");
+    a.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE");
+    drop(req);
+    plan.verify(b.buf.as_slice(), &dst_before, &src).or_fail("destination");
+    b.buf.check_guards().or_fail("guards");
+    let (ea, eb) = (stats(a.name()), stats(b.name()));
+    assert_sender_bounced(&sa, &ea, 1);
+    assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
+}
+
+#[test]
+#[serial_test::serial]
+fn repost_the_same_request() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = endpoint("lc-a", &[LOOPBACK], len(), 1, ThreadSync::Default);
+    let mut b = endpoint("lc-b", &[LOOPBACK], len(), 2, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let plan = Plan::standard(MANY, BLOCK, 3);
+    b.buf.fill_pattern(4);
+    let dst_before = b.buf.as_slice().to_vec();
+    let req = a
+        .node
+        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), Some(b"lc-repost"))
+        .or_fail("create_xfer_req");
+    for i in 0..3u64 {
+        a.buf.fill_pattern(10 + i);
+        let src = a.buf.as_slice().to_vec();
+        let (sa, sb) = (stats(a.name()), stats(b.name()));
+        a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!("post #{i}"));
+        b.node.wait_notif(a.name(), b"lc-repost", wait_timeout()).or_fail(&format!("notification #{i}"));
+        plan.verify(b.buf.as_slice(), &dst_before, &src).or_fail(&format!("repost #{i}"));
+        let (ea, eb) = (stats(a.name()), stats(b.name()));
+        assert_sender_bounced(&sa, &ea, 1);
+        assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
+    }
+}
+
+#[test]
+#[serial_test::serial]
+fn release_while_running_then_keep_going() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // Small chunks so the request is still running when released.
+    let ex = [LOOPBACK, ("max_chunk_size_bytes", "64KiB"), ("arena_size_bytes", "4MiB"), ("arena_allocation_granularity_bytes", "64KiB")];
+    let mut a = endpoint("lc-a", &ex, len(), 5, ThreadSync::Default);
+    let mut b = endpoint("lc-b", &ex, len(), 6, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    for i in 0..3u64 {
+        let plan = Plan::standard(MANY, BLOCK, 20 + i);
+        let sa = stats(a.name());
+        let req = a
+            .node
+            .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+            .or_fail("create_xfer_req");
+        post(&a.node, &req).or_fail("post");
+        std::thread::sleep(Duration::from_millis(5 * i));
+        let t0 = Instant::now();
+        drop(req); // release while (probably) running: must return at once
+        let dt = t0.elapsed();
+        assert!(dt < Duration::from_secs(1), "releasing a running bounce request took {dt:?}");
+        let ea = stats(a.name());
+        eprintln!("release #{i} after {} ms: took {dt:?}; {}", 5 * i, ea.diff(&sa));
+        assert_eq!(ea.since(&sa, "bounce_submitted"), 1);
+    }
+    // Let cancellations settle, then the pair still moves data both ways.
+    std::thread::sleep(Duration::from_millis(200));
+    write(&mut a, &mut b, 30);
+    write(&mut b, &mut a, 40);
+    assert!(stats(a.name()).poisoned.is_none() && stats(b.name()).poisoned.is_none());
+}
+
+#[test]
+#[serial_test::serial]
+fn metadata_invalidated_and_loaded_again() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = endpoint("lc-a", &[LOOPBACK], len(), 7, ThreadSync::Default);
+    let mut b = endpoint("lc-b", &[LOOPBACK], len(), 8, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    write(&mut a, &mut b, 50);
+    for i in 0..2u64 {
+        a.node.agent.invalidate_remote_md(b.name()).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+        b.node.agent.invalidate_remote_md(a.name()).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+        pair_up(&a.node, &b.node);
+        write(&mut a, &mut b, 60 + 10 * i);
+        write(&mut b, &mut a, 65 + 10 * i);
+    }
+}
+
+#[test]
+#[serial_test::serial]
+fn peer_recreated_under_the_same_name() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = endpoint("lc-a", &[LOOPBACK], len(), 9, ThreadSync::Default);
+    let name = unique_name("lc-b");
+    let make_b = |seed: u64| -> Endpoint {
+        let node = node_with(&name, &[LOOPBACK], ThreadSync::Default).or_fail("create b");
+        let buf = DramBuffer::with_pattern(len(), seed);
+        let reg = node.register(&buf).or_fail("register");
+        Endpoint { reg: Some(reg), buf, node }
+    };
+    let mut b = make_b(10);
+    pair_up(&a.node, &b.node);
+    write(&mut a, &mut b, 80);
+    write(&mut b, &mut a, 85);
+    for i in 0..2u64 {
+        let old = handshake_of(&b.node.local_md().or_fail("md"));
+        // The peer goes away; a new incarnation with the same name comes.
+        a.node.agent.invalidate_remote_md(&name).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+        drop(b);
+        b = make_b(11 + i);
+        let new = handshake_of(&b.node.local_md().or_fail("md"));
+        eprintln!("incarnation {}: control {:?} -> {:?}", i + 1, String::from_utf8_lossy(&old.endpoint), String::from_utf8_lossy(&new.endpoint));
+        pair_up(&a.node, &b.node);
+        write(&mut a, &mut b, 90 + 10 * i);
+        write(&mut b, &mut a, 95 + 10 * i);
+    }
+}
+
+#[test]
+#[serial_test::serial]
+fn peer_destroyed_mid_transfer_fails_in_bounded_time() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // 64 chunks of 256 KiB through a 1 MiB receiver arena: still running
+    // when the receiver goes away. request_timeout_ms bounds the wait.
+    let ex = [
+        LOOPBACK,
+        ("max_chunk_size_bytes", "256KiB"),
+        ("arena_size_bytes", "1MiB"),
+        ("arena_allocation_granularity_bytes", "64KiB"),
+        ("request_timeout_ms", "2000"),
+    ];
+    let mut a = endpoint("lc-a", &ex, len(), 13, ThreadSync::Default);
+    let b = endpoint("lc-b", &ex, len(), 14, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let plan = Plan::standard(MANY, BLOCK, 110);
+    let sa = stats(a.name());
+    let req = a
+        .node
+        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .or_fail("create_xfer_req");
+    post(&a.node, &req).or_fail("post");
+    std::thread::sleep(Duration::from_millis(10));
+    let bname = b.name().to_string();
+    drop(b);
+    let t0 = Instant::now();
+    let mut spins = 0u64;
+    let outcome = loop {
+        match poll(&a.node, &req) {
+            Ok(true) => break Ok(()),
+            Ok(false) => {}
+            Err(e) => break Err(e),
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            panic!("the transfer to a destroyed peer is still running after 20 s (request_timeout_ms is 2 s)");
+        }
+        pause(&mut spins);
+    };
+    let ea = stats(a.name());
+    eprintln!("after {:?}: {outcome:?}; {}", t0.elapsed(), ea.diff(&sa));
+    drop(req);
+    // Success is possible only if everything had landed before the peer
+    // went; either way the initiator is usable again with a new peer.
+    a.node.agent.invalidate_remote_md(&bname).ok();
+    let mut c = endpoint("lc-c", &ex, len(), 15, ThreadSync::Default);
+    pair_up(&a.node, &c.node);
+    write(&mut a, &mut c, 120);
+    assert!(stats(a.name()).poisoned.is_none(), "initiator poisoned: {:?}", stats(a.name()).poisoned);
+}
