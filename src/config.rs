@@ -260,7 +260,7 @@ macro_rules! setting {
 }
 
 static SETTINGS: &[Setting] = &[
-    setting!(enabled, "enable", "ENABLE", Bool, true, "Master switch."),
+    setting!(enabled, "enable", "ENABLE", Bool, true, "Master switch of the bounce path (on: BOUNCE exists for it; off: every transfer uses UCX)."),
     setting!(arena_size_bytes, "arena_size_bytes", "ARENA_SIZE_BYTES", Bytes, false, "Shared region arena size; usable capacity is the largest power of two not above it."),
     setting!(arena_allocation_granularity_bytes, "arena_allocation_granularity_bytes", "ARENA_ALLOCATION_GRANULARITY_BYTES", Bytes, false, "Buddy minimum block (allocation granularity); power of two, >= 32."),
     setting!(max_chunk_size_bytes, "max_chunk_size_bytes", "MAX_CHUNK_SIZE_BYTES", Bytes, false, "Per-chunk byte cap (plan bin-pack cap); clamped to the arena's usable capacity; must match the peer's (handshake-checked)."),
@@ -402,9 +402,10 @@ impl Config {
             "| parameter | environment variable | default | meaning |\n|---|---|---|---|\n",
         );
         for row in Config::describe() {
+            let default = if row.default.is_empty() { "(empty)" } else { row.default.as_str() };
             out.push_str(&format!(
                 "| `{}` | `{}` | {} | {} |\n",
-                row.key, row.env, row.default, row.meaning
+                row.key, row.env, default, row.meaning
             ));
         }
         out
