@@ -29,11 +29,20 @@ run probe "$nb/bin/gpu-probe"
 for t in "$nb"/bin/gpu_*; do
     [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
 done
-if [[ -x "$nb/bin/bench" ]]; then
-    if [[ "$mode" == full ]]; then
-        run bench "$nb/bin/bench" --mem vram --full --json "$out/bench-vram.json"
-    else
-        run bench "$nb/bin/bench" --mem vram --quick --json "$out/bench-vram.json"
-    fi
+v="$nb/bin/bounce-vram"
+if [[ -x "$v" ]]; then
+    # Two-process VRAM WRITEs through the plugin, byte-exact (1, 1024, 16384 x
+    # 4 KiB, mixed sizes, 8 concurrent threads).
+    run vram-test "$v" test
+    run vram-test-notif "$v" test --param use_nixl_notifications=true
+    # A request larger than the arena streams through it.
+    run vram-test-small-arena "$v" test --param arena_size_bytes=16MiB --param max_chunk_size_bytes=2MiB
+    # VRAM bounce disabled on the target: transfers fall back to UCX at once.
+    run vram-test-fallback "$v" test --target-param enable=false --expect-fallback
+    iters=20; [[ "$mode" == full ]] && iters=50
+    run bench-bounce "$v" bench --backend BOUNCE --label BOUNCE --iters $iters --json "$out/bench-bounce.json"
+    run bench-ucx-default "$v" bench --backend UCX --label UCX-default --iters $iters --json "$out/bench-ucx-default.json"
+    NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best "$v" bench --backend UCX --label UCX-best --param num_threads=8 \
+        --iters $iters --json "$out/bench-ucx-best.json"
 fi
 exit $status

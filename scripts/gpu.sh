@@ -37,7 +37,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])' \
         | while read -r name exe; do cp "$exe" "$stage/bin/$name"; done
 fi
-for b in bench gpu-probe bounce-demo; do
+for b in bounce-vram gpu-probe bench bounce-demo; do
     [[ -x target/release/$b ]] && cp "target/release/$b" "$stage/bin/"
 done
 strip --strip-debug "$stage"/bin/* 2>/dev/null || true

@@ -1,0 +1,683 @@
+//! VRAM transfers between two processes, through BOUNCE or UCX: the GPU
+//! tests and the GPU benchmark of nixl-bounce in one binary (the GPU machine
+//! has no cargo, so it runs this prebuilt; see docs/gpu.md).
+//!
+//! The initiator process re-executes itself as the target (`serve`, driven
+//! over stdin/stdout). Both sides compute the same seeded plans and
+//! patterns; the target checks its own VRAM byte-exact after each WRITE.
+//!
+//!   bounce-vram test  [--device N] [--target-device N] [--param K=V]...
+//!   bounce-vram bench [--backend BOUNCE|UCX] [--label L] [--param K=V]...
+//!                     [--counts 1024,4096,16384] [--sizes 4096] [--iters N]
+//!                     [--concurrent 128] [--json PATH]
+//!
+//! Without a CUDA driver both commands print `SKIP: ...` and exit 0.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nixl_bounce::copy::cuda::CudaRuntime;
+use nixl_bounce::dataplane::vram::DeviceArena;
+use nixl_sys::{Agent, MemType, OptArgs, Params, XferDescList, XferOp, XferRequest, XferStatus};
+
+const TAG: &str = "@@VR ";
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+// ---- deterministic plans and patterns ------------------------------------------
+
+struct SplitMix(u64);
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn perm(&mut self, n: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
+        }
+        v
+    }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut r = SplitMix(seed ^ 0x5eed);
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        out.extend_from_slice(&r.next().to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// One or more plans, as both processes rebuild them from a command line:
+/// `parts` plans of `n` moves each, part `t` over slots
+/// `[t*slots, (t+1)*slots)` with seed `seed + t`.
+fn plans(parts: usize, n: usize, size: usize, slots: usize, seed: u64, mixed: bool) -> Vec<Plan> {
+    (0..parts).map(|t| plan(n, size, slots, t * slots * size, seed + t as u64, mixed)).collect()
+}
+
+/// The destination buffer after applying `plans` from source pattern `sseed`
+/// over destination pattern `dseed`.
+fn expected(len: usize, plans: &[Plan], sseed: u64, dseed: u64) -> Vec<u8> {
+    let src = pattern(len, sseed);
+    let mut want = pattern(len, dseed);
+    for p in plans {
+        for &(s, d, l) in &p.moves {
+            want[d..d + l].copy_from_slice(&src[s..s + l]);
+        }
+    }
+    want
+}
+
+/// `n` moves of `size` bytes: source block i -> destination block, both
+/// scattered over `slots` blocks of `size` starting at `base` (bytes) of each
+/// buffer. Mixed mode varies the length per descriptor (1..=size).
+#[derive(Clone)]
+struct Plan {
+    moves: Vec<(usize, usize, usize)>, // (src off, dst off, len)
+}
+
+fn plan(n: usize, size: usize, slots: usize, base: usize, seed: u64, mixed: bool) -> Plan {
+    let mut r = SplitMix(seed);
+    let src = r.perm(slots);
+    let dst = r.perm(slots);
+    let moves = (0..n)
+        .map(|i| {
+            let len = if mixed { 1 + (r.next() as usize % size) } else { size };
+            (base + src[i] * size, base + dst[i] * size, len)
+        })
+        .collect();
+    Plan { moves }
+}
+
+// ---- NIXL plumbing -------------------------------------------------------------
+
+fn die(msg: String) -> ! {
+    eprintln!("bounce-vram: {msg}");
+    std::process::exit(1)
+}
+
+fn agent(name: &str, backend: &str, params: &[(String, String)]) -> Result<Agent, String> {
+    let a = Agent::new(name).map_err(|e| format!("Agent::new: {e}"))?;
+    let (_m, defaults) = a.get_plugin_params(backend).map_err(|e| format!("plugin params of {backend}: {e}"))?;
+    let mut p: Params = defaults.clone().map_err(|e| format!("params: {e}"))?;
+    for (k, v) in params {
+        p.set(k, v).map_err(|e| format!("param {k}: {e}"))?;
+    }
+    a.create_backend(backend, &p).map_err(|e| format!("create_backend({backend}): {e}"))?;
+    Ok(a)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0)).collect()
+}
+
+fn xfer_list(base: usize, dev: u64, items: impl Iterator<Item = (usize, usize)>) -> XferDescList<'static> {
+    let mut l = XferDescList::new(MemType::Vram).expect("descriptor list");
+    for (off, len) in items {
+        l.add_desc(base + off, len, dev);
+    }
+    l
+}
+
+fn wait(a: &Agent, req: &XferRequest) -> Result<(), String> {
+    let t0 = Instant::now();
+    loop {
+        match a.get_xfer_status(req) {
+            Ok(XferStatus::Success) => return Ok(()),
+            Ok(XferStatus::InProgress) => {}
+            Err(e) => return Err(format!("transfer failed: {e}")),
+        }
+        if t0.elapsed() > TIMEOUT {
+            return Err("transfer still running after 60 s".into());
+        }
+        std::hint::spin_loop();
+    }
+}
+
+fn plugin_counters(name: &str) -> BTreeMap<String, u64> {
+    nixl_bounce::stats::plugin_stats(name).map(|s| s.counters).unwrap_or_default()
+}
+
+// ---- the target process --------------------------------------------------------
+
+fn serve(args: &Args) {
+    let cuda = CudaRuntime::probe().unwrap_or_else(|e| die(e));
+    let dev = cuda.device(args.target_device).unwrap_or_else(|e| die(e));
+    let buf = DeviceArena::new(&dev, args.buffer).unwrap_or_else(|e| die(e));
+    let name = format!("vram-target-{}", std::process::id());
+    let a = agent(&name, &args.backend, &args.params).unwrap_or_else(|e| die(e));
+    a.register_memory(&buf, None).map(std::mem::forget).unwrap_or_else(|e| die(format!("register: {e}")));
+    let md = a.get_local_md().unwrap_or_else(|e| die(format!("metadata: {e}")));
+    let reply = |s: String| {
+        let mut o = std::io::stdout().lock();
+        let _ = writeln!(o, "{TAG}{s}");
+        let _ = o.flush();
+    };
+    reply(format!("MD {} {} {}", name, buf.base(), hex(&md)));
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["FILL", seed] => {
+                let seed: u64 = seed.parse().unwrap_or(0);
+                match buf.write(0, &pattern(args.buffer, seed)) {
+                    Ok(()) => reply("OK".into()),
+                    Err(e) => reply(format!("ERR {e}")),
+                }
+            }
+            ["CHECK", parts, n, size, slots, pseed, sseed, dseed, mixed] => {
+                let p = |s: &str| s.parse::<usize>().unwrap_or(0);
+                let ps = plans(p(parts), p(n), p(size), p(slots), p(pseed) as u64, *mixed == "1");
+                let want = expected(args.buffer, &ps, p(sseed) as u64, p(dseed) as u64);
+                let mut got = vec![0u8; args.buffer];
+                match buf.read(0, &mut got) {
+                    Err(e) => reply(format!("ERR {e}")),
+                    Ok(()) => match got.iter().zip(&want).position(|(a, b)| a != b) {
+                        None => reply("OK".into()),
+                        Some(i) => reply(format!("ERR first wrong byte at offset {i}: {} != {}", got[i], want[i])),
+                    },
+                }
+            }
+            ["STATS"] => reply(format!("OK {}", serde_json::to_string(&plugin_counters(&name)).unwrap_or_default())),
+            ["QUIT"] => break,
+            _ => reply(format!("ERR unknown command {line:?}")),
+        }
+    }
+}
+
+struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::io::Lines<BufReader<ChildStdout>>,
+    name: String,
+    base: usize,
+    metadata: Vec<u8>,
+}
+
+impl Target {
+    fn spawn(args: &Args) -> Result<Target, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve").args(args.forward()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = cmd.spawn().map_err(|e| format!("spawning the target: {e}"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+        let mut t = Target { child, stdin, lines, name: String::new(), base: 0, metadata: Vec::new() };
+        let first = t.reply()?;
+        let w: Vec<&str> = first.split_whitespace().collect();
+        if w.len() != 4 || w[0] != "MD" {
+            return Err(format!("unexpected first line from the target: {first:?}"));
+        }
+        t.name = w[1].to_string();
+        t.base = w[2].parse().map_err(|_| "bad base address from the target".to_string())?;
+        t.metadata = unhex(w[3]);
+        Ok(t)
+    }
+
+    fn reply(&mut self) -> Result<String, String> {
+        for line in self.lines.by_ref() {
+            let line = line.map_err(|e| e.to_string())?;
+            if let Some(rest) = line.strip_prefix(TAG) {
+                return Ok(rest.to_string());
+            }
+        }
+        Err("the target exited".into())
+    }
+
+    fn cmd(&mut self, line: &str) -> Result<String, String> {
+        writeln!(self.stdin, "{line}").map_err(|e| e.to_string())?;
+        self.stdin.flush().map_err(|e| e.to_string())?;
+        let r = self.reply()?;
+        if let Some(err) = r.strip_prefix("ERR") {
+            return Err(err.trim().to_string());
+        }
+        Ok(r.trim_start_matches("OK").trim().to_string())
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "QUIT");
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+    }
+}
+
+// ---- the initiator -------------------------------------------------------------
+
+struct Initiator {
+    agent: Agent,
+    name: String,
+    buf: DeviceArena,
+    dev: u64,
+    target: Target,
+    target_name: String,
+}
+
+impl Initiator {
+    fn new(args: &Args) -> Result<Initiator, String> {
+        let cuda = CudaRuntime::probe()?;
+        let dev = cuda.device(args.device)?;
+        let buf = DeviceArena::new(&dev, args.buffer)?;
+        let name = format!("vram-init-{}", std::process::id());
+        let agent = agent(&name, &args.backend, &args.params)?;
+        agent.register_memory(&buf, None).map(std::mem::forget).map_err(|e| format!("register: {e}"))?;
+        let target = Target::spawn(args)?;
+        let loaded = agent.load_remote_md(&target.metadata).map_err(|e| format!("loading the target's metadata: {e}"))?;
+        if loaded != target.name {
+            return Err(format!("loaded {loaded:?}, expected {:?}", target.name));
+        }
+        Ok(Initiator { agent, name, dev: args.device as u64, buf, target_name: loaded, target })
+    }
+
+    fn request(&self, plan: &Plan, notif: Option<&[u8]>) -> Result<XferRequest, String> {
+        let l = xfer_list(self.buf.base() as usize, self.dev, plan.moves.iter().map(|&(s, _, l)| (s, l)));
+        let r = xfer_list(self.target.base, self.target_device(), plan.moves.iter().map(|&(_, d, l)| (d, l)));
+        let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
+        if let Some(m) = notif {
+            opt.set_has_notification(true).map_err(|e| e.to_string())?;
+            opt.set_notification_message(m).map_err(|e| e.to_string())?;
+        }
+        self.agent
+            .create_xfer_req(XferOp::Write, &l, &r, &self.target_name, Some(&opt))
+            .map_err(|e| format!("create_xfer_req ({} descriptors): {e}", plan.moves.len()))
+    }
+
+    fn target_device(&self) -> u64 {
+        TARGET_DEVICE.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One verified WRITE; returns its duration.
+    fn checked_write(&mut self, n: usize, size: usize, seed: u64, mixed: bool, args: &Args) -> Result<Duration, String> {
+        let slots = args.buffer / size;
+        let p = plan(n, size, slots, 0, seed, mixed);
+        let (sseed, dseed) = (seed * 2 + 1, seed * 2 + 2);
+        let n = p.moves.len();
+        self.buf.write(0, &pattern(args.buffer, sseed))?;
+        self.target.cmd(&format!("FILL {dseed}"))?;
+        let req = self.request(&p, None)?;
+        let t0 = Instant::now();
+        self.agent.post_xfer_req(&req, None).map_err(|e| format!("post: {e}"))?;
+        wait(&self.agent, &req)?;
+        let dt = t0.elapsed();
+        drop(req);
+        self.target.cmd(&format!("CHECK 1 {n} {size} {slots} {seed} {sseed} {dseed} {}", u8::from(mixed)))?;
+        Ok(dt)
+    }
+}
+
+static TARGET_DEVICE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+// ---- commands ------------------------------------------------------------------
+
+fn run_tests(args: &Args) -> bool {
+    let mut passed = 0;
+    let mut failed = 0;
+    let mut check = |name: &str, r: Result<String, String>| match r {
+        Ok(detail) => {
+            passed += 1;
+            println!("test {name} ... ok {detail}");
+        }
+        Err(e) => {
+            failed += 1;
+            println!("test {name} ... FAILED: {e}");
+        }
+    };
+    let bounce = args.backend == "BOUNCE";
+    match Initiator::new(args) {
+        Err(e) => check("setup", Err(e)),
+        Ok(mut init) => {
+            for (n, size, mixed) in [(1, 4096, false), (1024, 4096, false), (16384, 4096, false), (4096, 16384, true)] {
+                let before = plugin_counters(&init.name);
+                let r = init.checked_write(n, size, 7 + n as u64, mixed, args).and_then(|dt| {
+                    let after = plugin_counters(&init.name);
+                    let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
+                        - before.get("bounce_succeeded").copied().unwrap_or(0);
+                    let want_bounce = bounce && n >= 1024 && !args.expect_fallback;
+                    if want_bounce && bounced != 1 {
+                        return Err(format!("expected the bounce path, counters: {after:?}"));
+                    }
+                    if !want_bounce && bounced != 0 {
+                        return Err("expected the UCX path, but the transfer bounced".into());
+                    }
+                    Ok(format!("({:.3} ms, {})", dt.as_secs_f64() * 1e3, if bounced == 1 { "bounce" } else { "ucx" }))
+                });
+                check(&format!("write_{n}x{size}{}", if mixed { "_mixed" } else { "" }), r);
+            }
+            let r = concurrent(&mut init, args);
+            check("concurrent_threads", r);
+        }
+    }
+    println!("\n{passed} passed, {failed} failed");
+    failed == 0
+}
+
+/// Eight threads each post a 1024-descriptor WRITE into their own slice of
+/// the target buffer at once; the target checks the whole buffer afterwards.
+fn concurrent(init: &mut Initiator, args: &Args) -> Result<String, String> {
+    let (threads, size, seed, sseed, dseed) = (8usize, 4096usize, 99u64, 201u64, 202u64);
+    let per = args.buffer / size / threads;
+    let n = per.min(1024);
+    let ps = plans(threads, n, size, per, seed, false);
+    init.buf.write(0, &pattern(args.buffer, sseed))?;
+    init.target.cmd(&format!("FILL {dseed}"))?;
+    let before = plugin_counters(&init.name);
+    let t0 = Instant::now();
+    let init_ref = &*init;
+    std::thread::scope(|s| -> Result<(), String> {
+        let handles: Vec<_> = ps
+            .iter()
+            .map(|p| {
+                s.spawn(move || -> Result<(), String> {
+                    let req = init_ref.request(p, None)?;
+                    init_ref.agent.post_xfer_req(&req, None).map_err(|e| format!("post: {e}"))?;
+                    wait(&init_ref.agent, &req)
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "a submit thread panicked".to_string())??;
+        }
+        Ok(())
+    })?;
+    let dt = t0.elapsed();
+    init.target.cmd(&format!("CHECK {threads} {n} {size} {per} {seed} {sseed} {dseed} 0"))?;
+    let after = plugin_counters(&init.name);
+    let bounced = after.get("bounce_succeeded").copied().unwrap_or(0) - before.get("bounce_succeeded").copied().unwrap_or(0);
+    Ok(format!("({threads} threads x {n} x 4 KiB in {:.3} ms, {bounced} bounced)", dt.as_secs_f64() * 1e3))
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    label: String,
+    backend: String,
+    descriptors: usize,
+    size: usize,
+    inflight: usize,
+    iterations: usize,
+    p50_ms: f64,
+    p90_ms: f64,
+    p99_ms: f64,
+    gbps: f64,
+    bounce_path: bool,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn run_bench(args: &Args) -> bool {
+    let mut init = match Initiator::new(args) {
+        Ok(i) => i,
+        Err(e) => die(e),
+    };
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        for &n in &args.counts {
+            if n * size * 2 > args.buffer {
+                eprintln!("skip {n} x {size}: buffer too small");
+                continue;
+            }
+            if let Err(e) = init.checked_write(n, size, 1000 + n as u64, false, args) {
+                die(format!("{n} x {size}: verification failed: {e}"));
+            }
+            let slots = args.buffer / size;
+            let p = plan(n, size, slots, 0, 5000 + n as u64, false);
+            let before = plugin_counters(&init.name);
+            let mut times = Vec::new();
+            for _ in 0..args.iters {
+                let req = init.request(&p, None).unwrap_or_else(|e| die(e));
+                let t0 = Instant::now();
+                init.agent.post_xfer_req(&req, None).unwrap_or_else(|e| die(format!("post: {e}")));
+                wait(&init.agent, &req).unwrap_or_else(|e| die(e));
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            let after = plugin_counters(&init.name);
+            times.sort_by(f64::total_cmp);
+            let p50 = percentile(&times, 0.5);
+            let bytes = (n * size) as f64;
+            let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
+                > before.get("bounce_succeeded").copied().unwrap_or(0);
+            rows.push(Row {
+                label: args.label.clone(),
+                backend: args.backend.clone(),
+                descriptors: n,
+                size,
+                inflight: 1,
+                iterations: args.iters,
+                p50_ms: p50,
+                p90_ms: percentile(&times, 0.9),
+                p99_ms: percentile(&times, 0.99),
+                gbps: bytes / (p50 * 1e-3) / 1e9,
+                bounce_path: bounced,
+            });
+            print_row(rows.last().expect("row"));
+        }
+    }
+    if args.concurrent > 0 {
+        // `concurrent` requests of 1024 x 4 KiB in flight at once, disjoint.
+        let size = 4096;
+        let n = 1024;
+        let slots = args.buffer / size;
+        let per = slots / args.concurrent;
+        if per >= n {
+            let plans: Vec<Plan> =
+                (0..args.concurrent).map(|i| plan(n, size, per, i * per * size, 7000 + i as u64, false)).collect();
+            for round in 0..3 {
+                let reqs: Vec<XferRequest> =
+                    plans.iter().map(|p| init.request(p, None).unwrap_or_else(|e| die(e))).collect();
+                let t0 = Instant::now();
+                for r in &reqs {
+                    init.agent.post_xfer_req(r, None).unwrap_or_else(|e| die(format!("post: {e}")));
+                }
+                let mut done = vec![None; reqs.len()];
+                while done.iter().any(Option::is_none) {
+                    for (i, r) in reqs.iter().enumerate() {
+                        if done[i].is_none() {
+                            match init.agent.get_xfer_status(r) {
+                                Ok(XferStatus::Success) => done[i] = Some(t0.elapsed().as_secs_f64() * 1e3),
+                                Ok(XferStatus::InProgress) => {}
+                                Err(e) => die(format!("concurrent request {i} failed: {e}")),
+                            }
+                        }
+                    }
+                    if t0.elapsed() > TIMEOUT {
+                        die("concurrent requests still running after 60 s".into());
+                    }
+                }
+                let wall = t0.elapsed().as_secs_f64() * 1e3;
+                let mut times: Vec<f64> = done.into_iter().flatten().collect();
+                times.sort_by(f64::total_cmp);
+                if round == 2 {
+                    rows.push(Row {
+                        label: args.label.clone(),
+                        backend: args.backend.clone(),
+                        descriptors: n,
+                        size,
+                        inflight: args.concurrent,
+                        iterations: 1,
+                        p50_ms: percentile(&times, 0.5),
+                        p90_ms: percentile(&times, 0.9),
+                        p99_ms: percentile(&times, 0.99),
+                        gbps: (args.concurrent * n * size) as f64 / (wall * 1e-3) / 1e9,
+                        bounce_path: args.backend == "BOUNCE",
+                    });
+                    print_row(rows.last().expect("row"));
+                }
+            }
+        }
+    }
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "command": std::env::args().collect::<Vec<_>>(),
+            "gpu": CudaRuntime::probe().ok().and_then(|c| c.device(args.device).ok()).map(|d| d.name().to_string()),
+            "rows": rows,
+        });
+        if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()) {
+            eprintln!("writing {path}: {e}");
+        }
+    }
+    let stats = init.target.cmd("STATS").unwrap_or_default();
+    eprintln!("target counters: {stats}");
+    true
+}
+
+fn print_row(r: &Row) {
+    println!(
+        "{:<14} {:>6} x {:>6} B  inflight {:>4}  p50 {:>9.3} ms  p90 {:>9.3}  p99 {:>9.3}  {:>8.2} GB/s  {}",
+        r.label,
+        r.descriptors,
+        r.size,
+        r.inflight,
+        r.p50_ms,
+        r.p90_ms,
+        r.p99_ms,
+        r.gbps,
+        if r.bounce_path { "bounce" } else { "ucx" }
+    );
+}
+
+// ---- arguments -----------------------------------------------------------------
+
+struct Args {
+    command: String,
+    backend: String,
+    label: String,
+    params: Vec<(String, String)>,
+    device: usize,
+    target_device: usize,
+    buffer: usize,
+    counts: Vec<usize>,
+    sizes: Vec<usize>,
+    iters: usize,
+    concurrent: usize,
+    json: Option<String>,
+    expect_fallback: bool,
+    /// Parameters for the target process only (e.g. `enable=false`).
+    target_params: Vec<(String, String)>,
+}
+
+impl Args {
+    fn parse() -> Args {
+        let mut it = std::env::args().skip(1);
+        let mut a = Args {
+            command: it.next().unwrap_or_else(|| "help".into()),
+            backend: "BOUNCE".into(),
+            label: String::new(),
+            params: vec![("control_bind_loopback".into(), "true".into())],
+            device: 0,
+            target_device: 0,
+            buffer: 1 << 30,
+            counts: vec![1024, 4096, 16384],
+            sizes: vec![4096],
+            iters: 20,
+            concurrent: 128,
+            json: None,
+            expect_fallback: false,
+            target_params: Vec::new(),
+        };
+        let list = |s: String| s.split(',').filter_map(|x| x.trim().parse().ok()).collect::<Vec<usize>>();
+        while let Some(flag) = it.next() {
+            let mut val = || it.next().unwrap_or_else(|| die(format!("{flag} needs a value")));
+            match flag.as_str() {
+                "--backend" => a.backend = val(),
+                "--label" => a.label = val(),
+                "--param" => {
+                    let kv = val();
+                    let (k, v) = kv.split_once('=').unwrap_or_else(|| die(format!("--param {kv}: not K=V")));
+                    a.params.retain(|(key, _)| key != k);
+                    a.params.push((k.into(), v.into()));
+                }
+                "--device" => a.device = val().parse().unwrap_or(0),
+                "--target-device" => a.target_device = val().parse().unwrap_or(0),
+                "--buffer" => a.buffer = val().parse().unwrap_or(1 << 30),
+                "--counts" => a.counts = list(val()),
+                "--sizes" => a.sizes = list(val()),
+                "--iters" => a.iters = val().parse().unwrap_or(20),
+                "--concurrent" => a.concurrent = val().parse().unwrap_or(0),
+                "--json" => a.json = Some(val()),
+                "--expect-fallback" => a.expect_fallback = true,
+                "--target-param" => {
+                    let kv = val();
+                    let (k, v) = kv.split_once('=').unwrap_or_else(|| die(format!("--target-param {kv}: not K=V")));
+                    a.target_params.push((k.into(), v.into()));
+                }
+                other => die(format!("unknown option {other}")),
+            }
+        }
+        if a.backend != "BOUNCE" {
+            a.params.retain(|(k, _)| k != "control_bind_loopback");
+        }
+        if a.label.is_empty() {
+            a.label = a.backend.clone();
+        }
+        a
+    }
+
+    /// The options the target process needs.
+    fn forward(&self) -> Vec<String> {
+        let mut v = vec![
+            "--backend".into(),
+            self.backend.clone(),
+            "--buffer".into(),
+            self.buffer.to_string(),
+            "--target-device".into(),
+            self.target_device.to_string(),
+        ];
+        for (k, val) in &self.params {
+            if self.target_params.iter().any(|(tk, _)| tk == k) {
+                continue;
+            }
+            v.push("--param".into());
+            v.push(format!("{k}={val}"));
+        }
+        for (k, val) in &self.target_params {
+            v.push("--param".into());
+            v.push(format!("{k}={val}"));
+        }
+        v
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    TARGET_DEVICE.store(args.target_device as u64, std::sync::atomic::Ordering::Relaxed);
+    if args.command == "help" || args.command == "--help" {
+        println!("{}", include_str!("bounce-vram.rs").lines().take_while(|l| l.starts_with("//!")).map(|l| l.trim_start_matches("//!").trim_start()).collect::<Vec<_>>().join("\n"));
+        return;
+    }
+    if let Err(e) = CudaRuntime::probe().and_then(|c| c.device(args.device).map(|_| ())) {
+        println!("SKIP: no usable CUDA device ({e})");
+        return;
+    }
+    let ok = match args.command.as_str() {
+        "serve" => {
+            serve(&args);
+            true
+        }
+        "test" => run_tests(&args),
+        "bench" => run_bench(&args),
+        other => die(format!("unknown command {other} (test, bench, serve)")),
+    };
+    std::process::exit(if ok { 0 } else { 1 });
+}
