@@ -381,6 +381,9 @@ struct Peer {
 }
 
 /// The ZMQ control channel (see the module docs).
+/// How long a closed DEALER keeps trying to deliver queued messages.
+pub const DEALER_LINGER_MS: i32 = 100;
+
 pub struct ZmqChannel {
     // Sockets are declared before the context; each socket also keeps the
     // context alive, so dropping the channel closes every socket and then
@@ -486,8 +489,10 @@ impl ZmqChannel {
             .context
             .socket(zmq::DEALER)
             .map_err(|e| ControlError::zmq(ctx("creating a DEALER"), e))?;
+        // A short linger lets the last messages (a shutdown's REFUSEs) leave
+        // when the channel closes; it bounds how long closing can wait.
         dealer
-            .set_linger(0)
+            .set_linger(DEALER_LINGER_MS)
             .map_err(|e| ControlError::zmq(ctx("setting ZMQ_LINGER"), e))?;
         dealer
             .set_sndhwm(self.config.send_hwm)

@@ -532,6 +532,16 @@ impl Endpoint {
         self.pump(now);
     }
 
+    /// This agent stops serving `peer` while the peer may still be alive
+    /// (its metadata was invalidated locally): the peer's live flows are
+    /// refused, so its requests fail now rather than at their timeout. Call
+    /// [`Endpoint::forget_peer`] afterwards, once the data path is down.
+    pub fn release_peer(&mut self, now: Time, peer: &PeerId) {
+        self.receiver
+            .abort_peer(&mut self.ctx, now, peer, super::wire::RefuseReason::Expired);
+        self.pump(now);
+    }
+
     /// Shuts down: every live request fails with
     /// [`FailureReason::Shutdown`], live flows are refused, nothing new is
     /// granted or accepted. Operations already handed out must still be

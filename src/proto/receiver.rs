@@ -301,6 +301,13 @@ impl Receiver {
         self.known_peers.remove(peer);
     }
 
+    /// Aborts every live flow of `peer` (see [`Receiver::abort`]).
+    pub fn abort_peer(&mut self, ctx: &mut Ctx, now: Time, peer: &PeerId, reason: RefuseReason) {
+        for flow in ctx.sched.flow_ids().into_iter().filter(|f| &f.peer == peer) {
+            self.abort(ctx, now, &flow, reason);
+        }
+    }
+
     pub fn abort_all(&mut self, ctx: &mut Ctx, now: Time, reason: RefuseReason) {
         for flow in ctx.sched.flow_ids() {
             self.abort(ctx, now, &flow, reason);

@@ -104,33 +104,100 @@ pub struct RuntimeCounters {
 /// backend (the check an RDMA key gives the standard path).
 #[derive(Debug, Default)]
 pub struct ScatterTargets {
-    ranges: RwLock<Vec<(usize, usize)>>,
+    inner: RwLock<Targets>,
+}
+
+#[derive(Debug, Default)]
+struct Targets {
+    /// Every registration, as (start, len); registrations may repeat.
+    registered: Vec<(usize, usize)>,
+    /// Their union as sorted, disjoint, non-adjacent [start, end) intervals.
+    union: Vec<(u64, u64)>,
+}
+
+impl Targets {
+    fn rebuild(&mut self) {
+        let mut v: Vec<(u64, u64)> =
+            self.registered.iter().map(|&(a, l)| (a as u64, (a as u64).saturating_add(l as u64))).collect();
+        v.sort_unstable();
+        let mut union: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+        for (s, e) in v {
+            match union.last_mut() {
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => union.push((s, e)),
+            }
+        }
+        self.union = union;
+    }
+
+    /// Whether [start, end) lies inside one interval of the union.
+    fn covers(&self, start: u64, end: u64) -> bool {
+        let i = self.union.partition_point(|&(s, _)| s <= start);
+        i > 0 && end <= self.union[i - 1].1
+    }
 }
 
 impl ScatterTargets {
     pub fn add(&self, addr: usize, len: usize) {
-        self.ranges.write().expect("targets").push((addr, len));
+        let mut t = self.inner.write().expect("targets");
+        t.registered.push((addr, len));
+        t.rebuild();
     }
+
     pub fn remove(&self, addr: usize, len: usize) {
-        let mut r = self.ranges.write().expect("targets");
-        if let Some(i) = r.iter().position(|&x| x == (addr, len)) {
-            r.swap_remove(i);
+        let mut t = self.inner.write().expect("targets");
+        if let Some(i) = t.registered.iter().position(|&x| x == (addr, len)) {
+            t.registered.swap_remove(i);
+            t.rebuild();
         }
     }
-    /// Whether every copy of every run lands inside one registered range.
+
+    /// Whether every copy of every run lands inside registered memory. A run
+    /// whose whole span is registered passes at once; otherwise (a strided
+    /// run over several registrations, or across a gap between them) each
+    /// copy is checked on its own.
     pub fn admits(&self, runs: &[Run]) -> Result<(), String> {
-        let r = self.ranges.read().expect("targets");
+        let t = self.inner.read().expect("targets");
         for (i, run) in runs.iter().enumerate() {
-            let start = run.addr;
             let end = run.addr_end().ok_or_else(|| format!("run {i} wraps around"))?;
-            let inside = r.iter().any(|&(a, l)| start >= a as u64 && end <= (a as u64).saturating_add(l as u64));
-            if !inside {
-                return Err(format!(
-                    "run {i} writes [{start:#x}, {end:#x}), outside every memory region registered with BOUNCE"
-                ));
+            if t.covers(run.addr, end) {
+                continue;
+            }
+            for (_, addr, len) in run.copies() {
+                let copy_end = addr.checked_add(len).ok_or_else(|| format!("run {i} wraps around"))?;
+                if !t.covers(addr, copy_end) {
+                    return Err(format!(
+                        "run {i} writes [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
+                    ));
+                }
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(addr: u64, len: u64, count: u32, stride: u64) -> Run {
+        Run { region_offset: 0, addr, len, count, region_stride: len, addr_stride: stride }
+    }
+
+    #[test]
+    fn scatter_targets_admit_copies_inside_registered_memory_only() {
+        let t = ScatterTargets::default();
+        t.add(0x1000, 0x1000);
+        t.add(0x2000, 0x1000); // adjacent: one interval [0x1000, 0x3000)
+        t.add(0x5000, 0x1000); // gap [0x3000, 0x5000)
+        assert!(t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_ok(), "a copy across adjacent registrations");
+        assert!(t.admits(&[run(0x1000, 0x100, 2, 0x4000)]).is_ok(), "strided copies on both sides of a gap");
+        assert!(t.admits(&[run(0x2f00, 0x200, 1, 0)]).is_err(), "a copy running into the gap");
+        assert!(t.admits(&[run(0x1000, 0x100, 3, 0x2000)]).is_err(), "the middle copy lands in the gap");
+        assert!(t.admits(&[run(0x6000, 1, 1, 0)]).is_err(), "past the last registration");
+        assert!(t.admits(&[run(u64::MAX - 1, 4, 1, 0)]).is_err(), "wrapping");
+        t.remove(0x2000, 0x1000);
+        assert!(t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_err(), "after deregistration");
     }
 }
 
@@ -442,6 +509,11 @@ impl Reactor {
     }
 
     fn forget_peer(&mut self, peer: &PeerId) {
+        // Tell the peer its flows here are over (it may be alive: a local
+        // invalidation), so its requests fail now, not at their timeout.
+        let now = self.now();
+        self.endpoint.release_peer(now, peer);
+        self.execute_actions();
         // Tear the data path down first: no write to the peer may still run.
         let deadline = Instant::now() + QUIESCE_BOUND;
         while self.writes.iter().any(|(_, p, _, _)| p == peer) && Instant::now() < deadline {
