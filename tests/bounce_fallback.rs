@@ -8,7 +8,8 @@
 //! - (b) the peers differ in `max_chunk_size_bytes`;
 //! - (c) the peers differ in control kind (one uses NIXL notifications).
 //! Plus the routing gates at their edges (descriptor count, average size,
-//! READ) between two compatible peers.
+//! READ) between two compatible peers, and an engine whose bounce set-up
+//! failed (its control socket cannot bind) working through UCX.
 mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
@@ -160,4 +161,33 @@ fn routing_gates_at_their_edges() {
             }
         }
     }
+}
+
+#[test]
+#[serial_test::serial]
+fn bounce_setup_failure_keeps_the_agent_working_through_ucx() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // The control socket cannot bind (no such interface): the engine must
+    // still be created, publish no bounce path and move data through UCX.
+    let broken = [("control_interface", "nbb-no-such0"), TIMEOUT];
+    let mut a = endpoint("fb-broken", &broken, len(), 31, ThreadSync::Default);
+    let mut b = endpoint("fb-ok", &[LOOPBACK, TIMEOUT], len(), 32, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let md = a.node.local_md().or_fail("md");
+    let offered = try_handshake_of(&md);
+    eprintln!("handshake of the engine whose control socket could not bind: {offered:?}");
+    assert!(offered.is_err(), "an engine whose control socket could not bind still offers a bounce path");
+    let (sa, sb) = (stats(a.name()), stats(b.name()));
+    let dt = write(&mut a, &mut b, XferOp::Write, MANY, BLOCK, 33, (34, 35));
+    let ea = stats(a.name());
+    eprintln!("{} -> {}: {dt:?}; {}", a.name(), b.name(), ea.diff(&sa));
+    assert!(dt < QUICK, "took {dt:?}");
+    assert_fell_back(&sa, &ea, 1, "fallback_bounce_disabled");
+    let dt = write(&mut b, &mut a, XferOp::Write, MANY, BLOCK, 36, (37, 38));
+    let eb = stats(b.name());
+    eprintln!("{} -> {}: {dt:?}; {}", b.name(), a.name(), eb.diff(&sb));
+    assert!(dt < QUICK, "took {dt:?}");
+    assert_fell_back(&sb, &eb, 1, "fallback_peer_not_bounce_capable");
 }

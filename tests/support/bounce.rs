@@ -302,17 +302,31 @@ pub fn rss_bytes() -> usize {
 /// The BOUNCE handshake inside an agent's metadata blob: NIXL carries the
 /// backend's connection info verbatim; find it by its magic and cut it to
 /// its exact length (the layout is documented in `engine::conn_info`).
+/// Panics when there is none.
 pub fn handshake_of(agent_md: &[u8]) -> nixl_bounce::proto::wire::Handshake {
+    try_handshake_of(agent_md).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The handshake, or why there is none (no BOUNCE connection info, or an
+/// empty handshake: the engine offers no bounce path).
+pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Handshake, String> {
     use nixl_bounce::engine::conn_info::{ConnInfo, MAGIC};
     let at = agent_md
         .windows(MAGIC.len())
         .position(|w| w == MAGIC)
-        .expect("no BOUNCE connection info (NXBOUNCE) in the agent's metadata");
+        .ok_or("no BOUNCE connection info (NXBOUNCE) in the agent's metadata")?;
     let rest = &agent_md[at..];
-    let u32_at = |o: usize| u32::from_le_bytes(rest[o..o + 4].try_into().unwrap()) as usize;
-    let md_len = u32_at(10);
-    let hs_len = u32_at(14 + md_len);
-    let info = ConnInfo::decode(&rest[..18 + md_len + hs_len]).expect("decode the BOUNCE connection info");
-    assert!(!info.handshake.is_empty(), "the agent offers no bounce path");
-    nixl_bounce::proto::wire::Handshake::decode(&info.handshake).expect("decode the handshake")
+    let u32_at = |o: usize| -> Result<usize, String> {
+        rest.get(o..o + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
+            .ok_or_else(|| "truncated BOUNCE connection info".to_string())
+    };
+    let md_len = u32_at(10)?;
+    let hs_len = u32_at(14 + md_len)?;
+    let end = 18 + md_len + hs_len;
+    let info = ConnInfo::decode(rest.get(..end).ok_or("truncated BOUNCE connection info")?)?;
+    if info.handshake.is_empty() {
+        return Err("the agent offers no bounce path (empty handshake)".into());
+    }
+    nixl_bounce::proto::wire::Handshake::decode(&info.handshake).map_err(|e| format!("handshake: {e}"))
 }
