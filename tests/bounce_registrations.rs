@@ -5,15 +5,16 @@
 //! such transfer, however the plan coalesces its descriptors into runs.
 //! Each case is a 4096 x 4 KiB bounce WRITE, byte-exact, counted.
 //!
-//! Found: the receiver checks each scatter run's whole span
+//! Found (now fixed): the receiver checked each scatter run's whole span
 //! `[addr, addr_end)` against one registered region, but the sender's plan
 //! merges neighbouring descriptors into contiguous or strided runs without
 //! knowing the receiver's registrations, so a run whose every copy lies in
 //! registered memory is refused as soon as its span crosses from one
 //! registration into another (or over the gap between them): the transfer
-//! fails (RemoteScatterFailed, `scatter_refused` rises). The failing cases
-//! are `#[ignore]`d with `BUG:`; the same transfers pass with one run per
-//! descriptor (`disable_scatter_run_merging=true` on the sender).
+//! fails (RemoteScatterFailed, `scatter_refused` rises). Fixed in fc89f4d
+//! (runs whose span leaves one registration are checked copy by copy
+//! against the union of registrations); the same transfers always passed
+//! with one run per descriptor (`disable_scatter_run_merging=true`).
 mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
@@ -97,7 +98,7 @@ fn scattered_over_four_registrations_without_run_merging() {
     if !ready("BOUNCE") {
         return;
     }
-    // Diagnosis of the ignored cases below: with one run per descriptor
+    // Diagnosis of the cases below (they failed before fc89f4d): with one run per descriptor
     // (the sender's debug switch) the same transfer passes, so the data
     // path is fine and only the receiver's check of merged runs refuses.
     let len = blocks_for(MANY) * BLOCK;
@@ -111,7 +112,6 @@ fn scattered_over_four_registrations_without_run_merging() {
 
 #[test]
 #[serial_test::serial]
-#[ignore = "BUG: scatter runs merged across two registrations are refused (ScatterTargets::admits checks a run's whole span against ONE region)"]
 fn scattered_destinations_over_four_registrations() {
     if !ready("BOUNCE") {
         return;
@@ -128,7 +128,6 @@ fn scattered_destinations_over_four_registrations() {
 
 #[test]
 #[serial_test::serial]
-#[ignore = "BUG: a coalesced scatter run that crosses two adjacent registrations is refused (ScatterTargets::admits wants one region per run)"]
 fn contiguous_destinations_across_adjacent_registrations() {
     if !ready("BOUNCE") {
         return;
@@ -145,7 +144,6 @@ fn contiguous_destinations_across_adjacent_registrations() {
 
 #[test]
 #[serial_test::serial]
-#[ignore = "BUG: a strided scatter run whose copies all lie in registered memory is refused when its span crosses a gap or a registration boundary"]
 fn strided_destinations_across_adjacent_registrations() {
     if !ready("BOUNCE") {
         return;
@@ -161,7 +159,6 @@ fn strided_destinations_across_adjacent_registrations() {
 
 #[test]
 #[serial_test::serial]
-#[ignore = "BUG: destinations alternating between two separately registered buffers: merged 2-copy runs span the gap between them and are refused"]
 fn destinations_alternating_between_two_buffers() {
     if !ready("BOUNCE") {
         return;
@@ -171,7 +168,7 @@ fn destinations_alternating_between_two_buffers() {
     let n = MANY;
     let half = n / 2;
     let blen = blocks_for(half) * BLOCK;
-    let mut tx = endpoint("rg-tx", &[LOOPBACK], n * BLOCK, 21, ThreadSync::Default);
+    let tx = endpoint("rg-tx", &[LOOPBACK], n * BLOCK, 21, ThreadSync::Default);
     let rx = node_with(&unique_name("rg-rx"), &[LOOPBACK], ThreadSync::Default).or_fail("receiver");
     let bufs = [DramBuffer::with_pattern(blen, 22), DramBuffer::with_pattern(blen, 23)];
     let regs: Vec<_> = bufs.iter().map(|b| rx.register(b).or_fail("register")).collect();

@@ -24,18 +24,6 @@ pub const LOOPBACK: (&str, &str) = ("control_bind_loopback", "true");
 /// The NIXL-notification control channel.
 pub const NOTIF_CONTROL: (&str, &str) = ("use_nixl_notifications", "true");
 
-/// Every fallback reason the engine counts.
-pub const FALLBACKS: &[&str] = &[
-    "fallback_bounce_disabled",
-    "fallback_poisoned",
-    "fallback_not_write",
-    "fallback_memory_kind",
-    "fallback_peer_not_bounce_capable",
-    "fallback_local_transfer",
-    "fallback_too_few_descriptors",
-    "fallback_descriptors_too_large",
-];
-
 // ---------------------------------------------------------------------------
 // Counters
 // ---------------------------------------------------------------------------
@@ -104,7 +92,7 @@ pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
     assert_eq!(after.since(before, "bounce_succeeded"), n, "bounce_succeeded; {d}");
     assert_eq!(after.since(before, "bounce_failed"), 0, "bounce_failed; {d}");
     assert!(after.since(before, "chunks_written") >= n, "chunks_written; {d}");
-    for f in FALLBACKS {
+    for f in after.map.keys().filter(|k| k.starts_with("fallback_")) {
         assert_eq!(after.since(before, f), 0, "{f} rose: {d}");
     }
     assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
@@ -124,10 +112,17 @@ pub fn assert_receiver_scattered(before: &Counters, after: &Counters, chunks: u6
 /// `reason` rose by `n`.
 #[track_caller]
 pub fn assert_fell_back(before: &Counters, after: &Counters, n: u64, reason: &str) {
+    assert_fell_back_any(before, after, n, &[reason]);
+}
+
+/// Like [`assert_fell_back`], with any one of `reasons` accepted.
+#[track_caller]
+pub fn assert_fell_back_any(before: &Counters, after: &Counters, n: u64, reasons: &[&str]) {
     let d = after.diff(before);
     assert_eq!(after.since(before, "bounce_submitted"), 0, "bounce_submitted; {d}");
     assert_eq!(after.since(before, "chunks_written"), 0, "chunks_written; {d}");
-    assert_eq!(after.since(before, reason), n, "{reason}; {d}");
+    let rose: u64 = reasons.iter().map(|r| after.since(before, r)).sum();
+    assert_eq!(rose, n, "none of {reasons:?} rose by {n}; {d}");
 }
 
 // ---------------------------------------------------------------------------
@@ -299,34 +294,56 @@ pub fn rss_bytes() -> usize {
 // Published handshake
 // ---------------------------------------------------------------------------
 
-/// The BOUNCE handshake inside an agent's metadata blob: NIXL carries the
-/// backend's connection info verbatim; find it by its magic and cut it to
-/// its exact length (the layout is documented in `engine::conn_info`).
-/// Panics when there is none.
+/// The BOUNCE handshake inside an agent's metadata blob. NIXL carries the
+/// backend's connection info and each registered region's public data
+/// verbatim; the handshake is in the connection info (`NXBOUNCE`) or, when
+/// the arena is set up at the first registration, in the public data of a
+/// region (`NXBPUBLC`). Found by magic, cut to exact length (layouts in
+/// `engine::conn_info`). Panics when there is none.
 pub fn handshake_of(agent_md: &[u8]) -> nixl_bounce::proto::wire::Handshake {
     try_handshake_of(agent_md).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// The handshake, or why there is none (no BOUNCE connection info, or an
-/// empty handshake: the engine offers no bounce path).
+fn le_u32(b: &[u8], o: usize) -> Option<usize> {
+    b.get(o..o + 4).map(|x| u32::from_le_bytes(x.try_into().unwrap()) as usize)
+}
+
+/// Every occurrence of `magic` in `hay`.
+fn find_all<'a>(hay: &'a [u8], magic: &'a [u8]) -> impl Iterator<Item = usize> + 'a {
+    hay.windows(magic.len()).enumerate().filter(move |(_, w)| *w == magic).map(|(i, _)| i)
+}
+
+/// The handshake, or why there is none (no BOUNCE metadata, or no region
+/// and no connection info offering a bounce path).
 pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Handshake, String> {
-    use nixl_bounce::engine::conn_info::{ConnInfo, MAGIC};
-    let at = agent_md
-        .windows(MAGIC.len())
-        .position(|w| w == MAGIC)
-        .ok_or("no BOUNCE connection info (NXBOUNCE) in the agent's metadata")?;
-    let rest = &agent_md[at..];
-    let u32_at = |o: usize| -> Result<usize, String> {
-        rest.get(o..o + 4)
-            .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
-            .ok_or_else(|| "truncated BOUNCE connection info".to_string())
-    };
-    let md_len = u32_at(10)?;
-    let hs_len = u32_at(14 + md_len)?;
-    let end = 18 + md_len + hs_len;
-    let info = ConnInfo::decode(rest.get(..end).ok_or("truncated BOUNCE connection info")?)?;
-    if info.handshake.is_empty() {
-        return Err("the agent offers no bounce path (empty handshake)".into());
+    use nixl_bounce::engine::conn_info::{ConnInfo, PublicData, MAGIC, PUBLIC_MAGIC};
+    use nixl_bounce::proto::wire::Handshake;
+    let mut seen = Vec::new();
+    for at in find_all(agent_md, MAGIC) {
+        let rest = &agent_md[at..];
+        let Some(md_len) = le_u32(rest, 10) else { continue };
+        let Some(hs_len) = le_u32(rest, 14 + md_len) else { continue };
+        let Some(blob) = rest.get(..18 + md_len + hs_len) else { continue };
+        match ConnInfo::decode(blob) {
+            Ok(info) if !info.handshake.is_empty() => {
+                return Handshake::decode(&info.handshake).map_err(|e| format!("handshake: {e}"))
+            }
+            Ok(_) => seen.push("connection info without a handshake".to_string()),
+            Err(e) => seen.push(format!("connection info: {e}")),
+        }
     }
-    nixl_bounce::proto::wire::Handshake::decode(&info.handshake).map_err(|e| format!("handshake: {e}"))
+    for at in find_all(agent_md, PUBLIC_MAGIC) {
+        let rest = &agent_md[at..];
+        let Some(md_len) = le_u32(rest, 10) else { continue };
+        let Some(bb_len) = le_u32(rest, 14 + md_len) else { continue };
+        let Some(blob) = rest.get(..18 + md_len + bb_len) else { continue };
+        match PublicData::decode(blob) {
+            Ok(PublicData { bounce: Some(b), .. }) if !b.handshake.is_empty() => {
+                return Handshake::decode(&b.handshake).map_err(|e| format!("handshake: {e}"))
+            }
+            Ok(_) => seen.push("a region without a bounce path".to_string()),
+            Err(e) => seen.push(format!("region data: {e}")),
+        }
+    }
+    Err(format!("the agent offers no bounce path (seen: {seen:?})"))
 }
