@@ -6,7 +6,9 @@
 //! not used):
 //! - (a) the peer has `enable=false` (no handshake at all);
 //! - (b) the peers differ in `max_chunk_size_bytes`;
-//! - (c) the peers differ in control kind (one uses NIXL notifications).
+//! - (c) the peers differ in control kind (one uses NIXL notifications);
+//! - (d) the peer speaks another wire version (its published handshake
+//!   patched to the next version).
 //! Plus the routing gates at their edges (descriptor count, average size,
 //! READ) between two compatible peers, and an engine whose bounce set-up
 //! failed (its control socket cannot bind) working through UCX.
@@ -192,4 +194,36 @@ fn bounce_setup_failure_keeps_the_agent_working_through_ucx() {
     eprintln!("{} -> {}: {dt:?}; {}", b.name(), a.name(), eb.diff(&sb));
     assert!(dt < QUICK, "took {dt:?}");
     assert_fell_back(&sb, &eb, 1, "fallback_peer_not_bounce_capable");
+}
+
+#[test]
+#[serial_test::serial]
+fn peer_with_other_wire_version_falls_back_at_once() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    use nixl_bounce::proto::wire::{HANDSHAKE_MAGIC, WIRE_VERSION};
+    // The initiator loads the target's metadata with the wire version in
+    // every bounce handshake it carries patched to the next version (as a
+    // newer plugin would publish it); everything else is untouched.
+    let mut a = endpoint("fb-a", &[LOOPBACK, TIMEOUT], len(), 41, ThreadSync::Default);
+    let mut b = endpoint("fb-b", &[LOOPBACK, TIMEOUT], len(), 42, ThreadSync::Default);
+    let mut md = b.node.local_md().or_fail("md");
+    let mut patched = 0;
+    let at: Vec<usize> = md.windows(4).enumerate().filter(|(_, w)| *w == HANDSHAKE_MAGIC).map(|(i, _)| i).collect();
+    for i in at {
+        if md.get(i + 6..i + 8) == Some(&WIRE_VERSION.to_le_bytes()[..]) {
+            md[i + 6..i + 8].copy_from_slice(&(WIRE_VERSION + 1).to_le_bytes());
+            patched += 1;
+        }
+    }
+    assert!(patched > 0, "no bounce handshake found in the target's metadata");
+    assert_eq!(a.node.load_md(&md).or_fail("load the patched metadata"), b.name());
+    load(&b.node, &a.node);
+    let sa = stats(a.name());
+    let dt = write(&mut a, &mut b, XferOp::Write, MANY, BLOCK, 43, (44, 45));
+    let ea = stats(a.name());
+    eprintln!("{patched} handshake(s) patched to wire version {}; {} -> {}: {dt:?}; {}", WIRE_VERSION + 1, a.name(), b.name(), ea.diff(&sa));
+    assert!(dt < QUICK, "took {dt:?}");
+    assert_fell_back(&sa, &ea, 1, "fallback_peer_not_bounce_capable");
 }
