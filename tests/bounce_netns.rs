@@ -55,11 +55,15 @@ fn ip(args: &[&str]) -> Result<(), IpError> {
     })
 }
 
-/// Two namespaces and a veth pair; removed on drop.
+/// Two namespaces and a veth pair; what was created is removed on drop.
 struct Netns {
     ns: [String; 2],
     veth: [String; 2],
     addr: [String; 2],
+    /// Namespaces created so far.
+    made_ns: Vec<String>,
+    /// Whether the veth pair was created.
+    made_veth: bool,
 }
 
 /// Removes namespaces an earlier run left behind when it was killed
@@ -82,20 +86,25 @@ impl Netns {
         remove_stale();
         let pid = std::process::id();
         let x = pid % 250 + 1;
-        let n = Netns {
+        let mut n = Netns {
             ns: [format!("nbb-{pid}-a"), format!("nbb-{pid}-b")],
             // Interface names: at most 15 bytes.
             veth: [format!("nbb{pid}a"), format!("nbb{pid}b")],
             addr: [format!("10.203.{x}.1"), format!("10.203.{x}.2")],
+            made_ns: Vec::new(),
+            made_veth: false,
         };
         // From here on, Drop cleans up whatever was created.
-        let (a, b) = (&n.ns[0], &n.ns[1]);
-        let (va, vb) = (&n.veth[0], &n.veth[1]);
-        ip(&["netns", "add", a])?;
-        ip(&["netns", "add", b])?;
-        ip(&["link", "add", va, "type", "veth", "peer", "name", vb])?;
-        ip(&["link", "set", va, "netns", a])?;
-        ip(&["link", "set", vb, "netns", b])?;
+        let (a, b) = (n.ns[0].clone(), n.ns[1].clone());
+        let (va, vb) = (n.veth[0].clone(), n.veth[1].clone());
+        for ns in [&a, &b] {
+            ip(&["netns", "add", ns])?;
+            n.made_ns.push(ns.clone());
+        }
+        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        n.made_veth = true;
+        ip(&["link", "set", &va, "netns", &a])?;
+        ip(&["link", "set", &vb, "netns", &b])?;
         for i in 0..2 {
             let (ns, v, addr) = (&n.ns[i], &n.veth[i], &n.addr[i]);
             ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", v])?;
@@ -108,16 +117,19 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        for ns in &self.ns {
+        for ns in &self.made_ns {
             // Deleting a namespace destroys the veth end inside it (and so
             // the pair).
-            if let Err(e) = ip(&["netns", "del", ns]) {
-                eprintln!("cleanup: {}", e.message);
+            match ip(&["netns", "del", ns]) {
+                Ok(()) => eprintln!("cleanup: namespace {ns} removed"),
+                Err(e) => eprintln!("cleanup: {}", e.message),
             }
         }
-        // In case the pair never left the root namespace.
-        let _ = ip(&["link", "del", &self.veth[0]]);
-        eprintln!("cleanup: namespaces {:?} and veth pair {:?} removed", self.ns, self.veth);
+        if self.made_veth {
+            // In case the pair never left the root namespace (gone already
+            // otherwise).
+            let _ = ip(&["link", "del", &self.veth[0]]);
+        }
     }
 }
 
