@@ -25,11 +25,20 @@ run() {  # run NAME CMD...: log to $out/NAME.log, remember failures
     fi
 }
 { nvidia-smi -L; nvidia-smi topo -m; } >"$out/gpu.txt" 2>&1
+v="$nb/bin/bounce-vram"
+if [[ "$mode" == perf ]]; then
+    # Settings sweep of the bounce path alone (chunk size, pipeline depth).
+    for chunk in 512KiB 2MiB 8MiB 32MiB; do
+        run "perf-chunk-$chunk" "$v" bench --backend BOUNCE --label "chunk-$chunk" --param max_chunk_size_bytes=$chunk \
+            --concurrent 0 --json "$out/perf-chunk-$chunk.json"
+    done
+    cat "$out"/perf-*.log | grep -E "x |per request" >"$out/perf-summary.txt"
+    exit $status
+fi
 run probe "$nb/bin/gpu-probe"
 for t in "$nb"/bin/gpu_*; do
     [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
 done
-v="$nb/bin/bounce-vram"
 if [[ -x "$v" ]]; then
     # Two-process VRAM WRITEs through the plugin, byte-exact (1, 1024, 16384 x
     # 4 KiB, mixed sizes, 8 concurrent threads).

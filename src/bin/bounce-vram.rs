@@ -444,6 +444,7 @@ fn run_bench(args: &Args) -> bool {
             let slots = args.buffer / size;
             let p = plan(n, size, slots, 0, 5000 + n as u64, false);
             let before = plugin_counters(&init.name);
+            let target_before = target_counters(&mut init.target);
             let mut times = Vec::new();
             for _ in 0..args.iters {
                 let req = init.request(&p, None).unwrap_or_else(|e| die(e));
@@ -453,6 +454,7 @@ fn run_bench(args: &Args) -> bool {
                 times.push(t0.elapsed().as_secs_f64() * 1e3);
             }
             let after = plugin_counters(&init.name);
+            let target_after = target_counters(&mut init.target);
             times.sort_by(f64::total_cmp);
             let p50 = percentile(&times, 0.5);
             let bytes = (n * size) as f64;
@@ -472,6 +474,9 @@ fn run_bench(args: &Args) -> bool {
                 bounce_path: bounced,
             });
             print_row(rows.last().expect("row"));
+            if bounced {
+                print_breakdown(args.iters, &before, &after, &target_before, &target_after);
+            }
         }
     }
     if args.concurrent > 0 {
@@ -540,6 +545,37 @@ fn run_bench(args: &Args) -> bool {
     let stats = init.target.cmd("STATS").unwrap_or_default();
     eprintln!("target counters: {stats}");
     true
+}
+
+fn target_counters(t: &mut Target) -> BTreeMap<String, u64> {
+    t.cmd("STATS").ok().and_then(|j| serde_json::from_str(&j).ok()).unwrap_or_default()
+}
+
+/// Where a bounce request's time goes, averaged per request from the
+/// runtime's counters (sums over operations, so overlapping phases can add up
+/// to more than the request time).
+fn print_breakdown(
+    iters: usize,
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+    tbefore: &BTreeMap<String, u64>,
+    tafter: &BTreeMap<String, u64>,
+) {
+    let d = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
+        a.get(k).copied().unwrap_or(0).saturating_sub(b.get(k).copied().unwrap_or(0))
+    };
+    let per = |ns: u64| ns as f64 / iters.max(1) as f64 / 1e6;
+    let chunks = d(after, before, "chunks_written") as f64 / iters.max(1) as f64;
+    println!(
+        "    per request: total {:.3} ms | chunks {:.1} | gather {:.3} ms | copy queue {:.3} ms | write {:.3} ms | scatter (target) {:.3} ms | target queue {:.3} ms",
+        per(d(after, before, "request_ns")),
+        chunks,
+        per(d(after, before, "gather_ns")),
+        per(d(after, before, "copy_queue_ns")),
+        per(d(after, before, "write_ns")),
+        per(d(tafter, tbefore, "scatter_ns")),
+        per(d(tafter, tbefore, "copy_queue_ns")),
+    );
 }
 
 fn print_row(r: &Row) {

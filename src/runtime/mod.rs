@@ -98,6 +98,14 @@ pub struct RuntimeCounters {
     pub failed: AtomicU64,
     pub timeouts: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Time spent, summed over operations (for the benchmark's breakdown):
+    /// gathers and scatters running, copy jobs waiting for a worker, chunk
+    /// writes from post to completion, requests from submission to outcome.
+    pub gather_ns: AtomicU64,
+    pub scatter_ns: AtomicU64,
+    pub copy_queue_ns: AtomicU64,
+    pub write_ns: AtomicU64,
+    pub request_ns: AtomicU64,
 }
 
 /// Memory ranges the receiver may scatter into: memory registered with this
@@ -346,6 +354,11 @@ impl Runtime {
                 ("bounce_failed", &c.failed),
                 ("bounce_timeouts", &c.timeouts),
                 ("bounce_cancels", &c.cancelled),
+                ("gather_ns", &c.gather_ns),
+                ("scatter_ns", &c.scatter_ns),
+                ("copy_queue_ns", &c.copy_queue_ns),
+                ("write_ns", &c.write_ns),
+                ("request_ns", &c.request_ns),
             ];
             let map = rows.into_iter().map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed))).collect();
             (map, shared.poisoned.lock().expect("poisoned").clone())
@@ -367,6 +380,7 @@ impl Drop for Runtime {
 
 struct CopyJob {
     id: CopyId,
+    queued_at: Instant,
     direction: Direction,
     span: RegionSpan,
     runs: Vec<Run>,
@@ -381,6 +395,9 @@ enum CopyId {
 struct CopyDone {
     id: CopyId,
     result: Result<(), crate::copy::CopyError>,
+    /// Queued -> started, and started -> finished.
+    queued: Duration,
+    ran: Duration,
 }
 
 fn copy_worker(
@@ -394,6 +411,8 @@ fn copy_worker(
             Ok(j) => j,
             Err(_) => return, // the reactor is gone
         };
+        let started = Instant::now();
+        let queued = started.duration_since(job.queued_at);
         let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             copier.copy(job.direction, job.span, &job.runs)
         })) {
@@ -404,7 +423,8 @@ fn copy_worker(
                 quiesced: false,
             }),
         };
-        if done.send(CopyDone { id: job.id, result }).is_err() {
+        let ran = started.elapsed();
+        if done.send(CopyDone { id: job.id, result, queued, ran }).is_err() {
             return;
         }
         waker();
@@ -429,12 +449,12 @@ struct Reactor {
     jobs: Option<Sender<CopyJob>>,
     done: Receiver<CopyDone>,
     copies_in_flight: usize,
-    writes: Vec<(ChunkRef, PeerId, ChunkWrite, u64)>,
+    writes: Vec<(ChunkRef, PeerId, ChunkWrite, u64, Instant)>,
     /// Peers we send data to (from their handshake).
     peers: HashMap<PeerId, PeerState>,
     /// Control-channel handles by peer.
     handles: HashMap<PeerId, PeerHandle>,
-    tickets: HashMap<RequestId, (Arc<Ticket>, Option<DeferredNotif>)>,
+    tickets: HashMap<RequestId, (Arc<Ticket>, Option<DeferredNotif>, Instant)>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -485,7 +505,7 @@ impl Reactor {
                     match self.endpoint.submit(now, &peer, &descriptors) {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
-                            self.tickets.insert(id, (ticket, notif));
+                            self.tickets.insert(id, (ticket, notif, Instant::now()));
                         }
                         Err(e) => {
                             tracing::warn!(agent = %self.name, "bounce submission refused: {e}");
@@ -516,17 +536,17 @@ impl Reactor {
         self.execute_actions();
         // Tear the data path down first: no write to the peer may still run.
         let deadline = Instant::now() + QUIESCE_BOUND;
-        while self.writes.iter().any(|(_, p, _, _)| p == peer) && Instant::now() < deadline {
+        while self.writes.iter().any(|w| &w.1 == peer) && Instant::now() < deadline {
             self.poll_writes();
             std::thread::yield_now();
         }
         let now = self.now();
-        let stuck: Vec<ChunkRef> = self.writes.iter().filter(|(_, p, _, _)| p == peer).map(|(c, _, _, _)| *c).collect();
+        let stuck: Vec<ChunkRef> = self.writes.iter().filter(|w| &w.1 == peer).map(|w| w.0).collect();
         for chunk in stuck {
             tracing::error!(agent = %self.name, %peer, %chunk, "write to a forgotten peer never finished");
             self.endpoint.handle_write_stuck(now, chunk);
         }
-        self.writes.retain(|(_, p, _, _)| p != peer);
+        self.writes.retain(|w| &w.1 != peer);
         self.peers.remove(peer);
         if let Some(h) = self.handles.remove(peer) {
             self.channel.remove_peer(h);
@@ -540,6 +560,12 @@ impl Reactor {
             any = true;
             self.copies_in_flight -= 1;
             let now = self.now();
+            let c = &self.shared.counters;
+            c.copy_queue_ns.fetch_add(done.queued.as_nanos() as u64, Ordering::Relaxed);
+            match done.id {
+                CopyId::Gather(_) => c.gather_ns.fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+                CopyId::Scatter(_) => c.scatter_ns.fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+            };
             match (done.id, done.result) {
                 (CopyId::Gather(chunk), Ok(())) => self.endpoint.handle_gather_done(now, chunk),
                 (CopyId::Gather(chunk), Err(e)) => {
@@ -569,7 +595,9 @@ impl Reactor {
                 WriteState::InProgress => i += 1,
                 state => {
                     any = true;
-                    let (chunk, _peer, _w, len) = self.writes.swap_remove(i);
+                    let (chunk, _peer, _w, len, posted) = self.writes.swap_remove(i);
+                    let c = &self.shared.counters;
+                    c.write_ns.fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     let now = self.now();
                     if state == WriteState::Done {
                         self.shared.counters.chunks_written.fetch_add(1, Ordering::Relaxed);
@@ -689,7 +717,7 @@ impl Reactor {
                         None => Err(format!("no data path to peer {peer}")),
                     };
                     match posted {
-                        Ok(w) => self.writes.push((chunk, peer, w, len)),
+                        Ok(w) => self.writes.push((chunk, peer, w, len, Instant::now())),
                         Err(e) => {
                             self.shared.counters.write_failures.fetch_add(1, Ordering::Relaxed);
                             tracing::error!(agent = %self.name, %chunk, "{e}");
@@ -713,7 +741,7 @@ impl Reactor {
     fn start_copy(&mut self, id: CopyId, direction: Direction, region: RegionHandle, runs: Vec<Run>) {
         let offset = region.0 as usize;
         let span = RegionSpan { addr: self.arena.addr + offset, len: self.arena.len.saturating_sub(offset) };
-        let sent = self.jobs.as_ref().map(|j| j.send(CopyJob { id, direction, span, runs }).is_ok()).unwrap_or(false);
+        let sent = self.jobs.as_ref().map(|j| j.send(CopyJob { id, queued_at: Instant::now(), direction, span, runs }).is_ok()).unwrap_or(false);
         if sent {
             self.copies_in_flight += 1;
         } else {
@@ -726,7 +754,8 @@ impl Reactor {
     }
 
     fn complete(&mut self, request: RequestId, outcome: Outcome) {
-        let Some((ticket, notif)) = self.tickets.remove(&request) else { return };
+        let Some((ticket, notif, submitted)) = self.tickets.remove(&request) else { return };
+        self.shared.counters.request_ns.fetch_add(submitted.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let c = &self.shared.counters;
         let result = match outcome {
             Outcome::Success => match notif {
@@ -782,7 +811,7 @@ impl Reactor {
             );
             *self.shared.poisoned.lock().expect("poisoned") = Some("shutdown with operations in flight".into());
         }
-        for (_, (ticket, _)) in self.tickets.drain() {
+        for (_, (ticket, _, _)) in self.tickets.drain() {
             ticket.finish(Err(FailureReason::Shutdown));
         }
         self.jobs = None; // closes the job queue: workers exit
