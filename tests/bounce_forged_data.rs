@@ -19,6 +19,14 @@
 //! `scatter_refused`; and the receiver must stay healthy: a real bounce
 //! transfer into it afterwards succeeds byte-exact and the arena is not
 //! poisoned.
+//!
+//! Found (ignored `BUG:` test `unpaired_client_cannot_scatter_into_registered_memory`):
+//! the check is "registered with this engine", not "exported to that
+//! peer": a client that never received anything the receiver exported
+//! (only its control port) is granted credits and its DATA into
+//! registered memory is scattered and ACKed, writing whatever the granted
+//! arena region holds (zeros, or a previous flow's bytes) to an address of
+//! its choosing. Nothing plays the part of the UCX path's remote key.
 mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
@@ -191,4 +199,35 @@ fn forged_data_outside_registered_memory_is_refused() {
     healthy(&mut s, &mut r, 20);
     healthy(&mut s, &mut r, 30);
     assert!(stats(r.name()).poisoned.is_none());
+}
+
+#[test]
+#[serial_test::serial]
+#[ignore = "BUG: any ZMQ client that reaches the control port gets GRANTs and has its DATA scattered into registered memory; nothing like an RDMA key ties the memory to peers it was exported to"]
+fn unpaired_client_cannot_scatter_into_registered_memory() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // The client below never received anything the receiver exported: it
+    // only knows the control endpoint, a TCP port any port scan finds (it
+    // is read from the metadata here for brevity; nothing else of it is
+    // used). The UCX path would need the region's remote key for a write.
+    let len = blocks_for(MANY) * BLOCK;
+    let r = endpoint("fd-rx", &[LOOPBACK], len, 1, ThreadSync::Default);
+    let hs = handshake_of(&r.node.local_md().or_fail("receiver md"));
+    let mut fake = FakeSender::new(&String::from_utf8(hs.endpoint).unwrap());
+    let watched = Watched::new("the receiver's registered buffer", &r.buf);
+    let before = stats(r.name());
+    let (req, region, _) = fake.want(4096);
+    eprintln!("an unpaired client was granted region {region}");
+    fake.data(req, region, vec![Run::single(0, r.buf.addr() as u64 + 8192, 4096)]);
+    let reply = fake.recv("a reply to the DATA");
+    let after = stats(r.name());
+    eprintln!("reply: {reply:?}; {}", after.diff(&before));
+    assert!(
+        !matches!(reply, Message::Ack { .. }),
+        "the receiver scattered an unpaired client's DATA into its registered memory (ACK); {}",
+        after.diff(&before)
+    );
+    watched.unchanged("DATA from an unpaired client");
 }
