@@ -33,7 +33,8 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use cli::{Options, Parsed};
+use cli::{Options, Parsed, VariantSpec};
+use mem::BenchMemory;
 use report::{Meta, Row, VariantInfo};
 use run::{Failure, Shape};
 use variant::Variant;
@@ -124,6 +125,7 @@ fn meta(o: &Options, args: &[String]) -> Meta {
         rounds: o.rounds,
         warmup_batches: o.warmup,
         max_timed_batches: o.iters,
+        quiet_below_cores: o.quiet_below,
         min_timed_batches: o.min_iters,
         config_budget_s: o.config_budget.as_secs_f64(),
         timeout_s: o.timeout.as_secs_f64(),
@@ -138,6 +140,129 @@ fn meta(o: &Options, args: &[String]) -> Meta {
         foreign_cpu_cores_at_start: None,
         load_average_at_start: None,
         plugin_dir: std::env::var("NIXL_PLUGIN_DIR").ok(),
+    }
+}
+
+/// Opens `spec` once: checks its parameters, records what its backend was
+/// created with and what its agents cost while idle, then closes it.
+fn probe(o: &Options, spec: &VariantSpec, src: &dyn BenchMemory, dst: &dyn BenchMemory) -> (VariantInfo, Result<(), String>) {
+    let t = Instant::now();
+    let mut info = VariantInfo {
+        label: spec.label(),
+        backend: spec.backend.plugin().into(),
+        contiguous: spec.contiguous,
+        params_given: spec.params.iter().cloned().collect(),
+        params_effective: BTreeMap::new(),
+        setup_s: None,
+        idle_cpu_cores: None,
+        idle_cpu_by_thread: BTreeMap::new(),
+        error: None,
+    };
+    let state = match Variant::open(spec, src, dst) {
+        Ok(v) => {
+            info.setup_s = Some(t.elapsed().as_secs_f64());
+            info.params_effective = v.params.clone();
+            let (idle, groups, _) = idle_cpu(Duration::from_millis(500));
+            info.idle_cpu_cores = Some(idle);
+            info.idle_cpu_by_thread = groups;
+            progress(
+                o,
+                &format!(
+                    "{}: agents ready in {:.2} s; idle, they keep {idle:.3} CPU cores busy",
+                    info.label,
+                    info.setup_s.unwrap_or(0.0)
+                ),
+            );
+            close(v, o.timeout).map(|_| ())
+        }
+        Err(e) => Err(format!("set-up failed: {e}")),
+    };
+    if let Err(e) = &state {
+        progress(o, &format!("{}: unusable: {e}", info.label));
+        info.error = Some(e.clone());
+    }
+    (info, state)
+}
+
+/// How one run of a (configuration, variant) ended, for the variant.
+enum RunEnd {
+    /// The variant can be used again.
+    Reusable,
+    /// Its agents were torn down badly or leaked: do not use it again.
+    Unusable(String),
+    /// Requests were left in flight and the agents leaked: the buffers must
+    /// outlive the process.
+    Abandoned(String),
+}
+
+#[allow(clippy::too_many_arguments)]
+/// Runs `shape` once through fresh agents of `spec`, adding what it measured
+/// (or why it failed) to `cell`.
+fn run_once(
+    o: &Options,
+    spec: &VariantSpec,
+    shape: Shape,
+    ids: (u64, u64),
+    what: &str,
+    cell: &mut Cell,
+    src: &mut dyn BenchMemory,
+    dst: &mut dyn BenchMemory,
+) -> RunEnd {
+    let t = Instant::now();
+    let v = match Variant::open(spec, src, dst) {
+        Ok(v) => v,
+        Err(e) => {
+            progress(o, &format!("{what}: set-up failed: {e}"));
+            cell.failure = Some(("failed", format!("set-up failed: {e}")));
+            return RunEnd::Reusable;
+        }
+    };
+    cell.setup_s.push(t.elapsed().as_secs_f64());
+    match run::run_shape(o, &v, shape, ids, src, dst) {
+        Ok(m) => {
+            let r = report::Round::of(&m, shape);
+            progress(
+                o,
+                &format!(
+                    "{what}: p50 {:.3} ms, {:.2} GB/s, {} batches, other processes {} cores{}{}",
+                    r.p50_ms,
+                    r.throughput_gbps,
+                    m.batch_ms.len(),
+                    r.foreign_cpu_cores.map_or("?".into(), |c| format!("{c:.2}")),
+                    if m.verified.is_err() { ", VERIFICATION FAILED" } else { "" },
+                    m.bounce.as_ref().map(|b| format!(", bounce path {}", b.used)).unwrap_or_default()
+                ),
+            );
+            cell.rounds.push(r);
+            match &mut cell.measured {
+                Some(acc) => acc.merge(m),
+                None => cell.measured = Some(m),
+            }
+        }
+        Err(Failure::Setup(e)) => {
+            progress(o, &format!("{what}: failed: {e}"));
+            cell.failure = Some(("failed", e));
+        }
+        Err(Failure::Batch(e)) => {
+            progress(o, &format!("{what}: failed: {e}; variant abandoned"));
+            // Requests may still be in flight: never reuse or tear down these
+            // agents (teardown could hang, or free memory a transfer still
+            // writes to).
+            std::mem::forget(v);
+            cell.failure = Some(("failed", e.clone()));
+            return RunEnd::Abandoned(format!("abandoned after an earlier failure: {e}"));
+        }
+    }
+    match close(v, o.timeout) {
+        Ok(d) => {
+            cell.teardown_s.push(d.as_secs_f64());
+            RunEnd::Reusable
+        }
+        Err(e) => {
+            progress(o, &format!("{what}: {e}"));
+            cell.failure = Some(("failed", e.clone()));
+            RunEnd::Unusable(e)
+        }
     }
 }
 
@@ -190,41 +315,7 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
     // variant's idle threads run beside it.
     let mut usable: Vec<Result<(), String>> = Vec::new();
     for spec in &o.variants {
-        let t = Instant::now();
-        let mut info = VariantInfo {
-            label: spec.label(),
-            backend: spec.backend.plugin().into(),
-            contiguous: spec.contiguous,
-            params_given: spec.params.iter().cloned().collect(),
-            params_effective: BTreeMap::new(),
-            setup_s: None,
-            idle_cpu_cores: None,
-            idle_cpu_by_thread: BTreeMap::new(),
-            error: None,
-        };
-        let state = match Variant::open(spec, src.as_ref(), dst.as_ref()) {
-            Ok(v) => {
-                info.setup_s = Some(t.elapsed().as_secs_f64());
-                info.params_effective = v.params.clone();
-                let (idle, groups, _) = idle_cpu(Duration::from_millis(500));
-                info.idle_cpu_cores = Some(idle);
-                info.idle_cpu_by_thread = groups;
-                progress(
-                    o,
-                    &format!(
-                        "{}: agents ready in {:.2} s; idle, they keep {idle:.3} CPU cores busy",
-                        info.label,
-                        info.setup_s.unwrap_or(0.0)
-                    ),
-                );
-                close(v, o.timeout).map(|_| ())
-            }
-            Err(e) => Err(format!("set-up failed: {e}")),
-        };
-        if let Err(e) = &state {
-            progress(o, &format!("{}: unusable: {e}", info.label));
-            info.error = Some(e.clone());
-        }
+        let (info, state) = probe(o, spec, src.as_ref(), dst.as_ref());
         meta.variants.push(info);
         usable.push(state);
     }
@@ -284,7 +375,7 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
                     continue;
                 }
                 if let Some(max) = o.wait_quiet {
-                    cell.quiet = Some(wait_quiet(max));
+                    cell.quiet = Some(wait_quiet(max, o.quiet_below));
                 }
                 let what = format!(
                     "round {}/{}: {:<14} {:>5} x {:>6} B x {:>3}",
@@ -295,61 +386,13 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
                     shape.size,
                     shape.inflight
                 );
-                let t = Instant::now();
-                let v = match Variant::open(spec, src.as_ref(), dst.as_ref()) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        progress(o, &format!("{what}: set-up failed: {e}"));
-                        cell.failure = Some(("failed", format!("set-up failed: {e}")));
-                        continue;
-                    }
-                };
-                cell.setup_s.push(t.elapsed().as_secs_f64());
                 let ids = (shape_id as u64, variant_id as u64);
-                match run::run_shape(o, &v, shape, ids, src.as_mut(), dst.as_mut()) {
-                    Ok(m) => {
-                        let r = report::Round::of(&m, shape);
-                        progress(
-                            o,
-                            &format!(
-                                "{what}: p50 {:.3} ms, {:.2} GB/s, {} batches, other processes {} cores{}{}",
-                                r.p50_ms,
-                                r.throughput_gbps,
-                                m.batch_ms.len(),
-                                r.foreign_cpu_cores.map_or("?".into(), |c| format!("{c:.2}")),
-                                if m.verified.is_err() { ", VERIFICATION FAILED" } else { "" },
-                                m.bounce.as_ref().map(|b| format!(", bounce path {}", b.used)).unwrap_or_default()
-                            ),
-                        );
-                        cell.rounds.push(r);
-                        match &mut cell.measured {
-                            Some(acc) => acc.merge(m),
-                            None => cell.measured = Some(m),
-                        }
-                    }
-                    Err(Failure::Setup(e)) => {
-                        progress(o, &format!("{what}: failed: {e}"));
-                        cell.failure = Some(("failed", e));
-                    }
-                    Err(Failure::Batch(e)) => {
-                        progress(o, &format!("{what}: failed: {e}; variant abandoned"));
-                        // Requests may still be in flight: never reuse or
-                        // tear down these agents (teardown could hang, or
-                        // free memory a transfer still writes to).
-                        std::mem::forget(v);
+                match run_once(o, spec, shape, ids, &what, cell, src.as_mut(), dst.as_mut()) {
+                    RunEnd::Reusable => {}
+                    RunEnd::Unusable(why) => usable[variant_id] = Err(why),
+                    RunEnd::Abandoned(why) => {
                         abandoned = true;
-                        usable[variant_id] = Err(format!("abandoned after an earlier failure: {e}"));
-                        cell.failure = Some(("failed", e));
-                        save(&meta, &cells, &model_rows)?;
-                        continue;
-                    }
-                }
-                match close(v, o.timeout) {
-                    Ok(d) => cell.teardown_s.push(d.as_secs_f64()),
-                    Err(e) => {
-                        progress(o, &format!("{what}: {e}"));
-                        usable[variant_id] = Err(e.clone());
-                        cell.failure = Some(("failed", e));
+                        usable[variant_id] = Err(why);
                     }
                 }
                 save(&meta, &cells, &model_rows)?;
@@ -370,7 +413,7 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
     meta.finished_utc = Some(sysinfo::utc_now());
     let rows = save(&meta, &cells, &model_rows)?;
     println!();
-    report::print_table(&rows, &mut std::io::stdout()).map_err(|e| e.to_string())?;
+    report::print_table(&rows, o.quiet_below, &mut std::io::stdout()).map_err(|e| e.to_string())?;
     if let Some(p) = &o.json {
         println!("\njson: {}", p.display());
     }
@@ -406,6 +449,9 @@ fn build_rows(o: &Options, all: &[Shape], cells: &[Cell], model_rows: &[Vec<Row>
             let cell = &cells[shape_id * nv + variant_id];
             let mut row = Row::new(o, &spec.label(), spec.backend.plugin(), &spec.name, *shape);
             if let Some(m) = &cell.measured {
+                if o.raw {
+                    row.latencies_raw_ms = Some(m.latencies_ms.iter().map(|x| (x * 1e4).round() / 1e4).collect());
+                }
                 row = row.measured(m.clone(), &spec.label());
             }
             row.rounds = cell.rounds.clone();
@@ -426,7 +472,7 @@ fn build_rows(o: &Options, all: &[Shape], cells: &[Cell], model_rows: &[Vec<Row>
         }
         rows.extend(model_rows[shape_id].iter().cloned());
     }
-    report::add_speedups(&mut rows);
+    report::add_speedups(&mut rows, o.quiet_below);
     rows
 }
 
@@ -449,14 +495,14 @@ fn describe(r: &Row) -> String {
     }
 }
 
-/// Waits until other processes keep fewer than 0.3 CPU cores busy (seen
+/// Waits until other processes keep fewer than `quiet_below` CPU cores busy (seen
 /// over 0.5 s), at most `max`. Returns the seconds waited and the last
 /// reading.
-fn wait_quiet(max: Duration) -> (f64, Option<f64>) {
+fn wait_quiet(max: Duration, quiet_below: f64) -> (f64, Option<f64>) {
     let t = Instant::now();
     loop {
         let (_, _, foreign) = idle_cpu(Duration::from_millis(500));
-        if foreign.is_none_or(|f| f < 0.3) || t.elapsed() >= max {
+        if foreign.is_none_or(|f| f < quiet_below) || t.elapsed() >= max {
             return ((t.elapsed().as_secs_f64() * 10.0).round() / 10.0, foreign);
         }
     }

@@ -24,7 +24,7 @@ USAGE:
 
 PRESETS (lists and iteration counts; later flags override them):
       --quick            counts 256,1024,4096,16384, size 4KiB, in-flight 1,8;
-                         2 rounds of up to 10 timed batches, 1 s per run
+                         2 rounds of 1 warm-up + 2..10 timed batches, 1 s per run
                          (about 1.5 min on the 2-core machine)
       --full             counts 256,1024,4096,16384, sizes 1KiB,4KiB,16KiB,64KiB,
                          in-flight 1,8,32,128; 2 rounds of up to 20 batches,
@@ -53,6 +53,9 @@ VARIANTS (rows):
                          an extra BOUNCE row labelled BOUNCE[NAME] (repeatable),
                          e.g. --bounce-variant c4m:max_chunk_size_bytes=4MiB
                          (variant parameters go on top of --bounce-param)
+                         A key agent.prog_thread|agent.pthr_delay_us|agent.num_workers
+                         configures the bench's own agents (nixl-sys AgentConfig)
+                         instead of the backend, e.g. --ucx-variant noprog:agent.prog_thread=false
       --model            also measure the pieces of the bounce path: a UCX row
                          moving the same bytes as ONE contiguous descriptor
                          (UCX[1-desc]) and single-threaded memcpy gather and
@@ -65,9 +68,9 @@ TIMING:
                          each row (fresh agents every run; the speedup is also
                          given as the median of per-round ratios, which is
                          robust to a machine whose load drifts); default 2
-  -w, --warmup N         untimed batches first in every run (default 2)
+  -w, --warmup N         untimed batches first in every run (default 2; --quick 1)
   -i, --iters N          timed batches at most (default 20; --quick 10)
-      --min-iters N      timed batches at least (default 3)
+      --min-iters N      timed batches at least (default 3; --quick 2)
       --config-budget S  seconds of timed batches per run of a configuration
                          and variant; fewer batches when they are slow
                          (default 2; --quick 1)
@@ -75,9 +78,12 @@ TIMING:
                          are skipped and reported once it is spent (default 1800)
       --timeout S        bound on one batch; a batch still running is an error
                          and the variant is abandoned (default 60)
-      --wait-quiet S     before each row, wait up to S seconds until other
-                         processes use less than 0.3 CPU cores (for shared
-                         machines; what was waited and seen is in the JSON)
+      --wait-quiet S     before each run, wait up to S seconds until other
+                         processes use fewer than --quiet-below CPU cores (for
+                         shared machines; what was waited and seen is in the JSON)
+      --quiet-below C    a round counts as quiet when other processes kept
+                         fewer than C CPU cores busy during it (default 0.25);
+                         the table's quiet column uses only such rounds
       --poll MODE        how completions are polled: yield (default: yield
                          between polls, sleep 50us every 1024 polls), spin,
                          or sleep=US
@@ -85,11 +91,14 @@ TIMING:
 OUTPUT:
       --json PATH        every row plus metadata (command line, git commit,
                          machine, date); rewritten after each row
+      --raw              also put every per-request latency in the JSON
   -q, --quiet            no progress lines on stderr
   -h, --help             this text
 
-Exit status: 0 when every row that ran verified and every BOUNCE row took the
-bounce path; 1 otherwise; 2 for a usage error.";
+Exit status: 0 when every row that ran verified and every BOUNCE row that
+BOUNCE's routing gate admits (min_descriptor_count, max_average_descriptor_
+size_bytes) took the bounce path; 1 otherwise; 2 for a usage error. Rows the
+gate sends to UCX are flagged in the table but are not errors.";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -203,7 +212,9 @@ pub struct Options {
     pub timeout: Duration,
     pub poll: Poll,
     pub wait_quiet: Option<Duration>,
+    pub quiet_below: f64,
     pub json: Option<PathBuf>,
+    pub raw: bool,
     pub quiet: bool,
 }
 
@@ -294,7 +305,9 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
         timeout: Duration::from_secs(60),
         poll: Poll::Yield,
         wait_quiet: None,
+        quiet_below: 0.25,
         json: None,
+        raw: false,
         quiet: false,
     };
     let mut backends = vec![BackendKind::Bounce, BackendKind::Ucx];
@@ -319,7 +332,9 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                 o.sizes = vec![4096];
                 o.inflight = vec![1, 8];
                 o.rounds = 2;
+                o.warmup = 1;
                 o.iters = 10;
+                o.min_iters = 2;
                 o.config_budget = Duration::from_secs(1);
             }
             "--full" => {
@@ -384,6 +399,12 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "--config-budget" => o.config_budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--budget" => o.budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--wait-quiet" => o.wait_quiet = Some(seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?),
+            "--quiet-below" => {
+                o.quiet_below = match value()?.parse::<f64>() {
+                    Ok(c) if c > 0.0 && c.is_finite() => c,
+                    _ => return Err(format!("{flag}: expected a positive number of CPU cores")),
+                }
+            }
             "--timeout" => o.timeout = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
             "--poll" => {
                 let v = value()?;
@@ -397,6 +418,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                 }
             }
             "--json" => o.json = Some(PathBuf::from(value()?)),
+            "--raw" => o.raw = true,
             "-q" | "--quiet" => o.quiet = true,
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }

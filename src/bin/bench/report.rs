@@ -95,6 +95,9 @@ pub struct Row {
     pub timed_batches: usize,
     /// Per-request latency from post to completion seen (ms).
     pub latency_ms: Option<Percentiles>,
+    /// `--raw`: every per-request latency (ms), in completion order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latencies_raw_ms: Option<Vec<f64>>,
     /// Median wall time of a batch (ms).
     pub batch_ms_median: Option<f64>,
     /// Bytes of all timed batches / their summed wall time (GB/s, 1e9).
@@ -106,12 +109,22 @@ pub struct Row {
     pub speedup_vs_ucx_by_round: Option<f64>,
     /// Each round's run (the whole sweep is repeated `--rounds` times).
     pub rounds: Vec<Round>,
+    /// Rounds during which other processes kept fewer than `--quiet-below`
+    /// CPU cores busy, their median throughput, and the median ratio over
+    /// rounds where this row AND the UCX row were quiet.
+    pub quiet_rounds: usize,
+    pub quiet_throughput_gbps: Option<f64>,
+    pub speedup_vs_ucx_quiet: Option<f64>,
+    pub speedup_vs_ucx_quiet_pairs: usize,
     /// First and last timed batch verified byte-exact.
     pub verified: Option<bool>,
     pub verify_error: Option<String>,
     /// BOUNCE rows: whether the plugin's counters show the bounce path.
     pub bounce_path: Option<String>,
     pub bounce_path_ok: Option<bool>,
+    /// Whether BOUNCE's routing gate admits this configuration (a fallback
+    /// it predicts is flagged, not an error).
+    pub bounce_path_expected: Option<bool>,
     pub chunks_per_request: Option<f64>,
     /// BOUNCE rows: counter increments over the whole configuration.
     pub bounce_counters_initiator: Option<BTreeMap<String, u64>>,
@@ -148,15 +161,21 @@ impl Row {
             warmup_batches: 0,
             timed_batches: 0,
             latency_ms: None,
+            latencies_raw_ms: None,
             batch_ms_median: None,
             throughput_gbps: None,
             speedup_vs_ucx: None,
             speedup_vs_ucx_by_round: None,
             rounds: Vec::new(),
+            quiet_rounds: 0,
+            quiet_throughput_gbps: None,
+            speedup_vs_ucx_quiet: None,
+            speedup_vs_ucx_quiet_pairs: 0,
             verified: None,
             verify_error: None,
             bounce_path: None,
             bounce_path_ok: None,
+            bounce_path_expected: None,
             chunks_per_request: None,
             bounce_counters_initiator: None,
             bounce_counters_target: None,
@@ -199,6 +218,7 @@ impl Row {
         if let Some(b) = m.bounce {
             r.bounce_path = Some(b.used);
             r.bounce_path_ok = Some(b.ok);
+            r.bounce_path_expected = Some(b.expected);
             r.chunks_per_request = b.chunks_per_request;
             r.bounce_counters_initiator = Some(b.init_delta);
             r.bounce_counters_target = Some(b.target_delta);
@@ -216,7 +236,8 @@ impl Row {
     }
 
     pub fn ok(&self) -> bool {
-        self.status != "failed" && self.verified != Some(false) && self.bounce_path_ok != Some(false)
+        let unexpected_fallback = self.bounce_path_ok == Some(false) && self.bounce_path_expected != Some(false);
+        self.status != "failed" && self.verified != Some(false) && !unexpected_fallback
     }
 }
 
@@ -243,29 +264,33 @@ fn cpu_groups(cpu: &CpuUse, label: &str, requests: f64) -> BTreeMap<String, f64>
     out
 }
 
-/// Fills the speedups from the UCX default row of each configuration.
-pub fn add_speedups(rows: &mut [Row]) {
+/// Fills the quiet-round figures and the speedups from the UCX default row
+/// of each configuration. A round is quiet when other processes kept fewer
+/// than `quiet_below` CPU cores busy during it.
+pub fn add_speedups(rows: &mut [Row], quiet_below: f64) {
     type Key = (usize, usize, usize);
-    let base: Vec<(Key, f64, Vec<f64>)> = rows
+    let quiet = |x: &Round| x.foreign_cpu_cores.is_some_and(|f| f < quiet_below);
+    for r in rows.iter_mut() {
+        let mut q: Vec<f64> = r.rounds.iter().filter(|x| quiet(x)).map(|x| x.throughput_gbps).collect();
+        r.quiet_rounds = q.len();
+        r.quiet_throughput_gbps = median(&mut q).map(round3);
+    }
+    let base: Vec<(Key, f64, Vec<Round>)> = rows
         .iter()
         .filter(|r| r.label == "UCX" && r.status == "ok")
-        .filter_map(|r| {
-            let per_round = r.rounds.iter().map(|x| x.throughput_gbps).collect();
-            Some(((r.descriptors, r.descriptor_bytes, r.inflight), r.throughput_gbps?, per_round))
-        })
+        .filter_map(|r| Some(((r.descriptors, r.descriptor_bytes, r.inflight), r.throughput_gbps?, r.rounds.clone())))
         .collect();
     for r in rows.iter_mut().filter(|r| r.backend != "memcpy") {
         let key = (r.descriptors, r.descriptor_bytes, r.inflight);
         let Some((_, b, b_rounds)) = base.iter().find(|(k, _, _)| *k == key) else { continue };
         r.speedup_vs_ucx = r.throughput_gbps.filter(|_| *b > 0.0).map(|g| round3(g / b));
-        let mut ratios: Vec<f64> = r
-            .rounds
-            .iter()
-            .zip(b_rounds)
-            .filter(|(_, u)| **u > 0.0)
-            .map(|(x, u)| x.throughput_gbps / u)
-            .collect();
+        let pairs = r.rounds.iter().zip(b_rounds).filter(|(_, u)| u.throughput_gbps > 0.0);
+        let mut ratios: Vec<f64> = pairs.clone().map(|(x, u)| x.throughput_gbps / u.throughput_gbps).collect();
         r.speedup_vs_ucx_by_round = median(&mut ratios).map(round3);
+        let mut quiet_ratios: Vec<f64> =
+            pairs.filter(|(x, u)| quiet(x) && quiet(u)).map(|(x, u)| x.throughput_gbps / u.throughput_gbps).collect();
+        r.speedup_vs_ucx_quiet_pairs = quiet_ratios.len();
+        r.speedup_vs_ucx_quiet = median(&mut quiet_ratios).map(round3);
     }
 }
 
@@ -277,12 +302,12 @@ fn size_text(n: usize) -> String {
     }
 }
 
-pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
+pub fn print_table(rows: &[Row], quiet_below: f64, out: &mut impl Write) -> std::io::Result<()> {
     let f = |x: Option<f64>, prec: usize| x.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     writeln!(
         out,
-        "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7}  {:<8} {}",
-        "variant", "descs", "size", "infl", "p50 ms", "p90 ms", "p99 ms", "GB/s", "vs UCX", "per-rnd", "batches", "ext.cpu", "verified", "bounce path"
+        "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}  {:<8} {}",
+        "variant", "descs", "size", "infl", "p50 ms", "p90 ms", "p99 ms", "GB/s", "vs UCX", "per-rnd", "quiet", "batches", "ext.cpu", "verified", "bounce path"
     )?;
     for r in rows {
         let lat = r.latency_ms.as_ref();
@@ -294,6 +319,9 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
             (_, None) => "-",
         };
         let bounce = match (&r.bounce_path, r.bounce_path_ok) {
+            (Some(p), Some(false)) if r.bounce_path_expected == Some(false) => {
+                format!("{p}  <-- FLAGGED (expected: the routing gate sends it to UCX)")
+            }
             (Some(p), Some(false)) => format!("{p}  <-- FLAGGED"),
             (Some(p), _) => p.clone(),
             (None, _) => "-".into(),
@@ -301,7 +329,7 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
         let speedup = r.speedup_vs_ucx.map(|s| format!("{s:.2}x"));
         writeln!(
             out,
-            "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7}  {:<8} {}",
+            "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}  {:<8} {}",
             r.label,
             r.descriptors,
             size_text(r.descriptor_bytes),
@@ -312,6 +340,7 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
             f(r.throughput_gbps, 2),
             speedup.unwrap_or_else(|| "-".into()),
             r.speedup_vs_ucx_by_round.map_or("-".into(), |s| format!("{s:.2}x")),
+            r.speedup_vs_ucx_quiet.map_or("-".into(), |s| format!("{s:.2}x({})", r.speedup_vs_ucx_quiet_pairs)),
             if r.status == "ok" { r.timed_batches.to_string() } else { "-".into() },
             f(r.foreign_cpu_cores, 2),
             verified,
@@ -330,7 +359,8 @@ pub fn print_table(rows: &[Row], out: &mut impl Write) -> std::io::Result<()> {
         .collect();
     writeln!(
         out,
-        "\nvs UCX: throughput / the UCX row's; per-rnd: median over rounds of the same ratio within a round.\n\
+        "\nvs UCX: throughput / the UCX row's; per-rnd: median over rounds of the same ratio within a round;\n\
+         quiet: the same median over rounds where both rows ran while other processes used < {quiet_below} cores (pairs).\n\
          batches: timed batches over all rounds. ext.cpu: CPU cores other processes kept busy meanwhile (0 = quiet)."
     )?;
     if !notes.is_empty() {
@@ -380,6 +410,7 @@ pub struct Meta {
     pub rounds: usize,
     pub warmup_batches: usize,
     pub max_timed_batches: usize,
+    pub quiet_below_cores: f64,
     pub min_timed_batches: usize,
     pub config_budget_s: f64,
     pub timeout_s: f64,

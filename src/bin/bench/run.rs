@@ -62,6 +62,10 @@ pub struct BounceCheck {
     /// "yes", "no (<reason>)", "partial (...)" or "unknown (...)".
     pub used: String,
     pub ok: bool,
+    /// Whether BOUNCE's routing gate (`min_descriptor_count`,
+    /// `max_average_descriptor_size_bytes`) admits this configuration: a
+    /// fallback it predicts is flagged but is not an error.
+    pub expected: bool,
     /// Requests posted (warm-up included) while the counters were watched.
     pub posted: u64,
     pub chunks_per_request: Option<f64>,
@@ -100,6 +104,7 @@ impl BounceCheck {
         BounceCheck {
             used: if self.ok { other.used } else { self.used },
             ok: self.ok && other.ok,
+            expected: self.expected,
             posted,
             chunks_per_request: (posted > 0 && self.chunks_per_request.is_some())
                 .then(|| chunks as f64 / posted as f64),
@@ -215,10 +220,11 @@ pub fn run_shape(
     if let Some(before) = stats_before {
         let posted = ((o.warmup + batch) * shape.inflight) as u64;
         m.bounce = Some(match variant.bounce_stats().expect("a BOUNCE variant") {
-            Ok(after) => bounce_check(&before, &after, posted),
+            Ok(after) => bounce_check(&before, &after, posted, routing_expects_bounce(variant, shape)),
             Err(e) => BounceCheck {
                 used: format!("unknown ({e})"),
                 ok: false,
+                expected: routing_expects_bounce(variant, shape),
                 posted,
                 chunks_per_request: None,
                 init_delta: BTreeMap::new(),
@@ -341,7 +347,22 @@ fn delta(before: &Snapshot, after: &Snapshot) -> BTreeMap<String, u64> {
         .collect()
 }
 
-fn bounce_check(before: &(Snapshot, Snapshot), after: &(Snapshot, Snapshot), posted: u64) -> BounceCheck {
+/// What BOUNCE's routing gate should decide for `shape`, from the
+/// parameters the backend was created with.
+fn routing_expects_bounce(variant: &Variant, shape: Shape) -> bool {
+    let get = |k: &str| variant.params.get(k).and_then(|v| nixl_bounce::config::parse_bytes(v).ok());
+    let min_count = get("min_descriptor_count").unwrap_or(0);
+    let max_avg = get("max_average_descriptor_size_bytes").unwrap_or(u64::MAX);
+    let enabled = variant.params.get("enable").is_none_or(|v| nixl_bounce::config::parse_bool(v).unwrap_or(true));
+    enabled && shape.count as u64 >= min_count && shape.size as u64 <= max_avg
+}
+
+fn bounce_check(
+    before: &(Snapshot, Snapshot),
+    after: &(Snapshot, Snapshot),
+    posted: u64,
+    expected: bool,
+) -> BounceCheck {
     let init_delta = delta(&before.0, &after.0);
     let target_delta = delta(&before.1, &after.1);
     let get = |k: &str| init_delta.get(k).copied().unwrap_or(0);
@@ -358,6 +379,7 @@ fn bounce_check(before: &(Snapshot, Snapshot), after: &(Snapshot, Snapshot), pos
     BounceCheck {
         used,
         ok,
+        expected,
         posted,
         chunks_per_request: (posted > 0 && submitted > 0).then(|| get("chunks_written") as f64 / posted as f64),
         init_delta,

@@ -114,8 +114,13 @@ fn owner_of(tid: i32) -> String {
 /// A thread's name without its instance numbers (`bounce-copy-3` ->
 /// `bounce-copy`; `bounce-io-init-` -> `bounce-io`).
 fn kind_of(comm: &str) -> String {
-    if comm.starts_with("bounce-io") {
-        return "bounce-io".into();
+    // The reactor is named after its agent, which the bench names by side.
+    if let Some(rest) = comm.strip_prefix("bounce-io") {
+        return match rest.trim_start_matches('-').chars().next() {
+            Some('i') => "bounce-io(initiator)".into(),
+            Some('t') => "bounce-io(target)".into(),
+            _ => "bounce-io".into(),
+        };
     }
     // Threads that NIXL or UCX start without a name inherit the main
     // thread's name (the program's).

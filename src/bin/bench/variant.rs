@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use nixl_bounce::stats::{plugin_stats, Snapshot};
-use nixl_sys::RegistrationHandle;
+use nixl_sys::{Agent, AgentConfig, RegistrationHandle};
 
 use crate::cli::{BackendKind, VariantSpec};
 use crate::harness::{backend_params, unique_name, Node};
@@ -38,14 +38,22 @@ impl Variant {
         if spec.backend == BackendKind::Bounce {
             extra.extend_from_slice(BOUNCE_LOOPBACK);
         }
-        extra.extend(spec.params.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let mut agent_config = AgentConfig::default();
+        for (k, v) in &spec.params {
+            match k.strip_prefix("agent.") {
+                Some(key) => set_agent_config(&mut agent_config, key, v)?,
+                None => extra.push((k.as_str(), v.as_str())),
+            }
+        }
         let plugin = spec.backend.plugin();
         let agent_prefix: String =
             label.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
 
-        let init = Node::new(&unique_name(&format!("{agent_prefix}-init")), plugin, &extra)?;
+        // The side first, so that thread names that embed the agent name
+        // (truncated to 15 characters) still tell the two apart.
+        let init = node(&unique_name(&format!("i-{agent_prefix}")), plugin, &extra, &agent_config)?;
         claim_new_threads(&format!("{label}/init"));
-        let target = Node::new(&unique_name(&format!("{agent_prefix}-target")), plugin, &extra)?;
+        let target = node(&unique_name(&format!("t-{agent_prefix}")), plugin, &extra, &agent_config)?;
         claim_new_threads(&format!("{label}/target"));
         let regs = vec![src.register(&init)?, dst.register(&target)?];
         let t = init.load_md(&target.local_md()?)?;
@@ -67,6 +75,27 @@ impl Variant {
         (self.spec.backend == BackendKind::Bounce)
             .then(|| Ok((plugin_stats(&self.init.name)?, plugin_stats(&self.target.name)?)))
     }
+}
+
+/// Like the harness' `Node::new`, with an agent configuration.
+fn node(name: &str, plugin: &str, extra: &[(&str, &str)], config: &AgentConfig) -> Result<Node, String> {
+    let agent = Agent::new_configured(name, config).map_err(|e| format!("Agent::new_configured({name}): {e} ({e:?})"))?;
+    let params = backend_params(&agent, plugin, extra)?;
+    let backend = agent.create_backend(plugin, &params).map_err(|e| format!("create_backend({plugin}): {e} ({e:?})"))?;
+    Ok(Node { name: name.to_string(), backend_name: plugin.to_string(), backend, agent })
+}
+
+/// `agent.<key>=<value>` in a variant: the bench's own agents' configuration
+/// (not a backend parameter; for BOUNCE it configures the outer agents only).
+fn set_agent_config(c: &mut AgentConfig, key: &str, value: &str) -> Result<(), String> {
+    let bad = |what: &str| format!("agent.{key}={value:?}: expected {what}");
+    match key {
+        "prog_thread" => c.enable_prog_thread = nixl_bounce::config::parse_bool(value).map_err(|_| bad("a boolean"))?,
+        "pthr_delay_us" => c.pthr_delay_us = value.parse().map_err(|_| bad("microseconds"))?,
+        "num_workers" => c.num_workers = value.parse().map_err(|_| bad("a count"))?,
+        _ => return Err(format!("unknown agent setting agent.{key} (known: agent.prog_thread, agent.pthr_delay_us, agent.num_workers)")),
+    }
+    Ok(())
 }
 
 impl Drop for Variant {
