@@ -97,7 +97,9 @@ fn forged_data_outside_registered_memory_is_refused() {
     let rx_endpoint = String::from_utf8(hs.endpoint.clone()).expect("ZMQ endpoint is text");
     eprintln!("receiver {} control endpoint {rx_endpoint}, arena at {:#x}", r.name(), hs.arena_base);
     assert!(rx_endpoint.starts_with("tcp://127.0.0.1:"), "{rx_endpoint}");
-    let mut fake = FakeSender::new(&rx_endpoint);
+    // A client that loaded the receiver's metadata (it has the access key)
+    // but forges its DATA.
+    let mut fake = FakeSender::new(&rx_endpoint, hs.access_key);
 
     // Memory the receiver's engine never registered.
     let stranger = DramBuffer::with_pattern(64 * KIB, 77);
@@ -203,7 +205,6 @@ fn forged_data_outside_registered_memory_is_refused() {
 
 #[test]
 #[serial_test::serial]
-#[ignore = "BUG: any ZMQ client that reaches the control port gets GRANTs and has its DATA scattered into registered memory; nothing like an RDMA key ties the memory to peers it was exported to"]
 fn unpaired_client_cannot_scatter_into_registered_memory() {
     if !ready("BOUNCE") {
         return;
@@ -215,19 +216,27 @@ fn unpaired_client_cannot_scatter_into_registered_memory() {
     let len = blocks_for(MANY) * BLOCK;
     let r = endpoint("fd-rx", &[LOOPBACK], len, 1, ThreadSync::Default);
     let hs = handshake_of(&r.node.local_md().or_fail("receiver md"));
-    let mut fake = FakeSender::new(&String::from_utf8(hs.endpoint).unwrap());
+    // It does not have the access key the handshake carries.
+    let mut fake = FakeSender::new(&String::from_utf8(hs.endpoint).unwrap(), hs.access_key ^ 0x5a5a_5a5a);
     let watched = Watched::new("the receiver's registered buffer", &r.buf);
     let before = stats(r.name());
-    let (req, region, _) = fake.want(4096);
-    eprintln!("an unpaired client was granted region {region}");
-    fake.data(req, region, vec![Run::single(0, r.buf.addr() as u64 + 8192, 4096)]);
-    let reply = fake.recv("a reply to the DATA");
+    let req = fake.send_want(4096);
+    let reply = fake.recv("a reply to the WANT");
+    assert!(
+        matches!(reply, Message::Refuse { .. }),
+        "a WANT without the receiver's access key must be refused, got {reply:?}"
+    );
+    // Its DATA for any region (here the arena's first) is not scattered.
+    fake.data(req, RegionHandle(0), vec![Run::single(0, r.buf.addr() as u64 + 8192, 4096)]);
+    let reply = fake.quiet_for(std::time::Duration::from_secs(2));
     let after = stats(r.name());
     eprintln!("reply: {reply:?}; {}", after.diff(&before));
     assert!(
-        !matches!(reply, Message::Ack { .. }),
+        !matches!(reply, Some(Message::Ack { .. })),
         "the receiver scattered an unpaired client's DATA into its registered memory (ACK); {}",
         after.diff(&before)
     );
+    assert_eq!(after.since(&before, "grants"), 0, "no grant for a client without the key");
+    assert!(after.since(&before, "unauthorized") >= 1, "{}", after.diff(&before));
     watched.unchanged("DATA from an unpaired client");
 }

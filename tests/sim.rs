@@ -216,6 +216,7 @@ impl Sim {
             local_reserve: rng.chance(0.9),
             local_endpoint: Vec::new(),
             request_id_base: 0,
+            access_key: 0,
         };
         let mut faults = Faults::default();
         if rng.chance(0.5) {
@@ -242,6 +243,7 @@ impl Sim {
             let mut c = cfg.clone();
             c.local_endpoint = format!("sim://a{i}").into_bytes();
             c.request_id_base = (i as u64) << 48;
+            c.access_key = access_key(i);
             let mut mem = vec![0u8; MEM];
             for word in mem.chunks_mut(8) {
                 let r = rng.next().to_le_bytes();
@@ -258,6 +260,12 @@ impl Sim {
                 src_bump: 0,
                 dst_bump: SRC_AREA,
             });
+        }
+        for a in 0..n_agents {
+            for b in 0..n_agents {
+                let peer = agents[b].name.clone();
+                agents[a].ep.set_peer_key(&peer, access_key(b));
+            }
         }
         let trace = std::env::var("SIM_SEED").is_ok();
         let mut sim = Sim {
@@ -822,7 +830,13 @@ impl Sim {
                 let mut c = self.cfg.clone();
                 c.local_endpoint = format!("sim://a{agent}").into_bytes();
                 c.request_id_base = ((agent as u64) << 48) | (u64::from(ag.inc) << 32);
+                c.access_key = access_key(agent);
+                let names: Vec<PeerId> = self.agents.iter().map(|a| a.name.clone()).collect();
+                let ag = &mut self.agents[agent];
                 ag.ep = Endpoint::new(c).map_err(|e| e.to_string())?;
+                for (b, peer) in names.iter().enumerate() {
+                    ag.ep.set_peer_key(peer, access_key(b));
+                }
                 ag.arena.iter_mut().for_each(|b| *b = 0);
                 ag.alive = true;
             }
@@ -1099,4 +1113,10 @@ fn sim_seeds_block_2() {
 #[test]
 fn sim_seeds_block_3() {
     run_range(3_000_000);
+}
+
+/// Agent `i`'s access key (distinct per agent, stable across restarts so
+/// that peers keep talking to a restarted agent as the scenarios expect).
+fn access_key(i: usize) -> u64 {
+    0xacce_5500_0000_0000 | i as u64
 }

@@ -380,8 +380,20 @@ struct Peer {
     dropped: u64,
 }
 
+impl Drop for ZmqChannel {
+    fn drop(&mut self) {
+        // The context terminates after the sockets; give the last queued
+        // messages (REFUSEs sent by a shutting-down endpoint) a bounded
+        // moment to leave instead of discarding them.
+        for peer in self.peers.values() {
+            let _ = peer.socket.set_linger(DEALER_LINGER_MS);
+        }
+    }
+}
+
 /// The ZMQ control channel (see the module docs).
-/// How long a closed DEALER keeps trying to deliver queued messages.
+/// How long, when the channel itself closes, its DEALERs keep trying to
+/// deliver queued messages (a shutting-down receiver's REFUSEs).
 pub const DEALER_LINGER_MS: i32 = 100;
 
 pub struct ZmqChannel {
@@ -489,10 +501,10 @@ impl ZmqChannel {
             .context
             .socket(zmq::DEALER)
             .map_err(|e| ControlError::zmq(ctx("creating a DEALER"), e))?;
-        // A short linger lets the last messages (a shutdown's REFUSEs) leave
-        // when the channel closes; it bounds how long closing can wait.
+        // Linger 0: a forgotten peer's socket goes at once (see Drop for
+        // the channel's own shutdown, which lets queued messages leave).
         dealer
-            .set_linger(DEALER_LINGER_MS)
+            .set_linger(0)
             .map_err(|e| ControlError::zmq(ctx("setting ZMQ_LINGER"), e))?;
         dealer
             .set_sndhwm(self.config.send_hwm)

@@ -103,16 +103,17 @@ impl Bounce {
             (Box::new(ch), ControlKind::Zmq)
         };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
-        let endpoint = Endpoint::new(EndpointConfig::from_config(
-            config,
-            endpoint_bytes.clone(),
-            request_id_base(),
-        ))
+        let access_key = random_u64()?;
+        let endpoint = Endpoint::new(EndpointConfig {
+            access_key,
+            ..EndpointConfig::from_config(config, endpoint_bytes.clone(), request_id_base())
+        })
         .map_err(|e| format!("protocol endpoint: {e}"))?;
         let handshake = Handshake {
             endpoint: endpoint_bytes,
             arena_base: arena.base() as u64,
             arena_device: location.device as u32,
+            access_key,
             ..local_handshake(config, control)
         };
         let notifier = shared.inner.clone();
@@ -145,7 +146,7 @@ impl Bounce {
     /// Tells this instance's runtime about `peer` (once).
     pub fn ensure_peer(&self, peer: &PeerBounce) {
         if self.known_peers.lock().expect("known peers").insert(peer.id.clone()) {
-            self.runtime.add_peer(peer.id.clone(), peer.arena.clone());
+            self.runtime.add_peer(peer.id.clone(), peer.arena.clone(), peer.key);
         }
     }
 
@@ -168,6 +169,7 @@ pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
         max_chunk_size: config.max_chunk_size_bytes,
         arena_base: 0,
         arena_device: 0,
+        access_key: 0,
         endpoint: Vec::new(),
     }
 }
@@ -177,6 +179,8 @@ pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
 pub struct PeerBounce {
     pub id: PeerId,
     pub arena: PeerArena,
+    /// The peer's access key (carried by every WANT/CANCEL to it).
+    pub key: u64,
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
@@ -191,6 +195,7 @@ pub fn admit(
     let id = peer_id_of(&peer.endpoint).ok_or("the peer's control endpoint is not text")?;
     Ok(PeerBounce {
         id,
+        key: peer.access_key,
         arena: PeerArena {
             inner_agent: inner_agent.to_string(),
             base: peer.arena_base,
@@ -209,6 +214,17 @@ pub fn admit(
 pub fn peer_id_of(endpoint: &[u8]) -> Option<crate::proto::PeerId> {
     let head = endpoint.split(|&b| b == 0).next().unwrap_or_default();
     std::str::from_utf8(head).ok().filter(|s| !s.is_empty()).map(crate::proto::PeerId::new)
+}
+
+/// A random 64-bit value from the kernel (the arena's access key).
+fn random_u64() -> Result<u64, String> {
+    let mut buf = [0u8; 8];
+    // SAFETY: getrandom writes at most buf.len() bytes into buf.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n != buf.len() as isize {
+        return Err(format!("getrandom failed: {}", std::io::Error::last_os_error()));
+    }
+    Ok(u64::from_le_bytes(buf))
 }
 
 /// Request ids must not repeat across incarnations of an agent (the peer may

@@ -549,7 +549,15 @@ impl Engine {
         if let MdOwner::Registered { registration, bounce, .. } = &mut md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
             if let Some(b) = bounce {
-                b.runtime.targets.remove(md.range.addr, md.range.len);
+                // The user may free the memory once we return: wait until no
+                // gather or scatter still touches it.
+                if !b.runtime.targets.remove(md.range.addr, md.range.len, crate::runtime::QUIESCE_BOUND) {
+                    tracing::error!(
+                        addr = md.range.addr,
+                        len = md.range.len,
+                        "deregistered memory is still used by a copy that could not be stopped"
+                    );
+                }
             }
             registration
                 .deregister()

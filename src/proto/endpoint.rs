@@ -64,6 +64,9 @@ pub struct EndpointConfig {
     pub local_endpoint: Vec<u8>,
     /// First request id (see the module docs).
     pub request_id_base: u64,
+    /// The key peers' WANTs and CANCELs must carry (see
+    /// [`super::wire::Handshake::access_key`]); 0 in tests that do not care.
+    pub access_key: u64,
 }
 
 impl EndpointConfig {
@@ -89,6 +92,7 @@ impl EndpointConfig {
             local_reserve: true,
             local_endpoint,
             request_id_base,
+            access_key: 0,
         }
     }
 }
@@ -232,6 +236,8 @@ pub struct Stats {
     pub ignored: u64,
     /// Credits granted to remote flows.
     pub grants: u64,
+    /// WANT/CANCEL refused for a wrong access key.
+    pub unauthorized: u64,
     /// Local staging acquisitions that had to wait (parked credits).
     pub parked: u64,
 }
@@ -245,9 +251,16 @@ pub(crate) struct Ctx {
     pub shut_down: bool,
     pub stats: Stats,
     pub plan_options: PlanOptions,
+    /// Access keys of the peers this agent sends to (from their handshakes).
+    pub peer_keys: std::collections::HashMap<PeerId, u64>,
 }
 
 impl Ctx {
+    /// The access key for WANTs and CANCELs to `peer` (0 if unknown).
+    pub fn key_for(&self, peer: &PeerId) -> u64 {
+        self.peer_keys.get(peer).copied().unwrap_or(0)
+    }
+
     pub fn send(&mut self, peer: &PeerId, message: Message) {
         self.actions.push_back(Action::Send {
             peer: peer.clone(),
@@ -316,6 +329,7 @@ impl Endpoint {
                 shut_down: false,
                 stats: Stats::default(),
                 plan_options,
+                peer_keys: std::collections::HashMap::new(),
             },
             sender,
             receiver: Receiver::default(),
@@ -421,17 +435,34 @@ impl Endpoint {
     /// A decoded control message arrived from `from`.
     pub fn handle_message(&mut self, now: Time, from: &PeerId, msg: Message) {
         match msg {
+            Message::Want { request, key, .. } | Message::Cancel { request, key, .. }
+                if key != self.ctx.cfg.access_key =>
+            {
+                // Not from a peer that loaded this agent's metadata (or a
+                // stale key from before a restart): no flow, no grant.
+                self.ctx.stats.unauthorized += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "WANT/CANCEL from {from} with a wrong access key refused");
+                self.ctx.send(
+                    from,
+                    Message::Refuse {
+                        request,
+                        reason: super::wire::RefuseReason::ProtocolViolation,
+                    },
+                );
+            }
             Message::Want {
                 request,
                 chunk_sizes,
                 endpoint,
+                ..
             } => self
                 .receiver
                 .on_want(&mut self.ctx, now, from, request, &chunk_sizes, endpoint),
-            Message::Cancel { request, endpoint } => {
-                self.receiver
-                    .on_cancel(&mut self.ctx, now, from, request, endpoint)
-            }
+            Message::Cancel {
+                request, endpoint, ..
+            } => self
+                .receiver
+                .on_cancel(&mut self.ctx, now, from, request, endpoint),
             Message::Data {
                 request,
                 chunk,
@@ -532,6 +563,12 @@ impl Endpoint {
         self.pump(now);
     }
 
+    /// Records the access key of `peer` (from its handshake): every WANT and
+    /// CANCEL sent to it carries this key.
+    pub fn set_peer_key(&mut self, peer: &PeerId, key: u64) {
+        self.ctx.peer_keys.insert(peer.clone(), key);
+    }
+
     /// This agent stops serving `peer` while the peer may still be alive
     /// (its metadata was invalidated locally): the peer's live flows are
     /// refused, so its requests fail now rather than at their timeout. Call
@@ -629,6 +666,7 @@ mod tests {
             request_deadline: None,
             flow_idle_timeout: Duration::from_millis(20),
             tombstone_ttl: Duration::from_millis(40),
+            access_key: 0,
             eager_gather: eager,
             merge_runs: true,
             local_reserve: true,
@@ -790,7 +828,7 @@ mod tests {
         assert!(!tx.cancel(t(3), id), "terminal exactly once");
         tx.handle_write_done(t(4), chunk);
         let acts = drain(&mut tx);
-        assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec())]);
+        assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec(), 0)]);
         assert!(completes(&acts).is_empty());
         assert_eq!(tx.request_count(), 0);
         tx.check_invariants().unwrap();
@@ -812,7 +850,7 @@ mod tests {
             "a gather still reads the source"
         );
         // No write can land (none was posted): the CANCEL goes at once.
-        assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec())]);
+        assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec(), 0)]);
         tx.handle_gather_done(t(12), chunk);
         let acts = drain(&mut tx);
         assert_eq!(
@@ -833,6 +871,7 @@ mod tests {
                 request: RequestId(7),
                 chunk_sizes: vec![500, 500],
                 endpoint: vec![],
+                key: 0,
             },
         );
         let acts = drain(&mut rx);
@@ -845,7 +884,7 @@ mod tests {
     #[test]
     fn late_data_after_cancel_is_dropped() {
         let (mut rx, a, region) = receiver_with_grant();
-        rx.handle_message(t(1), &a, Message::cancel(RequestId(7), vec![]));
+        rx.handle_message(t(1), &a, Message::cancel(RequestId(7), vec![], 0));
         assert_eq!(rx.flow_count(), 0);
         assert_eq!(rx.arena_usage().flows, 0);
         rx.handle_message(
@@ -868,6 +907,7 @@ mod tests {
                 request: RequestId(7),
                 chunk_sizes: vec![8],
                 endpoint: vec![],
+                key: 0,
             },
         );
         assert_eq!(rx.flow_count(), 0);
@@ -900,7 +940,7 @@ mod tests {
             "the sender may still write: quarantined"
         );
         // The sender's CANCEL (after its writes ended) releases them.
-        rx.handle_message(t(2), &a, Message::cancel(RequestId(7), vec![]));
+        rx.handle_message(t(2), &a, Message::cancel(RequestId(7), vec![], 0));
         assert_eq!(rx.arena_usage().quarantine, 0);
         rx.check_invariants().unwrap();
     }
@@ -947,7 +987,7 @@ mod tests {
         );
         assert_eq!(
             sent(&drain(&mut tx)),
-            vec![&Message::cancel(RequestId(5), b"ep".to_vec())]
+            vec![&Message::cancel(RequestId(5), b"ep".to_vec(), 0)]
         );
     }
 
@@ -1024,6 +1064,7 @@ mod tests {
                 request: RequestId(1),
                 chunk_sizes: vec![64],
                 endpoint: vec![],
+                key: 0,
             },
         );
         assert_eq!(

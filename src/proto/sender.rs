@@ -148,6 +148,7 @@ impl Sender {
                 request: id,
                 chunk_sizes: plan.chunk_sizes(),
                 endpoint: ctx.cfg.local_endpoint.clone(),
+                key: ctx.key_for(peer),
             },
         );
         let n = plan.chunks.len();
@@ -289,7 +290,7 @@ impl Sender {
             // Unknown (finished long ago or never ours): retract the flow so
             // the receiver frees the regions at once.
             ctx.stats.ignored += 1;
-            ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone()));
+            ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)));
             return;
         };
         if req.peer != *from {
@@ -300,7 +301,7 @@ impl Sender {
         if !req.active() {
             ctx.stats.ignored += 1;
             if !req.cancel_pending && !req.cancel_forbidden && req.writes == 0 {
-                ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone()));
+                ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)));
             }
             return;
         }
@@ -608,7 +609,7 @@ impl Sender {
         if req.cancel_pending && req.writes == 0 {
             req.cancel_pending = false;
             let peer = req.peer.clone();
-            ctx.send(&peer, Message::cancel(id, ctx.cfg.local_endpoint.clone()));
+            ctx.send(&peer, Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(&peer)));
         }
         if req.completed && req.gathers == 0 && req.writes == 0 {
             self.requests.remove(&id);

@@ -23,9 +23,9 @@ pub const MESSAGE_MAGIC: [u8; 4] = *b"NXBM";
 /// Handshake blob magic.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"NXBH";
 /// The wire version this build speaks.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 /// Handshake blob format version.
-pub const HANDSHAKE_FORMAT: u16 = 1;
+pub const HANDSHAKE_FORMAT: u16 = 2;
 /// Header length.
 pub const HEADER_LEN: usize = 12;
 
@@ -347,6 +347,9 @@ pub enum Message {
         chunk_sizes: Vec<u64>,
         /// The sender's own control endpoint (reverse-path bootstrap).
         endpoint: Vec<u8>,
+        /// The receiver's access key, from the receiver's handshake (which
+        /// only peers that loaded its metadata have).
+        key: u64,
     },
     /// Sender -> receiver: retract the flow (encoded as a WANT with no
     /// chunks). Sent only once none of the request's writes can still land.
@@ -355,6 +358,8 @@ pub enum Message {
         request: RequestId,
         /// The sender's control endpoint.
         endpoint: Vec<u8>,
+        /// The receiver's access key.
+        key: u64,
     },
     /// Receiver -> sender: credits.
     Grant {
@@ -394,8 +399,12 @@ pub enum Message {
 
 impl Message {
     /// A CANCEL (empty WANT) for `request`.
-    pub fn cancel(request: RequestId, endpoint: Vec<u8>) -> Message {
-        Message::Cancel { request, endpoint }
+    pub fn cancel(request: RequestId, endpoint: Vec<u8>, key: u64) -> Message {
+        Message::Cancel {
+            request,
+            endpoint,
+            key,
+        }
     }
 
     /// The request id every message carries.
@@ -429,8 +438,13 @@ impl Message {
                 request,
                 chunk_sizes,
                 endpoint,
-            } => encode_want(&mut p, *request, chunk_sizes, endpoint),
-            Message::Cancel { request, endpoint } => encode_want(&mut p, *request, &[], endpoint),
+                key,
+            } => encode_want(&mut p, *request, chunk_sizes, endpoint, *key),
+            Message::Cancel {
+                request,
+                endpoint,
+                key,
+            } => encode_want(&mut p, *request, &[], endpoint, *key),
             Message::Grant { request, credits } => {
                 p.u64(request.0);
                 p.u32(credits.len() as u32);
@@ -577,8 +591,9 @@ impl Message {
     }
 }
 
-fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8]) {
+fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8], key: u64) {
     p.u64(request.0);
+    p.u64(key);
     p.u32(sizes.len() as u32);
     for &s in sizes {
         p.u64(s);
@@ -588,6 +603,7 @@ fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8
 
 fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
     let request = RequestId(r.u64("request id")?);
+    let key = r.u64("access key")?;
     let n = r.count("chunk size", MAX_WANT_CHUNKS, 8)?;
     let mut chunk_sizes = Vec::with_capacity(n);
     for _ in 0..n {
@@ -596,12 +612,17 @@ fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
     let elen = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
     let endpoint = r.take(elen, "endpoint")?.to_vec();
     Ok(if chunk_sizes.is_empty() {
-        Message::Cancel { request, endpoint }
+        Message::Cancel {
+            request,
+            endpoint,
+            key,
+        }
     } else {
         Message::Want {
             request,
             chunk_sizes,
             endpoint,
+            key,
         }
     })
 }
@@ -668,6 +689,10 @@ pub struct Handshake {
     pub arena_base: u64,
     /// Arena device id.
     pub arena_device: u32,
+    /// The key every WANT and CANCEL to this agent must carry: random per
+    /// arena, known only to peers that loaded this agent's metadata (the
+    /// bounce path's counterpart of an RDMA remote key).
+    pub access_key: u64,
     /// Control endpoint.
     pub endpoint: Vec<u8>,
 }
@@ -720,6 +745,7 @@ impl Handshake {
         w.u64(self.max_chunk_size);
         w.u64(self.arena_base);
         w.u32(self.arena_device);
+        w.u64(self.access_key);
         w.len_prefixed(&self.endpoint);
         w.into_bytes()
     }
@@ -758,6 +784,7 @@ impl Handshake {
         let max_chunk_size = r.u64("max chunk size")?;
         let arena_base = r.u64("arena base")?;
         let arena_device = r.u32("arena device")?;
+        let access_key = r.u64("access key")?;
         let n = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
         let endpoint = r.take(n, "endpoint")?.to_vec();
         r.finish("handshake")?;
@@ -777,6 +804,7 @@ impl Handshake {
             max_chunk_size,
             arena_base,
             arena_device,
+            access_key,
             endpoint,
         })
     }
@@ -848,10 +876,15 @@ mod tests {
                 .prop_map(|(request, chunk_sizes, endpoint)| Message::Want {
                     request,
                     chunk_sizes,
-                    endpoint
+                    endpoint,
+                    key: request.0.rotate_left(17),
                 }),
             (rid.clone(), proptest::collection::vec(any::<u8>(), 0..40))
-                .prop_map(|(request, endpoint)| Message::Cancel { request, endpoint }),
+                .prop_map(|(request, endpoint)| Message::Cancel {
+                    request,
+                    endpoint,
+                    key: !request.0
+                }),
             (
                 rid.clone(),
                 proptest::collection::vec((any::<u32>(), any::<u64>(), any::<u64>()), 1..10)
@@ -902,6 +935,7 @@ mod tests {
             max_chunk_size: 1 << 25,
             arena_base: 0x7f00_0000_0000,
             arena_device: 3,
+            access_key: 0x5eed,
             endpoint: b"tcp://10.0.0.1:5555".to_vec(),
         }
     }
@@ -958,7 +992,7 @@ mod tests {
 
     #[test]
     fn empty_want_is_cancel() {
-        let c = Message::cancel(RequestId(5), b"ep".to_vec());
+        let c = Message::cancel(RequestId(5), b"ep".to_vec(), 42);
         let bytes = c.encode();
         assert_eq!(bytes[6], MessageType::Want as u8);
         assert_eq!(Message::decode(&bytes).unwrap(), c);
@@ -967,7 +1001,8 @@ mod tests {
     #[test]
     fn absurd_counts_rejected_before_allocation() {
         let mut w = Writer::new();
-        w.u64(1);
+        w.u64(1); // request
+        w.u64(0); // access key
         w.u32(u32::MAX);
         let payload = w.into_bytes();
         let mut m = Writer::new();
@@ -983,7 +1018,8 @@ mod tests {
         ));
         // A plausible count with too few bytes behind it.
         let mut w = Writer::new();
-        w.u64(1);
+        w.u64(1); // request
+        w.u64(0); // access key
         w.u32(1000);
         let payload = w.into_bytes();
         let mut m = Writer::new();
@@ -1083,6 +1119,7 @@ mod tests {
                 max_chunk_size: (1u64 << chunk_shift).min(usable),
                 arena_base: flags.rotate_left(7),
                 arena_device: cap,
+                access_key: flags.rotate_left(13),
                 endpoint: ep,
             };
             prop_assert_eq!(Handshake::decode(&h.encode()), Ok(h));

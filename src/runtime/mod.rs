@@ -77,7 +77,7 @@ pub struct DeferredNotif {
 enum Command {
     Submit { peer: PeerId, descriptors: Vec<Descriptor>, ticket: Arc<Ticket>, notif: Option<DeferredNotif> },
     Cancel { ticket: Arc<Ticket> },
-    AddPeer { peer: PeerId, arena: PeerArena },
+    AddPeer { peer: PeerId, arena: PeerArena, key: u64 },
     ForgetPeer { peer: PeerId },
 }
 
@@ -94,6 +94,8 @@ pub struct RuntimeCounters {
     pub grants: AtomicU64,
     pub malformed_messages: AtomicU64,
     pub late_data: AtomicU64,
+    /// WANT/CANCEL refused for a wrong access key.
+    pub unauthorized: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
     pub timeouts: AtomicU64,
@@ -108,11 +110,17 @@ pub struct RuntimeCounters {
     pub request_ns: AtomicU64,
 }
 
-/// Memory ranges the receiver may scatter into: memory registered with this
-/// backend (the check an RDMA key gives the standard path).
+/// Application memory the copies may touch, and what they touch now.
+///
+/// The receiver scatters only into memory registered with this backend at
+/// the instance's location (the check an RDMA key gives the standard path):
+/// destinations arrive over the network. And since NIXL users may free a
+/// buffer once `deregisterMem` returns, deregistration waits until no gather
+/// or scatter still reads or writes that range.
 #[derive(Debug, Default)]
 pub struct ScatterTargets {
-    inner: RwLock<Targets>,
+    inner: Mutex<Targets>,
+    released: std::sync::Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -121,7 +129,15 @@ struct Targets {
     registered: Vec<(usize, usize)>,
     /// Their union as sorted, disjoint, non-adjacent [start, end) intervals.
     union: Vec<(u64, u64)>,
+    /// Application ranges [start, end) of copies in flight, by token.
+    in_use: HashMap<u64, (u64, u64)>,
+    next_token: u64,
 }
+
+/// Marks one copy's application range as in use until it is returned with
+/// [`ScatterTargets::release`].
+#[derive(Debug)]
+pub struct InUse(u64);
 
 impl Targets {
     fn rebuild(&mut self) {
@@ -143,20 +159,64 @@ impl Targets {
         let i = self.union.partition_point(|&(s, _)| s <= start);
         i > 0 && end <= self.union[i - 1].1
     }
+
+    fn admits(&self, runs: &[Run]) -> Result<(), String> {
+        for (i, run) in runs.iter().enumerate() {
+            let end = run.addr_end().ok_or_else(|| format!("run {i} wraps around"))?;
+            if self.covers(run.addr, end) {
+                continue;
+            }
+            for (_, addr, len) in run.copies() {
+                let copy_end = addr.checked_add(len).ok_or_else(|| format!("run {i} wraps around"))?;
+                if !self.covers(addr, copy_end) {
+                    return Err(format!(
+                        "run {i} writes [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn track(&mut self, runs: &[Run]) -> InUse {
+        let start = runs.iter().map(|r| r.addr).min().unwrap_or(0);
+        let end = runs.iter().filter_map(Run::addr_end).max().unwrap_or(start);
+        self.next_token += 1;
+        self.in_use.insert(self.next_token, (start, end));
+        InUse(self.next_token)
+    }
 }
 
 impl ScatterTargets {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Targets> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     pub fn add(&self, addr: usize, len: usize) {
-        let mut t = self.inner.write().expect("targets");
+        let mut t = self.lock();
         t.registered.push((addr, len));
         t.rebuild();
     }
 
-    pub fn remove(&self, addr: usize, len: usize) {
-        let mut t = self.inner.write().expect("targets");
+    /// Forgets a registration, then waits (up to `bound`) until no copy in
+    /// flight touches [addr, addr + len). Returns false if one still does.
+    pub fn remove(&self, addr: usize, len: usize, bound: Duration) -> bool {
+        let mut t = self.lock();
         if let Some(i) = t.registered.iter().position(|&x| x == (addr, len)) {
             t.registered.swap_remove(i);
             t.rebuild();
+        }
+        let (lo, hi) = (addr as u64, (addr as u64).saturating_add(len as u64));
+        let deadline = Instant::now() + bound;
+        loop {
+            if !t.in_use.values().any(|&(s, e)| s < hi && lo < e) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            t = self.released.wait_timeout(t, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
         }
     }
 
@@ -165,22 +225,26 @@ impl ScatterTargets {
     /// run over several registrations, or across a gap between them) each
     /// copy is checked on its own.
     pub fn admits(&self, runs: &[Run]) -> Result<(), String> {
-        let t = self.inner.read().expect("targets");
-        for (i, run) in runs.iter().enumerate() {
-            let end = run.addr_end().ok_or_else(|| format!("run {i} wraps around"))?;
-            if t.covers(run.addr, end) {
-                continue;
-            }
-            for (_, addr, len) in run.copies() {
-                let copy_end = addr.checked_add(len).ok_or_else(|| format!("run {i} wraps around"))?;
-                if !t.covers(addr, copy_end) {
-                    return Err(format!(
-                        "run {i} writes [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
-                    ));
-                }
-            }
-        }
-        Ok(())
+        self.lock().admits(runs)
+    }
+
+    /// Admits a scatter and marks its destinations in use, atomically with
+    /// respect to deregistration.
+    pub fn admit_scatter(&self, runs: &[Run]) -> Result<InUse, String> {
+        let mut t = self.lock();
+        t.admits(runs)?;
+        Ok(t.track(runs))
+    }
+
+    /// Marks a gather's sources in use.
+    pub fn track(&self, runs: &[Run]) -> InUse {
+        self.lock().track(runs)
+    }
+
+    /// The copy holding `token` is over.
+    pub fn release(&self, token: InUse) {
+        self.lock().in_use.remove(&token.0);
+        self.released.notify_all();
     }
 }
 
@@ -190,6 +254,24 @@ mod tests {
 
     fn run(addr: u64, len: u64, count: u32, stride: u64) -> Run {
         Run { region_offset: 0, addr, len, count, region_stride: len, addr_stride: stride }
+    }
+
+    #[test]
+    fn deregistration_waits_for_copies_in_flight() {
+        let t = Arc::new(ScatterTargets::default());
+        t.add(0x1000, 0x1000);
+        let token = t.admit_scatter(&[run(0x1100, 0x100, 1, 0)]).unwrap();
+        assert!(!t.remove(0x1000, 0x1000, Duration::from_millis(20)), "a scatter still writes there");
+        let t2 = t.clone();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            t2.release(token);
+        });
+        assert!(t.remove(0x1000, 0x1000, Duration::from_secs(5)), "released within the bound");
+        releaser.join().unwrap();
+        let other = t.track(&[run(0x9000, 0x10, 1, 0)]);
+        assert!(t.remove(0x1000, 0x1000, Duration::ZERO), "copies elsewhere do not hold it up");
+        t.release(other);
     }
 
     #[test]
@@ -204,7 +286,7 @@ mod tests {
         assert!(t.admits(&[run(0x1000, 0x100, 3, 0x2000)]).is_err(), "the middle copy lands in the gap");
         assert!(t.admits(&[run(0x6000, 1, 1, 0)]).is_err(), "past the last registration");
         assert!(t.admits(&[run(u64::MAX - 1, 4, 1, 0)]).is_err(), "wrapping");
-        t.remove(0x2000, 0x1000);
+        assert!(t.remove(0x2000, 0x1000, Duration::ZERO));
         assert!(t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_err(), "after deregistration");
     }
 }
@@ -264,10 +346,11 @@ impl Runtime {
         for i in 0..parts.copy_workers.max(1) {
             let (rx, tx, copier) = (job_rx.clone(), done_tx.clone(), parts.copier.clone());
             let waker = shared.waker.clone();
+            let t = targets.clone();
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("bounce-copy-{i}"))
-                    .spawn(move || copy_worker(rx, tx, copier, waker))?,
+                    .spawn(move || copy_worker(rx, tx, copier, waker, t))?,
             );
         }
         let reactor = Reactor {
@@ -315,8 +398,10 @@ impl Runtime {
         }
     }
 
-    pub fn add_peer(&self, peer: PeerId, arena: PeerArena) {
-        self.push(Command::AddPeer { peer, arena });
+    /// Makes `peer` a write target: its arena, and the access key its
+    /// WANTs must carry.
+    pub fn add_peer(&self, peer: PeerId, arena: PeerArena, key: u64) {
+        self.push(Command::AddPeer { peer, arena, key });
     }
 
     pub fn forget_peer(&self, peer: PeerId) {
@@ -350,6 +435,7 @@ impl Runtime {
                 ("grants", &c.grants),
                 ("malformed_messages", &c.malformed_messages),
                 ("late_data", &c.late_data),
+                ("unauthorized", &c.unauthorized),
                 ("bounce_succeeded", &c.succeeded),
                 ("bounce_failed", &c.failed),
                 ("bounce_timeouts", &c.timeouts),
@@ -381,6 +467,8 @@ impl Drop for Runtime {
 struct CopyJob {
     id: CopyId,
     queued_at: Instant,
+    /// The application range it touches, released when the copy is over.
+    in_use: InUse,
     direction: Direction,
     span: RegionSpan,
     runs: Vec<Run>,
@@ -405,6 +493,7 @@ fn copy_worker(
     done: Sender<CopyDone>,
     copier: Arc<dyn CopyEngine>,
     waker: crate::control::Waker,
+    targets: Arc<ScatterTargets>,
 ) {
     loop {
         let job = match jobs.lock().expect("copy jobs").recv() {
@@ -424,6 +513,11 @@ fn copy_worker(
             }),
         };
         let ran = started.elapsed();
+        // A copy that failed without quiescing may still touch the memory:
+        // keep it marked (deregistration then reports it) rather than lie.
+        if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
+            targets.release(job.in_use);
+        }
         if done.send(CopyDone { id: job.id, result, queued, ran }).is_err() {
             return;
         }
@@ -518,7 +612,8 @@ impl Reactor {
                         self.endpoint.cancel(now, id);
                     }
                 }
-                Command::AddPeer { peer, arena } => {
+                Command::AddPeer { peer, arena, key } => {
+                    self.endpoint.set_peer_key(&peer, key);
                     self.peers.insert(peer, PeerState { arena });
                 }
                 Command::ForgetPeer { peer } => self.forget_peer(&peer),
@@ -697,16 +792,20 @@ impl Reactor {
                     }
                 }
                 Action::StartGather { chunk, region, runs } => {
-                    self.start_copy(CopyId::Gather(chunk), Direction::Gather, region, runs);
+                    let in_use = self.targets.track(&runs);
+                    self.start_copy(CopyId::Gather(chunk), Direction::Gather, region, runs, in_use);
                 }
                 Action::StartScatter { flow, chunk, region, runs } => {
-                    if let Err(why) = self.targets.admits(&runs) {
-                        self.shared.counters.scatter_refused.fetch_add(1, Ordering::Relaxed);
-                        tracing::error!(agent = %self.name, %flow, chunk, "DATA refused: {why}");
-                        self.endpoint.handle_scatter_failed(now, region, true);
-                        continue;
-                    }
-                    self.start_copy(CopyId::Scatter(region), Direction::Scatter, region, runs);
+                    let in_use = match self.targets.admit_scatter(&runs) {
+                        Ok(t) => t,
+                        Err(why) => {
+                            self.shared.counters.scatter_refused.fetch_add(1, Ordering::Relaxed);
+                            tracing::error!(agent = %self.name, %flow, chunk, "DATA refused: {why}");
+                            self.endpoint.handle_scatter_failed(now, region, true);
+                            continue;
+                        }
+                    };
+                    self.start_copy(CopyId::Scatter(region), Direction::Scatter, region, runs, in_use);
                 }
                 Action::PostWrite { chunk, peer, local, remote, len } => {
                     let posted = match self.peers.get(&peer) {
@@ -736,12 +835,24 @@ impl Reactor {
         let c = &self.shared.counters;
         c.grants.store(s.grants, Ordering::Relaxed);
         c.late_data.store(s.late_data, Ordering::Relaxed);
+        c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
     }
 
-    fn start_copy(&mut self, id: CopyId, direction: Direction, region: RegionHandle, runs: Vec<Run>) {
+    fn start_copy(&mut self, id: CopyId, direction: Direction, region: RegionHandle, runs: Vec<Run>, in_use: InUse) {
         let offset = region.0 as usize;
         let span = RegionSpan { addr: self.arena.addr + offset, len: self.arena.len.saturating_sub(offset) };
-        let sent = self.jobs.as_ref().map(|j| j.send(CopyJob { id, queued_at: Instant::now(), direction, span, runs }).is_ok()).unwrap_or(false);
+        let job = CopyJob { id, queued_at: Instant::now(), in_use, direction, span, runs };
+        let sent = match &self.jobs {
+            Some(jobs) => jobs.send(job).map_err(|e| e.0),
+            None => Err(job),
+        };
+        let sent = match sent {
+            Ok(()) => true,
+            Err(job) => {
+                self.targets.release(job.in_use);
+                false
+            }
+        };
         if sent {
             self.copies_in_flight += 1;
         } else {

@@ -20,11 +20,14 @@ pub struct FakeSender {
     router: zmq::Socket,
     dealer: zmq::Socket,
     pub endpoint: String,
+    /// The access key this client puts in its WANTs (the receiver's own for
+    /// a client that loaded its metadata, anything else for a stranger).
+    pub key: u64,
     next_request: u64,
 }
 
 impl FakeSender {
-    pub fn new(receiver_endpoint: &str) -> Self {
+    pub fn new(receiver_endpoint: &str, key: u64) -> Self {
         let ctx = zmq::Context::new();
         let router = ctx.socket(zmq::ROUTER).unwrap();
         router.set_linger(0).unwrap();
@@ -39,6 +42,7 @@ impl FakeSender {
             router,
             dealer,
             endpoint,
+            key,
             next_request: 0x00F0_0000_0000_0000 + std::process::id() as u64 * 1000,
         }
     }
@@ -77,15 +81,23 @@ impl FakeSender {
         None
     }
 
-    /// WANT one chunk of `len` bytes; returns (request, granted region, granted length).
-    pub fn want(&mut self, len: u64) -> (RequestId, RegionHandle, u64) {
+    /// Sends a WANT for one chunk of `len` bytes and returns its request id
+    /// without waiting for the reply.
+    pub fn send_want(&mut self, len: u64) -> RequestId {
         self.next_request += 1;
         let request = RequestId(self.next_request);
         self.send(&Message::Want {
             request,
             chunk_sizes: vec![len],
             endpoint: self.endpoint.as_bytes().to_vec(),
+            key: self.key,
         });
+        request
+    }
+
+    /// WANT one chunk of `len` bytes; returns (request, granted region, granted length).
+    pub fn want(&mut self, len: u64) -> (RequestId, RegionHandle, u64) {
+        let request = self.send_want(len);
         match self.recv("GRANT") {
             Message::Grant { request: r, credits } => {
                 assert_eq!(r, request, "GRANT for another request");
@@ -103,6 +115,6 @@ impl FakeSender {
     }
 
     pub fn cancel(&self, request: RequestId) {
-        self.send(&Message::cancel(request, self.endpoint.as_bytes().to_vec()));
+        self.send(&Message::cancel(request, self.endpoint.as_bytes().to_vec(), self.key));
     }
 }
