@@ -759,16 +759,18 @@ mod tests {
 
 #[cfg(test)]
 mod doc_sync {
-    /// The configuration table in docs/design.md is generated from
-    /// `Config::describe_markdown()`; this keeps the two in step.
+    /// The configuration tables in docs/design.md and README.md are
+    /// generated from `Config::describe_markdown()`; this keeps them in step.
     #[test]
     fn design_doc_config_table_is_current() {
         let table = super::Config::describe_markdown();
-        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/design.md"))
-            .expect("docs/design.md");
-        assert!(
-            doc.contains(&table),
-            "docs/design.md is missing the current configuration table; paste this:\n{table}"
-        );
+        for file in ["docs/design.md", "README.md"] {
+            let doc = std::fs::read_to_string(format!("{}/{file}", env!("CARGO_MANIFEST_DIR")))
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            assert!(
+                doc.contains(&table),
+                "{file} is missing the current configuration table; paste this:\n{table}"
+            );
+        }
     }
 }
