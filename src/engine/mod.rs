@@ -860,8 +860,13 @@ impl Engine {
     }
 
     /// Posts (or re-posts) a request.
-    pub fn post_xfer(&self, req: &mut Request, args: XferArgs) -> Result<Status> {
-        TransferParams::parse(&args.custom_param)?;
+    pub fn post_xfer(&self, req: &mut Request, mut args: XferArgs) -> Result<Status> {
+        // NIXL hands the custom parameter to prepXfer only; keep the one
+        // given at preparation unless the post brings its own.
+        if args.custom_param.is_empty() {
+            args.custom_param = std::mem::take(&mut req.args.custom_param);
+        }
+        let per_transfer = TransferParams::parse(&args.custom_param)?;
         if self.failpoints.is_set("panic_in_post_xfer") {
             panic!("failpoint panic_in_post_xfer");
         }
@@ -886,7 +891,8 @@ impl Engine {
                 b.instance.ensure_peer(&b.peer_arena);
                 let runtime = &b.instance.runtime;
                 let notif = req.args.notif.clone().map(|message| DeferredNotif { inner_agent: b.peer_inner.clone(), message });
-                b.ticket = Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif));
+                let deadline = per_transfer.deadline_ms.map(std::time::Duration::from_millis);
+                b.ticket = Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif, deadline));
                 b.reported = false;
                 self.stats.bump_named("bounce_submitted");
                 self.stats

@@ -391,13 +391,27 @@ impl Endpoint {
         peer: &PeerId,
         descriptors: &[Descriptor],
     ) -> Result<RequestId, SubmitError> {
+        self.submit_with_deadline(now, peer, descriptors, None)
+    }
+
+    /// As [`Endpoint::submit`], with a deadline for this request that
+    /// overrides the configured `request_deadline` (past it the request fails
+    /// with [`FailureReason::DeadlineExceeded`], even if it would still
+    /// succeed; its regions are reclaimed only once nothing touches them).
+    pub fn submit_with_deadline(
+        &mut self,
+        now: Time,
+        peer: &PeerId,
+        descriptors: &[Descriptor],
+        deadline: Option<Duration>,
+    ) -> Result<RequestId, SubmitError> {
         if self.ctx.shut_down {
             return Err(SubmitError::ShutDown);
         }
         if let Some(cause) = &self.ctx.poisoned {
             return Err(SubmitError::Poisoned(cause.clone()));
         }
-        let id = self.sender.submit(&mut self.ctx, now, peer, descriptors)?;
+        let id = self.sender.submit(&mut self.ctx, now, peer, descriptors, deadline)?;
         self.pump(now);
         Ok(id)
     }

@@ -129,6 +129,7 @@ impl Sender {
         now: Time,
         peer: &PeerId,
         descriptors: &[Descriptor],
+        deadline: Option<std::time::Duration>,
     ) -> Result<RequestId, SubmitError> {
         let plan = plan::build(descriptors, ctx.plan_options)?;
         let id = RequestId(self.next_id);
@@ -166,7 +167,7 @@ impl Sender {
                 ],
                 acked: 0,
                 last_progress: now,
-                deadline: ctx.cfg.request_deadline.map(|d| now.after(d)),
+                deadline: deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d)),
                 failed: None,
                 completed: false,
                 cancel_pending: false,

@@ -75,7 +75,13 @@ pub struct DeferredNotif {
 }
 
 enum Command {
-    Submit { peer: PeerId, descriptors: Vec<Descriptor>, ticket: Arc<Ticket>, notif: Option<DeferredNotif> },
+    Submit {
+        peer: PeerId,
+        descriptors: Vec<Descriptor>,
+        ticket: Arc<Ticket>,
+        notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
+    },
     Cancel { ticket: Arc<Ticket> },
     AddPeer { peer: PeerId, arena: PeerArena, key: u64 },
     ForgetPeer { peer: PeerId },
@@ -385,9 +391,16 @@ impl Runtime {
     }
 
     /// Starts a bounce transfer. Never blocks on the network.
-    pub fn submit(&self, peer: PeerId, descriptors: Vec<Descriptor>, notif: Option<DeferredNotif>) -> Arc<Ticket> {
+    /// `deadline` overrides the configured per-request deadline.
+    pub fn submit(
+        &self,
+        peer: PeerId,
+        descriptors: Vec<Descriptor>,
+        notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
+    ) -> Arc<Ticket> {
         let ticket = Ticket::new();
-        self.push(Command::Submit { peer, descriptors, ticket: ticket.clone(), notif });
+        self.push(Command::Submit { peer, descriptors, ticket: ticket.clone(), notif, deadline });
         ticket
     }
 
@@ -595,8 +608,8 @@ impl Reactor {
         for c in cmds {
             let now = self.now();
             match c {
-                Command::Submit { peer, descriptors, ticket, notif } => {
-                    match self.endpoint.submit(now, &peer, &descriptors) {
+                Command::Submit { peer, descriptors, ticket, notif, deadline } => {
+                    match self.endpoint.submit_with_deadline(now, &peer, &descriptors, deadline) {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
                             self.tickets.insert(id, (ticket, notif, Instant::now()));
