@@ -54,7 +54,8 @@ fn a_transfer_past_its_deadline_fails_promptly_and_the_engine_recovers() {
     assert!(outcome.is_err(), "a transfer that got no GRANT cannot succeed");
     assert!(took >= Duration::from_millis(250), "failed before its deadline ({took:?})");
     assert!(took < Duration::from_secs(3), "the deadline did not cut the wait short ({took:?})");
-    assert_eq!(after.since(&before, "bounce_timeouts"), 1, "{}", after.diff(&before));
+    assert_eq!(after.since(&before, "bounce_deadlines_exceeded"), 1, "{}", after.diff(&before));
+    assert_eq!(after.since(&before, "bounce_timeouts"), 0, "a deadline is not a no-progress timeout");
     drop(req);
 
     // The initiator's engine still works with a healthy peer.

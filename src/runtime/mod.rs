@@ -105,6 +105,8 @@ pub struct RuntimeCounters {
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
     pub timeouts: AtomicU64,
+    /// Requests that passed their deadline.
+    pub deadlines: AtomicU64,
     pub cancelled: AtomicU64,
     /// Time spent, summed over operations (for the benchmark's breakdown):
     /// gathers and scatters running, copy jobs waiting for a worker, chunk
@@ -452,6 +454,7 @@ impl Runtime {
                 ("bounce_succeeded", &c.succeeded),
                 ("bounce_failed", &c.failed),
                 ("bounce_timeouts", &c.timeouts),
+                ("bounce_deadlines_exceeded", &c.deadlines),
                 ("bounce_cancels", &c.cancelled),
                 ("gather_ns", &c.gather_ns),
                 ("scatter_ns", &c.scatter_ns),
@@ -893,8 +896,11 @@ impl Reactor {
             },
             Outcome::Failure(reason) => {
                 match reason {
-                    FailureReason::Timeout | FailureReason::DeadlineExceeded => {
+                    FailureReason::Timeout => {
                         c.timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    FailureReason::DeadlineExceeded => {
+                        c.deadlines.fetch_add(1, Ordering::Relaxed);
                     }
                     FailureReason::Cancelled => {
                         c.cancelled.fetch_add(1, Ordering::Relaxed);
