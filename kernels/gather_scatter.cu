@@ -2,147 +2,260 @@
 //
 // Compiled at run time with NVRTC (src/copy/cuda.rs) for the running GPU's
 // architecture. NVRTC has no CUDA toolkit headers: only built-ins (uint4,
-// threadIdx, __syncthreads, ...) are used, and the integer types are
+// threadIdx, __ballot_sync, __clz, ...) are used, and the integer types are
 // spelled out below.
 //
-// One launch copies one chunk's whole run list. The host writes a table
-// (layout shared with `DevRun` in src/copy/cuda.rs, 8 x 64-bit words per run):
+// One launch copies one chunk's whole run list. The host (`fill_table` in
+// src/copy/cuda.rs) writes one table, in three parts:
 //
-//   src, dst          address of the first copy's source / destination
-//   len               bytes per copy (> 0)
-//   src_stride,
-//   dst_stride        address step between consecutive copies
-//   first_tile        index of this run's first tile (prefix sum)
-//   tiles_per_copy    ceil(len / tile_bytes)
-//   count             copies in this run (>= 1)
+//   runs[r]        4 x 64-bit words (`DevRun`): src, dst (first copy's
+//                  source / destination), len (bytes per copy, > 0),
+//                  count (low 32 bits, >= 1) | stride_index (high 32 bits)
+//   tile_start[r]  u32, r = 0..=nruns: index of run r's first tile (prefix
+//                  sum; tile_start[0] = 0, tile_start[nruns] = total_tiles;
+//                  strictly increasing since every run has a tile)
+//   strides[k]     2 x 64-bit words (src_stride, dst_stride) of the k-th
+//                  run with count > 1 (its stride_index); single copies
+//                  (the common case) need none, which keeps the table at
+//                  36 bytes per run.
 //
 // A tile is (copy i of run r, byte window j of that copy): at most
-// `tile_bytes` bytes. Tiles are numbered run after run, copy after copy,
-// so tile t of run r is copy (t - first_tile) / tiles_per_copy, window
-// (t - first_tile) % tiles_per_copy. A run with count = 1000 is one table
-// entry: the copies are expanded here, never on the host.
+// tile_bytes = 1 << tile_shift bytes. Tiles are numbered run after run, copy
+// after copy: tile t of run r is copy (t - tile_start[r]) / tiles_per_copy,
+// window (t - tile_start[r]) % tiles_per_copy, with tiles_per_copy =
+// ceil(len / tile_bytes). A run with count = 1000 is one table entry: the
+// copies are expanded here, never on the host.
 //
-// Block b copies tiles [b * tiles_per_block, (b + 1) * tiles_per_block);
-// `block_run[b]` is the run holding its first tile (computed by the host,
-// so no block searches the table). A block walks its tiles in order and
-// loads the next run entry when it crosses a run boundary (runs are never
-// empty, so the next tile is always in the next run).
+// The unit of work is one WARP, not one block: warp w copies tiles
+// [w * tiles_per_warp, (w + 1) * tiles_per_warp). No block-wide barrier
+// anywhere, so the 8 warps of a block (and the blocks of the grid) run
+// fully independently; tiles_per_warp is 1 unless the chunk has more tiles
+// than the launch has warps (see `LaunchShape`). A warp finds the run of
+// its first tile with a 32-ary search over tile_start (each lane probes one
+// entry, a ballot picks the interval: ceil(log32(nruns)) rounds, 3 for
+// 16384 runs, of one coalesced-ish load each, served by L2), then walks its
+// tiles in order and loads the next run entry when it crosses a run
+// boundary (the next tile is always in the next run).
+//
+// A tile is copied by the 32 lanes with the widest word the relative
+// alignment of source and destination allows (16-byte uint4 when both are
+// equally aligned mod 16, else 8, 4, 1), BOUNCE_UNROLL words per lane in
+// flight: 32 x 16 B x 8 = 4 KiB per warp per round. Tiles start at
+// multiples of tile_bytes (a multiple of 16) within a copy, so every tile
+// keeps its copy's alignment.
 //
 // Direction (gather or scatter) is decided on the host by which side goes
 // into src and which into dst.
 //
-// Table and block_run are either mapped pinned host memory (zero-copy:
-// read over PCIe, a handful of loads per block) or a device copy uploaded
-// before the launch; the kernel does not care which. They are read with
-// volatile loads so a reused pinned buffer is never served from a stale
-// cache line.
+// Table location: `bounce_copy` reads a device copy uploaded (one
+// cuMemcpyHtoDAsync on the same stream) before the launch: plain loads,
+// L2-resident. `bounce_copy_zero_copy` reads mapped pinned host memory with
+// volatile loads (so a reused pinned buffer is never served from a stale
+// cache line); every table load is then a PCIe round trip, which makes it
+// the slow option (see `ExecPool::new`).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned char u8;
 
 #define BOUNCE_THREADS 256
-#define BOUNCE_UNROLL 4
+#define BOUNCE_WARPS (BOUNCE_THREADS / 32)
+// At least 3 resident blocks (24 warps) per SM: caps registers at 80 per
+// thread; ptxas (sm_90, CUDA 13.0) then uses 80 with a 12-byte spill around
+// the out-of-line slow path. Unbounded it takes 112 (2 blocks per SM); at 4
+// blocks (64 registers) the uint4 path spills. 24 warps x 4 KiB in flight
+// is ~96 KiB per SM, plenty for HBM.
+#define BOUNCE_MIN_BLOCKS 3
+#define BOUNCE_UNROLL 8
+#define FULL_MASK 0xffffffffu
 
-// Copies n bytes as words of type W; d and s are both aligned to sizeof(W).
-// The whole block takes part; words are interleaved across threads so each
-// warp access is coalesced.
-template <typename W>
-__device__ __forceinline__ void copy_words(u8* __restrict__ d, const u8* __restrict__ s,
-                                           u64 nwords, u32 tid, u32 nt)
+template <bool ZC>
+__device__ __forceinline__ u32 ld_u32(const u32* p)
+{
+    if (ZC) return *(const volatile u32*)p;
+    return *p;
+}
+
+template <bool ZC>
+__device__ __forceinline__ u64 ld_u64(const u64* p)
+{
+    if (ZC) return *(const volatile u64*)p;
+    return *p;
+}
+
+// Copies nwords words of type W with the 32 lanes of a warp; d and s are
+// both aligned to sizeof(W). Lane l moves words l, l + 32, ...; each round
+// issues U loads before the stores so they are in flight together. Full
+// rounds need no bounds test (constant offsets from one pointer, few
+// registers); the last partial round tests each word.
+template <typename W, u32 U>
+__device__ __forceinline__ void warp_words(u8* __restrict__ d, const u8* __restrict__ s,
+                                           u32 nwords, u32 lane)
 {
     W* __restrict__ dw = reinterpret_cast<W*>(d);
     const W* __restrict__ sw = reinterpret_cast<const W*>(s);
-    const u64 step = (u64)nt * BOUNCE_UNROLL;
-    for (u64 base = tid; base < nwords; base += step) {
-        W v[BOUNCE_UNROLL];
+    u32 k = lane;
+    for (; k + 32 * (U - 1) < nwords; k += 32 * U) {
+        W v[U];
 #pragma unroll
-        for (u32 u = 0; u < BOUNCE_UNROLL; ++u) {
-            const u64 k = base + (u64)u * nt;
-            if (k < nwords) v[u] = sw[k];
+        for (u32 u = 0; u < U; ++u) v[u] = sw[k + u * 32];
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) dw[k + u * 32] = v[u];
+    }
+    if (k < nwords) {
+        W v[U];
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) {
+            if (k + u * 32 < nwords) v[u] = sw[k + u * 32];
         }
 #pragma unroll
-        for (u32 u = 0; u < BOUNCE_UNROLL; ++u) {
-            const u64 k = base + (u64)u * nt;
-            if (k < nwords) dw[k] = v[u];
+        for (u32 u = 0; u < U; ++u) {
+            if (k + u * 32 < nwords) dw[k + u * 32] = v[u];
         }
     }
 }
 
-__device__ __forceinline__ void copy_bytes(u8* __restrict__ d, const u8* __restrict__ s, u64 n,
-                                           u32 tid, u32 nt)
-{
-    for (u64 k = tid; k < n; k += nt) d[k] = s[k];
-}
-
-// Copies n bytes with the widest word size the relative alignment of s and
-// d allows: a byte head up to the first aligned address, aligned words, a
-// byte tail. Head, body and tail are disjoint, so no barrier between them.
+// Copies n bytes with words of type W: a byte head up to the first aligned
+// source address (< sizeof(W) <= 16 bytes, one lane each), the aligned
+// words, a byte tail (< sizeof(W)). Head, body and tail are disjoint.
 template <typename W>
-__device__ __forceinline__ void copy_with(u8* d, const u8* s, u64 n, u32 tid, u32 nt)
+__device__ __forceinline__ void warp_copy_with(u8* d, const u8* s, u32 n, u32 lane)
 {
-    const u64 a = sizeof(W);
-    u64 head = (a - ((u64)s & (a - 1))) & (a - 1);
+    const u32 a = sizeof(W);
+    u32 head = (a - ((u32)(u64)s & (a - 1))) & (a - 1);
     if (head > n) head = n;
-    const u64 nwords = (n - head) / a;
-    const u64 body = nwords * a;
-    copy_bytes(d, s, head, tid, nt);
-    copy_words<W>(d + head, s + head, nwords, tid, nt);
-    copy_bytes(d + head + body, s + head + body, n - head - body, tid, nt);
+    const u32 nwords = (n - head) / a;
+    const u32 body = nwords * a;
+    const u32 tail = n - head - body;
+    if (lane < head) d[lane] = s[lane];
+    warp_words<W, sizeof(W) == 16 ? BOUNCE_UNROLL : 4>(d + head, s + head, nwords, lane);
+    if (lane < tail) d[head + body + lane] = s[head + body + lane];
 }
 
-__device__ __forceinline__ void block_copy(u64 dst, u64 src, u64 n, u32 tid, u32 nt)
+// The rare paths (source and destination not equally aligned mod 16) are
+// out of line, so their registers do not weigh on the uint4 path.
+__device__ __noinline__ void warp_copy_slow(u8* d, const u8* s, u32 n, u32 lane, u32 mis)
+{
+    if ((mis & 7) == 0) {
+        warp_copy_with<u64>(d, s, n, lane);
+    } else if ((mis & 3) == 0) {
+        warp_copy_with<u32>(d, s, n, lane);
+    } else {
+        warp_words<u8, 4>(d, s, n, lane);
+    }
+}
+
+__device__ __forceinline__ void warp_copy(u64 dst, u64 src, u32 n, u32 lane)
 {
     u8* d = reinterpret_cast<u8*>(dst);
     const u8* s = reinterpret_cast<const u8*>(src);
-    const u64 mis = dst ^ src;
-    if ((mis & 15) == 0) {
-        copy_with<uint4>(d, s, n, tid, nt);
-    } else if ((mis & 7) == 0) {
-        copy_with<u64>(d, s, n, tid, nt);
-    } else if ((mis & 3) == 0) {
-        copy_with<u32>(d, s, n, tid, nt);
+    const u32 mis = (u32)(dst ^ src) & 15;  // uniform across the warp
+    if (mis == 0) {
+        warp_copy_with<uint4>(d, s, n, lane);
     } else {
-        copy_bytes(d, s, n, tid, nt);
+        warp_copy_slow(d, s, n, lane, mis);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS)
-bounce_copy(const u64* runs, const u32* block_run, u64 total_tiles, u64 tiles_per_block,
-            u64 tile_bytes, u32 nruns)
+// The run holding tile t: the largest r < nruns with tile_start[r] <= t.
+// Invariant: tile_start[lo] <= t and the answer is in [lo, hi). Every
+// branch depends on ballots only, so it is uniform across the warp.
+template <bool ZC>
+__device__ __forceinline__ u32 find_run(const u32* tile_start, u32 nruns, u32 t, u32 lane)
 {
-    __shared__ u64 run[8];
-    __shared__ u32 first_run;
-
-    const u32 tid = threadIdx.x;
-    const u32 nt = blockDim.x;
-    const u64 t0 = (u64)blockIdx.x * tiles_per_block;
-    if (t0 >= total_tiles) return;  // uniform across the block
-    u64 t_end = t0 + tiles_per_block;
-    if (t_end > total_tiles) t_end = total_tiles;
-
-    if (tid == 0) first_run = ((const volatile u32*)block_run)[blockIdx.x];
-    __syncthreads();
-    u32 r = first_run;
-    if (r >= nruns) return;  // cannot happen with a host-built table; uniform
-    if (tid < 8) run[tid] = ((const volatile u64*)(runs + (u64)r * 8))[tid];
-    __syncthreads();
-
-    for (u64 t = t0; t < t_end; ++t) {
-        // run[] is shared, so this test is uniform and the barriers are safe.
-        if (t >= run[5] + run[6] * run[7]) {
-            __syncthreads();  // every thread is done with the current entry
-            ++r;
-            if (r >= nruns) return;  // uniform; cannot happen (see above)
-            if (tid < 8) run[tid] = ((const volatile u64*)(runs + (u64)r * 8))[tid];
-            __syncthreads();
-        }
-        const u64 local = t - run[5];
-        const u64 i = local / run[6];
-        const u64 j = local - i * run[6];
-        const u64 off = j * tile_bytes;
-        u64 n = run[2] - off;
-        if (n > tile_bytes) n = tile_bytes;
-        block_copy(run[1] + i * run[4] + off, run[0] + i * run[3] + off, n, tid, nt);
+    u32 lo = 0, hi = nruns;
+    while (hi - lo > 32) {
+        const u32 step = (hi - lo + 31) >> 5;
+        const u32 idx = lo + lane * step;
+        const bool le = idx < hi && ld_u32<ZC>(tile_start + idx) <= t;
+        const u32 m = __ballot_sync(FULL_MASK, le);  // bit 0 always set
+        const u32 k = 31 - __clz(m);                 // last probe <= t
+        lo += k * step;
+        if (hi - lo > step) hi = lo + step;  // probe k + 1 (if any) was > t
     }
+    const u32 idx = lo + lane;
+    const bool le = idx < hi && ld_u32<ZC>(tile_start + idx) <= t;
+    const u32 m = __ballot_sync(FULL_MASK, le);
+    return lo + 31 - __clz(m);
+}
+
+struct RunEntry {
+    u64 src, dst, len, src_stride, dst_stride;
+    u32 start, end, count;
+};
+
+template <bool ZC>
+__device__ __forceinline__ void load_run(RunEntry& e, const u64* runs, const u32* tile_start,
+                                         const u64* strides, u32 r)
+{
+    // Every lane loads the same words: one transaction per load, broadcast.
+    const u64* p = runs + (u64)r * 4;
+    e.src = ld_u64<ZC>(p);
+    e.dst = ld_u64<ZC>(p + 1);
+    e.len = ld_u64<ZC>(p + 2);
+    const u64 w = ld_u64<ZC>(p + 3);
+    e.start = ld_u32<ZC>(tile_start + r);
+    e.end = ld_u32<ZC>(tile_start + r + 1);
+    e.count = (u32)w;
+    e.src_stride = 0;
+    e.dst_stride = 0;
+    if (e.count > 1) {
+        const u64* q = strides + (w >> 32) * 2;
+        e.src_stride = ld_u64<ZC>(q);
+        e.dst_stride = ld_u64<ZC>(q + 1);
+    }
+}
+
+template <bool ZC>
+__device__ __forceinline__ void copy_tiles(const u64* runs, const u32* tile_start,
+                                           const u64* strides, u32 total_tiles,
+                                           u32 tiles_per_warp, u32 tile_shift, u32 nruns)
+{
+    const u32 lane = threadIdx.x & 31;
+    const u64 warp = (u64)blockIdx.x * BOUNCE_WARPS + (threadIdx.x >> 5);
+    const u64 first = warp * tiles_per_warp;
+    if (first >= total_tiles) return;  // the whole warp: no work left
+    u32 t = (u32)first;
+    const u64 last = first + tiles_per_warp;
+    const u32 t_end = last < total_tiles ? (u32)last : total_tiles;
+    const u64 tile_bytes = (u64)1 << tile_shift;
+
+    u32 r = find_run<ZC>(tile_start, nruns, t, lane);
+    for (;;) {
+        // The run entry is (re)loaded per tile rather than kept across the
+        // copy (only r, t, t_end and end stay live), to save registers;
+        // repeated loads of one entry are L1 hits (uploaded table).
+        RunEntry e;
+        load_run<ZC>(e, runs, tile_start, strides, r);
+        const u32 end = e.end;
+        // ceil(len / tile_bytes) <= total_tiles < 2^32 (checked on the host).
+        const u32 per_copy = (u32)((e.len + tile_bytes - 1) >> tile_shift);
+        const u32 local = t - e.start;
+        u32 i = local, j = 0;
+        if (per_copy != 1) {
+            i = local / per_copy;
+            j = local - i * per_copy;
+        }
+        const u64 off = (u64)j << tile_shift;
+        const u64 left = e.len - off;
+        const u32 n = (u32)(left < tile_bytes ? left : tile_bytes);
+        warp_copy(e.dst + (u64)i * e.dst_stride + off, e.src + (u64)i * e.src_stride + off, n,
+                  lane);
+        if (++t >= t_end) break;
+        if (t >= end) ++r;  // runs are never empty: tile t is run r + 1's first
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
+bounce_copy(const u64* runs, const u32* tile_start, const u64* strides, u32 total_tiles,
+            u32 tiles_per_warp, u32 tile_shift, u32 nruns)
+{
+    copy_tiles<false>(runs, tile_start, strides, total_tiles, tiles_per_warp, tile_shift, nruns);
+}
+
+extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
+bounce_copy_zero_copy(const u64* runs, const u32* tile_start, const u64* strides,
+                      u32 total_tiles, u32 tiles_per_warp, u32 tile_shift, u32 nruns)
+{
+    copy_tiles<true>(runs, tile_start, strides, total_tiles, tiles_per_warp, tile_shift, nruns);
 }

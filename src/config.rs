@@ -78,7 +78,9 @@ pub struct Config {
     /// Control plane over NIXL notifications instead of ZMQ/TCP; must match
     /// the peer (handshake-checked).
     pub use_nixl_notifications: bool,
-    /// Copy kernel reads its plan directly from pinned host memory.
+    /// Copy kernel reads its plan directly from pinned host memory
+    /// (default false: the plan is uploaded with one async copy before the
+    /// launch, which is faster; see `ExecPool::new`).
     pub use_zero_copy_arguments: bool,
     /// Use a library batched memcpy instead of the custom copy kernel
     /// (experimental).
@@ -109,7 +111,7 @@ impl Default for Config {
             disable_fabric_memory: false,
             enable_eager_gather: true,
             use_nixl_notifications: false,
-            use_zero_copy_arguments: true,
+            use_zero_copy_arguments: false,
             use_cub_copy: false,
             disable_scatter_run_merging: false,
             request_deadline_ms: 0,
@@ -273,7 +275,7 @@ static SETTINGS: &[Setting] = &[
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
     setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),
     setting!(use_nixl_notifications, "use_nixl_notifications", "USE_NIXL_NOTIFICATIONS", Bool, true, "Control plane over NIXL notifications instead of ZMQ/TCP; must match the peer (handshake-checked)."),
-    setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload)."),
+    setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload); slower than the default upload (one async copy before the launch)."),
     setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
     setting!(disable_scatter_run_merging, "disable_scatter_run_merging", "DISABLE_SCATTER_RUN_MERGING", Bool, true, "DEBUG ONLY: one run per descriptor instead of coalesced runs."),
     setting!(request_deadline_ms, "request_deadline_ms", "REQUEST_DEADLINE_MS", Millis, true, "Absolute per-request deadline from submission; 0 = none."),

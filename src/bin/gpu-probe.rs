@@ -6,13 +6,16 @@
 //! Exits 0 with a `SKIP:` line on machines without CUDA; non-zero on any
 //! CUDA error or mismatch. Usage:
 //! `gpu-probe [--iters N] [--blocks N] [--size BYTES] [--tile BYTES] [--max-blocks N]`
-//! (`--tile` and `--max-blocks` tune the kernel: see `CopyOptions`).
+//! (`--tile` (a power of two, 16..=2^30) and `--max-blocks` tune the
+//! kernel: see `CopyOptions`). Each line also gives the host part of a copy
+//! (table fill, upload and launch enqueued, i.e. `start`); the rest is the
+//! GPU plus the completion wait.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use nixl_bounce::copy::cuda::{CopyOptions, CudaCopy, CudaRuntime, ExecPool, DEFAULT_TILE_BYTES};
-use nixl_bounce::copy::{CopyEngine, Direction};
+use nixl_bounce::copy::Direction;
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_bounce::proto::Run;
 
@@ -134,21 +137,38 @@ fn run() -> Result<(), String> {
             ("merged run", &merged_g, &merged_s),
         ] {
             dst.fill(0xAB)?;
-            let (mut tg, mut ts) = (Vec::new(), Vec::new());
+            // Per copy: the whole call (plan + upload + launch + wait) and
+            // its host part (`start`: table fill, upload and launch enqueued).
+            let (mut tg, mut ts, mut hg, mut hs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let mut failed = None;
+            let timed = |d: Direction, runs: &[Run]| {
+                let t = Instant::now();
+                let p = engine.start(d, span, runs)?;
+                let host = t.elapsed();
+                p.wait()?;
+                Ok::<_, nixl_bounce::copy::CopyError>((t.elapsed(), host))
+            };
             for _ in 0..iters + 2 {
-                let t = Instant::now();
-                if let Err(e) = engine.copy(Direction::Gather, span, g) {
-                    failed = Some(e);
-                    break;
+                match timed(Direction::Gather, g) {
+                    Ok((all, host)) => {
+                        tg.push(all);
+                        hg.push(host);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
                 }
-                tg.push(t.elapsed());
-                let t = Instant::now();
-                if let Err(e) = engine.copy(Direction::Scatter, span, s) {
-                    failed = Some(e);
-                    break;
+                match timed(Direction::Scatter, s) {
+                    Ok((all, host)) => {
+                        ts.push(all);
+                        hs.push(host);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
                 }
-                ts.push(t.elapsed());
             }
             match failed {
                 // The experimental batched memcpy may be missing; the kernel may not fail.
@@ -161,6 +181,7 @@ fn run() -> Result<(), String> {
             }
             // The first two are warm-up.
             let (g50, s50) = (median(tg.split_off(2)), median(ts.split_off(2)));
+            let (hg50, hs50) = (median(hg.split_off(2)), median(hs.split_off(2)));
             let mut got = vec![0u8; 2 * total];
             dst.read(0, &mut got)?;
             for i in 0..n {
@@ -175,11 +196,13 @@ fn run() -> Result<(), String> {
             }
             let gbs = |d: Duration| total as f64 / d.as_secs_f64() / 1e9;
             println!(
-                "{n} x {b} B, {name:11}, {label:23}: gather p50 {:7.1} us ({:6.0} GB/s), scatter p50 {:7.1} us ({:6.0} GB/s), byte-exact",
+                "{n} x {b} B, {name:11}, {label:23}: gather p50 {:7.1} us ({:6.0} GB/s), scatter p50 {:7.1} us ({:6.0} GB/s), byte-exact; host part (fill+upload+launch) gather {:6.1} us, scatter {:6.1} us",
                 g50.as_secs_f64() * 1e6,
                 gbs(g50),
                 s50.as_secs_f64() * 1e6,
-                gbs(s50)
+                gbs(s50),
+                hg50.as_secs_f64() * 1e6,
+                hs50.as_secs_f64() * 1e6,
             );
         }
     }

@@ -42,15 +42,24 @@ use crate::proto::Run;
 
 /// The kernel's CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("../../kernels/gather_scatter.cu");
-/// The kernel's (unmangled) name.
+/// The kernel's (unmangled) name: reads an uploaded (device) table.
 pub const KERNEL_NAME: &str = "bounce_copy";
+/// The same kernel reading its table from mapped pinned host memory.
+pub const ZERO_COPY_KERNEL_NAME: &str = "bounce_copy_zero_copy";
 /// Threads per block (matches `BOUNCE_THREADS` / `__launch_bounds__` in the source).
 pub const BLOCK_THREADS: u32 = 256;
-/// Default bytes per tile (one block's unit of work); a multiple of 16.
-pub const DEFAULT_TILE_BYTES: u64 = 16 * 1024;
-/// Default launch size in "waves" of resident blocks: more blocks than fit
-/// at once let the scheduler balance uneven tiles (tune with
-/// [`CopyOptions::max_blocks`]; `gpu-probe --max-blocks N` measures it).
+/// Warps per block: the kernel's unit of work is one warp.
+pub const WARPS_PER_BLOCK: u32 = BLOCK_THREADS / 32;
+/// Default bytes per tile (one warp's unit of work): a power of two, at
+/// least 16. 8 KiB is two rounds of 32 lanes x 16 B x 8 words in flight;
+/// copies of up to 8 KiB (most KV blocks) are one tile each.
+pub const DEFAULT_TILE_BYTES: u64 = 8 * 1024;
+/// Largest tile size (a tile's byte count is 32-bit on the device).
+pub const MAX_TILE_BYTES: u64 = 1 << 30;
+/// Default launch size in "waves" of resident blocks: the grid covers every
+/// tile (one tile per warp) up to this many waves, after which warps take
+/// several consecutive tiles each (tune with [`CopyOptions::max_blocks`];
+/// `gpu-probe --max-blocks N` measures it).
 pub const GRID_WAVES: u32 = 4;
 /// Runs the pinned table is sized for before it first grows.
 const INITIAL_TABLE_RUNS: usize = 1024;
@@ -59,145 +68,244 @@ const INITIAL_TABLE_RUNS: usize = 1024;
 // Host-side planning (pure; runs everywhere)
 // ---------------------------------------------------------------------------
 
-/// One run as the kernel reads it: 8 little-endian 64-bit words (the layout
-/// documented at the top of `kernels/gather_scatter.cu`).
+/// One run as the kernel reads it: 4 little-endian 64-bit words (the layout
+/// documented at the top of `kernels/gather_scatter.cu`). The strides of a
+/// run with `count > 1` live in the table's stride list at `stride_index`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DevRun {
     pub src: u64,
     pub dst: u64,
     pub len: u64,
-    pub src_stride: u64,
-    pub dst_stride: u64,
-    pub first_tile: u64,
-    pub tiles_per_copy: u64,
-    pub count: u64,
+    pub count: u32,
+    /// Index into the stride list (only meaningful when `count > 1`).
+    pub stride_index: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<DevRun>() == 64);
+const _: () = assert!(std::mem::size_of::<DevRun>() == 32);
+
+/// (src_stride, dst_stride) of one run with `count > 1`.
+pub type DevStrides = [u64; 2];
+
+/// Where the three parts of a table of `nruns` runs lie in one buffer:
+/// `nruns` [`DevRun`]s, then `nruns + 1` `u32` tile starts, then (16-byte
+/// aligned) up to `nruns` [`DevStrides`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableLayout {
+    pub nruns: usize,
+    pub tile_start_offset: usize,
+    pub strides_offset: usize,
+    /// Bytes the buffer needs (every run strided, the worst case).
+    pub capacity: usize,
+}
+
+impl TableLayout {
+    pub fn new(nruns: usize) -> Option<TableLayout> {
+        let tile_start_offset = nruns.checked_mul(std::mem::size_of::<DevRun>())?;
+        let strides_offset = tile_start_offset
+            .checked_add(nruns.checked_add(1)?.checked_mul(4)?)?
+            .checked_next_multiple_of(16)?;
+        let capacity =
+            strides_offset.checked_add(nruns.checked_mul(std::mem::size_of::<DevStrides>())?)?;
+        Some(TableLayout {
+            nruns,
+            tile_start_offset,
+            strides_offset,
+            capacity,
+        })
+    }
+}
 
 /// The launch a filled table describes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchShape {
     pub nruns: u32,
-    pub total_tiles: u64,
-    pub tiles_per_block: u64,
-    /// Blocks to launch (`block_run` holds this many entries).
+    /// Runs with `count > 1` (entries of the stride list).
+    pub nstrided: u32,
+    pub total_tiles: u32,
+    /// Consecutive tiles per warp (1 unless the tiles outnumber `max_warps`).
+    pub tiles_per_warp: u32,
+    /// Blocks to launch (of [`WARPS_PER_BLOCK`] warps).
     pub grid: u32,
     pub tile_bytes: u64,
     pub total_bytes: u64,
 }
 
 impl LaunchShape {
-    /// Bytes of the table actually used: the runs, then one `u32` per block.
-    pub fn table_bytes(&self) -> usize {
-        self.nruns as usize * std::mem::size_of::<DevRun>() + self.grid as usize * 4
+    /// `log2(tile_bytes)`.
+    pub fn tile_shift(&self) -> u32 {
+        self.tile_bytes.trailing_zeros()
     }
-    /// Offset of the `block_run` array within the table.
-    pub fn block_run_offset(&self) -> usize {
-        self.nruns as usize * std::mem::size_of::<DevRun>()
+    /// Bytes of the table actually used (what is uploaded): everything up
+    /// to the end of the stride list.
+    pub fn table_bytes(&self) -> usize {
+        let l = TableLayout::new(self.nruns as usize).expect("a filled table's layout fits");
+        l.strides_offset + self.nstrided as usize * std::mem::size_of::<DevStrides>()
     }
 }
 
-/// Table capacity needed for `nruns` runs and at most `max_grid` blocks.
-pub fn table_capacity(nruns: usize, max_grid: u32) -> Option<usize> {
-    nruns
-        .checked_mul(std::mem::size_of::<DevRun>())?
-        .checked_add(max_grid as usize * 4)
+/// Table capacity (bytes) needed for `nruns` runs.
+pub fn table_capacity(nruns: usize) -> Option<usize> {
+    TableLayout::new(nruns).map(|l| l.capacity)
+}
+
+/// Whether `tile_bytes` is usable: a power of two in 16..=[`MAX_TILE_BYTES`]
+/// (a multiple of 16 keeps every tile's alignment; a power of two lets the
+/// kernel shift instead of divide).
+pub fn valid_tile_bytes(tile_bytes: u64) -> bool {
+    tile_bytes.is_power_of_two() && (16..=MAX_TILE_BYTES).contains(&tile_bytes)
 }
 
 /// Validates `runs` against `region`, writes the kernel's run table into
-/// `out_runs` (at least `runs.len()` entries) and the first run of each block
-/// into `out_blocks` (at least `max_grid` entries), and returns the launch
-/// shape. Nothing is written past what the shape uses. `tile_bytes` must be
-/// a non-zero multiple of 16 (so tiles keep the copies' alignment).
+/// `out_runs` (at least `runs.len()` entries), the tile starts into
+/// `out_tile_start` (at least `runs.len() + 1`) and the strides of the runs
+/// with `count > 1` into `out_strides` (at least `runs.len()` slots), and
+/// returns the launch shape: at most `max_warps` warps,
+/// each taking `tiles_per_warp` consecutive tiles. Nothing is written past
+/// what the shape uses. `tile_bytes` must pass [`valid_tile_bytes`].
+///
+/// One linear pass over the runs (validation folded in: the same checks as
+/// [`check_runs`], which only runs again to word an error), no allocation,
+/// no division (tile sizes are powers of two).
+#[allow(clippy::too_many_arguments)]
 pub fn fill_table(
     direction: Direction,
     region: RegionSpan,
     runs: &[Run],
     tile_bytes: u64,
-    max_grid: u32,
+    max_warps: u32,
     out_runs: &mut [DevRun],
-    out_blocks: &mut [u32],
+    out_tile_start: &mut [u32],
+    out_strides: &mut [DevStrides],
 ) -> Result<LaunchShape, CopyError> {
     let fail = |reason: String| CopyError {
         direction,
         reason,
         quiesced: true,
     };
-    if tile_bytes == 0 || tile_bytes % 16 != 0 {
+    if !valid_tile_bytes(tile_bytes) {
         return Err(fail(format!(
-            "tile size {tile_bytes} is not a non-zero multiple of 16"
+            "tile size {tile_bytes} is not a power of two from 16 to {MAX_TILE_BYTES}"
         )));
     }
-    if max_grid == 0 {
-        return Err(fail("a launch of at most 0 blocks".into()));
+    if max_warps == 0 {
+        return Err(fail("a launch of at most 0 warps".into()));
     }
     if runs.is_empty() {
         return Err(fail("no runs to copy".into()));
     }
-    let nruns = u32::try_from(runs.len()).map_err(|_| {
-        fail(format!(
-            "{} runs in one launch (at most {})",
-            runs.len(),
-            u32::MAX
-        ))
-    })?;
-    if out_runs.len() < runs.len() || out_blocks.len() < max_grid as usize {
+    // Below 2^31 so the kernel's 32-ary search never overflows an index.
+    let nruns = u32::try_from(runs.len())
+        .ok()
+        .filter(|&n| n < 1 << 31)
+        .ok_or_else(|| {
+            fail(format!(
+                "{} runs in one launch (at most 2^31 - 1)",
+                runs.len()
+            ))
+        })?;
+    let nr = runs.len();
+    if out_runs.len() < nr || out_tile_start.len() <= nr || out_strides.len() < nr {
         return Err(fail(format!(
-            "run table too small: {} run slots and {} block slots for {} runs and {} blocks",
+            "run table too small: {} run, {} tile-start and {} stride slots for {nr} runs",
             out_runs.len(),
-            out_blocks.len(),
-            runs.len(),
-            max_grid
+            out_tile_start.len(),
+            out_strides.len(),
         )));
     }
-    let total_bytes = check_runs(direction, region.len, runs)?;
+    let shift = tile_bytes.trailing_zeros();
+    let region_base = region.addr as u64;
+    let region_len = region.len as u64;
+    // One pass that checks and fills at once: the checks of `check_runs`
+    // are folded into one flag with wrapping arithmetic (no early exit, no
+    // error built per run); when the flag is set, `check_runs` runs again
+    // to name the first bad run. Tables of bad runs are never launched.
+    let mut bad = false;
+    let mut total_bytes: u64 = 0;
     let mut total_tiles: u64 = 0;
-    for (i, (run, out)) in runs.iter().zip(out_runs.iter_mut()).enumerate() {
-        // check_runs proved len > 0, count > 0 and that the region side fits.
-        let region_addr = (region.addr as u64)
-            .checked_add(run.region_offset)
-            .ok_or_else(|| fail(format!("run {i}: region address overflows")))?;
-        let tiles_per_copy = run.len.div_ceil(tile_bytes);
-        let tiles = tiles_per_copy
-            .checked_mul(u64::from(run.count))
-            .ok_or_else(|| fail(format!("run {i}: tile count overflows")))?;
-        let (src, dst, src_stride, dst_stride) = match direction {
-            Direction::Gather => (run.addr, region_addr, run.addr_stride, run.region_stride),
-            Direction::Scatter => (region_addr, run.addr, run.region_stride, run.addr_stride),
+    let mut nstrided: usize = 0;
+    let out_runs = &mut out_runs[..nr];
+    let out_tile_start = &mut out_tile_start[..=nr];
+    for ((run, out), start) in runs
+        .iter()
+        .zip(out_runs.iter_mut())
+        .zip(out_tile_start.iter_mut())
+    {
+        let len = run.len;
+        let count = u64::from(run.count);
+        let more = count.wrapping_sub(1);
+        let (r_last, o1) = more.overflowing_mul(run.region_stride);
+        let (r_end, o2) = run.region_offset.overflowing_add(r_last);
+        let (r_end, o3) = r_end.overflowing_add(len);
+        let (a_last, o4) = more.overflowing_mul(run.addr_stride);
+        let (a_end, o5) = run.addr.overflowing_add(a_last);
+        let (_, o6) = a_end.overflowing_add(len);
+        let (bytes, o7) = len.overflowing_mul(count);
+        let (sum, o8) = total_bytes.overflowing_add(bytes);
+        total_bytes = sum;
+        let (region_addr, o9) = region_base.overflowing_add(run.region_offset);
+        bad |= (len == 0)
+            | (count == 0)
+            | (r_end > region_len)
+            | o1
+            | o2
+            | o3
+            | o4
+            | o5
+            | o6
+            | o7
+            | o8
+            | o9;
+        // Valid runs have len <= region.len, so this does not overflow.
+        let per_copy = len.wrapping_add(tile_bytes - 1) >> shift;
+        let tiles = per_copy.saturating_mul(count);
+        let (src, dst) = match direction {
+            Direction::Gather => (run.addr, region_addr),
+            Direction::Scatter => (region_addr, run.addr),
         };
+        let mut stride_index = 0u32;
+        if run.count > 1 {
+            // nstrided < nr <= out_strides.len() (checked above).
+            out_strides[nstrided] = match direction {
+                Direction::Gather => [run.addr_stride, run.region_stride],
+                Direction::Scatter => [run.region_stride, run.addr_stride],
+            };
+            stride_index = nstrided as u32;
+            nstrided += 1;
+        }
+        *start = total_tiles as u32;
         *out = DevRun {
             src,
             dst,
-            len: run.len,
-            src_stride,
-            dst_stride,
-            first_tile: total_tiles,
-            tiles_per_copy,
-            count: u64::from(run.count),
+            len,
+            count: run.count,
+            stride_index,
         };
-        total_tiles = total_tiles
-            .checked_add(tiles)
-            .ok_or_else(|| fail("total tile count overflows".into()))?;
+        total_tiles = total_tiles.saturating_add(tiles);
     }
-    let grid0 = total_tiles.min(u64::from(max_grid));
-    let tiles_per_block = total_tiles.div_ceil(grid0);
-    // No block without work: shrink the grid to what the tiles need.
-    let grid = total_tiles.div_ceil(tiles_per_block) as u32;
-    let mut r = 0usize;
-    for (b, slot) in out_blocks.iter_mut().take(grid as usize).enumerate() {
-        let t = b as u64 * tiles_per_block;
-        while t >= out_runs[r].first_tile + out_runs[r].tiles_per_copy * out_runs[r].count {
-            r += 1;
-        }
-        *slot = r as u32;
+    if bad {
+        check_runs(direction, region.len, runs)?;
+        return Err(fail(
+            "the runs' total size or region addresses overflow".into(),
+        ));
     }
+    // Tile indices are 32-bit on the device.
+    if total_tiles > u64::from(u32::MAX) {
+        return Err(fail(format!(
+            "{total_tiles} tiles of {tile_bytes} bytes in one launch (at most {})",
+            u32::MAX
+        )));
+    }
+    out_tile_start[nr] = total_tiles as u32;
+    let total_tiles = total_tiles as u32;
+    let tiles_per_warp = total_tiles.div_ceil(max_warps);
+    let warps = total_tiles.div_ceil(tiles_per_warp);
     Ok(LaunchShape {
         nruns,
+        nstrided: nstrided as u32,
         total_tiles,
-        tiles_per_block,
-        grid,
+        tiles_per_warp,
+        grid: warps.div_ceil(WARPS_PER_BLOCK),
         tile_bytes,
         total_bytes,
     })
@@ -465,7 +573,10 @@ impl CudaDevice {
 
 /// The loaded copy kernel of one device.
 pub struct CopyKernel {
+    /// `bounce_copy`: reads an uploaded table.
     func: CudaFunction,
+    /// `bounce_copy_zero_copy`: reads the table from mapped pinned memory.
+    func_zero_copy: CudaFunction,
     _module: Arc<CudaModule>,
     /// What NVRTC compiled for (e.g. `sm_90`).
     pub target: NvrtcTarget,
@@ -473,7 +584,9 @@ pub struct CopyKernel {
     pub compile_time: Duration,
     /// Resident blocks per SM at `BLOCK_THREADS` threads (occupancy query).
     pub blocks_per_sm: u32,
-    /// Most blocks one launch uses (`sm_count * blocks_per_sm * GRID_WAVES`).
+    /// Most blocks one launch uses (`sm_count * blocks_per_sm * GRID_WAVES`);
+    /// a chunk with more tiles than these blocks have warps gives each warp
+    /// several consecutive tiles.
     pub max_grid: u32,
 }
 
@@ -605,6 +718,9 @@ impl CopyKernel {
         let func = module
             .load_function(KERNEL_NAME)
             .map_err(|e| format!("cuModuleGetFunction({KERNEL_NAME}): {e}"))?;
+        let func_zero_copy = module
+            .load_function(ZERO_COPY_KERNEL_NAME)
+            .map_err(|e| format!("cuModuleGetFunction({ZERO_COPY_KERNEL_NAME}): {e}"))?;
         let compile_time = started.elapsed();
         // SAFETY: func is a live kernel of a loaded module.
         let occ = unsafe {
@@ -618,6 +734,7 @@ impl CopyKernel {
         let blocks_per_sm = occ.clamp(1, 32) as u32;
         Ok(CopyKernel {
             func,
+            func_zero_copy,
             _module: module,
             target,
             compile_time,
@@ -808,8 +925,18 @@ impl std::fmt::Debug for ExecPool {
 
 impl ExecPool {
     /// Compiles the kernel (if not yet) and creates `count` contexts.
-    /// `zero_copy`: the kernel reads its run table from pinned host memory
-    /// (`use_zero_copy_arguments`); otherwise the table is uploaded first.
+    ///
+    /// `zero_copy = false` (the default, `use_zero_copy_arguments = false`):
+    /// the run table (36 bytes per run plus 16 per strided run) is uploaded
+    /// with one `cuMemcpyHtoDAsync` on the copy's stream right before the
+    /// launch (~0.6 MiB for 16384 runs: ~15 us at PCIe Gen5 speed, ordered
+    /// by the stream, no host wait) and the kernel reads it from device
+    /// memory / L2. `zero_copy = true`: the kernel reads the table straight
+    /// from mapped pinned host memory. That saves the upload but makes every
+    /// table load a PCIe round trip (~1-2 us), several per warp (the run
+    /// search, the run entry), and thousands of warps reading the same host
+    /// line (one merged run) queue behind each other: it is the slower
+    /// option, kept for comparison (`gpu-probe` measures both).
     pub fn new(
         device: Arc<CudaDevice>,
         count: usize,
@@ -819,7 +946,7 @@ impl ExecPool {
             return Err("an execution pool needs at least one context".into());
         }
         let kernel = device.copy_kernel()?;
-        let cap = table_capacity(INITIAL_TABLE_RUNS, kernel.max_grid).unwrap_or(1 << 20);
+        let cap = table_capacity(INITIAL_TABLE_RUNS).unwrap_or(1 << 20);
         let idle = guarded("creating execution contexts", || {
             (0..count)
                 .map(|_| ExecCtx::new(&device, cap, zero_copy))
@@ -963,7 +1090,8 @@ impl ExecGuard {
             .max_blocks
             .unwrap_or(kernel.max_grid)
             .clamp(1, i32::MAX as u32);
-        let need = table_capacity(runs.len(), max_grid).ok_or_else(|| {
+        let max_warps = max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let layout = TableLayout::new(runs.len()).ok_or_else(|| {
             err(
                 format!("{} runs overflow the run table size", runs.len()),
                 true,
@@ -974,20 +1102,27 @@ impl ExecGuard {
             .ctx
             .as_mut()
             .expect("an ExecGuard holds its context until dropped");
-        ctx.table.ensure(need).map_err(|e| err(e, true))?;
+        ctx.table
+            .ensure(layout.capacity)
+            .map_err(|e| err(e, true))?;
         let nruns = runs.len();
-        // SAFETY: the table holds at least `need` bytes (nruns DevRuns then
-        // max_grid u32s); cuMemHostAlloc memory is page-aligned, so the
-        // DevRun part is 64-byte aligned and the u32 part 4-byte aligned.
-        // The context is borrowed exclusively and idle, so no kernel reads
-        // the table while it is rewritten.
-        let (out_runs, out_blocks) = unsafe {
+        // SAFETY: the table holds at least `layout.capacity` bytes: nruns
+        // DevRuns at 0, nruns + 1 u32s at tile_start_offset, nruns
+        // DevStrides at strides_offset (16-aligned); the three ranges are
+        // disjoint. cuMemHostAlloc memory is page-aligned, so every part is
+        // aligned for its type. The context is borrowed exclusively and
+        // idle, so no kernel reads the table while it is rewritten.
+        let (out_runs, out_tile_start, out_strides) = unsafe {
             let base = ctx.table.host;
             (
                 std::slice::from_raw_parts_mut(base as *mut DevRun, nruns),
                 std::slice::from_raw_parts_mut(
-                    base.add(nruns * std::mem::size_of::<DevRun>()) as *mut u32,
-                    max_grid as usize,
+                    base.add(layout.tile_start_offset) as *mut u32,
+                    nruns + 1,
+                ),
+                std::slice::from_raw_parts_mut(
+                    base.add(layout.strides_offset) as *mut DevStrides,
+                    nruns,
                 ),
             )
         };
@@ -996,9 +1131,10 @@ impl ExecGuard {
             region,
             runs,
             opts.tile_bytes,
-            max_grid,
+            max_warps,
             out_runs,
-            out_blocks,
+            out_tile_start,
+            out_strides,
         )?;
         let used = shape.table_bytes();
         let stream = ctx.stream.cu_stream();
@@ -1011,9 +1147,21 @@ impl ExecGuard {
                 .expect("an uploading pool has a scratch buffer per context");
             scratch.ensure(used).map_err(|e| err(e, true))?;
             // SAFETY: table.host holds `used` initialised bytes (filled
-            // above); scratch holds at least `used` bytes; the pinned source
-            // stays untouched until the context is idle again.
-            let src = unsafe { std::slice::from_raw_parts(ctx.table.host as *const u8, used) };
+            // above: the runs, the tile starts, the 16-byte alignment gap
+            // (written below) and the used strides); scratch holds at least
+            // `used` bytes; the pinned source stays untouched until the
+            // context is idle again.
+            let src = unsafe {
+                // The alignment gap between the tile starts and the strides
+                // is uploaded too: give it defined contents.
+                let gap_from = layout.tile_start_offset + (nruns + 1) * 4;
+                std::ptr::write_bytes(
+                    ctx.table.host.add(gap_from),
+                    0,
+                    layout.strides_offset - gap_from,
+                );
+                std::slice::from_raw_parts(ctx.table.host as *const u8, used)
+            };
             // SAFETY: as above; the copy is ordered before the launch on the same stream.
             if let Err(e) = unsafe { result::memcpy_htod_async(scratch.ptr, src, stream) } {
                 return Err(self.after_failure(
@@ -1026,29 +1174,36 @@ impl ExecGuard {
         // The table writes above must be visible before the launch doorbell.
         fence(Ordering::SeqCst);
         let mut a_runs: u64 = table_dev;
-        let mut a_blocks: u64 = table_dev + shape.block_run_offset() as u64;
-        let mut a_total: u64 = shape.total_tiles;
-        let mut a_tpb: u64 = shape.tiles_per_block;
-        let mut a_tile: u64 = shape.tile_bytes;
+        let mut a_tile_start: u64 = table_dev + layout.tile_start_offset as u64;
+        let mut a_strides: u64 = table_dev + layout.strides_offset as u64;
+        let mut a_total: u32 = shape.total_tiles;
+        let mut a_tpw: u32 = shape.tiles_per_warp;
+        let mut a_shift: u32 = shape.tile_shift();
         let mut a_nruns: u32 = shape.nruns;
-        let mut params: [*mut c_void; 6] = [
+        let mut params: [*mut c_void; 7] = [
             &mut a_runs as *mut u64 as *mut c_void,
-            &mut a_blocks as *mut u64 as *mut c_void,
-            &mut a_total as *mut u64 as *mut c_void,
-            &mut a_tpb as *mut u64 as *mut c_void,
-            &mut a_tile as *mut u64 as *mut c_void,
+            &mut a_tile_start as *mut u64 as *mut c_void,
+            &mut a_strides as *mut u64 as *mut c_void,
+            &mut a_total as *mut u32 as *mut c_void,
+            &mut a_tpw as *mut u32 as *mut c_void,
+            &mut a_shift as *mut u32 as *mut c_void,
             &mut a_nruns as *mut u32 as *mut c_void,
         ];
+        let func = if zero_copy {
+            &kernel.func_zero_copy
+        } else {
+            &kernel.func
+        };
         // SAFETY: the function is a live kernel of this device's module whose
-        // parameters are (u64, u64, u64, u64, u64, u32), matching `params`
-        // (cuLaunchKernel copies them before returning). The table it reads
-        // stays allocated and unchanged until the context is idle again.
-        // Every address in the table was checked: the region side against
-        // `region` (check_runs), the application side by the caller (see
-        // CopyEngine).
+        // parameters are (u64, u64, u64, u32, u32, u32, u32), matching
+        // `params` (cuLaunchKernel copies them before returning). The table
+        // it reads stays allocated and unchanged until the context is idle
+        // again. Every address in the table was checked: the region side
+        // against `region` (check_runs), the application side by the caller
+        // (see CopyEngine).
         let launched = unsafe {
             result::launch_kernel(
-                kernel.func.cu_function(),
+                func.cu_function(),
                 (shape.grid, 1, 1),
                 (BLOCK_THREADS, 1, 1),
                 0,
@@ -1216,10 +1371,12 @@ impl Drop for ExecGuard {
 /// Tuning of [`CudaCopy`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CopyOptions {
-    /// Bytes per tile (one block's unit of work); a non-zero multiple of 16.
+    /// Bytes per tile (one warp's unit of work); a power of two from 16 to
+    /// [`MAX_TILE_BYTES`].
     pub tile_bytes: u64,
-    /// Cap on blocks per launch (default: the kernel's occupancy-derived
-    /// `max_grid`). Tests use small values to exercise block walks.
+    /// Cap on blocks (of [`WARPS_PER_BLOCK`] warps) per launch (default: the
+    /// kernel's occupancy-derived `max_grid`). Tests use small values to
+    /// exercise warps that walk several tiles and runs.
     pub max_blocks: Option<u32>,
     /// How long the blocking paths ([`CopyEngine::copy`], [`CudaCopy::start`])
     /// wait for a free context.
@@ -1280,9 +1437,9 @@ impl CudaCopy {
     }
 
     pub fn with_options(pool: Arc<ExecPool>, opts: CopyOptions) -> Result<Self, String> {
-        if opts.tile_bytes == 0 || opts.tile_bytes % 16 != 0 {
+        if !valid_tile_bytes(opts.tile_bytes) {
             return Err(format!(
-                "tile size {} is not a non-zero multiple of 16",
+                "tile size {} is not a power of two from 16 to {MAX_TILE_BYTES}",
                 opts.tile_bytes
             ));
         }
@@ -1476,35 +1633,215 @@ mod tests {
     use super::*;
     use crate::copy::host::HostCopy;
 
-    /// The kernel's tile walk, on the host: same table, same arithmetic.
-    fn run_model(table: &[DevRun], blocks: &[u32], shape: &LaunchShape) {
-        for b in 0..shape.grid as u64 {
-            let t0 = b * shape.tiles_per_block;
-            assert!(t0 < shape.total_tiles, "block {b} has no work");
-            let t_end = (t0 + shape.tiles_per_block).min(shape.total_tiles);
-            let mut r = blocks[b as usize] as usize;
-            for t in t0..t_end {
-                let run = &table[r];
-                if t >= run.first_tile + run.tiles_per_copy * run.count {
+    /// A table's three parts, as the tests hold them.
+    struct Table {
+        runs: Vec<DevRun>,
+        tile_start: Vec<u32>,
+        strides: Vec<DevStrides>,
+    }
+
+    impl Table {
+        fn new(nruns: usize) -> Self {
+            Table {
+                runs: vec![DevRun::default(); nruns],
+                tile_start: vec![u32::MAX; nruns + 1],
+                strides: vec![[u64::MAX; 2]; nruns],
+            }
+        }
+        fn fill(
+            &mut self,
+            direction: Direction,
+            region: RegionSpan,
+            runs: &[Run],
+            tile_bytes: u64,
+            max_warps: u32,
+        ) -> Result<LaunchShape, CopyError> {
+            fill_table(
+                direction,
+                region,
+                runs,
+                tile_bytes,
+                max_warps,
+                &mut self.runs,
+                &mut self.tile_start,
+                &mut self.strides,
+            )
+        }
+    }
+
+    /// The kernel's `find_run`: the same 32-ary search, the 32 lanes and
+    /// the ballot simulated.
+    fn model_find_run(tile_start: &[u32], nruns: u32, t: u32) -> u32 {
+        let ballot = |lo: u32, hi: u32, step: u32| -> u32 {
+            (0..32u32)
+                .map(|lane| {
+                    let idx = lo + lane * step;
+                    u32::from(idx < hi && tile_start[idx as usize] <= t) << lane
+                })
+                .fold(0, |m, b| m | b)
+        };
+        let (mut lo, mut hi) = (0u32, nruns);
+        while hi - lo > 32 {
+            let step = (hi - lo + 31) >> 5;
+            let m = ballot(lo, hi, step);
+            assert!(m & 1 == 1, "the search lost its invariant");
+            lo += (31 - m.leading_zeros()) * step;
+            if hi - lo > step {
+                hi = lo + step;
+            }
+        }
+        let m = ballot(lo, hi, 1);
+        assert!(m & 1 == 1, "the search lost its invariant");
+        lo + 31 - m.leading_zeros()
+    }
+
+    /// The kernel's `warp_copy`: which lane copies which bytes, with the
+    /// same head / words / tail split; asserts every byte of the tile is
+    /// copied exactly once.
+    fn model_warp_copy(dst: u64, src: u64, n: u32) {
+        let mis = dst ^ src;
+        let a: u32 = if mis & 15 == 0 {
+            16
+        } else if mis & 7 == 0 {
+            8
+        } else if mis & 3 == 0 {
+            4
+        } else {
+            1
+        };
+        let (head, nwords) = if a == 1 {
+            (0, n)
+        } else {
+            let head = ((a - (src as u32 & (a - 1))) & (a - 1)).min(n);
+            (head, (n - head) / a)
+        };
+        let body = nwords * a;
+        let tail = n - head - body;
+        let mut seen = vec![0u8; n as usize];
+        let mut copy = |off: u32, len: u32| {
+            for k in off..off + len {
+                seen[k as usize] += 1;
+            }
+            // SAFETY: test buffers; the runs were built inside them.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (src + u64::from(off)) as usize as *const u8,
+                    (dst + u64::from(off)) as usize as *mut u8,
+                    len as usize,
+                )
+            };
+        };
+        for lane in 0..32u32 {
+            if a != 1 && lane < head {
+                copy(lane, 1);
+            }
+            let mut base = lane;
+            while base < nwords {
+                for u in 0..8u32 {
+                    let k = base + u * 32;
+                    if k < nwords {
+                        copy(head + k * a, a);
+                    }
+                }
+                base += 32 * 8;
+            }
+            if a != 1 && lane < tail {
+                copy(head + body + lane, 1);
+            }
+        }
+        assert!(
+            seen.iter().all(|&c| c == 1),
+            "a tile byte not copied exactly once"
+        );
+    }
+
+    /// The kernel, on the host: every warp of the grid, same table, same
+    /// 32-bit arithmetic, same search and walk.
+    fn run_model(table: &Table, shape: &LaunchShape) {
+        let warps = u64::from(shape.grid) * u64::from(WARPS_PER_BLOCK);
+        let tpw = u64::from(shape.tiles_per_warp);
+        let total = u64::from(shape.total_tiles);
+        assert!(
+            (warps - u64::from(WARPS_PER_BLOCK)) * tpw < total,
+            "a whole block idle"
+        );
+        assert_eq!(table.tile_start[0], 0);
+        assert_eq!(table.tile_start[shape.nruns as usize], shape.total_tiles);
+        let shift = shape.tile_shift();
+        let tile_bytes = 1u64 << shift;
+        assert_eq!(tile_bytes, shape.tile_bytes);
+        let load = |r: u32| {
+            let e = table.runs[r as usize];
+            let [ss, ds] = if e.count > 1 {
+                table.strides[e.stride_index as usize]
+            } else {
+                [0, 0]
+            };
+            let (start, end) = (
+                table.tile_start[r as usize],
+                table.tile_start[r as usize + 1],
+            );
+            assert!(start < end, "run {r} has no tile");
+            (e, ss, ds, start, end)
+        };
+        for w in 0..warps {
+            let first = w * tpw;
+            if first >= total {
+                continue;
+            }
+            let mut t = first as u32;
+            let t_end = (first + tpw).min(total) as u32;
+            let mut r = model_find_run(&table.tile_start, shape.nruns, t);
+            let (mut e, mut ss, mut ds, mut start, mut end) = load(r);
+            loop {
+                assert!(t >= start && t < end, "tile {t} is not in run {r}");
+                let per_copy = ((e.len + tile_bytes - 1) >> shift) as u32;
+                let local = t - start;
+                let (mut i, mut j) = (local, 0);
+                if per_copy != 1 {
+                    i = local / per_copy;
+                    j = local - i * per_copy;
+                }
+                assert!(i < e.count);
+                let off = u64::from(j) << shift;
+                let n = (e.len - off).min(tile_bytes) as u32;
+                model_warp_copy(
+                    e.dst + u64::from(i) * ds + off,
+                    e.src + u64::from(i) * ss + off,
+                    n,
+                );
+                t += 1;
+                if t >= t_end {
+                    break;
+                }
+                if t >= end {
+                    r += 1;
+                    (e, ss, ds, start, end) = load(r);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_run_search_finds_every_tile() {
+        for nruns in [1u32, 2, 31, 32, 33, 63, 64, 65, 1000, 1024, 1025, 40000] {
+            let mut starts: Vec<u32> = Vec::with_capacity(nruns as usize + 1);
+            let mut t = 0u32;
+            for r in 0..nruns {
+                starts.push(t);
+                t += 1 + (r * 7919 % 5) * (r % 3);
+            }
+            starts.push(t);
+            let mut r = 0u32;
+            for tile in 0..t {
+                while starts[r as usize + 1] <= tile {
                     r += 1;
                 }
-                let run = &table[r];
-                assert!(t >= run.first_tile && t < run.first_tile + run.tiles_per_copy * run.count);
-                let local = t - run.first_tile;
-                let i = local / run.tiles_per_copy;
-                let j = local - i * run.tiles_per_copy;
-                let off = j * shape.tile_bytes;
-                let n = (run.len - off).min(shape.tile_bytes);
-                let s = run.src + i * run.src_stride + off;
-                let d = run.dst + i * run.dst_stride + off;
-                // SAFETY: test buffers; the runs were built inside them.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        s as usize as *const u8,
-                        d as usize as *mut u8,
-                        n as usize,
-                    )
-                };
+                assert_eq!(
+                    model_find_run(&starts, nruns, tile),
+                    r,
+                    "nruns {nruns} tile {tile}"
+                );
             }
         }
     }
@@ -1555,12 +1892,12 @@ mod tests {
     #[test]
     fn table_model_matches_host_copy_for_random_runs() {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-        for case in 0..60 {
+        for case in 0..80 {
             let region_len = 64 * 1024;
             let app_len = 96 * 1024;
             let max_len = [8, 100, 5000, 40000][case % 4];
             let tile = [16, 64, 4096, DEFAULT_TILE_BYTES][(case / 4) % 4];
-            let max_grid = [1, 3, 7, 1000][(case / 16) % 4];
+            let max_warps = [1, 3, 7, 1000, 1 << 20][(case / 16) % 5];
             let layout = random_runs(&mut rng, region_len, app_len, max_len);
             if layout.is_empty() {
                 continue;
@@ -1595,24 +1932,24 @@ mod tests {
             .copy(Direction::Gather, span_ref, &runs_ref)
             .unwrap();
             let (span_m, runs_m) = mk(&mut region_model, src.as_ptr() as usize);
-            let mut table = vec![DevRun::default(); runs_m.len()];
-            let mut blocks = vec![u32::MAX; max_grid as usize];
-            let shape = fill_table(
-                Direction::Gather,
-                span_m,
-                &runs_m,
-                tile,
-                max_grid,
-                &mut table,
-                &mut blocks,
-            )
-            .unwrap();
-            assert!(shape.grid >= 1 && shape.grid <= max_grid);
+            let mut table = Table::new(runs_m.len());
+            let shape = table
+                .fill(Direction::Gather, span_m, &runs_m, tile, max_warps)
+                .unwrap();
+            assert!(shape.grid >= 1);
+            assert!(
+                u64::from(shape.grid) * u64::from(WARPS_PER_BLOCK)
+                    < u64::from(max_warps) + u64::from(WARPS_PER_BLOCK)
+            );
+            assert_eq!(
+                shape.nstrided as usize,
+                runs_m.iter().filter(|r| r.count > 1).count()
+            );
             assert_eq!(
                 shape.total_bytes,
                 runs_m.iter().map(|r| r.len * r.count as u64).sum::<u64>()
             );
-            run_model(&table, &blocks, &shape);
+            run_model(&table, &shape);
             assert!(region_model == region_ref, "case {case}: gather differs");
             // Scatter back into poisoned application buffers.
             let mut dst_ref = vec![0xABu8; app_len as usize];
@@ -1625,17 +1962,10 @@ mod tests {
             .copy(Direction::Scatter, span_ref, &s_ref)
             .unwrap();
             let (_, s_m) = mk(&mut region_model, dst_model.as_mut_ptr() as usize);
-            let shape = fill_table(
-                Direction::Scatter,
-                span_m,
-                &s_m,
-                tile,
-                max_grid,
-                &mut table,
-                &mut blocks,
-            )
-            .unwrap();
-            run_model(&table, &blocks, &shape);
+            let shape = table
+                .fill(Direction::Scatter, span_m, &s_m, tile, max_warps)
+                .unwrap();
+            run_model(&table, &shape);
             assert!(dst_model == dst_ref, "case {case}: scatter differs");
         }
     }
@@ -1654,55 +1984,81 @@ mod tests {
             region_stride: 4096,
             addr_stride: 8192,
         }];
-        let mut table = vec![DevRun::default(); 1];
-        let mut blocks = vec![0u32; 132 * 8];
-        let s = fill_table(
-            Direction::Gather,
-            region,
-            &runs,
-            DEFAULT_TILE_BYTES,
-            132 * 8,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap();
+        let mut table = Table::new(1);
+        let s = table
+            .fill(
+                Direction::Gather,
+                region,
+                &runs,
+                DEFAULT_TILE_BYTES,
+                132 * 64,
+            )
+            .unwrap();
+        // One tile (one warp) per copy: 1000 warps in 125 blocks.
         assert_eq!(
-            (s.nruns, s.total_tiles, s.grid, s.tiles_per_block),
-            (1, 1000, 1000, 1)
+            (s.nruns, s.nstrided, s.total_tiles, s.tiles_per_warp, s.grid),
+            (1, 1, 1000, 1, 125)
         );
-        assert_eq!(table[0].src, 1 << 40);
-        assert_eq!(table[0].dst, 1 << 20);
-        assert_eq!((table[0].src_stride, table[0].dst_stride), (8192, 4096));
-        assert_eq!(s.table_bytes(), 64 + 4000);
-        let s = fill_table(
-            Direction::Scatter,
-            region,
-            &runs,
-            DEFAULT_TILE_BYTES,
-            132 * 8,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap();
+        assert_eq!(table.runs[0].src, 1 << 40);
+        assert_eq!(table.runs[0].dst, 1 << 20);
+        assert_eq!((table.runs[0].count, table.runs[0].stride_index), (1000, 0));
+        assert_eq!(table.strides[0], [8192, 4096]);
+        assert_eq!(&table.tile_start[..2], &[0, 1000]);
+        // 32 bytes of run, 8 of tile starts, 8 of alignment gap, 16 of strides.
+        assert_eq!(s.table_bytes(), 32 + 8 + 8 + 16);
+        let s = table
+            .fill(
+                Direction::Scatter,
+                region,
+                &runs,
+                DEFAULT_TILE_BYTES,
+                132 * 64,
+            )
+            .unwrap();
         assert_eq!(s.total_bytes, 4096 * 1000);
-        assert_eq!((table[0].src, table[0].dst), (1 << 20, 1 << 40));
-        assert_eq!((table[0].src_stride, table[0].dst_stride), (4096, 8192));
-        // A large single copy is split into tiles.
+        assert_eq!((table.runs[0].src, table.runs[0].dst), (1 << 20, 1 << 40));
+        assert_eq!(table.strides[0], [4096, 8192]);
+        // A large single copy is split into tiles; no stride list.
         let big = [Run::single(0, 1 << 40, 4096 * 1000)];
-        let s = fill_table(
-            Direction::Gather,
-            region,
-            &big,
-            DEFAULT_TILE_BYTES,
-            100,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap();
-        assert_eq!(s.total_tiles, (4096u64 * 1000).div_ceil(DEFAULT_TILE_BYTES));
-        // 250 tiles over at most 100 blocks: 3 tiles each, so 84 blocks.
-        assert_eq!((s.total_tiles, s.tiles_per_block, s.grid), (250, 3, 84));
-        assert!(blocks[..84].iter().all(|&b| b == 0));
+        let s = table
+            .fill(Direction::Gather, region, &big, 16 * 1024, 100)
+            .unwrap();
+        assert_eq!(s.total_tiles as u64, (4096u64 * 1000).div_ceil(16 * 1024));
+        // 250 tiles over at most 100 warps: 3 tiles each, so 84 warps in 11 blocks.
+        assert_eq!(
+            (s.total_tiles, s.tiles_per_warp, s.grid, s.nstrided),
+            (250, 3, 11, 0)
+        );
+        assert_eq!(s.table_bytes(), 32 + 8 + 8);
+        // 16384 single 4 KiB runs (the probe's case): 36 bytes a run.
+        let n = 16384u64;
+        let region = RegionSpan {
+            addr: 1 << 30,
+            len: (n * 4096) as usize,
+        };
+        let single: Vec<Run> = (0..n)
+            .map(|i| Run::single(i * 4096, (1 << 40) + 2 * i * 4096, 4096))
+            .collect();
+        let mut table = Table::new(single.len());
+        let s = table
+            .fill(
+                Direction::Gather,
+                region,
+                &single,
+                DEFAULT_TILE_BYTES,
+                132 * 64 * 4,
+            )
+            .unwrap();
+        assert_eq!(
+            (s.total_tiles, s.tiles_per_warp, s.grid, s.nstrided),
+            (16384, 1, 2048, 0)
+        );
+        assert_eq!(s.table_bytes(), 16384 * 36 + 4 + 12);
+        assert!(table
+            .tile_start
+            .iter()
+            .enumerate()
+            .all(|(i, &t)| t == i as u32));
     }
 
     #[test]
@@ -1711,76 +2067,54 @@ mod tests {
             addr: 4096,
             len: 4096,
         };
-        let mut table = vec![DevRun::default(); 4];
-        let mut blocks = vec![0u32; 8];
+        let mut table = Table::new(4);
         let ok = Run::single(0, 1 << 30, 100);
         let past = Run::single(4000, 1 << 30, 200);
-        let e = fill_table(
-            Direction::Gather,
-            region,
-            &[ok, past],
-            4096,
-            8,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap_err();
+        let e = table
+            .fill(Direction::Gather, region, &[ok, past], 4096, 8)
+            .unwrap_err();
         assert!(e.reason.contains("run 1") && e.quiesced, "{e}");
-        let e = fill_table(
-            Direction::Gather,
-            region,
-            &[ok],
-            100,
-            8,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap_err();
-        assert!(e.reason.contains("multiple of 16"), "{e}");
-        let e = fill_table(
-            Direction::Gather,
-            region,
-            &[],
-            4096,
-            8,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap_err();
+        for bad_tile in [0, 8, 24, 100, 4096 + 16, MAX_TILE_BYTES * 2] {
+            let e = table
+                .fill(Direction::Gather, region, &[ok], bad_tile, 8)
+                .unwrap_err();
+            assert!(e.reason.contains("power of two"), "{e}");
+        }
+        let e = table
+            .fill(Direction::Gather, region, &[], 4096, 8)
+            .unwrap_err();
         assert!(e.reason.contains("no runs"), "{e}");
-        let e = fill_table(
-            Direction::Gather,
-            region,
-            &[ok; 5],
-            4096,
-            8,
-            &mut table,
-            &mut blocks,
-        )
-        .unwrap_err();
+        let e = table
+            .fill(Direction::Gather, region, &[ok; 5], 4096, 8)
+            .unwrap_err();
         assert!(e.reason.contains("too small"), "{e}");
+        let e = table
+            .fill(Direction::Gather, region, &[ok], 4096, 0)
+            .unwrap_err();
+        assert!(e.reason.contains("0 warps"), "{e}");
         let empty = Run { count: 0, ..ok };
-        assert!(fill_table(
-            Direction::Scatter,
-            region,
-            &[empty],
-            4096,
-            8,
-            &mut table,
-            &mut blocks
-        )
-        .is_err());
+        assert!(table
+            .fill(Direction::Scatter, region, &[empty], 4096, 8)
+            .is_err());
         let wrap = Run::single(0, u64::MAX - 10, 100);
-        assert!(fill_table(
-            Direction::Scatter,
-            region,
-            &[wrap],
-            4096,
-            8,
-            &mut table,
-            &mut blocks
-        )
-        .is_err());
+        assert!(table
+            .fill(Direction::Scatter, region, &[wrap], 4096, 8)
+            .is_err());
+        // More than 2^32 - 1 tiles of 16 bytes: refused, not truncated.
+        let huge = RegionSpan {
+            addr: 1 << 40,
+            len: 1 << 37,
+        };
+        let e = table
+            .fill(
+                Direction::Gather,
+                huge,
+                &[Run::single(0, 1 << 20, 1 << 37)],
+                16,
+                8,
+            )
+            .unwrap_err();
+        assert!(e.reason.contains("tiles"), "{e}");
     }
 
     #[test]
@@ -1814,9 +2148,11 @@ mod tests {
     #[test]
     fn the_kernel_source_matches_the_host_constants() {
         assert!(KERNEL_SOURCE.contains(&format!("#define BOUNCE_THREADS {BLOCK_THREADS}")));
-        assert!(KERNEL_SOURCE.contains(&format!(
-            "void __launch_bounds__(BOUNCE_THREADS)\n{KERNEL_NAME}("
-        )));
+        for name in [KERNEL_NAME, ZERO_COPY_KERNEL_NAME] {
+            assert!(KERNEL_SOURCE.contains(&format!(
+                "void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)\n{name}("
+            )));
+        }
         assert!(
             !KERNEL_SOURCE.contains("#include"),
             "NVRTC has no toolkit headers"

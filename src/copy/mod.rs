@@ -71,8 +71,9 @@ pub fn check_runs(direction: Direction, region_len: usize, runs: &[Run]) -> Resu
         }
         run.addr_end()
             .ok_or_else(|| bad("application range wraps around".into()))?;
-        total += run
+        total = run
             .total_bytes()
+            .and_then(|b| total.checked_add(b))
             .ok_or_else(|| bad("size overflows".into()))?;
     }
     Ok(total)
