@@ -26,6 +26,22 @@ run() {  # run NAME CMD...: log to $out/NAME.log, remember failures
 }
 { nvidia-smi -L; nvidia-smi topo -m; } >"$out/gpu.txt" 2>&1
 v="$nb/bin/bounce-vram"
+if [[ "$mode" == x2 ]]; then
+    # Two GPUs: the initiator's buffers on one, the target's on the other,
+    # both ways; tests, then BOUNCE vs UCX side by side.
+    for dir in "0 1" "1 0"; do
+        set -- $dir
+        run "x2-test-$1to$2" "$v" test --device "$1" --target-device "$2"
+        run "x2-bounce-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" --device "$1" --target-device "$2" \
+            --sizes 4096,16384 --counts 1024,4096,16384 --iters 20 --json "$out/x2-bounce-$1to$2.json"
+        run "x2-ucx-$1to$2" "$v" bench --backend UCX --label "UCX-gpu$1-gpu$2" --device "$1" --target-device "$2" \
+            --sizes 4096,16384 --counts 1024,4096,16384 --iters 10 --json "$out/x2-ucx-$1to$2.json"
+    done
+    NIXL_UCX_SGL_ENABLE=1 run "x2-ucx-best-0to1" "$v" bench --backend UCX --label "UCX-best-gpu0-gpu1" --param num_threads=8 \
+        --device 0 --target-device 1 --sizes 4096,16384 --counts 1024,4096,16384 --iters 10 --json "$out/x2-ucx-best-0to1.json"
+    cat "$out"/x2-*.log | grep -E "x |per request|passed|FAILED" >"$out/x2-summary.txt"
+    exit $status
+fi
 if [[ "$mode" == perf ]]; then
     # Settings sweep of the bounce path alone (chunk size, pipeline depth).
     for chunk in 512KiB 2MiB 8MiB 32MiB; do
