@@ -107,6 +107,8 @@ def main():
             bad = [p for p in pts if p[2] is False]
             if bad:
                 ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=90, color="black", zorder=5)
+    if any(r.get("bounce_path_ok") is False for r in rows):
+        ax.text(0.02, 0.02, "x: BOUNCE row that went through UCX (counters)", transform=ax.transAxes, fontsize=8)
     ax.set_xscale("log", base=2)
     plain_ticks(ax, [r["descriptors"] for r in rows])
     ax.set_xlabel("descriptors per request")

@@ -102,6 +102,9 @@ pub struct Row {
     pub batch_ms_median: Option<f64>,
     /// Bytes of all timed batches / their summed wall time (GB/s, 1e9).
     pub throughput_gbps: Option<f64>,
+    /// Median over timed batches of (batch bytes / batch wall time): less
+    /// sensitive to a few slow batches on a busy machine.
+    pub throughput_gbps_batch_median: Option<f64>,
     /// Throughput / the UCX default row's for the same configuration.
     pub speedup_vs_ucx: Option<f64>,
     /// Median over rounds of (this row's round throughput / the UCX
@@ -164,6 +167,7 @@ impl Row {
             latencies_raw_ms: None,
             batch_ms_median: None,
             throughput_gbps: None,
+            throughput_gbps_batch_median: None,
             speedup_vs_ucx: None,
             speedup_vs_ucx_by_round: None,
             rounds: Vec::new(),
@@ -208,6 +212,9 @@ impl Row {
         let wall_s: f64 = batch_ms.iter().sum::<f64>() / 1e3;
         let bytes = (batch_ms.len() * self.inflight * self.request_bytes) as f64;
         self.throughput_gbps = (wall_s > 0.0).then(|| bytes / wall_s / 1e9);
+        let batch_bytes = (self.inflight * self.request_bytes) as f64;
+        let mut per_batch: Vec<f64> = batch_ms.iter().filter(|ms| **ms > 0.0).map(|ms| batch_bytes / (ms / 1e3) / 1e9).collect();
+        self.throughput_gbps_batch_median = median(&mut per_batch).map(round3);
         self
     }
 
