@@ -83,40 +83,59 @@ def main():
     fig, axes = plt.subplots(1, 3 if multi else 1, figsize=(17 if multi else 7.5, 5.2), squeeze=False)
     axes = axes[0]
 
-    # Panel 1: throughput vs descriptor count.
+    # Panel 1: throughput vs descriptor count (a bar chart by variant when
+    # the run has one descriptor count only).
     ax = axes[0]
     inf0 = inflights[0]
-    for lab in labels:
-        for si, size in enumerate(sizes):
-            pts = sorted(
-                (r["descriptors"], r["throughput_gbps"], r.get("bounce_path_ok"))
-                for r in rows
-                if r["label"] == lab and r["descriptor_bytes"] == size and r["inflight"] == inf0
-            )
-            if not pts:
-                continue
-            name = lab if len(sizes) == 1 else f"{lab}, {size_text(size)}"
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                styles[si % len(styles)],
-                marker=markers[si % len(markers)],
-                color=colours[lab],
-                label=name,
-            )
-            bad = [p for p in pts if p[2] is False]
-            if bad:
-                ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=90, color="black", zorder=5)
-    if any(r.get("bounce_path_ok") is False for r in rows):
-        ax.text(0.02, 0.02, "x: BOUNCE row that went through UCX (counters)", transform=ax.transAxes, fontsize=8)
-    ax.set_xscale("log", base=2)
-    plain_ticks(ax, [r["descriptors"] for r in rows])
-    ax.set_xlabel("descriptors per request")
-    ax.set_ylabel("throughput (GB/s)")
-    ax.set_title(f"WRITE throughput vs descriptor count ({inf0} in flight)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    counts = sorted({r["descriptors"] for r in rows})
+    if len(counts) == 1:
+        width = 0.8 / len(inflights)
+        for i, inf in enumerate(inflights):
+            ys = []
+            for lab in labels:
+                match = [r["throughput_gbps"] for r in rows if r["label"] == lab and r["inflight"] == inf]
+                ys.append(match[0] if match else 0)
+            xs = [j + (i - (len(inflights) - 1) / 2) * width for j in range(len(labels))]
+            bars = ax.bar(xs, ys, width, label=f"{inf} in flight", alpha=0.85)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("throughput (GB/s)")
+        ax.set_title(f"WRITE throughput by variant ({counts[0]} x {size_text(sizes[0])})")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    else:
+        for lab in labels:
+            for si, size in enumerate(sizes):
+                pts = sorted(
+                    (r["descriptors"], r["throughput_gbps"], r.get("bounce_path_ok"))
+                    for r in rows
+                    if r["label"] == lab and r["descriptor_bytes"] == size and r["inflight"] == inf0
+                )
+                if not pts:
+                    continue
+                name = lab if len(sizes) == 1 else f"{lab}, {size_text(size)}"
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    styles[si % len(styles)],
+                    marker=markers[si % len(markers)],
+                    color=colours[lab],
+                    label=name,
+                )
+                bad = [p for p in pts if p[2] is False]
+                if bad:
+                    ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=90, color="black", zorder=5)
+        if any(r.get("bounce_path_ok") is False for r in rows):
+            ax.text(0.02, 0.02, "x: BOUNCE row that went through UCX (counters)", transform=ax.transAxes, fontsize=8)
+        ax.set_xscale("log", base=2)
+        plain_ticks(ax, counts)
+        ax.set_xlabel("descriptors per request")
+        ax.set_ylabel("throughput (GB/s)")
+        ax.set_title(f"WRITE throughput vs descriptor count ({inf0} in flight)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, ncol=2 if len(labels) * len(sizes) > 6 else 1)
 
     if multi:
         count = pick([r["descriptors"] for r in rows], a.count)
@@ -140,7 +159,7 @@ def main():
             ax_.set_xlabel("requests in flight")
             ax_.set_ylabel(what)
             ax_.grid(True, which="both", alpha=0.3)
-            ax_.legend(fontsize=8)
+            ax_.legend(fontsize=7, ncol=2 if len(labels) > 3 else 1)
         ax2.set_yscale("log")
         ax3.set_ylim(bottom=0)
         ax2.set_title(f"latency vs in-flight ({count} x {size_text(size)})")
