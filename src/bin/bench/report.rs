@@ -129,6 +129,12 @@ pub struct Row {
     /// it predicts is flagged, not an error).
     pub bounce_path_expected: Option<bool>,
     pub chunks_per_request: Option<f64>,
+    /// BOUNCE rows: the plugin's phase timers per request (ms), from the
+    /// counter increments: gather (initiator), write (post -> completion,
+    /// initiator), scatter (target), copy_queue (both sides), request
+    /// (submit -> complete, initiator) and `unaccounted` = request minus the
+    /// phases (negative when phases of several chunks overlap).
+    pub bounce_phases_ms_per_request: Option<BTreeMap<String, f64>>,
     /// BOUNCE rows: counter increments over the whole configuration.
     pub bounce_counters_initiator: Option<BTreeMap<String, u64>>,
     pub bounce_counters_target: Option<BTreeMap<String, u64>>,
@@ -181,6 +187,7 @@ impl Row {
             bounce_path_ok: None,
             bounce_path_expected: None,
             chunks_per_request: None,
+            bounce_phases_ms_per_request: None,
             bounce_counters_initiator: None,
             bounce_counters_target: None,
             cpu_cores_busy: None,
@@ -227,6 +234,7 @@ impl Row {
             r.bounce_path_ok = Some(b.ok);
             r.bounce_path_expected = Some(b.expected);
             r.chunks_per_request = b.chunks_per_request;
+            r.bounce_phases_ms_per_request = phases(&b.init_delta, &b.target_delta, b.posted);
             r.bounce_counters_initiator = Some(b.init_delta);
             r.bounce_counters_target = Some(b.target_delta);
         }
@@ -246,6 +254,29 @@ impl Row {
         let unexpected_fallback = self.bounce_path_ok == Some(false) && self.bounce_path_expected != Some(false);
         self.status != "failed" && self.verified != Some(false) && !unexpected_fallback
     }
+}
+
+/// Per-request phase times from the plugin's `*_ns` counters, if it has them.
+fn phases(init: &BTreeMap<String, u64>, target: &BTreeMap<String, u64>, posted: u64) -> Option<BTreeMap<String, f64>> {
+    let request = *init.get("request_ns")?;
+    if posted == 0 {
+        return None;
+    }
+    let per = |ns: u64| (ns as f64 / 1e6 / posted as f64 * 1e3).round() / 1e3;
+    let get = |m: &BTreeMap<String, u64>, k: &str| m.get(k).copied().unwrap_or(0);
+    let gather = get(init, "gather_ns");
+    let write = get(init, "write_ns");
+    let scatter = get(target, "scatter_ns");
+    let queue = get(init, "copy_queue_ns") + get(target, "copy_queue_ns");
+    let unaccounted = request as f64 - (gather + write + scatter + queue) as f64;
+    Some(BTreeMap::from([
+        ("gather".to_string(), per(gather)),
+        ("write".to_string(), per(write)),
+        ("scatter".to_string(), per(scatter)),
+        ("copy_queue".to_string(), per(queue)),
+        ("request".to_string(), per(request)),
+        ("unaccounted".to_string(), (unaccounted / 1e6 / posted as f64 * 1e3).round() / 1e3),
+    ]))
 }
 
 fn round3(x: f64) -> f64 {
