@@ -435,9 +435,15 @@ impl Config {
         let mut warnings = Vec::new();
         for setting in SETTINGS {
             let env_name = setting.env_name();
+            // A parameter equal to the advertised default counts as not
+            // given: NIXL clients often pass the plugin's option list back
+            // unchanged (nixl-sys: get_plugin_params -> create_backend), and
+            // that must not silently override the environment.
+            let default = (setting.get)(&Config::default());
             let candidates = [
                 params
                     .get(setting.key)
+                    .filter(|v| **v != default)
                     .map(|v| (ConfigSource::Param(setting.key.to_string()), v.clone())),
                 env(&env_name).map(|v| (ConfigSource::Env(env_name.clone()), v)),
             ];
@@ -756,6 +762,24 @@ mod tests {
         .unwrap();
         assert_eq!(c.request_deadline_ms, 0);
         assert!(w.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod advertised_defaults {
+    use super::*;
+
+    #[test]
+    fn a_parameter_equal_to_its_advertised_default_does_not_override_the_environment() {
+        let env = |name: &str| (name == "NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES").then(|| "1MiB".to_string());
+        let advertised: BTreeMap<String, String> =
+            Config::describe().into_iter().map(|s| (s.key.to_string(), s.default)).collect();
+        let (cfg, warnings) = Config::resolve(&env, &advertised).unwrap();
+        assert_eq!(cfg.max_chunk_size_bytes, 1 << 20, "{warnings:?}");
+        let mut explicit = advertised.clone();
+        explicit.insert("max_chunk_size_bytes".into(), "2MiB".into());
+        let (cfg, _) = Config::resolve(&env, &explicit).unwrap();
+        assert_eq!(cfg.max_chunk_size_bytes, 2 << 20, "a non-default parameter still wins");
     }
 }
 
