@@ -37,6 +37,9 @@ use conn_info::{ConnInfo, PublicBounce, PublicData};
 /// map inner agent names (as seen in notifications) back to outer names.
 pub const INNER_SUFFIX: &str = "/bounce";
 
+/// How long the inner agent's progress thread sleeps between rounds.
+pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
+
 /// A NIXL status, as the C boundary carries it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
@@ -376,8 +379,15 @@ impl Engine {
         crate::nixl_runtime::ensure_capi_loaded().map_err(|e| Error::new(Status::Backend, e))?;
 
         let inner_name = format!("{local_name}{INNER_SUFFIX}");
+        // NIXL's default progress thread polls without ever sleeping
+        // (pthr_delay_us = 0): two idle inner agents kept both cores of the
+        // CI machine busy and halved the speed of every copy (measured in
+        // docs/benchmarks.md). Completions are still detected at once: the
+        // reactor and NIXL's checkXfer/getNotifs progress the worker when
+        // they poll; the thread only has to make background progress.
         let config = AgentConfig {
             thread_sync: ThreadSync::Strict,
+            pthr_delay_us: INNER_PROGRESS_DELAY_US,
             ..AgentConfig::default()
         };
         let inner = Agent::new_configured(&inner_name, &config)
