@@ -73,7 +73,8 @@ def main():
         sys.exit(f"{a.json}: no successful rows to plot")
 
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    colours = {lab: plt.cm.tab10(i % 10) for i, lab in enumerate(labels)}
+    palette = plt.cm.tab10 if len(labels) <= 10 else plt.cm.tab20
+    colours = {lab: palette(i % palette.N) for i, lab in enumerate(labels)}
     sizes = sorted({r["descriptor_bytes"] for r in rows})
     inflights = sorted({r["inflight"] for r in rows})
     styles = ["-", "--", ":", "-."]
@@ -173,7 +174,7 @@ def main():
     )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(a.png, dpi=90)
+    fig.savefig(a.png, dpi=72)
     print(f"plot: {a.png}")
 
 

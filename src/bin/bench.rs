@@ -70,7 +70,11 @@ fn shapes(o: &Options) -> Vec<Shape> {
     for &size in &o.sizes {
         for &count in &o.counts {
             for &inflight in &o.inflight {
-                v.push(Shape { count, size, inflight });
+                v.push(Shape {
+                    count,
+                    size,
+                    inflight,
+                });
             }
         }
     }
@@ -84,7 +88,10 @@ fn progress(o: &Options, msg: &str) {
 }
 
 fn shell_quote(a: &str) -> String {
-    if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_=.,:/[]@%+".contains(c)) {
+    if !a.is_empty()
+        && a.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_=.,:/[]@%+".contains(c))
+    {
         a.to_string()
     } else {
         format!("'{}'", a.replace('\'', r"'\''"))
@@ -145,7 +152,12 @@ fn meta(o: &Options, args: &[String]) -> Meta {
 
 /// Opens `spec` once: checks its parameters, records what its backend was
 /// created with and what its agents cost while idle, then closes it.
-fn probe(o: &Options, spec: &VariantSpec, src: &dyn BenchMemory, dst: &dyn BenchMemory) -> (VariantInfo, Result<(), String>) {
+fn probe(
+    o: &Options,
+    spec: &VariantSpec,
+    src: &dyn BenchMemory,
+    dst: &dyn BenchMemory,
+) -> (VariantInfo, Result<(), String>) {
     let t = Instant::now();
     let mut info = VariantInfo {
         label: spec.label(),
@@ -228,9 +240,17 @@ fn run_once(
                     r.p50_ms,
                     r.throughput_gbps,
                     m.batch_ms.len(),
-                    r.foreign_cpu_cores.map_or("?".into(), |c| format!("{c:.2}")),
-                    if m.verified.is_err() { ", VERIFICATION FAILED" } else { "" },
-                    m.bounce.as_ref().map(|b| format!(", bounce path {}", b.used)).unwrap_or_default()
+                    r.foreign_cpu_cores
+                        .map_or("?".into(), |c| format!("{c:.2}")),
+                    if m.verified.is_err() {
+                        ", VERIFICATION FAILED"
+                    } else {
+                        ""
+                    },
+                    m.bounce
+                        .as_ref()
+                        .map(|b| format!(", bounce path {}", b.used))
+                        .unwrap_or_default()
                 ),
             );
             cell.rounds.push(r);
@@ -282,19 +302,27 @@ fn close(v: Variant, timeout: Duration) -> Result<Duration, String> {
         .map_err(|e| format!("cannot start the teardown thread: {e}"))?;
     match rx.recv_timeout(timeout) {
         Ok(()) => Ok(t.elapsed()),
-        Err(_) => Err(format!("teardown of {label}'s agents did not finish within {timeout:?}; variant abandoned")),
+        Err(_) => Err(format!(
+            "teardown of {label}'s agents did not finish within {timeout:?}; variant abandoned"
+        )),
     }
 }
 
 fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
     let started = Instant::now();
-    harness::preload_capi(Some(Path::new(ROOT)))
-        .map_err(|e| format!("NIXL runtime not found: {e}\n(run scripts/bench.sh, which sets it up)"))?;
+    harness::preload_capi(Some(Path::new(ROOT))).map_err(|e| {
+        format!("NIXL runtime not found: {e}\n(run scripts/bench.sh, which sets it up)")
+    })?;
     sysinfo::claim_new_threads("main");
     let mut meta = meta(o, args);
     let all = shapes(o);
     let fits = |s: &Shape| s.buffer_len() <= o.max_buffer;
-    let buffer_len = all.iter().filter(|s| fits(s)).map(Shape::buffer_len).max().unwrap_or(4096);
+    let buffer_len = all
+        .iter()
+        .filter(|s| fits(s))
+        .map(Shape::buffer_len)
+        .max()
+        .unwrap_or(4096);
     progress(
         o,
         &format!(
@@ -366,7 +394,10 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
                 }
                 if started.elapsed() > o.budget {
                     if cell.measured.is_none() {
-                        cell.failure = Some(("skipped", format!("--budget of {:.0} s spent", o.budget.as_secs_f64())));
+                        cell.failure = Some((
+                            "skipped",
+                            format!("--budget of {:.0} s spent", o.budget.as_secs_f64()),
+                        ));
                     }
                     continue;
                 }
@@ -397,11 +428,17 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
                 }
                 save(&meta, &cells, &model_rows)?;
             }
-            if o.model && round == 0 && shape.inflight == 1 && fits(&shape) && started.elapsed() <= o.budget {
-                let (gather, scatter) = run::memcpy_model(o, shape, shape_id as u64, src.as_ref(), dst.as_mut());
+            if o.model
+                && round == 0
+                && shape.inflight == 1
+                && fits(&shape)
+                && started.elapsed() <= o.budget
+            {
+                let (gather, scatter) =
+                    run::memcpy_model(o, shape, shape_id as u64, src.as_ref(), dst.as_mut());
                 for (name, samples) in [("gather", gather), ("scatter", scatter)] {
-                    let row =
-                        Row::new(o, &format!("memcpy[{name}]"), "memcpy", name, shape).timed(o.warmup, &samples, &samples);
+                    let row = Row::new(o, &format!("memcpy[{name}]"), "memcpy", name, shape)
+                        .timed(o.warmup, &samples, &samples);
                     progress(o, &describe(&row));
                     model_rows[shape_id].push(row);
                 }
@@ -423,7 +460,10 @@ fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
         std::mem::forget(src);
         std::mem::forget(dst);
     }
-    progress(o, &format!("done in {:.1} s", started.elapsed().as_secs_f64()));
+    progress(
+        o,
+        &format!("done in {:.1} s", started.elapsed().as_secs_f64()),
+    );
     Ok(rows.iter().all(Row::ok))
 }
 
@@ -450,7 +490,12 @@ fn build_rows(o: &Options, all: &[Shape], cells: &[Cell], model_rows: &[Vec<Row>
             let mut row = Row::new(o, &spec.label(), spec.backend.plugin(), &spec.name, *shape);
             if let Some(m) = &cell.measured {
                 if o.raw {
-                    row.latencies_raw_ms = Some(m.latencies_ms.iter().map(|x| (x * 1e4).round() / 1e4).collect());
+                    row.latencies_raw_ms = Some(
+                        m.latencies_ms
+                            .iter()
+                            .map(|x| (x * 1e4).round() / 1e4)
+                            .collect(),
+                    );
                 }
                 row = row.measured(m.clone(), &spec.label());
             }
@@ -477,7 +522,10 @@ fn build_rows(o: &Options, all: &[Shape], cells: &[Cell], model_rows: &[Vec<Row>
 }
 
 fn describe(r: &Row) -> String {
-    let what = format!("{:<14} {:>5} x {:>6} B x {:>3}", r.label, r.descriptors, r.descriptor_bytes, r.inflight);
+    let what = format!(
+        "{:<14} {:>5} x {:>6} B x {:>3}",
+        r.label, r.descriptors, r.descriptor_bytes, r.inflight
+    );
     match (&r.status[..], &r.latency_ms, r.throughput_gbps) {
         ("ok", Some(l), Some(g)) => format!(
             "{what}: p50 {:.3} ms, p99 {:.3} ms, {g:.2} GB/s, {} batches, other processes {} cores{}{}",
@@ -502,7 +550,7 @@ fn wait_quiet(max: Duration, quiet_below: f64) -> (f64, Option<f64>) {
     let t = Instant::now();
     loop {
         let (_, _, foreign) = idle_cpu(Duration::from_millis(500));
-        if foreign.is_none_or(|f| f < quiet_below) || t.elapsed() >= max {
+        if foreign.map_or(true, |f| f < quiet_below) || t.elapsed() >= max {
             return ((t.elapsed().as_secs_f64() * 10.0).round() / 10.0, foreign);
         }
     }
@@ -519,6 +567,15 @@ fn idle_cpu(window: Duration) -> (f64, BTreeMap<String, f64>, Option<f64>) {
     let mut u = sysinfo::CpuUse::default();
     u.add(&before, &after);
     let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
-    let groups = u.groups.iter().map(|(k, ns)| (k.clone(), r3(*ns as f64 / wall))).filter(|(_, c)| *c > 0.0).collect();
-    (r3(u.process_ns as f64 / wall), groups, u.foreign_cores(wall).map(r3))
+    let groups = u
+        .groups
+        .iter()
+        .map(|(k, ns)| (k.clone(), r3(*ns as f64 / wall)))
+        .filter(|(_, c)| *c > 0.0)
+        .collect();
+    (
+        r3(u.process_ns as f64 / wall),
+        groups,
+        u.foreign_cores(wall).map(r3),
+    )
 }

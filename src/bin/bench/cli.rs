@@ -28,7 +28,7 @@ PRESETS (lists and iteration counts; later flags override them):
                          (about 1.5 min on the 2-core machine)
       --full             counts 256,1024,4096,16384, sizes 1KiB,4KiB,16KiB,64KiB,
                          in-flight 1,8,32,128; 2 rounds of up to 20 batches,
-                         2 s per run (about 15 min on the 2-core machine)
+                         2 s per run (about 9 min on a quiet 2-core machine)
   (no preset)            the --quick lists, 2 rounds of up to 20 batches, 2 s per run
 
 WHAT TO MOVE:
@@ -224,7 +224,11 @@ pub enum Parsed {
     Help,
 }
 
-fn list<T>(text: &str, flag: &str, item: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>, String> {
+fn list<T>(
+    text: &str,
+    flag: &str,
+    item: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
     let v = text
         .split(',')
         .map(str::trim)
@@ -272,8 +276,14 @@ fn key_value(s: &str) -> Result<(String, String), String> {
 fn named_variant(s: &str, backend: BackendKind) -> Result<VariantSpec, String> {
     let (name, rest) = s.split_once(':').ok_or("expected NAME:K=V[,K=V...]")?;
     let name = name.trim();
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return Err(format!("variant name {name:?}: use letters, digits, '-', '_' or '.'"));
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(format!(
+            "variant name {name:?}: use letters, digits, '-', '_' or '.'"
+        ));
     }
     let params = rest
         .split(',')
@@ -281,7 +291,12 @@ fn named_variant(s: &str, backend: BackendKind) -> Result<VariantSpec, String> {
         .filter(|p| !p.is_empty())
         .map(key_value)
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(VariantSpec { backend, name: name.to_string(), params, contiguous: false })
+    Ok(VariantSpec {
+        backend,
+        name: name.to_string(),
+        params,
+        contiguous: false,
+    })
 }
 
 pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
@@ -322,7 +337,10 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             _ => (arg.clone(), None),
         };
         let mut value = || -> Result<String, String> {
-            inline.clone().or_else(|| args.next()).ok_or_else(|| format!("{flag} needs a value"))
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| format!("{flag} needs a value"))
         };
         match flag.as_str() {
             "-h" | "--help" => return Ok(Parsed::Help),
@@ -349,56 +367,90 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "--op" => {
                 o.op = match value()?.to_ascii_lowercase().as_str() {
                     "write" => Op::Write,
-                    "read" => {
-                        return Err("--op read is reserved: READ through the bounce path comes with a later \
+                    "read" => return Err(
+                        "--op read is reserved: READ through the bounce path comes with a later \
                                     issue; only --op write is implemented"
-                            .into())
+                            .into(),
+                    ),
+                    other => {
+                        return Err(format!(
+                            "--op: expected write (or the reserved read), got {other:?}"
+                        ))
                     }
-                    other => return Err(format!("--op: expected write (or the reserved read), got {other:?}")),
                 }
             }
             "--mem" => {
-                o.mem = match value()?.to_ascii_lowercase().as_str() {
-                    "dram" => MemKind::Dram,
-                    "vram" => {
-                        return Err("--mem vram: not built yet (the CUDA issue adds VRAM buffers and the \
+                o.mem =
+                    match value()?.to_ascii_lowercase().as_str() {
+                        "dram" => MemKind::Dram,
+                        "vram" => return Err(
+                            "--mem vram: not built yet (the CUDA issue adds VRAM buffers and the \
                                     two-process mode); use --mem dram"
-                            .into())
+                                .into(),
+                        ),
+                        other => {
+                            return Err(format!(
+                                "--mem: expected dram (or the reserved vram), got {other:?}"
+                            ))
+                        }
                     }
-                    other => return Err(format!("--mem: expected dram (or the reserved vram), got {other:?}")),
-                }
             }
             "-c" | "--counts" => o.counts = list(&value()?, &flag, positive)?,
             "-s" | "--sizes" => o.sizes = list(&value()?, &flag, bytes)?,
             "-f" | "--inflight" => o.inflight = list(&value()?, &flag, positive)?,
-            "--seed" => o.seed = value()?.parse().map_err(|_| "--seed: not a whole number".to_string())?,
-            "--max-buffer" => o.max_buffer = bytes(&value()?).map_err(|e| format!("{flag}: {e}"))?,
+            "--seed" => {
+                o.seed = value()?
+                    .parse()
+                    .map_err(|_| "--seed: not a whole number".to_string())?
+            }
+            "--max-buffer" => {
+                o.max_buffer = bytes(&value()?).map_err(|e| format!("{flag}: {e}"))?
+            }
             "--backends" => {
-                backends = list(&value()?, &flag, |s| match s.to_ascii_uppercase().as_str() {
-                    "BOUNCE" => Ok(BackendKind::Bounce),
-                    "UCX" => Ok(BackendKind::Ucx),
-                    _ => Err("expected BOUNCE or UCX".to_string()),
+                backends = list(&value()?, &flag, |s| {
+                    match s.to_ascii_uppercase().as_str() {
+                        "BOUNCE" => Ok(BackendKind::Bounce),
+                        "UCX" => Ok(BackendKind::Ucx),
+                        _ => Err("expected BOUNCE or UCX".to_string()),
+                    }
                 })?;
                 backends.dedup();
             }
-            "--bounce-param" => bounce_params.push(key_value(&value()?).map_err(|e| format!("{flag}: {e}"))?),
-            "--ucx-param" => ucx_params.push(key_value(&value()?).map_err(|e| format!("{flag}: {e}"))?),
-            "--ucx-variant" => {
-                extra.push(named_variant(&value()?, BackendKind::Ucx).map_err(|e| format!("{flag}: {e}"))?)
+            "--bounce-param" => {
+                bounce_params.push(key_value(&value()?).map_err(|e| format!("{flag}: {e}"))?)
             }
-            "--bounce-variant" => {
-                extra.push(named_variant(&value()?, BackendKind::Bounce).map_err(|e| format!("{flag}: {e}"))?)
+            "--ucx-param" => {
+                ucx_params.push(key_value(&value()?).map_err(|e| format!("{flag}: {e}"))?)
             }
+            "--ucx-variant" => extra.push(
+                named_variant(&value()?, BackendKind::Ucx).map_err(|e| format!("{flag}: {e}"))?,
+            ),
+            "--bounce-variant" => extra.push(
+                named_variant(&value()?, BackendKind::Bounce)
+                    .map_err(|e| format!("{flag}: {e}"))?,
+            ),
             "--model" => o.model = true,
             "-w" | "--warmup" => {
-                o.warmup = value()?.parse().map_err(|_| format!("{flag}: not a whole number"))?
+                o.warmup = value()?
+                    .parse()
+                    .map_err(|_| format!("{flag}: not a whole number"))?
             }
-            "-r" | "--rounds" => o.rounds = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?,
-            "-i" | "--iters" => o.iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?,
-            "--min-iters" => o.min_iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?,
-            "--config-budget" => o.config_budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
+            "-r" | "--rounds" => {
+                o.rounds = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?
+            }
+            "-i" | "--iters" => {
+                o.iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?
+            }
+            "--min-iters" => {
+                o.min_iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?
+            }
+            "--config-budget" => {
+                o.config_budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?
+            }
             "--budget" => o.budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
-            "--wait-quiet" => o.wait_quiet = Some(seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?),
+            "--wait-quiet" => {
+                o.wait_quiet = Some(seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?)
+            }
             "--quiet-below" => {
                 o.quiet_below = match value()?.parse::<f64>() {
                     Ok(c) if c > 0.0 && c.is_finite() => c,
@@ -413,7 +465,11 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                     "spin" => Poll::Spin,
                     s => match s.strip_prefix("sleep=").map(str::parse::<u64>) {
                         Some(Ok(us)) => Poll::Sleep(Duration::from_micros(us)),
-                        _ => return Err(format!("--poll: expected yield, spin or sleep=US, got {v:?}")),
+                        _ => {
+                            return Err(format!(
+                                "--poll: expected yield, spin or sleep=US, got {v:?}"
+                            ))
+                        }
                     },
                 }
             }
@@ -443,7 +499,12 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             BackendKind::Bounce => bounce_params.clone(),
             BackendKind::Ucx => ucx_params.clone(),
         };
-        o.variants.push(VariantSpec { backend: *b, name: String::new(), params, contiguous: false });
+        o.variants.push(VariantSpec {
+            backend: *b,
+            name: String::new(),
+            params,
+            contiguous: false,
+        });
     }
     for mut spec in extra {
         if spec.backend == BackendKind::Bounce {
@@ -472,7 +533,10 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
 
 /// The bench is single-host: BOUNCE's control socket must stay on loopback.
 fn check_loopback(key: &str, value: &str) -> Result<(), String> {
-    let off = matches!(value.to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no");
+    let off = matches!(
+        value.to_ascii_lowercase().as_str(),
+        "0" | "false" | "off" | "no"
+    );
     match key {
         "control_bind_loopback" if off => {
             Err("control_bind_loopback=false: the bench runs on one host and keeps BOUNCE's control socket on 127.0.0.1".into())
@@ -497,7 +561,15 @@ mod tests {
 
     #[test]
     fn lists_presets_and_variants() {
-        let o = run(&["--quick", "--counts", "4096", "--sizes=1k,64KiB", "-f", "1,8,128"]).unwrap();
+        let o = run(&[
+            "--quick",
+            "--counts",
+            "4096",
+            "--sizes=1k,64KiB",
+            "-f",
+            "1,8,128",
+        ])
+        .unwrap();
         assert_eq!(o.counts, vec![4096]);
         assert_eq!(o.sizes, vec![1024, 65536]);
         assert_eq!(o.inflight, vec![1, 8, 128]);
@@ -513,18 +585,29 @@ mod tests {
         ])
         .unwrap();
         let labels: Vec<String> = o.variants.iter().map(VariantSpec::label).collect();
-        assert_eq!(labels, ["BOUNCE", "UCX", "UCX[nt2]", "BOUNCE[w16]", "UCX[1-desc]"]);
-        assert_eq!(o.variants[3].params.len(), 2, "bounce variants inherit --bounce-param");
+        assert_eq!(
+            labels,
+            ["BOUNCE", "UCX", "UCX[nt2]", "BOUNCE[w16]", "UCX[1-desc]"]
+        );
+        assert_eq!(
+            o.variants[3].params.len(),
+            2,
+            "bounce variants inherit --bounce-param"
+        );
         assert!(o.variants[4].contiguous);
     }
 
     #[test]
     fn reserved_and_bad_options_are_clear_errors() {
-        assert!(run(&["--mem", "vram"]).unwrap_err().contains("not built yet"));
+        assert!(run(&["--mem", "vram"])
+            .unwrap_err()
+            .contains("not built yet"));
         assert!(run(&["--op", "read"]).unwrap_err().contains("reserved"));
         assert!(run(&["--counts", "0"]).is_err());
         assert!(run(&["--bounce-param", "control_bind_loopback=false"]).is_err());
-        assert!(run(&["--ucx-variant", "a:b=c", "--ucx-variant", "a:"]).unwrap_err().contains("twice"));
+        assert!(run(&["--ucx-variant", "a:b=c", "--ucx-variant", "a:"])
+            .unwrap_err()
+            .contains("twice"));
         assert!(run(&["--frobnicate"]).is_err());
     }
 }

@@ -52,7 +52,11 @@ impl Round {
         let wall_ms: f64 = m.batch_ms.iter().sum();
         let bytes = (m.batch_ms.len() * shape.inflight * shape.request_bytes()) as f64;
         Round {
-            throughput_gbps: if wall_ms > 0.0 { bytes / (wall_ms / 1e3) / 1e9 } else { 0.0 },
+            throughput_gbps: if wall_ms > 0.0 {
+                bytes / (wall_ms / 1e3) / 1e9
+            } else {
+                0.0
+            },
             p50_ms: percentiles(&m.latencies_ms).map_or(0.0, |p| p.p50),
             batches: m.batch_ms.len(),
             foreign_cpu_cores: m.cpu.foreign_cores(wall_ms * 1e6).map(round3),
@@ -66,7 +70,11 @@ fn median(v: &mut [f64]) -> Option<f64> {
     }
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -220,7 +228,11 @@ impl Row {
         let bytes = (batch_ms.len() * self.inflight * self.request_bytes) as f64;
         self.throughput_gbps = (wall_s > 0.0).then(|| bytes / wall_s / 1e9);
         let batch_bytes = (self.inflight * self.request_bytes) as f64;
-        let mut per_batch: Vec<f64> = batch_ms.iter().filter(|ms| **ms > 0.0).map(|ms| batch_bytes / (ms / 1e3) / 1e9).collect();
+        let mut per_batch: Vec<f64> = batch_ms
+            .iter()
+            .filter(|ms| **ms > 0.0)
+            .map(|ms| batch_bytes / (ms / 1e3) / 1e9)
+            .collect();
         self.throughput_gbps_batch_median = median(&mut per_batch).map(round3);
         self
     }
@@ -251,13 +263,18 @@ impl Row {
     }
 
     pub fn ok(&self) -> bool {
-        let unexpected_fallback = self.bounce_path_ok == Some(false) && self.bounce_path_expected != Some(false);
+        let unexpected_fallback =
+            self.bounce_path_ok == Some(false) && self.bounce_path_expected != Some(false);
         self.status != "failed" && self.verified != Some(false) && !unexpected_fallback
     }
 }
 
 /// Per-request phase times from the plugin's `*_ns` counters, if it has them.
-fn phases(init: &BTreeMap<String, u64>, target: &BTreeMap<String, u64>, posted: u64) -> Option<BTreeMap<String, f64>> {
+fn phases(
+    init: &BTreeMap<String, u64>,
+    target: &BTreeMap<String, u64>,
+    posted: u64,
+) -> Option<BTreeMap<String, f64>> {
     let request = *init.get("request_ns")?;
     if posted == 0 {
         return None;
@@ -275,7 +292,10 @@ fn phases(init: &BTreeMap<String, u64>, target: &BTreeMap<String, u64>, posted: 
         ("scatter".to_string(), per(scatter)),
         ("copy_queue".to_string(), per(queue)),
         ("request".to_string(), per(request)),
-        ("unaccounted".to_string(), (unaccounted / 1e6 / posted as f64 * 1e3).round() / 1e3),
+        (
+            "unaccounted".to_string(),
+            (unaccounted / 1e6 / posted as f64 * 1e3).round() / 1e3,
+        ),
     ]))
 }
 
@@ -292,7 +312,10 @@ fn cpu_groups(cpu: &CpuUse, label: &str, requests: f64) -> BTreeMap<String, f64>
         let key = if k.starts_with(&mine) || k.starts_with("main:") || k == "exited-threads" {
             k.clone()
         } else {
-            format!("other:{}", k.split_once(':').map_or(k.as_str(), |(_, kind)| kind))
+            format!(
+                "other:{}",
+                k.split_once(':').map_or(k.as_str(), |(_, kind)| kind)
+            )
         };
         *out.entry(key).or_insert(0.0) += *ns as f64 / 1e6 / requests;
     }
@@ -309,24 +332,49 @@ pub fn add_speedups(rows: &mut [Row], quiet_below: f64) {
     type Key = (usize, usize, usize);
     let quiet = |x: &Round| x.foreign_cpu_cores.is_some_and(|f| f < quiet_below);
     for r in rows.iter_mut() {
-        let mut q: Vec<f64> = r.rounds.iter().filter(|x| quiet(x)).map(|x| x.throughput_gbps).collect();
+        let mut q: Vec<f64> = r
+            .rounds
+            .iter()
+            .filter(|x| quiet(x))
+            .map(|x| x.throughput_gbps)
+            .collect();
         r.quiet_rounds = q.len();
         r.quiet_throughput_gbps = median(&mut q).map(round3);
     }
     let base: Vec<(Key, f64, Vec<Round>)> = rows
         .iter()
         .filter(|r| r.label == "UCX" && r.status == "ok")
-        .filter_map(|r| Some(((r.descriptors, r.descriptor_bytes, r.inflight), r.throughput_gbps?, r.rounds.clone())))
+        .filter_map(|r| {
+            Some((
+                (r.descriptors, r.descriptor_bytes, r.inflight),
+                r.throughput_gbps?,
+                r.rounds.clone(),
+            ))
+        })
         .collect();
     for r in rows.iter_mut().filter(|r| r.backend != "memcpy") {
         let key = (r.descriptors, r.descriptor_bytes, r.inflight);
-        let Some((_, b, b_rounds)) = base.iter().find(|(k, _, _)| *k == key) else { continue };
-        r.speedup_vs_ucx = r.throughput_gbps.filter(|_| *b > 0.0).map(|g| round3(g / b));
-        let pairs = r.rounds.iter().zip(b_rounds).filter(|(_, u)| u.throughput_gbps > 0.0);
-        let mut ratios: Vec<f64> = pairs.clone().map(|(x, u)| x.throughput_gbps / u.throughput_gbps).collect();
+        let Some((_, b, b_rounds)) = base.iter().find(|(k, _, _)| *k == key) else {
+            continue;
+        };
+        r.speedup_vs_ucx = r
+            .throughput_gbps
+            .filter(|_| *b > 0.0)
+            .map(|g| round3(g / b));
+        let pairs = r
+            .rounds
+            .iter()
+            .zip(b_rounds)
+            .filter(|(_, u)| u.throughput_gbps > 0.0);
+        let mut ratios: Vec<f64> = pairs
+            .clone()
+            .map(|(x, u)| x.throughput_gbps / u.throughput_gbps)
+            .collect();
         r.speedup_vs_ucx_by_round = median(&mut ratios).map(round3);
-        let mut quiet_ratios: Vec<f64> =
-            pairs.filter(|(x, u)| quiet(x) && quiet(u)).map(|(x, u)| x.throughput_gbps / u.throughput_gbps).collect();
+        let mut quiet_ratios: Vec<f64> = pairs
+            .filter(|(x, u)| quiet(x) && quiet(u))
+            .map(|(x, u)| x.throughput_gbps / u.throughput_gbps)
+            .collect();
         r.speedup_vs_ucx_quiet_pairs = quiet_ratios.len();
         r.speedup_vs_ucx_quiet = median(&mut quiet_ratios).map(round3);
     }
@@ -342,10 +390,33 @@ fn size_text(n: usize) -> String {
 
 pub fn print_table(rows: &[Row], quiet_below: f64, out: &mut impl Write) -> std::io::Result<()> {
     let f = |x: Option<f64>, prec: usize| x.map_or("-".to_string(), |v| format!("{v:.prec$}"));
+    // One layout for the header and the rows.
+    let line = |c: [&str; 15]| {
+        format!(
+            "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}  {:<8} {}",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13], c[14]
+        )
+    };
     writeln!(
         out,
-        "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}  {:<8} {}",
-        "variant", "descs", "size", "infl", "p50 ms", "p90 ms", "p99 ms", "GB/s", "vs UCX", "per-rnd", "quiet", "batches", "ext.cpu", "verified", "bounce path"
+        "{}",
+        line([
+            "variant",
+            "descs",
+            "size",
+            "infl",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "GB/s",
+            "vs UCX",
+            "per-rnd",
+            "quiet",
+            "batches",
+            "ext.cpu",
+            "verified",
+            "bounce path",
+        ])
     )?;
     for r in rows {
         let lat = r.latency_ms.as_ref();
@@ -364,35 +435,48 @@ pub fn print_table(rows: &[Row], quiet_below: f64, out: &mut impl Write) -> std:
             (Some(p), _) => p.clone(),
             (None, _) => "-".into(),
         };
-        let speedup = r.speedup_vs_ucx.map(|s| format!("{s:.2}x"));
-        writeln!(
-            out,
-            "{:<16} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}  {:<8} {}",
-            r.label,
-            r.descriptors,
+        let cells = [
+            r.label.clone(),
+            r.descriptors.to_string(),
             size_text(r.descriptor_bytes),
-            r.inflight,
+            r.inflight.to_string(),
             f(lat.map(|l| l.p50), 3),
             f(lat.map(|l| l.p90), 3),
             f(lat.map(|l| l.p99), 3),
             f(r.throughput_gbps, 2),
-            speedup.unwrap_or_else(|| "-".into()),
-            r.speedup_vs_ucx_by_round.map_or("-".into(), |s| format!("{s:.2}x")),
-            r.speedup_vs_ucx_quiet.map_or("-".into(), |s| format!("{s:.2}x({})", r.speedup_vs_ucx_quiet_pairs)),
-            if r.status == "ok" { r.timed_batches.to_string() } else { "-".into() },
+            r.speedup_vs_ucx.map_or("-".into(), |s| format!("{s:.2}x")),
+            r.speedup_vs_ucx_by_round
+                .map_or("-".into(), |s| format!("{s:.2}x")),
+            r.speedup_vs_ucx_quiet.map_or("-".into(), |s| {
+                format!("{s:.2}x({})", r.speedup_vs_ucx_quiet_pairs)
+            }),
+            if r.status == "ok" {
+                r.timed_batches.to_string()
+            } else {
+                "-".into()
+            },
             f(r.foreign_cpu_cores, 2),
-            verified,
-            bounce
-        )?;
+            verified.to_string(),
+            bounce,
+        ];
+        writeln!(out, "{}", line(cells.each_ref().map(String::as_str)))?;
     }
     let notes: Vec<String> = rows
         .iter()
         .filter_map(|r| r.error.as_ref().map(|e| (r, e)))
-        .map(|(r, e)| format!("  {} {}x{} B x{}: {} ({e})", r.label, r.descriptors, r.descriptor_bytes, r.inflight, r.status))
+        .map(|(r, e)| {
+            format!(
+                "  {} {}x{} B x{}: {} ({e})",
+                r.label, r.descriptors, r.descriptor_bytes, r.inflight, r.status
+            )
+        })
         .chain(rows.iter().filter_map(|r| {
-            r.verify_error
-                .as_ref()
-                .map(|e| format!("  {} {}x{} B x{}: verification failed: {e}", r.label, r.descriptors, r.descriptor_bytes, r.inflight))
+            r.verify_error.as_ref().map(|e| {
+                format!(
+                    "  {} {}x{} B x{}: verification failed: {e}",
+                    r.label, r.descriptors, r.descriptor_bytes, r.inflight
+                )
+            })
         }))
         .collect();
     writeln!(
@@ -479,7 +563,8 @@ pub fn write_json(path: &Path, meta: &Meta, rows: &[Row]) -> Result<(), String> 
     let text = serde_json::to_string_pretty(&Document { meta, rows }).map_err(|e| e.to_string())?;
     let tmp = path.with_extension("json.tmp");
     std::fs::write(&tmp, text + "\n").map_err(|e| format!("writing {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), path.display()))
+    std::fs::rename(&tmp, path)
+        .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), path.display()))
 }
 
 #[cfg(test)]
@@ -490,7 +575,10 @@ mod tests {
     fn nearest_rank_percentiles() {
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
         let p = percentiles(&v).unwrap();
-        assert_eq!((p.p50, p.p90, p.p99, p.min, p.max), (50.0, 90.0, 99.0, 1.0, 100.0));
+        assert_eq!(
+            (p.p50, p.p90, p.p99, p.min, p.max),
+            (50.0, 90.0, 99.0, 1.0, 100.0)
+        );
         let p = percentiles(&[3.0]).unwrap();
         assert_eq!((p.p50, p.p99), (3.0, 3.0));
         assert!(percentiles(&[]).is_none());

@@ -39,7 +39,9 @@ impl Shape {
 
 /// A seed derived from a list of distinguishing numbers.
 pub fn seed(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x243f_6a88_85a3_08d3, |acc, p| Rng::new(acc ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15)).next_u64())
+    parts.iter().fold(0x243f_6a88_85a3_08d3, |acc, p| {
+        Rng::new(acc ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15)).next_u64()
+    })
 }
 
 /// What came out of one (configuration, variant).
@@ -137,16 +139,28 @@ pub fn run_shape(
     let (shape_id, variant_id) = ids;
     let slice = shape.slice_len();
     if src.len() < shape.buffer_len() || dst.len() < shape.buffer_len() {
-        return Err(Failure::Setup(format!("buffers of {} B are too small for {} B", src.len().min(dst.len()), shape.buffer_len())));
+        return Err(Failure::Setup(format!(
+            "buffers of {} B are too small for {} B",
+            src.len().min(dst.len()),
+            shape.buffer_len()
+        )));
     }
     let plans: Vec<Plan> = (0..shape.inflight)
         .map(|k| {
             if variant.spec.contiguous {
-                Plan { block: shape.request_bytes(), src: vec![0], dst: vec![0] }
+                Plan {
+                    block: shape.request_bytes(),
+                    src: vec![0],
+                    dst: vec![0],
+                }
             } else {
                 // The layout depends on the configuration and slot only: every
                 // variant moves exactly the same blocks.
-                Plan::standard(shape.count, shape.size, seed(&[o.seed, 1, shape_id, k as u64]))
+                Plan::standard(
+                    shape.count,
+                    shape.size,
+                    seed(&[o.seed, 1, shape_id, k as u64]),
+                )
             }
         })
         .collect();
@@ -163,7 +177,8 @@ pub fn run_shape(
     let mut scratch = Vec::new();
     let mut warm_ms = Vec::new();
     for _ in 0..o.warmup {
-        let wall = run_batch(agent, &reqs, o.timeout, o.poll, &mut scratch).map_err(Failure::Batch)?;
+        let wall =
+            run_batch(agent, &reqs, o.timeout, o.poll, &mut scratch).map_err(Failure::Batch)?;
         warm_ms.push(wall.as_secs_f64() * 1e3);
     }
 
@@ -182,15 +197,27 @@ pub fn run_shape(
         // Decide before the batch whether it is the last one, so that the
         // last timed batch is also a verified one.
         let done_ms = started.elapsed().as_secs_f64() * 1e3;
-        let history = if m.batch_ms.is_empty() { &warm_ms } else { &m.batch_ms };
-        let estimate = if history.is_empty() { 0.0 } else { history.iter().sum::<f64>() / history.len() as f64 };
-        let last = batch + 1 >= o.iters || (batch + 1 >= o.min_iters && done_ms + 2.0 * estimate > budget_ms);
+        let history = if m.batch_ms.is_empty() {
+            &warm_ms
+        } else {
+            &m.batch_ms
+        };
+        let estimate = if history.is_empty() {
+            0.0
+        } else {
+            history.iter().sum::<f64>() / history.len() as f64
+        };
+        let last = batch + 1 >= o.iters
+            || (batch + 1 >= o.min_iters && done_ms + 2.0 * estimate > budget_ms);
         let verify = batch == 0 || last;
         let phase = if batch == 0 { 0 } else { 1 };
         let seeds: Vec<(u64, u64)> = (0..shape.inflight)
             .map(|k| {
                 let k = k as u64;
-                (seed(&[o.seed, 2, shape_id, variant_id, k, phase, 0]), seed(&[o.seed, 2, shape_id, variant_id, k, phase, 1]))
+                (
+                    seed(&[o.seed, 2, shape_id, variant_id, k, phase, 0]),
+                    seed(&[o.seed, 2, shape_id, variant_id, k, phase, 1]),
+                )
             })
             .collect();
         if verify {
@@ -200,7 +227,8 @@ pub fn run_shape(
             }
         }
         let before = CpuSample::take();
-        let wall = run_batch(agent, &reqs, o.timeout, o.poll, &mut m.latencies_ms).map_err(Failure::Batch)?;
+        let wall = run_batch(agent, &reqs, o.timeout, o.poll, &mut m.latencies_ms)
+            .map_err(Failure::Batch)?;
         let after = CpuSample::take();
         m.cpu.add(&before, &after);
         m.batch_ms.push(wall.as_secs_f64() * 1e3);
@@ -220,7 +248,12 @@ pub fn run_shape(
     if let Some(before) = stats_before {
         let posted = ((o.warmup + batch) * shape.inflight) as u64;
         m.bounce = Some(match variant.bounce_stats().expect("a BOUNCE variant") {
-            Ok(after) => bounce_check(&before, &after, posted, routing_expects_bounce(variant, shape)),
+            Ok(after) => bounce_check(
+                &before,
+                &after,
+                posted,
+                routing_expects_bounce(variant, shape),
+            ),
             Err(e) => BounceCheck {
                 used: format!("unknown ({e})"),
                 ok: false,
@@ -235,7 +268,12 @@ pub fn run_shape(
     Ok(m)
 }
 
-fn desc_list(mem: &dyn BenchMemory, base: usize, offsets: &[usize], len: usize) -> Result<XferDescList<'static>, String> {
+fn desc_list(
+    mem: &dyn BenchMemory,
+    base: usize,
+    offsets: &[usize],
+    len: usize,
+) -> Result<XferDescList<'static>, String> {
     let mut l = XferDescList::new(mem.mem_type()).map_err(|e| format!("XferDescList::new: {e}"))?;
     for off in offsets {
         l.add_desc(base + off, len, mem.device_id());
@@ -256,8 +294,20 @@ fn create_request(
     variant
         .init
         .agent
-        .create_xfer_req(XferOp::Write, &local, &remote, &variant.target.name, Some(&opt))
-        .map_err(|e| format!("create_xfer_req(WRITE, {} x {} B): {e} ({e:?})", plan.len(), plan.block))
+        .create_xfer_req(
+            XferOp::Write,
+            &local,
+            &remote,
+            &variant.target.name,
+            Some(&opt),
+        )
+        .map_err(|e| {
+            format!(
+                "create_xfer_req(WRITE, {} x {} B): {e} ({e:?})",
+                plan.len(),
+                plan.block
+            )
+        })
 }
 
 /// Posts every request back-to-back, then polls them all to completion.
@@ -350,10 +400,18 @@ fn delta(before: &Snapshot, after: &Snapshot) -> BTreeMap<String, u64> {
 /// What BOUNCE's routing gate should decide for `shape`, from the
 /// parameters the backend was created with.
 fn routing_expects_bounce(variant: &Variant, shape: Shape) -> bool {
-    let get = |k: &str| variant.params.get(k).and_then(|v| nixl_bounce::config::parse_bytes(v).ok());
+    let get = |k: &str| {
+        variant
+            .params
+            .get(k)
+            .and_then(|v| nixl_bounce::config::parse_bytes(v).ok())
+    };
     let min_count = get("min_descriptor_count").unwrap_or(0);
     let max_avg = get("max_average_descriptor_size_bytes").unwrap_or(u64::MAX);
-    let enabled = variant.params.get("enable").is_none_or(|v| nixl_bounce::config::parse_bool(v).unwrap_or(true));
+    let enabled = variant
+        .params
+        .get("enable")
+        .map_or(true, |v| nixl_bounce::config::parse_bool(v).unwrap_or(true));
     enabled && shape.count as u64 >= min_count && shape.size as u64 <= max_avg
 }
 
@@ -366,22 +424,31 @@ fn bounce_check(
     let init_delta = delta(&before.0, &after.0);
     let target_delta = delta(&before.1, &after.1);
     let get = |k: &str| init_delta.get(k).copied().unwrap_or(0);
-    let fallback = init_delta.iter().filter(|(k, _)| k.starts_with("fallback_")).max_by_key(|(_, v)| **v);
+    let fallback = init_delta
+        .iter()
+        .filter(|(k, _)| k.starts_with("fallback_"))
+        .max_by_key(|(_, v)| **v);
     let (submitted, succeeded) = (get("bounce_submitted"), get("bounce_succeeded"));
     let (used, ok) = if submitted == posted && succeeded == posted && fallback.is_none() {
         ("yes".to_string(), true)
     } else if submitted == 0 {
-        let why = fallback.map_or("no bounce submission counted".to_string(), |(k, _)| k.clone());
+        let why = fallback.map_or("no bounce submission counted".to_string(), |(k, _)| {
+            k.clone()
+        });
         (format!("no ({why})"), false)
     } else {
-        (format!("partial ({submitted} submitted, {succeeded} succeeded of {posted} posted)"), false)
+        (
+            format!("partial ({submitted} submitted, {succeeded} succeeded of {posted} posted)"),
+            false,
+        )
     };
     BounceCheck {
         used,
         ok,
         expected,
         posted,
-        chunks_per_request: (posted > 0 && submitted > 0).then(|| get("chunks_written") as f64 / posted as f64),
+        chunks_per_request: (posted > 0 && submitted > 0)
+            .then(|| get("chunks_written") as f64 / posted as f64),
         init_delta,
         target_delta,
     }
@@ -401,7 +468,11 @@ pub fn memcpy_model(
     let plan = Plan::standard(shape.count, shape.size, seed(&[o.seed, 1, shape_id, 0]));
     let mut staging = vec![0u8; shape.request_bytes()];
     staging.fill(1);
-    assert_eq!(dst.mem_type(), nixl_sys::MemType::Dram, "the memcpy model runs on host memory only");
+    assert_eq!(
+        dst.mem_type(),
+        nixl_sys::MemType::Dram,
+        "the memcpy model runs on host memory only"
+    );
     let src_view = src.read(0, shape.slice_len());
     let src_base = src_view.as_ptr();
     let dst_base = dst.addr() as *mut u8;
@@ -412,14 +483,26 @@ pub fn memcpy_model(
         for (k, off) in plan.src.iter().enumerate() {
             // SAFETY: `off + block` lies inside the source slice and
             // `k * block + block` inside `staging`; the regions are distinct.
-            unsafe { std::ptr::copy_nonoverlapping(src_base.add(*off), staging.as_mut_ptr().add(k * plan.block), plan.block) }
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src_base.add(*off),
+                    staging.as_mut_ptr().add(k * plan.block),
+                    plan.block,
+                )
+            }
         }
         let g = t.elapsed();
         let t = Instant::now();
         for (k, off) in plan.dst.iter().enumerate() {
             // SAFETY: as above for the destination slice (no transfer is in
             // flight while the model runs).
-            unsafe { std::ptr::copy_nonoverlapping(staging.as_ptr().add(k * plan.block), dst_base.add(*off), plan.block) }
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    staging.as_ptr().add(k * plan.block),
+                    dst_base.add(*off),
+                    plan.block,
+                )
+            }
         }
         let s = t.elapsed();
         std::hint::black_box(&staging);

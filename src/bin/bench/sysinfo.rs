@@ -21,7 +21,11 @@ pub fn machine() -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu_model = cpuinfo
         .lines()
-        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, m)| m.trim().to_string()))
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .and_then(|r| r.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
         .unwrap_or_else(|| "unknown".into());
     let mem_total_gib = std::fs::read_to_string("/proc/meminfo")
         .unwrap_or_default()
@@ -29,7 +33,11 @@ pub fn machine() -> Machine {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|r| r.split_whitespace().next()?.parse::<f64>().ok())
         .map_or(0.0, |kib| (kib / (1024.0 * 1024.0) * 10.0).round() / 10.0);
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
     Machine {
         nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
         cpu_model,
@@ -52,13 +60,18 @@ pub fn git_commit(root: &str) -> (Option<String>, Option<bool>) {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = run(&["rev-parse", "HEAD"]);
-    let dirty = commit.as_ref().and_then(|_| run(&["status", "--porcelain", "--untracked-files=no"])).map(|s| !s.is_empty());
+    let dirty = commit
+        .as_ref()
+        .and_then(|_| run(&["status", "--porcelain", "--untracked-files=no"]))
+        .map(|s| !s.is_empty());
     (commit, dirty)
 }
 
 /// Current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
 pub fn utc_now() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Howard Hinnant's days -> civil date.
     let z = days + 719_468;
@@ -70,7 +83,12 @@ pub fn utc_now() -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 /// Environment variables that change what NIXL, UCX or BOUNCE do.
@@ -87,7 +105,10 @@ pub fn relevant_env() -> BTreeMap<String, String> {
 /// Thread ids of this process.
 pub fn tids() -> Vec<i32> {
     std::fs::read_dir("/proc/self/task")
-        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -108,7 +129,12 @@ pub fn claim_new_threads(owner: &str) {
 }
 
 fn owner_of(tid: i32) -> String {
-    OWNERS.lock().expect("thread owners").as_ref().and_then(|m| m.get(&tid).cloned()).unwrap_or_else(|| "other".into())
+    OWNERS
+        .lock()
+        .expect("thread owners")
+        .as_ref()
+        .and_then(|m| m.get(&tid).cloned())
+        .unwrap_or_else(|| "other".into())
 }
 
 /// A thread's name without its instance numbers (`bounce-copy-3` ->
@@ -128,7 +154,8 @@ fn kind_of(comm: &str) -> String {
     if comm == main.trim() {
         return "unnamed(nixl/ucx)".into();
     }
-    comm.trim_end_matches(|c: char| c.is_ascii_digit() || c == '-' || c == '_').to_string()
+    comm.trim_end_matches(|c: char| c.is_ascii_digit() || c == '-' || c == '_')
+        .to_string()
 }
 
 /// CPU time of every live thread (ns) plus the whole process' (ns, which
@@ -145,8 +172,14 @@ pub struct CpuSample {
 /// (busy, total) clock ticks of all CPUs since boot.
 fn host_ticks() -> (u64, u64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else { return (0, 0) };
-    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else {
+        return (0, 0);
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     // user nice system idle iowait irq softirq steal guest guest_nice
     let total: u64 = v.iter().take(8).sum();
     let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
@@ -155,7 +188,12 @@ fn host_ticks() -> (u64, u64) {
 
 /// The 1-minute load average.
 pub fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn process_cpu_ns() -> u64 {
@@ -173,13 +211,29 @@ impl CpuSample {
         let mut threads = HashMap::new();
         for t in tids() {
             let base = format!("/proc/self/task/{t}");
-            let Ok(s) = std::fs::read_to_string(format!("{base}/schedstat")) else { continue };
-            let Some(ns) = s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) else { continue };
-            let comm = std::fs::read_to_string(format!("{base}/comm")).unwrap_or_default().trim().to_string();
+            let Ok(s) = std::fs::read_to_string(format!("{base}/schedstat")) else {
+                continue;
+            };
+            let Some(ns) = s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            let comm = std::fs::read_to_string(format!("{base}/comm"))
+                .unwrap_or_default()
+                .trim()
+                .to_string();
             threads.insert(t, (comm, ns));
         }
         let (host_busy_ticks, host_total_ticks) = host_ticks();
-        CpuSample { threads, process_ns: process_cpu_ns(), host_busy_ticks, host_total_ticks }
+        CpuSample {
+            threads,
+            process_ns: process_cpu_ns(),
+            host_busy_ticks,
+            host_total_ticks,
+        }
     }
 }
 
@@ -229,7 +283,9 @@ impl CpuUse {
         let process = after.process_ns.saturating_sub(before.process_ns);
         self.process_ns += process;
         self.host_busy_ticks += after.host_busy_ticks.saturating_sub(before.host_busy_ticks);
-        self.host_total_ticks += after.host_total_ticks.saturating_sub(before.host_total_ticks);
+        self.host_total_ticks += after
+            .host_total_ticks
+            .saturating_sub(before.host_total_ticks);
         let mut live = 0u64;
         for (tid, (comm, ns)) in &after.threads {
             let d = ns.saturating_sub(before.threads.get(tid).map_or(0, |(_, b)| *b));
@@ -238,7 +294,11 @@ impl CpuUse {
             }
             live += d;
             let owner = owner_of(*tid);
-            let key = if owner == "main" { "main:post+poll".to_string() } else { format!("{owner}:{}", kind_of(comm)) };
+            let key = if owner == "main" {
+                "main:post+poll".to_string()
+            } else {
+                format!("{owner}:{}", kind_of(comm))
+            };
             *self.groups.entry(key).or_default() += d;
         }
         // Short-lived threads (e.g. the host copy engine's helpers for large

@@ -12,11 +12,12 @@ use crate::mem::BenchMemory;
 use crate::sysinfo::claim_new_threads;
 
 /// Parameters every BOUNCE row gets: the control socket binds 127.0.0.1.
-/// `control_interface` is set to empty explicitly because the plugin
-/// advertises its default as the two-character text `""`, which a caller
-/// that starts from the advertised defaults (as the harness does) passes
-/// back as an interface name.
-const BOUNCE_LOOPBACK: &[(&str, &str)] = &[("control_bind_loopback", "true"), ("control_interface", "")];
+/// `control_interface` is set to empty explicitly: before e4e0e48 the plugin
+/// advertised its default as the two-character text `""`, which a caller
+/// that starts from the advertised defaults (as the harness does) passed
+/// back as an interface name. Harmless now.
+const BOUNCE_LOOPBACK: &[(&str, &str)] =
+    &[("control_bind_loopback", "true"), ("control_interface", "")];
 
 pub struct Variant {
     pub spec: VariantSpec,
@@ -32,7 +33,11 @@ pub struct Variant {
 impl Variant {
     /// Creates both agents, registers `src` with the initiator and `dst`
     /// with the target, and exchanges metadata both ways.
-    pub fn open(spec: &VariantSpec, src: &dyn BenchMemory, dst: &dyn BenchMemory) -> Result<Self, String> {
+    pub fn open(
+        spec: &VariantSpec,
+        src: &dyn BenchMemory,
+        dst: &dyn BenchMemory,
+    ) -> Result<Self, String> {
         let label = spec.label();
         let mut extra: Vec<(&str, &str)> = Vec::new();
         if spec.backend == BackendKind::Bounce {
@@ -46,20 +51,41 @@ impl Variant {
             }
         }
         let plugin = spec.backend.plugin();
-        let agent_prefix: String =
-            label.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+        let agent_prefix: String = label
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '-'
+                }
+            })
+            .collect();
 
         // The side first, so that thread names that embed the agent name
         // (truncated to 15 characters) still tell the two apart.
-        let init = node(&unique_name(&format!("i-{agent_prefix}")), plugin, &extra, &agent_config)?;
+        let init = node(
+            &unique_name(&format!("i-{agent_prefix}")),
+            plugin,
+            &extra,
+            &agent_config,
+        )?;
         claim_new_threads(&format!("{label}/init"));
-        let target = node(&unique_name(&format!("t-{agent_prefix}")), plugin, &extra, &agent_config)?;
+        let target = node(
+            &unique_name(&format!("t-{agent_prefix}")),
+            plugin,
+            &extra,
+            &agent_config,
+        )?;
         claim_new_threads(&format!("{label}/target"));
         let regs = vec![src.register(&init)?, dst.register(&target)?];
         let t = init.load_md(&target.local_md()?)?;
         let i = target.load_md(&init.local_md()?)?;
         if t != target.name || i != init.name {
-            return Err(format!("metadata exchange returned {t:?}/{i:?}, expected {:?}/{:?}", target.name, init.name));
+            return Err(format!(
+                "metadata exchange returned {t:?}/{i:?}, expected {:?}/{:?}",
+                target.name, init.name
+            ));
         }
         claim_new_threads(&format!("{label}/connect"));
         let params = backend_params(&init.agent, plugin, &extra)?
@@ -67,22 +93,46 @@ impl Variant {
             .map_err(|e| format!("reading backend parameters: {e}"))?
             .filter_map(|p| p.ok().map(|(k, v)| (k.to_string(), v.to_string())))
             .collect();
-        Ok(Variant { spec: spec.clone(), label, params, regs, init, target })
+        Ok(Variant {
+            spec: spec.clone(),
+            label,
+            params,
+            regs,
+            init,
+            target,
+        })
     }
 
     /// The BOUNCE plugin's counters of the initiator and the target.
     pub fn bounce_stats(&self) -> Option<Result<(Snapshot, Snapshot), String>> {
-        (self.spec.backend == BackendKind::Bounce)
-            .then(|| Ok((plugin_stats(&self.init.name)?, plugin_stats(&self.target.name)?)))
+        (self.spec.backend == BackendKind::Bounce).then(|| {
+            Ok((
+                plugin_stats(&self.init.name)?,
+                plugin_stats(&self.target.name)?,
+            ))
+        })
     }
 }
 
 /// Like the harness' `Node::new`, with an agent configuration.
-fn node(name: &str, plugin: &str, extra: &[(&str, &str)], config: &AgentConfig) -> Result<Node, String> {
-    let agent = Agent::new_configured(name, config).map_err(|e| format!("Agent::new_configured({name}): {e} ({e:?})"))?;
+fn node(
+    name: &str,
+    plugin: &str,
+    extra: &[(&str, &str)],
+    config: &AgentConfig,
+) -> Result<Node, String> {
+    let agent = Agent::new_configured(name, config)
+        .map_err(|e| format!("Agent::new_configured({name}): {e} ({e:?})"))?;
     let params = backend_params(&agent, plugin, extra)?;
-    let backend = agent.create_backend(plugin, &params).map_err(|e| format!("create_backend({plugin}): {e} ({e:?})"))?;
-    Ok(Node { name: name.to_string(), backend_name: plugin.to_string(), backend, agent })
+    let backend = agent
+        .create_backend(plugin, &params)
+        .map_err(|e| format!("create_backend({plugin}): {e} ({e:?})"))?;
+    Ok(Node {
+        name: name.to_string(),
+        backend_name: plugin.to_string(),
+        backend,
+        agent,
+    })
 }
 
 /// `agent.<key>=<value>` in a variant: the bench's own agents' configuration
