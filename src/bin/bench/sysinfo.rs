@@ -60,9 +60,13 @@ pub fn git_commit(root: &str) -> (Option<String>, Option<bool>) {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = run(&["rev-parse", "HEAD"]);
+    // The bench's own outputs (docs/bench/, written while it runs) do not
+    // make the tree dirty.
     let dirty = commit
         .as_ref()
-        .and_then(|_| run(&["status", "--porcelain", "--untracked-files=no"]))
+        .and_then(|_| {
+            run(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/bench"])
+        })
         .map(|s| !s.is_empty());
     (commit, dirty)
 }
