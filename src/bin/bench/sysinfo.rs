@@ -65,7 +65,14 @@ pub fn git_commit(root: &str) -> (Option<String>, Option<bool>) {
     let dirty = commit
         .as_ref()
         .and_then(|_| {
-            run(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/bench"])
+            run(&[
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":(exclude)docs/bench",
+            ])
         })
         .map(|s| !s.is_empty());
     (commit, dirty)
