@@ -404,7 +404,11 @@ impl Config {
             "| parameter | environment variable | default | meaning |\n|---|---|---|---|\n",
         );
         for row in Config::describe() {
-            let default = if row.default.is_empty() { "(empty)" } else { row.default.as_str() };
+            let default = if row.default.is_empty() {
+                "(empty)"
+            } else {
+                row.default.as_str()
+            };
             out.push_str(&format!(
                 "| `{}` | `{}` | {} | {} |\n",
                 row.key, row.env, default, row.meaning
@@ -771,15 +775,22 @@ mod advertised_defaults {
 
     #[test]
     fn a_parameter_equal_to_its_advertised_default_does_not_override_the_environment() {
-        let env = |name: &str| (name == "NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES").then(|| "1MiB".to_string());
-        let advertised: BTreeMap<String, String> =
-            Config::describe().into_iter().map(|s| (s.key.to_string(), s.default)).collect();
+        let env =
+            |name: &str| (name == "NIXL_BOUNCE_MAX_CHUNK_SIZE_BYTES").then(|| "1MiB".to_string());
+        let advertised: BTreeMap<String, String> = Config::describe()
+            .into_iter()
+            .map(|s| (s.key.to_string(), s.default))
+            .collect();
         let (cfg, warnings) = Config::resolve(&env, &advertised).unwrap();
         assert_eq!(cfg.max_chunk_size_bytes, 1 << 20, "{warnings:?}");
         let mut explicit = advertised.clone();
         explicit.insert("max_chunk_size_bytes".into(), "2MiB".into());
         let (cfg, _) = Config::resolve(&env, &explicit).unwrap();
-        assert_eq!(cfg.max_chunk_size_bytes, 2 << 20, "a non-default parameter still wins");
+        assert_eq!(
+            cfg.max_chunk_size_bytes,
+            2 << 20,
+            "a non-default parameter still wins"
+        );
     }
 }
 

@@ -22,7 +22,9 @@ pub struct Failpoints(BTreeSet<String>);
 
 impl Failpoints {
     pub fn from_env() -> Self {
-        std::env::var(ENV).map(|v| Self::parse(&v)).unwrap_or_default()
+        std::env::var(ENV)
+            .map(|v| Self::parse(&v))
+            .unwrap_or_default()
     }
 
     pub fn parse(spec: &str) -> Self {
@@ -31,7 +33,10 @@ impl Failpoints {
             if KNOWN.contains(&name) {
                 set.insert(name.to_string());
             } else {
-                tracing::warn!("{ENV}: unknown failpoint {name:?} ignored (known: {})", KNOWN.join(", "));
+                tracing::warn!(
+                    "{ENV}: unknown failpoint {name:?} ignored (known: {})",
+                    KNOWN.join(", ")
+                );
             }
         }
         if !set.is_empty() {

@@ -41,7 +41,9 @@ pub struct EngineStats {
 
 impl std::fmt::Debug for EngineStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineStats").field("agent", &self.agent).finish_non_exhaustive()
+        f.debug_struct("EngineStats")
+            .field("agent", &self.agent)
+            .finish_non_exhaustive()
     }
 }
 
@@ -82,7 +84,12 @@ impl EngineStats {
     }
 
     pub fn add_named(&self, name: &'static str, n: u64) {
-        *self.named.lock().expect("named counters").entry(name).or_default() += n;
+        *self
+            .named
+            .lock()
+            .expect("named counters")
+            .entry(name)
+            .or_default() += n;
     }
 
     /// Installs the source of live runtime counters and poison state.

@@ -229,15 +229,31 @@ fn unknown_backend_parameter() {
     if !ready("BOUNCE") {
         return;
     }
-    expect_err("create_backend(BOUNCE, no_such_param=1)", try_create(&[("no_such_param", "1")]));
-    expect_err("create_backend(BOUNCE, Arena_Size_Bytes=1MiB) (wrong case)", try_create(&[("Arena_Size_Bytes", "1MiB")]));
+    expect_err(
+        "create_backend(BOUNCE, no_such_param=1)",
+        try_create(&[("no_such_param", "1")]),
+    );
+    expect_err(
+        "create_backend(BOUNCE, Arena_Size_Bytes=1MiB) (wrong case)",
+        try_create(&[("Arena_Size_Bytes", "1MiB")]),
+    );
     // The same agent can still create the backend with good parameters.
     let agent = Agent::new(&unique_name("params")).expect("agent");
     let bad = backend_params(&agent, "BOUNCE", &[("no_such_param", "1")]).or_fail("params");
     let e = agent.create_backend("BOUNCE", &bad);
-    assert!(matches!(e, Err(NixlError::InvalidParam | NixlError::BackendError | NixlError::FailedToCreateBackend)), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Err(NixlError::InvalidParam
+                | NixlError::BackendError
+                | NixlError::FailedToCreateBackend)
+        ),
+        "{e:?}"
+    );
     let good = backend_params(&agent, "BOUNCE", &[]).or_fail("params");
-    agent.create_backend("BOUNCE", &good).expect("create_backend with good params after a rejected one");
+    agent
+        .create_backend("BOUNCE", &good)
+        .expect("create_backend with good params after a rejected one");
     // And the process is fine: a full loopback transfer.
     let mut p = LocalPair::new("BOUNCE", &[], blocks_for(N) * BLOCK).or_fail("pair");
     still_works(&mut p, 11);
@@ -267,10 +283,17 @@ fn bad_parameter_values() {
             eprintln!("ok, {k}={v} rejected");
         }
     }
-    assert!(accepted.is_empty(), "create_backend(BOUNCE) accepted bad values: {accepted:?}");
+    assert!(
+        accepted.is_empty(),
+        "create_backend(BOUNCE) accepted bad values: {accepted:?}"
+    );
     // Good values of the same parameters are accepted.
-    try_create(&[("num_threads", "2"), ("ucx_error_handling_mode", "none"), ("enable", "true")])
-        .or_fail("create_backend with good values");
+    try_create(&[
+        ("num_threads", "2"),
+        ("ucx_error_handling_mode", "none"),
+        ("enable", "true"),
+    ])
+    .or_fail("create_backend with good values");
     let mut p = LocalPair::new("BOUNCE", &[], blocks_for(N) * BLOCK).or_fail("pair");
     still_works(&mut p, 12);
 }

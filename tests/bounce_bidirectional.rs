@@ -8,9 +8,9 @@
 //! sent and scattered. Run with the default arena, and with 4 MiB arenas
 //! where each side's arena is contended by its own gathers and the peer's
 //! grants at once (the cycle the local reserve must break).
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -44,8 +44,32 @@ fn run(extra: &[(&str, &str)], rounds: u64, seed: u64) {
         b.buf.fill_pattern(s + 2);
         let (a_before, b_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
         let sb = slice_blocks();
-        let a_plans: Vec<Plan> = (0..THREADS).map(|t| plan_in(DESCS, BLOCK, out_off(t), sb, in_off(t), sb, s + 10 + t as u64)).collect();
-        let b_plans: Vec<Plan> = (0..THREADS).map(|t| plan_in(DESCS, BLOCK, out_off(t), sb, in_off(t), sb, s + 50 + t as u64)).collect();
+        let a_plans: Vec<Plan> = (0..THREADS)
+            .map(|t| {
+                plan_in(
+                    DESCS,
+                    BLOCK,
+                    out_off(t),
+                    sb,
+                    in_off(t),
+                    sb,
+                    s + 10 + t as u64,
+                )
+            })
+            .collect();
+        let b_plans: Vec<Plan> = (0..THREADS)
+            .map(|t| {
+                plan_in(
+                    DESCS,
+                    BLOCK,
+                    out_off(t),
+                    sb,
+                    in_off(t),
+                    sb,
+                    s + 50 + t as u64,
+                )
+            })
+            .collect();
         let (sa, sbb) = (stats(a.name()), stats(b.name()));
         let barrier = Barrier::new(2 * THREADS);
         let t0 = Instant::now();
@@ -58,15 +82,27 @@ fn run(extra: &[(&str, &str)], rounds: u64, seed: u64) {
                         let who = format!("{} thread {t}", from.name());
                         let req = from
                             .node
-                            .create_xfer(XferOp::Write, &plans[t], from.buf.addr(), to.buf.addr(), &to.node.name, None)
+                            .create_xfer(
+                                XferOp::Write,
+                                &plans[t],
+                                from.buf.addr(),
+                                to.buf.addr(),
+                                &to.node.name,
+                                None,
+                            )
                             .map_err(|e| format!("{who}: {e}"))?;
                         barrier.wait();
-                        let dt = from.node.post_and_wait(&req, wait_timeout()).map_err(|e| format!("{who}: {e}"))?;
+                        let dt = from
+                            .node
+                            .post_and_wait(&req, wait_timeout())
+                            .map_err(|e| format!("{who}: {e}"))?;
                         Ok((who, dt))
                     }));
                 }
             }
-            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+                .collect()
         });
         let wall = t0.elapsed();
         let mut times = Vec::new();
@@ -81,8 +117,20 @@ fn run(extra: &[(&str, &str)], rounds: u64, seed: u64) {
         let bw: Vec<(&Plan, &[u8])> = b_plans.iter().map(|p| (p, b_before.as_slice())).collect();
         // B holds A's blocks in its in-half, its out-half unchanged; and
         // the other way round.
-        verify_all(&format!("round {round}: {}'s buffer", b.name()), &b.buf, &expected_after(&b_before, &aw), &aw).or_fail("B");
-        verify_all(&format!("round {round}: {}'s buffer", a.name()), &a.buf, &expected_after(&a_before, &bw), &bw).or_fail("A");
+        verify_all(
+            &format!("round {round}: {}'s buffer", b.name()),
+            &b.buf,
+            &expected_after(&b_before, &aw),
+            &aw,
+        )
+        .or_fail("B");
+        verify_all(
+            &format!("round {round}: {}'s buffer", a.name()),
+            &a.buf,
+            &expected_after(&a_before, &bw),
+            &bw,
+        )
+        .or_fail("A");
         let (ea, eb) = (stats(a.name()), stats(b.name()));
         eprintln!("round {round}: {} ; {}", ea.diff(&sa), eb.diff(&sbb));
         assert_sender_bounced(&sa, &ea, THREADS as u64);

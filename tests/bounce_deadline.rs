@@ -2,9 +2,9 @@
 //! backend custom parameter; past it the request fails with a distinct
 //! error, long before the no-progress timeout, and the engine stays usable.
 
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -29,7 +29,8 @@ fn a_transfer_past_its_deadline_fails_promptly_and_the_engine_recovers() {
     let plan = Plan::standard(4096, BLOCK, 31);
     let before = stats(a.name());
     let mut opt = a.node.opt_args(None).or_fail("opt");
-    opt.set_custom_param(b"deadline_ms=300").expect("custom param");
+    opt.set_custom_param(b"deadline_ms=300")
+        .expect("custom param");
     let l = xfer_list(a.buf.addr(), &plan.src, plan.block).unwrap();
     let r = xfer_list(mute.buf.addr(), &plan.dst, plan.block).unwrap();
     let req = a
@@ -45,17 +46,41 @@ fn a_transfer_past_its_deadline_fails_promptly_and_the_engine_recovers() {
             Ok(false) => {}
             Err(e) => break Err(e),
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "no outcome 10 s after a 300 ms deadline");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no outcome 10 s after a 300 ms deadline"
+        );
         std::thread::sleep(Duration::from_millis(1));
     };
     let took = t0.elapsed();
     let after = stats(a.name());
-    eprintln!("outcome after {took:?}: {outcome:?}; {}", after.diff(&before));
-    assert!(outcome.is_err(), "a transfer that got no GRANT cannot succeed");
-    assert!(took >= Duration::from_millis(250), "failed before its deadline ({took:?})");
-    assert!(took < Duration::from_secs(3), "the deadline did not cut the wait short ({took:?})");
-    assert_eq!(after.since(&before, "bounce_deadlines_exceeded"), 1, "{}", after.diff(&before));
-    assert_eq!(after.since(&before, "bounce_timeouts"), 0, "a deadline is not a no-progress timeout");
+    eprintln!(
+        "outcome after {took:?}: {outcome:?}; {}",
+        after.diff(&before)
+    );
+    assert!(
+        outcome.is_err(),
+        "a transfer that got no GRANT cannot succeed"
+    );
+    assert!(
+        took >= Duration::from_millis(250),
+        "failed before its deadline ({took:?})"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the deadline did not cut the wait short ({took:?})"
+    );
+    assert_eq!(
+        after.since(&before, "bounce_deadlines_exceeded"),
+        1,
+        "{}",
+        after.diff(&before)
+    );
+    assert_eq!(
+        after.since(&before, "bounce_timeouts"),
+        0,
+        "a deadline is not a no-progress timeout"
+    );
     drop(req);
 
     // The initiator's engine still works with a healthy peer.
@@ -64,7 +89,16 @@ fn a_transfer_past_its_deadline_fails_promptly_and_the_engine_recovers() {
     let plan = Plan::standard(4096, BLOCK, 32);
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create");
-    a.node.post_and_wait(&req, wait_timeout()).or_fail("a transfer after the deadline failure");
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("a transfer after the deadline failure");
 }

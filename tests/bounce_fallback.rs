@@ -12,9 +12,9 @@
 //! Plus the routing gates at their edges (descriptor count, average size,
 //! READ) between two compatible peers, and an engine whose bounce set-up
 //! failed (its control socket cannot bind) working through UCX.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -32,7 +32,15 @@ fn len() -> usize {
 
 /// `op` of `n` x `block` between `a` (initiator) and `b`; byte-exact;
 /// returns the time from preparing the request to its completion.
-fn write(a: &mut Endpoint, b: &mut Endpoint, op: XferOp, n: usize, block: usize, plan_seed: u64, seeds: (u64, u64)) -> Duration {
+fn write(
+    a: &mut Endpoint,
+    b: &mut Endpoint,
+    op: XferOp,
+    n: usize,
+    block: usize,
+    plan_seed: u64,
+    seeds: (u64, u64),
+) -> Duration {
     let blocks = a.buf.len().min(b.buf.len()) / block;
     let plan = Plan::scattered(n, block, blocks, blocks, plan_seed);
     a.buf.fill_pattern(seeds.0);
@@ -42,14 +50,29 @@ fn write(a: &mut Endpoint, b: &mut Endpoint, op: XferOp, n: usize, block: usize,
     let t0 = std::time::Instant::now();
     let req = a
         .node
-        .create_xfer(op, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            op,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
-    a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!("{op:?} {} -> {}", a.name(), b.name()));
+    a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!(
+        "{op:?} {} -> {}",
+        a.name(),
+        b.name()
+    ));
     let dt = t0.elapsed();
     drop(req);
     match op {
-        XferOp::Write => plan.verify(b.buf.as_slice(), &b_before, &a_before).or_fail("WRITE destination"),
-        XferOp::Read => plan.verify(a.buf.as_slice(), &a_before, &b_before).or_fail("READ destination"),
+        XferOp::Write => plan
+            .verify(b.buf.as_slice(), &b_before, &a_before)
+            .or_fail("WRITE destination"),
+        XferOp::Read => plan
+            .verify(a.buf.as_slice(), &a_before, &b_before)
+            .or_fail("READ destination"),
     }
     a.buf.check_guards().or_fail("guards");
     b.buf.check_guards().or_fail("guards");
@@ -57,24 +80,49 @@ fn write(a: &mut Endpoint, b: &mut Endpoint, op: XferOp, n: usize, block: usize,
 }
 
 /// Both directions between `a_extra` and `b_extra` peers fall back, quickly.
-fn mismatched(a_extra: &[(&str, &str)], b_extra: &[(&str, &str)], a_reason: &str, b_reason: &str, seed: u64) {
+fn mismatched(
+    a_extra: &[(&str, &str)],
+    b_extra: &[(&str, &str)],
+    a_reason: &str,
+    b_reason: &str,
+    seed: u64,
+) {
     let mut a = endpoint("fb-a", a_extra, len(), seed, ThreadSync::Default);
     let mut b = endpoint("fb-b", b_extra, len(), seed + 1, ThreadSync::Default);
     pair_up(&a.node, &b.node);
     for round in 0..2u64 {
         let s = seed * 100 + round * 10;
         let (sa, sb) = (stats(a.name()), stats(b.name()));
-        let dt = write(&mut a, &mut b, XferOp::Write, MANY, BLOCK, s, (s + 1, s + 2));
+        let dt = write(
+            &mut a,
+            &mut b,
+            XferOp::Write,
+            MANY,
+            BLOCK,
+            s,
+            (s + 1, s + 2),
+        );
         let ea = stats(a.name());
         eprintln!("{} -> {}: {dt:?}; {}", a.name(), b.name(), ea.diff(&sa));
-        assert!(dt < QUICK, "the fallback WRITE took {dt:?} (>= {QUICK:?}): was it waiting for the bounce path?");
+        assert!(
+            dt < QUICK,
+            "the fallback WRITE took {dt:?} (>= {QUICK:?}): was it waiting for the bounce path?"
+        );
         assert_fell_back(&sa, &ea, 1, a_reason);
         let eb = stats(b.name());
         assert_eq!(eb.since(&sb, "chunks_scattered"), 0, "{}", eb.diff(&sb));
         assert_eq!(eb.since(&sb, "grants"), 0, "{}", eb.diff(&sb));
 
         let (sa, sb) = (stats(a.name()), stats(b.name()));
-        let dt = write(&mut b, &mut a, XferOp::Write, MANY, BLOCK, s + 5, (s + 6, s + 7));
+        let dt = write(
+            &mut b,
+            &mut a,
+            XferOp::Write,
+            MANY,
+            BLOCK,
+            s + 5,
+            (s + 6, s + 7),
+        );
         let eb = stats(b.name());
         eprintln!("{} -> {}: {dt:?}; {}", b.name(), a.name(), eb.diff(&sb));
         assert!(dt < QUICK, "the fallback WRITE took {dt:?} (>= {QUICK:?})");
@@ -142,12 +190,48 @@ fn routing_gates_at_their_edges() {
     let mut b = endpoint("rg-b", &[LOOPBACK], l, 2, ThreadSync::Default);
     pair_up(&a.node, &b.node);
     let cases: [(&str, XferOp, usize, usize, Option<&str>); 6] = [
-        ("1023 x 4 KiB (one below min_descriptor_count)", XferOp::Write, 1023, BLOCK, Some("fallback_too_few_descriptors")),
-        ("1024 x 4 KiB (exactly min_descriptor_count)", XferOp::Write, 1024, BLOCK, None),
-        ("1024 x 16 KiB (exactly the average-size limit)", XferOp::Write, 1024, 16 * KIB, None),
-        ("1024 x 16 KiB + 1 byte", XferOp::Write, 1024, 16 * KIB + 1, Some("fallback_descriptors_too_large")),
-        ("1024 x 32 KiB", XferOp::Write, 1024, 32 * KIB, Some("fallback_descriptors_too_large")),
-        ("READ 4096 x 4 KiB", XferOp::Read, 4096, BLOCK, Some("fallback_not_write")),
+        (
+            "1023 x 4 KiB (one below min_descriptor_count)",
+            XferOp::Write,
+            1023,
+            BLOCK,
+            Some("fallback_too_few_descriptors"),
+        ),
+        (
+            "1024 x 4 KiB (exactly min_descriptor_count)",
+            XferOp::Write,
+            1024,
+            BLOCK,
+            None,
+        ),
+        (
+            "1024 x 16 KiB (exactly the average-size limit)",
+            XferOp::Write,
+            1024,
+            16 * KIB,
+            None,
+        ),
+        (
+            "1024 x 16 KiB + 1 byte",
+            XferOp::Write,
+            1024,
+            16 * KIB + 1,
+            Some("fallback_descriptors_too_large"),
+        ),
+        (
+            "1024 x 32 KiB",
+            XferOp::Write,
+            1024,
+            32 * KIB,
+            Some("fallback_descriptors_too_large"),
+        ),
+        (
+            "READ 4096 x 4 KiB",
+            XferOp::Read,
+            4096,
+            BLOCK,
+            Some("fallback_not_write"),
+        ),
     ];
     for (i, (what, op, n, block, reason)) in cases.into_iter().enumerate() {
         let s = 10 * i as u64;
@@ -175,12 +259,21 @@ fn bounce_setup_failure_keeps_the_agent_working_through_ucx() {
     // still be created, publish no bounce path and move data through UCX.
     let broken = [("control_interface", "nbb-no-such0"), TIMEOUT];
     let mut a = endpoint("fb-broken", &broken, len(), 31, ThreadSync::Default);
-    let mut b = endpoint("fb-ok", &[LOOPBACK, TIMEOUT], len(), 32, ThreadSync::Default);
+    let mut b = endpoint(
+        "fb-ok",
+        &[LOOPBACK, TIMEOUT],
+        len(),
+        32,
+        ThreadSync::Default,
+    );
     pair_up(&a.node, &b.node);
     let md = a.node.local_md().or_fail("md");
     let offered = try_handshake_of(&md);
     eprintln!("handshake of the engine whose control socket could not bind: {offered:?}");
-    assert!(offered.is_err(), "an engine whose control socket could not bind still offers a bounce path");
+    assert!(
+        offered.is_err(),
+        "an engine whose control socket could not bind still offers a bounce path"
+    );
     let (sa, sb) = (stats(a.name()), stats(b.name()));
     let dt = write(&mut a, &mut b, XferOp::Write, MANY, BLOCK, 33, (34, 35));
     let ea = stats(a.name());
@@ -188,7 +281,12 @@ fn bounce_setup_failure_keeps_the_agent_working_through_ucx() {
     assert!(dt < QUICK, "took {dt:?}");
     // The reason is named after where the set-up failed (the engine's, or
     // the arena of the memory's location).
-    assert_fell_back_any(&sa, &ea, 1, &["fallback_bounce_disabled", "fallback_no_local_arena"]);
+    assert_fell_back_any(
+        &sa,
+        &ea,
+        1,
+        &["fallback_bounce_disabled", "fallback_no_local_arena"],
+    );
     let dt = write(&mut b, &mut a, XferOp::Write, MANY, BLOCK, 36, (37, 38));
     let eb = stats(b.name());
     eprintln!("{} -> {}: {dt:?}; {}", b.name(), a.name(), eb.diff(&sb));
@@ -210,20 +308,37 @@ fn peer_with_other_wire_version_falls_back_at_once() {
     let mut b = endpoint("fb-b", &[LOOPBACK, TIMEOUT], len(), 42, ThreadSync::Default);
     let mut md = b.node.local_md().or_fail("md");
     let mut patched = 0;
-    let at: Vec<usize> = md.windows(4).enumerate().filter(|(_, w)| *w == HANDSHAKE_MAGIC).map(|(i, _)| i).collect();
+    let at: Vec<usize> = md
+        .windows(4)
+        .enumerate()
+        .filter(|(_, w)| *w == HANDSHAKE_MAGIC)
+        .map(|(i, _)| i)
+        .collect();
     for i in at {
         if md.get(i + 6..i + 8) == Some(&WIRE_VERSION.to_le_bytes()[..]) {
             md[i + 6..i + 8].copy_from_slice(&(WIRE_VERSION + 1).to_le_bytes());
             patched += 1;
         }
     }
-    assert!(patched > 0, "no bounce handshake found in the target's metadata");
-    assert_eq!(a.node.load_md(&md).or_fail("load the patched metadata"), b.name());
+    assert!(
+        patched > 0,
+        "no bounce handshake found in the target's metadata"
+    );
+    assert_eq!(
+        a.node.load_md(&md).or_fail("load the patched metadata"),
+        b.name()
+    );
     load(&b.node, &a.node);
     let sa = stats(a.name());
     let dt = write(&mut a, &mut b, XferOp::Write, MANY, BLOCK, 43, (44, 45));
     let ea = stats(a.name());
-    eprintln!("{patched} handshake(s) patched to wire version {}; {} -> {}: {dt:?}; {}", WIRE_VERSION + 1, a.name(), b.name(), ea.diff(&sa));
+    eprintln!(
+        "{patched} handshake(s) patched to wire version {}; {} -> {}: {dt:?}; {}",
+        WIRE_VERSION + 1,
+        a.name(),
+        b.name(),
+        ea.diff(&sa)
+    );
     assert!(dt < QUICK, "took {dt:?}");
     assert_fell_back(&sa, &ea, 1, "fallback_peer_not_bounce_capable");
 }

@@ -27,9 +27,9 @@
 //! registered memory is scattered and ACKed, writing whatever the granted
 //! arena region holds (zeros, or a previous flow's bytes) to an address of
 //! its choosing. Nothing plays the part of the UCX path's remote key.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 #[path = "support/fake_sender.rs"]
 mod fake_sender;
 
@@ -52,13 +52,21 @@ struct Watched<'a> {
 
 impl<'a> Watched<'a> {
     fn new(what: &'a str, buf: &'a DramBuffer) -> Self {
-        Watched { what, buf, bytes: buf.as_slice().to_vec() }
+        Watched {
+            what,
+            buf,
+            bytes: buf.as_slice().to_vec(),
+        }
     }
     #[track_caller]
     fn unchanged(&self, case: &str) {
-        verify_bytes(self.buf.as_slice(), &self.bytes, |_| "a byte the forged DATA must not touch".into())
-            .unwrap_or_else(|e| panic!("{case}: {} was written: {e}", self.what));
-        self.buf.check_guards().unwrap_or_else(|e| panic!("{case}: {}: {e}", self.what));
+        verify_bytes(self.buf.as_slice(), &self.bytes, |_| {
+            "a byte the forged DATA must not touch".into()
+        })
+        .unwrap_or_else(|e| panic!("{case}: {} was written: {e}", self.what));
+        self.buf
+            .check_guards()
+            .unwrap_or_else(|e| panic!("{case}: {}: {e}", self.what));
     }
 }
 
@@ -70,11 +78,21 @@ fn healthy(s: &mut Endpoint, r: &mut Endpoint, seed: u64) {
     let (ss, sr) = (stats(s.name()), stats(r.name()));
     let req = s
         .node
-        .create_xfer(XferOp::Write, &plan, s.buf.addr(), r.buf.addr(), &r.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            s.buf.addr(),
+            r.buf.addr(),
+            &r.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
-    s.node.post_and_wait(&req, wait_timeout()).or_fail("a real transfer after the forged DATA");
+    s.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("a real transfer after the forged DATA");
     drop(req);
-    plan.verify(r.buf.as_slice(), &dst_before, &src).or_fail("a real transfer after the forged DATA");
+    plan.verify(r.buf.as_slice(), &dst_before, &src)
+        .or_fail("a real transfer after the forged DATA");
     r.buf.check_guards().or_fail("guards");
     let (es, er) = (stats(s.name()), stats(r.name()));
     assert_sender_bounced(&ss, &es, 1);
@@ -95,7 +113,11 @@ fn forged_data_outside_registered_memory_is_refused() {
 
     let hs = handshake_of(&r.node.local_md().or_fail("receiver md"));
     let rx_endpoint = String::from_utf8(hs.endpoint.clone()).expect("ZMQ endpoint is text");
-    eprintln!("receiver {} control endpoint {rx_endpoint}, arena at {:#x}", r.name(), hs.arena_base);
+    eprintln!(
+        "receiver {} control endpoint {rx_endpoint}, arena at {:#x}",
+        r.name(),
+        hs.arena_base
+    );
     assert!(rx_endpoint.starts_with("tcp://127.0.0.1:"), "{rx_endpoint}");
     // A client that loaded the receiver's metadata (it has the access key)
     // but forges its DATA.
@@ -117,11 +139,20 @@ fn forged_data_outside_registered_memory_is_refused() {
     let r_end = (r.buf.addr() + r.buf.len()) as u64;
     // (case, destination, counted in scatter_refused)
     let cases: Vec<(&str, u64)> = vec![
-        ("DATA into an unregistered buffer", stranger.addr() as u64 + 4096),
+        (
+            "DATA into an unregistered buffer",
+            stranger.addr() as u64 + 4096,
+        ),
         ("DATA across the end of the registered buffer", r_end - 2048),
-        ("DATA into another agent's registered buffer", s.buf.addr() as u64),
+        (
+            "DATA into another agent's registered buffer",
+            s.buf.addr() as u64,
+        ),
         ("DATA into a deregistered buffer", gone.addr() as u64),
-        ("DATA into the receiver's own arena", hs.arena_base + (1 << 20)),
+        (
+            "DATA into the receiver's own arena",
+            hs.arena_base + (1 << 20),
+        ),
     ];
     for (case, addr) in cases {
         let before = stats(r.name());
@@ -136,10 +167,27 @@ fn forged_data_outside_registered_memory_is_refused() {
         }
         fake.cancel(req);
         let after = stats(r.name());
-        eprintln!("{case} (granted {granted} B at {region}): refused; {}", after.diff(&before));
-        assert_eq!(after.since(&before, "scatter_refused"), 1, "{case}: {}", after.diff(&before));
-        assert_eq!(after.since(&before, "chunks_scattered"), 0, "{case}: {}", after.diff(&before));
-        assert!(after.poisoned.is_none(), "{case}: poisoned {:?}", after.poisoned);
+        eprintln!(
+            "{case} (granted {granted} B at {region}): refused; {}",
+            after.diff(&before)
+        );
+        assert_eq!(
+            after.since(&before, "scatter_refused"),
+            1,
+            "{case}: {}",
+            after.diff(&before)
+        );
+        assert_eq!(
+            after.since(&before, "chunks_scattered"),
+            0,
+            "{case}: {}",
+            after.diff(&before)
+        );
+        assert!(
+            after.poisoned.is_none(),
+            "{case}: poisoned {:?}",
+            after.poisoned
+        );
         for w in &watched {
             w.unchanged(case);
         }
@@ -149,11 +197,24 @@ fn forged_data_outside_registered_memory_is_refused() {
     // destination is looked at.
     let inside = r.buf.addr() as u64 + 8192;
     let proto_cases: Vec<(&str, Vec<Run>)> = vec![
-        ("DATA reading beyond the granted region", vec![Run::single(0, inside, 2 * 1024 * 1024)]),
-        ("DATA whose destination wraps around", vec![Run::single(0, u64::MAX - 1024, chunk)]),
+        (
+            "DATA reading beyond the granted region",
+            vec![Run::single(0, inside, 2 * 1024 * 1024)],
+        ),
+        (
+            "DATA whose destination wraps around",
+            vec![Run::single(0, u64::MAX - 1024, chunk)],
+        ),
         (
             "DATA whose strided run leaves the granted region",
-            vec![Run { region_offset: 0, addr: inside, len: 4096, count: 1024, region_stride: 4096, addr_stride: 4096 }],
+            vec![Run {
+                region_offset: 0,
+                addr: inside,
+                len: 4096,
+                count: 1024,
+                region_stride: 4096,
+                addr_stride: 4096,
+            }],
         ),
     ];
     for (case, runs) in proto_cases {
@@ -190,7 +251,11 @@ fn forged_data_outside_registered_memory_is_refused() {
         let after = stats(r.name());
         eprintln!("{case}: {}", after.diff(&before));
         assert_eq!(after.since(&before, "chunks_scattered"), 0, "{case}");
-        assert!(after.since(&before, "late_data") >= 1, "{case}: not counted as late DATA: {}", after.diff(&before));
+        assert!(
+            after.since(&before, "late_data") >= 1,
+            "{case}: not counted as late DATA: {}",
+            after.diff(&before)
+        );
         for w in &watched {
             w.unchanged(case);
         }
@@ -217,7 +282,10 @@ fn unpaired_client_cannot_scatter_into_registered_memory() {
     let r = endpoint("fd-rx", &[LOOPBACK], len, 1, ThreadSync::Default);
     let hs = handshake_of(&r.node.local_md().or_fail("receiver md"));
     // It does not have the access key the handshake carries.
-    let mut fake = FakeSender::new(&String::from_utf8(hs.endpoint).unwrap(), hs.access_key ^ 0x5a5a_5a5a);
+    let mut fake = FakeSender::new(
+        &String::from_utf8(hs.endpoint).unwrap(),
+        hs.access_key ^ 0x5a5a_5a5a,
+    );
     let watched = Watched::new("the receiver's registered buffer", &r.buf);
     let before = stats(r.name());
     let req = fake.send_want(4096);
@@ -227,7 +295,11 @@ fn unpaired_client_cannot_scatter_into_registered_memory() {
         "a WANT without the receiver's access key must be refused, got {reply:?}"
     );
     // Its DATA for any region (here the arena's first) is not scattered.
-    fake.data(req, RegionHandle(0), vec![Run::single(0, r.buf.addr() as u64 + 8192, 4096)]);
+    fake.data(
+        req,
+        RegionHandle(0),
+        vec![Run::single(0, r.buf.addr() as u64 + 8192, 4096)],
+    );
     let reply = fake.quiet_for(std::time::Duration::from_secs(2));
     let after = stats(r.name());
     eprintln!("reply: {reply:?}; {}", after.diff(&before));
@@ -236,7 +308,15 @@ fn unpaired_client_cannot_scatter_into_registered_memory() {
         "the receiver scattered an unpaired client's DATA into its registered memory (ACK); {}",
         after.diff(&before)
     );
-    assert_eq!(after.since(&before, "grants"), 0, "no grant for a client without the key");
-    assert!(after.since(&before, "unauthorized") >= 1, "{}", after.diff(&before));
+    assert_eq!(
+        after.since(&before, "grants"),
+        0,
+        "no grant for a client without the key"
+    );
+    assert!(
+        after.since(&before, "unauthorized") >= 1,
+        "{}",
+        after.diff(&before)
+    );
     watched.unchanged("DATA from an unpaired client");
 }

@@ -6,9 +6,9 @@
 //! not fill its last chunk and straddles chunk boundaries (odd descriptor
 //! size), descriptors larger than a chunk (split into pieces), and the
 //! same 64 MiB over the NIXL-notification control channel.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -46,7 +46,14 @@ fn stream(case: &Case<'_>, seed: u64) -> usize {
         let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
         let req = a
             .node
-            .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+            .create_xfer(
+                XferOp::Write,
+                &plan,
+                a.buf.addr(),
+                b.buf.addr(),
+                &b.node.name.clone(),
+                None,
+            )
             .or_fail("create_xfer_req");
         let (sa, sb) = (stats(a.name()), stats(b.name()));
 
@@ -73,7 +80,8 @@ fn stream(case: &Case<'_>, seed: u64) -> usize {
         worst = worst.max(growth);
         drop(req);
 
-        plan.verify(b.buf.as_slice(), &dst_before, &src).or_fail(case.what);
+        plan.verify(b.buf.as_slice(), &dst_before, &src)
+            .or_fail(case.what);
         verify_bytes(a.buf.as_slice(), &src, |_| "source".into()).or_fail("source changed");
         a.buf.check_guards().or_fail("guards");
         b.buf.check_guards().or_fail("guards");
@@ -90,11 +98,23 @@ fn stream(case: &Case<'_>, seed: u64) -> usize {
         );
         assert_sender_bounced(&sa, &ea, 1);
         assert_receiver_scattered(&sb, &eb, chunks);
-        assert_eq!(ea.since(&sa, "bytes_written") as usize >= total, true, "bytes_written < {total}");
+        assert_eq!(
+            ea.since(&sa, "bytes_written") as usize >= total,
+            true,
+            "bytes_written < {total}"
+        );
         // Every chunk is at most one max chunk: the request cannot have
         // gone in fewer pieces (and each went through the 4 MiB arena).
-        assert!(chunks as usize >= total.div_ceil(case.chunk), "{chunks} chunks for {total} B of {} B chunks", case.chunk);
-        assert_eq!(eb.since(&sb, "chunks_scattered"), chunks, "every chunk scattered once");
+        assert!(
+            chunks as usize >= total.div_ceil(case.chunk),
+            "{chunks} chunks for {total} B of {} B chunks",
+            case.chunk
+        );
+        assert_eq!(
+            eb.since(&sb, "chunks_scattered"),
+            chunks,
+            "every chunk scattered once"
+        );
     }
     worst
 }

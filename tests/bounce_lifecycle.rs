@@ -7,9 +7,9 @@
 //!   arena, new control endpoint): the initiator must use the new one;
 //! - the peer destroyed while a transfer to it runs: the transfer fails
 //!   within its timeout instead of hanging.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -31,11 +31,19 @@ fn write(a: &mut Endpoint, b: &mut Endpoint, seed: u64) {
     let (sa, sb) = (stats(a.name()), stats(b.name()));
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
     a.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE");
     drop(req);
-    plan.verify(b.buf.as_slice(), &dst_before, &src).or_fail("destination");
+    plan.verify(b.buf.as_slice(), &dst_before, &src)
+        .or_fail("destination");
     b.buf.check_guards().or_fail("guards");
     let (ea, eb) = (stats(a.name()), stats(b.name()));
     assert_sender_bounced(&sa, &ea, 1);
@@ -56,15 +64,27 @@ fn repost_the_same_request() {
     let dst_before = b.buf.as_slice().to_vec();
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), Some(b"lc-repost"))
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            Some(b"lc-repost"),
+        )
         .or_fail("create_xfer_req");
     for i in 0..3u64 {
         a.buf.fill_pattern(10 + i);
         let src = a.buf.as_slice().to_vec();
         let (sa, sb) = (stats(a.name()), stats(b.name()));
-        a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!("post #{i}"));
-        b.node.wait_notif(a.name(), b"lc-repost", wait_timeout()).or_fail(&format!("notification #{i}"));
-        plan.verify(b.buf.as_slice(), &dst_before, &src).or_fail(&format!("repost #{i}"));
+        a.node
+            .post_and_wait(&req, wait_timeout())
+            .or_fail(&format!("post #{i}"));
+        b.node
+            .wait_notif(a.name(), b"lc-repost", wait_timeout())
+            .or_fail(&format!("notification #{i}"));
+        plan.verify(b.buf.as_slice(), &dst_before, &src)
+            .or_fail(&format!("repost #{i}"));
         let (ea, eb) = (stats(a.name()), stats(b.name()));
         assert_sender_bounced(&sa, &ea, 1);
         assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
@@ -78,7 +98,12 @@ fn release_while_running_then_keep_going() {
         return;
     }
     // Small chunks so the request is still running when released.
-    let ex = [LOOPBACK, ("max_chunk_size_bytes", "64KiB"), ("arena_size_bytes", "4MiB"), ("arena_allocation_granularity_bytes", "64KiB")];
+    let ex = [
+        LOOPBACK,
+        ("max_chunk_size_bytes", "64KiB"),
+        ("arena_size_bytes", "4MiB"),
+        ("arena_allocation_granularity_bytes", "64KiB"),
+    ];
     let mut a = endpoint("lc-a", &ex, len(), 5, ThreadSync::Default);
     let mut b = endpoint("lc-b", &ex, len(), 6, ThreadSync::Default);
     pair_up(&a.node, &b.node);
@@ -87,16 +112,30 @@ fn release_while_running_then_keep_going() {
         let sa = stats(a.name());
         let req = a
             .node
-            .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+            .create_xfer(
+                XferOp::Write,
+                &plan,
+                a.buf.addr(),
+                b.buf.addr(),
+                &b.node.name.clone(),
+                None,
+            )
             .or_fail("create_xfer_req");
         post(&a.node, &req).or_fail("post");
         std::thread::sleep(Duration::from_millis(5 * i));
         let t0 = Instant::now();
         drop(req); // release while (probably) running: must return at once
         let dt = t0.elapsed();
-        assert!(dt < Duration::from_secs(1), "releasing a running bounce request took {dt:?}");
+        assert!(
+            dt < Duration::from_secs(1),
+            "releasing a running bounce request took {dt:?}"
+        );
         let ea = stats(a.name());
-        eprintln!("release #{i} after {} ms: took {dt:?}; {}", 5 * i, ea.diff(&sa));
+        eprintln!(
+            "release #{i} after {} ms: took {dt:?}; {}",
+            5 * i,
+            ea.diff(&sa)
+        );
         assert_eq!(ea.since(&sa, "bounce_submitted"), 1);
     }
     // Let cancellations settle, then the pair still moves data both ways.
@@ -117,8 +156,14 @@ fn metadata_invalidated_and_loaded_again() {
     pair_up(&a.node, &b.node);
     write(&mut a, &mut b, 50);
     for i in 0..2u64 {
-        a.node.agent.invalidate_remote_md(b.name()).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
-        b.node.agent.invalidate_remote_md(a.name()).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+        a.node
+            .agent
+            .invalidate_remote_md(b.name())
+            .unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+        b.node
+            .agent
+            .invalidate_remote_md(a.name())
+            .unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
         pair_up(&a.node, &b.node);
         write(&mut a, &mut b, 60 + 10 * i);
         write(&mut b, &mut a, 65 + 10 * i);
@@ -137,7 +182,11 @@ fn peer_recreated_under_the_same_name() {
         let node = node_with(&name, &[LOOPBACK], ThreadSync::Default).or_fail("create b");
         let buf = DramBuffer::with_pattern(len(), seed);
         let reg = node.register(&buf).or_fail("register");
-        Endpoint { reg: Some(reg), buf, node }
+        Endpoint {
+            reg: Some(reg),
+            buf,
+            node,
+        }
     };
     let mut b = make_b(10);
     pair_up(&a.node, &b.node);
@@ -146,11 +195,19 @@ fn peer_recreated_under_the_same_name() {
     for i in 0..2u64 {
         let old = handshake_of(&b.node.local_md().or_fail("md"));
         // The peer goes away; a new incarnation with the same name comes.
-        a.node.agent.invalidate_remote_md(&name).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+        a.node
+            .agent
+            .invalidate_remote_md(&name)
+            .unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
         drop(b);
         b = make_b(11 + i);
         let new = handshake_of(&b.node.local_md().or_fail("md"));
-        eprintln!("incarnation {}: control {:?} -> {:?}", i + 1, String::from_utf8_lossy(&old.endpoint), String::from_utf8_lossy(&new.endpoint));
+        eprintln!(
+            "incarnation {}: control {:?} -> {:?}",
+            i + 1,
+            String::from_utf8_lossy(&old.endpoint),
+            String::from_utf8_lossy(&new.endpoint)
+        );
         pair_up(&a.node, &b.node);
         write(&mut a, &mut b, 90 + 10 * i);
         write(&mut b, &mut a, 95 + 10 * i);
@@ -179,7 +236,14 @@ fn peer_destroyed_mid_transfer_fails_in_bounded_time() {
     let sa = stats(a.name());
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
     post(&a.node, &req).or_fail("post");
     std::thread::sleep(Duration::from_millis(10));
@@ -207,5 +271,9 @@ fn peer_destroyed_mid_transfer_fails_in_bounded_time() {
     let mut c = endpoint("lc-c", &ex, len(), 15, ThreadSync::Default);
     pair_up(&a.node, &c.node);
     write(&mut a, &mut c, 120);
-    assert!(stats(a.name()).poisoned.is_none(), "initiator poisoned: {:?}", stats(a.name()).poisoned);
+    assert!(
+        stats(a.name()).poisoned.is_none(),
+        "initiator poisoned: {:?}",
+        stats(a.name()).poisoned
+    );
 }

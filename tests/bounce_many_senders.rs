@@ -11,9 +11,9 @@
 //! chunks the senders wrote, and completion is fair: no sender is served
 //! ahead of the others (every sender finishes after at least half the
 //! slowest sender's time; the completion order is printed).
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -46,9 +46,23 @@ fn four_senders_into_one_receiver() {
         return;
     }
     let slice = rb() * BLOCK;
-    let mut rx = endpoint("ms-rx", EXTRA, SENDERS * REQS * slice, 1, ThreadSync::Default);
+    let mut rx = endpoint(
+        "ms-rx",
+        EXTRA,
+        SENDERS * REQS * slice,
+        1,
+        ThreadSync::Default,
+    );
     let mut senders: Vec<Endpoint> = (0..SENDERS)
-        .map(|s| endpoint(&format!("ms-tx{s}"), EXTRA, REQS * slice, 10 + s as u64, ThreadSync::Default))
+        .map(|s| {
+            endpoint(
+                &format!("ms-tx{s}"),
+                EXTRA,
+                REQS * slice,
+                10 + s as u64,
+                ThreadSync::Default,
+            )
+        })
         .collect();
     for s in &senders {
         pair_up(&s.node, &rx.node);
@@ -67,7 +81,17 @@ fn four_senders_into_one_receiver() {
         let plans: Vec<Vec<Plan>> = (0..SENDERS)
             .map(|s| {
                 (0..REQS)
-                    .map(|k| plan_in(DESCS, BLOCK, k * slice, rb(), (s * REQS + k) * slice, rb(), base + (s * REQS + k) as u64))
+                    .map(|k| {
+                        plan_in(
+                            DESCS,
+                            BLOCK,
+                            k * slice,
+                            rb(),
+                            (s * REQS + k) * slice,
+                            rb(),
+                            base + (s * REQS + k) as u64,
+                        )
+                    })
                     .collect()
             })
             .collect();
@@ -84,7 +108,16 @@ fn four_senders_into_one_receiver() {
                     sc.spawn(move || -> Result<Vec<Event>, String> {
                         let reqs = plans[s]
                             .iter()
-                            .map(|p| ep.node.create_xfer(XferOp::Write, p, ep.buf.addr(), raddr, rname, None))
+                            .map(|p| {
+                                ep.node.create_xfer(
+                                    XferOp::Write,
+                                    p,
+                                    ep.buf.addr(),
+                                    raddr,
+                                    rname,
+                                    None,
+                                )
+                            })
                             .collect::<Result<Vec<_>, _>>()
                             .map_err(|e| format!("sender {s}: {e}"))?;
                         barrier.wait();
@@ -98,20 +131,33 @@ fn four_senders_into_one_receiver() {
                         let mut spins = 0u64;
                         while done.iter().any(Option::is_none) {
                             for (k, r) in reqs.iter().enumerate() {
-                                if done[k].is_none() && poll(&ep.node, r).map_err(|e| format!("sender {s} request {k}: {e}"))? {
+                                if done[k].is_none()
+                                    && poll(&ep.node, r)
+                                        .map_err(|e| format!("sender {s} request {k}: {e}"))?
+                                {
                                     done[k] = Some(Instant::now());
                                 }
                             }
                             if t0.elapsed() > wait_timeout() {
-                                return Err(format!("sender {s}: requests still running after {:?}: {done:?}", wait_timeout()));
+                                return Err(format!(
+                                    "sender {s}: requests still running after {:?}: {done:?}",
+                                    wait_timeout()
+                                ));
                             }
                             pause(&mut spins);
                         }
-                        Ok((0..reqs.len()).map(|k| (s, k, posted[k], done[k].unwrap())).collect())
+                        Ok((0..reqs.len())
+                            .map(|k| (s, k, posted[k], done[k].unwrap()))
+                            .collect())
                     })
                 })
                 .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("sender thread panicked".into()))).collect()
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("sender thread panicked".into()))
+                })
+                .collect()
         });
         let mut events: Vec<Event> = Vec::new();
         for r in results {
@@ -130,9 +176,16 @@ fn four_senders_into_one_receiver() {
             .flat_map(|s| plans[s].iter().map(move |p| (s, p)))
             .map(|(s, p)| (p, src_before[s].as_slice()))
             .collect();
-        verify_all(&format!("round {round}: receiver"), &rx.buf, &expected_after(&rx_before, &writes), &writes).or_fail("receiver buffer");
+        verify_all(
+            &format!("round {round}: receiver"),
+            &rx.buf,
+            &expected_after(&rx_before, &writes),
+            &writes,
+        )
+        .or_fail("receiver buffer");
         for (s, ep) in senders.iter().enumerate() {
-            verify_bytes(ep.buf.as_slice(), &src_before[s], |_| "source".into()).or_fail(&format!("sender {s} source changed"));
+            verify_bytes(ep.buf.as_slice(), &src_before[s], |_| "source".into())
+                .or_fail(&format!("sender {s} source changed"));
         }
 
         // All in flight at once.
@@ -153,7 +206,16 @@ fn four_senders_into_one_receiver() {
         // would finish at about a quarter).
         let t_start = last_post;
         let finish: Vec<f64> = (0..SENDERS)
-            .map(|s| events.iter().filter(|e| e.0 == s).map(|e| e.3).max().unwrap().duration_since(t_start).as_secs_f64())
+            .map(|s| {
+                events
+                    .iter()
+                    .filter(|e| e.0 == s)
+                    .map(|e| e.3)
+                    .max()
+                    .unwrap()
+                    .duration_since(t_start)
+                    .as_secs_f64()
+            })
             .collect();
         let slowest = finish.iter().cloned().fold(0.0, f64::max);
         eprintln!("round {round}: per-sender finish times after the last post (s): {finish:.3?}");
@@ -176,7 +238,15 @@ fn four_senders_into_one_receiver() {
         let rx_after = stats(&rname);
         eprintln!("round {round}: {}", rx_after.diff(&rx_stats));
         assert_receiver_scattered(&rx_stats, &rx_after, written);
-        assert_eq!(rx_after.since(&rx_stats, "chunks_scattered"), written, "receiver scattered != chunks written");
-        assert_eq!(rx_after.since(&rx_stats, "grants"), written, "grants != chunks written");
+        assert_eq!(
+            rx_after.since(&rx_stats, "chunks_scattered"),
+            written,
+            "receiver scattered != chunks written"
+        );
+        assert_eq!(
+            rx_after.since(&rx_stats, "grants"),
+            written,
+            "grants != chunks written"
+        );
     }
 }

@@ -7,9 +7,9 @@
 //! with fresh data and layouts; the whole target buffer is checked
 //! byte-exact after each round (no cross-talk, nothing outside the
 //! destinations touched) and every request must have taken the bounce path.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -43,7 +43,10 @@ fn post_all_and_wait(node: &Node, reqs: &[nixl_sys::XferRequest]) -> Result<Vec<
             }
         }
         if t0.elapsed() > wait_timeout() {
-            return Err(format!("requests still running after {:?}: {done:?}", wait_timeout()));
+            return Err(format!(
+                "requests still running after {:?}: {done:?}",
+                wait_timeout()
+            ));
         }
         pause(&mut spins);
     }
@@ -82,8 +85,13 @@ fn run(extra: &[(&str, &str)]) {
     pair_up(&init, &target.node);
     // One registered source buffer per thread (deregistered before freed:
     // the registration is dropped first).
-    let mut srcs: Vec<DramBuffer> = (0..THREADS).map(|t| DramBuffer::with_pattern(slice, 10 + t as u64)).collect();
-    let regs: Vec<_> = srcs.iter().map(|b| init.register(b).or_fail("register a source")).collect();
+    let mut srcs: Vec<DramBuffer> = (0..THREADS)
+        .map(|t| DramBuffer::with_pattern(slice, 10 + t as u64))
+        .collect();
+    let regs: Vec<_> = srcs
+        .iter()
+        .map(|b| init.register(b).or_fail("register a source"))
+        .collect();
     let tname = target.node.name.clone();
 
     for round in 0..ROUNDS {
@@ -99,7 +107,15 @@ fn run(extra: &[(&str, &str)]) {
                 (0..PER_THREAD)
                     .map(|k| {
                         let rb = req_blocks();
-                        plan_in(DESCS, BLOCK, k * rb * BLOCK, rb, (t * PER_THREAD + k) * rb * BLOCK, rb, 100 * round + (t * PER_THREAD + k) as u64)
+                        plan_in(
+                            DESCS,
+                            BLOCK,
+                            k * rb * BLOCK,
+                            rb,
+                            (t * PER_THREAD + k) * rb * BLOCK,
+                            rb,
+                            100 * round + (t * PER_THREAD + k) as u64,
+                        )
                     })
                     .collect()
             })
@@ -110,12 +126,22 @@ fn run(extra: &[(&str, &str)]) {
         let results: Vec<Result<Vec<Duration>, String>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..THREADS)
                 .map(|t| {
-                    let (init, plans, srcs, barrier, tname) = (&init, &plans, &srcs, &barrier, &tname);
+                    let (init, plans, srcs, barrier, tname) =
+                        (&init, &plans, &srcs, &barrier, &tname);
                     s.spawn(move || -> Result<Vec<Duration>, String> {
                         // Prepared concurrently too.
                         let reqs = plans[t]
                             .iter()
-                            .map(|p| init.create_xfer(XferOp::Write, p, srcs[t].addr(), taddr, tname, None))
+                            .map(|p| {
+                                init.create_xfer(
+                                    XferOp::Write,
+                                    p,
+                                    srcs[t].addr(),
+                                    taddr,
+                                    tname,
+                                    None,
+                                )
+                            })
                             .collect::<Result<Vec<_>, _>>()
                             .map_err(|e| format!("thread {t}: {e}"))?;
                         barrier.wait();
@@ -123,7 +149,10 @@ fn run(extra: &[(&str, &str)]) {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+                .collect()
         });
         for (t, r) in results.iter().enumerate() {
             match r {
@@ -137,7 +166,8 @@ fn run(extra: &[(&str, &str)]) {
             .map(|(t, p)| (p, src_copies[t].as_slice()))
             .collect();
         let expected = expected_after(&dst_before, &writes);
-        verify_all(&format!("round {round}"), &target.buf, &expected, &writes).or_fail("target buffer");
+        verify_all(&format!("round {round}"), &target.buf, &expected, &writes)
+            .or_fail("target buffer");
         let n = (THREADS * PER_THREAD) as u64;
         let (ei, et) = (stats(&init.name), stats(target.name()));
         eprintln!("round {round}: {} ; {}", ei.diff(&si), et.diff(&st));

@@ -14,9 +14,9 @@
 //! `SKIP:` and passes (even with NIXL_BOUNCE_REQUIRE_RUNTIME=1: that is a
 //! property of the machine); any other failure to set them up fails under
 //! NIXL_BOUNCE_REQUIRE_RUNTIME=1 and skips otherwise.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 #[path = "support/peer.rs"]
 mod peer;
 
@@ -40,15 +40,20 @@ struct IpError {
 }
 
 fn ip(args: &[&str]) -> Result<(), IpError> {
-    let out = Command::new("ip").args(args).output().map_err(|e| IpError {
-        message: format!("cannot run `ip {}`: {e}", args.join(" ")),
-        permission: e.kind() == std::io::ErrorKind::PermissionDenied,
-    })?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| IpError {
+            message: format!("cannot run `ip {}`: {e}", args.join(" ")),
+            permission: e.kind() == std::io::ErrorKind::PermissionDenied,
+        })?;
     if out.status.success() {
         return Ok(());
     }
     let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    let permission = err.contains("Operation not permitted") || err.contains("Permission denied") || err.contains("must be root");
+    let permission = err.contains("Operation not permitted")
+        || err.contains("Permission denied")
+        || err.contains("must be root");
     Err(IpError {
         message: format!("`ip {}` failed ({}): {err}", args.join(" "), out.status),
         permission,
@@ -69,11 +74,17 @@ struct Netns {
 /// Removes namespaces an earlier run left behind when it was killed
 /// (`nbb-<pid>-*` of a process that no longer exists).
 fn remove_stale() {
-    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else { return };
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let name = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = name.strip_prefix("nbb-") else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = name.strip_prefix("nbb-") else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
             eprintln!("removing stale namespace {name} of a dead test run");
             let _ = ip(&["netns", "del", name]);
@@ -135,7 +146,10 @@ impl Drop for Netns {
 
 fn netdev(p: &mut Peer, dev: &str) -> (u64, u64) {
     let r = p.cmd(&format!("NETDEV {dev}"));
-    let w: Vec<u64> = r.split_whitespace().map(|v| v.parse().expect("bytes")).collect();
+    let w: Vec<u64> = r
+        .split_whitespace()
+        .map(|v| v.parse().expect("bytes"))
+        .collect();
     (w[0], w[1])
 }
 
@@ -151,17 +165,28 @@ fn two_hosts_over_a_veth_pair() {
             eprintln!("SKIP: network namespaces are not permitted on this machine (a permission problem, not a failure): {}", e.message);
             return;
         }
-        Err(e) if require_runtime() => panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set and the namespaces could not be set up: {}", e.message),
+        Err(e) if require_runtime() => panic!(
+            "NIXL_BOUNCE_REQUIRE_RUNTIME is set and the namespaces could not be set up: {}",
+            e.message
+        ),
         Err(e) => {
             eprintln!("SKIP: cannot set up the network namespaces: {}", e.message);
             return;
         }
     };
-    eprintln!("namespaces {:?}, veth {:?}, addresses {:?}", net.ns, net.veth, net.addr);
+    eprintln!(
+        "namespaces {:?}, veth {:?}, addresses {:?}",
+        net.ns, net.veth, net.addr
+    );
     let len = blocks_for(MANY) * BLOCK;
     let spawn = |i: usize, label: &str| -> Peer {
         let extra = [("control_interface", net.veth[i].as_str())];
-        let mut c = peer_command(&["ip", "netns", "exec", &net.ns[i]], len, &extra, &format!("nn-{label}"));
+        let mut c = peer_command(
+            &["ip", "netns", "exec", &net.ns[i]],
+            len,
+            &extra,
+            &format!("nn-{label}"),
+        );
         c.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", &net.veth[i]);
         Peer::spawn(label, c).unwrap_or_else(|e| panic!("{e}"))
     };
@@ -173,7 +198,11 @@ fn two_hosts_over_a_veth_pair() {
         let hs = handshake_of(&p.md);
         let ep = String::from_utf8_lossy(&hs.endpoint).to_string();
         eprintln!("{} advertises control endpoint {ep}", p.name);
-        assert!(ep.starts_with(&format!("tcp://{addr}:")), "{}: control endpoint {ep} is not on {addr}", p.name);
+        assert!(
+            ep.starts_with(&format!("tcp://{addr}:")),
+            "{}: control endpoint {ep} is not on {addr}",
+            p.name
+        );
     }
     let (amd, bmd) = (hex(&a.md), hex(&b.md));
     assert_eq!(a.cmd(&format!("PEER {bmd}")), b.name);
@@ -181,20 +210,41 @@ fn two_hosts_over_a_veth_pair() {
 
     let (a_rx0, a_tx0) = netdev(&mut a, &net.veth[0]);
     let (b_rx0, b_tx0) = netdev(&mut b, &net.veth[1]);
-    let steps: [(usize, Option<&[u8]>); 4] = [(0, Some(b"netns-a-to-b")), (1, None), (0, None), (1, Some(b"netns-b-to-a"))];
+    let steps: [(usize, Option<&[u8]>); 4] = [
+        (0, Some(b"netns-a-to-b")),
+        (1, None),
+        (0, None),
+        (1, Some(b"netns-b-to-a")),
+    ];
     for (i, (from, notif)) in steps.into_iter().enumerate() {
         let s = 100 * (i as u64 + 1);
         let (src_seed, dst_seed, plan_seed) = (s + 1, s + 2, s + 3);
-        let (src, dst) = if from == 0 { (&mut a, &mut b) } else { (&mut b, &mut a) };
+        let (src, dst) = if from == 0 {
+            (&mut a, &mut b)
+        } else {
+            (&mut b, &mut a)
+        };
         src.cmd(&format!("FILL {src_seed}"));
         dst.cmd(&format!("FILL {dst_seed}"));
         let (s0, d0) = (src.stats(), dst.stats());
         let notif_hex = notif.map(hex).unwrap_or_else(|| "-".into());
-        let us = src.cmd(&format!("WRITE {} {} {MANY} {plan_seed} {notif_hex}", dst.name, dst.addr));
-        dst.cmd(&format!("CHECK_WRITE {} {MANY} {plan_seed} {src_seed} {dst_seed} {notif_hex}", src.name));
+        let us = src.cmd(&format!(
+            "WRITE {} {} {MANY} {plan_seed} {notif_hex}",
+            dst.name, dst.addr
+        ));
+        dst.cmd(&format!(
+            "CHECK_WRITE {} {MANY} {plan_seed} {src_seed} {dst_seed} {notif_hex}",
+            src.name
+        ));
         src.cmd(&format!("CHECK_UNCHANGED {src_seed}"));
         let (s1, d1) = (src.stats(), dst.stats());
-        eprintln!("{} -> {}: {us} us; {} ; {}", src.name, dst.name, s1.diff(&s0), d1.diff(&d0));
+        eprintln!(
+            "{} -> {}: {us} us; {} ; {}",
+            src.name,
+            dst.name,
+            s1.diff(&s0),
+            d1.diff(&d0)
+        );
         assert_sender_bounced(&s0, &s1, 1);
         assert_receiver_scattered(&d0, &d1, s1.since(&s0, "chunks_written"));
     }
@@ -212,8 +262,18 @@ fn two_hosts_over_a_veth_pair() {
     // Two 16 MiB WRITEs each way crossed the veth (UCX used it, not
     // loopback or shared memory).
     let moved = 2 * (MANY * BLOCK) as u64;
-    assert!(a_tx1 - a_tx0 >= moved, "only {} bytes left {} (expected >= {moved})", a_tx1 - a_tx0, net.veth[0]);
-    assert!(b_tx1 - b_tx0 >= moved, "only {} bytes left {} (expected >= {moved})", b_tx1 - b_tx0, net.veth[1]);
+    assert!(
+        a_tx1 - a_tx0 >= moved,
+        "only {} bytes left {} (expected >= {moved})",
+        a_tx1 - a_tx0,
+        net.veth[0]
+    );
+    assert!(
+        b_tx1 - b_tx0 >= moved,
+        "only {} bytes left {} (expected >= {moved})",
+        b_tx1 - b_tx0,
+        net.veth[1]
+    );
     a.finish();
     b.finish();
     drop(net);

@@ -9,9 +9,9 @@
 //!   with one big chunk and with many small chunks;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -33,19 +33,41 @@ fn write_once(a: &mut Endpoint, b: &mut Endpoint, plan_seed: u64, seeds: (u64, u
     let (sa, sb) = (stats(a.name()), stats(b.name()));
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
-    let dt = a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!("WRITE {} -> {}", a.name(), b.name()));
+    let dt = a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!(
+        "WRITE {} -> {}",
+        a.name(),
+        b.name()
+    ));
     drop(req);
-    plan.verify(b.buf.as_slice(), &dst_before, &src).or_fail("destination");
+    plan.verify(b.buf.as_slice(), &dst_before, &src)
+        .or_fail("destination");
     verify_bytes(a.buf.as_slice(), &src, |_| "source".into()).or_fail("source changed");
     a.buf.check_guards().or_fail("source guards");
     b.buf.check_guards().or_fail("destination guards");
     let (ea, eb) = (stats(a.name()), stats(b.name()));
-    eprintln!("{} -> {}: {dt:?}; {} ; {}", a.name(), b.name(), ea.diff(&sa), eb.diff(&sb));
+    eprintln!(
+        "{} -> {}: {dt:?}; {} ; {}",
+        a.name(),
+        b.name(),
+        ea.diff(&sa),
+        eb.diff(&sb)
+    );
     assert_sender_bounced(&sa, &ea, 1);
     assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
-    assert_eq!(ea.since(&sa, "bytes_written"), (MANY * BLOCK) as u64, "bytes_written");
+    assert_eq!(
+        ea.since(&sa, "bytes_written"),
+        (MANY * BLOCK) as u64,
+        "bytes_written"
+    );
     dt
 }
 
@@ -144,7 +166,14 @@ fn notif_check_at_arrival(extra: &[(&str, &str)], plan_seed: u64, seeds: (u64, u
         let (sa, sb) = (stats(a.name()), stats(b.name()));
         let req = a
             .node
-            .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), Some(msg))
+            .create_xfer(
+                XferOp::Write,
+                &plan,
+                a.buf.addr(),
+                b.buf.addr(),
+                &b.node.name.clone(),
+                Some(msg),
+            )
             .or_fail("create_xfer_req");
         let t0 = Instant::now();
         post(&a.node, &req).or_fail("post");
@@ -157,7 +186,11 @@ fn notif_check_at_arrival(extra: &[(&str, &str)], plan_seed: u64, seeds: (u64, u
             if notif_at.is_none() {
                 let got = take_notifs(&b.node).or_fail("notifications");
                 for (from, m) in &got {
-                    assert_eq!(from, a.name(), "notification from an unexpected agent: {m:?}");
+                    assert_eq!(
+                        from,
+                        a.name(),
+                        "notification from an unexpected agent: {m:?}"
+                    );
                     assert_eq!(m.as_slice(), msg, "unexpected notification");
                     assert!(notif_at.is_none(), "notification delivered twice");
                     // The data must be there NOW, before anything else runs.
@@ -167,10 +200,14 @@ fn notif_check_at_arrival(extra: &[(&str, &str)], plan_seed: u64, seeds: (u64, u
                     notif_at = Some(t0.elapsed());
                 }
             }
-            check_deadline(t0, wait_timeout(), &|| format!("done={done_at:?} notif={notif_at:?}"));
+            check_deadline(t0, wait_timeout(), &|| {
+                format!("done={done_at:?} notif={notif_at:?}")
+            });
             pause(&mut spins);
         }
-        eprintln!("round {round} {extra:?}: initiator done at {done_at:?}, notification at {notif_at:?}");
+        eprintln!(
+            "round {round} {extra:?}: initiator done at {done_at:?}, notification at {notif_at:?}"
+        );
         drop(req);
         b.buf.check_guards().or_fail("guards");
         let (ea, eb) = (stats(a.name()), stats(b.name()));
@@ -180,7 +217,10 @@ fn notif_check_at_arrival(extra: &[(&str, &str)], plan_seed: u64, seeds: (u64, u
         // No notification beyond the one.
         std::thread::sleep(Duration::from_millis(20));
         let extra_notifs = take_notifs(&b.node).or_fail("notifications");
-        assert!(extra_notifs.is_empty(), "unexpected extra notifications: {extra_notifs:?}");
+        assert!(
+            extra_notifs.is_empty(),
+            "unexpected extra notifications: {extra_notifs:?}"
+        );
     }
 }
 
@@ -203,7 +243,11 @@ fn notification_only_after_data_in_place_over_nixl_notifications() {
     // agent's notification stream: the user must see only its own message,
     // and only once the data is there.
     notif_check_at_arrival(
-        &[NOTIF_CONTROL, ("max_chunk_size_bytes", "256KiB"), ("arena_size_bytes", "8MiB")],
+        &[
+            NOTIF_CONTROL,
+            ("max_chunk_size_bytes", "256KiB"),
+            ("arena_size_bytes", "8MiB"),
+        ],
         61,
         (11, 12),
         b"op-notif-over-notif-control",
@@ -219,7 +263,11 @@ fn notification_only_after_data_in_place_many_chunks() {
     // 64 chunks of 256 KiB, scattered by several workers: a notification
     // sent after the first ACK instead of the last one would show.
     notif_check_at_arrival(
-        &[LOOPBACK, ("max_chunk_size_bytes", "256KiB"), ("arena_size_bytes", "8MiB")],
+        &[
+            LOOPBACK,
+            ("max_chunk_size_bytes", "256KiB"),
+            ("arena_size_bytes", "8MiB"),
+        ],
         51,
         (9, 10),
         b"op-notif-many-chunks",

@@ -49,7 +49,10 @@ fn python_ready() -> Result<(), String> {
         Err(format!(
             "{} cannot import nixl_cu13._api: {}",
             python(),
-            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
         ))
     }
 }
@@ -105,8 +108,14 @@ fn python_api_takes_the_bounce_path() {
     );
     eprintln!("{out}");
     match status {
-        Some(st) => assert!(st.success(), "tests/python/test_bounce_path.py failed ({st}):\n{out}"),
+        Some(st) => assert!(
+            st.success(),
+            "tests/python/test_bounce_path.py failed ({st}):\n{out}"
+        ),
         None => panic!("tests/python/test_bounce_path.py killed after {limit:?}:\n{out}"),
     }
-    assert!(out.contains("PASS backend=BOUNCE bounce path used"), "no PASS line:\n{out}");
+    assert!(
+        out.contains("PASS backend=BOUNCE bounce path used"),
+        "no PASS line:\n{out}"
+    );
 }

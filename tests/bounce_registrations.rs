@@ -15,9 +15,9 @@
 //! (runs whose span leaves one registration are checked copy by copy
 //! against the union of registrations); the same transfers always passed
 //! with one run per descriptor (`disable_scatter_run_merging=true`).
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 
 use bounce::*;
 use common::*;
@@ -52,40 +52,83 @@ impl NixlDescriptor for Piece {
 
 /// A sender with one registered buffer; a receiver whose one buffer is
 /// registered in `pieces` equal adjacent pieces (not as a whole).
-fn setup(len: usize, pieces: usize, seed: u64) -> (Endpoint, Node, DramBuffer, Vec<nixl_sys::RegistrationHandle>) {
+fn setup(
+    len: usize,
+    pieces: usize,
+    seed: u64,
+) -> (
+    Endpoint,
+    Node,
+    DramBuffer,
+    Vec<nixl_sys::RegistrationHandle>,
+) {
     setup_with(&[LOOPBACK], len, pieces, seed)
 }
 
-fn setup_with(tx_extra: &[(&str, &str)], len: usize, pieces: usize, seed: u64) -> (Endpoint, Node, DramBuffer, Vec<nixl_sys::RegistrationHandle>) {
+fn setup_with(
+    tx_extra: &[(&str, &str)],
+    len: usize,
+    pieces: usize,
+    seed: u64,
+) -> (
+    Endpoint,
+    Node,
+    DramBuffer,
+    Vec<nixl_sys::RegistrationHandle>,
+) {
     let tx = endpoint("rg-tx", tx_extra, len, seed, ThreadSync::Default);
     let rx = node_with(&unique_name("rg-rx"), &[LOOPBACK], ThreadSync::Default).or_fail("receiver");
     let buf = DramBuffer::with_pattern(len, seed + 1);
     let step = len / pieces;
     let regs = (0..pieces)
         .map(|i| {
-            let p = Piece { addr: buf.addr() + i * step, len: if i + 1 == pieces { len - i * step } else { step } };
+            let p = Piece {
+                addr: buf.addr() + i * step,
+                len: if i + 1 == pieces {
+                    len - i * step
+                } else {
+                    step
+                },
+            };
             let mut opt = nixl_sys::OptArgs::new().expect("OptArgs");
             opt.add_backend(&rx.backend).expect("add_backend");
-            rx.agent.register_memory(&p, Some(&opt)).unwrap_or_else(|e| panic!("register a piece: {e:?}"))
+            rx.agent
+                .register_memory(&p, Some(&opt))
+                .unwrap_or_else(|e| panic!("register a piece: {e:?}"))
         })
         .collect();
     pair_up(&tx.node, &rx);
     (tx, rx, buf, regs)
 }
 
-fn transfer(tx: &mut Endpoint, rx: &Node, rbuf: &DramBuffer, plan: &Plan, seeds: (u64, u64), what: &str) -> Result<(), String> {
+fn transfer(
+    tx: &mut Endpoint,
+    rx: &Node,
+    rbuf: &DramBuffer,
+    plan: &Plan,
+    seeds: (u64, u64),
+    what: &str,
+) -> Result<(), String> {
     tx.buf.fill_pattern(seeds.0);
     let src = tx.buf.as_slice().to_vec();
     // The receiver buffer keeps its pattern from before; snapshot it.
     let dst_before = rbuf.as_slice().to_vec();
     let (st, sr) = (stats(tx.name()), stats(&rx.name));
-    let req = tx.node.create_xfer(XferOp::Write, plan, tx.buf.addr(), rbuf.addr(), &rx.name, None)?;
+    let req = tx.node.create_xfer(
+        XferOp::Write,
+        plan,
+        tx.buf.addr(),
+        rbuf.addr(),
+        &rx.name,
+        None,
+    )?;
     let r = tx.node.post_and_wait(&req, wait_timeout());
     drop(req);
     let (et, er) = (stats(tx.name()), stats(&rx.name));
     eprintln!("{what}: {r:?}; {} ; {}", et.diff(&st), er.diff(&sr));
     r.map_err(|e| format!("{what}: {e}; receiver {}", er.diff(&sr)))?;
-    plan.verify(rbuf.as_slice(), &dst_before, &src).map_err(|e| format!("{what}: {e}"))?;
+    plan.verify(rbuf.as_slice(), &dst_before, &src)
+        .map_err(|e| format!("{what}: {e}"))?;
     rbuf.check_guards()?;
     assert_sender_bounced(&st, &et, 1);
     assert_receiver_scattered(&sr, &er, et.since(&st, "chunks_written"));
@@ -102,11 +145,36 @@ fn scattered_over_four_registrations_without_run_merging() {
     // (the sender's debug switch) the same transfer passes, so the data
     // path is fine and only the receiver's check of merged runs refuses.
     let len = blocks_for(MANY) * BLOCK;
-    let (mut tx, rx, rbuf, regs) = setup_with(&[LOOPBACK, ("disable_scatter_run_merging", "true")], len, 4, 11);
+    let (mut tx, rx, rbuf, regs) = setup_with(
+        &[LOOPBACK, ("disable_scatter_run_merging", "true")],
+        len,
+        4,
+        11,
+    );
     let plan = Plan::standard(MANY, BLOCK, 2);
-    transfer(&mut tx, &rx, &rbuf, &plan, (3, 4), "scattered over 4 pieces, unmerged runs").or_fail("transfer");
-    let plan = Plan { block: BLOCK, src: (0..MANY).map(|k| k * BLOCK).collect(), dst: (0..MANY).map(|k| k * BLOCK).collect() };
-    transfer(&mut tx, &rx, &rbuf, &plan, (5, 6), "contiguous over 4 pieces, unmerged runs").or_fail("transfer");
+    transfer(
+        &mut tx,
+        &rx,
+        &rbuf,
+        &plan,
+        (3, 4),
+        "scattered over 4 pieces, unmerged runs",
+    )
+    .or_fail("transfer");
+    let plan = Plan {
+        block: BLOCK,
+        src: (0..MANY).map(|k| k * BLOCK).collect(),
+        dst: (0..MANY).map(|k| k * BLOCK).collect(),
+    };
+    transfer(
+        &mut tx,
+        &rx,
+        &rbuf,
+        &plan,
+        (5, 6),
+        "contiguous over 4 pieces, unmerged runs",
+    )
+    .or_fail("transfer");
     drop(regs);
 }
 
@@ -122,7 +190,15 @@ fn scattered_destinations_over_four_registrations() {
     // equal length moving forward become one 2-copy strided run, whose span
     // often covers two pieces.
     let plan = Plan::standard(MANY, BLOCK, 2);
-    transfer(&mut tx, &rx, &rbuf, &plan, (3, 4), "scattered over 4 pieces").or_fail("transfer");
+    transfer(
+        &mut tx,
+        &rx,
+        &rbuf,
+        &plan,
+        (3, 4),
+        "scattered over 4 pieces",
+    )
+    .or_fail("transfer");
     drop(regs);
 }
 
@@ -137,8 +213,20 @@ fn contiguous_destinations_across_adjacent_registrations() {
     // Descriptor k: source block k -> destination block k, the 4096 blocks
     // in order: each descriptor lies inside one piece, but the plan merges
     // neighbours into runs that run across the boundary between the pieces.
-    let plan = Plan { block: BLOCK, src: (0..MANY).map(|k| k * BLOCK).collect(), dst: (0..MANY).map(|k| k * BLOCK).collect() };
-    transfer(&mut tx, &rx, &rbuf, &plan, (6, 7), "contiguous across 2 adjacent pieces").or_fail("transfer");
+    let plan = Plan {
+        block: BLOCK,
+        src: (0..MANY).map(|k| k * BLOCK).collect(),
+        dst: (0..MANY).map(|k| k * BLOCK).collect(),
+    };
+    transfer(
+        &mut tx,
+        &rx,
+        &rbuf,
+        &plan,
+        (6, 7),
+        "contiguous across 2 adjacent pieces",
+    )
+    .or_fail("transfer");
     drop(regs);
 }
 
@@ -152,8 +240,20 @@ fn strided_destinations_across_adjacent_registrations() {
     let (mut tx, rx, rbuf, regs) = setup(len, 2, 8);
     // Every other destination block: one strided run (stride 8 KiB) that
     // spans both pieces.
-    let plan = Plan { block: BLOCK, src: (0..MANY).map(|k| k * BLOCK).collect(), dst: (0..MANY).map(|k| 2 * k * BLOCK).collect() };
-    transfer(&mut tx, &rx, &rbuf, &plan, (9, 10), "strided across 2 adjacent pieces").or_fail("transfer");
+    let plan = Plan {
+        block: BLOCK,
+        src: (0..MANY).map(|k| k * BLOCK).collect(),
+        dst: (0..MANY).map(|k| 2 * k * BLOCK).collect(),
+    };
+    transfer(
+        &mut tx,
+        &rx,
+        &rbuf,
+        &plan,
+        (9, 10),
+        "strided across 2 adjacent pieces",
+    )
+    .or_fail("transfer");
     drop(regs);
 }
 
@@ -170,8 +270,14 @@ fn destinations_alternating_between_two_buffers() {
     let blen = blocks_for(half) * BLOCK;
     let tx = endpoint("rg-tx", &[LOOPBACK], n * BLOCK, 21, ThreadSync::Default);
     let rx = node_with(&unique_name("rg-rx"), &[LOOPBACK], ThreadSync::Default).or_fail("receiver");
-    let bufs = [DramBuffer::with_pattern(blen, 22), DramBuffer::with_pattern(blen, 23)];
-    let regs: Vec<_> = bufs.iter().map(|b| rx.register(b).or_fail("register")).collect();
+    let bufs = [
+        DramBuffer::with_pattern(blen, 22),
+        DramBuffer::with_pattern(blen, 23),
+    ];
+    let regs: Vec<_> = bufs
+        .iter()
+        .map(|b| rx.register(b).or_fail("register"))
+        .collect();
     pair_up(&tx.node, &rx);
     let before: Vec<Vec<u8>> = bufs.iter().map(|b| b.as_slice().to_vec()).collect();
     let src = tx.buf.as_slice().to_vec();
@@ -186,7 +292,8 @@ fn destinations_alternating_between_two_buffers() {
         let (b, blk) = (k % 2, order[k / 2]);
         l.add_desc(tx.buf.addr() + k * BLOCK, BLOCK, 0);
         r.add_desc(bufs[b].addr() + blk * BLOCK, BLOCK, 0);
-        expected[b][blk * BLOCK..(blk + 1) * BLOCK].copy_from_slice(&src[k * BLOCK..(k + 1) * BLOCK]);
+        expected[b][blk * BLOCK..(blk + 1) * BLOCK]
+            .copy_from_slice(&src[k * BLOCK..(k + 1) * BLOCK]);
     }
     let (st, sr) = (stats(tx.name()), stats(&rx.name));
     let opt = tx.node.opt_args(None).or_fail("opt");
@@ -198,10 +305,15 @@ fn destinations_alternating_between_two_buffers() {
     let res = tx.node.post_and_wait(&req, wait_timeout());
     drop(req);
     let (et, er) = (stats(tx.name()), stats(&rx.name));
-    eprintln!("alternating between 2 buffers: {res:?}; {} ; {}", et.diff(&st), er.diff(&sr));
+    eprintln!(
+        "alternating between 2 buffers: {res:?}; {} ; {}",
+        et.diff(&st),
+        er.diff(&sr)
+    );
     res.or_fail("WRITE into two registered buffers");
     for b in 0..2 {
-        verify_bytes(bufs[b].as_slice(), &expected[b], |_| format!("buffer {b}")).or_fail("destination");
+        verify_bytes(bufs[b].as_slice(), &expected[b], |_| format!("buffer {b}"))
+            .or_fail("destination");
         bufs[b].check_guards().or_fail("guards");
     }
     assert_sender_bounced(&st, &et, 1);

@@ -19,9 +19,9 @@
 //! - Found (ignored `BUG:` test): a bounce WRITE to a receiver that is gone
 //!   before the WANT reaches it is never answered; the sender waits
 //!   `request_timeout_ms` for a GRANT, where the UCX path fails at once.
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 #[path = "support/fake_sender.rs"]
 mod fake_sender;
 
@@ -70,7 +70,10 @@ fn receiver_shutdown_refuses_live_flows_of_unpaired_senders() {
             lost += 1;
         }
     }
-    assert_eq!(lost, 0, "in {lost} of 3 rounds the senders of live flows were not told that the receiver shut down");
+    assert_eq!(
+        lost, 0,
+        "in {lost} of 3 rounds the senders of live flows were not told that the receiver shut down"
+    );
 }
 
 #[test]
@@ -96,7 +99,14 @@ fn receiver_forgetting_a_sender_mid_transfer_tells_it() {
     let (sa, sb) = (stats(a.name()), stats(b.name()));
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
     post(&a.node, &req).or_fail("post");
     // Wait until the receiver has granted (the flow is live), then forget.
@@ -105,7 +115,10 @@ fn receiver_forgetting_a_sender_mid_transfer_tells_it() {
         check_deadline(t0, Duration::from_secs(10), &|| "no grant".into());
         std::thread::sleep(Duration::from_micros(200));
     }
-    b.node.agent.invalidate_remote_md(a.name()).unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
+    b.node
+        .agent
+        .invalidate_remote_md(a.name())
+        .unwrap_or_else(|e| panic!("invalidate_remote_md: {e:?}"));
     let t1 = Instant::now();
     let mut spins = 0u64;
     let outcome = loop {
@@ -114,17 +127,24 @@ fn receiver_forgetting_a_sender_mid_transfer_tells_it() {
             Ok(false) => {}
             Err(e) => break Err(e),
         }
-        check_deadline(t1, Duration::from_secs(30), &|| "transfer after the receiver forgot the sender".into());
+        check_deadline(t1, Duration::from_secs(30), &|| {
+            "transfer after the receiver forgot the sender".into()
+        });
         pause(&mut spins);
     };
     let dt = t1.elapsed();
     drop(req);
-    eprintln!("after the receiver forgot the sender: {outcome:?} after {dt:?}; {} ; {}", stats(a.name()).diff(&sa), stats(b.name()).diff(&sb));
+    eprintln!(
+        "after the receiver forgot the sender: {outcome:?} after {dt:?}; {} ; {}",
+        stats(a.name()).diff(&sa),
+        stats(b.name()).diff(&sb)
+    );
     assert!(dt < Duration::from_secs(2), "the sender's request ended only after {dt:?} (its request timeout): it was never told its flow was dropped");
     if outcome.is_ok() {
         // Served to the end (forgetting the metadata need not end the
         // flow): then every byte must be there.
-        plan.verify(b.buf.as_slice(), &before0, &src0).or_fail("a transfer reported done after the receiver forgot the sender");
+        plan.verify(b.buf.as_slice(), &before0, &src0)
+            .or_fail("a transfer reported done after the receiver forgot the sender");
     }
     // Either way the pair works again once the receiver knows the sender.
     load(&b.node, &a.node);
@@ -133,10 +153,20 @@ fn receiver_forgetting_a_sender_mid_transfer_tells_it() {
     let (src, before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
     let req = a
         .node
-        .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
         .or_fail("create_xfer_req");
-    a.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE after re-pairing");
-    plan.verify(b.buf.as_slice(), &before, &src).or_fail("WRITE after re-pairing");
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("WRITE after re-pairing");
+    plan.verify(b.buf.as_slice(), &before, &src)
+        .or_fail("WRITE after re-pairing");
 }
 
 const EX_SMALL: [(&str, &str); 5] = [
@@ -157,7 +187,9 @@ fn finish(node: &Node, req: &nixl_sys::XferRequest) -> (Result<(), String>, Dura
             Ok(false) => {}
             Err(e) => break Err(e),
         }
-        check_deadline(t0, Duration::from_secs(30), &|| "a transfer to a destroyed receiver".into());
+        check_deadline(t0, Duration::from_secs(30), &|| {
+            "a transfer to a destroyed receiver".into()
+        });
         pause(&mut spins);
     };
     (r, t0.elapsed())
@@ -181,7 +213,14 @@ fn sender_fails_promptly_when_the_receiver_is_destroyed_mid_transfer() {
         let sb = stats(b.name());
         let req = a
             .node
-            .create_xfer(XferOp::Write, &plan, a.buf.addr(), b.buf.addr(), &b.node.name.clone(), None)
+            .create_xfer(
+                XferOp::Write,
+                &plan,
+                a.buf.addr(),
+                b.buf.addr(),
+                &b.node.name.clone(),
+                None,
+            )
             .or_fail("create_xfer_req");
         post(&a.node, &req).or_fail("post");
         let t0 = Instant::now();
@@ -195,7 +234,10 @@ fn sender_fails_promptly_when_the_receiver_is_destroyed_mid_transfer() {
         eprintln!("round {round}: {outcome:?} {dt:?} after the receiver was destroyed");
         drop(req);
         a.node.agent.invalidate_remote_md(&bname).ok();
-        assert!(outcome.is_err(), "round {round}: the transfer succeeded although the receiver was destroyed mid-way");
+        assert!(
+            outcome.is_err(),
+            "round {round}: the transfer succeeded although the receiver was destroyed mid-way"
+        );
         assert!(dt < Duration::from_secs(2), "round {round}: the sender learned of the receiver's shutdown only after {dt:?} (its request timeout)");
     }
 }
@@ -219,22 +261,40 @@ fn transfer_to_a_receiver_that_is_gone_fails_promptly() {
     std::thread::sleep(Duration::from_millis(100));
     // For comparison, the UCX path (too few descriptors for bounce).
     let ucx = Plan::standard(64, BLOCK, 3);
-    let (ucx_outcome, ucx_dt) = match a.node.create_xfer(XferOp::Write, &ucx, a.buf.addr(), baddr, &bname, None) {
-        Ok(req) => match post(&a.node, &req) {
-            Ok(()) => finish(&a.node, &req),
+    let (ucx_outcome, ucx_dt) =
+        match a
+            .node
+            .create_xfer(XferOp::Write, &ucx, a.buf.addr(), baddr, &bname, None)
+        {
+            Ok(req) => match post(&a.node, &req) {
+                Ok(()) => finish(&a.node, &req),
+                Err(e) => (Err(e), Duration::ZERO),
+            },
             Err(e) => (Err(e), Duration::ZERO),
-        },
-        Err(e) => (Err(e), Duration::ZERO),
-    };
+        };
     eprintln!("UCX path to the destroyed receiver: {ucx_outcome:?} after {ucx_dt:?}");
     let sa = stats(a.name());
     let plan = Plan::standard(4096, BLOCK, 4);
-    let req = a.node.create_xfer(XferOp::Write, &plan, a.buf.addr(), baddr, &bname, None).or_fail("create_xfer_req");
+    let req = a
+        .node
+        .create_xfer(XferOp::Write, &plan, a.buf.addr(), baddr, &bname, None)
+        .or_fail("create_xfer_req");
     post(&a.node, &req).or_fail("post");
     let (outcome, dt) = finish(&a.node, &req);
     let ea = stats(a.name());
-    eprintln!("bounce path to the destroyed receiver: {outcome:?} after {dt:?}; {}", ea.diff(&sa));
-    assert!(outcome.is_err(), "a transfer to a destroyed receiver succeeded");
-    assert_eq!(ea.since(&sa, "bounce_submitted"), 1, "not routed to the bounce path: {}", ea.diff(&sa));
+    eprintln!(
+        "bounce path to the destroyed receiver: {outcome:?} after {dt:?}; {}",
+        ea.diff(&sa)
+    );
+    assert!(
+        outcome.is_err(),
+        "a transfer to a destroyed receiver succeeded"
+    );
+    assert_eq!(
+        ea.since(&sa, "bounce_submitted"),
+        1,
+        "not routed to the bounce path: {}",
+        ea.diff(&sa)
+    );
     assert!(dt < Duration::from_secs(2), "the bounce WRITE to a receiver that is gone failed only after {dt:?} (request_timeout_ms); the UCX path took {ucx_dt:?}");
 }

@@ -7,9 +7,9 @@
 //!   checks its buffer once the notification is there);
 //! - peer -> this process (the peer is the initiator: its counters must
 //!   show the bounce submission, ours the scatter).
-mod common;
 #[path = "support/bounce.rs"]
 mod bounce;
+mod common;
 #[path = "support/peer.rs"]
 mod peer;
 
@@ -32,10 +32,14 @@ fn peer_helper() {
 
 fn run(extra: &[(&str, &str)], seed: u64) {
     let len = len();
-    let mut p = Peer::spawn("target", peer_command(&[], len, extra, "bp-peer")).unwrap_or_else(|e| panic!("{e}"));
+    let mut p = Peer::spawn("target", peer_command(&[], len, extra, "bp-peer"))
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.len, len);
     let mut me = endpoint("bp-me", extra, len, seed, ThreadSync::Default);
-    assert_eq!(me.node.load_md(&p.md).or_fail("load the peer's metadata"), p.name);
+    assert_eq!(
+        me.node.load_md(&p.md).or_fail("load the peer's metadata"),
+        p.name
+    );
     let r = p.cmd(&format!("PEER {}", hex(&me.node.local_md().or_fail("md"))));
     assert_eq!(r, me.name());
 
@@ -51,15 +55,35 @@ fn run(extra: &[(&str, &str)], seed: u64) {
             .node
             .create_xfer(XferOp::Write, &plan, me.buf.addr(), p.addr, &p.name, notif)
             .or_fail("create_xfer_req");
-        let dt = me.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE to the peer process");
+        let dt = me
+            .node
+            .post_and_wait(&req, wait_timeout())
+            .or_fail("WRITE to the peer process");
         drop(req);
         let notif_hex = notif.map(hex).unwrap_or_else(|| "-".into());
-        p.cmd(&format!("CHECK_WRITE {} {MANY} {plan_seed} {my_seed} {peer_seed} {notif_hex}", me.name()));
-        verify_bytes(me.buf.as_slice(), &pattern(len, my_seed), |_| "source".into()).or_fail("source changed");
+        p.cmd(&format!(
+            "CHECK_WRITE {} {MANY} {plan_seed} {my_seed} {peer_seed} {notif_hex}",
+            me.name()
+        ));
+        verify_bytes(me.buf.as_slice(), &pattern(len, my_seed), |_| {
+            "source".into()
+        })
+        .or_fail("source changed");
         let (after_me, after_peer) = (stats(me.name()), p.stats());
-        eprintln!("{} -> {} ({:?}): {dt:?}; {} ; {}", me.name(), p.name, notif.map(String::from_utf8_lossy), after_me.diff(&before_me), after_peer.diff(&before_peer));
+        eprintln!(
+            "{} -> {} ({:?}): {dt:?}; {} ; {}",
+            me.name(),
+            p.name,
+            notif.map(String::from_utf8_lossy),
+            after_me.diff(&before_me),
+            after_peer.diff(&before_peer)
+        );
         assert_sender_bounced(&before_me, &after_me, 1);
-        assert_receiver_scattered(&before_peer, &after_peer, after_me.since(&before_me, "chunks_written"));
+        assert_receiver_scattered(
+            &before_peer,
+            &after_peer,
+            after_me.since(&before_me, "chunks_written"),
+        );
     }
 
     // Peer -> this process: the peer initiates.
@@ -69,16 +93,34 @@ fn run(extra: &[(&str, &str)], seed: u64) {
         me.buf.fill_pattern(my_seed);
         p.cmd(&format!("FILL {peer_seed}"));
         let (before_me, before_peer) = (stats(me.name()), p.stats());
-        let us = p.cmd(&format!("WRITE {} {} {MANY} {plan_seed} -", me.name(), me.buf.addr()));
+        let us = p.cmd(&format!(
+            "WRITE {} {} {MANY} {plan_seed} -",
+            me.name(),
+            me.buf.addr()
+        ));
         plan(len, MANY, plan_seed)
-            .verify(me.buf.as_slice(), &pattern(len, my_seed), &pattern(len, peer_seed))
+            .verify(
+                me.buf.as_slice(),
+                &pattern(len, my_seed),
+                &pattern(len, peer_seed),
+            )
             .or_fail("WRITE from the peer process");
         me.buf.check_guards().or_fail("guards");
         p.cmd(&format!("CHECK_UNCHANGED {peer_seed}"));
         let (after_me, after_peer) = (stats(me.name()), p.stats());
-        eprintln!("{} -> {}: {us} us; {} ; {}", p.name, me.name(), after_peer.diff(&before_peer), after_me.diff(&before_me));
+        eprintln!(
+            "{} -> {}: {us} us; {} ; {}",
+            p.name,
+            me.name(),
+            after_peer.diff(&before_peer),
+            after_me.diff(&before_me)
+        );
         assert_sender_bounced(&before_peer, &after_peer, 1);
-        assert_receiver_scattered(&before_me, &after_me, after_peer.since(&before_peer, "chunks_written"));
+        assert_receiver_scattered(
+            &before_me,
+            &after_me,
+            after_peer.since(&before_peer, "chunks_written"),
+        );
     }
     p.finish();
 }

@@ -14,11 +14,21 @@ fn plans_are_scattered_without_repeats() {
     let d: HashSet<_> = p.dst.iter().collect();
     assert_eq!(s.len(), 4096, "source blocks repeat");
     assert_eq!(d.len(), 4096, "destination blocks repeat");
-    assert!(p.src.iter().all(|o| o % 4096 == 0 && *o < blocks_for(4096) * 4096));
+    assert!(p
+        .src
+        .iter()
+        .all(|o| o % 4096 == 0 && *o < blocks_for(4096) * 4096));
     assert_ne!(p.src, p.dst, "source and destination layouts should differ");
     let sorted = p.dst.windows(2).filter(|w| w[0] < w[1]).count();
-    assert!(sorted < 3000 && sorted > 1000, "destination order is not shuffled");
-    assert_eq!(Plan::standard(4096, 4096, 7).dst, p.dst, "plans must be deterministic");
+    assert!(
+        sorted < 3000 && sorted > 1000,
+        "destination order is not shuffled"
+    );
+    assert_eq!(
+        Plan::standard(4096, 4096, 7).dst,
+        p.dst,
+        "plans must be deterministic"
+    );
     assert_ne!(Plan::standard(4096, 4096, 8).dst, p.dst, "seed must matter");
 }
 
@@ -28,7 +38,10 @@ fn patterns_depend_on_seed() {
     let b = pattern(1 << 16, 2);
     assert_eq!(a, pattern(1 << 16, 1));
     let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
-    assert!(same < (1 << 16) / 100, "patterns of different seeds too similar: {same}");
+    assert!(
+        same < (1 << 16) / 100,
+        "patterns of different seeds too similar: {same}"
+    );
     // Blocks of one pattern differ from each other (a block copied to the
     // wrong place is detected).
     assert_ne!(a[..4096], a[4096..8192]);
@@ -42,7 +55,8 @@ fn verifier_catches_errors() {
     let src = pattern(len, 10);
     let before = pattern(len, 20);
     let good = plan.expected(&before, &src);
-    plan.verify(&good, &before, &src).expect("correct result rejected");
+    plan.verify(&good, &before, &src)
+        .expect("correct result rejected");
 
     // Wrong byte inside a destination block.
     let mut bad = good.clone();

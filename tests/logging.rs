@@ -32,6 +32,12 @@ fn nixl_bounce_log_file_receives_the_engine_log() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     let _ = std::fs::remove_file(&path);
-    assert!(text.contains("BOUNCE engine created") && text.contains(&name), "engine creation not logged:\n{text}");
-    assert!(text.contains("unknown BOUNCE backend parameter \"no_such_param\""), "rejection not logged:\n{text}");
+    assert!(
+        text.contains("BOUNCE engine created") && text.contains(&name),
+        "engine creation not logged:\n{text}"
+    );
+    assert!(
+        text.contains("unknown BOUNCE backend parameter \"no_such_param\""),
+        "rejection not logged:\n{text}"
+    );
 }

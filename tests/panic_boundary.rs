@@ -20,21 +20,41 @@ fn a_panic_becomes_an_error_and_disables_the_engine() {
     std::env::remove_var("NIXL_BOUNCE_FAILPOINTS");
     let init = init.or_fail("initiator");
     let target = Endpoint::new("panic-target", "BOUNCE", &[], 1 << 16, 2).or_fail("target");
-    init.node.load_md(&target.node.local_md().or_fail("md")).or_fail("load");
+    init.node
+        .load_md(&target.node.local_md().or_fail("md"))
+        .or_fail("load");
 
     let plan = Plan::standard(4, 4096, 3);
     let req = init
         .node
-        .create_xfer(XferOp::Write, &plan, init.buf.addr(), target.buf.addr(), target.name(), None)
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            init.buf.addr(),
+            target.buf.addr(),
+            target.name(),
+            None,
+        )
         .or_fail("prepare");
     let posted = init.node.agent.post_xfer_req(&req, None);
-    assert!(posted.is_err(), "a panicking postXfer must report an error, got {posted:?}");
+    assert!(
+        posted.is_err(),
+        "a panicking postXfer must report an error, got {posted:?}"
+    );
 
     // The engine is now disabled: further work is refused, the process lives.
-    let again = init
-        .node
-        .create_xfer(XferOp::Write, &plan, init.buf.addr(), target.buf.addr(), target.name(), None);
-    assert!(again.is_err(), "a disabled engine must refuse new transfers");
+    let again = init.node.create_xfer(
+        XferOp::Write,
+        &plan,
+        init.buf.addr(),
+        target.buf.addr(),
+        target.name(),
+        None,
+    );
+    assert!(
+        again.is_err(),
+        "a disabled engine must refuse new transfers"
+    );
     let snap = nixl_bounce::stats::plugin_stats(init.name()).expect("stats still readable");
     assert_eq!(snap.counters["panics"], 1, "{snap:?}");
     drop(req);

@@ -49,7 +49,10 @@ fn python_ready() -> Result<(), String> {
         Err(format!(
             "{} cannot import nixl_cu13._api: {}",
             python(),
-            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
         ))
     }
 }

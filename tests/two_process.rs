@@ -61,7 +61,13 @@ fn peer_helper() {
         }
     };
     let md = ep.node.local_md().expect("local md");
-    reply(&format!("HELLO {} {} {} {}", ep.name(), ep.buf.addr(), ep.buf.len(), hex(&md)));
+    reply(&format!(
+        "HELLO {} {} {} {}",
+        ep.name(),
+        ep.buf.addr(),
+        ep.buf.len(),
+        hex(&md)
+    ));
     let mut initiator = String::new();
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -80,18 +86,25 @@ fn peer_helper() {
             // CHECK_WRITE n plan_seed src_seed dst_seed notif_hex|-
             Some("CHECK_WRITE") => (|| {
                 if w[5] != "-" {
-                    ep.node.wait_notif(&initiator, &unhex(w[5])?, wait_timeout())?;
+                    ep.node
+                        .wait_notif(&initiator, &unhex(w[5])?, wait_timeout())?;
                 }
                 let p = plan(num(1) as usize, num(2));
-                p.verify(ep.buf.as_slice(), &pattern(len, num(4)), &pattern(len, num(3)))?;
+                p.verify(
+                    ep.buf.as_slice(),
+                    &pattern(len, num(4)),
+                    &pattern(len, num(3)),
+                )?;
                 ep.buf.check_guards()?;
                 Ok(String::new())
             })(),
-            Some("CHECK_UNCHANGED") => verify_bytes(ep.buf.as_slice(), &pattern(len, num(1)), |_| {
-                "source of a READ".into()
-            })
-            .and_then(|_| ep.buf.check_guards())
-            .map(|_| String::new()),
+            Some("CHECK_UNCHANGED") => {
+                verify_bytes(ep.buf.as_slice(), &pattern(len, num(1)), |_| {
+                    "source of a READ".into()
+                })
+                .and_then(|_| ep.buf.check_guards())
+                .map(|_| String::new())
+            }
             Some("WAIT_NOTIF") => unhex(w[1])
                 .and_then(|m| ep.node.wait_notif(&initiator, &m, wait_timeout()))
                 .map(|_| String::new()),
@@ -151,7 +164,11 @@ impl Peer {
                 }
             }
         });
-        Peer { child, stdin, lines: rx }
+        Peer {
+            child,
+            stdin,
+            lines: rx,
+        }
     }
 
     /// Next reply; `ERR ...` becomes a panic with the peer's message.
@@ -160,7 +177,9 @@ impl Peer {
         match self.lines.recv_timeout(timeout) {
             Ok(l) if l.starts_with("ERR") => panic!("target peer failed at {what}: {l}"),
             Ok(l) => l,
-            Err(RecvTimeoutError::Timeout) => panic!("target peer: no reply to {what} within {timeout:?}"),
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("target peer: no reply to {what} within {timeout:?}")
+            }
             Err(RecvTimeoutError::Disconnected) => {
                 let st = self.child.wait().ok();
                 panic!("target peer exited during {what} (status {st:?})")
@@ -175,7 +194,10 @@ impl Peer {
         let t0 = Instant::now();
         let r = self.recv(&what);
         eprintln!("[two_process] {what}: {:?}", t0.elapsed());
-        assert!(r.starts_with("OK") || r == "BYE", "unexpected reply to {what}: {r}");
+        assert!(
+            r.starts_with("OK") || r == "BYE",
+            "unexpected reply to {what}: {r}"
+        );
         r
     }
 

@@ -222,7 +222,9 @@ fn main() -> ExitCode {
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     if let Err(e) = preload_capi(Some(root)) {
-        eprintln!("bounce-demo: NIXL runtime not found: {e}\n(run scripts/demo.sh, which sets it up)");
+        eprintln!(
+            "bounce-demo: NIXL runtime not found: {e}\n(run scripts/demo.sh, which sets it up)"
+        );
         return ExitCode::from(1);
     }
     let op = match o.op {

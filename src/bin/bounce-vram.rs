@@ -59,7 +59,9 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
 /// `parts` plans of `n` moves each, part `t` over slots
 /// `[t*slots, (t+1)*slots)` with seed `seed + t`.
 fn plans(parts: usize, n: usize, size: usize, slots: usize, seed: u64, mixed: bool) -> Vec<Plan> {
-    (0..parts).map(|t| plan(n, size, slots, t * slots * size, seed + t as u64, mixed)).collect()
+    (0..parts)
+        .map(|t| plan(n, size, slots, t * slots * size, seed + t as u64, mixed))
+        .collect()
 }
 
 /// The destination buffer after applying `plans` from source pattern `sseed`
@@ -89,7 +91,11 @@ fn plan(n: usize, size: usize, slots: usize, base: usize, seed: u64, mixed: bool
     let dst = r.perm(slots);
     let moves = (0..n)
         .map(|i| {
-            let len = if mixed { 1 + (r.next() as usize % size) } else { size };
+            let len = if mixed {
+                1 + (r.next() as usize % size)
+            } else {
+                size
+            };
             (base + src[i] * size, base + dst[i] * size, len)
         })
         .collect();
@@ -105,12 +111,15 @@ fn die(msg: String) -> ! {
 
 fn agent(name: &str, backend: &str, params: &[(String, String)]) -> Result<Agent, String> {
     let a = Agent::new(name).map_err(|e| format!("Agent::new: {e}"))?;
-    let (_m, defaults) = a.get_plugin_params(backend).map_err(|e| format!("plugin params of {backend}: {e}"))?;
+    let (_m, defaults) = a
+        .get_plugin_params(backend)
+        .map_err(|e| format!("plugin params of {backend}: {e}"))?;
     let mut p: Params = defaults.clone().map_err(|e| format!("params: {e}"))?;
     for (k, v) in params {
         p.set(k, v).map_err(|e| format!("param {k}: {e}"))?;
     }
-    a.create_backend(backend, &p).map_err(|e| format!("create_backend({backend}): {e}"))?;
+    a.create_backend(backend, &p)
+        .map_err(|e| format!("create_backend({backend}): {e}"))?;
     Ok(a)
 }
 
@@ -119,10 +128,16 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0)).collect()
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect()
 }
 
-fn xfer_list(base: usize, dev: u64, items: impl Iterator<Item = (usize, usize)>) -> XferDescList<'static> {
+fn xfer_list(
+    base: usize,
+    dev: u64,
+    items: impl Iterator<Item = (usize, usize)>,
+) -> XferDescList<'static> {
     let mut l = XferDescList::new(MemType::Vram).expect("descriptor list");
     for (off, len) in items {
         l.add_desc(base + off, len, dev);
@@ -146,7 +161,9 @@ fn wait(a: &Agent, req: &XferRequest) -> Result<(), String> {
 }
 
 fn plugin_counters(name: &str) -> BTreeMap<String, u64> {
-    nixl_bounce::stats::plugin_stats(name).map(|s| s.counters).unwrap_or_default()
+    nixl_bounce::stats::plugin_stats(name)
+        .map(|s| s.counters)
+        .unwrap_or_default()
 }
 
 // ---- the target process --------------------------------------------------------
@@ -157,8 +174,12 @@ fn serve(args: &Args) {
     let buf = DeviceArena::new(&dev, args.buffer).unwrap_or_else(|e| die(e));
     let name = format!("vram-target-{}", std::process::id());
     let a = agent(&name, &args.backend, &args.params).unwrap_or_else(|e| die(e));
-    a.register_memory(&buf, None).map(std::mem::forget).unwrap_or_else(|e| die(format!("register: {e}")));
-    let md = a.get_local_md().unwrap_or_else(|e| die(format!("metadata: {e}")));
+    a.register_memory(&buf, None)
+        .map(std::mem::forget)
+        .unwrap_or_else(|e| die(format!("register: {e}")));
+    let md = a
+        .get_local_md()
+        .unwrap_or_else(|e| die(format!("metadata: {e}")));
     let reply = |s: String| {
         let mut o = std::io::stdout().lock();
         let _ = writeln!(o, "{TAG}{s}");
@@ -178,18 +199,31 @@ fn serve(args: &Args) {
             }
             ["CHECK", parts, n, size, slots, pseed, sseed, dseed, mixed] => {
                 let p = |s: &str| s.parse::<usize>().unwrap_or(0);
-                let ps = plans(p(parts), p(n), p(size), p(slots), p(pseed) as u64, *mixed == "1");
+                let ps = plans(
+                    p(parts),
+                    p(n),
+                    p(size),
+                    p(slots),
+                    p(pseed) as u64,
+                    *mixed == "1",
+                );
                 let want = expected(args.buffer, &ps, p(sseed) as u64, p(dseed) as u64);
                 let mut got = vec![0u8; args.buffer];
                 match buf.read(0, &mut got) {
                     Err(e) => reply(format!("ERR {e}")),
                     Ok(()) => match got.iter().zip(&want).position(|(a, b)| a != b) {
                         None => reply("OK".into()),
-                        Some(i) => reply(format!("ERR first wrong byte at offset {i}: {} != {}", got[i], want[i])),
+                        Some(i) => reply(format!(
+                            "ERR first wrong byte at offset {i}: {} != {}",
+                            got[i], want[i]
+                        )),
                     },
                 }
             }
-            ["STATS"] => reply(format!("OK {}", serde_json::to_string(&plugin_counters(&name)).unwrap_or_default())),
+            ["STATS"] => reply(format!(
+                "OK {}",
+                serde_json::to_string(&plugin_counters(&name)).unwrap_or_default()
+            )),
             ["QUIT"] => break,
             _ => reply(format!("ERR unknown command {line:?}")),
         }
@@ -209,18 +243,33 @@ impl Target {
     fn spawn(args: &Args) -> Result<Target, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(exe);
-        cmd.arg("serve").args(args.forward()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        let mut child = cmd.spawn().map_err(|e| format!("spawning the target: {e}"))?;
+        cmd.arg("serve")
+            .args(args.forward())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("spawning the target: {e}"))?;
         let stdin = child.stdin.take().expect("piped");
         let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-        let mut t = Target { child, stdin, lines, name: String::new(), base: 0, metadata: Vec::new() };
+        let mut t = Target {
+            child,
+            stdin,
+            lines,
+            name: String::new(),
+            base: 0,
+            metadata: Vec::new(),
+        };
         let first = t.reply()?;
         let w: Vec<&str> = first.split_whitespace().collect();
         if w.len() != 4 || w[0] != "MD" {
             return Err(format!("unexpected first line from the target: {first:?}"));
         }
         t.name = w[1].to_string();
-        t.base = w[2].parse().map_err(|_| "bad base address from the target".to_string())?;
+        t.base = w[2]
+            .parse()
+            .map_err(|_| "bad base address from the target".to_string())?;
         t.metadata = unhex(w[3]);
         Ok(t)
     }
@@ -278,18 +327,38 @@ impl Initiator {
         let buf = DeviceArena::new(&dev, args.buffer)?;
         let name = format!("vram-init-{}", std::process::id());
         let agent = agent(&name, &args.backend, &args.params)?;
-        agent.register_memory(&buf, None).map(std::mem::forget).map_err(|e| format!("register: {e}"))?;
+        agent
+            .register_memory(&buf, None)
+            .map(std::mem::forget)
+            .map_err(|e| format!("register: {e}"))?;
         let target = Target::spawn(args)?;
-        let loaded = agent.load_remote_md(&target.metadata).map_err(|e| format!("loading the target's metadata: {e}"))?;
+        let loaded = agent
+            .load_remote_md(&target.metadata)
+            .map_err(|e| format!("loading the target's metadata: {e}"))?;
         if loaded != target.name {
             return Err(format!("loaded {loaded:?}, expected {:?}", target.name));
         }
-        Ok(Initiator { agent, name, dev: args.device as u64, buf, target_name: loaded, target })
+        Ok(Initiator {
+            agent,
+            name,
+            dev: args.device as u64,
+            buf,
+            target_name: loaded,
+            target,
+        })
     }
 
     fn request(&self, plan: &Plan, notif: Option<&[u8]>) -> Result<XferRequest, String> {
-        let l = xfer_list(self.buf.base() as usize, self.dev, plan.moves.iter().map(|&(s, _, l)| (s, l)));
-        let r = xfer_list(self.target.base, self.target_device(), plan.moves.iter().map(|&(_, d, l)| (d, l)));
+        let l = xfer_list(
+            self.buf.base() as usize,
+            self.dev,
+            plan.moves.iter().map(|&(s, _, l)| (s, l)),
+        );
+        let r = xfer_list(
+            self.target.base,
+            self.target_device(),
+            plan.moves.iter().map(|&(_, d, l)| (d, l)),
+        );
         let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
         if let Some(m) = notif {
             opt.set_has_notification(true).map_err(|e| e.to_string())?;
@@ -305,7 +374,14 @@ impl Initiator {
     }
 
     /// One verified WRITE; returns its duration.
-    fn checked_write(&mut self, n: usize, size: usize, seed: u64, mixed: bool, args: &Args) -> Result<Duration, String> {
+    fn checked_write(
+        &mut self,
+        n: usize,
+        size: usize,
+        seed: u64,
+        mixed: bool,
+        args: &Args,
+    ) -> Result<Duration, String> {
         let slots = args.buffer / size;
         let p = plan(n, size, slots, 0, seed, mixed);
         let (sseed, dseed) = (seed * 2 + 1, seed * 2 + 2);
@@ -314,11 +390,16 @@ impl Initiator {
         self.target.cmd(&format!("FILL {dseed}"))?;
         let req = self.request(&p, None)?;
         let t0 = Instant::now();
-        self.agent.post_xfer_req(&req, None).map_err(|e| format!("post: {e}"))?;
+        self.agent
+            .post_xfer_req(&req, None)
+            .map_err(|e| format!("post: {e}"))?;
         wait(&self.agent, &req)?;
         let dt = t0.elapsed();
         drop(req);
-        self.target.cmd(&format!("CHECK 1 {n} {size} {slots} {seed} {sseed} {dseed} {}", u8::from(mixed)))?;
+        self.target.cmd(&format!(
+            "CHECK 1 {n} {size} {slots} {seed} {sseed} {dseed} {}",
+            u8::from(mixed)
+        ))?;
         Ok(dt)
     }
 }
@@ -344,22 +425,36 @@ fn run_tests(args: &Args) -> bool {
     match Initiator::new(args) {
         Err(e) => check("setup", Err(e)),
         Ok(mut init) => {
-            for (n, size, mixed) in [(1, 4096, false), (1024, 4096, false), (16384, 4096, false), (4096, 16384, true)] {
+            for (n, size, mixed) in [
+                (1, 4096, false),
+                (1024, 4096, false),
+                (16384, 4096, false),
+                (4096, 16384, true),
+            ] {
                 let before = plugin_counters(&init.name);
-                let r = init.checked_write(n, size, 7 + n as u64, mixed, args).and_then(|dt| {
-                    let after = plugin_counters(&init.name);
-                    let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
-                        - before.get("bounce_succeeded").copied().unwrap_or(0);
-                    let want_bounce = bounce && n >= 1024 && !args.expect_fallback;
-                    if want_bounce && bounced != 1 {
-                        return Err(format!("expected the bounce path, counters: {after:?}"));
-                    }
-                    if !want_bounce && bounced != 0 {
-                        return Err("expected the UCX path, but the transfer bounced".into());
-                    }
-                    Ok(format!("({:.3} ms, {})", dt.as_secs_f64() * 1e3, if bounced == 1 { "bounce" } else { "ucx" }))
-                });
-                check(&format!("write_{n}x{size}{}", if mixed { "_mixed" } else { "" }), r);
+                let r = init
+                    .checked_write(n, size, 7 + n as u64, mixed, args)
+                    .and_then(|dt| {
+                        let after = plugin_counters(&init.name);
+                        let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
+                            - before.get("bounce_succeeded").copied().unwrap_or(0);
+                        let want_bounce = bounce && n >= 1024 && !args.expect_fallback;
+                        if want_bounce && bounced != 1 {
+                            return Err(format!("expected the bounce path, counters: {after:?}"));
+                        }
+                        if !want_bounce && bounced != 0 {
+                            return Err("expected the UCX path, but the transfer bounced".into());
+                        }
+                        Ok(format!(
+                            "({:.3} ms, {})",
+                            dt.as_secs_f64() * 1e3,
+                            if bounced == 1 { "bounce" } else { "ucx" }
+                        ))
+                    });
+                check(
+                    &format!("write_{n}x{size}{}", if mixed { "_mixed" } else { "" }),
+                    r,
+                );
             }
             let r = concurrent(&mut init, args);
             check("concurrent_threads", r);
@@ -387,21 +482,31 @@ fn concurrent(init: &mut Initiator, args: &Args) -> Result<String, String> {
             .map(|p| {
                 s.spawn(move || -> Result<(), String> {
                     let req = init_ref.request(p, None)?;
-                    init_ref.agent.post_xfer_req(&req, None).map_err(|e| format!("post: {e}"))?;
+                    init_ref
+                        .agent
+                        .post_xfer_req(&req, None)
+                        .map_err(|e| format!("post: {e}"))?;
                     wait(&init_ref.agent, &req)
                 })
             })
             .collect();
         for h in handles {
-            h.join().map_err(|_| "a submit thread panicked".to_string())??;
+            h.join()
+                .map_err(|_| "a submit thread panicked".to_string())??;
         }
         Ok(())
     })?;
     let dt = t0.elapsed();
-    init.target.cmd(&format!("CHECK {threads} {n} {size} {per} {seed} {sseed} {dseed} 0"))?;
+    init.target.cmd(&format!(
+        "CHECK {threads} {n} {size} {per} {seed} {sseed} {dseed} 0"
+    ))?;
     let after = plugin_counters(&init.name);
-    let bounced = after.get("bounce_succeeded").copied().unwrap_or(0) - before.get("bounce_succeeded").copied().unwrap_or(0);
-    Ok(format!("({threads} threads x {n} x 4 KiB in {:.3} ms, {bounced} bounced)", dt.as_secs_f64() * 1e3))
+    let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
+        - before.get("bounce_succeeded").copied().unwrap_or(0);
+    Ok(format!(
+        "({threads} threads x {n} x 4 KiB in {:.3} ms, {bounced} bounced)",
+        dt.as_secs_f64() * 1e3
+    ))
 }
 
 #[derive(serde::Serialize)]
@@ -449,7 +554,9 @@ fn run_bench(args: &Args) -> bool {
             for _ in 0..args.iters {
                 let req = init.request(&p, None).unwrap_or_else(|e| die(e));
                 let t0 = Instant::now();
-                init.agent.post_xfer_req(&req, None).unwrap_or_else(|e| die(format!("post: {e}")));
+                init.agent
+                    .post_xfer_req(&req, None)
+                    .unwrap_or_else(|e| die(format!("post: {e}")));
                 wait(&init.agent, &req).unwrap_or_else(|e| die(e));
                 times.push(t0.elapsed().as_secs_f64() * 1e3);
             }
@@ -486,21 +593,28 @@ fn run_bench(args: &Args) -> bool {
         let slots = args.buffer / size;
         let per = slots / args.concurrent;
         if per >= n {
-            let plans: Vec<Plan> =
-                (0..args.concurrent).map(|i| plan(n, size, per, i * per * size, 7000 + i as u64, false)).collect();
+            let plans: Vec<Plan> = (0..args.concurrent)
+                .map(|i| plan(n, size, per, i * per * size, 7000 + i as u64, false))
+                .collect();
             for round in 0..3 {
-                let reqs: Vec<XferRequest> =
-                    plans.iter().map(|p| init.request(p, None).unwrap_or_else(|e| die(e))).collect();
+                let reqs: Vec<XferRequest> = plans
+                    .iter()
+                    .map(|p| init.request(p, None).unwrap_or_else(|e| die(e)))
+                    .collect();
                 let t0 = Instant::now();
                 for r in &reqs {
-                    init.agent.post_xfer_req(r, None).unwrap_or_else(|e| die(format!("post: {e}")));
+                    init.agent
+                        .post_xfer_req(r, None)
+                        .unwrap_or_else(|e| die(format!("post: {e}")));
                 }
                 let mut done = vec![None; reqs.len()];
                 while done.iter().any(Option::is_none) {
                     for (i, r) in reqs.iter().enumerate() {
                         if done[i].is_none() {
                             match init.agent.get_xfer_status(r) {
-                                Ok(XferStatus::Success) => done[i] = Some(t0.elapsed().as_secs_f64() * 1e3),
+                                Ok(XferStatus::Success) => {
+                                    done[i] = Some(t0.elapsed().as_secs_f64() * 1e3)
+                                }
                                 Ok(XferStatus::InProgress) => {}
                                 Err(e) => die(format!("concurrent request {i} failed: {e}")),
                             }
@@ -538,7 +652,8 @@ fn run_bench(args: &Args) -> bool {
             "gpu": CudaRuntime::probe().ok().and_then(|c| c.device(args.device).ok()).map(|d| d.name().to_string()),
             "rows": rows,
         });
-        if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()) {
+        if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default())
+        {
             eprintln!("writing {path}: {e}");
         }
     }
@@ -548,7 +663,10 @@ fn run_bench(args: &Args) -> bool {
 }
 
 fn target_counters(t: &mut Target) -> BTreeMap<String, u64> {
-    t.cmd("STATS").ok().and_then(|j| serde_json::from_str(&j).ok()).unwrap_or_default()
+    t.cmd("STATS")
+        .ok()
+        .and_then(|j| serde_json::from_str(&j).ok())
+        .unwrap_or_default()
 }
 
 /// Where a bounce request's time goes, averaged per request from the
@@ -562,7 +680,10 @@ fn print_breakdown(
     tafter: &BTreeMap<String, u64>,
 ) {
     let d = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
-        a.get(k).copied().unwrap_or(0).saturating_sub(b.get(k).copied().unwrap_or(0))
+        a.get(k)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(b.get(k).copied().unwrap_or(0))
     };
     let per = |ns: u64| ns as f64 / iters.max(1) as f64 / 1e6;
     let chunks = d(after, before, "chunks_written") as f64 / iters.max(1) as f64;
@@ -632,15 +753,24 @@ impl Args {
             expect_fallback: false,
             target_params: Vec::new(),
         };
-        let list = |s: String| s.split(',').filter_map(|x| x.trim().parse().ok()).collect::<Vec<usize>>();
+        let list = |s: String| {
+            s.split(',')
+                .filter_map(|x| x.trim().parse().ok())
+                .collect::<Vec<usize>>()
+        };
         while let Some(flag) = it.next() {
-            let mut val = || it.next().unwrap_or_else(|| die(format!("{flag} needs a value")));
+            let mut val = || {
+                it.next()
+                    .unwrap_or_else(|| die(format!("{flag} needs a value")))
+            };
             match flag.as_str() {
                 "--backend" => a.backend = val(),
                 "--label" => a.label = val(),
                 "--param" => {
                     let kv = val();
-                    let (k, v) = kv.split_once('=').unwrap_or_else(|| die(format!("--param {kv}: not K=V")));
+                    let (k, v) = kv
+                        .split_once('=')
+                        .unwrap_or_else(|| die(format!("--param {kv}: not K=V")));
                     a.params.retain(|(key, _)| key != k);
                     a.params.push((k.into(), v.into()));
                 }
@@ -655,7 +785,9 @@ impl Args {
                 "--expect-fallback" => a.expect_fallback = true,
                 "--target-param" => {
                     let kv = val();
-                    let (k, v) = kv.split_once('=').unwrap_or_else(|| die(format!("--target-param {kv}: not K=V")));
+                    let (k, v) = kv
+                        .split_once('=')
+                        .unwrap_or_else(|| die(format!("--target-param {kv}: not K=V")));
                     a.target_params.push((k.into(), v.into()));
                 }
                 other => die(format!("unknown option {other}")),
@@ -697,9 +829,20 @@ impl Args {
 
 fn main() {
     let args = Args::parse();
-    TARGET_DEVICE.store(args.target_device as u64, std::sync::atomic::Ordering::Relaxed);
+    TARGET_DEVICE.store(
+        args.target_device as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     if args.command == "help" || args.command == "--help" {
-        println!("{}", include_str!("bounce-vram.rs").lines().take_while(|l| l.starts_with("//!")).map(|l| l.trim_start_matches("//!").trim_start()).collect::<Vec<_>>().join("\n"));
+        println!(
+            "{}",
+            include_str!("bounce-vram.rs")
+                .lines()
+                .take_while(|l| l.starts_with("//!"))
+                .map(|l| l.trim_start_matches("//!").trim_start())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
         return;
     }
     if let Err(e) = CudaRuntime::probe().and_then(|c| c.device(args.device).map(|_| ())) {

@@ -91,7 +91,8 @@ pub fn device_arena(
     config: &Config,
 ) -> Result<(Arc<dyn Arena>, Arc<dyn CopyEngine>), String> {
     let cuda = cuda::CudaRuntime::probe()?;
-    let ordinal = usize::try_from(device).map_err(|_| format!("device id {device} is not a GPU ordinal"))?;
+    let ordinal =
+        usize::try_from(device).map_err(|_| format!("device id {device} is not a GPU ordinal"))?;
     let dev = cuda.device(ordinal)?;
     let arena = crate::dataplane::vram::DeviceArena::new(&dev, len)?;
     let streams = (config.copy_stream_count as usize).max(1);

@@ -9,16 +9,16 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use nixl_sys::{Agent, MemType};
 
 use crate::config::Config;
-use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 use crate::control::notif::{NotifChannel, NotifHub};
+use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
 use crate::copy::{CopyEngine, RegionSpan};
-use crate::failpoint::Failpoints;
 use crate::dataplane::{Arena, DataPlane, HostArena, PeerArena};
+use crate::failpoint::Failpoints;
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
-use crate::proto::{Endpoint, EndpointConfig};
 use crate::proto::PeerId;
+use crate::proto::{Endpoint, EndpointConfig};
 use crate::runtime::{Parts, Runtime};
 
 use super::{MemKind, Op};
@@ -88,20 +88,21 @@ impl Bounce {
         };
         let data = DataPlane::new(shared.inner.clone(), &*arena)?;
         let arena_metadata = data.arena_metadata()?;
-        let (channel, control): (Box<dyn ControlChannel>, ControlKind) = if config.use_nixl_notifications {
-            let ch = NotifChannel::new(shared.hub.clone()).map_err(|e| e.to_string())?;
-            (Box::new(ch), ControlKind::NixlNotif)
-        } else {
-            let bind = if config.control_bind_loopback {
-                BindSpec::loopback()
-            } else if !config.control_interface.is_empty() {
-                BindSpec::interface(config.control_interface.clone())
+        let (channel, control): (Box<dyn ControlChannel>, ControlKind) =
+            if config.use_nixl_notifications {
+                let ch = NotifChannel::new(shared.hub.clone()).map_err(|e| e.to_string())?;
+                (Box::new(ch), ControlKind::NixlNotif)
             } else {
-                BindSpec::auto()
+                let bind = if config.control_bind_loopback {
+                    BindSpec::loopback()
+                } else if !config.control_interface.is_empty() {
+                    BindSpec::interface(config.control_interface.clone())
+                } else {
+                    BindSpec::auto()
+                };
+                let ch = ZmqChannel::new(&bind, ZmqConfig::default()).map_err(|e| e.to_string())?;
+                (Box::new(ch), ControlKind::Zmq)
             };
-            let ch = ZmqChannel::new(&bind, ZmqConfig::default()).map_err(|e| e.to_string())?;
-            (Box::new(ch), ControlKind::Zmq)
-        };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
         let access_key = random_u64()?;
         let endpoint = Endpoint::new(EndpointConfig {
@@ -123,12 +124,17 @@ impl Bounce {
             endpoint,
             channel,
             data,
-            arena: RegionSpan { addr: arena.base(), len: arena.len() },
+            arena: RegionSpan {
+                addr: arena.base(),
+                len: arena.len(),
+            },
             copier,
             copy_workers: workers,
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
-                notifier.send_notification(target, msg, None).map_err(|e| e.to_string())
+                notifier
+                    .send_notification(target, msg, None)
+                    .map_err(|e| e.to_string())
             }),
         })
         .map_err(|e| format!("starting the reactor: {e}"))?;
@@ -145,8 +151,14 @@ impl Bounce {
 
     /// Tells this instance's runtime about `peer` (once).
     pub fn ensure_peer(&self, peer: &PeerBounce) {
-        if self.known_peers.lock().expect("known peers").insert(peer.id.clone()) {
-            self.runtime.add_peer(peer.id.clone(), peer.arena.clone(), peer.key);
+        if self
+            .known_peers
+            .lock()
+            .expect("known peers")
+            .insert(peer.id.clone())
+        {
+            self.runtime
+                .add_peer(peer.id.clone(), peer.arena.clone(), peer.key);
         }
     }
 
@@ -190,8 +202,14 @@ pub fn admit(
     inner_agent: &str,
     peer: &Handshake,
 ) -> Result<PeerBounce, String> {
-    let control = if config.use_nixl_notifications { ControlKind::NixlNotif } else { ControlKind::Zmq };
-    local_handshake(config, control).check_compatible(peer).map_err(|e: Incompatible| e.to_string())?;
+    let control = if config.use_nixl_notifications {
+        ControlKind::NixlNotif
+    } else {
+        ControlKind::Zmq
+    };
+    local_handshake(config, control)
+        .check_compatible(peer)
+        .map_err(|e: Incompatible| e.to_string())?;
     let id = peer_id_of(&peer.endpoint).ok_or("the peer's control endpoint is not text")?;
     Ok(PeerBounce {
         id,
@@ -213,7 +231,10 @@ pub fn admit(
 /// channel names senders without it).
 pub fn peer_id_of(endpoint: &[u8]) -> Option<crate::proto::PeerId> {
     let head = endpoint.split(|&b| b == 0).next().unwrap_or_default();
-    std::str::from_utf8(head).ok().filter(|s| !s.is_empty()).map(crate::proto::PeerId::new)
+    std::str::from_utf8(head)
+        .ok()
+        .filter(|s| !s.is_empty())
+        .map(crate::proto::PeerId::new)
 }
 
 /// A random 64-bit value from the kernel (the arena's access key).
@@ -222,7 +243,10 @@ fn random_u64() -> Result<u64, String> {
     // SAFETY: getrandom writes at most buf.len() bytes into buf.
     let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
     if n != buf.len() as isize {
-        return Err(format!("getrandom failed: {}", std::io::Error::last_os_error()));
+        return Err(format!(
+            "getrandom failed: {}",
+            std::io::Error::last_os_error()
+        ));
     }
     Ok(u64::from_le_bytes(buf))
 }
@@ -230,7 +254,10 @@ fn random_u64() -> Result<u64, String> {
 /// Request ids must not repeat across incarnations of an agent (the peer may
 /// remember a cancelled id): start from the clock and the process id.
 fn request_id_base() -> u64 {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
     nanos ^ (u64::from(std::process::id()) << 40)
 }
 
@@ -312,7 +339,11 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.descriptors < cfg.min_descriptor_count.max(1) {
         return Err(Fallback::TooFewDescriptors);
     }
-    if r.bytes > cfg.max_average_descriptor_size_bytes.saturating_mul(r.descriptors) {
+    if r.bytes
+        > cfg
+            .max_average_descriptor_size_bytes
+            .saturating_mul(r.descriptors)
+    {
         return Err(Fallback::DescriptorsTooLarge);
     }
     Ok(())
@@ -337,24 +368,101 @@ mod tests {
 
     #[test]
     fn eligible_transfers_take_the_bounce_path() {
-        let cfg = Config { enabled: true, ..Config::default() };
+        let cfg = Config {
+            enabled: true,
+            ..Config::default()
+        };
         assert_eq!(route(&cfg, false, &input()), Ok(()));
     }
 
     #[test]
     fn each_gate_names_its_fallback() {
-        let on = Config { enabled: true, ..Config::default() };
-        let off = Config { enabled: false, ..Config::default() };
+        let on = Config {
+            enabled: true,
+            ..Config::default()
+        };
+        let off = Config {
+            enabled: false,
+            ..Config::default()
+        };
         assert_eq!(route(&off, false, &input()), Err(Fallback::BounceDisabled));
         assert_eq!(route(&on, true, &input()), Err(Fallback::Poisoned));
-        assert_eq!(route(&on, false, &RouteInput { op: Op::Read, ..input() }), Err(Fallback::NotWrite));
-        assert_eq!(route(&on, false, &RouteInput { remote: MemKind::Vram, ..input() }), Ok(()));
-        assert_eq!(route(&on, false, &RouteInput { local_arena: false, ..input() }), Err(Fallback::NoLocalArena));
-        assert_eq!(route(&on, false, &RouteInput { peer_capable: false, ..input() }), Err(Fallback::PeerNotBounceCapable));
-        assert_eq!(route(&on, false, &RouteInput { local_transfer: true, ..input() }), Err(Fallback::LocalTransfer));
-        assert_eq!(route(&on, false, &RouteInput { descriptors: 10, bytes: 40960, ..input() }), Err(Fallback::TooFewDescriptors));
         assert_eq!(
-            route(&on, false, &RouteInput { bytes: 4096 * 65536, ..input() }),
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    op: Op::Read,
+                    ..input()
+                }
+            ),
+            Err(Fallback::NotWrite)
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    remote: MemKind::Vram,
+                    ..input()
+                }
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    local_arena: false,
+                    ..input()
+                }
+            ),
+            Err(Fallback::NoLocalArena)
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    peer_capable: false,
+                    ..input()
+                }
+            ),
+            Err(Fallback::PeerNotBounceCapable)
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    local_transfer: true,
+                    ..input()
+                }
+            ),
+            Err(Fallback::LocalTransfer)
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    descriptors: 10,
+                    bytes: 40960,
+                    ..input()
+                }
+            ),
+            Err(Fallback::TooFewDescriptors)
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    bytes: 4096 * 65536,
+                    ..input()
+                }
+            ),
             Err(Fallback::DescriptorsTooLarge)
         );
     }

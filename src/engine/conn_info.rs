@@ -138,18 +138,30 @@ impl PublicData {
         if magic != PUBLIC_MAGIC {
             return Err("not BOUNCE region metadata; is the peer running BOUNCE?".into());
         }
-        let version = u16::from_le_bytes(take(&mut bytes, 2, "version")?.try_into().expect("2 bytes"));
+        let version =
+            u16::from_le_bytes(take(&mut bytes, 2, "version")?.try_into().expect("2 bytes"));
         if version != PUBLIC_VERSION {
             return Err(format!(
                 "peer speaks BOUNCE region-metadata version {version}, this plugin speaks {PUBLIC_VERSION}"
             ));
         }
-        let n = u32::from_le_bytes(take(&mut bytes, 4, "metadata length")?.try_into().expect("4 bytes"));
+        let n = u32::from_le_bytes(
+            take(&mut bytes, 4, "metadata length")?
+                .try_into()
+                .expect("4 bytes"),
+        );
         let region_md = take(&mut bytes, n as usize, "region metadata")?.to_vec();
-        let n = u32::from_le_bytes(take(&mut bytes, 4, "bounce length")?.try_into().expect("4 bytes"));
+        let n = u32::from_le_bytes(
+            take(&mut bytes, 4, "bounce length")?
+                .try_into()
+                .expect("4 bytes"),
+        );
         let mut b = take(&mut bytes, n as usize, "bounce block")?;
         if !bytes.is_empty() {
-            return Err(format!("{} unexpected trailing bytes after the region metadata", bytes.len()));
+            return Err(format!(
+                "{} unexpected trailing bytes after the region metadata",
+                bytes.len()
+            ));
         }
         let bounce = if n == 0 {
             None
@@ -158,9 +170,17 @@ impl PublicData {
             if kind > 1 {
                 return Err(format!("unknown arena memory kind {kind}"));
             }
-            let m = u32::from_le_bytes(take(&mut b, 4, "arena metadata length")?.try_into().expect("4 bytes"));
+            let m = u32::from_le_bytes(
+                take(&mut b, 4, "arena metadata length")?
+                    .try_into()
+                    .expect("4 bytes"),
+            );
             let arena_md = take(&mut b, m as usize, "arena metadata")?.to_vec();
-            Some(PublicBounce { kind, arena_md, handshake: b.to_vec() })
+            Some(PublicBounce {
+                kind,
+                arena_md,
+                handshake: b.to_vec(),
+            })
         };
         Ok(Self { region_md, bounce })
     }
@@ -223,12 +243,25 @@ mod tests {
 
     #[test]
     fn public_data_round_trips_and_rejects_malformed_input() {
-        for bounce in [None, Some(PublicBounce { kind: 1, arena_md: vec![5; 7], handshake: vec![6; 30] })] {
-            let p = PublicData { region_md: vec![1, 2, 3], bounce };
+        for bounce in [
+            None,
+            Some(PublicBounce {
+                kind: 1,
+                arena_md: vec![5; 7],
+                handshake: vec![6; 30],
+            }),
+        ] {
+            let p = PublicData {
+                region_md: vec![1, 2, 3],
+                bounce,
+            };
             let bytes = p.encode();
             assert_eq!(PublicData::decode(&bytes).unwrap(), p);
             for n in 0..bytes.len() {
-                assert!(PublicData::decode(&bytes[..n]).is_err(), "prefix {n} accepted");
+                assert!(
+                    PublicData::decode(&bytes[..n]).is_err(),
+                    "prefix {n} accepted"
+                );
             }
             let mut long = bytes.clone();
             long.push(9);

@@ -17,9 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nixl_sys::{
-    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, OptArgs,
-    Params, RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest,
-    XferStatus,
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, OptArgs, Params,
+    RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
 };
 
 use crate::config::{Config, ConfigSource};
@@ -401,12 +400,17 @@ impl Engine {
             .map_err(|e| Error::nixl("reading the UCX plugin's parameters", e))?
             .filter_map(|p| p.ok().map(|(key, _)| key.to_string()))
             .collect();
-        let split = params::split(&params, &ucx_keys, &Config::known_param_keys()).map_err(Error::invalid)?;
-        let (config, warnings) = Config::resolve(&|name: &str| std::env::var(name).ok(), &split.bounce)
-            .map_err(|e| Error::invalid(format!("BOUNCE configuration: {e}")))?;
+        let split = params::split(&params, &ucx_keys, &Config::known_param_keys())
+            .map_err(Error::invalid)?;
+        let (config, warnings) =
+            Config::resolve(&|name: &str| std::env::var(name).ok(), &split.bounce)
+                .map_err(|e| Error::invalid(format!("BOUNCE configuration: {e}")))?;
         // Explicit backend parameters are strict: a value that cannot be used
         // is an error (environment variables fall back with a warning).
-        if let Some(w) = warnings.iter().find(|w| matches!(w.source, ConfigSource::Param(_))) {
+        if let Some(w) = warnings
+            .iter()
+            .find(|w| matches!(w.source, ConfigSource::Param(_)))
+        {
             return Err(Error::invalid(format!("bad BOUNCE backend parameter: {w}")));
         }
 
@@ -432,7 +436,11 @@ impl Engine {
             .map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
         // Bounce handshakes travel in each region's public data (see
         // conn_info::PublicData), so the connection info carries none.
-        let conn_info = ConnInfo { inner_md, handshake: Vec::new() }.encode();
+        let conn_info = ConnInfo {
+            inner_md,
+            handshake: Vec::new(),
+        }
+        .encode();
 
         let stats = EngineStats::new(local_name, params);
         stats.set_source(instances_stats(instances.clone()));
@@ -525,7 +533,10 @@ impl Engine {
             .get_local_partial_md(&descs, None)
             .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
         EngineStats::bump(&self.stats.counters.registrations);
-        let bounce = self.instance(Location { kind, device: range.dev });
+        let bounce = self.instance(Location {
+            kind,
+            device: range.dev,
+        });
         if let Some(b) = &bounce {
             b.runtime.targets.add(range.addr, range.len);
         }
@@ -556,12 +567,21 @@ impl Engine {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }
         md.magic = 0;
-        if let MdOwner::Registered { registration, bounce, .. } = &mut md.owner {
+        if let MdOwner::Registered {
+            registration,
+            bounce,
+            ..
+        } = &mut md.owner
+        {
             EngineStats::bump(&self.stats.counters.deregistrations);
             if let Some(b) = bounce {
                 // The user may free the memory once we return: wait until no
                 // gather or scatter still touches it.
-                if !b.runtime.targets.remove(md.range.addr, md.range.len, crate::runtime::QUIESCE_BOUND) {
+                if !b.runtime.targets.remove(
+                    md.range.addr,
+                    md.range.len,
+                    crate::runtime::QUIESCE_BOUND,
+                ) {
                     tracing::error!(
                         addr = md.range.addr,
                         len = md.range.len,
@@ -602,14 +622,25 @@ impl Engine {
             .map_err(|e| Error::nixl(&format!("loading agent {remote:?}'s connection"), e))?;
         let expected = format!("{remote}{INNER_SUFFIX}");
         if inner_remote != expected {
-            tracing::warn!(remote, inner_remote, expected, "peer's inner agent is not named after it");
+            tracing::warn!(
+                remote,
+                inner_remote,
+                expected,
+                "peer's inner agent is not named after it"
+            );
         }
         if !info.handshake.is_empty() {
-            tracing::debug!(remote, "ignoring a connection-level bounce handshake (handshakes travel with regions)");
+            tracing::debug!(
+                remote,
+                "ignoring a connection-level bounce handshake (handshakes travel with regions)"
+            );
         }
         self.remotes.lock().expect("remotes lock").insert(
             remote.to_string(),
-            Remote { inner: inner_remote, bounce_peers: HashSet::new() },
+            Remote {
+                inner: inner_remote,
+                bounce_peers: HashSet::new(),
+            },
         );
         tracing::debug!(remote, "loaded connection info");
         Ok(())
@@ -619,7 +650,12 @@ impl Engine {
     /// An absent, unreadable or incompatible one is not an error: transfers to
     /// that memory use the standard path, decided now rather than after a
     /// timeout.
-    fn admit_peer_instance(&self, remote: &str, inner_remote: &str, public: &PublicBounce) -> Option<PeerBounce> {
+    fn admit_peer_instance(
+        &self,
+        remote: &str,
+        inner_remote: &str,
+        public: &PublicBounce,
+    ) -> Option<PeerBounce> {
         if !self.config.enabled {
             return None;
         }
@@ -627,14 +663,20 @@ impl Engine {
         let peer = match Handshake::decode(&public.handshake) {
             Ok(h) => h,
             Err(e) => {
-                tracing::warn!(remote, "peer's bounce handshake is unreadable ({e}); using UCX for that memory");
+                tracing::warn!(
+                    remote,
+                    "peer's bounce handshake is unreadable ({e}); using UCX for that memory"
+                );
                 return None;
             }
         };
         let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer) {
             Ok(p) => p,
             Err(why) => {
-                tracing::info!(remote, "peer's bounce path is incompatible ({why}); using UCX for that memory");
+                tracing::info!(
+                    remote,
+                    "peer's bounce path is incompatible ({why}); using UCX for that memory"
+                );
                 return None;
             }
         };
@@ -643,7 +685,10 @@ impl Engine {
         if !entry.bounce_peers.contains(&admitted.id) {
             // The peer's arena registration: lets our inner agent write into it.
             if let Err(e) = self.inner.load_remote_md(&public.arena_md) {
-                tracing::warn!(remote, "cannot load the peer's arena metadata ({e}); using UCX for that memory");
+                tracing::warn!(
+                    remote,
+                    "cannot load the peer's arena metadata ({e}); using UCX for that memory"
+                );
                 return None;
             }
             entry.bounce_peers.insert(admitted.id.clone());
@@ -661,7 +706,10 @@ impl Engine {
     ) -> Result<Box<Md>> {
         let inner_remote = self.inner_remote(remote)?;
         let public = PublicData::decode(public_data).map_err(|e| {
-            Error::new(Status::Mismatch, format!("region metadata of agent {remote:?} is malformed: {e}"))
+            Error::new(
+                Status::Mismatch,
+                format!("region metadata of agent {remote:?} is malformed: {e}"),
+            )
         })?;
         let loaded = self.inner.load_remote_md(&public.region_md).map_err(|e| {
             Error::nixl(&format!("loading a memory section of agent {remote:?}"), e)
@@ -678,7 +726,10 @@ impl Engine {
             kind,
             owner: MdOwner::Remote {
                 agent: remote.to_string(),
-                bounce: public.bounce.as_ref().and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
+                bounce: public
+                    .bounce
+                    .as_ref()
+                    .and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
             },
         }))
     }
@@ -711,9 +762,19 @@ impl Engine {
 
     pub fn disconnect(&self, remote: &str) -> Result<()> {
         let known = self.remotes.lock().expect("remotes lock").remove(remote);
-        if let Some(Remote { inner: inner_remote, bounce_peers }) = known {
-            let instances: Vec<Arc<Bounce>> =
-                self.instances.lock().expect("instances lock").values().flatten().cloned().collect();
+        if let Some(Remote {
+            inner: inner_remote,
+            bounce_peers,
+        }) = known
+        {
+            let instances: Vec<Arc<Bounce>> = self
+                .instances
+                .lock()
+                .expect("instances lock")
+                .values()
+                .flatten()
+                .cloned()
+                .collect();
             for peer in &bounce_peers {
                 for b in &instances {
                     b.forget_peer(peer);
@@ -782,7 +843,12 @@ impl Engine {
                         len: l.len.min(r.len) as u64,
                     })
                     .collect();
-                if let Some(i) = local.descs.iter().zip(&remote.descs).position(|((l, _), (r, _))| l.len != r.len) {
+                if let Some(i) = local
+                    .descs
+                    .iter()
+                    .zip(&remote.descs)
+                    .position(|((l, _), (r, _))| l.len != r.len)
+                {
                     return Err(Error::invalid(format!(
                         "descriptor {i}: local length {} differs from remote length {}",
                         local.descs[i].0.len, remote.descs[i].0.len
@@ -825,7 +891,10 @@ impl Engine {
                     e,
                 )
             })?;
-        Ok(Request { route: Route::Standard(xfer), args })
+        Ok(Request {
+            route: Route::Standard(xfer),
+            args,
+        })
     }
 
     /// Decides the path of a transfer: the local instance and the peer's for
@@ -842,14 +911,30 @@ impl Engine {
         if !self.config.enabled {
             return Err(Fallback::BounceDisabled);
         }
-        let local_instance = uniform(local.descs.iter().map(|(_, md)| match md.map(|m| &m.owner) {
-            Some(MdOwner::Registered { bounce: Some(b), .. }) => Some(b),
-            _ => None,
-        }), |a, b| Arc::ptr_eq(a, b));
-        let peer = uniform(remote.descs.iter().map(|(_, md)| match md.map(|m| &m.owner) {
-            Some(MdOwner::Remote { bounce: Some(p), .. }) => Some(p),
-            _ => None,
-        }), |a, b| a == b);
+        let local_instance = uniform(
+            local
+                .descs
+                .iter()
+                .map(|(_, md)| match md.map(|m| &m.owner) {
+                    Some(MdOwner::Registered {
+                        bounce: Some(b), ..
+                    }) => Some(b),
+                    _ => None,
+                }),
+            |a, b| Arc::ptr_eq(a, b),
+        );
+        let peer = uniform(
+            remote
+                .descs
+                .iter()
+                .map(|(_, md)| match md.map(|m| &m.owner) {
+                    Some(MdOwner::Remote {
+                        bounce: Some(p), ..
+                    }) => Some(p),
+                    _ => None,
+                }),
+            |a, b| a == b,
+        );
         let input = RouteInput {
             op,
             local: local.kind,
@@ -896,13 +981,22 @@ impl Engine {
             }
             Route::Bounce(b) => {
                 if b.ticket.as_ref().is_some_and(|t| t.outcome().is_none()) {
-                    return Err(Error::new(Status::RepostActive, "the bounce transfer is still running"));
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the bounce transfer is still running",
+                    ));
                 }
                 b.instance.ensure_peer(&b.peer_arena);
                 let runtime = &b.instance.runtime;
-                let notif = req.args.notif.clone().map(|message| DeferredNotif { inner_agent: b.peer_inner.clone(), message });
-                let deadline = per_transfer.deadline_ms.map(std::time::Duration::from_millis);
-                b.ticket = Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif, deadline));
+                let notif = req.args.notif.clone().map(|message| DeferredNotif {
+                    inner_agent: b.peer_inner.clone(),
+                    message,
+                });
+                let deadline = per_transfer
+                    .deadline_ms
+                    .map(std::time::Duration::from_millis);
+                b.ticket =
+                    Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif, deadline));
                 b.reported = false;
                 self.stats.bump_named("bounce_submitted");
                 self.stats
@@ -924,7 +1018,10 @@ impl Engine {
             },
             Route::Bounce(b) => {
                 let Some(ticket) = &b.ticket else {
-                    return Err(Error::new(Status::NotPosted, "the bounce transfer was not posted"));
+                    return Err(Error::new(
+                        Status::NotPosted,
+                        "the bounce transfer was not posted",
+                    ));
                 };
                 match ticket.outcome() {
                     None => Ok(Status::InProgress),
@@ -963,8 +1060,11 @@ impl Engine {
     /// Why the bounce arena is poisoned, if it is.
     pub fn poisoned(&self) -> Option<String> {
         let map = self.instances.lock().expect("instances lock");
-        map.iter()
-            .find_map(|(loc, b)| b.as_ref().and_then(|b| b.runtime.poisoned()).map(|why| format!("{loc}: {why}")))
+        map.iter().find_map(|(loc, b)| {
+            b.as_ref()
+                .and_then(|b| b.runtime.poisoned())
+                .map(|why| format!("{loc}: {why}"))
+        })
     }
 
     // ---- notifications -------------------------------------------------------------
@@ -978,11 +1078,17 @@ impl Engine {
         let out: Vec<(String, Vec<u8>)> = notifs
             .into_iter()
             .map(|(inner_agent, msg)| {
-                let outer = inner_agent.strip_suffix(INNER_SUFFIX).unwrap_or(&inner_agent).to_string();
+                let outer = inner_agent
+                    .strip_suffix(INNER_SUFFIX)
+                    .unwrap_or(&inner_agent)
+                    .to_string();
                 (outer, msg)
             })
             .collect();
-        self.stats.counters.notifs_received.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats
+            .counters
+            .notifs_received
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 
@@ -1065,7 +1171,10 @@ fn instances_stats(
                 poisoned = p.map(|why| format!("{loc}: {why}"));
             }
         }
-        total.insert("bounce_instances".into(), map.values().flatten().count() as u64);
+        total.insert(
+            "bounce_instances".into(),
+            map.values().flatten().count() as u64,
+        );
         (total, poisoned)
     })
 }
@@ -1164,5 +1273,8 @@ mod tests {
 /// their defaults: BOUNCE's own. UCX's parameters are accepted too and passed
 /// to the inner UCX backend.
 pub fn advertised_options() -> Vec<(String, String)> {
-    Config::describe().into_iter().map(|s| (s.key.to_string(), s.default)).collect()
+    Config::describe()
+        .into_iter()
+        .map(|s| (s.key.to_string(), s.default))
+        .collect()
 }

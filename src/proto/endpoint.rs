@@ -411,7 +411,9 @@ impl Endpoint {
         if let Some(cause) = &self.ctx.poisoned {
             return Err(SubmitError::Poisoned(cause.clone()));
         }
-        let id = self.sender.submit(&mut self.ctx, now, peer, descriptors, deadline)?;
+        let id = self
+            .sender
+            .submit(&mut self.ctx, now, peer, descriptors, deadline)?;
         self.pump(now);
         Ok(id)
     }

@@ -291,7 +291,10 @@ impl Sender {
             // Unknown (finished long ago or never ours): retract the flow so
             // the receiver frees the regions at once.
             ctx.stats.ignored += 1;
-            ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)));
+            ctx.send(
+                from,
+                Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)),
+            );
             return;
         };
         if req.peer != *from {
@@ -302,7 +305,10 @@ impl Sender {
         if !req.active() {
             ctx.stats.ignored += 1;
             if !req.cancel_pending && !req.cancel_forbidden && req.writes == 0 {
-                ctx.send(from, Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)));
+                ctx.send(
+                    from,
+                    Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)),
+                );
             }
             return;
         }
@@ -610,7 +616,10 @@ impl Sender {
         if req.cancel_pending && req.writes == 0 {
             req.cancel_pending = false;
             let peer = req.peer.clone();
-            ctx.send(&peer, Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(&peer)));
+            ctx.send(
+                &peer,
+                Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(&peer)),
+            );
         }
         if req.completed && req.gathers == 0 && req.writes == 0 {
             self.requests.remove(&id);

@@ -879,12 +879,13 @@ mod tests {
                     endpoint,
                     key: request.0.rotate_left(17),
                 }),
-            (rid.clone(), proptest::collection::vec(any::<u8>(), 0..40))
-                .prop_map(|(request, endpoint)| Message::Cancel {
+            (rid.clone(), proptest::collection::vec(any::<u8>(), 0..40)).prop_map(
+                |(request, endpoint)| Message::Cancel {
                     request,
                     endpoint,
                     key: !request.0
-                }),
+                }
+            ),
             (
                 rid.clone(),
                 proptest::collection::vec((any::<u32>(), any::<u64>(), any::<u64>()), 1..10)

@@ -46,14 +46,22 @@ pub struct Ticket {
 
 impl Ticket {
     fn new() -> Arc<Self> {
-        Arc::new(Self { status: AtomicI32::new(IN_PROGRESS), failure: Mutex::new(None), request: Mutex::new(None) })
+        Arc::new(Self {
+            status: AtomicI32::new(IN_PROGRESS),
+            failure: Mutex::new(None),
+            request: Mutex::new(None),
+        })
     }
     /// `None` while running; then `Ok(())` or the failure reason.
     pub fn outcome(&self) -> Option<Result<(), FailureReason>> {
         match self.status.load(Ordering::Acquire) {
             IN_PROGRESS => None,
             SUCCESS => Some(Ok(())),
-            _ => Some(Err(self.failure.lock().expect("ticket").unwrap_or(FailureReason::Rejected))),
+            _ => Some(Err(self
+                .failure
+                .lock()
+                .expect("ticket")
+                .unwrap_or(FailureReason::Rejected))),
         }
     }
     fn finish(&self, outcome: Result<(), FailureReason>) {
@@ -82,9 +90,17 @@ enum Command {
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
     },
-    Cancel { ticket: Arc<Ticket> },
-    AddPeer { peer: PeerId, arena: PeerArena, key: u64 },
-    ForgetPeer { peer: PeerId },
+    Cancel {
+        ticket: Arc<Ticket>,
+    },
+    AddPeer {
+        peer: PeerId,
+        arena: PeerArena,
+        key: u64,
+    },
+    ForgetPeer {
+        peer: PeerId,
+    },
 }
 
 /// Counters the runtime keeps (read by the engine's stats).
@@ -149,8 +165,11 @@ pub struct InUse(u64);
 
 impl Targets {
     fn rebuild(&mut self) {
-        let mut v: Vec<(u64, u64)> =
-            self.registered.iter().map(|&(a, l)| (a as u64, (a as u64).saturating_add(l as u64))).collect();
+        let mut v: Vec<(u64, u64)> = self
+            .registered
+            .iter()
+            .map(|&(a, l)| (a as u64, (a as u64).saturating_add(l as u64)))
+            .collect();
         v.sort_unstable();
         let mut union: Vec<(u64, u64)> = Vec::with_capacity(v.len());
         for (s, e) in v {
@@ -170,12 +189,16 @@ impl Targets {
 
     fn admits(&self, runs: &[Run]) -> Result<(), String> {
         for (i, run) in runs.iter().enumerate() {
-            let end = run.addr_end().ok_or_else(|| format!("run {i} wraps around"))?;
+            let end = run
+                .addr_end()
+                .ok_or_else(|| format!("run {i} wraps around"))?;
             if self.covers(run.addr, end) {
                 continue;
             }
             for (_, addr, len) in run.copies() {
-                let copy_end = addr.checked_add(len).ok_or_else(|| format!("run {i} wraps around"))?;
+                let copy_end = addr
+                    .checked_add(len)
+                    .ok_or_else(|| format!("run {i} wraps around"))?;
                 if !self.covers(addr, copy_end) {
                     return Err(format!(
                         "run {i} writes [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
@@ -197,7 +220,9 @@ impl Targets {
 
 impl ScatterTargets {
     fn lock(&self) -> std::sync::MutexGuard<'_, Targets> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub fn add(&self, addr: usize, len: usize) {
@@ -224,7 +249,11 @@ impl ScatterTargets {
             if left.is_zero() {
                 return false;
             }
-            t = self.released.wait_timeout(t, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+            t = self
+                .released
+                .wait_timeout(t, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
         }
     }
 
@@ -261,7 +290,14 @@ mod tests {
     use super::*;
 
     fn run(addr: u64, len: u64, count: u32, stride: u64) -> Run {
-        Run { region_offset: 0, addr, len, count, region_stride: len, addr_stride: stride }
+        Run {
+            region_offset: 0,
+            addr,
+            len,
+            count,
+            region_stride: len,
+            addr_stride: stride,
+        }
     }
 
     #[test]
@@ -269,16 +305,25 @@ mod tests {
         let t = Arc::new(ScatterTargets::default());
         t.add(0x1000, 0x1000);
         let token = t.admit_scatter(&[run(0x1100, 0x100, 1, 0)]).unwrap();
-        assert!(!t.remove(0x1000, 0x1000, Duration::from_millis(20)), "a scatter still writes there");
+        assert!(
+            !t.remove(0x1000, 0x1000, Duration::from_millis(20)),
+            "a scatter still writes there"
+        );
         let t2 = t.clone();
         let releaser = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(30));
             t2.release(token);
         });
-        assert!(t.remove(0x1000, 0x1000, Duration::from_secs(5)), "released within the bound");
+        assert!(
+            t.remove(0x1000, 0x1000, Duration::from_secs(5)),
+            "released within the bound"
+        );
         releaser.join().unwrap();
         let other = t.track(&[run(0x9000, 0x10, 1, 0)]);
-        assert!(t.remove(0x1000, 0x1000, Duration::ZERO), "copies elsewhere do not hold it up");
+        assert!(
+            t.remove(0x1000, 0x1000, Duration::ZERO),
+            "copies elsewhere do not hold it up"
+        );
         t.release(other);
     }
 
@@ -288,14 +333,32 @@ mod tests {
         t.add(0x1000, 0x1000);
         t.add(0x2000, 0x1000); // adjacent: one interval [0x1000, 0x3000)
         t.add(0x5000, 0x1000); // gap [0x3000, 0x5000)
-        assert!(t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_ok(), "a copy across adjacent registrations");
-        assert!(t.admits(&[run(0x1000, 0x100, 2, 0x4000)]).is_ok(), "strided copies on both sides of a gap");
-        assert!(t.admits(&[run(0x2f00, 0x200, 1, 0)]).is_err(), "a copy running into the gap");
-        assert!(t.admits(&[run(0x1000, 0x100, 3, 0x2000)]).is_err(), "the middle copy lands in the gap");
-        assert!(t.admits(&[run(0x6000, 1, 1, 0)]).is_err(), "past the last registration");
+        assert!(
+            t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_ok(),
+            "a copy across adjacent registrations"
+        );
+        assert!(
+            t.admits(&[run(0x1000, 0x100, 2, 0x4000)]).is_ok(),
+            "strided copies on both sides of a gap"
+        );
+        assert!(
+            t.admits(&[run(0x2f00, 0x200, 1, 0)]).is_err(),
+            "a copy running into the gap"
+        );
+        assert!(
+            t.admits(&[run(0x1000, 0x100, 3, 0x2000)]).is_err(),
+            "the middle copy lands in the gap"
+        );
+        assert!(
+            t.admits(&[run(0x6000, 1, 1, 0)]).is_err(),
+            "past the last registration"
+        );
         assert!(t.admits(&[run(u64::MAX - 1, 4, 1, 0)]).is_err(), "wrapping");
         assert!(t.remove(0x2000, 0x1000, Duration::ZERO));
-        assert!(t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_err(), "after deregistration");
+        assert!(
+            t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_err(),
+            "after deregistration"
+        );
     }
 }
 
@@ -319,7 +382,9 @@ pub struct Runtime {
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Runtime").field("poisoned", &self.poisoned()).finish_non_exhaustive()
+        f.debug_struct("Runtime")
+            .field("poisoned", &self.poisoned())
+            .finish_non_exhaustive()
     }
 }
 
@@ -384,7 +449,11 @@ impl Runtime {
         let thread = std::thread::Builder::new()
             .name(format!("bounce-io-{}", parts.name))
             .spawn(move || reactor.run())?;
-        Ok(Self { shared, thread: Some(thread), targets })
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            targets,
+        })
     }
 
     fn push(&self, c: Command) {
@@ -402,14 +471,22 @@ impl Runtime {
         deadline: Option<Duration>,
     ) -> Arc<Ticket> {
         let ticket = Ticket::new();
-        self.push(Command::Submit { peer, descriptors, ticket: ticket.clone(), notif, deadline });
+        self.push(Command::Submit {
+            peer,
+            descriptors,
+            ticket: ticket.clone(),
+            notif,
+            deadline,
+        });
         ticket
     }
 
     /// Cancels a request (it fails; its regions are reclaimed safely).
     pub fn cancel(&self, ticket: &Arc<Ticket>) {
         if ticket.outcome().is_none() {
-            self.push(Command::Cancel { ticket: ticket.clone() });
+            self.push(Command::Cancel {
+                ticket: ticket.clone(),
+            });
         }
     }
 
@@ -435,7 +512,9 @@ impl Runtime {
     /// A reader of the runtime's counters and poison state for the engine's
     /// stats snapshot (holds the shared state, not the reactor).
     #[allow(clippy::type_complexity)]
-    pub fn stats_source(&self) -> Box<dyn Fn() -> (std::collections::BTreeMap<String, u64>, Option<String>) + Send> {
+    pub fn stats_source(
+        &self,
+    ) -> Box<dyn Fn() -> (std::collections::BTreeMap<String, u64>, Option<String>) + Send> {
         let shared = self.shared.clone();
         Box::new(move || {
             let c = &shared.counters;
@@ -462,7 +541,10 @@ impl Runtime {
                 ("write_ns", &c.write_ns),
                 ("request_ns", &c.request_ns),
             ];
-            let map = rows.into_iter().map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed))).collect();
+            let map = rows
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
+                .collect();
             (map, shared.poisoned.lock().expect("poisoned").clone())
         })
     }
@@ -534,7 +616,15 @@ fn copy_worker(
         if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
             targets.release(job.in_use);
         }
-        if done.send(CopyDone { id: job.id, result, queued, ran }).is_err() {
+        if done
+            .send(CopyDone {
+                id: job.id,
+                result,
+                queued,
+                ran,
+            })
+            .is_err()
+        {
             return;
         }
         waker();
@@ -611,8 +701,17 @@ impl Reactor {
         for c in cmds {
             let now = self.now();
             match c {
-                Command::Submit { peer, descriptors, ticket, notif, deadline } => {
-                    match self.endpoint.submit_with_deadline(now, &peer, &descriptors, deadline) {
+                Command::Submit {
+                    peer,
+                    descriptors,
+                    ticket,
+                    notif,
+                    deadline,
+                } => {
+                    match self
+                        .endpoint
+                        .submit_with_deadline(now, &peer, &descriptors, deadline)
+                    {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
                             self.tickets.insert(id, (ticket, notif, Instant::now()));
@@ -652,7 +751,12 @@ impl Reactor {
             std::thread::yield_now();
         }
         let now = self.now();
-        let stuck: Vec<ChunkRef> = self.writes.iter().filter(|w| &w.1 == peer).map(|w| w.0).collect();
+        let stuck: Vec<ChunkRef> = self
+            .writes
+            .iter()
+            .filter(|w| &w.1 == peer)
+            .map(|w| w.0)
+            .collect();
         for chunk in stuck {
             tracing::error!(agent = %self.name, %peer, %chunk, "write to a forgotten peer never finished");
             self.endpoint.handle_write_stuck(now, chunk);
@@ -672,24 +776,38 @@ impl Reactor {
             self.copies_in_flight -= 1;
             let now = self.now();
             let c = &self.shared.counters;
-            c.copy_queue_ns.fetch_add(done.queued.as_nanos() as u64, Ordering::Relaxed);
+            c.copy_queue_ns
+                .fetch_add(done.queued.as_nanos() as u64, Ordering::Relaxed);
             match done.id {
-                CopyId::Gather(_) => c.gather_ns.fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
-                CopyId::Scatter(_) => c.scatter_ns.fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+                CopyId::Gather(_) => c
+                    .gather_ns
+                    .fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+                CopyId::Scatter(_) => c
+                    .scatter_ns
+                    .fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
             };
             match (done.id, done.result) {
                 (CopyId::Gather(chunk), Ok(())) => self.endpoint.handle_gather_done(now, chunk),
                 (CopyId::Gather(chunk), Err(e)) => {
-                    self.shared.counters.copy_failures.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .counters
+                        .copy_failures
+                        .fetch_add(1, Ordering::Relaxed);
                     tracing::error!(agent = %self.name, %chunk, "gather failed: {e}");
                     self.endpoint.handle_gather_failed(now, chunk, e.quiesced);
                 }
                 (CopyId::Scatter(region), Ok(())) => {
-                    self.shared.counters.chunks_scattered.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .counters
+                        .chunks_scattered
+                        .fetch_add(1, Ordering::Relaxed);
                     self.endpoint.handle_scatter_done(now, region);
                 }
                 (CopyId::Scatter(region), Err(e)) => {
-                    self.shared.counters.copy_failures.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .counters
+                        .copy_failures
+                        .fetch_add(1, Ordering::Relaxed);
                     tracing::error!(agent = %self.name, %region, "scatter failed: {e}");
                     self.endpoint.handle_scatter_failed(now, region, e.quiesced);
                 }
@@ -708,14 +826,24 @@ impl Reactor {
                     any = true;
                     let (chunk, _peer, _w, len, posted) = self.writes.swap_remove(i);
                     let c = &self.shared.counters;
-                    c.write_ns.fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    c.write_ns
+                        .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     let now = self.now();
                     if state == WriteState::Done {
-                        self.shared.counters.chunks_written.fetch_add(1, Ordering::Relaxed);
-                        self.shared.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
+                        self.shared
+                            .counters
+                            .chunks_written
+                            .fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .counters
+                            .bytes_written
+                            .fetch_add(len, Ordering::Relaxed);
                         self.endpoint.handle_write_done(now, chunk);
                     } else {
-                        self.shared.counters.write_failures.fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .counters
+                            .write_failures
+                            .fetch_add(1, Ordering::Relaxed);
                         tracing::error!(agent = %self.name, %chunk, "{state:?}");
                         self.endpoint.handle_write_failed(now, chunk);
                     }
@@ -739,8 +867,15 @@ impl Reactor {
                         continue;
                     };
                     let now = self.now();
-                    if self.endpoint.handle_control(now, &from, &incoming.payload).is_err() {
-                        self.shared.counters.malformed_messages.fetch_add(1, Ordering::Relaxed);
+                    if self
+                        .endpoint
+                        .handle_control(now, &from, &incoming.payload)
+                        .is_err()
+                    {
+                        self.shared
+                            .counters
+                            .malformed_messages
+                            .fetch_add(1, Ordering::Relaxed);
                     }
                     self.execute_actions();
                 }
@@ -784,7 +919,10 @@ impl Reactor {
                     // The endpoint a WANT carries (for notification channels
                     // it includes the peer's metadata) registers the reverse
                     // path for `peer`, the name the channel gives the sender.
-                    match self.channel.add_peer(&ControlEndpoint::from_bytes(endpoint)) {
+                    match self
+                        .channel
+                        .add_peer(&ControlEndpoint::from_bytes(endpoint))
+                    {
                         Ok(h) => {
                             self.handles.insert(peer, h);
                         }
@@ -796,34 +934,70 @@ impl Reactor {
                 }
                 Action::Send { peer, message } => {
                     if self.failpoints.is_set("drop_control") {
-                        self.shared.counters.control_send_drops.fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .counters
+                            .control_send_drops
+                            .fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
                     let bytes = message.encode();
                     if let Some(h) = self.handle(&peer) {
                         if let Err(e) = self.channel.send(h, &bytes) {
-                            self.shared.counters.control_send_drops.fetch_add(1, Ordering::Relaxed);
+                            self.shared
+                                .counters
+                                .control_send_drops
+                                .fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(agent = %self.name, %peer, "control message dropped: {e}");
                         }
                     }
                 }
-                Action::StartGather { chunk, region, runs } => {
+                Action::StartGather {
+                    chunk,
+                    region,
+                    runs,
+                } => {
                     let in_use = self.targets.track(&runs);
-                    self.start_copy(CopyId::Gather(chunk), Direction::Gather, region, runs, in_use);
+                    self.start_copy(
+                        CopyId::Gather(chunk),
+                        Direction::Gather,
+                        region,
+                        runs,
+                        in_use,
+                    );
                 }
-                Action::StartScatter { flow, chunk, region, runs } => {
+                Action::StartScatter {
+                    flow,
+                    chunk,
+                    region,
+                    runs,
+                } => {
                     let in_use = match self.targets.admit_scatter(&runs) {
                         Ok(t) => t,
                         Err(why) => {
-                            self.shared.counters.scatter_refused.fetch_add(1, Ordering::Relaxed);
+                            self.shared
+                                .counters
+                                .scatter_refused
+                                .fetch_add(1, Ordering::Relaxed);
                             tracing::error!(agent = %self.name, %flow, chunk, "DATA refused: {why}");
                             self.endpoint.handle_scatter_failed(now, region, true);
                             continue;
                         }
                     };
-                    self.start_copy(CopyId::Scatter(region), Direction::Scatter, region, runs, in_use);
+                    self.start_copy(
+                        CopyId::Scatter(region),
+                        Direction::Scatter,
+                        region,
+                        runs,
+                        in_use,
+                    );
                 }
-                Action::PostWrite { chunk, peer, local, remote, len } => {
+                Action::PostWrite {
+                    chunk,
+                    peer,
+                    local,
+                    remote,
+                    len,
+                } => {
                     let posted = match self.peers.get(&peer) {
                         _ if self.failpoints.is_set("fail_chunk_writes") => {
                             Err("failpoint fail_chunk_writes".to_string())
@@ -834,7 +1008,10 @@ impl Reactor {
                     match posted {
                         Ok(w) => self.writes.push((chunk, peer, w, len, Instant::now())),
                         Err(e) => {
-                            self.shared.counters.write_failures.fetch_add(1, Ordering::Relaxed);
+                            self.shared
+                                .counters
+                                .write_failures
+                                .fetch_add(1, Ordering::Relaxed);
                             tracing::error!(agent = %self.name, %chunk, "{e}");
                             self.endpoint.handle_write_failed(now, chunk);
                         }
@@ -854,10 +1031,27 @@ impl Reactor {
         c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
     }
 
-    fn start_copy(&mut self, id: CopyId, direction: Direction, region: RegionHandle, runs: Vec<Run>, in_use: InUse) {
+    fn start_copy(
+        &mut self,
+        id: CopyId,
+        direction: Direction,
+        region: RegionHandle,
+        runs: Vec<Run>,
+        in_use: InUse,
+    ) {
         let offset = region.0 as usize;
-        let span = RegionSpan { addr: self.arena.addr + offset, len: self.arena.len.saturating_sub(offset) };
-        let job = CopyJob { id, queued_at: Instant::now(), in_use, direction, span, runs };
+        let span = RegionSpan {
+            addr: self.arena.addr + offset,
+            len: self.arena.len.saturating_sub(offset),
+        };
+        let job = CopyJob {
+            id,
+            queued_at: Instant::now(),
+            in_use,
+            direction,
+            span,
+            runs,
+        };
         let sent = match &self.jobs {
             Some(jobs) => jobs.send(job).map_err(|e| e.0),
             None => Err(job),
@@ -881,8 +1075,13 @@ impl Reactor {
     }
 
     fn complete(&mut self, request: RequestId, outcome: Outcome) {
-        let Some((ticket, notif, submitted)) = self.tickets.remove(&request) else { return };
-        self.shared.counters.request_ns.fetch_add(submitted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let Some((ticket, notif, submitted)) = self.tickets.remove(&request) else {
+            return;
+        };
+        self.shared
+            .counters
+            .request_ns
+            .fetch_add(submitted.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let c = &self.shared.counters;
         let result = match outcome {
             Outcome::Success => match notif {
@@ -939,7 +1138,8 @@ impl Reactor {
                 writes = self.writes.len(),
                 "shutdown: operations still running after {QUIESCE_BOUND:?}; arena left poisoned"
             );
-            *self.shared.poisoned.lock().expect("poisoned") = Some("shutdown with operations in flight".into());
+            *self.shared.poisoned.lock().expect("poisoned") =
+                Some("shutdown with operations in flight".into());
         }
         for (_, (ticket, _, _)) in self.tickets.drain() {
             ticket.finish(Err(FailureReason::Shutdown));

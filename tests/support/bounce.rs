@@ -88,10 +88,25 @@ pub fn counters_from_json(agent: &str, json: &str) -> Counters {
 #[track_caller]
 pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
     let d = after.diff(before);
-    assert_eq!(after.since(before, "bounce_submitted"), n, "bounce_submitted; {d}");
-    assert_eq!(after.since(before, "bounce_succeeded"), n, "bounce_succeeded; {d}");
-    assert_eq!(after.since(before, "bounce_failed"), 0, "bounce_failed; {d}");
-    assert!(after.since(before, "chunks_written") >= n, "chunks_written; {d}");
+    assert_eq!(
+        after.since(before, "bounce_submitted"),
+        n,
+        "bounce_submitted; {d}"
+    );
+    assert_eq!(
+        after.since(before, "bounce_succeeded"),
+        n,
+        "bounce_succeeded; {d}"
+    );
+    assert_eq!(
+        after.since(before, "bounce_failed"),
+        0,
+        "bounce_failed; {d}"
+    );
+    assert!(
+        after.since(before, "chunks_written") >= n,
+        "chunks_written; {d}"
+    );
     for f in after.map.keys().filter(|k| k.starts_with("fallback_")) {
         assert_eq!(after.since(before, f), 0, "{f} rose: {d}");
     }
@@ -102,9 +117,16 @@ pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
 #[track_caller]
 pub fn assert_receiver_scattered(before: &Counters, after: &Counters, chunks: u64) {
     let d = after.diff(before);
-    assert!(after.since(before, "chunks_scattered") >= chunks, "chunks_scattered; {d}");
+    assert!(
+        after.since(before, "chunks_scattered") >= chunks,
+        "chunks_scattered; {d}"
+    );
     assert!(after.since(before, "grants") >= chunks, "grants; {d}");
-    assert_eq!(after.since(before, "scatter_refused"), 0, "scatter_refused; {d}");
+    assert_eq!(
+        after.since(before, "scatter_refused"),
+        0,
+        "scatter_refused; {d}"
+    );
     assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
 }
 
@@ -119,8 +141,16 @@ pub fn assert_fell_back(before: &Counters, after: &Counters, n: u64, reason: &st
 #[track_caller]
 pub fn assert_fell_back_any(before: &Counters, after: &Counters, n: u64, reasons: &[&str]) {
     let d = after.diff(before);
-    assert_eq!(after.since(before, "bounce_submitted"), 0, "bounce_submitted; {d}");
-    assert_eq!(after.since(before, "chunks_written"), 0, "chunks_written; {d}");
+    assert_eq!(
+        after.since(before, "bounce_submitted"),
+        0,
+        "bounce_submitted; {d}"
+    );
+    assert_eq!(
+        after.since(before, "chunks_written"),
+        0,
+        "chunks_written; {d}"
+    );
     let rose: u64 = reasons.iter().map(|r| after.since(before, r)).sum();
     assert_eq!(rose, n, "none of {reasons:?} rose by {n}; {d}");
 }
@@ -136,7 +166,8 @@ pub fn node_with(name: &str, extra: &[(&str, &str)], sync: ThreadSync) -> Result
         thread_sync: sync,
         ..AgentConfig::default()
     };
-    let agent = Agent::new_configured(name, &cfg).map_err(|e| format!("Agent::new_configured({name}): {e:?}"))?;
+    let agent = Agent::new_configured(name, &cfg)
+        .map_err(|e| format!("Agent::new_configured({name}): {e:?}"))?;
     let params = backend_params(&agent, "BOUNCE", extra)?;
     let backend = agent
         .create_backend("BOUNCE", &params)
@@ -151,10 +182,18 @@ pub fn node_with(name: &str, extra: &[(&str, &str)], sync: ThreadSync) -> Result
 
 /// An endpoint (node + one registered, patterned buffer).
 #[track_caller]
-pub fn endpoint(prefix: &str, extra: &[(&str, &str)], len: usize, seed: u64, sync: ThreadSync) -> Endpoint {
+pub fn endpoint(
+    prefix: &str,
+    extra: &[(&str, &str)],
+    len: usize,
+    seed: u64,
+    sync: ThreadSync,
+) -> Endpoint {
     let node = node_with(&unique_name(prefix), extra, sync).or_fail(&format!("create {prefix}"));
     let buf = DramBuffer::with_pattern(len, seed);
-    let reg = node.register(&buf).or_fail(&format!("register {prefix}'s buffer"));
+    let reg = node
+        .register(&buf)
+        .or_fail(&format!("register {prefix}'s buffer"));
     Endpoint {
         reg: Some(reg),
         buf,
@@ -165,7 +204,9 @@ pub fn endpoint(prefix: &str, extra: &[(&str, &str)], len: usize, seed: u64, syn
 /// `a` loads `b`'s metadata.
 #[track_caller]
 pub fn load(a: &Node, b: &Node) {
-    let n = a.load_md(&b.local_md().or_fail("local md")).or_fail(&format!("{} loads {}", a.name, b.name));
+    let n = a
+        .load_md(&b.local_md().or_fail("local md"))
+        .or_fail(&format!("{} loads {}", a.name, b.name));
     assert_eq!(n, b.name);
 }
 
@@ -190,7 +231,15 @@ pub fn with_loopback<'a>(extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)
 /// A scattered plan of `n` blocks whose source lies in the slice starting at
 /// `src_base` (`src_blocks` blocks) and destination in the slice starting at
 /// `dst_base` (`dst_blocks` blocks) of their buffers.
-pub fn plan_in(n: usize, block: usize, src_base: usize, src_blocks: usize, dst_base: usize, dst_blocks: usize, seed: u64) -> Plan {
+pub fn plan_in(
+    n: usize,
+    block: usize,
+    src_base: usize,
+    src_blocks: usize,
+    dst_base: usize,
+    dst_blocks: usize,
+    seed: u64,
+) -> Plan {
     let mut p = Plan::scattered(n, block, src_blocks, dst_blocks, seed);
     for o in &mut p.src {
         *o += src_base;
@@ -214,7 +263,12 @@ pub fn expected_after(dst_before: &[u8], writes: &[(&Plan, &[u8])]) -> Vec<u8> {
 }
 
 /// Byte-exact check of a whole destination against `expected_after`.
-pub fn verify_all(what: &str, dst: &DramBuffer, expected: &[u8], writes: &[(&Plan, &[u8])]) -> Result<(), String> {
+pub fn verify_all(
+    what: &str,
+    dst: &DramBuffer,
+    expected: &[u8],
+    writes: &[(&Plan, &[u8])],
+) -> Result<(), String> {
     verify_bytes(dst.as_slice(), expected, |off| {
         for (i, (p, _)) in writes.iter().enumerate() {
             if let Some(k) = p.dst.iter().position(|d| off >= *d && off < *d + p.block) {
@@ -255,11 +309,20 @@ pub fn take_notifs(node: &Node) -> Result<Vec<(String, Vec<u8>)>, String> {
         .get_notifications(&mut map, None)
         .map_err(|e| format!("get_notifications: {e:?}"))?;
     let mut out = Vec::new();
-    let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(|s| s.to_string())).collect();
+    let agents: Vec<String> = map
+        .agents()
+        .filter_map(|a| a.ok().map(|s| s.to_string()))
+        .collect();
     for a in agents {
-        let n = map.get_notifications_size(&a).map_err(|e| format!("{e:?}"))?;
+        let n = map
+            .get_notifications_size(&a)
+            .map_err(|e| format!("{e:?}"))?;
         for i in 0..n {
-            out.push((a.clone(), map.get_notification_bytes(&a, i).map_err(|e| format!("{e:?}"))?));
+            out.push((
+                a.clone(),
+                map.get_notification_bytes(&a, i)
+                    .map_err(|e| format!("{e:?}"))?,
+            ));
         }
     }
     Ok(out)
@@ -286,7 +349,11 @@ pub fn check_deadline(t0: Instant, limit: Duration, what: &dyn Fn() -> String) {
 /// Resident set size of this process in bytes (from /proc/self/statm).
 pub fn rss_bytes() -> usize {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: usize = s.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let pages: usize = s
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     pages * 4096
 }
 
@@ -305,12 +372,16 @@ pub fn handshake_of(agent_md: &[u8]) -> nixl_bounce::proto::wire::Handshake {
 }
 
 fn le_u32(b: &[u8], o: usize) -> Option<usize> {
-    b.get(o..o + 4).map(|x| u32::from_le_bytes(x.try_into().unwrap()) as usize)
+    b.get(o..o + 4)
+        .map(|x| u32::from_le_bytes(x.try_into().unwrap()) as usize)
 }
 
 /// Every occurrence of `magic` in `hay`.
 fn find_all<'a>(hay: &'a [u8], magic: &'a [u8]) -> impl Iterator<Item = usize> + 'a {
-    hay.windows(magic.len()).enumerate().filter(move |(_, w)| *w == magic).map(|(i, _)| i)
+    hay.windows(magic.len())
+        .enumerate()
+        .filter(move |(_, w)| *w == magic)
+        .map(|(i, _)| i)
 }
 
 /// The handshake, or why there is none (no BOUNCE metadata, or no region
@@ -321,9 +392,15 @@ pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Han
     let mut seen = Vec::new();
     for at in find_all(agent_md, MAGIC) {
         let rest = &agent_md[at..];
-        let Some(md_len) = le_u32(rest, 10) else { continue };
-        let Some(hs_len) = le_u32(rest, 14 + md_len) else { continue };
-        let Some(blob) = rest.get(..18 + md_len + hs_len) else { continue };
+        let Some(md_len) = le_u32(rest, 10) else {
+            continue;
+        };
+        let Some(hs_len) = le_u32(rest, 14 + md_len) else {
+            continue;
+        };
+        let Some(blob) = rest.get(..18 + md_len + hs_len) else {
+            continue;
+        };
         match ConnInfo::decode(blob) {
             Ok(info) if !info.handshake.is_empty() => {
                 return Handshake::decode(&info.handshake).map_err(|e| format!("handshake: {e}"))
@@ -334,11 +411,19 @@ pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Han
     }
     for at in find_all(agent_md, PUBLIC_MAGIC) {
         let rest = &agent_md[at..];
-        let Some(md_len) = le_u32(rest, 10) else { continue };
-        let Some(bb_len) = le_u32(rest, 14 + md_len) else { continue };
-        let Some(blob) = rest.get(..18 + md_len + bb_len) else { continue };
+        let Some(md_len) = le_u32(rest, 10) else {
+            continue;
+        };
+        let Some(bb_len) = le_u32(rest, 14 + md_len) else {
+            continue;
+        };
+        let Some(blob) = rest.get(..18 + md_len + bb_len) else {
+            continue;
+        };
         match PublicData::decode(blob) {
-            Ok(PublicData { bounce: Some(b), .. }) if !b.handshake.is_empty() => {
+            Ok(PublicData {
+                bounce: Some(b), ..
+            }) if !b.handshake.is_empty() => {
                 return Handshake::decode(&b.handshake).map_err(|e| format!("handshake: {e}"))
             }
             Ok(_) => seen.push("a region without a bounce path".to_string()),

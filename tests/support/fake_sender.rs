@@ -31,7 +31,9 @@ impl FakeSender {
         let ctx = zmq::Context::new();
         let router = ctx.socket(zmq::ROUTER).unwrap();
         router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:*").expect("bind the fake sender's ROUTER on loopback");
+        router
+            .bind("tcp://127.0.0.1:*")
+            .expect("bind the fake sender's ROUTER on loopback");
         let endpoint = router.get_last_endpoint().unwrap().unwrap();
         let dealer = ctx.socket(zmq::DEALER).unwrap();
         dealer.set_linger(0).unwrap();
@@ -48,7 +50,9 @@ impl FakeSender {
     }
 
     pub fn send(&self, m: &Message) {
-        self.dealer.send(m.encode(), 0).expect("send to the receiver");
+        self.dealer
+            .send(m.encode(), 0)
+            .expect("send to the receiver");
     }
 
     /// The next message from the receiver (bounded wait).
@@ -64,10 +68,21 @@ impl FakeSender {
             if left.is_zero() {
                 panic!("fake sender: no {what} from the receiver within {limit:?}");
             }
-            if self.router.poll(zmq::POLLIN, left.as_millis() as i64).unwrap() > 0 {
+            if self
+                .router
+                .poll(zmq::POLLIN, left.as_millis() as i64)
+                .unwrap()
+                > 0
+            {
                 let frames = self.router.recv_multipart(0).unwrap();
-                assert_eq!(frames.len(), 2, "expected [routing id, message], got {} frames", frames.len());
-                return Message::decode(&frames[1]).unwrap_or_else(|e| panic!("undecodable message from the receiver: {e}"));
+                assert_eq!(
+                    frames.len(),
+                    2,
+                    "expected [routing id, message], got {} frames",
+                    frames.len()
+                );
+                return Message::decode(&frames[1])
+                    .unwrap_or_else(|e| panic!("undecodable message from the receiver: {e}"));
             }
         }
     }
@@ -99,7 +114,10 @@ impl FakeSender {
     pub fn want(&mut self, len: u64) -> (RequestId, RegionHandle, u64) {
         let request = self.send_want(len);
         match self.recv("GRANT") {
-            Message::Grant { request: r, credits } => {
+            Message::Grant {
+                request: r,
+                credits,
+            } => {
                 assert_eq!(r, request, "GRANT for another request");
                 assert_eq!(credits.len(), 1, "{credits:?}");
                 assert_eq!(credits[0].chunk, 0);
@@ -111,10 +129,19 @@ impl FakeSender {
     }
 
     pub fn data(&self, request: RequestId, region: RegionHandle, runs: Vec<Run>) {
-        self.send(&Message::Data { request, chunk: 0, region, runs });
+        self.send(&Message::Data {
+            request,
+            chunk: 0,
+            region,
+            runs,
+        });
     }
 
     pub fn cancel(&self, request: RequestId) {
-        self.send(&Message::cancel(request, self.endpoint.as_bytes().to_vec(), self.key));
+        self.send(&Message::cancel(
+            request,
+            self.endpoint.as_bytes().to_vec(),
+            self.key,
+        ));
     }
 }

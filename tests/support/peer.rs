@@ -46,7 +46,11 @@ pub fn plan(len: usize, n: usize, seed: u64) -> Plan {
 }
 
 pub fn extra_to_env(extra: &[(&str, &str)]) -> String {
-    extra.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(";")
+    extra
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(";")
 }
 
 fn extra_from_env() -> Vec<(String, String)> {
@@ -91,7 +95,10 @@ pub fn peer_main() {
         return;
     }
     let extra_owned = extra_from_env();
-    let extra: Vec<(&str, &str)> = extra_owned.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let extra: Vec<(&str, &str)> = extra_owned
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let node = match node_with(&unique_name(&prefix), &extra, ThreadSync::Default) {
         Ok(n) => n,
         Err(e) => {
@@ -108,7 +115,13 @@ pub fn peer_main() {
         }
     };
     let md = node.local_md().expect("local md");
-    reply(&format!("HELLO {} {} {} {}", node.name, buf.addr(), buf.len(), hex(&md)));
+    reply(&format!(
+        "HELLO {} {} {} {}",
+        node.name,
+        buf.addr(),
+        buf.len(),
+        hex(&md)
+    ));
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let Ok(line) = line else { break };
@@ -130,7 +143,14 @@ pub fn peer_main() {
             Some("WRITE") => (|| {
                 let p = plan(len, num(3) as usize, num(4));
                 let notif = notif_arg(5)?;
-                let req = node.create_xfer(XferOp::Write, &p, buf.addr(), num(2) as usize, w[1], notif.as_deref())?;
+                let req = node.create_xfer(
+                    XferOp::Write,
+                    &p,
+                    buf.addr(),
+                    num(2) as usize,
+                    w[1],
+                    notif.as_deref(),
+                )?;
                 let dt = node.post_and_wait(&req, wait_timeout())?;
                 Ok(dt.as_micros().to_string())
             })(),
@@ -143,9 +163,11 @@ pub fn peer_main() {
                 buf.check_guards()?;
                 Ok(String::new())
             })(),
-            Some("CHECK_UNCHANGED") => verify_bytes(buf.as_slice(), &pattern(len, num(1)), |_| "source".into())
-                .and_then(|_| buf.check_guards())
-                .map(|_| String::new()),
+            Some("CHECK_UNCHANGED") => {
+                verify_bytes(buf.as_slice(), &pattern(len, num(1)), |_| "source".into())
+                    .and_then(|_| buf.check_guards())
+                    .map(|_| String::new())
+            }
             Some("STATS") => nixl_bounce::stats::plugin_stats(&node.name)
                 .map(|s| serde_json::to_string(&s.counters).expect("json")),
             Some("NETDEV") => netdev(w[1]),
@@ -176,7 +198,12 @@ pub struct Peer {
 }
 
 /// The command that re-executes this test binary as a peer.
-pub fn peer_command(program_prefix: &[&str], len: usize, extra: &[(&str, &str)], prefix: &str) -> Command {
+pub fn peer_command(
+    program_prefix: &[&str],
+    len: usize,
+    extra: &[(&str, &str)],
+    prefix: &str,
+) -> Command {
     let exe = std::env::current_exe().expect("current_exe");
     let mut c = match program_prefix.split_first() {
         Some((first, rest)) => {
@@ -241,12 +268,20 @@ impl Peer {
     fn recv(&mut self, what: &str) -> Result<String, String> {
         let timeout = wait_timeout() + Duration::from_secs(30);
         match self.lines.recv_timeout(timeout) {
-            Ok(l) if l.starts_with("ERR") => Err(format!("{} peer failed at {what}: {l}", self.label)),
+            Ok(l) if l.starts_with("ERR") => {
+                Err(format!("{} peer failed at {what}: {l}", self.label))
+            }
             Ok(l) => Ok(l),
-            Err(RecvTimeoutError::Timeout) => Err(format!("{} peer: no reply to {what} within {timeout:?}", self.label)),
+            Err(RecvTimeoutError::Timeout) => Err(format!(
+                "{} peer: no reply to {what} within {timeout:?}",
+                self.label
+            )),
             Err(RecvTimeoutError::Disconnected) => {
                 let st = self.child.wait().ok();
-                Err(format!("{} peer exited during {what} (status {st:?})", self.label))
+                Err(format!(
+                    "{} peer exited during {what} (status {st:?})",
+                    self.label
+                ))
             }
         }
     }
