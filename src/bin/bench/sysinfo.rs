@@ -208,6 +208,7 @@ pub fn load_average() -> Option<f64> {
 }
 
 fn process_cpu_ns() -> u64 {
+    // SAFETY: rusage is a plain C struct of integers; all-zero is a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: ru is a valid out-pointer.
     if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
