@@ -426,11 +426,21 @@ impl Runtime {
                     .spawn(move || copy_worker(rx, tx, copier, waker, t))?,
             );
         }
+        let (write_tx, write_rx) = mpsc::channel::<WriteJob>();
+        let (write_done_tx, write_done_rx) = mpsc::channel::<WriteOutcome>();
+        let writer = {
+            let (data, waker) = (parts.data, shared.waker.clone());
+            std::thread::Builder::new()
+                .name(format!("bounce-write-{}", parts.name))
+                .spawn(move || write_worker(data, write_rx, write_done_tx, waker))?
+        };
         let reactor = Reactor {
             name: parts.name.clone(),
             endpoint: parts.endpoint,
             channel: parts.channel,
-            data: parts.data,
+            write_jobs: Some(write_tx),
+            write_done: write_done_rx,
+            writer: Some(writer),
             arena: parts.arena,
             notify: parts.notify,
             failpoints: parts.failpoints,
@@ -631,6 +641,106 @@ fn copy_worker(
     }
 }
 
+/// A chunk write for the writer thread.
+struct WriteJob {
+    chunk: ChunkRef,
+    arena: PeerArena,
+    local: u64,
+    remote: u64,
+    len: u64,
+}
+
+enum WriteOutcome {
+    Done(ChunkRef),
+    Failed(ChunkRef, String),
+}
+
+/// Posts chunk writes and polls them to completion, off the IO thread: for
+/// UCX over TCP the send happens inside the post call, which would otherwise
+/// stall the reactor (and with it the next gather and every control
+/// message) for the whole write. Wakes the reactor with each outcome.
+fn write_worker(
+    data: DataPlane,
+    jobs: Receiver<WriteJob>,
+    done: Sender<WriteOutcome>,
+    waker: crate::control::Waker,
+) {
+    let mut pending: Vec<(ChunkRef, ChunkWrite)> = Vec::new();
+    let mut closed_at: Option<Instant> = None;
+    let mut idle = 0u32;
+    loop {
+        let job = if pending.is_empty() && closed_at.is_none() {
+            match jobs.recv() {
+                Ok(j) => Some(j),
+                Err(_) => return,
+            }
+        } else if closed_at.is_none() {
+            match jobs.try_recv() {
+                Ok(j) => Some(j),
+                Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    closed_at = Some(Instant::now());
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut progressed = false;
+        if let Some(j) = job {
+            progressed = true;
+            match data.post_write(&j.arena, j.local, j.remote, j.len) {
+                Ok(w) => pending.push((j.chunk, w)),
+                Err(e) => {
+                    let _ = done.send(WriteOutcome::Failed(j.chunk, e));
+                    waker();
+                }
+            }
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let outcome = match data.poll(&pending[i].1) {
+                WriteState::InProgress => {
+                    i += 1;
+                    continue;
+                }
+                WriteState::Done => WriteOutcome::Done(pending[i].0),
+                WriteState::Failed(e) => WriteOutcome::Failed(pending[i].0, e),
+            };
+            progressed = true;
+            pending.swap_remove(i);
+            let _ = done.send(outcome);
+            waker();
+        }
+        if let Some(t) = closed_at {
+            if pending.is_empty() {
+                return;
+            }
+            if t.elapsed() > QUIESCE_BOUND {
+                // The reactor already reported these as stuck (poisoned):
+                // keep their handles alive rather than release a request
+                // the transport may still be reading for.
+                tracing::error!(
+                    "{} chunk writes never finished; leaving them to the process",
+                    pending.len()
+                );
+                std::mem::forget(pending);
+                return;
+            }
+        }
+        if progressed {
+            idle = 0;
+        } else {
+            idle += 1;
+            if idle > 64 {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
 struct PeerState {
     arena: PeerArena,
 }
@@ -639,7 +749,9 @@ struct Reactor {
     name: String,
     endpoint: Endpoint,
     channel: Box<dyn ControlChannel>,
-    data: DataPlane,
+    write_jobs: Option<Sender<WriteJob>>,
+    write_done: Receiver<WriteOutcome>,
+    writer: Option<JoinHandle<()>>,
     arena: RegionSpan,
     notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
     failpoints: crate::failpoint::Failpoints,
@@ -649,7 +761,8 @@ struct Reactor {
     jobs: Option<Sender<CopyJob>>,
     done: Receiver<CopyDone>,
     copies_in_flight: usize,
-    writes: Vec<(ChunkRef, PeerId, ChunkWrite, u64, Instant)>,
+    /// Chunk writes handed to the writer thread: chunk, peer, bytes, when.
+    writes: Vec<(ChunkRef, PeerId, u64, Instant)>,
     /// Peers we send data to (from their handshake).
     peers: HashMap<PeerId, PeerState>,
     /// Control-channel handles by peer.
@@ -664,33 +777,21 @@ impl Reactor {
     }
 
     fn run(mut self) {
-        let mut idle_spins = 0u32;
         while !self.shared.stop.load(Ordering::SeqCst) {
             let mut progressed = self.drain_commands();
             progressed |= self.drain_copies();
             progressed |= self.poll_writes();
-            // Copy workers wake the channel when they finish; chunk writes
-            // must be polled, so only they keep the reactor spinning.
-            let busy = !self.writes.is_empty();
-            let wait = if progressed || busy {
+            // Copy workers and the writer thread wake the channel when they
+            // finish something, so the reactor only waits.
+            let wait = if progressed {
                 Duration::ZERO
             } else {
                 let until_timer = self.endpoint.poll_timeout().map(|t| t.since(self.now()));
                 until_timer.map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
             };
-            progressed |= self.receive(wait);
+            self.receive(wait);
             self.fire_timers();
             self.execute_actions();
-            if progressed {
-                idle_spins = 0;
-            } else if busy {
-                idle_spins += 1;
-                if idle_spins > 64 {
-                    std::thread::sleep(Duration::from_micros(20));
-                } else {
-                    std::thread::yield_now();
-                }
-            }
         }
         self.shutdown();
     }
@@ -747,8 +848,9 @@ impl Reactor {
         // Tear the data path down first: no write to the peer may still run.
         let deadline = Instant::now() + QUIESCE_BOUND;
         while self.writes.iter().any(|w| &w.1 == peer) && Instant::now() < deadline {
-            self.poll_writes();
-            std::thread::yield_now();
+            if !self.poll_writes() {
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
         let now = self.now();
         let stuck: Vec<ChunkRef> = self
@@ -816,37 +918,33 @@ impl Reactor {
         any
     }
 
+    /// Takes the writer thread's outcomes.
     fn poll_writes(&mut self) -> bool {
         let mut any = false;
-        let mut i = 0;
-        while i < self.writes.len() {
-            match self.data.poll(&self.writes[i].2) {
-                WriteState::InProgress => i += 1,
-                state => {
-                    any = true;
-                    let (chunk, _peer, _w, len, posted) = self.writes.swap_remove(i);
-                    let c = &self.shared.counters;
-                    c.write_ns
-                        .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    let now = self.now();
-                    if state == WriteState::Done {
-                        self.shared
-                            .counters
-                            .chunks_written
-                            .fetch_add(1, Ordering::Relaxed);
-                        self.shared
-                            .counters
-                            .bytes_written
-                            .fetch_add(len, Ordering::Relaxed);
-                        self.endpoint.handle_write_done(now, chunk);
-                    } else {
-                        self.shared
-                            .counters
-                            .write_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::error!(agent = %self.name, %chunk, "{state:?}");
-                        self.endpoint.handle_write_failed(now, chunk);
-                    }
+        while let Ok(outcome) = self.write_done.try_recv() {
+            any = true;
+            let (chunk, failure) = match outcome {
+                WriteOutcome::Done(c) => (c, None),
+                WriteOutcome::Failed(c, e) => (c, Some(e)),
+            };
+            let Some(i) = self.writes.iter().position(|w| w.0 == chunk) else {
+                continue; // reported stuck already (a forgotten peer)
+            };
+            let (_, _, len, posted) = self.writes.swap_remove(i);
+            let c = &self.shared.counters;
+            c.write_ns
+                .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let now = self.now();
+            match failure {
+                None => {
+                    c.chunks_written.fetch_add(1, Ordering::Relaxed);
+                    c.bytes_written.fetch_add(len, Ordering::Relaxed);
+                    self.endpoint.handle_write_done(now, chunk);
+                }
+                Some(e) => {
+                    c.write_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(agent = %self.name, %chunk, "{e}");
+                    self.endpoint.handle_write_failed(now, chunk);
                 }
             }
         }
@@ -1002,11 +1100,25 @@ impl Reactor {
                         _ if self.failpoints.is_set("fail_chunk_writes") => {
                             Err("failpoint fail_chunk_writes".to_string())
                         }
-                        Some(p) => self.data.post_write(&p.arena, local.0, remote.0, len),
+                        Some(p) => {
+                            let job = WriteJob {
+                                chunk,
+                                arena: p.arena.clone(),
+                                local: local.0,
+                                remote: remote.0,
+                                len,
+                            };
+                            match &self.write_jobs {
+                                Some(tx) => tx
+                                    .send(job)
+                                    .map_err(|_| "the writer thread is gone".to_string()),
+                                None => Err("shutting down".to_string()),
+                            }
+                        }
                         None => Err(format!("no data path to peer {peer}")),
                     };
                     match posted {
-                        Ok(w) => self.writes.push((chunk, peer, w, len, Instant::now())),
+                        Ok(()) => self.writes.push((chunk, peer, len, Instant::now())),
                         Err(e) => {
                             self.shared
                                 .counters
@@ -1126,10 +1238,11 @@ impl Reactor {
         self.execute_actions();
         let deadline = Instant::now() + QUIESCE_BOUND;
         while (self.copies_in_flight > 0 || !self.writes.is_empty()) && Instant::now() < deadline {
-            self.drain_copies();
-            self.poll_writes();
+            let progressed = self.drain_copies() | self.poll_writes();
             self.execute_actions();
-            std::thread::yield_now();
+            if !progressed {
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
         if self.copies_in_flight > 0 || !self.writes.is_empty() {
             tracing::error!(
@@ -1146,6 +1259,10 @@ impl Reactor {
         }
         self.jobs = None; // closes the job queue: workers exit
         for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        self.write_jobs = None; // the writer finishes what it holds, then exits
+        if let Some(w) = self.writer.take() {
             let _ = w.join();
         }
     }
