@@ -38,7 +38,7 @@ use common::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Message, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, Run};
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::ThreadSync;
 use std::time::Duration;
 
 const MANY: usize = 4096;
@@ -76,17 +76,7 @@ fn healthy(s: &mut Endpoint, r: &mut Endpoint, seed: u64) {
     s.buf.fill_pattern(seed + 1);
     let (src, dst_before) = (s.buf.as_slice().to_vec(), r.buf.as_slice().to_vec());
     let (ss, sr) = (stats(s.name()), stats(r.name()));
-    let req = s
-        .node
-        .create_xfer(
-            XferOp::Write,
-            &plan,
-            s.buf.addr(),
-            r.buf.addr(),
-            &r.node.name.clone(),
-            None,
-        )
-        .or_fail("create_xfer_req");
+    let req = write_request(&s, &r, &plan);
     s.node
         .post_and_wait(&req, wait_timeout())
         .or_fail("a real transfer after the forged DATA");

@@ -12,7 +12,7 @@ mod common;
 
 use bounce::*;
 use common::*;
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::ThreadSync;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,17 +44,7 @@ fn stream(case: &Case<'_>, seed: u64) -> usize {
         a.buf.fill_pattern(seed * 100 + round);
         b.buf.fill_pattern(seed * 100 + 50 + round);
         let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
-        let req = a
-            .node
-            .create_xfer(
-                XferOp::Write,
-                &plan,
-                a.buf.addr(),
-                b.buf.addr(),
-                &b.node.name.clone(),
-                None,
-            )
-            .or_fail("create_xfer_req");
+        let req = write_request(&a, &b, &plan);
         let (sa, sb) = (stats(a.name()), stats(b.name()));
 
         // Sample the RSS every millisecond while the request runs.

@@ -29,17 +29,7 @@ fn write(a: &mut Endpoint, b: &mut Endpoint, seed: u64) {
     b.buf.fill_pattern(seed + 2);
     let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
     let (sa, sb) = (stats(a.name()), stats(b.name()));
-    let req = a
-        .node
-        .create_xfer(
-            XferOp::Write,
-            &plan,
-            a.buf.addr(),
-            b.buf.addr(),
-            &b.node.name.clone(),
-            None,
-        )
-        .or_fail("create_xfer_req");
+    let req = write_request(&a, &b, &plan);
     a.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE");
     drop(req);
     plan.verify(b.buf.as_slice(), &dst_before, &src)
@@ -110,17 +100,7 @@ fn release_while_running_then_keep_going() {
     for i in 0..3u64 {
         let plan = Plan::standard(MANY, BLOCK, 20 + i);
         let sa = stats(a.name());
-        let req = a
-            .node
-            .create_xfer(
-                XferOp::Write,
-                &plan,
-                a.buf.addr(),
-                b.buf.addr(),
-                &b.node.name.clone(),
-                None,
-            )
-            .or_fail("create_xfer_req");
+        let req = write_request(&a, &b, &plan);
         post(&a.node, &req).or_fail("post");
         std::thread::sleep(Duration::from_millis(5 * i));
         let t0 = Instant::now();
@@ -234,17 +214,7 @@ fn peer_destroyed_mid_transfer_fails_in_bounded_time() {
     pair_up(&a.node, &b.node);
     let plan = Plan::standard(MANY, BLOCK, 110);
     let sa = stats(a.name());
-    let req = a
-        .node
-        .create_xfer(
-            XferOp::Write,
-            &plan,
-            a.buf.addr(),
-            b.buf.addr(),
-            &b.node.name.clone(),
-            None,
-        )
-        .or_fail("create_xfer_req");
+    let req = write_request(&a, &b, &plan);
     post(&a.node, &req).or_fail("post");
     std::thread::sleep(Duration::from_millis(10));
     let bname = b.name().to_string();

@@ -97,17 +97,7 @@ fn receiver_forgetting_a_sender_mid_transfer_tells_it() {
     a.buf.fill_pattern(33);
     let (src0, before0) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
     let (sa, sb) = (stats(a.name()), stats(b.name()));
-    let req = a
-        .node
-        .create_xfer(
-            XferOp::Write,
-            &plan,
-            a.buf.addr(),
-            b.buf.addr(),
-            &b.node.name.clone(),
-            None,
-        )
-        .or_fail("create_xfer_req");
+    let req = write_request(&a, &b, &plan);
     post(&a.node, &req).or_fail("post");
     // Wait until the receiver has granted (the flow is live), then forget.
     let t0 = Instant::now();
@@ -151,17 +141,7 @@ fn receiver_forgetting_a_sender_mid_transfer_tells_it() {
     let plan = Plan::standard(4096, BLOCK, 31);
     a.buf.fill_pattern(32);
     let (src, before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
-    let req = a
-        .node
-        .create_xfer(
-            XferOp::Write,
-            &plan,
-            a.buf.addr(),
-            b.buf.addr(),
-            &b.node.name.clone(),
-            None,
-        )
-        .or_fail("create_xfer_req");
+    let req = write_request(&a, &b, &plan);
     a.node
         .post_and_wait(&req, wait_timeout())
         .or_fail("WRITE after re-pairing");
@@ -211,17 +191,7 @@ fn sender_fails_promptly_when_the_receiver_is_destroyed_mid_transfer() {
         pair_up(&a.node, &b.node);
         let plan = Plan::standard(4096, BLOCK, 10 + round);
         let sb = stats(b.name());
-        let req = a
-            .node
-            .create_xfer(
-                XferOp::Write,
-                &plan,
-                a.buf.addr(),
-                b.buf.addr(),
-                &b.node.name.clone(),
-                None,
-            )
-            .or_fail("create_xfer_req");
+        let req = write_request(&a, &b, &plan);
         post(&a.node, &req).or_fail("post");
         let t0 = Instant::now();
         while stats(b.name()).since(&sb, "grants") == 0 {

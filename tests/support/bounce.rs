@@ -11,7 +11,7 @@
 #![allow(dead_code)]
 
 use crate::common::*;
-use nixl_sys::{Agent, AgentConfig, NotificationMap, ThreadSync, XferRequest, XferStatus};
+use nixl_sys::{Agent, AgentConfig, NotificationMap, ThreadSync, XferOp, XferRequest, XferStatus};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -431,4 +431,18 @@ pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Han
         }
     }
     Err(format!("the agent offers no bounce path (seen: {seen:?})"))
+}
+
+/// A prepared WRITE of `plan` from `a`'s buffer into `b`'s buffer.
+pub fn write_request(a: &Endpoint, b: &Endpoint, plan: &Plan) -> XferRequest {
+    a.node
+        .create_xfer(
+            XferOp::Write,
+            plan,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
+        .or_fail("create_xfer_req")
 }
