@@ -287,16 +287,6 @@ impl Fallback {
             Self::DescriptorsTooLarge => "fallback_descriptors_too_large",
         }
     }
-    pub const ALL: [Fallback; 8] = [
-        Self::BounceDisabled,
-        Self::Poisoned,
-        Self::NotWrite,
-        Self::PeerNotBounceCapable,
-        Self::LocalTransfer,
-        Self::NoLocalArena,
-        Self::TooFewDescriptors,
-        Self::DescriptorsTooLarge,
-    ];
 }
 
 /// What the routing decision looks at.
