@@ -13,6 +13,8 @@
 //! Nothing may follow. A peer that cannot parse this (another version, a
 //! truncated blob) is refused with an error that says what was wrong.
 
+use crate::proto::wire::{Reader, WireError, Writer};
+
 pub const MAGIC: &[u8; 8] = b"NXBOUNCE";
 pub const CONN_INFO_VERSION: u16 = 1;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
@@ -29,51 +31,31 @@ pub struct ConnInfo {
 
 impl ConnInfo {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(18 + self.inner_md.len() + self.handshake.len());
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&CONN_INFO_VERSION.to_le_bytes());
-        out.extend_from_slice(&(self.inner_md.len() as u32).to_le_bytes());
-        out.extend_from_slice(&self.inner_md);
-        out.extend_from_slice(&(self.handshake.len() as u32).to_le_bytes());
-        out.extend_from_slice(&self.handshake);
-        out
+        let mut w = Writer::new();
+        w.bytes(MAGIC);
+        w.u16(CONN_INFO_VERSION);
+        w.len_prefixed(&self.inner_md);
+        w.len_prefixed(&self.handshake);
+        w.into_bytes()
     }
 
-    pub fn decode(mut bytes: &[u8]) -> Result<Self, String> {
-        let total = bytes.len();
-        let magic = take(&mut bytes, 8, "magic")?;
-        if magic != MAGIC {
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let mut r = Reader::new(bytes);
+        let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
+        if &magic != MAGIC {
             return Err(format!(
-                "not BOUNCE connection info (magic {:02x?}, expected {:02x?}); is the peer running BOUNCE?",
-                magic, MAGIC
+                "not BOUNCE connection info (magic {magic:02x?}, expected {MAGIC:02x?}); is the peer running BOUNCE?"
             ));
         }
-        let version =
-            u16::from_le_bytes(take(&mut bytes, 2, "version")?.try_into().expect("2 bytes"));
+        let version = r.u16("version").map_err(truncated)?;
         if version != CONN_INFO_VERSION {
             return Err(format!(
                 "peer speaks BOUNCE connection-info version {version}, this plugin speaks {CONN_INFO_VERSION}"
             ));
         }
-        let md_len = u32::from_le_bytes(
-            take(&mut bytes, 4, "metadata length")?
-                .try_into()
-                .expect("4 bytes"),
-        );
-        let inner_md = take(&mut bytes, md_len as usize, "inner metadata")?.to_vec();
-        let hs_len = u32::from_le_bytes(
-            take(&mut bytes, 4, "handshake length")?
-                .try_into()
-                .expect("4 bytes"),
-        );
-        let handshake = take(&mut bytes, hs_len as usize, "handshake")?.to_vec();
-        if !bytes.is_empty() {
-            return Err(format!(
-                "{} unexpected trailing bytes after {} bytes of connection info",
-                bytes.len(),
-                total - bytes.len()
-            ));
-        }
+        let inner_md = len_prefixed(&mut r, "inner metadata")?.to_vec();
+        let handshake = len_prefixed(&mut r, "handshake")?.to_vec();
+        r.finish("connection info").map_err(|e| e.to_string())?;
         if inner_md.is_empty() {
             return Err("connection info carries no inner-agent metadata".into());
         }
@@ -114,88 +96,66 @@ pub struct PublicBounce {
 
 impl PublicData {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(PUBLIC_MAGIC);
-        out.extend_from_slice(&PUBLIC_VERSION.to_le_bytes());
-        out.extend_from_slice(&(self.region_md.len() as u32).to_le_bytes());
-        out.extend_from_slice(&self.region_md);
-        match &self.bounce {
-            None => out.extend_from_slice(&0u32.to_le_bytes()),
-            Some(b) => {
-                let len = 1 + 4 + b.arena_md.len() + b.handshake.len();
-                out.extend_from_slice(&(len as u32).to_le_bytes());
-                out.push(b.kind);
-                out.extend_from_slice(&(b.arena_md.len() as u32).to_le_bytes());
-                out.extend_from_slice(&b.arena_md);
-                out.extend_from_slice(&b.handshake);
-            }
+        let mut w = Writer::new();
+        w.bytes(PUBLIC_MAGIC);
+        w.u16(PUBLIC_VERSION);
+        w.len_prefixed(&self.region_md);
+        let mut block = Writer::new();
+        if let Some(b) = &self.bounce {
+            block.u8(b.kind);
+            block.len_prefixed(&b.arena_md);
+            block.bytes(&b.handshake);
         }
-        out
+        w.len_prefixed(&block.into_bytes());
+        w.into_bytes()
     }
 
-    pub fn decode(mut bytes: &[u8]) -> Result<Self, String> {
-        let magic = take(&mut bytes, 8, "magic")?;
-        if magic != PUBLIC_MAGIC {
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let mut r = Reader::new(bytes);
+        let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
+        if &magic != PUBLIC_MAGIC {
             return Err("not BOUNCE region metadata; is the peer running BOUNCE?".into());
         }
-        let version =
-            u16::from_le_bytes(take(&mut bytes, 2, "version")?.try_into().expect("2 bytes"));
+        let version = r.u16("version").map_err(truncated)?;
         if version != PUBLIC_VERSION {
             return Err(format!(
                 "peer speaks BOUNCE region-metadata version {version}, this plugin speaks {PUBLIC_VERSION}"
             ));
         }
-        let n = u32::from_le_bytes(
-            take(&mut bytes, 4, "metadata length")?
-                .try_into()
-                .expect("4 bytes"),
-        );
-        let region_md = take(&mut bytes, n as usize, "region metadata")?.to_vec();
-        let n = u32::from_le_bytes(
-            take(&mut bytes, 4, "bounce length")?
-                .try_into()
-                .expect("4 bytes"),
-        );
-        let mut b = take(&mut bytes, n as usize, "bounce block")?;
-        if !bytes.is_empty() {
-            return Err(format!(
-                "{} unexpected trailing bytes after the region metadata",
-                bytes.len()
-            ));
-        }
-        let bounce = if n == 0 {
+        let region_md = len_prefixed(&mut r, "region metadata")?.to_vec();
+        let block = len_prefixed(&mut r, "bounce block")?;
+        r.finish("region metadata").map_err(|e| e.to_string())?;
+        let bounce = if block.is_empty() {
             None
         } else {
-            let kind = take(&mut b, 1, "memory kind")?[0];
+            let mut b = Reader::new(block);
+            let kind = b.u8("memory kind").map_err(truncated)?;
             if kind > 1 {
                 return Err(format!("unknown arena memory kind {kind}"));
             }
-            let m = u32::from_le_bytes(
-                take(&mut b, 4, "arena metadata length")?
-                    .try_into()
-                    .expect("4 bytes"),
-            );
-            let arena_md = take(&mut b, m as usize, "arena metadata")?.to_vec();
+            let arena_md = len_prefixed(&mut b, "arena metadata")?.to_vec();
+            let handshake = b
+                .take(b.remaining(), "handshake")
+                .map_err(truncated)?
+                .to_vec();
             Some(PublicBounce {
                 kind,
                 arena_md,
-                handshake: b.to_vec(),
+                handshake,
             })
         };
         Ok(Self { region_md, bounce })
     }
 }
 
-fn take<'a>(bytes: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8], String> {
-    if bytes.len() < n {
-        return Err(format!(
-            "connection info truncated: {what} needs {n} bytes, {} left",
-            bytes.len()
-        ));
-    }
-    let (head, tail) = bytes.split_at(n);
-    *bytes = tail;
-    Ok(head)
+/// A u32 length, then that many bytes.
+fn len_prefixed<'a>(r: &mut Reader<'a>, what: &'static str) -> Result<&'a [u8], String> {
+    let n = r.u32(what).map_err(truncated)?;
+    r.take(n as usize, what).map_err(truncated)
+}
+
+fn truncated(e: WireError) -> String {
+    format!("BOUNCE metadata: {e}")
 }
 
 #[cfg(test)]
