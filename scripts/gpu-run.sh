@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full]   Logs and JSON go to $OUT (or ./out).
+# Usage: bash .gpu/run.sh [quick|full|bounce|perf|x2]   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,6 +40,15 @@ if [[ "$mode" == x2 ]]; then
     NIXL_UCX_SGL_ENABLE=1 run "x2-ucx-best-0to1" "$v" bench --backend UCX --label "UCX-best-gpu0-gpu1" --param num_threads=8 \
         --device 0 --target-device 1 --sizes 4096,16384 --counts 1024,4096,16384 --iters 10 --json "$out/x2-ucx-best-0to1.json"
     cat "$out"/x2-*.log | grep -E "x |per request|passed|FAILED" >"$out/x2-summary.txt"
+    exit $status
+fi
+if [[ "$mode" == bounce ]]; then
+    # The bounce path alone (while tuning): the benchmark and its phase
+    # breakdown, no UCX runs; then the byte-exact test so speed never hides
+    # a wrong result.
+    run bench-bounce "$v" bench --backend BOUNCE --label BOUNCE --iters 20 --json "$out/bench-bounce.json"
+    run vram-test "$v" test
+    grep -E "x |per request|phase|passed|FAILED" "$out/bench-bounce.log" "$out/vram-test.log"
     exit $status
 fi
 if [[ "$mode" == perf ]]; then

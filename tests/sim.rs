@@ -83,7 +83,7 @@ enum Ev {
         inc: u32,
         chunk: ChunkRef,
         region: RegionHandle,
-        runs: Vec<Run>,
+        runs: nixl_bounce::proto::Runs,
         end: OpEnd,
     },
     WriteEnd {
@@ -102,7 +102,7 @@ enum Ev {
         inc: u32,
         flow: FlowId,
         region: RegionHandle,
-        runs: Vec<Run>,
+        runs: nixl_bounce::proto::Runs,
         end: OpEnd,
     },
     Submit {

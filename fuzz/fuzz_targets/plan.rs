@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
         let mut moved: u128 = 0;
         for chunk in &plan.chunks {
             assert!(chunk.bytes <= max_chunk_bytes);
-            for run in &chunk.scatter_runs {
+            for run in chunk.scatter_runs.iter() {
                 assert!(run.region_end().expect("run overflows") <= chunk.bytes);
                 moved += u128::from(run.total_bytes().expect("run size overflows"));
             }

@@ -272,6 +272,8 @@ pub enum Fallback {
     NoLocalArena,
     TooFewDescriptors,
     DescriptorsTooLarge,
+    /// The descriptors cannot be planned (e.g. sources on several devices).
+    Unplannable,
 }
 
 impl Fallback {
@@ -285,6 +287,7 @@ impl Fallback {
             Self::NoLocalArena => "fallback_no_local_arena",
             Self::TooFewDescriptors => "fallback_too_few_descriptors",
             Self::DescriptorsTooLarge => "fallback_descriptors_too_large",
+            Self::Unplannable => "fallback_unplannable",
         }
     }
 }

@@ -24,7 +24,7 @@ use nixl_sys::{
 use crate::config::{Config, ConfigSource};
 use crate::control::notif::NotifHub;
 use crate::failpoint::Failpoints;
-use crate::proto::plan::Descriptor;
+use crate::proto::plan::{Descriptor, Plan};
 use crate::proto::wire::Handshake;
 use crate::proto::PeerId;
 use crate::runtime::{DeferredNotif, Ticket};
@@ -267,7 +267,8 @@ struct BounceXfer {
     peer_arena: PeerBounce,
     /// The peer's inner agent (target of the completion notification).
     peer_inner: String,
-    descriptors: Vec<Descriptor>,
+    /// Made when the request is prepared; every post submits it.
+    plan: Arc<Plan>,
     ticket: Option<Arc<Ticket>>,
     reported: bool,
 }
@@ -831,18 +832,6 @@ impl Engine {
 
         match self.choose_route(op, local, remote, agent) {
             Ok((instance, peer)) => {
-                let descriptors = local
-                    .descs
-                    .iter()
-                    .zip(&remote.descs)
-                    .map(|((l, _), (r, _))| Descriptor {
-                        src_addr: l.addr as u64,
-                        src_dev: l.dev as u32,
-                        dst_addr: r.addr as u64,
-                        dst_dev: r.dev as u32,
-                        len: l.len.min(r.len) as u64,
-                    })
-                    .collect();
                 if let Some(i) = local
                     .descs
                     .iter()
@@ -854,18 +843,39 @@ impl Engine {
                         local.descs[i].0.len, remote.descs[i].0.len
                     )));
                 }
-                return Ok(Request {
-                    route: Route::Bounce(BounceXfer {
-                        instance,
-                        peer: peer.id.clone(),
-                        peer_arena: peer,
-                        peer_inner: inner_remote,
-                        descriptors,
-                        ticket: None,
-                        reported: false,
-                    }),
-                    args,
-                });
+                let descriptors: Vec<Descriptor> = local
+                    .descs
+                    .iter()
+                    .zip(&remote.descs)
+                    .map(|((l, _), (r, _))| Descriptor {
+                        src_addr: l.addr as u64,
+                        src_dev: l.dev as u32,
+                        dst_addr: r.addr as u64,
+                        dst_dev: r.dev as u32,
+                        len: l.len as u64,
+                    })
+                    .collect();
+                // Planned once here, reused by every post of the request.
+                match instance.runtime.plan(&descriptors) {
+                    Ok(plan) => {
+                        return Ok(Request {
+                            route: Route::Bounce(BounceXfer {
+                                instance,
+                                peer: peer.id.clone(),
+                                peer_arena: peer,
+                                peer_inner: inner_remote,
+                                plan,
+                                ticket: None,
+                                reported: false,
+                            }),
+                            args,
+                        });
+                    }
+                    Err(e) => {
+                        tracing::info!(agent = %self.local_name, "bounce path cannot plan this transfer ({e}); using UCX");
+                        self.stats.bump_named(Fallback::Unplannable.name());
+                    }
+                }
             }
             Err(reason) => self.stats.bump_named(reason.name()),
         }
@@ -995,12 +1005,11 @@ impl Engine {
                 let deadline = per_transfer
                     .deadline_ms
                     .map(std::time::Duration::from_millis);
-                b.ticket =
-                    Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif, deadline));
+                b.ticket = Some(runtime.submit(b.peer.clone(), b.plan.clone(), notif, deadline));
                 b.reported = false;
                 self.stats.bump_named("bounce_submitted");
                 self.stats
-                    .add_named("bounce_bytes", b.descriptors.iter().map(|d| d.len).sum());
+                    .add_named("bounce_bytes", b.plan.payload_bytes);
                 Ok(Status::InProgress)
             }
         }

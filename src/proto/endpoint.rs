@@ -23,16 +23,17 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
 
 use super::credit::{CreditScheduler, HeldBytes, Owner, SchedError, SchedulerParams};
-use super::plan::{Descriptor, PlanError, PlanOptions};
+use super::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
 use super::receiver::Receiver;
 use super::sender::Sender;
 use super::wire::{Message, WireError};
-use super::{ChunkRef, FlowId, PeerId, RegionHandle, RequestId, Run, Time};
+use super::{ChunkRef, FlowId, PeerId, RegionHandle, RequestId, Runs, Time};
 use crate::config::Config;
 
 /// Protocol parameters of one endpoint.
@@ -160,7 +161,7 @@ pub enum Action {
         /// Local staging region.
         region: RegionHandle,
         /// Copies.
-        runs: Vec<Run>,
+        runs: Runs,
     },
     /// Write `len` bytes from local `local` into the peer's region `remote`
     /// (address: the peer's arena base + offset). Answer with
@@ -188,7 +189,7 @@ pub enum Action {
         /// The region.
         region: RegionHandle,
         /// Copies.
-        runs: Vec<Run>,
+        runs: Runs,
     },
     /// A request reached its terminal outcome (exactly once per request).
     Complete {
@@ -217,6 +218,14 @@ pub enum SubmitError {
     /// The descriptors cannot be planned.
     #[error(transparent)]
     Plan(#[from] PlanError),
+    /// A plan made with other options than this endpoint's.
+    #[error("the plan has a {chunk}-byte chunk, more than this endpoint's {max}-byte chunk cap (plan with Endpoint::plan)")]
+    ChunkTooLarge {
+        /// The offending chunk's size.
+        chunk: u64,
+        /// This endpoint's cap.
+        max: u64,
+    },
 }
 
 /// Counters for observability (and the simulation's checks).
@@ -405,6 +414,31 @@ impl Endpoint {
         descriptors: &[Descriptor],
         deadline: Option<Duration>,
     ) -> Result<RequestId, SubmitError> {
+        let plan = self.plan(descriptors)?;
+        self.submit_plan(now, peer, plan, deadline)
+    }
+
+    /// Plans `descriptors` with this endpoint's options. A plan depends only
+    /// on the descriptors, so a transfer posted many times is planned once
+    /// (when it is prepared) and submitted with [`Endpoint::submit_plan`].
+    pub fn plan(&self, descriptors: &[Descriptor]) -> Result<Arc<Plan>, PlanError> {
+        plan::build(descriptors, self.ctx.plan_options).map(Arc::new)
+    }
+
+    /// The options [`Endpoint::plan`] uses.
+    pub fn plan_options(&self) -> PlanOptions {
+        self.ctx.plan_options
+    }
+
+    /// Starts a transfer of a plan made by [`Endpoint::plan`] (or with the
+    /// same options); `deadline` as for [`Endpoint::submit_with_deadline`].
+    pub fn submit_plan(
+        &mut self,
+        now: Time,
+        peer: &PeerId,
+        plan: Arc<Plan>,
+        deadline: Option<Duration>,
+    ) -> Result<RequestId, SubmitError> {
         if self.ctx.shut_down {
             return Err(SubmitError::ShutDown);
         }
@@ -413,7 +447,7 @@ impl Endpoint {
         }
         let id = self
             .sender
-            .submit(&mut self.ctx, now, peer, descriptors, deadline)?;
+            .submit(&mut self.ctx, now, peer, plan, deadline)?;
         self.pump(now);
         Ok(id)
     }
@@ -910,7 +944,7 @@ mod tests {
                 request: RequestId(7),
                 chunk: 0,
                 region,
-                runs: vec![Run::single(0, 0x10, 500)],
+                runs: vec![crate::proto::Run::single(0, 0x10, 500)].into(),
             },
         );
         assert!(drain(&mut rx).is_empty());
@@ -940,7 +974,7 @@ mod tests {
                 request: RequestId(7),
                 chunk: 0,
                 region,
-                runs: vec![Run::single(400, 0x10, 101)],
+                runs: vec![crate::proto::Run::single(400, 0x10, 101)].into(),
             },
         );
         let acts = drain(&mut rx);
@@ -971,7 +1005,7 @@ mod tests {
                 request: RequestId(7),
                 chunk: 0,
                 region,
-                runs: vec![Run::single(0, 0x10, 500)],
+                runs: vec![crate::proto::Run::single(0, 0x10, 500)].into(),
             },
         );
         assert!(matches!(drain(&mut rx)[0], Action::StartScatter { .. }));

@@ -15,7 +15,7 @@
 
 use thiserror::Error;
 
-use super::Run;
+use super::{Run, Runs};
 
 /// Alignment of every piece inside a region.
 pub const REGION_ALIGN: u64 = 32;
@@ -83,9 +83,9 @@ pub struct Chunk {
     /// Packed bytes (alignment padding included).
     pub bytes: u64,
     /// Source -> region copies (`addr` = source).
-    pub gather_runs: Vec<Run>,
+    pub gather_runs: Runs,
     /// Region -> destination copies (`addr` = destination).
-    pub scatter_runs: Vec<Run>,
+    pub scatter_runs: Runs,
     /// Number of descriptor pieces packed into this chunk.
     pub pieces: u32,
 }
@@ -214,8 +214,8 @@ impl ChunkBuilder {
         }
         chunks.push(Chunk {
             bytes: self.used,
-            gather_runs: std::mem::take(&mut self.gather),
-            scatter_runs: std::mem::take(&mut self.scatter),
+            gather_runs: std::mem::take(&mut self.gather).into(),
+            scatter_runs: std::mem::take(&mut self.scatter).into(),
             pieces: self.pieces,
         });
         self.used = 0;
@@ -454,7 +454,7 @@ mod tests {
                     prop_assert!(w[0].1 <= w[1].0, "overlap in region");
                 }
                 prop_assert_eq!(spans.last().map(|s| s.1), Some(c.bytes));
-                for r in c.scatter_runs.iter().chain(&c.gather_runs) {
+                for r in c.scatter_runs.iter().chain(c.gather_runs.iter()) {
                     prop_assert!(r.region_end().unwrap() <= c.bytes);
                 }
                 // Map region bytes back to src and dst byte by byte.
@@ -470,12 +470,12 @@ mod tests {
                     let di = descs.iter().position(|dd| x.1 >= dd.src_addr && x.1 < dd.src_addr + dd.len).unwrap();
                     prop_assert_eq!(x.1 - descs[di].src_addr, y.1 - descs[di].dst_addr);
                 }
-                for r in &c.gather_runs {
+                for r in c.gather_runs.iter() {
                     prop_assert_eq!(r.region_offset % REGION_ALIGN, 0);
                 }
             }
             let total: u64 = lens.iter().sum();
-            let planned: u64 = p.chunks.iter().flat_map(|c| &c.scatter_runs).map(|r| r.total_bytes().unwrap()).sum();
+            let planned: u64 = p.chunks.iter().flat_map(|c| c.scatter_runs.iter()).map(|r| r.total_bytes().unwrap()).sum();
             prop_assert_eq!(total, planned);
         }
     }

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::credit::ScatterEnd;
 use super::endpoint::{Action, Ctx};
 use super::wire::{Credit, Message, RefuseReason};
-use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Time};
+use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Upper bound on the copies one DATA may expand to.
 pub const MAX_COPIES_PER_CHUNK: u64 = 1 << 24;
@@ -166,7 +166,7 @@ impl Receiver {
         request: RequestId,
         chunk: u32,
         region: RegionHandle,
-        runs: Vec<Run>,
+        runs: Runs,
     ) {
         let flow = FlowId {
             peer: from.clone(),

@@ -21,9 +21,10 @@
 //!   land in the receiver's regions, so the receiver may reuse them at once.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 
 use super::endpoint::{Action, Ctx, FailureReason, Outcome, SubmitError};
-use super::plan::{self, Descriptor, Plan};
+use super::plan::Plan;
 use super::wire::{Credit, Message, RefuseReason};
 use super::{ChunkRef, PeerId, RegionHandle, RequestId, Time};
 
@@ -48,7 +49,7 @@ struct Slot {
 #[derive(Debug)]
 struct Request {
     peer: PeerId,
-    plan: Plan,
+    plan: Arc<Plan>,
     slots: Vec<Slot>,
     acked: usize,
     last_progress: Time,
@@ -128,10 +129,16 @@ impl Sender {
         ctx: &mut Ctx,
         now: Time,
         peer: &PeerId,
-        descriptors: &[Descriptor],
+        plan: Arc<Plan>,
         deadline: Option<std::time::Duration>,
     ) -> Result<RequestId, SubmitError> {
-        let plan = plan::build(descriptors, ctx.plan_options)?;
+        let max = ctx.plan_options.max_chunk_bytes;
+        if let Some(c) = plan.chunks.iter().find(|c| c.bytes > max) {
+            return Err(SubmitError::ChunkTooLarge {
+                chunk: c.bytes,
+                max,
+            });
+        }
         let id = RequestId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
         ctx.stats.submitted += 1;

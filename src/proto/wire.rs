@@ -16,7 +16,7 @@
 
 use thiserror::Error;
 
-use super::{RegionHandle, RequestId, Run};
+use super::{RegionHandle, RequestId, Run, Runs};
 
 /// Message header magic.
 pub const MESSAGE_MAGIC: [u8; 4] = *b"NXBM";
@@ -241,6 +241,19 @@ impl Writer {
         Writer::default()
     }
 
+    /// An empty writer with room for `n` bytes.
+    pub fn with_capacity(n: usize) -> Writer {
+        Writer {
+            buf: Vec::with_capacity(n),
+        }
+    }
+
+    /// Overwrites the u32 at byte `at` (a length written before its
+    /// contents were known). Panics if `at..at + 4` was not written.
+    pub fn patch_u32(&mut self, at: usize, v: u32) {
+        self.buf[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+
     /// Appends a u8.
     pub fn u8(&mut self, v: u8) {
         self.buf.push(v);
@@ -378,7 +391,7 @@ pub enum Message {
         /// The receiver region written.
         region: RegionHandle,
         /// Region -> destination runs (offsets relative to the region).
-        runs: Vec<Run>,
+        runs: Runs,
     },
     /// Receiver -> sender: chunk `chunk` scattered, region recycled.
     Ack {
@@ -433,7 +446,14 @@ impl Message {
 
     /// Encodes header + payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut p = Writer::new();
+        // One buffer, sized up front: a DATA of thousands of runs is
+        // hundreds of KiB, encoded on every post.
+        let mut p = Writer::with_capacity(HEADER_LEN + self.payload_len_hint());
+        p.bytes(&MESSAGE_MAGIC);
+        p.u16(WIRE_VERSION);
+        p.u8(self.message_type() as u8);
+        p.u8(0);
+        p.u32(0); // payload length, patched below
         match self {
             Message::Want {
                 request,
@@ -465,7 +485,7 @@ impl Message {
                 p.u32(*chunk);
                 p.u64(region.0);
                 p.u32(runs.len() as u32);
-                for r in runs {
+                for r in runs.iter() {
                     p.u64(r.region_offset);
                     p.u64(r.addr);
                     p.u64(r.len);
@@ -488,15 +508,24 @@ impl Message {
                 p.u8(*reason as u8);
             }
         }
-        let payload = p.into_bytes();
-        let mut w = Writer::new();
-        w.bytes(&MESSAGE_MAGIC);
-        w.u16(WIRE_VERSION);
-        w.u8(self.message_type() as u8);
-        w.u8(0);
-        w.u32(payload.len() as u32);
-        w.bytes(&payload);
-        w.into_bytes()
+        let payload_len = p.len() - HEADER_LEN;
+        p.patch_u32(HEADER_LEN - 4, payload_len as u32);
+        p.into_bytes()
+    }
+
+    /// The payload's encoded size (exact for the variable-size messages).
+    fn payload_len_hint(&self) -> usize {
+        match self {
+            Message::Want {
+                chunk_sizes,
+                endpoint,
+                ..
+            } => 24 + 8 * chunk_sizes.len() + endpoint.len(),
+            Message::Cancel { endpoint, .. } => 24 + endpoint.len(),
+            Message::Grant { credits, .. } => 12 + 20 * credits.len(),
+            Message::Data { runs, .. } => 24 + RUN_LEN * runs.len(),
+            Message::Ack { .. } | Message::Refuse { .. } => 20,
+        }
     }
 
     /// Decodes one message; the input must be exactly one message.
@@ -558,17 +587,18 @@ impl Message {
                 let chunk = r.u32("chunk index")?;
                 let region = RegionHandle(r.u64("region")?);
                 let n = r.count("run", MAX_DATA_RUNS, RUN_LEN)?;
-                let mut runs = Vec::with_capacity(n);
-                for _ in 0..n {
-                    runs.push(Run {
-                        region_offset: r.u64("run region offset")?,
-                        addr: r.u64("run address")?,
-                        len: r.u64("run length")?,
-                        count: r.u32("run count")?,
-                        region_stride: r.u64("run region stride")?,
-                        addr_stride: r.u64("run address stride")?,
-                    });
-                }
+                let runs = (0..n)
+                    .map(|_| {
+                        Ok(Run {
+                            region_offset: r.u64("run region offset")?,
+                            addr: r.u64("run address")?,
+                            len: r.u64("run length")?,
+                            count: r.u32("run count")?,
+                            region_stride: r.u64("run region stride")?,
+                            addr_stride: r.u64("run address stride")?,
+                        })
+                    })
+                    .collect::<Result<Runs, WireError>>()?;
                 Message::Data {
                     request,
                     chunk,
@@ -912,7 +942,7 @@ mod tests {
                     request,
                     chunk,
                     region: RegionHandle(region),
-                    runs
+                    runs: runs.into(),
                 }),
             (rid.clone(), any::<u32>(), any::<u64>()).prop_map(|(request, chunk, region)| {
                 Message::Ack {

@@ -23,8 +23,8 @@ use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
 use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
-use crate::proto::plan::Descriptor;
-use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Time};
+use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
+use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Longest the idle reactor sleeps in the control channel.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);
@@ -85,7 +85,7 @@ pub struct DeferredNotif {
 enum Command {
     Submit {
         peer: PeerId,
-        descriptors: Vec<Descriptor>,
+        plan: Arc<Plan>,
         ticket: Arc<Ticket>,
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
@@ -376,6 +376,7 @@ struct Shared {
 /// the thread is joined.
 pub struct Runtime {
     shared: Arc<Shared>,
+    plan_options: PlanOptions,
     thread: Option<JoinHandle<()>>,
     pub targets: Arc<ScatterTargets>,
 }
@@ -412,6 +413,7 @@ impl Runtime {
             counters: RuntimeCounters::default(),
         });
         let targets = Arc::new(ScatterTargets::default());
+        let plan_options = parts.endpoint.plan_options();
         let (job_tx, job_rx) = mpsc::channel::<CopyJob>();
         let (done_tx, done_rx) = mpsc::channel::<CopyDone>();
         let job_rx = Arc::new(Mutex::new(job_rx));
@@ -461,6 +463,7 @@ impl Runtime {
             .spawn(move || reactor.run())?;
         Ok(Self {
             shared,
+            plan_options,
             thread: Some(thread),
             targets,
         })
@@ -471,19 +474,27 @@ impl Runtime {
         (self.shared.waker)();
     }
 
-    /// Starts a bounce transfer. Never blocks on the network.
-    /// `deadline` overrides the configured per-request deadline.
+    /// Plans a transfer of `descriptors` for [`Runtime::submit`]. A plan
+    /// depends only on the descriptors: make it once when the transfer is
+    /// prepared and submit it on every post.
+    pub fn plan(&self, descriptors: &[Descriptor]) -> Result<Arc<Plan>, PlanError> {
+        plan::build(descriptors, self.plan_options).map(Arc::new)
+    }
+
+    /// Starts a bounce transfer of a plan made by [`Runtime::plan`]. Never
+    /// blocks on the network. `deadline` overrides the configured
+    /// per-request deadline.
     pub fn submit(
         &self,
         peer: PeerId,
-        descriptors: Vec<Descriptor>,
+        plan: Arc<Plan>,
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
     ) -> Arc<Ticket> {
         let ticket = Ticket::new();
         self.push(Command::Submit {
             peer,
-            descriptors,
+            plan,
             ticket: ticket.clone(),
             notif,
             deadline,
@@ -579,7 +590,7 @@ struct CopyJob {
     in_use: InUse,
     direction: Direction,
     span: RegionSpan,
-    runs: Vec<Run>,
+    runs: Runs,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -804,14 +815,12 @@ impl Reactor {
             match c {
                 Command::Submit {
                     peer,
-                    descriptors,
+                    plan,
                     ticket,
                     notif,
                     deadline,
                 } => {
-                    match self
-                        .endpoint
-                        .submit_with_deadline(now, &peer, &descriptors, deadline)
+                    match self.endpoint.submit_plan(now, &peer, plan, deadline)
                     {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
@@ -1148,7 +1157,7 @@ impl Reactor {
         id: CopyId,
         direction: Direction,
         region: RegionHandle,
-        runs: Vec<Run>,
+        runs: Runs,
         in_use: InUse,
     ) {
         let offset = region.0 as usize;

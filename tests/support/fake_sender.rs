@@ -133,7 +133,7 @@ impl FakeSender {
             request,
             chunk: 0,
             region,
-            runs,
+            runs: runs.into(),
         });
     }
 
