@@ -93,6 +93,9 @@ pub struct Config {
     pub control_interface: String,
     /// Bind the ZMQ control socket to 127.0.0.1 (single-host tests only).
     pub control_bind_loopback: bool,
+    /// How long the IO thread, copy workers and writer keep polling after
+    /// their last event while transfers are live (us); 0 = always block.
+    pub busy_poll_us: u64,
 }
 
 impl Default for Config {
@@ -117,6 +120,7 @@ impl Default for Config {
             request_deadline_ms: 0,
             control_interface: String::new(),
             control_bind_loopback: false,
+            busy_poll_us: 0,
         }
     }
 }
@@ -281,6 +285,7 @@ static SETTINGS: &[Setting] = &[
     setting!(request_deadline_ms, "request_deadline_ms", "REQUEST_DEADLINE_MS", Millis, true, "Absolute per-request deadline from submission; 0 = none."),
     setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the ZMQ control socket; empty = auto-detect."),
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the ZMQ control socket to 127.0.0.1 (single-host tests only)."),
+    setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
 ];
 
 /// Renders a byte count with the largest exact binary suffix.
@@ -618,10 +623,11 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 19);
+        assert_eq!(keys.len(), 20);
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));
         assert!(keys.contains(&"control_bind_loopback"));
+        assert!(keys.contains(&"busy_poll_us"));
         let rows = Config::describe();
         assert_eq!(rows[0].env, "NIXL_BOUNCE_ENABLE");
         assert_eq!(rows[1].default, "256MiB");

@@ -325,7 +325,7 @@ fn concurrent_copies_through_one_pool() {
         std::thread::scope(|s| {
             for t in 0..6u64 {
                 let dev = dev.clone();
-                let engine = engine.clone();
+                let engine = &engine;
                 s.spawn(move || {
                     let mut rng = Rng(1000 + t);
                     let (region_len, app_len) = (1 << 20, 2 << 20);

@@ -687,15 +687,27 @@ fn print_breakdown(
     };
     let per = |ns: u64| ns as f64 / iters.max(1) as f64 / 1e6;
     let chunks = d(after, before, "chunks_written") as f64 / iters.max(1) as f64;
+    let i = |k: &str| per(d(after, before, k));
+    let t = |k: &str| per(d(tafter, tbefore, k));
     println!(
-        "    per request: total {:.3} ms | chunks {:.1} | gather {:.3} ms | copy queue {:.3} ms | write {:.3} ms | scatter (target) {:.3} ms | target queue {:.3} ms",
-        per(d(after, before, "request_ns")),
+        "    per request: total {:.3} ms | chunks {:.1} | gather {:.3} ms (launch {:.3}, device wait {:.3}) | copy queue {:.3} ms | write {:.3} ms (post {:.3}) | scatter (target) {:.3} ms (launch {:.3}, device wait {:.3}) | target queue {:.3} ms",
+        i("request_ns"),
         chunks,
-        per(d(after, before, "gather_ns")),
-        per(d(after, before, "copy_queue_ns")),
-        per(d(after, before, "write_ns")),
-        per(d(tafter, tbefore, "scatter_ns")),
-        per(d(tafter, tbefore, "copy_queue_ns")),
+        i("gather_ns"),
+        i("gpu_gather_launch_ns"),
+        i("gpu_gather_wait_ns"),
+        i("copy_queue_ns"),
+        i("write_ns"),
+        i("write_post_ns"),
+        t("scatter_ns"),
+        t("gpu_scatter_launch_ns"),
+        t("gpu_scatter_wait_ns"),
+        t("copy_queue_ns"),
+    );
+    println!(
+        "    control per request: submit -> first GRANT {:.3} ms | DATA -> ACK {:.3} ms (sum over chunks, includes the target's scatter)",
+        i("grant_wait_ns"),
+        i("ack_wait_ns"),
     );
 }
 

@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -1413,10 +1413,13 @@ impl Default for CopyOptions {
 }
 
 /// Gather/scatter with the batched copy kernel.
-#[derive(Clone)]
 pub struct CudaCopy {
     pool: Arc<ExecPool>,
     opts: CopyOptions,
+    /// Host time to launch (context, table fill, upload, launch) and time
+    /// waiting for the device, per direction: `[gather, scatter]`.
+    launch_ns: [AtomicU64; 2],
+    wait_ns: [AtomicU64; 2],
 }
 
 impl std::fmt::Debug for CudaCopy {
@@ -1433,6 +1436,8 @@ impl CudaCopy {
         CudaCopy {
             pool,
             opts: CopyOptions::default(),
+            launch_ns: Default::default(),
+            wait_ns: Default::default(),
         }
     }
 
@@ -1446,7 +1451,10 @@ impl CudaCopy {
         if opts.max_blocks == Some(0) {
             return Err("max_blocks must be at least 1".into());
         }
-        Ok(CudaCopy { pool, opts })
+        Ok(CudaCopy {
+            opts,
+            ..CudaCopy::new(pool)
+        })
     }
 
     pub fn pool(&self) -> &Arc<ExecPool> {
@@ -1521,7 +1529,25 @@ impl CopyEngine for CudaCopy {
         region: RegionSpan,
         runs: &[Run],
     ) -> Result<(), CopyError> {
-        self.start(direction, region, runs)?.wait()
+        let i = direction as usize;
+        let t0 = Instant::now();
+        let pending = self.start(direction, region, runs)?;
+        let t1 = Instant::now();
+        let done = pending.wait();
+        let (launch, wait) = (t1 - t0, t1.elapsed());
+        self.launch_ns[i].fetch_add(launch.as_nanos() as u64, Ordering::Relaxed);
+        self.wait_ns[i].fetch_add(wait.as_nanos() as u64, Ordering::Relaxed);
+        done
+    }
+
+    fn phase_counters(&self) -> Vec<(&'static str, u64)> {
+        let get = |a: &[AtomicU64; 2], i: usize| a[i].load(Ordering::Relaxed);
+        vec![
+            ("gpu_gather_launch_ns", get(&self.launch_ns, 0)),
+            ("gpu_gather_wait_ns", get(&self.wait_ns, 0)),
+            ("gpu_scatter_launch_ns", get(&self.launch_ns, 1)),
+            ("gpu_scatter_wait_ns", get(&self.wait_ns, 1)),
+        ]
     }
 }
 

@@ -49,6 +49,12 @@ pub struct RegionSpan {
 pub trait CopyEngine: Send + Sync + std::fmt::Debug {
     fn copy(&self, direction: Direction, region: RegionSpan, runs: &[Run])
         -> Result<(), CopyError>;
+
+    /// Engine-specific time counters for the stats export (name, value),
+    /// e.g. the CUDA engine's host launch time against its device wait.
+    fn phase_counters(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }
 
 /// Checks that every run of `runs` lies inside a region of `region_len`

@@ -130,6 +130,7 @@ impl Bounce {
             },
             copier,
             copy_workers: workers,
+            busy_poll: std::time::Duration::from_micros(config.busy_poll_us),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

@@ -57,6 +57,25 @@ pub enum MessageType {
     Refuse = 5,
 }
 
+/// The type code, request id and (for DATA and ACK) chunk index of an
+/// encoded message, read from their fixed positions without validating
+/// anything else: for instrumentation that must not decode twice. The
+/// message may still be rejected by [`Message::decode`].
+pub fn peek(bytes: &[u8]) -> Option<(u8, RequestId, Option<u32>)> {
+    let field = |at: usize, n: usize| bytes.get(at..at + n);
+    if field(0, 4)? != MESSAGE_MAGIC {
+        return None;
+    }
+    let ty = *bytes.get(6)?;
+    let request = RequestId(u64::from_le_bytes(field(HEADER_LEN, 8)?.try_into().ok()?));
+    let chunk = if ty == MessageType::Data as u8 || ty == MessageType::Ack as u8 {
+        Some(u32::from_le_bytes(field(HEADER_LEN + 8, 4)?.try_into().ok()?))
+    } else {
+        None
+    };
+    Some((ty, request, chunk))
+}
+
 /// First type code reserved for READ messages.
 pub const RESERVED_READ_FIRST: u8 = 16;
 /// Last type code reserved for READ messages.
@@ -970,6 +989,24 @@ mod tests {
             access_key: 0x5eed,
             endpoint: b"tcp://10.0.0.1:5555".to_vec(),
         }
+    }
+
+    #[test]
+    fn peek_reads_type_request_and_chunk() {
+        let data = Message::Data {
+            request: RequestId(7),
+            chunk: 3,
+            region: RegionHandle(64),
+            runs: vec![Run::single(0, 0x1000, 8)].into(),
+        };
+        assert_eq!(peek(&data.encode()), Some((3, RequestId(7), Some(3))));
+        let grant = Message::Grant {
+            request: RequestId(9),
+            credits: vec![],
+        };
+        assert_eq!(peek(&grant.encode()), Some((2, RequestId(9), None)));
+        assert_eq!(peek(b"NXBM"), None);
+        assert_eq!(peek(&[0u8; 32]), None);
     }
 
     #[test]

@@ -23,6 +23,7 @@ use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
 use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
+use crate::proto::wire::{Message, MessageType};
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
 use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
@@ -132,6 +133,12 @@ pub struct RuntimeCounters {
     pub copy_queue_ns: AtomicU64,
     pub write_ns: AtomicU64,
     pub request_ns: AtomicU64,
+    /// Of `write_ns`: the writer thread preparing and posting the writes.
+    pub write_post_ns: AtomicU64,
+    /// Control round trips: submission -> the request's first GRANT, and
+    /// DATA sent -> its ACK (the peer's scatter included).
+    pub grant_wait_ns: AtomicU64,
+    pub ack_wait_ns: AtomicU64,
 }
 
 /// Application memory the copies may touch, and what they touch now.
@@ -377,6 +384,7 @@ struct Shared {
 pub struct Runtime {
     shared: Arc<Shared>,
     plan_options: PlanOptions,
+    copier: Arc<dyn CopyEngine>,
     thread: Option<JoinHandle<()>>,
     pub targets: Arc<ScatterTargets>,
 }
@@ -398,6 +406,9 @@ pub struct Parts {
     pub arena: RegionSpan,
     pub copier: Arc<dyn CopyEngine>,
     pub copy_workers: usize,
+    /// Poll this long after the last event before sleeping (see
+    /// `Config::busy_poll_us`).
+    pub busy_poll: Duration,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
@@ -422,19 +433,21 @@ impl Runtime {
             let (rx, tx, copier) = (job_rx.clone(), done_tx.clone(), parts.copier.clone());
             let waker = shared.waker.clone();
             let t = targets.clone();
+            let spin = parts.busy_poll;
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("bounce-copy-{i}"))
-                    .spawn(move || copy_worker(rx, tx, copier, waker, t))?,
+                    .spawn(move || copy_worker(rx, tx, copier, waker, t, spin))?,
             );
         }
         let (write_tx, write_rx) = mpsc::channel::<WriteJob>();
         let (write_done_tx, write_done_rx) = mpsc::channel::<WriteOutcome>();
         let writer = {
-            let (data, waker) = (parts.data, shared.waker.clone());
+            let (data, waker, sh) = (parts.data, shared.waker.clone(), shared.clone());
+            let spin = parts.busy_poll;
             std::thread::Builder::new()
                 .name(format!("bounce-write-{}", parts.name))
-                .spawn(move || write_worker(data, write_rx, write_done_tx, waker))?
+                .spawn(move || write_worker(data, write_rx, write_done_tx, waker, sh, spin))?
         };
         let reactor = Reactor {
             name: parts.name.clone(),
@@ -444,6 +457,7 @@ impl Runtime {
             write_done: write_done_rx,
             writer: Some(writer),
             arena: parts.arena,
+            busy_poll: parts.busy_poll,
             notify: parts.notify,
             failpoints: parts.failpoints,
             shared: shared.clone(),
@@ -456,6 +470,8 @@ impl Runtime {
             peers: HashMap::new(),
             handles: HashMap::new(),
             tickets: HashMap::new(),
+            awaiting_grant: HashMap::new(),
+            awaiting_ack: HashMap::new(),
             workers,
         };
         let thread = std::thread::Builder::new()
@@ -464,6 +480,7 @@ impl Runtime {
         Ok(Self {
             shared,
             plan_options,
+            copier: parts.copier.clone(),
             thread: Some(thread),
             targets,
         })
@@ -537,6 +554,7 @@ impl Runtime {
         &self,
     ) -> Box<dyn Fn() -> (std::collections::BTreeMap<String, u64>, Option<String>) + Send> {
         let shared = self.shared.clone();
+        let copier = self.copier.clone();
         Box::new(move || {
             let c = &shared.counters;
             let rows = [
@@ -561,11 +579,20 @@ impl Runtime {
                 ("copy_queue_ns", &c.copy_queue_ns),
                 ("write_ns", &c.write_ns),
                 ("request_ns", &c.request_ns),
+                ("write_post_ns", &c.write_post_ns),
+                ("grant_wait_ns", &c.grant_wait_ns),
+                ("ack_wait_ns", &c.ack_wait_ns),
             ];
-            let map = rows
+            let mut map: std::collections::BTreeMap<String, u64> = rows
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
                 .collect();
+            map.extend(
+                copier
+                    .phase_counters()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v)),
+            );
             (map, shared.poisoned.lock().expect("poisoned").clone())
         })
     }
@@ -607,17 +634,37 @@ struct CopyDone {
     ran: Duration,
 }
 
+/// Takes the next job from `jobs`: polls for up to `spin` first (the next
+/// chunk of a live transfer usually follows within microseconds, and a
+/// sleeping thread takes tens of microseconds to wake), then blocks.
+/// `None` once the sending side is gone.
+fn next_job<T>(jobs: &Mutex<Receiver<T>>, spin: Duration) -> Option<T> {
+    use std::sync::mpsc::TryRecvError;
+    if !spin.is_zero() {
+        let until = Instant::now() + spin;
+        loop {
+            match jobs.lock().expect("job queue").try_recv() {
+                Ok(j) => return Some(j),
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) if Instant::now() >= until => break,
+                Err(TryRecvError::Empty) => std::thread::yield_now(),
+            }
+        }
+    }
+    jobs.lock().expect("job queue").recv().ok()
+}
+
 fn copy_worker(
     jobs: Arc<Mutex<Receiver<CopyJob>>>,
     done: Sender<CopyDone>,
     copier: Arc<dyn CopyEngine>,
     waker: crate::control::Waker,
     targets: Arc<ScatterTargets>,
+    spin: Duration,
 ) {
     loop {
-        let job = match jobs.lock().expect("copy jobs").recv() {
-            Ok(j) => j,
-            Err(_) => return, // the reactor is gone
+        let Some(job) = next_job(&jobs, spin) else {
+            return; // the reactor is gone
         };
         let started = Instant::now();
         let queued = started.duration_since(job.queued_at);
@@ -675,18 +722,21 @@ fn write_worker(
     jobs: Receiver<WriteJob>,
     done: Sender<WriteOutcome>,
     waker: crate::control::Waker,
+    shared: Arc<Shared>,
+    spin: Duration,
 ) {
+    let jobs = Mutex::new(jobs);
     let mut pending: Vec<(ChunkRef, ChunkWrite)> = Vec::new();
     let mut closed_at: Option<Instant> = None;
     let mut idle = 0u32;
     loop {
         let job = if pending.is_empty() && closed_at.is_none() {
-            match jobs.recv() {
-                Ok(j) => Some(j),
-                Err(_) => return,
+            match next_job(&jobs, spin) {
+                Some(j) => Some(j),
+                None => return,
             }
         } else if closed_at.is_none() {
-            match jobs.try_recv() {
+            match jobs.lock().expect("write jobs").try_recv() {
                 Ok(j) => Some(j),
                 Err(std::sync::mpsc::TryRecvError::Empty) => None,
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => {
@@ -700,7 +750,13 @@ fn write_worker(
         let mut progressed = false;
         if let Some(j) = job {
             progressed = true;
-            match data.post_write(&j.arena, j.local, j.remote, j.len) {
+            let t = Instant::now();
+            let posted = data.post_write(&j.arena, j.local, j.remote, j.len);
+            shared
+                .counters
+                .write_post_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            match posted {
                 Ok(w) => pending.push((j.chunk, w)),
                 Err(e) => {
                     let _ = done.send(WriteOutcome::Failed(j.chunk, e));
@@ -764,6 +820,7 @@ struct Reactor {
     write_done: Receiver<WriteOutcome>,
     writer: Option<JoinHandle<()>>,
     arena: RegionSpan,
+    busy_poll: Duration,
     notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
     failpoints: crate::failpoint::Failpoints,
     shared: Arc<Shared>,
@@ -779,6 +836,10 @@ struct Reactor {
     /// Control-channel handles by peer.
     handles: HashMap<PeerId, PeerHandle>,
     tickets: HashMap<RequestId, (Arc<Ticket>, Option<DeferredNotif>, Instant)>,
+    /// For the control round-trip timers: requests still waiting for their
+    /// first GRANT, and DATA messages waiting for their ACK.
+    awaiting_grant: HashMap<RequestId, Instant>,
+    awaiting_ack: HashMap<(RequestId, u32), Instant>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -788,23 +849,41 @@ impl Reactor {
     }
 
     fn run(mut self) {
+        let mut last_event = Instant::now();
         while !self.shared.stop.load(Ordering::SeqCst) {
             let mut progressed = self.drain_commands();
             progressed |= self.drain_copies();
             progressed |= self.poll_writes();
             // Copy workers and the writer thread wake the channel when they
-            // finish something, so the reactor only waits.
-            let wait = if progressed {
+            // finish something, so the reactor only waits. While transfers
+            // are live it polls for `busy_poll` after the last event first:
+            // the next message or completion usually comes within
+            // microseconds, and waking a sleeping thread costs tens.
+            let spinning =
+                !progressed && self.live() && last_event.elapsed() < self.busy_poll;
+            let wait = if progressed || spinning {
                 Duration::ZERO
             } else {
                 let until_timer = self.endpoint.poll_timeout().map(|t| t.since(self.now()));
                 until_timer.map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
             };
-            self.receive(wait);
+            if self.receive(wait) || progressed {
+                last_event = Instant::now();
+            } else if spinning {
+                std::thread::yield_now();
+            }
             self.fire_timers();
             self.execute_actions();
         }
         self.shutdown();
+    }
+
+    /// Whether anything is in flight (requests, flows, copies, writes).
+    fn live(&self) -> bool {
+        self.endpoint.request_count() > 0
+            || self.endpoint.flow_count() > 0
+            || self.copies_in_flight > 0
+            || !self.writes.is_empty()
     }
 
     fn drain_commands(&mut self) -> bool {
@@ -824,7 +903,9 @@ impl Reactor {
                     {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
-                            self.tickets.insert(id, (ticket, notif, Instant::now()));
+                            let now = Instant::now();
+                            self.tickets.insert(id, (ticket, notif, now));
+                            self.awaiting_grant.insert(id, now);
                         }
                         Err(e) => {
                             tracing::warn!(agent = %self.name, "bounce submission refused: {e}");
@@ -973,6 +1054,7 @@ impl Reactor {
                         tracing::warn!(agent = %self.name, "control message from a non-UTF-8 endpoint dropped");
                         continue;
                     };
+                    self.time_round_trip(&incoming.payload);
                     let now = self.now();
                     if self
                         .endpoint
@@ -992,6 +1074,26 @@ impl Reactor {
                     return any;
                 }
             }
+        }
+    }
+
+    /// Feeds the GRANT and ACK round-trip timers from an incoming message.
+    fn time_round_trip(&mut self, payload: &[u8]) {
+        let c = &self.shared.counters;
+        match crate::proto::wire::peek(payload) {
+            Some((ty, request, _)) if ty == MessageType::Grant as u8 => {
+                if let Some(t) = self.awaiting_grant.remove(&request) {
+                    c.grant_wait_ns
+                        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                }
+            }
+            Some((ty, request, Some(chunk))) if ty == MessageType::Ack as u8 => {
+                if let Some(t) = self.awaiting_ack.remove(&(request, chunk)) {
+                    c.ack_wait_ns
+                        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -1048,6 +1150,9 @@ impl Reactor {
                         continue;
                     }
                     let bytes = message.encode();
+                    if let Message::Data { request, chunk, .. } = &message {
+                        self.awaiting_ack.insert((*request, *chunk), Instant::now());
+                    }
                     if let Some(h) = self.handle(&peer) {
                         if let Err(e) = self.channel.send(h, &bytes) {
                             self.shared
@@ -1196,6 +1301,8 @@ impl Reactor {
     }
 
     fn complete(&mut self, request: RequestId, outcome: Outcome) {
+        self.awaiting_grant.remove(&request);
+        self.awaiting_ack.retain(|k, _| k.0 != request);
         let Some((ticket, notif, submitted)) = self.tickets.remove(&request) else {
             return;
         };
