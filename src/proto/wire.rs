@@ -606,18 +606,11 @@ impl Message {
                 let chunk = r.u32("chunk index")?;
                 let region = RegionHandle(r.u64("region")?);
                 let n = r.count("run", MAX_DATA_RUNS, RUN_LEN)?;
-                let runs = (0..n)
-                    .map(|_| {
-                        Ok(Run {
-                            region_offset: r.u64("run region offset")?,
-                            addr: r.u64("run address")?,
-                            len: r.u64("run length")?,
-                            count: r.u32("run count")?,
-                            region_stride: r.u64("run region stride")?,
-                            addr_stride: r.u64("run address stride")?,
-                        })
-                    })
-                    .collect::<Result<Runs, WireError>>()?;
+                // `count` checked that the n runs are all there: parse them
+                // from one slice straight into the shared list (one
+                // allocation; a run list can be hundreds of KiB).
+                let raw = r.take(n * RUN_LEN, "runs")?;
+                let runs: Runs = raw.chunks_exact(RUN_LEN).map(parse_run).collect();
                 Message::Data {
                     request,
                     chunk,
@@ -638,6 +631,25 @@ impl Message {
         };
         r.finish("message")?;
         Ok(msg)
+    }
+}
+
+/// One run from its `RUN_LEN` encoded bytes.
+fn parse_run(b: &[u8]) -> Run {
+    let u64_at = |at: usize| {
+        let mut v = [0u8; 8];
+        v.copy_from_slice(&b[at..at + 8]);
+        u64::from_le_bytes(v)
+    };
+    let mut count = [0u8; 4];
+    count.copy_from_slice(&b[24..28]);
+    Run {
+        region_offset: u64_at(0),
+        addr: u64_at(8),
+        len: u64_at(16),
+        count: u32::from_le_bytes(count),
+        region_stride: u64_at(28),
+        addr_stride: u64_at(36),
     }
 }
 
