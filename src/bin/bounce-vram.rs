@@ -709,6 +709,14 @@ fn print_breakdown(
         i("grant_wait_ns"),
         i("ack_wait_ns"),
     );
+    let both = |k: &str| i(k) + t(k);
+    println!(
+        "    GPU launch steps, both sides: prepare {:.3} ms | table fill {:.3} ms | upload call {:.3} ms | launch + event {:.3} ms",
+        both("gpu_launch_prepare_ns"),
+        both("gpu_launch_fill_ns"),
+        both("gpu_launch_upload_ns"),
+        both("gpu_launch_call_ns"),
+    );
 }
 
 fn print_row(r: &Row) {

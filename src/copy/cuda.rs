@@ -899,6 +899,9 @@ pub struct ExecPool {
     zero_copy: bool,
     state: Mutex<PoolState>,
     returned: Condvar,
+    /// Host time of a launch's steps, summed: [context bind and table
+    /// sizing, table fill, upload call, launch and event record].
+    launch_steps_ns: [AtomicU64; 4],
 }
 
 struct PoolState {
@@ -958,6 +961,7 @@ impl ExecPool {
             zero_copy,
             state: Mutex::new(PoolState { idle, live: count }),
             returned: Condvar::new(),
+            launch_steps_ns: Default::default(),
         }))
     }
 
@@ -1091,6 +1095,7 @@ impl ExecGuard {
             .unwrap_or(kernel.max_grid)
             .clamp(1, i32::MAX as u32);
         let max_warps = max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let t0 = Instant::now();
         let layout = TableLayout::new(runs.len()).ok_or_else(|| {
             err(
                 format!("{} runs overflow the run table size", runs.len()),
@@ -1126,6 +1131,7 @@ impl ExecGuard {
                 ),
             )
         };
+        let t1 = Instant::now();
         let shape = fill_table(
             direction,
             region,
@@ -1136,6 +1142,7 @@ impl ExecGuard {
             out_tile_start,
             out_strides,
         )?;
+        let t2 = Instant::now();
         let used = shape.table_bytes();
         let stream = ctx.stream.cu_stream();
         let table_dev = if zero_copy {
@@ -1171,6 +1178,7 @@ impl ExecGuard {
             }
             scratch.ptr
         };
+        let t3 = Instant::now();
         // The table writes above must be visible before the launch doorbell.
         fence(Ordering::SeqCst);
         let mut a_runs: u64 = table_dev;
@@ -1226,6 +1234,10 @@ impl ExecGuard {
                 direction,
                 format!("cuEventRecord after the {direction:?} kernel: {e}"),
             ));
+        }
+        let steps = [t1 - t0, t2 - t1, t3 - t2, t3.elapsed()];
+        for (sum, d) in self.pool.launch_steps_ns.iter().zip(steps) {
+            sum.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -1542,11 +1554,16 @@ impl CopyEngine for CudaCopy {
 
     fn phase_counters(&self) -> Vec<(&'static str, u64)> {
         let get = |a: &[AtomicU64; 2], i: usize| a[i].load(Ordering::Relaxed);
+        let step = |i: usize| self.pool.launch_steps_ns[i].load(Ordering::Relaxed);
         vec![
             ("gpu_gather_launch_ns", get(&self.launch_ns, 0)),
             ("gpu_gather_wait_ns", get(&self.wait_ns, 0)),
             ("gpu_scatter_launch_ns", get(&self.launch_ns, 1)),
             ("gpu_scatter_wait_ns", get(&self.wait_ns, 1)),
+            ("gpu_launch_prepare_ns", step(0)),
+            ("gpu_launch_fill_ns", step(1)),
+            ("gpu_launch_upload_ns", step(2)),
+            ("gpu_launch_call_ns", step(3)),
         ]
     }
 }
