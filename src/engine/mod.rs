@@ -261,6 +261,8 @@ enum Route {
 }
 
 struct BounceXfer {
+    /// A READ from the peer (else a WRITE to it).
+    read: bool,
     /// The local instance that runs it.
     instance: Arc<Bounce>,
     peer: PeerId,
@@ -346,6 +348,9 @@ pub struct Engine {
     inner_name: String,
     inner: Agent,
     conn_info: Vec<u8>,
+    /// The inner agent's metadata from its creation (its connection only):
+    /// part of the data path a READ describes.
+    inner_md: Vec<u8>,
     /// Outer remote agent name -> what we know of it.
     remotes: Mutex<HashMap<String, Remote>>,
     broken: AtomicBool,
@@ -437,7 +442,7 @@ impl Engine {
         // Bounce handshakes travel in each region's public data (see
         // conn_info::PublicData), so the connection info carries none.
         let conn_info = ConnInfo {
-            inner_md,
+            inner_md: inner_md.clone(),
             handshake: Vec::new(),
         }
         .encode();
@@ -450,6 +455,7 @@ impl Engine {
             inner_name,
             inner,
             conn_info,
+            inner_md,
             remotes: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
             stats,
@@ -491,6 +497,8 @@ impl Engine {
         } else {
             let shared = bounce::Shared {
                 inner: &self.inner,
+                inner_name: &self.inner_name,
+                inner_md: &self.inner_md,
                 hub: &self.hub,
                 agent: &self.local_name,
                 config: &self.config,
@@ -831,16 +839,24 @@ impl Engine {
 
         match self.choose_route(op, local, remote, agent) {
             Ok((instance, peer)) => {
+                // Descriptors go from source to destination: local to remote
+                // for a WRITE, remote to local for a READ.
                 let descriptors = local
                     .descs
                     .iter()
                     .zip(&remote.descs)
-                    .map(|((l, _), (r, _))| Descriptor {
-                        src_addr: l.addr as u64,
-                        src_dev: l.dev as u32,
-                        dst_addr: r.addr as u64,
-                        dst_dev: r.dev as u32,
-                        len: l.len.min(r.len) as u64,
+                    .map(|((l, _), (r, _))| {
+                        let (src, dst) = match op {
+                            Op::Write => (l, r),
+                            Op::Read => (r, l),
+                        };
+                        Descriptor {
+                            src_addr: src.addr as u64,
+                            src_dev: src.dev as u32,
+                            dst_addr: dst.addr as u64,
+                            dst_dev: dst.dev as u32,
+                            len: l.len.min(r.len) as u64,
+                        }
                     })
                     .collect();
                 if let Some(i) = local
@@ -856,6 +872,7 @@ impl Engine {
                 }
                 return Ok(Request {
                     route: Route::Bounce(BounceXfer {
+                        read: op == Op::Read,
                         instance,
                         peer: peer.id.clone(),
                         peer_arena: peer,
@@ -942,6 +959,7 @@ impl Engine {
             descriptors: local.descs.len() as u64,
             bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
             peer_capable: peer.is_some(),
+            peer_reads: peer.is_some_and(|p| p.read),
             local_transfer: agent == self.local_name,
             local_arena: local_instance.is_some(),
         };
@@ -995,8 +1013,12 @@ impl Engine {
                 let deadline = per_transfer
                     .deadline_ms
                     .map(std::time::Duration::from_millis);
-                b.ticket =
-                    Some(runtime.submit(b.peer.clone(), b.descriptors.clone(), notif, deadline));
+                let (peer, descriptors) = (b.peer.clone(), b.descriptors.clone());
+                b.ticket = Some(if b.read {
+                    runtime.submit_read(peer, descriptors, notif, deadline)
+                } else {
+                    runtime.submit(peer, descriptors, notif, deadline)
+                });
                 b.reported = false;
                 self.stats.bump_named("bounce_submitted");
                 self.stats
@@ -1184,6 +1206,7 @@ fn failure_status(reason: crate::proto::FailureReason) -> Status {
     match reason {
         F::Cancelled => Status::Canceled,
         F::PeerLost => Status::RemoteDisconnect,
+        F::SourceRefused => Status::InvalidParam,
         _ => Status::Backend,
     }
 }

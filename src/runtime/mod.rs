@@ -84,6 +84,8 @@ pub struct DeferredNotif {
 
 enum Command {
     Submit {
+        /// READ from `peer` (else WRITE to it).
+        read: bool,
         peer: PeerId,
         descriptors: Vec<Descriptor>,
         ticket: Arc<Ticket>,
@@ -118,6 +120,9 @@ pub struct RuntimeCounters {
     pub late_data: AtomicU64,
     /// WANT/CANCEL refused for a wrong access key.
     pub unauthorized: AtomicU64,
+    /// READs this agent served to the end, and refused (bad sources, ...).
+    pub reads_served: AtomicU64,
+    pub reads_refused: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
     pub timeouts: AtomicU64,
@@ -273,9 +278,11 @@ impl ScatterTargets {
         Ok(t.track(runs))
     }
 
-    /// Marks a gather's sources in use.
-    pub fn track(&self, runs: &[Run]) -> InUse {
-        self.lock().track(runs)
+    /// Admits a gather (its sources must be registered memory: for a
+    /// served READ they come from the network) and marks them in use,
+    /// atomically with respect to deregistration.
+    pub fn admit_gather(&self, runs: &[Run]) -> Result<InUse, String> {
+        self.admit_scatter(runs)
     }
 
     /// The copy holding `token` is over.
@@ -319,7 +326,12 @@ mod tests {
             "released within the bound"
         );
         releaser.join().unwrap();
-        let other = t.track(&[run(0x9000, 0x10, 1, 0)]);
+        t.add(0x9000, 0x100);
+        let other = t.admit_gather(&[run(0x9000, 0x10, 1, 0)]).unwrap();
+        assert!(
+            t.admit_gather(&[run(0x9000, 0x10, 2, 0x100)]).is_err(),
+            "a gather (a served READ's sources) outside registered memory is refused"
+        );
         assert!(
             t.remove(0x1000, 0x1000, Duration::ZERO),
             "copies elsewhere do not hold it up"
@@ -388,6 +400,20 @@ impl std::fmt::Debug for Runtime {
     }
 }
 
+/// The data owner's check of READ sources: registered memory only (the
+/// check an RDMA key gives the standard path's READ).
+struct RegisteredSources(Arc<ScatterTargets>);
+
+impl crate::proto::read::SourceCheck for RegisteredSources {
+    fn check(&self, _reader: &PeerId, runs: &[Run]) -> Result<(), String> {
+        self.0.admits(runs)
+    }
+}
+
+/// Loads a reader's data-path description (from its READ) and returns how
+/// to write into its arena.
+pub type DataPathLoader = Box<dyn Fn(&[u8]) -> Result<PeerArena, String> + Send>;
+
 /// Everything the reactor needs, built by the engine.
 pub struct Parts {
     pub name: String,
@@ -400,6 +426,8 @@ pub struct Parts {
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    /// Makes a reader's arena a write target (served READs).
+    pub load_data_path: DataPathLoader,
 }
 
 impl Runtime {
@@ -434,9 +462,13 @@ impl Runtime {
                 .name(format!("bounce-write-{}", parts.name))
                 .spawn(move || write_worker(data, write_rx, write_done_tx, waker))?
         };
+        let mut endpoint = parts.endpoint;
+        endpoint.set_source_check(Box::new(RegisteredSources(targets.clone())));
         let reactor = Reactor {
             name: parts.name.clone(),
-            endpoint: parts.endpoint,
+            endpoint,
+            load_data_path: parts.load_data_path,
+            data_paths: HashMap::new(),
             channel: parts.channel,
             write_jobs: Some(write_tx),
             write_done: write_done_rx,
@@ -482,6 +514,30 @@ impl Runtime {
     ) -> Arc<Ticket> {
         let ticket = Ticket::new();
         self.push(Command::Submit {
+            read: false,
+            peer,
+            descriptors,
+            ticket: ticket.clone(),
+            notif,
+            deadline,
+        });
+        ticket
+    }
+
+    /// Starts a bounce READ from `peer`: `descriptors` go from the peer's
+    /// memory (`src_*`) to ours (`dst_*`). The ticket succeeds once every
+    /// byte is scattered; `notif` then goes to the peer (NIXL's READ
+    /// notification semantics).
+    pub fn submit_read(
+        &self,
+        peer: PeerId,
+        descriptors: Vec<Descriptor>,
+        notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
+    ) -> Arc<Ticket> {
+        let ticket = Ticket::new();
+        self.push(Command::Submit {
+            read: true,
             peer,
             descriptors,
             ticket: ticket.clone(),
@@ -540,6 +596,8 @@ impl Runtime {
                 ("malformed_messages", &c.malformed_messages),
                 ("late_data", &c.late_data),
                 ("unauthorized", &c.unauthorized),
+                ("reads_served", &c.reads_served),
+                ("reads_refused", &c.reads_refused),
                 ("bounce_succeeded", &c.succeeded),
                 ("bounce_failed", &c.failed),
                 ("bounce_timeouts", &c.timeouts),
@@ -754,6 +812,9 @@ struct Reactor {
     writer: Option<JoinHandle<()>>,
     arena: RegionSpan,
     notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    load_data_path: DataPathLoader,
+    /// The data-path description each reader's arena was loaded from.
+    data_paths: HashMap<PeerId, Vec<u8>>,
     failpoints: crate::failpoint::Failpoints,
     shared: Arc<Shared>,
     targets: Arc<ScatterTargets>,
@@ -803,16 +864,21 @@ impl Reactor {
             let now = self.now();
             match c {
                 Command::Submit {
+                    read,
                     peer,
                     descriptors,
                     ticket,
                     notif,
                     deadline,
                 } => {
-                    match self
-                        .endpoint
-                        .submit_with_deadline(now, &peer, &descriptors, deadline)
-                    {
+                    let submitted = if read {
+                        self.endpoint
+                            .submit_read(now, &peer, &descriptors, deadline)
+                    } else {
+                        self.endpoint
+                            .submit_with_deadline(now, &peer, &descriptors, deadline)
+                    };
+                    match submitted {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
                             self.tickets.insert(id, (ticket, notif, Instant::now()));
@@ -865,6 +931,7 @@ impl Reactor {
         }
         self.writes.retain(|w| &w.1 != peer);
         self.peers.remove(peer);
+        self.data_paths.remove(peer);
         if let Some(h) = self.handles.remove(peer) {
             self.channel.remove_peer(h);
         }
@@ -1054,7 +1121,14 @@ impl Reactor {
                     region,
                     runs,
                 } => {
-                    let in_use = self.targets.track(&runs);
+                    let in_use = match self.targets.admit_gather(&runs) {
+                        Ok(t) => t,
+                        Err(why) => {
+                            tracing::error!(agent = %self.name, %chunk, "gather refused: {why}");
+                            self.endpoint.handle_gather_failed(now, chunk, true);
+                            continue;
+                        }
+                    };
                     self.start_copy(
                         CopyId::Gather(chunk),
                         Direction::Gather,
@@ -1129,6 +1203,19 @@ impl Reactor {
                         }
                     }
                 }
+                Action::LoadDataPath { peer, data_path } => {
+                    if self.data_paths.get(&peer) != Some(&data_path) {
+                        match (self.load_data_path)(&data_path) {
+                            Ok(arena) => {
+                                self.peers.insert(peer.clone(), PeerState { arena });
+                                self.data_paths.insert(peer, data_path);
+                            }
+                            Err(e) => {
+                                tracing::warn!(agent = %self.name, %peer, "cannot write into the reader's arena ({e}); its READ fails");
+                            }
+                        }
+                    }
+                }
                 Action::Complete { request, outcome } => self.complete(request, outcome),
                 Action::Poisoned { cause } => {
                     tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
@@ -1141,6 +1228,8 @@ impl Reactor {
         c.grants.store(s.grants, Ordering::Relaxed);
         c.late_data.store(s.late_data, Ordering::Relaxed);
         c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
+        c.reads_served.store(s.reads_served, Ordering::Relaxed);
+        c.reads_refused.store(s.reads_refused, Ordering::Relaxed);
     }
 
     fn start_copy(
