@@ -126,13 +126,16 @@ impl Bounce {
             }
             .encode(),
         );
-        let handshake = Handshake {
+        let mut handshake = Handshake {
             endpoint: endpoint_bytes,
             arena_base: arena.base() as u64,
             arena_device: location.device as u32,
             access_key,
             ..local_handshake(config, control)
         };
+        if shared.failpoints.is_set("advertise_no_read") {
+            handshake.capabilities = Capabilities::CANCEL;
+        }
         let notifier = shared.inner.clone();
         let loader = shared.inner.clone();
         let workers = (config.scatter_worker_count as usize).clamp(1, 64);
