@@ -61,7 +61,7 @@ pub(crate) fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String>
             ));
         }
         r.addr_end()
-            .ok_or_else(|| format!("run {i} destination overflows"))?;
+            .ok_or_else(|| format!("run {i} address range overflows"))?;
         copies = copies.saturating_add(u64::from(r.count));
     }
     if copies > MAX_COPIES_PER_CHUNK {

@@ -206,7 +206,7 @@ impl Targets {
                     .ok_or_else(|| format!("run {i} wraps around"))?;
                 if !self.covers(addr, copy_end) {
                     return Err(format!(
-                        "run {i} writes [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
+                        "run {i} touches [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
                     ));
                 }
             }
