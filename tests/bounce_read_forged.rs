@@ -14,6 +14,7 @@
 //!   fill, or a chunk above the cap (malformed: ProtocolViolation,
 //!   ChunkTooLarge);
 //! - with a wrong access key.
+//!
 //! Each must be answered with READ_END naming the reason, before anything
 //! is read: `reads_refused` rises, no gather runs (`gather_ns` unchanged),
 //! nothing is written, and the owner stays healthy (a real bounce READ from

@@ -398,8 +398,8 @@ fn reads_the_bounce_path_cannot_serve_use_ucx() {
     if !ready("BOUNCE") {
         return;
     }
-    let mut r = endpoint("rf-r", &[LOOPBACK], len(), 71, ThreadSync::Default);
-    let mut o = endpoint("rf-o", &[LOOPBACK], len(), 72, ThreadSync::Default);
+    let r = endpoint("rf-r", &[LOOPBACK], len(), 71, ThreadSync::Default);
+    let o = endpoint("rf-o", &[LOOPBACK], len(), 72, ThreadSync::Default);
     pair_up(&r.node, &o.node);
     let plan = Plan::standard(16, BLOCK, 73);
     let (src, dst_before) = (o.buf.as_slice().to_vec(), r.buf.as_slice().to_vec());
