@@ -1059,12 +1059,9 @@ mod tests {
         }
     }
 
-    /// READ descriptors: owner memory (src) at 0x1000.., ours (dst) at 0x9000...
-    fn read_descs(n: u64, len: u64) -> Vec<Descriptor> {
-        descs(n, len)
-    }
-
-    /// Drives one READ end to end between a reader and an owner by hand.
+    /// Drives one READ end to end between a reader and an owner by hand
+    /// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
+    /// destinations at 0x9000..).
     #[test]
     fn one_read_end_to_end() {
         let (r, o) = (PeerId::new("R"), PeerId::new("O"));
@@ -1072,9 +1069,7 @@ mod tests {
         let mut owner = Endpoint::new(cfg(false)).unwrap();
         owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
         reader.set_read_data_path(b"dp".to_vec());
-        let id = reader
-            .submit_read(t(0), &o, &read_descs(4, 100), None)
-            .unwrap();
+        let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
         let acts = drain(&mut reader);
         let msgs = sent(&acts);
         let Message::Read {
@@ -1156,9 +1151,7 @@ mod tests {
         let mut owner = Endpoint::new(cfg(false)).unwrap();
         // Registered: only the first 200 bytes of the 4 x 100 sources.
         owner.set_source_check(Box::new(Allow(0x1000, 0x1000 + 200)));
-        let id = reader
-            .submit_read(t(0), &o, &read_descs(4, 100), None)
-            .unwrap();
+        let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
         let acts = drain(&mut reader);
         let msgs: Vec<Message> = sent(&acts).into_iter().cloned().collect();
         for m in &msgs {
@@ -1200,9 +1193,7 @@ mod tests {
         let mut reader = Endpoint::new(cfg(false)).unwrap();
         let mut owner = Endpoint::new(cfg(false)).unwrap();
         owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
-        let id = reader
-            .submit_read(t(0), &o, &read_descs(2, 64), None)
-            .unwrap();
+        let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
         for m in sent(&drain(&mut reader)) {
             owner.handle_message(t(1), &r, m.clone());
         }
@@ -1254,9 +1245,7 @@ mod tests {
         c.access_key = 77;
         let mut owner = Endpoint::new(c).unwrap();
         owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
-        let id = reader
-            .submit_read(t(0), &o, &read_descs(2, 64), None)
-            .unwrap();
+        let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
         let read = sent(&drain(&mut reader))[0].clone();
         owner.handle_message(t(1), &r, read);
         assert_eq!(
