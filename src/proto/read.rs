@@ -124,7 +124,6 @@ impl Reads {
     /// Plans a READ of `descriptors` (`src` = the owner's memory, `dst` =
     /// ours) from `peer` as request `id`: sends READ and registers the flow
     /// this agent will grant itself credits for.
-    #[allow(clippy::too_many_arguments)]
     pub fn submit(
         &mut self,
         ctx: &mut Ctx,
