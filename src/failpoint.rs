@@ -9,13 +9,19 @@
 //! | `panic_in_post_xfer` | `postXfer` panics (checks the FFI panic boundary) |
 //! | `fail_chunk_writes` | every chunk write reports failure |
 //! | `drop_control` | every outgoing control message is dropped |
+//! | `advertise_no_read` | the handshake omits the READ capability (a peer built before READ) |
 
 use std::collections::BTreeSet;
 
 pub const ENV: &str = "NIXL_BOUNCE_FAILPOINTS";
 
 /// Known failpoints (anything else in the variable is warned about).
-pub const KNOWN: &[&str] = &["panic_in_post_xfer", "fail_chunk_writes", "drop_control"];
+pub const KNOWN: &[&str] = &[
+    "panic_in_post_xfer",
+    "fail_chunk_writes",
+    "drop_control",
+    "advertise_no_read",
+];
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Failpoints(BTreeSet<String>);

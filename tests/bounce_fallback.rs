@@ -10,8 +10,9 @@
 //! - (d) the peer speaks another wire version (its published handshake
 //!   patched to the next version).
 //! Plus the routing gates at their edges (descriptor count, average size,
-//! READ) between two compatible peers, and an engine whose bounce set-up
-//! failed (its control socket cannot bind) working through UCX.
+//! also for a READ) between two compatible peers, and an engine whose
+//! bounce set-up failed (its control socket cannot bind) working through
+//! UCX. (A peer without the READ capability: tests/bounce_read_one_process.rs.)
 #[path = "support/bounce.rs"]
 mod bounce;
 mod common;
@@ -189,7 +190,7 @@ fn routing_gates_at_their_edges() {
     let mut a = endpoint("rg-a", &[LOOPBACK], l, 1, ThreadSync::Default);
     let mut b = endpoint("rg-b", &[LOOPBACK], l, 2, ThreadSync::Default);
     pair_up(&a.node, &b.node);
-    let cases: [(&str, XferOp, usize, usize, Option<&str>); 6] = [
+    let cases: [(&str, XferOp, usize, usize, Option<&str>); 7] = [
         (
             "1023 x 4 KiB (one below min_descriptor_count)",
             XferOp::Write,
@@ -226,11 +227,18 @@ fn routing_gates_at_their_edges() {
             Some("fallback_descriptors_too_large"),
         ),
         (
-            "READ 4096 x 4 KiB",
+            "READ 1023 x 4 KiB",
             XferOp::Read,
-            4096,
+            1023,
             BLOCK,
-            Some("fallback_not_write"),
+            Some("fallback_too_few_descriptors"),
+        ),
+        (
+            "READ 1024 x 32 KiB",
+            XferOp::Read,
+            1024,
+            32 * KIB,
+            Some("fallback_descriptors_too_large"),
         ),
     ];
     for (i, (what, op, n, block, reason)) in cases.into_iter().enumerate() {

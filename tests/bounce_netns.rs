@@ -153,17 +153,14 @@ fn netdev(p: &mut Peer, dev: &str) -> (u64, u64) {
     (w[0], w[1])
 }
 
-#[test]
-#[serial_test::serial]
-fn two_hosts_over_a_veth_pair() {
-    if !ready("BOUNCE") {
-        return;
-    }
+/// The two namespaces, or `None` (with the reason printed) where the test
+/// must skip.
+fn namespaces() -> Option<Netns> {
     let net = match Netns::create() {
         Ok(n) => n,
         Err(e) if e.permission => {
             eprintln!("SKIP: network namespaces are not permitted on this machine (a permission problem, not a failure): {}", e.message);
-            return;
+            return None;
         }
         Err(e) if require_runtime() => panic!(
             "NIXL_BOUNCE_REQUIRE_RUNTIME is set and the namespaces could not be set up: {}",
@@ -171,27 +168,39 @@ fn two_hosts_over_a_veth_pair() {
         ),
         Err(e) => {
             eprintln!("SKIP: cannot set up the network namespaces: {}", e.message);
-            return;
+            return None;
         }
     };
     eprintln!(
         "namespaces {:?}, veth {:?}, addresses {:?}",
         net.ns, net.veth, net.addr
     );
+    Some(net)
+}
+
+/// A peer process in namespace `i`, UCX over TCP on its veth only.
+fn spawn(net: &Netns, i: usize, label: &str, len: usize) -> Peer {
+    let extra = [("control_interface", net.veth[i].as_str())];
+    let mut c = peer_command(
+        &["ip", "netns", "exec", &net.ns[i]],
+        len,
+        &extra,
+        &format!("nn-{label}"),
+    );
+    c.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", &net.veth[i]);
+    Peer::spawn(label, c).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+#[serial_test::serial]
+fn two_hosts_over_a_veth_pair() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let Some(net) = namespaces() else { return };
     let len = blocks_for(MANY) * BLOCK;
-    let spawn = |i: usize, label: &str| -> Peer {
-        let extra = [("control_interface", net.veth[i].as_str())];
-        let mut c = peer_command(
-            &["ip", "netns", "exec", &net.ns[i]],
-            len,
-            &extra,
-            &format!("nn-{label}"),
-        );
-        c.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", &net.veth[i]);
-        Peer::spawn(label, c).unwrap_or_else(|e| panic!("{e}"))
-    };
-    let mut a = spawn(0, "host-a");
-    let mut b = spawn(1, "host-b");
+    let mut a = spawn(&net, 0, "host-a", len);
+    let mut b = spawn(&net, 1, "host-b", len);
 
     // The control endpoints are on the veth addresses.
     for (p, addr) in [(&a, &net.addr[0]), (&b, &net.addr[1])] {
@@ -274,6 +283,80 @@ fn two_hosts_over_a_veth_pair() {
         b_tx1 - b_tx0,
         net.veth[1]
     );
+    a.finish();
+    b.finish();
+    drop(net);
+}
+
+/// READs between the two hosts: host A reads from host B having loaded only
+/// B's metadata (B never loads A's: it learns how to write into A's arena
+/// from the READ), then B reads from A; byte-exact, counted on both sides,
+/// and the data crossed the veth from the owner to the reader.
+#[test]
+#[serial_test::serial]
+fn two_hosts_read_over_a_veth_pair() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let Some(net) = namespaces() else { return };
+    let len = blocks_for(MANY) * BLOCK;
+    let mut a = spawn(&net, 0, "host-a", len);
+    let mut b = spawn(&net, 1, "host-b", len);
+    let (amd, bmd) = (hex(&a.md), hex(&b.md));
+    assert_eq!(a.cmd(&format!("PEER {bmd}")), b.name);
+    for (i, (reader, notif)) in [(0, Some(b"netns-read")), (1, None), (0, None)]
+        .into_iter()
+        .enumerate()
+    {
+        if i == 1 {
+            assert_eq!(b.cmd(&format!("PEER {amd}")), a.name);
+        }
+        let s = 100 * (i as u64 + 1);
+        let (src_seed, dst_seed, plan_seed) = (s + 1, s + 2, s + 3);
+        let (rd, ow, ow_veth) = if reader == 0 {
+            (&mut a, &mut b, &net.veth[1])
+        } else {
+            (&mut b, &mut a, &net.veth[0])
+        };
+        ow.cmd(&format!("FILL {src_seed}"));
+        rd.cmd(&format!("FILL {dst_seed}"));
+        let (r0, o0) = (rd.stats(), ow.stats());
+        let (_, tx0) = netdev(ow, ow_veth);
+        let notif_hex = notif.map(|m| hex(m)).unwrap_or_else(|| "-".into());
+        let us = rd.cmd(&format!(
+            "READ {} {} {MANY} {plan_seed} {notif_hex}",
+            ow.name, ow.addr
+        ));
+        if let Some(m) = notif {
+            ow.cmd(&format!("WAIT_NOTIF {} {}", rd.name, hex(m)));
+        }
+        rd.cmd(&format!(
+            "CHECK_WRITE - {MANY} {plan_seed} {src_seed} {dst_seed} -"
+        ));
+        ow.cmd(&format!("CHECK_UNCHANGED {src_seed}"));
+        let (r1, o1) = (rd.stats(), ow.stats());
+        let (_, tx1) = netdev(ow, ow_veth);
+        eprintln!(
+            "{} <- {}: {us} us; {} ; {}; owner veth tx +{}",
+            rd.name,
+            ow.name,
+            r1.diff(&r0),
+            o1.diff(&o0),
+            tx1 - tx0
+        );
+        assert_eq!(r1.since(&r0, "bounce_submitted"), 1, "{}", r1.diff(&r0));
+        assert_eq!(r1.since(&r0, "bounce_succeeded"), 1, "{}", r1.diff(&r0));
+        assert_eq!(o1.since(&o0, "reads_served"), 1, "{}", o1.diff(&o0));
+        assert_eq!(
+            r1.since(&r0, "chunks_scattered"),
+            o1.since(&o0, "chunks_written")
+        );
+        assert!(
+            tx1 - tx0 >= (MANY * BLOCK) as u64,
+            "only {} bytes left the owner's veth",
+            tx1 - tx0
+        );
+    }
     a.finish();
     b.finish();
     drop(net);

@@ -1,8 +1,8 @@
 //! The official NIXL Python API selecting BOUNCE for a bounce-eligible
-//! transfer: runs tests/python/test_bounce_path.py (4096 x 4 KiB WRITEs both
-//! ways and a READ, byte-exact, the plugin's counters read from Python with
-//! ctypes through `nixl_bounce_stats` to prove the bounce path carried the
-//! WRITEs) and asserts it passed.
+//! transfer: runs tests/python/test_bounce_path.py (4096 x 4 KiB WRITEs and
+//! READs both ways, byte-exact, the plugin's counters read from Python with
+//! ctypes through `nixl_bounce_stats` to prove the bounce path carried
+//! them) and asserts it passed.
 //!
 //! Like tests/python_api.rs, the script runs with PYTHONPATH and
 //! NIXL_PLUGIN_DIR only, WITHOUT LD_LIBRARY_PATH (how Python users run).

@@ -1,7 +1,10 @@
 //! Deterministic simulation of the bounce protocol.
 //!
 //! Several agents (senders, receivers, agents that are both) run real
-//! [`Endpoint`]s in virtual time. The harness plays the runtime: it carries
+//! [`Endpoint`]s in virtual time, moving data by WRITEs and READs (mixed,
+//! in both directions; a READ is initiated by the destination's agent and
+//! served by the source's; some READs ask for memory the owner does not
+//! export and must be refused without a byte read). The harness plays the runtime: it carries
 //! control messages (with seeded random delay, reordering and loss),
 //! executes gathers, writes and scatters on simulated memory at simulated
 //! times (with seeded failures), and injects cancels, deadlines, peer
@@ -26,9 +29,10 @@ use std::time::Duration;
 
 use nixl_bounce::proto::credit::Owner;
 use nixl_bounce::proto::plan::Descriptor;
+use nixl_bounce::proto::read::SourceCheck;
 use nixl_bounce::proto::wire::Message;
 use nixl_bounce::proto::{
-    Action, ChunkRef, Endpoint, EndpointConfig, FailureReason, FlowId, Outcome, PeerId,
+    Action, ChunkRef, Endpoint, EndpointConfig, FailureReason, FlowId, FlowKind, Outcome, PeerId,
     RegionHandle, RequestId, Run, Time,
 };
 
@@ -62,6 +66,48 @@ impl Rng {
 const US: u64 = 1_000;
 const MEM: usize = 48 * 1024;
 const SRC_AREA: usize = MEM / 2;
+
+/// What an agent exports to READs: its source area (the upper half of its
+/// memory, where destinations lie, is not readable by peers).
+struct SimSources;
+
+impl SourceCheck for SimSources {
+    fn check(&self, _reader: &PeerId, runs: &[Run]) -> Result<(), String> {
+        for r in runs {
+            for (_, addr, len) in r.copies() {
+                if addr.checked_add(len).map_or(true, |e| e > SRC_AREA as u64) {
+                    return Err(format!("[{addr}, +{len}) is not exported"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A fresh endpoint for incarnation `inc` of agent `i` as the runtime would
+/// set it up.
+fn endpoint(c: EndpointConfig, i: usize, inc: u32, names: &[PeerId]) -> Endpoint {
+    let mut ep = Endpoint::new(c).expect("endpoint");
+    ep.set_source_check(Box::new(SimSources));
+    ep.set_read_data_path(data_path(i, inc));
+    for (b, peer) in names.iter().enumerate() {
+        ep.set_peer_key(peer, access_key(b));
+    }
+    ep
+}
+
+/// The arena of incarnation `inc` of agent `i`.
+fn data_path(i: usize, inc: u32) -> Vec<u8> {
+    format!("sim-arena://a{i}/{inc}").into_bytes()
+}
+
+fn parse_data_path(dp: &[u8]) -> Option<(usize, u32)> {
+    let s = std::str::from_utf8(dp)
+        .ok()?
+        .strip_prefix("sim-arena://a")?;
+    let (i, inc) = s.split_once('/')?;
+    Some((i.parse().ok()?, inc.parse().ok()?))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum OpEnd {
@@ -105,9 +151,13 @@ enum Ev {
         runs: nixl_bounce::proto::Runs,
         end: OpEnd,
     },
+    /// `agent` starts a transfer with `to`: a WRITE to it, or a READ from
+    /// it (`descs` always go from source to destination).
     Submit {
         agent: usize,
         to: usize,
+        read: bool,
+        forged: bool,
         descs: Vec<Descriptor>,
     },
     Cancel {
@@ -158,11 +208,20 @@ struct Agent {
     inc: u32,
     src_bump: usize,
     dst_bump: usize,
+    /// Which incarnation of each reader's arena this agent's served READs
+    /// write into (from the data paths it loaded).
+    loaded_paths: BTreeMap<usize, u32>,
 }
 
 struct ReqInfo {
+    /// The agent whose memory the data comes from.
     sender: usize,
+    /// The agent whose memory the data goes to.
     receiver: usize,
+    /// A READ (initiated by `receiver`), else a WRITE (by `sender`).
+    read: bool,
+    /// A READ of memory the owner does not export: must be refused.
+    forged: bool,
     descs: Vec<Descriptor>,
     expected: Vec<Vec<u8>>,
     chunks: u64,
@@ -235,10 +294,12 @@ impl Sim {
             faults.crash = rng.chance(0.2);
         }
         let n_agents = rng.range(2, 4) as usize;
+        let names: Vec<PeerId> = (0..n_agents)
+            .map(|i| PeerId::new(&format!("a{i}")))
+            .collect();
         let mut agents = Vec::new();
         let mut by_name = BTreeMap::new();
-        for i in 0..n_agents {
-            let name = PeerId::new(&format!("a{i}"));
+        for (i, name) in names.iter().cloned().enumerate() {
             by_name.insert(name.clone(), i);
             let mut c = cfg.clone();
             c.local_endpoint = format!("sim://a{i}").into_bytes();
@@ -251,7 +312,7 @@ impl Sim {
             }
             agents.push(Agent {
                 name,
-                ep: Endpoint::new(c).expect("endpoint"),
+                ep: endpoint(c, i, 0, &names),
                 arena: vec![0u8; capacity as usize],
                 initial_mem: mem.clone(),
                 mem,
@@ -259,13 +320,8 @@ impl Sim {
                 inc: 0,
                 src_bump: 0,
                 dst_bump: SRC_AREA,
+                loaded_paths: BTreeMap::new(),
             });
-        }
-        for a in 0..n_agents {
-            for b in 0..n_agents {
-                let peer = agents[b].name.clone();
-                agents[a].ep.set_peer_key(&peer, access_key(b));
-            }
         }
         let trace = std::env::var("SIM_SEED").is_ok();
         let mut sim = Sim {
@@ -307,6 +363,8 @@ impl Sim {
         let pattern = self.rng.below(4); // 0 random, 1 many->one, 2 one->one, 3 bidirectional
         let n_reqs = self.rng.range(1, 10);
         let cap = self.cfg.max_chunk;
+        // None, some or all transfers are READs.
+        let read_p = [0.0, 0.5, 1.0][self.rng.below(3) as usize];
         for _ in 0..n_reqs {
             let (from, to) = match pattern {
                 1 => (1 + self.rng.below(n as u64 - 1) as usize, 0),
@@ -354,6 +412,8 @@ impl Sim {
             {
                 continue;
             }
+            let read = self.rng.chance(read_p);
+            let forged = read && self.rng.chance(0.05);
             let mut descs = Vec::new();
             for len in lens {
                 let src = self.agents[from].src_bump as u64;
@@ -368,14 +428,24 @@ impl Sim {
                     len,
                 });
             }
+            if forged {
+                // One source in the owner's destination area, which it does
+                // not export.
+                let i = self.rng.below(descs.len() as u64) as usize;
+                descs[i].src_addr = SRC_AREA as u64 + self.rng.below(1024);
+                descs[i].len = descs[i].len.max(1);
+            }
             self.senders.insert(from);
             self.receivers.insert(to);
             let t = Time::from_nanos(self.rng.below(2_000 * US));
+            let (agent, peer) = if read { (to, from) } else { (from, to) };
             self.at(
                 t,
                 Ev::Submit {
-                    agent: from,
-                    to,
+                    agent,
+                    to: peer,
+                    read,
+                    forged,
                     descs,
                 },
             );
@@ -472,7 +542,20 @@ impl Sim {
                     len,
                 } => {
                     let p = self.by_name[&peer];
-                    let peer_inc = self.agents[p].inc;
+                    // A served READ writes into the arena its READ described
+                    // (maybe of an incarnation that is gone), a WRITE into the
+                    // peer's current one.
+                    let peer_inc = match self.agents[a].ep.serves_read(chunk.request) {
+                        Some(_) => match self.agents[a].loaded_paths.get(&p) {
+                            Some(&inc) => inc,
+                            None => {
+                                return Err(format!(
+                                    "a{a}: READ write to {peer} without a data path"
+                                ))
+                            }
+                        },
+                        None => self.agents[p].inc,
+                    };
                     let end = self.op_end(self.faults.write_fail_p);
                     let t = self
                         .now
@@ -526,6 +609,20 @@ impl Sim {
                     }
                     info.outcome = Some((outcome, now));
                 }
+                Action::LoadDataPath {
+                    peer,
+                    data_path: dp,
+                } => {
+                    let Some(&p) = self.by_name.get(&peer) else {
+                        return Err(format!("a{a}: data path of unknown peer {peer}"));
+                    };
+                    match parse_data_path(&dp) {
+                        Some((i, inc)) if i == p && inc <= self.agents[p].inc => {
+                            self.agents[a].loaded_paths.insert(p, inc);
+                        }
+                        _ => return Err(format!("a{a}: {peer} described a data path {dp:?}")),
+                    }
+                }
                 Action::Poisoned { cause } => {
                     if self.faults.stuck_p == 0.0 {
                         return Err(format!("a{a} poisoned without stuck operations: {cause}"));
@@ -555,7 +652,9 @@ impl Sim {
             for (off, addr, len) in run.copies() {
                 let (off, addr, len) = ((region.0 + off) as usize, addr as usize, len as usize);
                 if addr + len > SRC_AREA || off + len > self.agents[a].arena.len() {
-                    return Err(format!("a{a}: gather out of bounds {off}+{len} <- {addr}"));
+                    return Err(format!(
+                        "a{a}: gather out of bounds {off}+{len} <- {addr} (an unexported READ source?)"
+                    ));
                 }
                 let src = self.agents[a].mem[addr..addr + len].to_vec();
                 self.agents[a].arena[off..off + len].copy_from_slice(&src);
@@ -566,32 +665,48 @@ impl Sim {
 
     fn step(&mut self, ev: Ev) -> Result<(), String> {
         match ev {
-            Ev::Submit { agent, to, descs } => {
+            Ev::Submit {
+                agent,
+                to,
+                read,
+                forged,
+                descs,
+            } => {
                 if !self.agents[agent].alive {
                     return Ok(());
                 }
                 let peer = self.agents[to].name.clone();
+                let (source, dest) = if read { (to, agent) } else { (agent, to) };
                 let expected: Vec<Vec<u8>> = descs
                     .iter()
                     .map(|d| {
-                        self.agents[agent].mem[d.src_addr as usize..(d.src_addr + d.len) as usize]
-                            .to_vec()
+                        let mem = &self.agents[source].mem;
+                        let end = ((d.src_addr + d.len) as usize).min(mem.len());
+                        mem[(d.src_addr as usize).min(end)..end].to_vec()
                     })
                     .collect();
                 let now = self.now;
-                match self.agents[agent].ep.submit(now, &peer, &descs) {
+                let submitted = if read {
+                    self.agents[agent].ep.submit_read(now, &peer, &descs, None)
+                } else {
+                    self.agents[agent].ep.submit(now, &peer, &descs)
+                };
+                match submitted {
                     Ok(id) => {
                         let chunks = descs.iter().map(|d| d.len).sum::<u64>()
                             / self.cfg.max_chunk.max(1)
                             + descs.len() as u64;
                         self.log(|| {
-                            format!("a{agent} submit {id} -> a{to}: {} descs", descs.len())
+                            let what = if read { "READ from" } else { "WRITE to" };
+                            format!("a{agent} submit {id} {what} a{to}: {} descs", descs.len())
                         });
                         self.reqs.insert(
                             (agent, id),
                             ReqInfo {
-                                sender: agent,
-                                receiver: to,
+                                sender: source,
+                                receiver: dest,
+                                read,
+                                forged,
                                 descs,
                                 expected,
                                 chunks,
@@ -712,9 +827,10 @@ impl Sim {
                     self.rng.below(len + 1)
                 };
                 if peer_ok && landed > 0 {
-                    let flow = FlowId {
-                        peer: self.agents[agent].name.clone(),
-                        request: chunk.request,
+                    let name = self.agents[agent].name.clone();
+                    let flow = match self.agents[agent].ep.serves_read(chunk.request) {
+                        Some(read) => FlowId::read(name, read),
+                        None => FlowId::write(name, chunk.request),
                     };
                     match self.agents[peer].ep.region_info(remote) {
                         // Granted to this flow, or quarantined for it (the
@@ -759,8 +875,12 @@ impl Sim {
                         ))
                     }
                 }
-                let sender = self.by_name[&flow.peer];
-                let dsts: Vec<(u64, u64)> = match self.reqs.get(&(sender, flow.request)) {
+                // A WRITE flow is the peer's request, a READ flow ours.
+                let initiator = match flow.kind {
+                    FlowKind::Write => self.by_name[&flow.peer],
+                    FlowKind::Read => agent,
+                };
+                let dsts: Vec<(u64, u64)> = match self.reqs.get(&(initiator, flow.request)) {
                     Some(r) if r.receiver == agent => {
                         r.descs.iter().map(|d| (d.dst_addr, d.len)).collect()
                     }
@@ -833,10 +953,8 @@ impl Sim {
                 c.access_key = access_key(agent);
                 let names: Vec<PeerId> = self.agents.iter().map(|a| a.name.clone()).collect();
                 let ag = &mut self.agents[agent];
-                ag.ep = Endpoint::new(c).map_err(|e| e.to_string())?;
-                for (b, peer) in names.iter().enumerate() {
-                    ag.ep.set_peer_key(peer, access_key(b));
-                }
+                ag.ep = endpoint(c, agent, ag.inc, &names);
+                ag.loaded_paths.clear();
                 ag.arena.iter_mut().for_each(|b| *b = 0);
                 ag.alive = true;
             }
@@ -898,7 +1016,7 @@ impl Sim {
         let max_op = Duration::from_micros(300);
         let mut touched: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
         for ((s, id), r) in &self.reqs {
-            for d in &r.descs {
+            for d in r.descs.iter().filter(|_| !r.forged) {
                 touched
                     .entry(r.receiver)
                     .or_default()
@@ -921,6 +1039,15 @@ impl Sim {
                     "a{s} {id} completed at {at}, after its bound {bound} ({outcome:?})"
                 ));
             }
+            if r.forged {
+                let refused = Outcome::Failure(FailureReason::SourceRefused);
+                if outcome == Outcome::Success || (self.faults.none() && outcome != refused) {
+                    return Err(format!(
+                        "a{s} {id}: a READ of unexported memory ended {outcome:?}"
+                    ));
+                }
+                continue;
+            }
             if outcome == Outcome::Success {
                 let mem = &self.agents[r.receiver].mem;
                 for (d, want) in r.descs.iter().zip(&r.expected) {
@@ -935,7 +1062,7 @@ impl Sim {
                     return Err(format!("fault-free scenario: a{s} {id} failed: {outcome:?} (starvation or deadlock)"));
                 }
             }
-            let _ = r.sender;
+            let _ = (r.sender, r.read);
         }
         for (i, ag) in self.agents.iter().enumerate() {
             // No byte outside the destinations changed (sources included).
@@ -1023,6 +1150,9 @@ struct Tally {
     requests: u64,
     succeeded: u64,
     failed: u64,
+    reads: u64,
+    reads_succeeded: u64,
+    forged_reads_refused: u64,
     steps: u64,
 }
 
@@ -1045,8 +1175,16 @@ fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
     tally.steps += sim.steps;
     for r in sim.reqs.values() {
         tally.requests += 1;
+        tally.reads += u64::from(r.read);
         match r.outcome {
-            Some((Outcome::Success, _)) => tally.succeeded += 1,
+            Some((Outcome::Success, _)) => {
+                tally.succeeded += 1;
+                tally.reads_succeeded += u64::from(r.read);
+            }
+            Some((Outcome::Failure(FailureReason::SourceRefused), _)) if r.forged => {
+                tally.forged_reads_refused += 1;
+                tally.failed += 1;
+            }
             Some(_) => tally.failed += 1,
             None => {}
         }
@@ -1093,6 +1231,11 @@ fn run_range(first: u64) {
         panic!("{} failing seeds {failures:?}; first: {e}", failures.len());
     }
     assert!(tally.succeeded > 0, "no request ever succeeded");
+    assert!(tally.reads_succeeded > 0, "no READ ever succeeded");
+    assert!(
+        tally.forged_reads_refused > 0,
+        "no READ of unexported memory was refused"
+    );
 }
 
 #[test]

@@ -150,6 +150,19 @@ fn meta(o: &Options, args: &[String]) -> Meta {
     }
 }
 
+/// Which buffer each agent registers: the initiator holds the source of a
+/// WRITE and the destination of a READ.
+fn by_agent<'a>(
+    o: &Options,
+    src: &'a dyn BenchMemory,
+    dst: &'a dyn BenchMemory,
+) -> (&'a dyn BenchMemory, &'a dyn BenchMemory) {
+    match o.op {
+        cli::Op::Write => (src, dst),
+        cli::Op::Read => (dst, src),
+    }
+}
+
 /// Opens `spec` once: checks its parameters, records what its backend was
 /// created with and what its agents cost while idle, then closes it.
 fn probe(
@@ -170,7 +183,8 @@ fn probe(
         idle_cpu_by_thread: BTreeMap::new(),
         error: None,
     };
-    let state = match Variant::open(spec, src, dst) {
+    let (init_mem, target_mem) = by_agent(o, src, dst);
+    let state = match Variant::open(spec, init_mem, target_mem) {
         Ok(v) => {
             info.setup_s = Some(t.elapsed().as_secs_f64());
             info.params_effective = v.params.clone();
@@ -221,7 +235,8 @@ fn run_once(
     dst: &mut dyn BenchMemory,
 ) -> RunEnd {
     let t = Instant::now();
-    let v = match Variant::open(spec, src, dst) {
+    let (init_mem, target_mem) = by_agent(o, &*src, &*dst);
+    let v = match Variant::open(spec, init_mem, target_mem) {
         Ok(v) => v,
         Err(e) => {
             progress(o, &format!("{what}: set-up failed: {e}"));

@@ -4,7 +4,9 @@
 //!
 //! The initiator process re-executes itself as the target (`serve`, driven
 //! over stdin/stdout). Both sides compute the same seeded plans and
-//! patterns; the target checks its own VRAM byte-exact after each WRITE.
+//! patterns; the target checks its own VRAM byte-exact after each WRITE;
+//! after each READ (the initiator reads the target's VRAM into its own) the
+//! initiator checks its VRAM and the target that its source is unchanged.
 //!
 //!   bounce-vram test  [--device N] [--target-device N] [--param K=V]...
 //!   bounce-vram bench [--backend BOUNCE|UCX] [--label L] [--param K=V]...
@@ -349,24 +351,36 @@ impl Initiator {
     }
 
     fn request(&self, plan: &Plan, notif: Option<&[u8]>) -> Result<XferRequest, String> {
-        let l = xfer_list(
-            self.buf.base() as usize,
-            self.dev,
-            plan.moves.iter().map(|&(s, _, l)| (s, l)),
-        );
-        let r = xfer_list(
-            self.target.base,
-            self.target_device(),
-            plan.moves.iter().map(|&(_, d, l)| (d, l)),
-        );
+        self.request_op(XferOp::Write, plan, notif)
+    }
+
+    /// A WRITE of `plan` from this buffer into the target's, or a READ of it
+    /// from the target's buffer (moves: source offset, destination offset).
+    fn request_op(
+        &self,
+        op: XferOp,
+        plan: &Plan,
+        notif: Option<&[u8]>,
+    ) -> Result<XferRequest, String> {
+        let (local, remote): (Vec<(usize, usize)>, Vec<(usize, usize)>) = match op {
+            XferOp::Write => plan.moves.iter().map(|&(s, d, l)| ((s, l), (d, l))).unzip(),
+            XferOp::Read => plan.moves.iter().map(|&(s, d, l)| ((d, l), (s, l))).unzip(),
+        };
+        let l = xfer_list(self.buf.base() as usize, self.dev, local.into_iter());
+        let r = xfer_list(self.target.base, self.target_device(), remote.into_iter());
         let mut opt = OptArgs::new().map_err(|e| e.to_string())?;
         if let Some(m) = notif {
             opt.set_has_notification(true).map_err(|e| e.to_string())?;
             opt.set_notification_message(m).map_err(|e| e.to_string())?;
         }
         self.agent
-            .create_xfer_req(XferOp::Write, &l, &r, &self.target_name, Some(&opt))
-            .map_err(|e| format!("create_xfer_req ({} descriptors): {e}", plan.moves.len()))
+            .create_xfer_req(op, &l, &r, &self.target_name, Some(&opt))
+            .map_err(|e| {
+                format!(
+                    "create_xfer_req ({op:?}, {} descriptors): {e}",
+                    plan.moves.len()
+                )
+            })
     }
 
     fn target_device(&self) -> u64 {
@@ -400,6 +414,46 @@ impl Initiator {
             "CHECK 1 {n} {size} {slots} {seed} {sseed} {dseed} {}",
             u8::from(mixed)
         ))?;
+        Ok(dt)
+    }
+}
+
+impl Initiator {
+    /// One verified READ of the target's VRAM into this process's; returns
+    /// its duration.
+    fn checked_read(
+        &mut self,
+        n: usize,
+        size: usize,
+        seed: u64,
+        mixed: bool,
+        args: &Args,
+    ) -> Result<Duration, String> {
+        let slots = args.buffer / size;
+        let p = plan(n, size, slots, 0, seed, mixed);
+        let (sseed, dseed) = (seed * 2 + 1, seed * 2 + 2);
+        self.target.cmd(&format!("FILL {sseed}"))?;
+        self.buf.write(0, &pattern(args.buffer, dseed))?;
+        let req = self.request_op(XferOp::Read, &p, None)?;
+        let t0 = Instant::now();
+        self.agent
+            .post_xfer_req(&req, None)
+            .map_err(|e| format!("post: {e}"))?;
+        wait(&self.agent, &req)?;
+        let dt = t0.elapsed();
+        drop(req);
+        let want = expected(args.buffer, std::slice::from_ref(&p), sseed, dseed);
+        let mut got = vec![0u8; args.buffer];
+        self.buf.read(0, &mut got)?;
+        if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            return Err(format!(
+                "READ destination: first wrong byte at offset {i}: {} != {}",
+                got[i], want[i]
+            ));
+        }
+        // The source is unchanged (no plan: the pattern itself).
+        self.target
+            .cmd(&format!("CHECK 0 0 {size} {slots} 0 0 {sseed} 0"))?;
         Ok(dt)
     }
 }
@@ -458,6 +512,44 @@ fn run_tests(args: &Args) -> bool {
             }
             let r = concurrent(&mut init, args);
             check("concurrent_threads", r);
+            for (n, size, mixed) in [
+                (1024, 4096, false),
+                (16384, 4096, false),
+                (4096, 16384, true),
+            ] {
+                let before = plugin_counters(&init.name);
+                let served_before = target_counters(&mut init.target);
+                let r = init
+                    .checked_read(n, size, 50 + n as u64, mixed, args)
+                    .and_then(|dt| {
+                        let after = plugin_counters(&init.name);
+                        let served = target_counters(&mut init.target);
+                        let d = |m: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
+                            m.get(k).copied().unwrap_or(0) - b.get(k).copied().unwrap_or(0)
+                        };
+                        let bounced = d(&after, &before, "bounce_succeeded");
+                        let want_bounce = bounce && !args.expect_fallback;
+                        if want_bounce
+                            && (bounced != 1 || d(&served, &served_before, "reads_served") != 1)
+                        {
+                            return Err(format!(
+                                "expected the bounce path: reader {after:?}, owner {served:?}"
+                            ));
+                        }
+                        if !want_bounce && bounced != 0 {
+                            return Err("expected the UCX path, but the READ bounced".into());
+                        }
+                        Ok(format!(
+                            "({:.3} ms, {})",
+                            dt.as_secs_f64() * 1e3,
+                            if bounced == 1 { "bounce" } else { "ucx" }
+                        ))
+                    });
+                check(
+                    &format!("read_{n}x{size}{}", if mixed { "_mixed" } else { "" }),
+                    r,
+                );
+            }
         }
     }
     println!("\n{passed} passed, {failed} failed");

@@ -15,6 +15,7 @@ use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
 use crate::copy::{CopyEngine, RegionSpan};
 use crate::dataplane::{Arena, DataPlane, HostArena, PeerArena};
+use crate::engine::conn_info::DataPath;
 use crate::failpoint::Failpoints;
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
 use crate::proto::PeerId;
@@ -66,6 +67,9 @@ impl std::fmt::Debug for Bounce {
 /// Everything an instance shares with its engine.
 pub struct Shared<'a> {
     pub inner: &'a Agent,
+    pub inner_name: &'a str,
+    /// The inner agent's metadata from its creation (its connection).
+    pub inner_md: &'a [u8],
     pub hub: &'a Arc<NotifHub>,
     pub agent: &'a str,
     pub config: &'a Config,
@@ -105,19 +109,35 @@ impl Bounce {
             };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
         let access_key = random_u64()?;
-        let endpoint = Endpoint::new(EndpointConfig {
+        let mut endpoint = Endpoint::new(EndpointConfig {
             access_key,
             ..EndpointConfig::from_config(config, endpoint_bytes.clone(), request_id_base())
         })
         .map_err(|e| format!("protocol endpoint: {e}"))?;
-        let handshake = Handshake {
+        // Every READ tells the data owner how to write into this arena.
+        endpoint.set_read_data_path(
+            DataPath {
+                kind: location.kind as u8,
+                device: location.device,
+                base: arena.base() as u64,
+                inner_agent: shared.inner_name.to_string(),
+                conn_md: shared.inner_md.to_vec(),
+                arena_md: arena_metadata.clone(),
+            }
+            .encode(),
+        );
+        let mut handshake = Handshake {
             endpoint: endpoint_bytes,
             arena_base: arena.base() as u64,
             arena_device: location.device as u32,
             access_key,
             ..local_handshake(config, control)
         };
+        if shared.failpoints.is_set("advertise_no_read") {
+            handshake.capabilities = Capabilities::CANCEL;
+        }
         let notifier = shared.inner.clone();
+        let loader = shared.inner.clone();
         let workers = (config.scatter_worker_count as usize).clamp(1, 64);
         let runtime = Runtime::start(Parts {
             name: format!("{} {location}", shared.agent),
@@ -137,6 +157,7 @@ impl Bounce {
                     .send_notification(target, msg, None)
                     .map_err(|e| e.to_string())
             }),
+            load_data_path: Box::new(move |bytes: &[u8]| load_data_path(&loader, bytes)),
         })
         .map_err(|e| format!("starting the reactor: {e}"))?;
         tracing::info!(agent = shared.agent, %location, capacity, "bounce arena ready");
@@ -171,13 +192,39 @@ impl Bounce {
     }
 }
 
+/// Makes a reader's arena (described in its READ) a write target of our
+/// inner agent. Loading what the inner agent already knows (a peer we also
+/// write to) fails harmlessly; a data path that really is unusable makes
+/// the chunk writes fail, and with them the READ.
+fn load_data_path(inner: &Agent, bytes: &[u8]) -> Result<PeerArena, String> {
+    let dp = DataPath::decode(bytes)?;
+    for (what, md) in [("connection", &dp.conn_md), ("arena", &dp.arena_md)] {
+        if md.is_empty() {
+            continue;
+        }
+        if let Err(e) = inner.load_remote_md(md) {
+            tracing::debug!(reader = %dp.inner_agent, "loading the reader's {what} metadata: {e} (already known?)");
+        }
+    }
+    Ok(PeerArena {
+        inner_agent: dp.inner_agent,
+        base: dp.base,
+        device: dp.device,
+        mem: if dp.kind == MemKind::Vram as u8 {
+            MemType::Vram
+        } else {
+            MemType::Dram
+        },
+    })
+}
+
 /// The handshake fields that depend only on the configuration (what two
 /// peers must agree on).
 pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
     Handshake {
         wire_version: WIRE_VERSION,
         control,
-        capabilities: Capabilities::CANCEL,
+        capabilities: Capabilities::CANCEL.with(Capabilities::READ),
         arena_usable_capacity: config.arena_usable_capacity(),
         max_chunk_size: config.max_chunk_size_bytes,
         arena_base: 0,
@@ -192,8 +239,10 @@ pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
 pub struct PeerBounce {
     pub id: PeerId,
     pub arena: PeerArena,
-    /// The peer's access key (carried by every WANT/CANCEL to it).
+    /// The peer's access key (carried by every WANT/CANCEL/READ to it).
     pub key: u64,
+    /// The peer serves READs over the bounce path.
+    pub read: bool,
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
@@ -215,6 +264,7 @@ pub fn admit(
     Ok(PeerBounce {
         id,
         key: peer.access_key,
+        read: peer.capabilities.contains(Capabilities::READ),
         arena: PeerArena {
             inner_agent: inner_agent.to_string(),
             base: peer.arena_base,
@@ -267,8 +317,9 @@ fn request_id_base() -> u64 {
 pub enum Fallback {
     BounceDisabled,
     Poisoned,
-    NotWrite,
     PeerNotBounceCapable,
+    /// A READ from a peer whose bounce instance does not serve READs.
+    PeerLacksRead,
     LocalTransfer,
     NoLocalArena,
     TooFewDescriptors,
@@ -282,8 +333,8 @@ impl Fallback {
         match self {
             Self::BounceDisabled => "fallback_bounce_disabled",
             Self::Poisoned => "fallback_poisoned",
-            Self::NotWrite => "fallback_not_write",
             Self::PeerNotBounceCapable => "fallback_peer_not_bounce_capable",
+            Self::PeerLacksRead => "fallback_peer_lacks_read",
             Self::LocalTransfer => "fallback_local_transfer",
             Self::NoLocalArena => "fallback_no_local_arena",
             Self::TooFewDescriptors => "fallback_too_few_descriptors",
@@ -302,14 +353,17 @@ pub struct RouteInput {
     pub descriptors: u64,
     pub bytes: u64,
     pub peer_capable: bool,
+    /// The peer's instance serves READs (its handshake has the capability).
+    pub peer_reads: bool,
     pub local_transfer: bool,
     /// All local descriptors lie in memory of one location that has a bounce
     /// instance.
     pub local_arena: bool,
 }
 
-/// The routing rule: a WRITE from memory that has a local bounce instance to
-/// memory of a peer whose instance passed the handshake, with many small
+/// The routing rule: a WRITE to, or a READ from, memory of a peer whose
+/// instance passed the handshake (for a READ: and serves READs), between
+/// that memory and memory with a local bounce instance, with many small
 /// descriptors.
 pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallback> {
     if !cfg.enabled {
@@ -317,9 +371,6 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     }
     if poisoned {
         return Err(Fallback::Poisoned);
-    }
-    if r.op != Op::Write {
-        return Err(Fallback::NotWrite);
     }
     if r.local_transfer {
         return Err(Fallback::LocalTransfer);
@@ -329,6 +380,9 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     }
     if !r.peer_capable {
         return Err(Fallback::PeerNotBounceCapable);
+    }
+    if r.op == Op::Read && !r.peer_reads {
+        return Err(Fallback::PeerLacksRead);
     }
     if r.descriptors < cfg.min_descriptor_count.max(1) {
         return Err(Fallback::TooFewDescriptors);
@@ -355,6 +409,7 @@ mod tests {
             descriptors: 4096,
             bytes: 4096 * 4096,
             peer_capable: true,
+            peer_reads: true,
             local_transfer: false,
             local_arena: true,
         }
@@ -390,7 +445,31 @@ mod tests {
                     ..input()
                 }
             ),
-            Err(Fallback::NotWrite)
+            Ok(())
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    op: Op::Read,
+                    peer_reads: false,
+                    ..input()
+                }
+            ),
+            Err(Fallback::PeerLacksRead)
+        );
+        assert_eq!(
+            route(
+                &on,
+                false,
+                &RouteInput {
+                    peer_reads: false,
+                    ..input()
+                }
+            ),
+            Ok(()),
+            "WRITE needs no READ capability"
         );
         assert_eq!(
             route(

@@ -19,6 +19,8 @@ pub const MAGIC: &[u8; 8] = b"NXBOUNCE";
 pub const CONN_INFO_VERSION: u16 = 1;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
 pub const PUBLIC_VERSION: u16 = 1;
+pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
+pub const DATA_PATH_VERSION: u16 = 1;
 
 /// Parsed connection info of a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +150,82 @@ impl PublicData {
     }
 }
 
+/// How a data owner writes into a reader's arena: what a reader puts in
+/// every READ (the owner may never have loaded the reader's metadata: with
+/// vLLM only the reader loads the owner's).
+///
+/// ```text
+/// magic    8 bytes  "NXBDPATH"
+/// version  u16      DATA_PATH_VERSION
+/// kind     u8       0 DRAM, 1 VRAM
+/// device   u64      the arena's device
+/// base     u64      the arena's address
+/// name     u32 + n  the reader's inner agent name
+/// conn     u32 + n  the inner agent's metadata from its creation (its UCX connection)
+/// arena    u32 + n  the inner agent's metadata for the arena
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataPath {
+    pub kind: u8,
+    pub device: u64,
+    pub base: u64,
+    pub inner_agent: String,
+    pub conn_md: Vec<u8>,
+    pub arena_md: Vec<u8>,
+}
+
+impl DataPath {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.bytes(DATA_PATH_MAGIC);
+        w.u16(DATA_PATH_VERSION);
+        w.u8(self.kind);
+        w.u64(self.device);
+        w.u64(self.base);
+        w.len_prefixed(self.inner_agent.as_bytes());
+        w.len_prefixed(&self.conn_md);
+        w.len_prefixed(&self.arena_md);
+        w.into_bytes()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let mut r = Reader::new(bytes);
+        let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
+        if &magic != DATA_PATH_MAGIC {
+            return Err("not a BOUNCE data-path description".into());
+        }
+        let version = r.u16("version").map_err(truncated)?;
+        if version != DATA_PATH_VERSION {
+            return Err(format!(
+                "reader speaks BOUNCE data-path version {version}, this plugin speaks {DATA_PATH_VERSION}"
+            ));
+        }
+        let kind = r.u8("memory kind").map_err(truncated)?;
+        if kind > 1 {
+            return Err(format!("unknown arena memory kind {kind}"));
+        }
+        let device = r.u64("device").map_err(truncated)?;
+        let base = r.u64("arena base").map_err(truncated)?;
+        let inner_agent = std::str::from_utf8(len_prefixed(&mut r, "inner agent name")?)
+            .map_err(|_| "the reader's inner agent name is not UTF-8".to_string())?
+            .to_string();
+        let conn_md = len_prefixed(&mut r, "connection metadata")?.to_vec();
+        let arena_md = len_prefixed(&mut r, "arena metadata")?.to_vec();
+        r.finish("data path").map_err(|e| e.to_string())?;
+        if inner_agent.is_empty() || arena_md.is_empty() {
+            return Err("data path names no agent or no arena".into());
+        }
+        Ok(Self {
+            kind,
+            device,
+            base,
+            inner_agent,
+            conn_md,
+            arena_md,
+        })
+    }
+}
+
 /// A u32 length, then that many bytes.
 fn len_prefixed<'a>(r: &mut Reader<'a>, what: &'static str) -> Result<&'a [u8], String> {
     let n = r.u32(what).map_err(truncated)?;
@@ -227,6 +305,29 @@ mod tests {
             long.push(9);
             assert!(PublicData::decode(&long).is_err());
         }
+    }
+
+    #[test]
+    fn data_path_round_trips_and_rejects_malformed_input() {
+        let d = DataPath {
+            kind: 1,
+            device: 3,
+            base: 0x7f00_0000_0000,
+            inner_agent: "reader/bounce".into(),
+            conn_md: vec![1; 9],
+            arena_md: vec![2; 5],
+        };
+        let bytes = d.encode();
+        assert_eq!(DataPath::decode(&bytes).unwrap(), d);
+        for n in 0..bytes.len() {
+            assert!(
+                DataPath::decode(&bytes[..n]).is_err(),
+                "prefix {n} accepted"
+            );
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(DataPath::decode(&long).unwrap_err().contains("trailing"));
     }
 
     #[test]

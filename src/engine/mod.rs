@@ -261,6 +261,8 @@ enum Route {
 }
 
 struct BounceXfer {
+    /// A READ from the peer (else a WRITE to it).
+    read: bool,
     /// The local instance that runs it.
     instance: Arc<Bounce>,
     peer: PeerId,
@@ -347,6 +349,9 @@ pub struct Engine {
     inner_name: String,
     inner: Agent,
     conn_info: Vec<u8>,
+    /// The inner agent's metadata from its creation (its connection only):
+    /// part of the data path a READ describes.
+    inner_md: Vec<u8>,
     /// Outer remote agent name -> what we know of it.
     remotes: Mutex<HashMap<String, Remote>>,
     broken: AtomicBool,
@@ -438,7 +443,7 @@ impl Engine {
         // Bounce handshakes travel in each region's public data (see
         // conn_info::PublicData), so the connection info carries none.
         let conn_info = ConnInfo {
-            inner_md,
+            inner_md: inner_md.clone(),
             handshake: Vec::new(),
         }
         .encode();
@@ -451,6 +456,7 @@ impl Engine {
             inner_name,
             inner,
             conn_info,
+            inner_md,
             remotes: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
             stats,
@@ -492,6 +498,8 @@ impl Engine {
         } else {
             let shared = bounce::Shared {
                 inner: &self.inner,
+                inner_name: &self.inner_name,
+                inner_md: &self.inner_md,
                 hub: &self.hub,
                 agent: &self.local_name,
                 config: &self.config,
@@ -832,6 +840,26 @@ impl Engine {
 
         match self.choose_route(op, local, remote, agent) {
             Ok((instance, peer)) => {
+                // Descriptors go from source to destination: local to remote
+                // for a WRITE, remote to local for a READ.
+                let descriptors: Vec<Descriptor> = local
+                    .descs
+                    .iter()
+                    .zip(&remote.descs)
+                    .map(|((l, _), (r, _))| {
+                        let (src, dst) = match op {
+                            Op::Write => (l, r),
+                            Op::Read => (r, l),
+                        };
+                        Descriptor {
+                            src_addr: src.addr as u64,
+                            src_dev: src.dev as u32,
+                            dst_addr: dst.addr as u64,
+                            dst_dev: dst.dev as u32,
+                            len: l.len as u64,
+                        }
+                    })
+                    .collect();
                 if let Some(i) = local
                     .descs
                     .iter()
@@ -843,23 +871,12 @@ impl Engine {
                         local.descs[i].0.len, remote.descs[i].0.len
                     )));
                 }
-                let descriptors: Vec<Descriptor> = local
-                    .descs
-                    .iter()
-                    .zip(&remote.descs)
-                    .map(|((l, _), (r, _))| Descriptor {
-                        src_addr: l.addr as u64,
-                        src_dev: l.dev as u32,
-                        dst_addr: r.addr as u64,
-                        dst_dev: r.dev as u32,
-                        len: l.len as u64,
-                    })
-                    .collect();
                 // Planned once here, reused by every post of the request.
                 match instance.runtime.plan(&descriptors) {
                     Ok(plan) => {
                         return Ok(Request {
                             route: Route::Bounce(BounceXfer {
+                                read: op == Op::Read,
                                 instance,
                                 peer: peer.id.clone(),
                                 peer_arena: peer,
@@ -952,6 +969,7 @@ impl Engine {
             descriptors: local.descs.len() as u64,
             bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
             peer_capable: peer.is_some(),
+            peer_reads: peer.is_some_and(|p| p.read),
             local_transfer: agent == self.local_name,
             local_arena: local_instance.is_some(),
         };
@@ -1005,11 +1023,15 @@ impl Engine {
                 let deadline = per_transfer
                     .deadline_ms
                     .map(std::time::Duration::from_millis);
-                b.ticket = Some(runtime.submit(b.peer.clone(), b.plan.clone(), notif, deadline));
+                let (peer, plan) = (b.peer.clone(), b.plan.clone());
+                b.ticket = Some(if b.read {
+                    runtime.submit_read(peer, plan, notif, deadline)
+                } else {
+                    runtime.submit(peer, plan, notif, deadline)
+                });
                 b.reported = false;
                 self.stats.bump_named("bounce_submitted");
-                self.stats
-                    .add_named("bounce_bytes", b.plan.payload_bytes);
+                self.stats.add_named("bounce_bytes", b.plan.payload_bytes);
                 Ok(Status::InProgress)
             }
         }
@@ -1193,6 +1215,7 @@ fn failure_status(reason: crate::proto::FailureReason) -> Status {
     match reason {
         F::Cancelled => Status::Canceled,
         F::PeerLost => Status::RemoteDisconnect,
+        F::SourceRefused => Status::InvalidParam,
         _ => Status::Backend,
     }
 }

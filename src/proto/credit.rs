@@ -953,10 +953,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn flow(p: &str, r: u64) -> FlowId {
-        FlowId {
-            peer: PeerId::new(p),
-            request: super::super::RequestId(r),
-        }
+        FlowId::write(PeerId::new(p), super::super::RequestId(r))
     }
 
     fn sched(capacity: u64, window: u32, max_chunk: u64, reserve: bool) -> CreditScheduler {

@@ -30,9 +30,10 @@ use thiserror::Error;
 
 use super::credit::{CreditScheduler, HeldBytes, Owner, SchedError, SchedulerParams};
 use super::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
+use super::read::{self, Ending, OwnerBook, Reads, SourceCheck};
 use super::receiver::Receiver;
 use super::sender::Sender;
-use super::wire::{Message, WireError};
+use super::wire::{Message, RefuseReason, WireError};
 use super::{ChunkRef, FlowId, PeerId, RegionHandle, RequestId, Runs, Time};
 use crate::config::Config;
 
@@ -123,6 +124,11 @@ pub enum FailureReason {
     ProtocolError,
     /// The receiver's scatter failed.
     RemoteScatterFailed,
+    /// READ: the data owner refused a source range (not memory it
+    /// registered with BOUNCE); nothing was read.
+    SourceRefused,
+    /// READ: a local scatter of the data failed.
+    ScatterFailed,
 }
 
 /// The terminal outcome of a request.
@@ -191,6 +197,16 @@ pub enum Action {
         /// Copies.
         runs: Runs,
     },
+    /// READ, on the data owner: `peer` will be written to through the data
+    /// path it described (opaque bytes from its READ). Make it a write
+    /// target unless it already is with the same description; on failure
+    /// do nothing (the writes to it then fail).
+    LoadDataPath {
+        /// The reader.
+        peer: PeerId,
+        /// Its description of how to write into its arena.
+        data_path: Vec<u8>,
+    },
     /// A request reached its terminal outcome (exactly once per request).
     Complete {
         /// The request.
@@ -249,6 +265,11 @@ pub struct Stats {
     pub unauthorized: u64,
     /// Local staging acquisitions that had to wait (parked credits).
     pub parked: u64,
+    /// READs served to the end (data owner).
+    pub reads_served: u64,
+    /// READs refused before anything was read (bad sources, bad chunks,
+    /// wrong key, poisoned or shutting down).
+    pub reads_refused: u64,
 }
 
 /// State shared by both roles.
@@ -301,6 +322,9 @@ pub struct Endpoint {
     ctx: Ctx,
     sender: Sender,
     receiver: Receiver,
+    reads: Reads,
+    owner_book: OwnerBook,
+    source_check: Option<Box<dyn SourceCheck>>,
     handled_poison: bool,
 }
 
@@ -342,6 +366,9 @@ impl Endpoint {
             },
             sender,
             receiver: Receiver::default(),
+            reads: Reads::default(),
+            owner_book: OwnerBook::default(),
+            source_check: None,
             handled_poison: false,
         })
     }
@@ -386,10 +413,81 @@ impl Endpoint {
         self.ctx.sched.flow_count()
     }
 
-    /// Sender requests still tracked (live, or failed with operations still
-    /// running).
+    /// Requests still tracked: WRITEs and served READs (live, or failed
+    /// with operations still running) and this agent's READs.
     pub fn request_count(&self) -> usize {
-        self.sender.len()
+        self.sender.len() + self.reads.len() + self.owner_book.early_len()
+    }
+
+    /// Decides which source ranges peers may READ (without one, every READ
+    /// is refused).
+    pub fn set_source_check(&mut self, check: Box<dyn SourceCheck>) {
+        self.source_check = Some(check);
+    }
+
+    /// How a data owner writes into this agent's arena: opaque bytes sent in
+    /// every READ and handed to the owner's runtime
+    /// ([`Action::LoadDataPath`]).
+    pub fn set_read_data_path(&mut self, data_path: Vec<u8>) {
+        self.reads.data_path = data_path;
+    }
+
+    /// The reader's request id if local request `id` serves a READ (its
+    /// chunks land in the reader's flow `FlowId::read(us, that id)`).
+    pub fn serves_read(&self, id: RequestId) -> Option<RequestId> {
+        self.sender.serves(id)
+    }
+
+    /// Plans a READ from `peer` and starts it: `descriptors` go from the
+    /// peer's memory (`src_*`) to this agent's (`dst_*`). The request ends
+    /// with exactly one [`Action::Complete`], once every chunk is scattered
+    /// (or, after a failure, once no scatter of it still runs).
+    pub fn submit_read(
+        &mut self,
+        now: Time,
+        peer: &PeerId,
+        descriptors: &[Descriptor],
+        deadline: Option<Duration>,
+    ) -> Result<RequestId, SubmitError> {
+        let plan = self.plan(descriptors)?;
+        self.submit_read_plan(now, peer, plan, deadline)
+    }
+
+    /// As [`Endpoint::submit_read`], for a plan made by [`Endpoint::plan`]
+    /// (sources on the peer, destinations here).
+    pub fn submit_read_plan(
+        &mut self,
+        now: Time,
+        peer: &PeerId,
+        plan: Arc<Plan>,
+        deadline: Option<Duration>,
+    ) -> Result<RequestId, SubmitError> {
+        self.check_submission(&plan)?;
+        let id = self.sender.next_id();
+        self.reads
+            .submit(&mut self.ctx, now, id, peer, plan, deadline)?;
+        self.pump(now);
+        Ok(id)
+    }
+
+    /// Whether a new request may start: not shut down, not poisoned, and
+    /// every chunk of its plan within this endpoint's chunk cap (a plan
+    /// made with other options would ask for regions no peer grants).
+    fn check_submission(&self, plan: &Plan) -> Result<(), SubmitError> {
+        if self.ctx.shut_down {
+            return Err(SubmitError::ShutDown);
+        }
+        if let Some(cause) = &self.ctx.poisoned {
+            return Err(SubmitError::Poisoned(cause.clone()));
+        }
+        let max = self.ctx.plan_options.max_chunk_bytes;
+        match plan.chunks.iter().find(|c| c.bytes > max) {
+            Some(c) => Err(SubmitError::ChunkTooLarge {
+                chunk: c.bytes,
+                max,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Plans `descriptors` and starts a transfer to `peer`. The request ends
@@ -439,12 +537,7 @@ impl Endpoint {
         plan: Arc<Plan>,
         deadline: Option<Duration>,
     ) -> Result<RequestId, SubmitError> {
-        if self.ctx.shut_down {
-            return Err(SubmitError::ShutDown);
-        }
-        if let Some(cause) = &self.ctx.poisoned {
-            return Err(SubmitError::Poisoned(cause.clone()));
-        }
+        self.check_submission(&plan)?;
         let id = self
             .sender
             .submit(&mut self.ctx, now, peer, plan, deadline)?;
@@ -457,7 +550,13 @@ impl Endpoint {
     pub fn cancel(&mut self, now: Time, request: RequestId) -> bool {
         let done = self
             .sender
-            .fail(&mut self.ctx, request, FailureReason::Cancelled);
+            .fail(&mut self.ctx, request, FailureReason::Cancelled)
+            || self.reads.fail(
+                &mut self.ctx,
+                request,
+                FailureReason::Cancelled,
+                Ending::Refuse,
+            );
         self.pump(now);
         done
     }
@@ -485,6 +584,18 @@ impl Endpoint {
     /// A decoded control message arrived from `from`.
     pub fn handle_message(&mut self, now: Time, from: &PeerId, msg: Message) {
         match msg {
+            Message::Read { request, key, .. } if key != self.ctx.cfg.access_key => {
+                self.ctx.stats.unauthorized += 1;
+                self.ctx.stats.reads_refused += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "READ from {from} with a wrong access key refused");
+                self.ctx.send(
+                    from,
+                    Message::ReadEnd {
+                        request,
+                        reason: RefuseReason::ProtocolViolation,
+                    },
+                );
+            }
             Message::Want { request, key, .. } | Message::Cancel { request, key, .. }
                 if key != self.ctx.cfg.access_key =>
             {
@@ -535,8 +646,142 @@ impl Endpoint {
             Message::Refuse { request, reason } => {
                 self.sender.on_refuse(&mut self.ctx, from, request, reason)
             }
+            Message::Read {
+                request,
+                endpoint,
+                data_path,
+                chunks,
+                ..
+            } => self.on_read(now, from, request, endpoint, data_path, chunks),
+            Message::ReadGrant { request, credits } => {
+                match self.sender.serving(from, request) {
+                    Some(id) => self.sender.on_grant(&mut self.ctx, now, from, id, &credits),
+                    None if self.owner_book.is_tombstoned(from, request) => {
+                        self.ctx.stats.ignored += 1;
+                    }
+                    // The READ is late (reordered) or lost: hold the credits.
+                    None => {
+                        if !self.owner_book.hold(&self.ctx, now, from, request, credits) {
+                            self.end_unknown_read(now, from, request);
+                        }
+                    }
+                }
+            }
+            Message::ReadAck {
+                request,
+                chunk,
+                region,
+            } => match self.sender.serving(from, request) {
+                Some(id) => self
+                    .sender
+                    .on_ack(&mut self.ctx, now, from, id, chunk, region),
+                None => self.ctx.stats.ignored += 1,
+            },
+            Message::ReadRefuse { request, reason } => match self.sender.serving(from, request) {
+                Some(id) => self.sender.on_refuse(&mut self.ctx, from, id, reason),
+                None => self.end_unknown_read(now, from, request),
+            },
+            Message::ReadData {
+                request,
+                chunk,
+                region,
+            } => match self.reads.scatter_runs(from, request, chunk) {
+                Some(runs) => {
+                    let flow = crate::proto::FlowId::read(from.clone(), request);
+                    if self
+                        .receiver
+                        .accept_data(&mut self.ctx, now, flow, chunk, region, runs)
+                    {
+                        self.reads.scatter_started(now, request, region);
+                    }
+                }
+                None => {
+                    self.ctx.stats.late_data += 1;
+                    tracing::debug!(target: "nixl_bounce::proto", "dropping READ_DATA {from}/read {request}#{chunk}: no such live read");
+                }
+            },
+            Message::ReadEnd { request, reason } => {
+                self.reads.on_end(&mut self.ctx, from, request, reason)
+            }
         }
         self.pump(now);
+    }
+
+    /// The data owner's side of a READ: validate everything before anything
+    /// is read, then serve it like a WRITE into the reader's granted regions.
+    fn on_read(
+        &mut self,
+        now: Time,
+        from: &PeerId,
+        request: RequestId,
+        endpoint: Vec<u8>,
+        data_path: Vec<u8>,
+        chunks: Vec<super::wire::ReadChunk>,
+    ) {
+        self.receiver
+            .register_endpoint(&mut self.ctx, from, endpoint);
+        if self.sender.serving(from, request).is_some()
+            || self.owner_book.is_tombstoned(from, request)
+        {
+            self.ctx.stats.ignored += 1;
+            return;
+        }
+        let refusal = if self.ctx.poisoned.is_some() {
+            Err((RefuseReason::Poisoned, "the arena is poisoned".to_string()))
+        } else if self.ctx.shut_down {
+            Err((RefuseReason::ShuttingDown, "shutting down".to_string()))
+        } else if !self.sender.accepts_path(from, &data_path) {
+            // Another incarnation of the reader's arena (it restarted, or
+            // this READ is a stale one from before): not while READs
+            // through the other one may still write.
+            Err((
+                RefuseReason::Expired,
+                "the reader's arena changed while READs into the previous one run".to_string(),
+            ))
+        } else {
+            read::validate_read(
+                self.ctx.cfg.max_chunk,
+                from,
+                &chunks,
+                self.source_check.as_deref(),
+            )
+        };
+        if let Err((reason, why)) = refusal {
+            self.ctx.stats.reads_refused += 1;
+            tracing::warn!(target: "nixl_bounce::proto", "READ {request} from {from} refused ({reason:?}): {why}");
+            self.ctx.send(from, Message::ReadEnd { request, reason });
+            self.owner_book.tombstone(&self.ctx, now, from, request);
+            return;
+        }
+        if !data_path.is_empty() {
+            self.ctx.actions.push_back(Action::LoadDataPath {
+                peer: from.clone(),
+                data_path: data_path.clone(),
+            });
+        }
+        if let Some(id) = self.sender.serve(now, from, request, &data_path, chunks) {
+            let early = self.owner_book.take(from, request);
+            if !early.is_empty() {
+                self.sender.on_grant(&mut self.ctx, now, from, id, &early);
+            }
+        }
+    }
+
+    /// A READ this agent will not serve: none of our writes for it can
+    /// land, say so (the reader frees the flow's regions) and never serve it
+    /// later. A poisoned agent vouches for nothing.
+    fn end_unknown_read(&mut self, now: Time, from: &PeerId, request: RequestId) {
+        self.ctx.stats.ignored += 1;
+        self.owner_book.tombstone(&self.ctx, now, from, request);
+        if self.ctx.poisoned.is_none() {
+            self.ctx.send(
+                from,
+                Message::ReadEnd {
+                    request,
+                    reason: RefuseReason::Expired,
+                },
+            );
+        }
     }
 
     /// The gather of `chunk` finished.
@@ -575,6 +820,7 @@ impl Endpoint {
     /// The scatter of `region` finished.
     pub fn handle_scatter_done(&mut self, now: Time, region: RegionHandle) {
         self.receiver.on_scatter_done(&mut self.ctx, now, region);
+        self.reads.scatter_ended(&mut self.ctx, now, region, true);
         self.pump(now);
     }
 
@@ -583,6 +829,7 @@ impl Endpoint {
     pub fn handle_scatter_failed(&mut self, now: Time, region: RegionHandle, quiesced: bool) {
         self.receiver
             .on_scatter_failed(&mut self.ctx, now, region, quiesced);
+        self.reads.scatter_ended(&mut self.ctx, now, region, false);
         self.pump(now);
     }
 
@@ -590,6 +837,11 @@ impl Endpoint {
     /// flows, tombstone expiry).
     pub fn handle_timeout(&mut self, now: Time) {
         self.sender.on_timeout(&mut self.ctx, now);
+        self.reads.on_timeout(&mut self.ctx, now);
+        for (reader, request) in self.owner_book.on_timeout(&self.ctx, now) {
+            tracing::warn!(target: "nixl_bounce::proto", "READ_GRANT from {reader} for {request}, but its READ never came");
+            self.end_unknown_read(now, &reader, request);
+        }
         self.receiver.on_timeout(&mut self.ctx, now);
         self.pump(now);
     }
@@ -598,6 +850,8 @@ impl Endpoint {
     pub fn poll_timeout(&self) -> Option<Time> {
         [
             self.sender.next_timeout(&self.ctx),
+            self.reads.next_timeout(&self.ctx),
+            self.owner_book.next_timeout(),
             self.receiver.next_timeout(&self.ctx),
         ]
         .into_iter()
@@ -609,6 +863,13 @@ impl Endpoint {
     /// ([`FailureReason::PeerLost`]) and reclaim its flows.
     pub fn forget_peer(&mut self, now: Time, peer: &PeerId) {
         self.sender.forget_peer(&mut self.ctx, peer);
+        self.reads.fail_peer(
+            &mut self.ctx,
+            peer,
+            FailureReason::PeerLost,
+            Ending::PeerGone,
+        );
+        self.owner_book.forget(peer);
         self.receiver.forget_peer(&mut self.ctx, peer);
         self.pump(now);
     }
@@ -624,6 +885,8 @@ impl Endpoint {
     /// refused, so its requests fail now rather than at their timeout. Call
     /// [`Endpoint::forget_peer`] afterwards, once the data path is down.
     pub fn release_peer(&mut self, now: Time, peer: &PeerId) {
+        self.reads
+            .fail_peer(&mut self.ctx, peer, FailureReason::PeerLost, Ending::Refuse);
         self.receiver
             .abort_peer(&mut self.ctx, now, peer, super::wire::RefuseReason::Expired);
         self.pump(now);
@@ -637,6 +900,7 @@ impl Endpoint {
         if !self.ctx.shut_down {
             self.ctx.shut_down = true;
             self.sender.fail_all(&mut self.ctx, FailureReason::Shutdown);
+            self.reads.fail_all(&mut self.ctx, FailureReason::Shutdown);
             self.receiver
                 .abort_all(&mut self.ctx, now, super::wire::RefuseReason::ShuttingDown);
         }
@@ -656,6 +920,7 @@ impl Endpoint {
         if self.ctx.poisoned.is_some() && !self.handled_poison {
             self.handled_poison = true;
             self.sender.fail_all(&mut self.ctx, FailureReason::Poisoned);
+            self.reads.fail_all(&mut self.ctx, FailureReason::Poisoned);
             self.receiver
                 .abort_all(&mut self.ctx, now, super::wire::RefuseReason::Poisoned);
         }
@@ -696,7 +961,9 @@ impl Endpoint {
                 "sender staging regions {staged:?} differ from the scheduler's local regions {local:?}"
             )));
         }
-        Ok(())
+        self.reads
+            .check_invariants(&self.ctx)
+            .map_err(InvariantViolation)
     }
 }
 
@@ -831,6 +1098,221 @@ mod tests {
         assert_eq!(tx.request_count(), 0);
         tx.check_invariants().unwrap();
         rx.check_invariants().unwrap();
+    }
+
+    /// Admits sources inside [lo, hi).
+    struct Allow(u64, u64);
+
+    impl SourceCheck for Allow {
+        fn check(&self, _reader: &PeerId, runs: &[crate::proto::Run]) -> Result<(), String> {
+            for r in runs {
+                for (_, addr, len) in r.copies() {
+                    if addr < self.0 || addr + len > self.1 {
+                        return Err(format!("{addr:#x}+{len} not registered"));
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// Drives one READ end to end between a reader and an owner by hand
+    /// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
+    /// destinations at 0x9000..).
+    #[test]
+    fn one_read_end_to_end() {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+        reader.set_read_data_path(b"dp".to_vec());
+        let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+        let acts = drain(&mut reader);
+        let msgs = sent(&acts);
+        let Message::Read {
+            chunks, data_path, ..
+        } = msgs[0]
+        else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(data_path, b"dp");
+        assert_eq!(chunks.len(), 1);
+        assert_eq!(chunks[0].size, 3 * 128 + 100);
+        let Message::ReadGrant { credits, .. } = msgs[1] else {
+            panic!("READ_GRANT follows READ: {acts:?}")
+        };
+        let region = credits[0].region;
+        assert!(
+            matches!(reader.region_owner(region), Some(Owner::Flow(f)) if f.kind == crate::proto::FlowKind::Read && f.peer == o)
+        );
+        owner.handle_message(t(1), &r, msgs[0].clone());
+        let acts = drain(&mut owner);
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::LoadDataPath { peer, data_path } if *peer == r && data_path == b"dp")));
+        owner.handle_message(t(2), &r, msgs[1].clone());
+        let acts = drain(&mut owner);
+        let Some(Action::StartGather { chunk, runs, .. }) = acts
+            .iter()
+            .find(|a| matches!(a, Action::StartGather { .. }))
+            .cloned()
+        else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(runs[0].addr, 0x1000, "the owner gathers its own memory");
+        assert_eq!(owner.serves_read(chunk.request), Some(id));
+        owner.handle_gather_done(t(3), chunk);
+        let acts = drain(&mut owner);
+        let Action::PostWrite { remote, peer, .. } = &acts[0] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((*remote, peer), (region, &r));
+        owner.handle_write_done(t(4), chunk);
+        let acts = drain(&mut owner);
+        let data = sent(&acts)[0].clone();
+        assert_eq!(
+            data,
+            Message::ReadData {
+                request: id,
+                chunk: 0,
+                region
+            }
+        );
+        reader.handle_message(t(5), &o, data);
+        let acts = drain(&mut reader);
+        let Action::StartScatter { runs, .. } = &acts[0] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(runs[0].addr, 0x9000, "the reader scatters by its own plan");
+        reader.handle_scatter_done(t(6), region);
+        let acts = drain(&mut reader);
+        assert_eq!(completes(&acts), vec![(id, Outcome::Success)]);
+        let ack = sent(&acts)[0].clone();
+        assert!(matches!(ack, Message::ReadAck { .. }));
+        owner.handle_message(t(7), &r, ack);
+        assert!(
+            completes(&drain(&mut owner)).is_empty(),
+            "nothing local waits on a served READ"
+        );
+        assert_eq!(owner.stats().reads_served, 1);
+        assert_eq!((owner.request_count(), reader.request_count()), (0, 0));
+        assert_eq!(reader.flow_count(), 0);
+        owner.check_invariants().unwrap();
+        reader.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn read_of_unregistered_memory_is_refused_before_anything_is_read() {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        // Registered: only the first 200 bytes of the 4 x 100 sources.
+        owner.set_source_check(Box::new(Allow(0x1000, 0x1000 + 200)));
+        let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+        let acts = drain(&mut reader);
+        let msgs: Vec<Message> = sent(&acts).into_iter().cloned().collect();
+        for m in &msgs {
+            owner.handle_message(t(1), &r, m.clone());
+        }
+        let acts = drain(&mut owner);
+        assert!(
+            !acts
+                .iter()
+                .any(|a| matches!(a, Action::StartGather { .. } | Action::LoadDataPath { .. })),
+            "nothing is read: {acts:?}"
+        );
+        let ends: Vec<Message> = sent(&acts).into_iter().cloned().collect();
+        assert_eq!(
+            ends[0],
+            Message::ReadEnd {
+                request: id,
+                reason: RefuseReason::SourceRefused
+            }
+        );
+        assert_eq!(owner.stats().reads_refused, 1);
+        for m in ends {
+            reader.handle_message(t(2), &o, m);
+        }
+        assert_eq!(
+            completes(&drain(&mut reader)),
+            vec![(id, Outcome::Failure(FailureReason::SourceRefused))]
+        );
+        assert_eq!(
+            reader.arena_usage().flows + reader.arena_usage().quarantine,
+            0
+        );
+        reader.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn cancelled_read_quarantines_until_the_owner_ends() {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
+        let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
+        for m in sent(&drain(&mut reader)) {
+            owner.handle_message(t(1), &r, m.clone());
+        }
+        let acts = drain(&mut owner);
+        let Some(Action::StartGather { chunk, .. }) = acts
+            .iter()
+            .find(|a| matches!(a, Action::StartGather { .. }))
+            .cloned()
+        else {
+            panic!("{acts:?}")
+        };
+        owner.handle_gather_done(t(2), chunk);
+        assert!(matches!(drain(&mut owner)[0], Action::PostWrite { .. }));
+        // The reader gives up while the owner's write is in flight.
+        assert!(reader.cancel(t(3), id));
+        let acts = drain(&mut reader);
+        assert_eq!(
+            completes(&acts),
+            vec![(id, Outcome::Failure(FailureReason::Cancelled))]
+        );
+        assert!(
+            reader.arena_usage().quarantine > 0,
+            "the owner may still write"
+        );
+        let refuse = sent(&acts)[0].clone();
+        assert!(matches!(refuse, Message::ReadRefuse { .. }));
+        owner.handle_message(t(4), &r, refuse);
+        assert!(
+            sent(&drain(&mut owner)).is_empty(),
+            "no READ_END while the write may land"
+        );
+        owner.handle_write_done(t(5), chunk);
+        let acts = drain(&mut owner);
+        let end = sent(&acts)[0].clone();
+        assert!(matches!(end, Message::ReadEnd { .. }), "{acts:?}");
+        assert_eq!(owner.request_count(), 0);
+        reader.handle_message(t(6), &o, end);
+        assert_eq!(reader.arena_usage().quarantine, 0);
+        assert_eq!(reader.request_count(), 0);
+        reader.check_invariants().unwrap();
+        owner.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn read_with_a_wrong_key_is_refused() {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut c = cfg(false);
+        c.access_key = 77;
+        let mut owner = Endpoint::new(c).unwrap();
+        owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
+        let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
+        let read = sent(&drain(&mut reader))[0].clone();
+        owner.handle_message(t(1), &r, read);
+        assert_eq!(
+            sent(&drain(&mut owner)),
+            vec![&Message::ReadEnd {
+                request: id,
+                reason: RefuseReason::ProtocolViolation
+            }]
+        );
+        assert_eq!(owner.stats().unauthorized, 1);
     }
 
     #[test]

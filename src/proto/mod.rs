@@ -16,6 +16,7 @@
 //! | [`credit`] | credit scheduler: who may hold which arena region |
 //! | [`sender`] | request / chunk state machine (the initiator role) |
 //! | [`receiver`] | flow state machine (the target role) |
+//! | [`read`] | the READ direction: the reader's requests (flows it grants itself) |
 //! | [`endpoint`] | one local agent: shared scheduler + both roles, actions out |
 
 #![forbid(unsafe_code)]
@@ -28,6 +29,7 @@ pub mod buddy;
 pub mod credit;
 pub mod endpoint;
 pub mod plan;
+pub mod read;
 pub mod receiver;
 pub mod sender;
 pub mod wire;
@@ -128,20 +130,58 @@ impl fmt::Display for RequestId {
     }
 }
 
-/// A flow: one request stream as the receiver sees it, keyed by the sending
-/// peer and the sender's request id (concurrent requests of one peer are
-/// distinct flows).
+/// Which side started a flow (and therefore whose id space its request id
+/// comes from).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FlowKind {
+    /// A peer's WRITE into this agent: the request id is the peer's.
+    Write,
+    /// This agent's READ from a peer, which writes the data into regions
+    /// this agent grants: the request id is this agent's own.
+    Read,
+}
+
+/// A flow: one request stream as the receiver (the agent whose arena is
+/// written) sees it, keyed by the writing peer, the request id and the
+/// kind (concurrent requests of one peer are distinct flows; a peer's
+/// WRITE and this agent's READ never share a key even if their ids are
+/// equal, the two come from different id spaces).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FlowId {
-    /// The sending agent.
+    /// The agent that writes into the regions.
     pub peer: PeerId,
-    /// The sender's request id.
+    /// The request id (the peer's for a WRITE, ours for a READ).
     pub request: RequestId,
+    /// WRITE or READ.
+    pub kind: FlowKind,
+}
+
+impl FlowId {
+    /// The flow of `peer`'s WRITE request `request`.
+    pub fn write(peer: PeerId, request: RequestId) -> FlowId {
+        FlowId {
+            peer,
+            request,
+            kind: FlowKind::Write,
+        }
+    }
+
+    /// The flow of this agent's READ request `request` from `peer`.
+    pub fn read(peer: PeerId, request: RequestId) -> FlowId {
+        FlowId {
+            peer,
+            request,
+            kind: FlowKind::Read,
+        }
+    }
 }
 
 impl fmt::Display for FlowId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.peer, self.request)
+        match self.kind {
+            FlowKind::Write => write!(f, "{}/{}", self.peer, self.request),
+            FlowKind::Read => write!(f, "{}/read {}", self.peer, self.request),
+        }
     }
 }
 

@@ -19,13 +19,18 @@
 //!   refusal, shutdown, poison), the sender may still be writing: the
 //!   flow's regions are kept out of use until the sender's CANCEL (sent
 //!   only after its writes ended) or until the peer is forgotten.
+//!
+//! The reader of a READ is the receiver of that READ's flow
+//! ([`FlowKind::Read`]): the same grants, DATA checks, scatters and aborts,
+//! with the READ message types (READ_GRANT, READ_ACK, READ_REFUSE) and the
+//! scatter runs taken from the reader's own plan (see [`super::read`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::credit::ScatterEnd;
 use super::endpoint::{Action, Ctx};
 use super::wire::{Credit, Message, RefuseReason};
-use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Runs, Time};
+use super::{FlowId, FlowKind, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Upper bound on the copies one DATA may expand to.
 pub const MAX_COPIES_PER_CHUNK: u64 = 1 << 24;
@@ -40,7 +45,7 @@ pub(crate) struct Receiver {
 }
 
 /// Why DATA runs are invalid.
-fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String> {
+pub(crate) fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String> {
     if runs.is_empty() {
         return Err("no runs".into());
     }
@@ -56,7 +61,7 @@ fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String> {
             ));
         }
         r.addr_end()
-            .ok_or_else(|| format!("run {i} destination overflows"))?;
+            .ok_or_else(|| format!("run {i} address range overflows"))?;
         copies = copies.saturating_add(u64::from(r.count));
     }
     if copies > MAX_COPIES_PER_CHUNK {
@@ -67,8 +72,22 @@ fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// REFUSE for a WRITE flow, READ_REFUSE for a READ flow.
+fn refuse(flow: &FlowId, reason: RefuseReason) -> Message {
+    match flow.kind {
+        FlowKind::Write => Message::Refuse {
+            request: flow.request,
+            reason,
+        },
+        FlowKind::Read => Message::ReadRefuse {
+            request: flow.request,
+            reason,
+        },
+    }
+}
+
 impl Receiver {
-    fn register_endpoint(&mut self, ctx: &mut Ctx, from: &PeerId, endpoint: Vec<u8>) {
+    pub fn register_endpoint(&mut self, ctx: &mut Ctx, from: &PeerId, endpoint: Vec<u8>) {
         if !endpoint.is_empty() && !self.known_peers.contains(from) {
             self.known_peers.insert(from.clone());
             ctx.actions.push_back(Action::Connect {
@@ -87,13 +106,7 @@ impl Receiver {
     /// quarantine its regions (the sender may still write), remember it.
     fn abort(&mut self, ctx: &mut Ctx, now: Time, flow: &FlowId, reason: RefuseReason) {
         ctx.sched.quarantine_flow(flow);
-        ctx.send(
-            &flow.peer,
-            Message::Refuse {
-                request: flow.request,
-                reason,
-            },
-        );
+        ctx.send(&flow.peer, refuse(flow, reason));
         self.tombstone(ctx, flow.clone(), now);
     }
 
@@ -118,10 +131,7 @@ impl Receiver {
             ctx.send(from, Message::Refuse { request, reason });
             return;
         }
-        let flow = FlowId {
-            peer: from.clone(),
-            request,
-        };
+        let flow = FlowId::write(from.clone(), request);
         if self.tombstones.contains_key(&flow) || ctx.sched.has_flow(&flow) {
             ctx.stats.ignored += 1;
             return;
@@ -146,10 +156,7 @@ impl Receiver {
         endpoint: Vec<u8>,
     ) {
         self.register_endpoint(ctx, from, endpoint);
-        let flow = FlowId {
-            peer: from.clone(),
-            request,
-        };
+        let flow = FlowId::write(from.clone(), request);
         // The sender cancels only once none of its writes can land: every
         // region of the flow that no scatter reads is free to reuse.
         ctx.sched.reclaim_flow(&flow);
@@ -168,10 +175,29 @@ impl Receiver {
         region: RegionHandle,
         runs: Runs,
     ) {
-        let flow = FlowId {
-            peer: from.clone(),
-            request,
-        };
+        self.accept_data(
+            ctx,
+            now,
+            FlowId::write(from.clone(), request),
+            chunk,
+            region,
+            runs,
+        );
+    }
+
+    /// DATA (or READ_DATA, with the reader's own runs) for `flow`: starts
+    /// the scatter if the region is the flow's for that chunk and the runs
+    /// fit it. Returns whether a scatter started.
+    pub fn accept_data(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        flow: FlowId,
+        chunk: u32,
+        region: RegionHandle,
+        runs: Runs,
+    ) -> bool {
+        let from = &flow.peer;
         let held = ctx
             .sched
             .held(&flow, region)
@@ -179,16 +205,16 @@ impl Receiver {
         let Some(held) = held else {
             ctx.stats.late_data += 1;
             tracing::debug!(target: "nixl_bounce::proto", "dropping late DATA {flow}#{chunk} {region}");
-            return;
+            return false;
         };
         if let Err(why) = validate_runs(&runs, held.len) {
             tracing::warn!(target: "nixl_bounce::proto", "invalid DATA from {from} for {flow}#{chunk}: {why}");
             self.abort(ctx, now, &flow, RefuseReason::ProtocolViolation);
-            return;
+            return false;
         }
         if ctx.sched.begin_scatter(&flow, region).is_err() {
             ctx.stats.late_data += 1;
-            return;
+            return false;
         }
         ctx.sched.touch(&flow, now);
         ctx.actions.push_back(Action::StartScatter {
@@ -197,18 +223,27 @@ impl Receiver {
             region,
             runs,
         });
+        true
     }
 
     pub fn on_scatter_done(&mut self, ctx: &mut Ctx, _now: Time, region: RegionHandle) {
         match ctx.sched.finish_scatter(region) {
-            Ok(ScatterEnd::Owned { flow, chunk }) => ctx.send(
-                &flow.peer,
-                Message::Ack {
-                    request: flow.request,
-                    chunk,
-                    region,
-                },
-            ),
+            Ok(ScatterEnd::Owned { flow, chunk }) => {
+                let request = flow.request;
+                let ack = match flow.kind {
+                    FlowKind::Write => Message::Ack {
+                        request,
+                        chunk,
+                        region,
+                    },
+                    FlowKind::Read => Message::ReadAck {
+                        request,
+                        chunk,
+                        region,
+                    },
+                };
+                ctx.send(&flow.peer, ack)
+            }
             Ok(ScatterEnd::Orphaned) => {}
             Err(e) => {
                 ctx.stats.ignored += 1;
@@ -236,13 +271,7 @@ impl Receiver {
                 if ctx.sched.has_flow(&flow) {
                     self.abort(ctx, now, &flow, RefuseReason::ScatterFailed);
                 } else {
-                    ctx.send(
-                        &flow.peer,
-                        Message::Refuse {
-                            request: flow.request,
-                            reason: RefuseReason::ScatterFailed,
-                        },
-                    );
+                    ctx.send(&flow.peer, refuse(&flow, RefuseReason::ScatterFailed));
                     self.tombstone(ctx, flow, now);
                 }
             }
@@ -271,13 +300,12 @@ impl Receiver {
         }
         for flow in order {
             if let Some(credits) = by_flow.remove(&flow) {
-                ctx.send(
-                    &flow.peer,
-                    Message::Grant {
-                        request: flow.request,
-                        credits,
-                    },
-                );
+                let request = flow.request;
+                let grant = match flow.kind {
+                    FlowKind::Write => Message::Grant { request, credits },
+                    FlowKind::Read => Message::ReadGrant { request, credits },
+                };
+                ctx.send(&flow.peer, grant);
             }
         }
     }

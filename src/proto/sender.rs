@@ -19,14 +19,20 @@
 //!   only when that operation reports a terminal state;
 //! - its CANCEL (empty WANT) is sent only once none of its writes can still
 //!   land in the receiver's regions, so the receiver may reuse them at once.
+//!
+//! The same machinery serves READs on the data owner ([`Sender::serve`]): a
+//! serving request is planned by the reader (its READ carries the chunks
+//! and their gather runs), sends no WANT (the reader already has the flow),
+//! and speaks the READ types: READ_DATA instead of DATA, READ_END (with a
+//! reason) instead of CANCEL, and no `Complete` (nobody local waits for it).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use super::endpoint::{Action, Ctx, FailureReason, Outcome, SubmitError};
-use super::plan::Plan;
-use super::wire::{Credit, Message, RefuseReason};
-use super::{ChunkRef, PeerId, RegionHandle, RequestId, Time};
+use super::plan::{Chunk, Plan};
+use super::wire::{Credit, Message, ReadChunk, RefuseReason};
+use super::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
@@ -49,6 +55,8 @@ struct Slot {
 #[derive(Debug)]
 struct Request {
     peer: PeerId,
+    /// The reader's request id when this request serves a READ.
+    serves: Option<RequestId>,
     plan: Arc<Plan>,
     slots: Vec<Slot>,
     acked: usize,
@@ -84,6 +92,21 @@ pub(crate) struct Sender {
     eager_ready: BTreeSet<ChunkRef>,
     /// Staging regions abandoned by stuck operations (never released).
     leaked: Vec<RegionHandle>,
+    /// Requests serving READs, by (reader, reader's request id).
+    served: BTreeMap<(PeerId, RequestId), RequestId>,
+    /// The data path each reader's serves write through.
+    reader_paths: BTreeMap<PeerId, Vec<u8>>,
+}
+
+/// The READ_END reason for a failed serving request.
+fn end_reason(reason: FailureReason) -> RefuseReason {
+    match reason {
+        FailureReason::Poisoned => RefuseReason::Poisoned,
+        FailureReason::Shutdown => RefuseReason::ShuttingDown,
+        FailureReason::Timeout => RefuseReason::Expired,
+        FailureReason::Rejected | FailureReason::Cancelled => RefuseReason::Cancelled,
+        _ => RefuseReason::SenderFailed,
+    }
 }
 
 impl Sender {
@@ -94,6 +117,140 @@ impl Sender {
             parked: VecDeque::new(),
             eager_ready: BTreeSet::new(),
             leaked: Vec::new(),
+            served: BTreeMap::new(),
+            reader_paths: BTreeMap::new(),
+        }
+    }
+
+    /// Whether a READ from `reader` through `data_path` may be served: a
+    /// reader's serves all write through one data path (one incarnation of
+    /// its arena); another one is accepted only once none of them is live,
+    /// so no write meant for one incarnation reaches another.
+    pub fn accepts_path(&self, reader: &PeerId, data_path: &[u8]) -> bool {
+        let live = self
+            .served
+            .range((reader.clone(), RequestId(0))..=(reader.clone(), RequestId(u64::MAX)))
+            .next()
+            .is_some();
+        !live || !matches!(self.reader_paths.get(reader), Some(p) if p != data_path)
+    }
+
+    /// A fresh request id (also used for READs, which share the id space).
+    pub fn next_id(&mut self) -> RequestId {
+        let id = RequestId(self.next_id);
+        self.next_id = self.next_id.wrapping_add(1);
+        id
+    }
+
+    /// The local request serving `reader`'s READ `request`, if any.
+    pub fn serving(&self, reader: &PeerId, request: RequestId) -> Option<RequestId> {
+        self.served.get(&(reader.clone(), request)).copied()
+    }
+
+    /// The reader's request id if local request `id` serves a READ.
+    pub fn serves(&self, id: RequestId) -> Option<RequestId> {
+        self.requests.get(&id)?.serves
+    }
+
+    /// Starts serving `reader`'s validated READ `request`: gathers from the
+    /// chunks' runs, writes into the regions the reader grants. Returns the
+    /// local request id (`None`: already being served).
+    pub fn serve(
+        &mut self,
+        now: Time,
+        reader: &PeerId,
+        request: RequestId,
+        data_path: &[u8],
+        chunks: Vec<ReadChunk>,
+    ) -> Option<RequestId> {
+        if self.served.contains_key(&(reader.clone(), request)) {
+            return None;
+        }
+        let id = self.next_id();
+        self.reader_paths.insert(reader.clone(), data_path.to_vec());
+        let plan = Plan {
+            payload_bytes: chunks
+                .iter()
+                .flat_map(|c| c.runs.iter())
+                .filter_map(Run::total_bytes)
+                .fold(0u64, u64::saturating_add),
+            chunks: chunks
+                .into_iter()
+                .map(|c| Chunk {
+                    bytes: c.size,
+                    pieces: c
+                        .runs
+                        .iter()
+                        .map(|r| r.count)
+                        .fold(0u32, u32::saturating_add),
+                    gather_runs: c.runs,
+                    scatter_runs: Runs::from([]),
+                })
+                .collect(),
+            src_dev: 0,
+            dst_dev: 0,
+        };
+        self.served.insert((reader.clone(), request), id);
+        self.insert(id, reader, Some(request), Arc::new(plan), now, None);
+        Some(id)
+    }
+
+    fn insert(
+        &mut self,
+        id: RequestId,
+        peer: &PeerId,
+        serves: Option<RequestId>,
+        plan: Arc<Plan>,
+        now: Time,
+        deadline: Option<Time>,
+    ) {
+        let n = plan.chunks.len();
+        self.requests.insert(
+            id,
+            Request {
+                peer: peer.clone(),
+                serves,
+                plan,
+                slots: vec![
+                    Slot {
+                        credit: None,
+                        stage: Stage::Idle
+                    };
+                    n
+                ],
+                acked: 0,
+                last_progress: now,
+                deadline,
+                failed: None,
+                completed: false,
+                cancel_pending: false,
+                cancel_forbidden: false,
+                gathers: 0,
+                writes: 0,
+                staged: 0,
+                next_idle: 0,
+            },
+        );
+    }
+
+    /// The message that retracts request `id` once none of its writes can
+    /// land: CANCEL, or READ_END for a serving request.
+    fn end_message(ctx: &Ctx, id: RequestId, req: &Request) -> Message {
+        match req.serves {
+            None => Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(&req.peer)),
+            Some(request) => Message::ReadEnd {
+                request,
+                reason: end_reason(req.failed.unwrap_or(FailureReason::Cancelled)),
+            },
+        }
+    }
+
+    /// Forgets request `id` (and its READ mapping).
+    fn remove(&mut self, id: RequestId) {
+        if let Some(req) = self.requests.remove(&id) {
+            if let Some(r) = req.serves {
+                self.served.remove(&(req.peer, r));
+            }
         }
     }
 
@@ -132,15 +289,7 @@ impl Sender {
         plan: Arc<Plan>,
         deadline: Option<std::time::Duration>,
     ) -> Result<RequestId, SubmitError> {
-        let max = ctx.plan_options.max_chunk_bytes;
-        if let Some(c) = plan.chunks.iter().find(|c| c.bytes > max) {
-            return Err(SubmitError::ChunkTooLarge {
-                chunk: c.bytes,
-                max,
-            });
-        }
-        let id = RequestId(self.next_id);
-        self.next_id = self.next_id.wrapping_add(1);
+        let id = self.next_id();
         ctx.stats.submitted += 1;
         if plan.chunks.is_empty() {
             ctx.stats.succeeded += 1;
@@ -159,32 +308,8 @@ impl Sender {
                 key: ctx.key_for(peer),
             },
         );
-        let n = plan.chunks.len();
-        self.requests.insert(
-            id,
-            Request {
-                peer: peer.clone(),
-                plan,
-                slots: vec![
-                    Slot {
-                        credit: None,
-                        stage: Stage::Idle
-                    };
-                    n
-                ],
-                acked: 0,
-                last_progress: now,
-                deadline: deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d)),
-                failed: None,
-                completed: false,
-                cancel_pending: false,
-                cancel_forbidden: false,
-                gathers: 0,
-                writes: 0,
-                staged: 0,
-                next_idle: 0,
-            },
-        );
+        let deadline = deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d));
+        self.insert(id, peer, None, plan, now, deadline);
         Ok(id)
     }
 
@@ -312,10 +437,8 @@ impl Sender {
         if !req.active() {
             ctx.stats.ignored += 1;
             if !req.cancel_pending && !req.cancel_forbidden && req.writes == 0 {
-                ctx.send(
-                    from,
-                    Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(from)),
-                );
+                let msg = Self::end_message(ctx, id, req);
+                ctx.send(from, msg);
             }
             return;
         }
@@ -472,11 +595,18 @@ impl Sender {
         req.slots[c].stage = Stage::Written;
         req.last_progress = now;
         if let Some(credit) = req.slots[c].credit {
-            let msg = Message::Data {
-                request: cref.request,
-                chunk: cref.chunk,
-                region: credit.region,
-                runs: req.plan.chunks[c].scatter_runs.clone(),
+            let msg = match req.serves {
+                None => Message::Data {
+                    request: cref.request,
+                    chunk: cref.chunk,
+                    region: credit.region,
+                    runs: req.plan.chunks[c].scatter_runs.clone(),
+                },
+                Some(request) => Message::ReadData {
+                    request,
+                    chunk: cref.chunk,
+                    region: credit.region,
+                },
             };
             let peer = req.peer.clone();
             ctx.send(&peer, msg);
@@ -551,12 +681,16 @@ impl Sender {
         req.last_progress = now;
         if req.acked == req.slots.len() {
             req.completed = true;
-            ctx.stats.succeeded += 1;
-            ctx.actions.push_back(Action::Complete {
-                request: id,
-                outcome: Outcome::Success,
-            });
-            self.requests.remove(&id);
+            if req.serves.is_some() {
+                ctx.stats.reads_served += 1;
+            } else {
+                ctx.stats.succeeded += 1;
+                ctx.actions.push_back(Action::Complete {
+                    request: id,
+                    outcome: Outcome::Success,
+                });
+            }
+            self.remove(id);
         }
     }
 
@@ -614,22 +748,22 @@ impl Sender {
         };
         if !req.completed && req.gathers == 0 {
             req.completed = true;
-            ctx.stats.failed += 1;
-            ctx.actions.push_back(Action::Complete {
-                request: id,
-                outcome: Outcome::Failure(reason),
-            });
+            if req.serves.is_none() {
+                ctx.stats.failed += 1;
+                ctx.actions.push_back(Action::Complete {
+                    request: id,
+                    outcome: Outcome::Failure(reason),
+                });
+            }
         }
         if req.cancel_pending && req.writes == 0 {
             req.cancel_pending = false;
             let peer = req.peer.clone();
-            ctx.send(
-                &peer,
-                Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(&peer)),
-            );
+            let msg = Self::end_message(ctx, id, req);
+            ctx.send(&peer, msg);
         }
         if req.completed && req.gathers == 0 && req.writes == 0 {
-            self.requests.remove(&id);
+            self.remove(id);
         }
     }
 
@@ -641,6 +775,7 @@ impl Sender {
     }
 
     pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
+        self.reader_paths.remove(peer);
         let ids: Vec<RequestId> = self
             .requests
             .iter()

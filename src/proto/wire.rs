@@ -37,11 +37,18 @@ pub const MAX_GRANT_CREDITS: u32 = 1 << 16;
 pub const MAX_DATA_RUNS: u32 = 1 << 22;
 /// Maximum endpoint length (bytes).
 pub const MAX_ENDPOINT_LEN: u32 = 64 * 1024;
+/// Maximum chunks in one READ.
+pub const MAX_READ_CHUNKS: u32 = MAX_WANT_CHUNKS;
+/// Maximum length of the reader's data-path description in a READ (bytes).
+pub const MAX_DATA_PATH_LEN: u32 = 1 << 20;
 
 const CREDIT_LEN: usize = 4 + 8 + 8;
 const RUN_LEN: usize = 8 + 8 + 8 + 4 + 8 + 8;
 
-/// Message type codes. 16..=31 are reserved for the READ direction.
+/// Message type codes. 1-5 serve WRITE flows; 16-21 serve READ flows
+/// (22-31 stay reserved for the READ direction). A READ flow's GRANT, DATA,
+/// ACK and REFUSE are their WRITE twins with 16 added to the type code, in
+/// the opposite direction (the reader grants, the data owner writes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum MessageType {
@@ -55,6 +62,19 @@ pub enum MessageType {
     Ack = 4,
     /// Receiver refuses or aborts a flow.
     Refuse = 5,
+    /// Reader asks the data owner to move sources into regions it grants.
+    Read = 16,
+    /// Data owner stops serving a READ (none of its writes can still land).
+    ReadEnd = 17,
+    /// Reader hands the data owner credits (GRANT's payload).
+    ReadGrant = 18,
+    /// Data owner reports a chunk written (no runs: the reader scatters by
+    /// its own plan).
+    ReadData = 19,
+    /// Reader reports a chunk scattered (ACK's payload).
+    ReadAck = 20,
+    /// Reader aborts a READ (REFUSE's payload).
+    ReadRefuse = 21,
 }
 
 /// The type code, request id and (for DATA and ACK) chunk index of an
@@ -69,15 +89,20 @@ pub fn peek(bytes: &[u8]) -> Option<(u8, RequestId, Option<u32>)> {
     let ty = *bytes.get(6)?;
     let request = RequestId(u64::from_le_bytes(field(HEADER_LEN, 8)?.try_into().ok()?));
     let chunk = if ty == MessageType::Data as u8 || ty == MessageType::Ack as u8 {
-        Some(u32::from_le_bytes(field(HEADER_LEN + 8, 4)?.try_into().ok()?))
+        Some(u32::from_le_bytes(
+            field(HEADER_LEN + 8, 4)?.try_into().ok()?,
+        ))
     } else {
         None
     };
     Some((ty, request, chunk))
 }
 
-/// First type code reserved for READ messages.
+/// First type code of the READ range.
 pub const RESERVED_READ_FIRST: u8 = 16;
+/// First READ-range type code this build does not know (22..=31 stay
+/// reserved).
+pub const RESERVED_READ_UNUSED_FIRST: u8 = 22;
 /// Last type code reserved for READ messages.
 pub const RESERVED_READ_LAST: u8 = 31;
 
@@ -115,7 +140,7 @@ pub enum WireError {
     /// Unknown message type.
     #[error("unknown message type {0}")]
     UnknownType(u8),
-    /// A type reserved for a later protocol revision (READ).
+    /// A type reserved for a later protocol revision (READ range, unused).
     #[error("message type {0} is reserved for READ messages, not supported by this build")]
     ReservedType(u8),
     /// Non-zero reserved header flags.
@@ -348,6 +373,13 @@ pub enum RefuseReason {
     ScatterFailed = 5,
     /// The flow expired at the receiver (no activity).
     Expired = 6,
+    /// READ: a requested source range is not memory the data owner
+    /// registered with BOUNCE (nothing was read).
+    SourceRefused = 7,
+    /// READ: the data owner's gather or write failed, or it timed out.
+    SenderFailed = 8,
+    /// READ: the reader gave up (cancelled, timed out, deadline).
+    Cancelled = 9,
 }
 
 impl RefuseReason {
@@ -359,6 +391,9 @@ impl RefuseReason {
             4 => RefuseReason::ProtocolViolation,
             5 => RefuseReason::ScatterFailed,
             6 => RefuseReason::Expired,
+            7 => RefuseReason::SourceRefused,
+            8 => RefuseReason::SenderFailed,
+            9 => RefuseReason::Cancelled,
             other => {
                 return Err(WireError::Invalid {
                     what: "refuse reason",
@@ -367,6 +402,17 @@ impl RefuseReason {
             }
         })
     }
+}
+
+/// One chunk of a READ: its size in the reader's arena and the copies the
+/// data owner gathers into it (`addr` = the owner's source address,
+/// `region_offset` relative to the chunk's region).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadChunk {
+    /// Packed bytes of the chunk (what the reader will grant).
+    pub size: u64,
+    /// Owner memory -> region copies.
+    pub runs: Runs,
 }
 
 /// A control message.
@@ -428,6 +474,62 @@ pub enum Message {
         /// Why.
         reason: RefuseReason,
     },
+    /// Reader -> data owner: gather these sources, chunk by chunk, and
+    /// write each chunk into the region the reader grants for it.
+    Read {
+        /// The reader's request id (the flow id together with the reader).
+        request: RequestId,
+        /// The owner's access key, from the owner's handshake.
+        key: u64,
+        /// The reader's control endpoint (reverse-path bootstrap).
+        endpoint: Vec<u8>,
+        /// How to write into the reader's arena (opaque to the protocol:
+        /// the runtime loads it; see [`super::endpoint::Action::LoadDataPath`]).
+        data_path: Vec<u8>,
+        /// The chunks (never empty).
+        chunks: Vec<ReadChunk>,
+    },
+    /// Data owner -> reader: the owner stopped serving the READ; none of its
+    /// writes can still land, so every region of the flow may be reused.
+    ReadEnd {
+        /// The reader's request id.
+        request: RequestId,
+        /// Why.
+        reason: RefuseReason,
+    },
+    /// Reader -> data owner: credits for a READ.
+    ReadGrant {
+        /// The reader's request id.
+        request: RequestId,
+        /// The credits.
+        credits: Vec<Credit>,
+    },
+    /// Data owner -> reader: chunk `chunk` landed in `region`.
+    ReadData {
+        /// The reader's request id.
+        request: RequestId,
+        /// The chunk.
+        chunk: u32,
+        /// The reader region written.
+        region: RegionHandle,
+    },
+    /// Reader -> data owner: chunk `chunk` scattered, region recycled.
+    ReadAck {
+        /// The reader's request id.
+        request: RequestId,
+        /// The chunk.
+        chunk: u32,
+        /// The region it used.
+        region: RegionHandle,
+    },
+    /// Reader -> data owner: the reader aborts the READ (the owner stops
+    /// and answers with READ_END once its writes ended).
+    ReadRefuse {
+        /// The reader's request id.
+        request: RequestId,
+        /// Why.
+        reason: RefuseReason,
+    },
 }
 
 impl Message {
@@ -448,7 +550,13 @@ impl Message {
             | Message::Grant { request, .. }
             | Message::Data { request, .. }
             | Message::Ack { request, .. }
-            | Message::Refuse { request, .. } => *request,
+            | Message::Refuse { request, .. }
+            | Message::Read { request, .. }
+            | Message::ReadEnd { request, .. }
+            | Message::ReadGrant { request, .. }
+            | Message::ReadData { request, .. }
+            | Message::ReadAck { request, .. }
+            | Message::ReadRefuse { request, .. } => *request,
         }
     }
 
@@ -460,6 +568,12 @@ impl Message {
             Message::Data { .. } => MessageType::Data,
             Message::Ack { .. } => MessageType::Ack,
             Message::Refuse { .. } => MessageType::Refuse,
+            Message::Read { .. } => MessageType::Read,
+            Message::ReadEnd { .. } => MessageType::ReadEnd,
+            Message::ReadGrant { .. } => MessageType::ReadGrant,
+            Message::ReadData { .. } => MessageType::ReadData,
+            Message::ReadAck { .. } => MessageType::ReadAck,
+            Message::ReadRefuse { .. } => MessageType::ReadRefuse,
         }
     }
 
@@ -485,14 +599,8 @@ impl Message {
                 endpoint,
                 key,
             } => encode_want(&mut p, *request, &[], endpoint, *key),
-            Message::Grant { request, credits } => {
-                p.u64(request.0);
-                p.u32(credits.len() as u32);
-                for c in credits {
-                    p.u32(c.chunk);
-                    p.u64(c.region.0);
-                    p.u64(c.len);
-                }
+            Message::Grant { request, credits } | Message::ReadGrant { request, credits } => {
+                encode_grant(&mut p, *request, credits)
             }
             Message::Data {
                 request,
@@ -503,17 +611,19 @@ impl Message {
                 p.u64(request.0);
                 p.u32(*chunk);
                 p.u64(region.0);
-                p.u32(runs.len() as u32);
-                for r in runs.iter() {
-                    p.u64(r.region_offset);
-                    p.u64(r.addr);
-                    p.u64(r.len);
-                    p.u32(r.count);
-                    p.u64(r.region_stride);
-                    p.u64(r.addr_stride);
-                }
+                encode_runs(&mut p, runs);
             }
             Message::Ack {
+                request,
+                chunk,
+                region,
+            }
+            | Message::ReadData {
+                request,
+                chunk,
+                region,
+            }
+            | Message::ReadAck {
                 request,
                 chunk,
                 region,
@@ -522,9 +632,28 @@ impl Message {
                 p.u32(*chunk);
                 p.u64(region.0);
             }
-            Message::Refuse { request, reason } => {
+            Message::Refuse { request, reason }
+            | Message::ReadEnd { request, reason }
+            | Message::ReadRefuse { request, reason } => {
                 p.u64(request.0);
                 p.u8(*reason as u8);
+            }
+            Message::Read {
+                request,
+                key,
+                endpoint,
+                data_path,
+                chunks,
+            } => {
+                p.u64(request.0);
+                p.u64(*key);
+                p.len_prefixed(endpoint);
+                p.len_prefixed(data_path);
+                p.u32(chunks.len() as u32);
+                for c in chunks {
+                    p.u64(c.size);
+                    encode_runs(&mut p, &c.runs);
+                }
             }
         }
         let payload_len = p.len() - HEADER_LEN;
@@ -543,7 +672,26 @@ impl Message {
             Message::Cancel { endpoint, .. } => 24 + endpoint.len(),
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
             Message::Data { runs, .. } => 24 + RUN_LEN * runs.len(),
-            Message::Ack { .. } | Message::Refuse { .. } => 20,
+            Message::Read {
+                endpoint,
+                data_path,
+                chunks,
+                ..
+            } => {
+                24 + endpoint.len()
+                    + data_path.len()
+                    + chunks
+                        .iter()
+                        .map(|c| 12 + RUN_LEN * c.runs.len())
+                        .sum::<usize>()
+            }
+            Message::ReadGrant { credits, .. } => 12 + 20 * credits.len(),
+            Message::Ack { .. }
+            | Message::Refuse { .. }
+            | Message::ReadEnd { .. }
+            | Message::ReadData { .. }
+            | Message::ReadAck { .. }
+            | Message::ReadRefuse { .. } => 20,
         }
     }
 
@@ -574,7 +722,7 @@ impl Message {
                 actual: r.remaining() as u64,
             });
         }
-        if (RESERVED_READ_FIRST..=RESERVED_READ_LAST).contains(&ty) {
+        if (RESERVED_READ_UNUSED_FIRST..=RESERVED_READ_LAST).contains(&ty) {
             return Err(WireError::ReservedType(ty));
         }
         if flags != 0 {
@@ -583,41 +731,15 @@ impl Message {
         let msg = match ty {
             1 => decode_want(&mut r)?,
             2 => {
-                let request = RequestId(r.u64("request id")?);
-                let n = r.count("credit", MAX_GRANT_CREDITS, CREDIT_LEN)?;
-                if n == 0 {
-                    return Err(WireError::Invalid {
-                        what: "GRANT",
-                        why: "no credits".into(),
-                    });
-                }
-                let mut credits = Vec::with_capacity(n);
-                for _ in 0..n {
-                    credits.push(Credit {
-                        chunk: r.u32("credit chunk")?,
-                        region: RegionHandle(r.u64("credit region")?),
-                        len: r.u64("credit length")?,
-                    });
-                }
+                let (request, credits) = decode_grant(&mut r)?;
                 Message::Grant { request, credits }
             }
-            3 => {
-                let request = RequestId(r.u64("request id")?);
-                let chunk = r.u32("chunk index")?;
-                let region = RegionHandle(r.u64("region")?);
-                let n = r.count("run", MAX_DATA_RUNS, RUN_LEN)?;
-                // `count` checked that the n runs are all there: parse them
-                // from one slice straight into the shared list (one
-                // allocation; a run list can be hundreds of KiB).
-                let raw = r.take(n * RUN_LEN, "runs")?;
-                let runs: Runs = raw.chunks_exact(RUN_LEN).map(parse_run).collect();
-                Message::Data {
-                    request,
-                    chunk,
-                    region,
-                    runs,
-                }
-            }
+            3 => Message::Data {
+                request: RequestId(r.u64("request id")?),
+                chunk: r.u32("chunk index")?,
+                region: RegionHandle(r.u64("region")?),
+                runs: decode_runs(&mut r)?,
+            },
             4 => Message::Ack {
                 request: RequestId(r.u64("request id")?),
                 chunk: r.u32("chunk index")?,
@@ -626,6 +748,29 @@ impl Message {
             5 => Message::Refuse {
                 request: RequestId(r.u64("request id")?),
                 reason: RefuseReason::from_u8(r.u8("refuse reason")?)?,
+            },
+            16 => decode_read(&mut r)?,
+            17 => Message::ReadEnd {
+                request: RequestId(r.u64("request id")?),
+                reason: RefuseReason::from_u8(r.u8("READ_END reason")?)?,
+            },
+            18 => {
+                let (request, credits) = decode_grant(&mut r)?;
+                Message::ReadGrant { request, credits }
+            }
+            19 => Message::ReadData {
+                request: RequestId(r.u64("request id")?),
+                chunk: r.u32("chunk index")?,
+                region: RegionHandle(r.u64("region")?),
+            },
+            20 => Message::ReadAck {
+                request: RequestId(r.u64("request id")?),
+                chunk: r.u32("chunk index")?,
+                region: RegionHandle(r.u64("region")?),
+            },
+            21 => Message::ReadRefuse {
+                request: RequestId(r.u64("request id")?),
+                reason: RefuseReason::from_u8(r.u8("READ_REFUSE reason")?)?,
             },
             other => return Err(WireError::UnknownType(other)),
         };
@@ -651,6 +796,88 @@ fn parse_run(b: &[u8]) -> Run {
         region_stride: u64_at(28),
         addr_stride: u64_at(36),
     }
+}
+
+fn encode_grant(p: &mut Writer, request: RequestId, credits: &[Credit]) {
+    p.u64(request.0);
+    p.u32(credits.len() as u32);
+    for c in credits {
+        p.u32(c.chunk);
+        p.u64(c.region.0);
+        p.u64(c.len);
+    }
+}
+
+fn decode_grant(r: &mut Reader<'_>) -> Result<(RequestId, Vec<Credit>), WireError> {
+    let request = RequestId(r.u64("request id")?);
+    let n = r.count("credit", MAX_GRANT_CREDITS, CREDIT_LEN)?;
+    if n == 0 {
+        return Err(WireError::Invalid {
+            what: "GRANT",
+            why: "no credits".into(),
+        });
+    }
+    let mut credits = Vec::with_capacity(n);
+    for _ in 0..n {
+        credits.push(Credit {
+            chunk: r.u32("credit chunk")?,
+            region: RegionHandle(r.u64("credit region")?),
+            len: r.u64("credit length")?,
+        });
+    }
+    Ok((request, credits))
+}
+
+fn encode_runs(p: &mut Writer, runs: &[Run]) {
+    p.u32(runs.len() as u32);
+    for r in runs {
+        p.u64(r.region_offset);
+        p.u64(r.addr);
+        p.u64(r.len);
+        p.u32(r.count);
+        p.u64(r.region_stride);
+        p.u64(r.addr_stride);
+    }
+}
+
+fn decode_runs(r: &mut Reader<'_>) -> Result<Runs, WireError> {
+    let n = r.count("run", MAX_DATA_RUNS, RUN_LEN)?;
+    // `count` checked that the n runs are all there: parse them from one
+    // slice straight into the shared list (one allocation; a run list can
+    // be hundreds of KiB).
+    let raw = r.take(n * RUN_LEN, "runs")?;
+    Ok(raw.chunks_exact(RUN_LEN).map(parse_run).collect())
+}
+
+fn decode_read(r: &mut Reader<'_>) -> Result<Message, WireError> {
+    let request = RequestId(r.u64("request id")?);
+    let key = r.u64("access key")?;
+    let elen = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
+    let endpoint = r.take(elen, "endpoint")?.to_vec();
+    let dlen = r.count("data path byte", MAX_DATA_PATH_LEN, 1)?;
+    let data_path = r.take(dlen, "data path")?.to_vec();
+    // Each chunk takes at least its size and its run count.
+    let n = r.count("READ chunk", MAX_READ_CHUNKS, 8 + 4)?;
+    if n == 0 {
+        return Err(WireError::Invalid {
+            what: "READ",
+            why: "no chunks".into(),
+        });
+    }
+    let mut chunks = Vec::with_capacity(n);
+    for _ in 0..n {
+        chunks.push(ReadChunk {
+            size: r.u64("READ chunk size")?,
+            runs: decode_runs(r)?,
+        });
+    }
+    Ok(Message::Read {
+        request,
+        key,
+        endpoint,
+        data_path,
+        chunks,
+    })
 }
 
 fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8], key: u64) {
@@ -706,7 +933,7 @@ pub struct Capabilities(pub u64);
 impl Capabilities {
     /// Understands CANCEL (empty WANT) and REFUSE.
     pub const CANCEL: Capabilities = Capabilities(1 << 0);
-    /// Supports the READ direction (reserved, not implemented).
+    /// Serves and issues READs over the bounce path (types 16-21).
     pub const READ: Capabilities = Capabilities(1 << 1);
 
     /// Whether every flag of `other` is set.
@@ -982,10 +1209,69 @@ mod tests {
                     region: RegionHandle(region),
                 }
             }),
-            (rid, 1u8..=6).prop_map(|(request, code)| Message::Refuse {
+            (rid.clone(), 1u8..=9).prop_map(|(request, code)| Message::Refuse {
                 request,
                 reason: RefuseReason::from_u8(code).unwrap()
             }),
+            (
+                rid.clone(),
+                any::<u64>(),
+                proptest::collection::vec(any::<u8>(), 0..40),
+                proptest::collection::vec(any::<u8>(), 0..40),
+                proptest::collection::vec(
+                    (any::<u64>(), proptest::collection::vec(arb_run(), 0..4)),
+                    1..5
+                )
+            )
+                .prop_map(|(request, key, endpoint, data_path, cs)| Message::Read {
+                    request,
+                    key,
+                    endpoint,
+                    data_path,
+                    chunks: cs
+                        .into_iter()
+                        .map(|(size, runs)| ReadChunk {
+                            size,
+                            runs: runs.into()
+                        })
+                        .collect()
+                }),
+            (rid.clone(), 1u8..=9, any::<bool>()).prop_map(|(request, code, end)| {
+                let reason = RefuseReason::from_u8(code).unwrap();
+                if end {
+                    Message::ReadEnd { request, reason }
+                } else {
+                    Message::ReadRefuse { request, reason }
+                }
+            }),
+            (rid.clone(), any::<u32>(), any::<u64>()).prop_map(|(request, chunk, region)| {
+                Message::ReadGrant {
+                    request,
+                    credits: vec![Credit {
+                        chunk,
+                        region: RegionHandle(region),
+                        len: region.rotate_left(3),
+                    }],
+                }
+            }),
+            (rid, any::<u32>(), any::<u64>(), any::<bool>()).prop_map(
+                |(request, chunk, region, ack)| {
+                    let region = RegionHandle(region);
+                    if ack {
+                        Message::ReadAck {
+                            request,
+                            chunk,
+                            region,
+                        }
+                    } else {
+                        Message::ReadData {
+                            request,
+                            chunk,
+                            region,
+                        }
+                    }
+                }
+            ),
         ]
     }
 
@@ -1043,8 +1329,8 @@ mod tests {
             Err(WireError::Version { found: 9, .. })
         ));
         let mut bad = good.clone();
-        bad[6] = 17;
-        assert_eq!(Message::decode(&bad), Err(WireError::ReservedType(17)));
+        bad[6] = 22;
+        assert_eq!(Message::decode(&bad), Err(WireError::ReservedType(22)));
         let mut bad = good.clone();
         bad[6] = 99;
         assert_eq!(Message::decode(&bad), Err(WireError::UnknownType(99)));
@@ -1173,7 +1459,7 @@ mod tests {
 
         #[test]
         fn arbitrary_payloads_behind_a_valid_header_never_panic(
-            ty in 0u8..8, payload in proptest::collection::vec(any::<u8>(), 0..200)
+            ty in 0u8..32, payload in proptest::collection::vec(any::<u8>(), 0..200)
         ) {
             let mut m = Writer::new();
             m.bytes(&MESSAGE_MAGIC);

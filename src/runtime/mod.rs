@@ -23,8 +23,8 @@ use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
 use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
-use crate::proto::wire::{Message, MessageType};
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
+use crate::proto::wire::{Message, MessageType};
 use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Longest the idle reactor sleeps in the control channel.
@@ -85,6 +85,8 @@ pub struct DeferredNotif {
 
 enum Command {
     Submit {
+        /// READ from `peer` (else WRITE to it).
+        read: bool,
         peer: PeerId,
         plan: Arc<Plan>,
         ticket: Arc<Ticket>,
@@ -119,6 +121,9 @@ pub struct RuntimeCounters {
     pub late_data: AtomicU64,
     /// WANT/CANCEL refused for a wrong access key.
     pub unauthorized: AtomicU64,
+    /// READs this agent served to the end, and refused (bad sources, ...).
+    pub reads_served: AtomicU64,
+    pub reads_refused: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
     pub timeouts: AtomicU64,
@@ -208,7 +213,7 @@ impl Targets {
                     .ok_or_else(|| format!("run {i} wraps around"))?;
                 if !self.covers(addr, copy_end) {
                     return Err(format!(
-                        "run {i} writes [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
+                        "run {i} touches [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
                     ));
                 }
             }
@@ -280,9 +285,11 @@ impl ScatterTargets {
         Ok(t.track(runs))
     }
 
-    /// Marks a gather's sources in use.
-    pub fn track(&self, runs: &[Run]) -> InUse {
-        self.lock().track(runs)
+    /// Admits a gather (its sources must be registered memory: for a
+    /// served READ they come from the network) and marks them in use,
+    /// atomically with respect to deregistration.
+    pub fn admit_gather(&self, runs: &[Run]) -> Result<InUse, String> {
+        self.admit_scatter(runs)
     }
 
     /// The copy holding `token` is over.
@@ -326,7 +333,12 @@ mod tests {
             "released within the bound"
         );
         releaser.join().unwrap();
-        let other = t.track(&[run(0x9000, 0x10, 1, 0)]);
+        t.add(0x9000, 0x100);
+        let other = t.admit_gather(&[run(0x9000, 0x10, 1, 0)]).unwrap();
+        assert!(
+            t.admit_gather(&[run(0x9000, 0x10, 2, 0x100)]).is_err(),
+            "a gather (a served READ's sources) outside registered memory is refused"
+        );
         assert!(
             t.remove(0x1000, 0x1000, Duration::ZERO),
             "copies elsewhere do not hold it up"
@@ -397,6 +409,20 @@ impl std::fmt::Debug for Runtime {
     }
 }
 
+/// The data owner's check of READ sources: registered memory only (the
+/// check an RDMA key gives the standard path's READ).
+struct RegisteredSources(Arc<ScatterTargets>);
+
+impl crate::proto::read::SourceCheck for RegisteredSources {
+    fn check(&self, _reader: &PeerId, runs: &[Run]) -> Result<(), String> {
+        self.0.admits(runs)
+    }
+}
+
+/// Loads a reader's data-path description (from its READ) and returns how
+/// to write into its arena.
+pub type DataPathLoader = Box<dyn Fn(&[u8]) -> Result<PeerArena, String> + Send>;
+
 /// Everything the reactor needs, built by the engine.
 pub struct Parts {
     pub name: String,
@@ -412,6 +438,8 @@ pub struct Parts {
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    /// Makes a reader's arena a write target (served READs).
+    pub load_data_path: DataPathLoader,
 }
 
 impl Runtime {
@@ -449,9 +477,13 @@ impl Runtime {
                 .name(format!("bounce-write-{}", parts.name))
                 .spawn(move || write_worker(data, write_rx, write_done_tx, waker, sh, spin))?
         };
+        let mut endpoint = parts.endpoint;
+        endpoint.set_source_check(Box::new(RegisteredSources(targets.clone())));
         let reactor = Reactor {
             name: parts.name.clone(),
-            endpoint: parts.endpoint,
+            endpoint,
+            load_data_path: parts.load_data_path,
+            data_paths: HashMap::new(),
             channel: parts.channel,
             write_jobs: Some(write_tx),
             write_done: write_done_rx,
@@ -510,6 +542,31 @@ impl Runtime {
     ) -> Arc<Ticket> {
         let ticket = Ticket::new();
         self.push(Command::Submit {
+            read: false,
+            peer,
+            plan,
+            ticket: ticket.clone(),
+            notif,
+            deadline,
+        });
+        ticket
+    }
+
+    /// Starts a bounce READ from `peer` of a plan made by
+    /// [`Runtime::plan`] whose sources (`src_*`) are the peer's memory and
+    /// destinations (`dst_*`) ours. The ticket succeeds once every byte is
+    /// scattered; `notif` then goes to the peer (NIXL's READ notification
+    /// semantics).
+    pub fn submit_read(
+        &self,
+        peer: PeerId,
+        plan: Arc<Plan>,
+        notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
+    ) -> Arc<Ticket> {
+        let ticket = Ticket::new();
+        self.push(Command::Submit {
+            read: true,
             peer,
             plan,
             ticket: ticket.clone(),
@@ -569,6 +626,8 @@ impl Runtime {
                 ("malformed_messages", &c.malformed_messages),
                 ("late_data", &c.late_data),
                 ("unauthorized", &c.unauthorized),
+                ("reads_served", &c.reads_served),
+                ("reads_refused", &c.reads_refused),
                 ("bounce_succeeded", &c.succeeded),
                 ("bounce_failed", &c.failed),
                 ("bounce_timeouts", &c.timeouts),
@@ -822,6 +881,9 @@ struct Reactor {
     arena: RegionSpan,
     busy_poll: Duration,
     notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    load_data_path: DataPathLoader,
+    /// The data-path description each reader's arena was loaded from.
+    data_paths: HashMap<PeerId, Vec<u8>>,
     failpoints: crate::failpoint::Failpoints,
     shared: Arc<Shared>,
     targets: Arc<ScatterTargets>,
@@ -859,8 +921,7 @@ impl Reactor {
             // are live it polls for `busy_poll` after the last event first:
             // the next message or completion usually comes within
             // microseconds, and waking a sleeping thread costs tens.
-            let spinning =
-                !progressed && self.live() && last_event.elapsed() < self.busy_poll;
+            let spinning = !progressed && self.live() && last_event.elapsed() < self.busy_poll;
             let wait = if progressed || spinning {
                 Duration::ZERO
             } else {
@@ -893,14 +954,19 @@ impl Reactor {
             let now = self.now();
             match c {
                 Command::Submit {
+                    read,
                     peer,
                     plan,
                     ticket,
                     notif,
                     deadline,
                 } => {
-                    match self.endpoint.submit_plan(now, &peer, plan, deadline)
-                    {
+                    let submitted = if read {
+                        self.endpoint.submit_read_plan(now, &peer, plan, deadline)
+                    } else {
+                        self.endpoint.submit_plan(now, &peer, plan, deadline)
+                    };
+                    match submitted {
                         Ok(id) => {
                             *ticket.request.lock().expect("ticket") = Some(id);
                             let now = Instant::now();
@@ -955,6 +1021,7 @@ impl Reactor {
         }
         self.writes.retain(|w| &w.1 != peer);
         self.peers.remove(peer);
+        self.data_paths.remove(peer);
         if let Some(h) = self.handles.remove(peer) {
             self.channel.remove_peer(h);
         }
@@ -1168,7 +1235,14 @@ impl Reactor {
                     region,
                     runs,
                 } => {
-                    let in_use = self.targets.track(&runs);
+                    let in_use = match self.targets.admit_gather(&runs) {
+                        Ok(t) => t,
+                        Err(why) => {
+                            tracing::error!(agent = %self.name, %chunk, "gather refused: {why}");
+                            self.endpoint.handle_gather_failed(now, chunk, true);
+                            continue;
+                        }
+                    };
                     self.start_copy(
                         CopyId::Gather(chunk),
                         Direction::Gather,
@@ -1243,6 +1317,19 @@ impl Reactor {
                         }
                     }
                 }
+                Action::LoadDataPath { peer, data_path } => {
+                    if self.data_paths.get(&peer) != Some(&data_path) {
+                        match (self.load_data_path)(&data_path) {
+                            Ok(arena) => {
+                                self.peers.insert(peer.clone(), PeerState { arena });
+                                self.data_paths.insert(peer, data_path);
+                            }
+                            Err(e) => {
+                                tracing::warn!(agent = %self.name, %peer, "cannot write into the reader's arena ({e}); its READ fails");
+                            }
+                        }
+                    }
+                }
                 Action::Complete { request, outcome } => self.complete(request, outcome),
                 Action::Poisoned { cause } => {
                     tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
@@ -1255,6 +1342,8 @@ impl Reactor {
         c.grants.store(s.grants, Ordering::Relaxed);
         c.late_data.store(s.late_data, Ordering::Relaxed);
         c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
+        c.reads_served.store(s.reads_served, Ordering::Relaxed);
+        c.reads_refused.store(s.reads_refused, Ordering::Relaxed);
     }
 
     fn start_copy(

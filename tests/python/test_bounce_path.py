@@ -2,12 +2,13 @@
 """The official NIXL Python API (nixl_cu13 from the pinned wheel) selecting
 BOUNCE with a bounce-eligible transfer: two agents in one process created
 with nixl_agent_config(backends=["BOUNCE"]), 4096 scattered 4 KiB DRAM WRITEs
-in both directions (one with a notification), verified byte-exact (bytes
-outside the destination blocks included). After each transfer the plugin's
-counters are read through ctypes from the libplugin_BOUNCE.so that NIXL
-loaded into this process (`nixl_bounce_stats(agent, agent_len, buf, cap) ->
-len`, JSON) and must show that the bounce path carried it; a READ of the same
-size must show the fallback instead (BOUNCE routes only WRITEs).
+in both directions (one with a notification) and READs (one with a
+notification, which the owner receives), verified byte-exact (bytes outside
+the destination blocks included). After each transfer the plugin's counters
+are read through ctypes from the libplugin_BOUNCE.so that NIXL loaded into
+this process (`nixl_bounce_stats(agent, agent_len, buf, cap) -> len`, JSON)
+and must show that the bounce path carried it (for a READ: the reader
+submitted and scattered, the owner served and wrote).
 
 Single host: run with NIXL_BOUNCE_CONTROL_BIND_LOOPBACK=1 (tests/bounce_python.rs
 sets it). Exit status 0 = pass; the last line is "PASS ..." or "FAIL: <reason>".
@@ -140,7 +141,8 @@ def main():
         if names[(x.name, y.name)] != y.name:
             fail(f"add_remote_agent returned {n!r}, expected {y.name!r}")
 
-    steps = [(a, b, "WRITE", b"pyb-a-to-b"), (b, a, "WRITE", None), (a, b, "WRITE", None), (a, b, "READ", None)]
+    steps = [(a, b, "WRITE", b"pyb-a-to-b"), (b, a, "WRITE", None), (a, b, "WRITE", None),
+             (a, b, "READ", b"pyb-a-read-b"), (b, a, "READ", None)]
     for step, (x, y, op, notif) in enumerate(steps, start=1):
         what = f"{op} {COUNT} x {BLOCK} B {x.name} -> {y.name}"
         xbuf, ybuf = bufs[x.name], bufs[y.name]
@@ -192,8 +194,18 @@ def main():
             if fallbacks:
                 fail(f"{what}: fell back: {fallbacks}")
         else:
-            if delta(sx1, sx0, "bounce_submitted") != 0 or delta(sx1, sx0, "fallback_not_write") != 1:
-                fail(f"{what}: a READ must go through UCX (fallback_not_write): {changed}")
+            for key, want in (("bounce_submitted", 1), ("bounce_succeeded", 1), ("bounce_failed", 0)):
+                if delta(sx1, sx0, key) != want:
+                    fail(f"{what}: reader {key} rose by {delta(sx1, sx0, key)}, expected {want}: {changed}")
+            if delta(sy1, sy0, "reads_served") != 1:
+                fail(f"{what}: owner reads_served rose by {delta(sy1, sy0, 'reads_served')}: {changed_y}")
+            if delta(sx1, sx0, "chunks_scattered") != delta(sy1, sy0, "chunks_written") or \
+                    delta(sy1, sy0, "chunks_written") < 1:
+                fail(f"{what}: reader scattered {delta(sx1, sx0, 'chunks_scattered')} chunks, "
+                     f"owner wrote {delta(sy1, sy0, 'chunks_written')}")
+            fallbacks = {k: v for k, v in changed.items() if k.startswith("fallback_")}
+            if fallbacks:
+                fail(f"{what}: fell back: {fallbacks}")
 
     for x, y in ((a, b), (b, a)):
         x.remove_remote_agent(names[(x.name, y.name)])

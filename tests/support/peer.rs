@@ -15,8 +15,14 @@
 //! - `WRITE <peer> <peer addr> <n> <plan seed> <notif hex|->`: a WRITE of
 //!   `plan(n, plan seed)` from this buffer into the peer's, waited for;
 //!   replies with the elapsed microseconds;
+//! - `READ <peer> <peer addr> <n> <plan seed> <notif hex|->`: a READ of
+//!   `plan(n, plan seed)` from the peer's buffer into this one, waited for;
+//!   replies with the elapsed microseconds (`POST_READ`: posted, not
+//!   waited for; replies at once);
 //! - `CHECK_WRITE <from> <n> <plan seed> <src seed> <dst seed> <notif hex|->`:
-//!   wait for the notification (if any) from `from`, then verify the buffer;
+//!   wait for the notification (if any) from `from`, then verify the buffer
+//!   (also the check after a READ into this buffer);
+//! - `WAIT_NOTIF <from> <notif hex>`;
 //! - `CHECK_UNCHANGED <seed>`;
 //! - `STATS`: this agent's BOUNCE counters as one JSON line;
 //! - `NETDEV <dev>`: `<rx bytes> <tx bytes>` of a network device as this
@@ -154,6 +160,32 @@ pub fn peer_main() {
                 let dt = node.post_and_wait(&req, wait_timeout())?;
                 Ok(dt.as_micros().to_string())
             })(),
+            Some(op @ ("READ" | "POST_READ")) => (|| {
+                let p = plan(len, num(3) as usize, num(4));
+                let notif = notif_arg(5)?;
+                let req = node.create_xfer(
+                    XferOp::Read,
+                    &p,
+                    buf.addr(),
+                    num(2) as usize,
+                    w[1],
+                    notif.as_deref(),
+                )?;
+                if op == "POST_READ" {
+                    node.agent
+                        .post_xfer_req(&req, None)
+                        .map_err(|e| format!("post READ: {e:?}"))?;
+                    // Keep it alive: this process is killed while it runs.
+                    std::mem::forget(req);
+                    return Ok(String::new());
+                }
+                let dt = node.post_and_wait(&req, wait_timeout())?;
+                Ok(dt.as_micros().to_string())
+            })(),
+            Some("WAIT_NOTIF") => unhex(w[2]).and_then(|m| {
+                node.wait_notif(w[1], &m, wait_timeout())
+                    .map(|_| String::new())
+            }),
             Some("CHECK_WRITE") => (|| {
                 if let Some(m) = notif_arg(6)? {
                     node.wait_notif(w[1], &m, wait_timeout())?;
@@ -290,10 +322,22 @@ impl Peer {
     /// peer's error.
     #[track_caller]
     pub fn cmd(&mut self, line: &str) -> String {
+        self.send(line);
+        let what = line.split_whitespace().next().unwrap_or("").to_string();
+        self.reply(&what)
+    }
+
+    /// Sends a command without waiting for its reply (see [`Peer::reply`]):
+    /// several peers can then work at once.
+    pub fn send(&mut self, line: &str) {
         writeln!(self.stdin, "{line}").expect("write to the peer");
         self.stdin.flush().unwrap();
-        let what = line.split_whitespace().next().unwrap_or("").to_string();
-        let r = self.recv(&what).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// The reply to the command sent last (`what` names it in errors).
+    #[track_caller]
+    pub fn reply(&mut self, what: &str) -> String {
+        let r = self.recv(what).unwrap_or_else(|e| panic!("{e}"));
         match r.strip_prefix("OK") {
             Some(rest) => rest.trim().to_string(),
             None if r == "BYE" => r,
@@ -304,6 +348,12 @@ impl Peer {
     pub fn stats(&mut self) -> Counters {
         let json = self.cmd("STATS");
         counters_from_json(&self.name.clone(), &json)
+    }
+
+    /// Kills the peer process (SIGKILL: no goodbye of any kind).
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Quits and waits (bounded) for a clean exit.

@@ -32,7 +32,8 @@ PRESETS (lists and iteration counts; later flags override them):
   (no preset)            the --quick lists, 2 rounds of up to 20 batches, 2 s per run
 
 WHAT TO MOVE:
-      --op OP            write (default) | read (reserved: a later issue adds READ)
+      --op OP            write (default) | read (the initiator reads the target's
+                         buffer into its own: the target is the data owner)
       --mem MEM          dram (default) | vram (reserved for the CUDA issue)
   -c, --counts LIST      descriptors per request, e.g. 256,1024,4096,16384
   -s, --sizes LIST       bytes per descriptor, suffixes allowed: 1k,4KiB,64K
@@ -103,12 +104,14 @@ gate sends to UCX are flagged in the table but are not errors.";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     Write,
+    Read,
 }
 
 impl Op {
     pub fn name(self) -> &'static str {
         match self {
             Op::Write => "write",
+            Op::Read => "read",
         }
     }
 }
@@ -367,16 +370,8 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "--op" => {
                 o.op = match value()?.to_ascii_lowercase().as_str() {
                     "write" => Op::Write,
-                    "read" => return Err(
-                        "--op read is reserved: READ through the bounce path comes with a later \
-                                    issue; only --op write is implemented"
-                            .into(),
-                    ),
-                    other => {
-                        return Err(format!(
-                            "--op: expected write (or the reserved read), got {other:?}"
-                        ))
-                    }
+                    "read" => Op::Read,
+                    other => return Err(format!("--op: expected write or read, got {other:?}")),
                 }
             }
             "--mem" => {
@@ -602,7 +597,8 @@ mod tests {
         assert!(run(&["--mem", "vram"])
             .unwrap_err()
             .contains("not built yet"));
-        assert!(run(&["--op", "read"]).unwrap_err().contains("reserved"));
+        assert_eq!(run(&["--op", "read"]).unwrap().op, Op::Read);
+        assert!(run(&["--op", "pull"]).is_err());
         assert!(run(&["--counts", "0"]).is_err());
         assert!(run(&["--bounce-param", "control_bind_loopback=false"]).is_err());
         assert!(run(&["--ucx-variant", "a:b=c", "--ucx-variant", "a:"])

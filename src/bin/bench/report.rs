@@ -281,9 +281,10 @@ fn phases(
     }
     let per = |ns: u64| (ns as f64 / 1e6 / posted as f64 * 1e3).round() / 1e3;
     let get = |m: &BTreeMap<String, u64>, k: &str| m.get(k).copied().unwrap_or(0);
-    let gather = get(init, "gather_ns");
-    let write = get(init, "write_ns");
-    let scatter = get(target, "scatter_ns");
+    // Each phase summed over both agents: one of them runs it (the
+    // initiator gathers and writes a WRITE, the target a READ).
+    let both = |k: &str| get(init, k) + get(target, k);
+    let (gather, write, scatter) = (both("gather_ns"), both("write_ns"), both("scatter_ns"));
     let queue = get(init, "copy_queue_ns") + get(target, "copy_queue_ns");
     let unaccounted = request as f64 - (gather + write + scatter + queue) as f64;
     Some(BTreeMap::from([

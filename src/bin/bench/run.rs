@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use nixl_bounce::stats::Snapshot;
 use nixl_sys::{Agent, XferDescList, XferOp, XferRequest, XferStatus};
 
-use crate::cli::{Options, Poll};
+use crate::cli::{Op, Options, Poll};
 use crate::harness::{blocks_for, pattern, verify_bytes, Plan, Rng};
 use crate::mem::BenchMemory;
 use crate::sysinfo::{CpuSample, CpuUse};
@@ -102,7 +102,8 @@ impl BounceCheck {
         };
         let posted = self.posted + other.posted;
         let init_delta = sum(self.init_delta, other.init_delta);
-        let chunks = init_delta.get("chunks_written").copied().unwrap_or(0);
+        let target_delta = sum(self.target_delta, other.target_delta);
+        let chunks = chunks_written(&init_delta, &target_delta);
         BounceCheck {
             used: if self.ok { other.used } else { self.used },
             ok: self.ok && other.ok,
@@ -111,7 +112,7 @@ impl BounceCheck {
             chunks_per_request: (posted > 0 && self.chunks_per_request.is_some())
                 .then(|| chunks as f64 / posted as f64),
             init_delta,
-            target_delta: sum(self.target_delta, other.target_delta),
+            target_delta,
         }
     }
 }
@@ -169,7 +170,7 @@ pub fn run_shape(
     let reqs = plans
         .iter()
         .enumerate()
-        .map(|(k, plan)| create_request(variant, plan, src, dst, k * slice))
+        .map(|(k, plan)| create_request(o.op, variant, plan, src, dst, k * slice))
         .collect::<Result<Vec<_>, _>>()
         .map_err(Failure::Setup)?;
     let agent = &variant.init.agent;
@@ -281,29 +282,30 @@ fn desc_list(
     Ok(l)
 }
 
+/// A request moving `plan` from `src` to `dst`: a WRITE by the initiator
+/// (which holds `src`), or a READ by it (it holds `dst`).
 fn create_request(
+    op: Op,
     variant: &Variant,
     plan: &Plan,
     src: &dyn BenchMemory,
     dst: &dyn BenchMemory,
     slice_offset: usize,
 ) -> Result<XferRequest, String> {
-    let local = desc_list(src, src.addr() + slice_offset, &plan.src, plan.block)?;
-    let remote = desc_list(dst, dst.addr() + slice_offset, &plan.dst, plan.block)?;
+    let s = desc_list(src, src.addr() + slice_offset, &plan.src, plan.block)?;
+    let d = desc_list(dst, dst.addr() + slice_offset, &plan.dst, plan.block)?;
+    let (xop, local, remote) = match op {
+        Op::Write => (XferOp::Write, &s, &d),
+        Op::Read => (XferOp::Read, &d, &s),
+    };
     let opt = variant.init.opt_args(None)?;
     variant
         .init
         .agent
-        .create_xfer_req(
-            XferOp::Write,
-            &local,
-            &remote,
-            &variant.target.name,
-            Some(&opt),
-        )
+        .create_xfer_req(xop, local, remote, &variant.target.name, Some(&opt))
         .map_err(|e| {
             format!(
-                "create_xfer_req(WRITE, {} x {} B): {e} ({e:?})",
+                "create_xfer_req({op:?}, {} x {} B): {e} ({e:?})",
                 plan.len(),
                 plan.block
             )
@@ -442,16 +444,23 @@ fn bounce_check(
             false,
         )
     };
+    let chunks = chunks_written(&init_delta, &target_delta);
     BounceCheck {
         used,
         ok,
         expected,
         posted,
-        chunks_per_request: (posted > 0 && submitted > 0)
-            .then(|| get("chunks_written") as f64 / posted as f64),
+        chunks_per_request: (posted > 0 && submitted > 0).then(|| chunks as f64 / posted as f64),
         init_delta,
         target_delta,
     }
+}
+
+/// Chunks written by either agent (the initiator writes a WRITE's, the
+/// target, the data owner, a READ's).
+fn chunks_written(init: &BTreeMap<String, u64>, target: &BTreeMap<String, u64>) -> u64 {
+    let get = |m: &BTreeMap<String, u64>| m.get("chunks_written").copied().unwrap_or(0);
+    get(init) + get(target)
 }
 
 /// The copies the bounce path makes, done here with one thread: the time

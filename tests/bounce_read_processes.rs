@@ -1,0 +1,422 @@
+//! READ over the bounce path across processes (this test binary re-executed
+//! as peers, see tests/support/peer.rs), ZMQ control on 127.0.0.1 and over
+//! NIXL notifications, 4096 scattered 4 KiB READs, byte-exact, counted on
+//! both sides:
+//! - this process reads from a peer that never loaded our metadata (the
+//!   vLLM decode -> prefill pattern), with a notification the owner waits
+//!   for, and the peer reads from this process;
+//! - many readers (three peer processes) read from one owner at once,
+//!   while the owner WRITEs to one of them;
+//! - an owner killed (SIGKILL) mid-READ: the reader's request fails within
+//!   its timeout, and after the application forgets the dead owner the
+//!   reader reads from another one;
+//! - a reader killed mid-READ: the owner stays healthy and serves the next
+//!   reader.
+#[path = "support/bounce.rs"]
+mod bounce;
+mod common;
+#[path = "support/peer.rs"]
+mod peer;
+
+use bounce::*;
+use common::*;
+use nixl_sys::{ThreadSync, XferOp};
+use peer::*;
+use std::time::{Duration, Instant};
+
+const MANY: usize = 4096;
+
+fn len() -> usize {
+    blocks_for(MANY) * BLOCK
+}
+
+/// The peer process. A no-op unless started by a test below.
+#[test]
+fn peer_helper() {
+    peer_main();
+}
+
+/// This process READs `plan(len, MANY, plan_seed)` from peer `p`,
+/// byte-exact, and checks both sides' counters.
+fn read_from_peer(me: &mut Endpoint, p: &mut Peer, seeds: (u64, u64, u64), notif: Option<&[u8]>) {
+    let (my_seed, peer_seed, plan_seed) = seeds;
+    let len = me.buf.len();
+    me.buf.fill_pattern(my_seed);
+    p.cmd(&format!("FILL {peer_seed}"));
+    let (sm, sp) = (stats(me.name()), p.stats());
+    let plan = plan(len, MANY, plan_seed);
+    let req = me
+        .node
+        .create_xfer(XferOp::Read, &plan, me.buf.addr(), p.addr, &p.name, notif)
+        .or_fail("create_xfer_req(READ)");
+    let dt = me
+        .node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("READ from the peer process");
+    drop(req);
+    if let Some(m) = notif {
+        p.cmd(&format!("WAIT_NOTIF {} {}", me.name(), hex(m)));
+    }
+    plan.verify(
+        me.buf.as_slice(),
+        &pattern(len, my_seed),
+        &pattern(len, peer_seed),
+    )
+    .or_fail("destination");
+    me.buf.check_guards().or_fail("guards");
+    p.cmd(&format!("CHECK_UNCHANGED {peer_seed}"));
+    let (em, ep) = (stats(me.name()), p.stats());
+    eprintln!(
+        "{} <- {}: {dt:?}; {} ; {}",
+        me.name(),
+        p.name,
+        em.diff(&sm),
+        ep.diff(&sp)
+    );
+    assert_reader_bounced(&sm, &em, 1);
+    assert_eq!(ep.since(&sp, "reads_served"), 1, "{}", ep.diff(&sp));
+    assert_eq!(
+        em.since(&sm, "chunks_scattered"),
+        ep.since(&sp, "chunks_written")
+    );
+}
+
+/// The reader's side of `n` bounce READs: submitted, succeeded, scattered.
+#[track_caller]
+fn assert_reader_bounced(before: &Counters, after: &Counters, n: u64) {
+    let d = after.diff(before);
+    assert_eq!(
+        after.since(before, "bounce_submitted"),
+        n,
+        "bounce_submitted; {d}"
+    );
+    assert_eq!(
+        after.since(before, "bounce_succeeded"),
+        n,
+        "bounce_succeeded; {d}"
+    );
+    assert_eq!(
+        after.since(before, "bounce_failed"),
+        0,
+        "bounce_failed; {d}"
+    );
+    assert!(
+        after.since(before, "chunks_scattered") >= n,
+        "chunks_scattered; {d}"
+    );
+    for f in after.map.keys().filter(|k| k.starts_with("fallback_")) {
+        assert_eq!(after.since(before, f), 0, "{f} rose: {d}");
+    }
+    assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
+}
+
+fn both_ways(extra: &[(&str, &str)], seed: u64) {
+    let len = len();
+    let mut p = Peer::spawn("owner", peer_command(&[], len, extra, "rp-peer"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut me = endpoint("rp-me", extra, len, seed, ThreadSync::Default);
+    // Only this process loads the peer's metadata: a READ needs no more.
+    assert_eq!(
+        me.node.load_md(&p.md).or_fail("load the peer's metadata"),
+        p.name
+    );
+    let s = 100 * seed;
+    read_from_peer(
+        &mut me,
+        &mut p,
+        (s + 1, s + 2, s + 3),
+        Some(b"rp-read-done"),
+    );
+    read_from_peer(&mut me, &mut p, (s + 4, s + 5, s + 6), None);
+
+    // The peer reads from this process.
+    assert_eq!(
+        p.cmd(&format!("PEER {}", hex(&me.node.local_md().or_fail("md")))),
+        me.name()
+    );
+    for i in 0..2u64 {
+        let (my_seed, peer_seed, plan_seed) = (s + 11 + 3 * i, s + 12 + 3 * i, s + 13 + 3 * i);
+        me.buf.fill_pattern(my_seed);
+        p.cmd(&format!("FILL {peer_seed}"));
+        let (sm, sp) = (stats(me.name()), p.stats());
+        let us = p.cmd(&format!(
+            "READ {} {} {MANY} {plan_seed} -",
+            me.name(),
+            me.buf.addr()
+        ));
+        p.cmd(&format!(
+            "CHECK_WRITE - {MANY} {plan_seed} {my_seed} {peer_seed} -"
+        ));
+        verify_bytes(me.buf.as_slice(), &pattern(len, my_seed), |_| {
+            "source".into()
+        })
+        .or_fail("source changed");
+        let (em, ep) = (stats(me.name()), p.stats());
+        eprintln!(
+            "{} <- {}: {us} us; {} ; {}",
+            p.name,
+            me.name(),
+            ep.diff(&sp),
+            em.diff(&sm)
+        );
+        assert_reader_bounced(&sp, &ep, 1);
+        assert_eq!(em.since(&sm, "reads_served"), 1, "{}", em.diff(&sm));
+    }
+    p.finish();
+}
+
+#[test]
+#[serial_test::serial]
+fn two_processes_read_both_ways() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    both_ways(&[LOOPBACK], 1);
+}
+
+#[test]
+#[serial_test::serial]
+fn two_processes_read_both_ways_over_nixl_notifications() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    both_ways(&[NOTIF_CONTROL, ("max_chunk_size_bytes", "1MiB")], 2);
+}
+
+/// Three reader processes READ from this process at once while it WRITEs
+/// to a fourth process: the three served READs and the WRITE share this
+/// process's (small) arena.
+#[test]
+#[serial_test::serial]
+fn many_readers_from_one_owner_with_a_write_beside() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let len = len();
+    let ex = [
+        LOOPBACK,
+        ("arena_size_bytes", "8MiB"),
+        ("max_chunk_size_bytes", "1MiB"),
+    ];
+    let mut me = endpoint("rm-owner", &ex, len, 7, ThreadSync::Default);
+    let md = hex(&me.node.local_md().or_fail("md"));
+    let spawn = |label: &str| {
+        Peer::spawn(label, peer_command(&[], len, &ex, &format!("rm-{label}")))
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let mut readers: Vec<Peer> = (0..3).map(|i| spawn(&format!("reader{i}"))).collect();
+    let mut target = spawn("target");
+    for p in readers.iter_mut() {
+        assert_eq!(p.cmd(&format!("PEER {md}")), me.name());
+    }
+    assert_eq!(
+        me.node.load_md(&target.md).or_fail("load the target"),
+        target.name
+    );
+    let owner_seed = 70;
+    me.buf.fill_pattern(owner_seed);
+    for (i, p) in readers.iter_mut().enumerate() {
+        p.cmd(&format!("FILL {}", 80 + i));
+    }
+    target.cmd("FILL 85");
+    let sm = stats(me.name());
+    let before: Vec<Counters> = readers.iter_mut().map(|p| p.stats()).collect();
+    for (i, p) in readers.iter_mut().enumerate() {
+        p.send(&format!(
+            "READ {} {} {MANY} {} -",
+            me.name(),
+            me.buf.addr(),
+            90 + i
+        ));
+    }
+    let write = plan(len, MANY, 95);
+    let req = me
+        .node
+        .create_xfer(
+            XferOp::Write,
+            &write,
+            me.buf.addr(),
+            target.addr,
+            &target.name,
+            None,
+        )
+        .or_fail("create_xfer_req(WRITE)");
+    let dt = me
+        .node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("WRITE beside the READs");
+    drop(req);
+    for (i, p) in readers.iter_mut().enumerate() {
+        let us = p.reply("READ");
+        eprintln!(
+            "{} <- {}: {us} us (the WRITE beside took {dt:?})",
+            p.name,
+            me.name()
+        );
+        p.cmd(&format!(
+            "CHECK_WRITE - {MANY} {} {owner_seed} {} -",
+            90 + i,
+            80 + i
+        ));
+    }
+    target.cmd(&format!("CHECK_WRITE - {MANY} 95 {owner_seed} 85 -"));
+    verify_bytes(me.buf.as_slice(), &pattern(len, owner_seed), |_| {
+        "source".into()
+    })
+    .or_fail("source changed");
+    let em = stats(me.name());
+    eprintln!("owner: {}", em.diff(&sm));
+    assert_eq!(em.since(&sm, "reads_served"), 3, "{}", em.diff(&sm));
+    assert_eq!(
+        em.since(&sm, "bounce_succeeded"),
+        1,
+        "the WRITE: {}",
+        em.diff(&sm)
+    );
+    assert_eq!(
+        em.since(&sm, "bytes_written"),
+        4 * (MANY * BLOCK) as u64,
+        "{}",
+        em.diff(&sm)
+    );
+    assert!(em.poisoned.is_none());
+    for (p, b) in readers.iter_mut().zip(&before) {
+        let e = p.stats();
+        assert_reader_bounced(b, &e, 1);
+    }
+    for p in readers {
+        p.finish();
+    }
+    target.finish();
+}
+
+/// SIGKILL the owner while this process READs from it: the READ fails
+/// within its timeout; once the application forgets the dead owner, a READ
+/// from another owner succeeds.
+#[test]
+#[serial_test::serial]
+fn reader_survives_an_owner_killed_mid_read() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let len = len();
+    let ex = [
+        LOOPBACK,
+        ("max_chunk_size_bytes", "64KiB"),
+        ("arena_size_bytes", "1MiB"),
+        ("arena_allocation_granularity_bytes", "64KiB"),
+        ("max_inflight_chunks_per_request", "1"),
+        ("request_timeout_ms", "2000"),
+    ];
+    let mut me = endpoint("rk-me", &ex, len, 21, ThreadSync::Default);
+    let p = Peer::spawn("owner", peer_command(&[], len, &ex, "rk-owner"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(me.node.load_md(&p.md).or_fail("load"), p.name);
+    let (pname, paddr) = (p.name.clone(), p.addr);
+    let plan = plan(len, MANY, 22);
+    let sm = stats(me.name());
+    let req = me
+        .node
+        .create_xfer(XferOp::Read, &plan, me.buf.addr(), paddr, &pname, None)
+        .or_fail("create_xfer_req(READ)");
+    post(&me.node, &req).or_fail("post");
+    // Kill it once data flows (the reader scattered something).
+    let t0 = Instant::now();
+    while stats(me.name()).since(&sm, "chunks_scattered") == 0 {
+        check_deadline(t0, Duration::from_secs(20), &|| "no chunk arrived".into());
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    p.kill();
+    let t1 = Instant::now();
+    let mut spins = 0;
+    let outcome = loop {
+        match poll(&me.node, &req) {
+            Ok(true) => break Ok(()),
+            Ok(false) => {}
+            Err(e) => break Err(e),
+        }
+        check_deadline(t1, Duration::from_secs(20), &|| {
+            "READ from a killed owner".into()
+        });
+        pause(&mut spins);
+    };
+    let dt = t1.elapsed();
+    drop(req);
+    let em = stats(me.name());
+    eprintln!(
+        "READ from a killed owner: {outcome:?} after {dt:?}; {}",
+        em.diff(&sm)
+    );
+    assert!(
+        outcome.is_err(),
+        "a READ from an owner killed mid-way succeeded"
+    );
+    assert!(
+        dt < Duration::from_secs(5),
+        "failed only after {dt:?} (request timeout 2 s)"
+    );
+    assert_eq!(em.since(&sm, "bounce_failed"), 1, "{}", em.diff(&sm));
+    assert!(em.poisoned.is_none(), "poisoned: {:?}", em.poisoned);
+    // The application forgets the dead owner; another owner serves.
+    me.node.agent.invalidate_remote_md(&pname).ok();
+    let mut q = Peer::spawn("owner-2", peer_command(&[], len, &ex, "rk-owner2"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(me.node.load_md(&q.md).or_fail("load"), q.name);
+    read_from_peer(&mut me, &mut q, (23, 24, 25), None);
+    q.finish();
+}
+
+/// SIGKILL a reader process while it READs from this process: the owner
+/// stays healthy (nothing poisoned, its serve ends by itself) and serves
+/// the next reader.
+#[test]
+#[serial_test::serial]
+fn owner_survives_a_reader_killed_mid_read() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let len = len();
+    let ex = [
+        LOOPBACK,
+        ("max_chunk_size_bytes", "64KiB"),
+        ("arena_size_bytes", "1MiB"),
+        ("arena_allocation_granularity_bytes", "64KiB"),
+        ("max_inflight_chunks_per_request", "1"),
+        ("request_timeout_ms", "2000"),
+    ];
+    let me = endpoint("rk-owner", &ex, len, 31, ThreadSync::Default);
+    let md = hex(&me.node.local_md().or_fail("md"));
+    let mut p = Peer::spawn("reader", peer_command(&[], len, &ex, "rk-reader"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.cmd(&format!("PEER {md}")), me.name());
+    let sm = stats(me.name());
+    p.cmd(&format!(
+        "POST_READ {} {} {MANY} 32 -",
+        me.name(),
+        me.buf.addr()
+    ));
+    let t0 = Instant::now();
+    while stats(me.name()).since(&sm, "chunks_written") < 2 {
+        check_deadline(t0, Duration::from_secs(20), &|| {
+            "the owner wrote nothing".into()
+        });
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    p.kill();
+    // Give the owner's serve time to run into its timeout.
+    std::thread::sleep(Duration::from_millis(2500));
+    let em = stats(me.name());
+    eprintln!("owner after its reader was killed: {}", em.diff(&sm));
+    assert!(em.poisoned.is_none(), "poisoned: {:?}", em.poisoned);
+    assert_eq!(em.since(&sm, "reads_served"), 0, "{}", em.diff(&sm));
+    // The next reader is served.
+    let mut q = Peer::spawn("reader-2", peer_command(&[], len, &ex, "rk-reader2"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(q.cmd(&format!("PEER {md}")), me.name());
+    q.cmd("FILL 33");
+    let sm = stats(me.name());
+    q.cmd(&format!("READ {} {} {MANY} 34 -", me.name(), me.buf.addr()));
+    q.cmd(&format!("CHECK_WRITE - {MANY} 34 31 33 -"));
+    assert_eq!(stats(me.name()).since(&sm, "reads_served"), 1);
+    q.finish();
+}
