@@ -19,6 +19,14 @@
 //! per DEALER, and sends with `ZMQ_DONTWAIT` so a full queue is reported as
 //! [`SendError::WouldBlock`] instead of blocking the reactor.
 //!
+//! Liveness (when [`ZmqConfig::liveness_timeout`] is set): each DEALER sends
+//! ZMTP heartbeats every quarter of the timeout and drops a connection that
+//! stays silent for the whole timeout (a stopped peer, a dead link); a socket
+//! monitor per DEALER tracks whether its connection is up (handshake done)
+//! or down (never connected, disconnected). A peer down for the timeout is
+//! reported once per outage by [`ControlChannel::unreachable_peers`]. ZMQ
+//! keeps reconnecting, so a peer that comes back is simply up again.
+//!
 //! Context: one `zmq::Context` per channel (not per peer, not per process).
 //! A bounce engine owns one channel, so this costs one ZMQ IO thread per
 //! engine, and dropping the channel terminates the context, joining its
@@ -49,6 +57,11 @@ pub struct ZmqConfig {
     /// is disconnected by ZMQ (`ZMQ_MAXMSGSIZE`, bounds memory against raw
     /// clients). Negative means unlimited.
     pub max_message_bytes: i64,
+    /// A peer whose connection has been down this long is reported by
+    /// [`ControlChannel::unreachable_peers`]; DEALERs send ZMTP heartbeats
+    /// every quarter of it and drop a connection silent for all of it (a
+    /// stopped peer, a dead link). `None`: no liveness tracking.
+    pub liveness_timeout: Option<Duration>,
 }
 
 impl Default for ZmqConfig {
@@ -57,6 +70,7 @@ impl Default for ZmqConfig {
             send_hwm: 4096,
             recv_hwm: 4096,
             max_message_bytes: 64 << 20,
+            liveness_timeout: None,
         }
     }
 }
@@ -378,6 +392,42 @@ struct Peer {
     endpoint: String,
     socket: zmq::Socket,
     dropped: u64,
+    link: Option<Link>,
+}
+
+/// The state of a DEALER's connection, from its socket monitor: up from a
+/// completed ZMTP handshake until a disconnection (the peer closed or died,
+/// or a heartbeat went unanswered). A new peer starts down.
+struct Link {
+    monitor: zmq::Socket,
+    up: bool,
+    down_since: Instant,
+    /// This outage was already reported.
+    reported: bool,
+}
+
+impl Link {
+    const EVENTS: i32 =
+        zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32 | zmq::SocketEvent::DISCONNECTED as i32;
+
+    /// Applies the monitor's pending events.
+    fn update(&mut self, now: Instant) {
+        // Each event is two frames: 16-bit event id + 32-bit value (host
+        // byte order), then the peer's address.
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            let Some(id) = frames.first().and_then(|f| f.get(..2)) else {
+                continue;
+            };
+            let id = u16::from_ne_bytes([id[0], id[1]]);
+            if id == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+                self.up = true;
+                self.reported = false;
+            } else if id == zmq::SocketEvent::DISCONNECTED.to_raw() && self.up {
+                self.up = false;
+                self.down_since = now;
+            }
+        }
+    }
 }
 
 impl Drop for ZmqChannel {
@@ -406,6 +456,8 @@ pub struct ZmqChannel {
     next_peer: u64,
     local: Endpoint,
     config: ZmqConfig,
+    /// When peer links were last checked (see `unreachable_peers`).
+    liveness_checked: Instant,
     /// In-process wake-up: `waker()` pushes an empty message that makes a
     /// waiting `recv` return (the ROUTER and this socket are polled together).
     wake_rx: zmq::Socket,
@@ -484,6 +536,7 @@ impl ZmqChannel {
             next_peer: 1,
             local,
             config,
+            liveness_checked: Instant::now(),
             wake_rx,
             wake_tx: Arc::new(Mutex::new(wake_tx)),
             context,
@@ -495,7 +548,13 @@ impl ZmqChannel {
         self.peers.len()
     }
 
-    fn connect_dealer(&self, endpoint: &str) -> Result<zmq::Socket, ControlError> {
+    /// A DEALER connected to `endpoint`, with its link monitor when liveness
+    /// is tracked (`monitor_id` names the monitor's inproc endpoint).
+    fn connect_dealer(
+        &self,
+        endpoint: &str,
+        monitor_id: u64,
+    ) -> Result<(zmq::Socket, Option<Link>), ControlError> {
         let ctx = |what: &str| format!("{what} for peer {endpoint}");
         let dealer = self
             .context
@@ -515,10 +574,38 @@ impl ZmqChannel {
         dealer
             .set_identity(self.local.as_bytes())
             .map_err(|e| ControlError::zmq(ctx("setting the routing id"), e))?;
+        let link = match self.config.liveness_timeout {
+            Some(timeout) => {
+                let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1);
+                dealer
+                    .set_heartbeat_ivl(ms(timeout / 4))
+                    .and_then(|()| dealer.set_heartbeat_timeout(ms(timeout)))
+                    .map_err(|e| ControlError::zmq(ctx("setting ZMQ_HEARTBEAT_IVL/TIMEOUT"), e))?;
+                // The monitor's reader connects before the DEALER does, so
+                // no event is lost.
+                let at = format!("inproc://link-{monitor_id}");
+                dealer
+                    .monitor(&at, Link::EVENTS)
+                    .map_err(|e| ControlError::zmq(ctx("monitoring the DEALER"), e))?;
+                let monitor = self
+                    .context
+                    .socket(zmq::PAIR)
+                    .and_then(|m| m.set_linger(0).map(|()| m))
+                    .and_then(|m| m.connect(&at).map(|()| m))
+                    .map_err(|e| ControlError::zmq(ctx("connecting the DEALER's monitor"), e))?;
+                Some(Link {
+                    monitor,
+                    up: false,
+                    down_since: Instant::now(),
+                    reported: false,
+                })
+            }
+            None => None,
+        };
         dealer
             .connect(endpoint)
             .map_err(|e| ControlError::zmq(ctx("connecting"), e))?;
-        Ok(dealer)
+        Ok((dealer, link))
     }
 
     /// Turns one ROUTER message into an [`Incoming`], or `None` (with a
@@ -557,7 +644,7 @@ impl ControlChannel for ZmqChannel {
         if let Some(handle) = self.by_endpoint.get(&key) {
             return Ok(*handle);
         }
-        let socket = self.connect_dealer(&key)?;
+        let (socket, link) = self.connect_dealer(&key, self.next_peer)?;
         let handle = PeerHandle::new(self.next_peer);
         self.next_peer += 1;
         tracing::debug!(%handle, endpoint = %key, "control channel: peer added");
@@ -568,6 +655,7 @@ impl ControlChannel for ZmqChannel {
                 endpoint: key,
                 socket,
                 dropped: 0,
+                link,
             },
         );
         Ok(handle)
@@ -656,6 +744,34 @@ impl ControlChannel for ZmqChannel {
 
     fn kind(&self) -> ControlKind {
         ControlKind::Zmq
+    }
+
+    fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
+        let Some(timeout) = self.config.liveness_timeout else {
+            return Vec::new();
+        };
+        let now = Instant::now();
+        // Links change on a scale of the timeout: look a few times per timeout.
+        if now.duration_since(self.liveness_checked) < timeout / 8 {
+            return Vec::new();
+        }
+        self.liveness_checked = now;
+        let mut down = Vec::new();
+        for (handle, peer) in &mut self.peers {
+            let Some(link) = &mut peer.link else {
+                continue;
+            };
+            link.update(now);
+            if !link.up && !link.reported && now.duration_since(link.down_since) >= timeout {
+                link.reported = true;
+                tracing::warn!(
+                    endpoint = %peer.endpoint,
+                    "control channel: no connection to the peer for {timeout:?}; it is unreachable"
+                );
+                down.push(*handle);
+            }
+        }
+        down
     }
 
     fn waker(&self) -> super::Waker {

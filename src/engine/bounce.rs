@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nixl_sys::{Agent, MemType};
 
@@ -100,7 +100,12 @@ impl Bounce {
                 } else {
                     BindSpec::auto()
                 };
-                let ch = ZmqChannel::new(&bind, ZmqConfig::default()).map_err(|e| e.to_string())?;
+                let zmq = ZmqConfig {
+                    liveness_timeout: (config.peer_liveness_timeout_ms > 0)
+                        .then(|| Duration::from_millis(config.peer_liveness_timeout_ms)),
+                    ..ZmqConfig::default()
+                };
+                let ch = ZmqChannel::new(&bind, zmq).map_err(|e| e.to_string())?;
                 (Box::new(ch), ControlKind::Zmq)
             };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();

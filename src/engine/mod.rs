@@ -1183,7 +1183,7 @@ fn failure_status(reason: crate::proto::FailureReason) -> Status {
     use crate::proto::FailureReason as F;
     match reason {
         F::Cancelled => Status::Canceled,
-        F::PeerLost => Status::RemoteDisconnect,
+        F::PeerLost | F::PeerUnreachable => Status::RemoteDisconnect,
         _ => Status::Backend,
     }
 }

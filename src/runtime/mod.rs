@@ -124,6 +124,8 @@ pub struct RuntimeCounters {
     /// Requests that passed their deadline.
     pub deadlines: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Peers found unreachable (control connection down too long).
+    pub peers_unreachable: AtomicU64,
     /// Time spent, summed over operations (for the benchmark's breakdown):
     /// gathers and scatters running, copy jobs waiting for a worker, chunk
     /// writes from post to completion, requests from submission to outcome.
@@ -545,6 +547,7 @@ impl Runtime {
                 ("bounce_timeouts", &c.timeouts),
                 ("bounce_deadlines_exceeded", &c.deadlines),
                 ("bounce_cancels", &c.cancelled),
+                ("peers_unreachable", &c.peers_unreachable),
                 ("gather_ns", &c.gather_ns),
                 ("scatter_ns", &c.scatter_ns),
                 ("copy_queue_ns", &c.copy_queue_ns),
@@ -790,10 +793,33 @@ impl Reactor {
                 until_timer.map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
             };
             self.receive(wait);
+            self.check_liveness();
             self.fire_timers();
             self.execute_actions();
         }
         self.shutdown();
+    }
+
+    /// Peers the control channel reports unreachable: their requests fail
+    /// now and their flows are aborted, instead of waiting for timeouts.
+    fn check_liveness(&mut self) {
+        for handle in self.channel.unreachable_peers() {
+            let now = self.now();
+            let peers: Vec<PeerId> = self
+                .handles
+                .iter()
+                .filter(|(_, h)| **h == handle)
+                .map(|(p, _)| p.clone())
+                .collect();
+            for peer in peers {
+                self.shared
+                    .counters
+                    .peers_unreachable
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(agent = %self.name, %peer, "peer unreachable: failing its requests, aborting its flows");
+                self.endpoint.peer_unreachable(now, &peer);
+            }
+        }
     }
 
     fn drain_commands(&mut self) -> bool {
