@@ -251,10 +251,11 @@ pub trait ControlChannel: Send {
     /// Which transport this is.
     fn kind(&self) -> ControlKind;
 
-    /// Peers whose connection has been down for the channel's liveness
-    /// timeout, each outage reported once (the peer died, is stopped, or the
-    /// network between us is gone). A channel without a liveness signal
-    /// reports none; requests to such peers end at their timeout.
+    /// Peers whose connection is down and has been for the channel's
+    /// liveness timeout (the peer died, is stopped, or the network between
+    /// us is gone), reported on every call until they are up again. A
+    /// channel without a liveness signal reports none; requests to such
+    /// peers end at their timeout.
     fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
         Vec::new()
     }

@@ -24,8 +24,8 @@
 //! stays silent for the whole timeout (a stopped peer, a dead link); a socket
 //! monitor per DEALER tracks whether its connection is up (handshake done)
 //! or down (never connected, disconnected). A peer down for the timeout is
-//! reported once per outage by [`ControlChannel::unreachable_peers`]. ZMQ
-//! keeps reconnecting, so a peer that comes back is simply up again.
+//! reported by [`ControlChannel::unreachable_peers`] until it is up again
+//! (ZMQ keeps reconnecting, so a peer that comes back is simply up again).
 //!
 //! Context: one `zmq::Context` per channel (not per peer, not per process).
 //! A bounce engine owns one channel, so this costs one ZMQ IO thread per
@@ -402,7 +402,7 @@ struct Link {
     monitor: zmq::Socket,
     up: bool,
     down_since: Instant,
-    /// This outage was already reported.
+    /// This outage was already logged.
     reported: bool,
 }
 
@@ -456,8 +456,6 @@ pub struct ZmqChannel {
     next_peer: u64,
     local: Endpoint,
     config: ZmqConfig,
-    /// When peer links were last checked (see `unreachable_peers`).
-    liveness_checked: Instant,
     /// In-process wake-up: `waker()` pushes an empty message that makes a
     /// waiting `recv` return (the ROUTER and this socket are polled together).
     wake_rx: zmq::Socket,
@@ -536,7 +534,6 @@ impl ZmqChannel {
             next_peer: 1,
             local,
             config,
-            liveness_checked: Instant::now(),
             wake_rx,
             wake_tx: Arc::new(Mutex::new(wake_tx)),
             context,
@@ -751,23 +748,20 @@ impl ControlChannel for ZmqChannel {
             return Vec::new();
         };
         let now = Instant::now();
-        // Links change on a scale of the timeout: look a few times per timeout.
-        if now.duration_since(self.liveness_checked) < timeout / 8 {
-            return Vec::new();
-        }
-        self.liveness_checked = now;
         let mut down = Vec::new();
         for (handle, peer) in &mut self.peers {
             let Some(link) = &mut peer.link else {
                 continue;
             };
             link.update(now);
-            if !link.up && !link.reported && now.duration_since(link.down_since) >= timeout {
-                link.reported = true;
-                tracing::warn!(
-                    endpoint = %peer.endpoint,
-                    "control channel: no connection to the peer for {timeout:?}; it is unreachable"
-                );
+            if !link.up && now.duration_since(link.down_since) >= timeout {
+                if !link.reported {
+                    link.reported = true;
+                    tracing::warn!(
+                        endpoint = %peer.endpoint,
+                        "control channel: no connection to the peer for {timeout:?}; it is unreachable"
+                    );
+                }
                 down.push(*handle);
             }
         }

@@ -100,10 +100,15 @@ impl Bounce {
                 } else {
                     BindSpec::auto()
                 };
+                let defaults = ZmqConfig::default();
                 let zmq = ZmqConfig {
                     liveness_timeout: (config.peer_liveness_timeout_ms > 0)
                         .then(|| Duration::from_millis(config.peer_liveness_timeout_ms)),
-                    ..ZmqConfig::default()
+                    send_hwm: shared
+                        .failpoints
+                        .value("control_send_hwm")
+                        .map_or(defaults.send_hwm, |n| n.clamp(1, i32::MAX as u64) as i32),
+                    ..defaults
                 };
                 let ch = ZmqChannel::new(&bind, zmq).map_err(|e| e.to_string())?;
                 (Box::new(ch), ControlKind::Zmq)
@@ -115,13 +120,18 @@ impl Bounce {
             ..EndpointConfig::from_config(config, endpoint_bytes.clone(), request_id_base())
         })
         .map_err(|e| format!("protocol endpoint: {e}"))?;
-        let handshake = Handshake {
+        let mut handshake = Handshake {
             endpoint: endpoint_bytes,
             arena_base: arena.base() as u64,
             arena_device: location.device as u32,
             access_key,
             ..local_handshake(config, control)
         };
+        if shared.failpoints.is_set("no_cancel_capability") {
+            // Plays a peer that cannot cancel (tests of the negotiation).
+            handshake.capabilities =
+                Capabilities(handshake.capabilities.0 & !Capabilities::CANCEL.0);
+        }
         let notifier = shared.inner.clone();
         let workers = (config.scatter_worker_count as usize).clamp(1, 64);
         let runtime = Runtime::start(Parts {
@@ -175,6 +185,24 @@ impl Bounce {
     }
 }
 
+impl Drop for Bounce {
+    /// Stops the reactor first. An arena it could not prove quiescent (a
+    /// write or copy that never ended) is poisoned: a transport may still
+    /// read or write it, so its memory is leaked rather than handed back to
+    /// the allocator (fail-closed).
+    fn drop(&mut self) {
+        self.runtime.stop();
+        if let Some(why) = self.runtime.poisoned() {
+            tracing::error!(
+                location = %self.location,
+                bytes = self._arena.len(),
+                "leaking the poisoned bounce arena ({why}): it may still be written"
+            );
+            std::mem::forget(self._arena.clone());
+        }
+    }
+}
+
 /// The handshake fields that depend only on the configuration (what two
 /// peers must agree on).
 pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
@@ -201,12 +229,13 @@ pub struct PeerBounce {
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
+/// On refusal: the counter naming the reason, and the reason.
 pub fn admit(
     config: &Config,
     kind: MemKind,
     inner_agent: &str,
     peer: &Handshake,
-) -> Result<PeerBounce, String> {
+) -> Result<PeerBounce, (&'static str, String)> {
     let control = if config.use_nixl_notifications {
         ControlKind::NixlNotif
     } else {
@@ -214,8 +243,11 @@ pub fn admit(
     };
     local_handshake(config, control)
         .check_compatible(peer)
-        .map_err(|e: Incompatible| e.to_string())?;
-    let id = peer_id_of(&peer.endpoint).ok_or("the peer's control endpoint is not text")?;
+        .map_err(|e: Incompatible| (incompatibility_counter(&e), e.to_string()))?;
+    let id = peer_id_of(&peer.endpoint).ok_or((
+        "peer_incompatible_endpoint",
+        "the peer's control endpoint is not text".to_string(),
+    ))?;
     Ok(PeerBounce {
         id,
         key: peer.access_key,
@@ -229,6 +261,18 @@ pub fn admit(
             },
         },
     })
+}
+
+/// The counter an incompatible peer instance bumps (its transfers then
+/// count as `fallback_peer_not_bounce_capable`).
+fn incompatibility_counter(e: &Incompatible) -> &'static str {
+    match e {
+        Incompatible::WireVersion { .. } => "peer_incompatible_wire_version",
+        Incompatible::ControlKind { .. } => "peer_incompatible_control_kind",
+        Incompatible::MaxChunk { .. } => "peer_incompatible_chunk_size",
+        Incompatible::NoCancel => "peer_incompatible_no_cancel",
+        Incompatible::NoEndpoint => "peer_incompatible_endpoint",
+    }
 }
 
 /// The protocol's name for a peer: its control endpoint up to the first NUL

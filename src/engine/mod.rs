@@ -672,7 +672,8 @@ impl Engine {
         };
         let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer) {
             Ok(p) => p,
-            Err(why) => {
+            Err((counter, why)) => {
+                self.stats.bump_named(counter);
                 tracing::info!(
                     remote,
                     "peer's bounce path is incompatible ({why}); using UCX for that memory"

@@ -12,7 +12,7 @@
 //! [`IDLE_WAIT`], until the next protocol timer, or until woken (application
 //! submissions and finished copies wake the channel).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -28,6 +28,9 @@ use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Time};
 
 /// Longest the idle reactor sleeps in the control channel.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);
+/// How often the reactor asks the control channel which peers are
+/// unreachable.
+pub const LIVENESS_CHECK_EVERY: Duration = Duration::from_millis(100);
 /// How long a forgotten peer's in-flight writes may take to finish before
 /// the arena is declared poisoned.
 pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
@@ -124,8 +127,11 @@ pub struct RuntimeCounters {
     /// Requests that passed their deadline.
     pub deadlines: AtomicU64,
     pub cancelled: AtomicU64,
-    /// Peers found unreachable (control connection down too long).
+    /// Times a peer was found unreachable (control connection down too
+    /// long; once per outage).
     pub peers_unreachable: AtomicU64,
+    /// The arena now, in bytes, by owner (gauges; they sum to its capacity).
+    pub arena: ArenaGauges,
     /// Time spent, summed over operations (for the benchmark's breakdown):
     /// gathers and scatters running, copy jobs waiting for a worker, chunk
     /// writes from post to completion, requests from submission to outcome.
@@ -134,6 +140,21 @@ pub struct RuntimeCounters {
     pub copy_queue_ns: AtomicU64,
     pub write_ns: AtomicU64,
     pub request_ns: AtomicU64,
+}
+
+/// Where the arena's bytes are, updated after every protocol event.
+#[derive(Debug, Default)]
+pub struct ArenaGauges {
+    pub free: AtomicU64,
+    pub reserve: AtomicU64,
+    /// Granted to remote flows.
+    pub flows: AtomicU64,
+    /// Local gather staging.
+    pub local: AtomicU64,
+    /// Reclaimed, waiting for an operation still running on them.
+    pub orphan: AtomicU64,
+    /// Kept from a sender that may still write.
+    pub quarantine: AtomicU64,
 }
 
 /// Application memory the copies may touch, and what they touch now.
@@ -422,19 +443,24 @@ impl Runtime {
             let (rx, tx, copier) = (job_rx.clone(), done_tx.clone(), parts.copier.clone());
             let waker = shared.waker.clone();
             let t = targets.clone();
+            let delays = (
+                parts.failpoints.delay("delay_gather_ms"),
+                parts.failpoints.delay("delay_scatter_ms"),
+            );
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("bounce-copy-{i}"))
-                    .spawn(move || copy_worker(rx, tx, copier, waker, t))?,
+                    .spawn(move || copy_worker(rx, tx, copier, waker, t, delays))?,
             );
         }
         let (write_tx, write_rx) = mpsc::channel::<WriteJob>();
         let (write_done_tx, write_done_rx) = mpsc::channel::<WriteOutcome>();
         let writer = {
             let (data, waker) = (parts.data, shared.waker.clone());
+            let delay = parts.failpoints.delay("delay_write_ms");
             std::thread::Builder::new()
                 .name(format!("bounce-write-{}", parts.name))
-                .spawn(move || write_worker(data, write_rx, write_done_tx, waker))?
+                .spawn(move || write_worker(data, write_rx, write_done_tx, waker, delay))?
         };
         let reactor = Reactor {
             name: parts.name.clone(),
@@ -455,6 +481,8 @@ impl Runtime {
             writes: Vec::new(),
             peers: HashMap::new(),
             handles: HashMap::new(),
+            unreachable: HashSet::new(),
+            liveness_checked: Instant::now(),
             tickets: HashMap::new(),
             workers,
         };
@@ -548,6 +576,12 @@ impl Runtime {
                 ("bounce_deadlines_exceeded", &c.deadlines),
                 ("bounce_cancels", &c.cancelled),
                 ("peers_unreachable", &c.peers_unreachable),
+                ("arena_free_bytes", &c.arena.free),
+                ("arena_reserve_bytes", &c.arena.reserve),
+                ("arena_flow_bytes", &c.arena.flows),
+                ("arena_local_bytes", &c.arena.local),
+                ("arena_orphan_bytes", &c.arena.orphan),
+                ("arena_quarantine_bytes", &c.arena.quarantine),
                 ("gather_ns", &c.gather_ns),
                 ("scatter_ns", &c.scatter_ns),
                 ("copy_queue_ns", &c.copy_queue_ns),
@@ -563,8 +597,10 @@ impl Runtime {
     }
 }
 
-impl Drop for Runtime {
-    fn drop(&mut self) {
+impl Runtime {
+    /// Shuts the reactor down (see [`Runtime`]); idempotent. Afterwards
+    /// [`Runtime::poisoned`] says whether the arena may still be touched.
+    pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         (self.shared.waker)();
         if let Some(t) = self.thread.take() {
@@ -572,6 +608,12 @@ impl Drop for Runtime {
                 tracing::error!("the bounce reactor thread panicked during shutdown");
             }
         }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
@@ -605,12 +647,21 @@ fn copy_worker(
     copier: Arc<dyn CopyEngine>,
     waker: crate::control::Waker,
     targets: Arc<ScatterTargets>,
+    // Failpoint delays of gathers and scatters (zero normally).
+    (gather_delay, scatter_delay): (Duration, Duration),
 ) {
     loop {
         let job = match jobs.lock().expect("copy jobs").recv() {
             Ok(j) => j,
             Err(_) => return, // the reactor is gone
         };
+        let delay = match job.id {
+            CopyId::Gather(_) => gather_delay,
+            CopyId::Scatter(_) => scatter_delay,
+        };
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
         let started = Instant::now();
         let queued = started.duration_since(job.queued_at);
         let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -667,6 +718,8 @@ fn write_worker(
     jobs: Receiver<WriteJob>,
     done: Sender<WriteOutcome>,
     waker: crate::control::Waker,
+    // Failpoint delay before each post (zero normally).
+    delay: Duration,
 ) {
     let mut pending: Vec<(ChunkRef, ChunkWrite)> = Vec::new();
     let mut closed_at: Option<Instant> = None;
@@ -692,6 +745,9 @@ fn write_worker(
         let mut progressed = false;
         if let Some(j) = job {
             progressed = true;
+            if !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
             match data.post_write(&j.arena, j.local, j.remote, j.len) {
                 Ok(w) => pending.push((j.chunk, w)),
                 Err(e) => {
@@ -770,6 +826,10 @@ struct Reactor {
     peers: HashMap<PeerId, PeerState>,
     /// Control-channel handles by peer.
     handles: HashMap<PeerId, PeerHandle>,
+    /// Peers the control channel reports unreachable, and when it was last
+    /// asked.
+    unreachable: HashSet<PeerId>,
+    liveness_checked: Instant,
     tickets: HashMap<RequestId, (Arc<Ticket>, Option<DeferredNotif>, Instant)>,
     workers: Vec<JoinHandle<()>>,
 }
@@ -800,25 +860,32 @@ impl Reactor {
         self.shutdown();
     }
 
-    /// Peers the control channel reports unreachable: their requests fail
-    /// now and their flows are aborted, instead of waiting for timeouts.
+    /// Peers the control channel reports unreachable: their requests
+    /// (also those submitted during the outage) fail and their flows are
+    /// aborted, instead of waiting for timeouts.
     fn check_liveness(&mut self) {
-        for handle in self.channel.unreachable_peers() {
-            let now = self.now();
-            let peers: Vec<PeerId> = self
-                .handles
-                .iter()
-                .filter(|(_, h)| **h == handle)
-                .map(|(p, _)| p.clone())
-                .collect();
-            for peer in peers {
+        if self.liveness_checked.elapsed() < LIVENESS_CHECK_EVERY {
+            return;
+        }
+        self.liveness_checked = Instant::now();
+        let down = self.channel.unreachable_peers();
+        let peers: Vec<PeerId> = self
+            .handles
+            .iter()
+            .filter(|(_, h)| down.contains(h))
+            .map(|(p, _)| p.clone())
+            .collect();
+        self.unreachable.retain(|p| peers.contains(p));
+        for peer in peers {
+            if self.unreachable.insert(peer.clone()) {
                 self.shared
                     .counters
                     .peers_unreachable
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(agent = %self.name, %peer, "peer unreachable: failing its requests, aborting its flows");
-                self.endpoint.peer_unreachable(now, &peer);
             }
+            let now = self.now();
+            self.endpoint.peer_unreachable(now, &peer);
         }
     }
 
@@ -1057,7 +1124,9 @@ impl Reactor {
                     }
                 }
                 Action::Send { peer, message } => {
-                    if self.failpoints.is_set("drop_control") {
+                    let withheld = matches!(message, crate::proto::wire::Message::Grant { .. })
+                        && self.failpoints.is_set("withhold_grant");
+                    if withheld || self.failpoints.is_set("drop_control") {
                         self.shared
                             .counters
                             .control_send_drops
@@ -1126,6 +1195,8 @@ impl Reactor {
                         _ if self.failpoints.is_set("fail_chunk_writes") => {
                             Err("failpoint fail_chunk_writes".to_string())
                         }
+                        // Accepted, never posted, never ending: a hung transport.
+                        Some(_) if self.failpoints.is_set("stuck_chunk_writes") => Ok(()),
                         Some(p) => {
                             let job = WriteJob {
                                 chunk,
@@ -1156,10 +1227,7 @@ impl Reactor {
                     }
                 }
                 Action::Complete { request, outcome } => self.complete(request, outcome),
-                Action::Poisoned { cause } => {
-                    tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
-                    *self.shared.poisoned.lock().expect("poisoned") = Some(cause);
-                }
+                Action::Poisoned { cause } => self.mark_poisoned(cause),
             }
         }
         let s = self.endpoint.stats();
@@ -1167,6 +1235,22 @@ impl Reactor {
         c.grants.store(s.grants, Ordering::Relaxed);
         c.late_data.store(s.late_data, Ordering::Relaxed);
         c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
+        let held = self.endpoint.arena_usage();
+        let a = &c.arena;
+        a.free.store(self.endpoint.arena_free(), Ordering::Relaxed);
+        a.reserve.store(held.reserve, Ordering::Relaxed);
+        a.flows.store(held.flows, Ordering::Relaxed);
+        a.local.store(held.local, Ordering::Relaxed);
+        a.orphan.store(held.orphan, Ordering::Relaxed);
+        a.quarantine.store(held.quarantine, Ordering::Relaxed);
+    }
+
+    /// Records that the arena is poisoned (for this engine's stats and the
+    /// process-wide report), with an error log saying why.
+    fn mark_poisoned(&self, cause: String) {
+        tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
+        crate::stats::record_poisoned(&self.name, &cause);
+        *self.shared.poisoned.lock().expect("poisoned") = Some(cause);
     }
 
     fn start_copy(
@@ -1271,14 +1355,11 @@ impl Reactor {
             }
         }
         if self.copies_in_flight > 0 || !self.writes.is_empty() {
-            tracing::error!(
-                agent = %self.name,
-                copies = self.copies_in_flight,
-                writes = self.writes.len(),
-                "shutdown: operations still running after {QUIESCE_BOUND:?}; arena left poisoned"
-            );
-            *self.shared.poisoned.lock().expect("poisoned") =
-                Some("shutdown with operations in flight".into());
+            self.mark_poisoned(format!(
+                "shutdown with {} copies and {} chunk writes still running after {QUIESCE_BOUND:?}",
+                self.copies_in_flight,
+                self.writes.len()
+            ));
         }
         for (_, (ticket, _, _)) in self.tickets.drain() {
             ticket.finish(Err(FailureReason::Shutdown));
