@@ -177,11 +177,11 @@ impl Bounce {
         }
     }
 
-    /// Forgets `peer` if this instance knew it.
+    /// Forgets `peer`: as a target of our writes, and as a sender whose
+    /// flows we serve (which we may hold without ever having written to it).
     pub fn forget_peer(&self, peer: &PeerId) {
-        if self.known_peers.lock().expect("known peers").remove(peer) {
-            self.runtime.forget_peer(peer.clone());
-        }
+        self.known_peers.lock().expect("known peers").remove(peer);
+        self.runtime.forget_peer(peer.clone());
     }
 }
 
