@@ -20,6 +20,8 @@
 //! - `CHECK_UNCHANGED <seed>`;
 //! - `WRITE_BG <peer> <peer addr> <n> <plan seed>`: post that WRITE and
 //!   reply at once, leaving it running (fault tests kill the process then);
+//! - `WAIT_BG <ms>`: wait (bounded) until every WRITE_BG request is
+//!   terminal; replies `<succeeded> <failed> <elapsed us>`;
 //! - `CHECK_OUTSIDE <n> <plan seed> <seed>`: every byte outside the plan's
 //!   destinations still holds the seed's pattern;
 //! - `FORGET <peer>`: invalidate the peer's metadata;
@@ -31,7 +33,7 @@
 
 use crate::bounce::*;
 use crate::common::*;
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::{ThreadSync, XferOp, XferStatus};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
@@ -179,6 +181,28 @@ pub fn peer_main() {
                     .map_err(|e| format!("post_xfer_req: {e:?}"))?;
                 background.push(req);
                 Ok(String::new())
+            })(),
+            Some("WAIT_BG") => (|| {
+                let bound = Duration::from_millis(num(1));
+                let t0 = Instant::now();
+                let (mut ok, mut failed) = (0, 0);
+                for req in background.drain(..) {
+                    loop {
+                        match node.agent.get_xfer_status(&req) {
+                            Ok(XferStatus::Success) => ok += 1,
+                            Ok(XferStatus::InProgress) if t0.elapsed() < bound => {
+                                std::thread::sleep(Duration::from_millis(1));
+                                continue;
+                            }
+                            Ok(XferStatus::InProgress) => {
+                                return Err(format!("a request still runs after {bound:?}"))
+                            }
+                            Err(_) => failed += 1,
+                        }
+                        break;
+                    }
+                }
+                Ok(format!("{ok} {failed} {}", t0.elapsed().as_micros()))
             })(),
             Some("CHECK_OUTSIDE") => {
                 let p = plan(len, num(1) as usize, num(2));
