@@ -23,9 +23,12 @@
 //! ZMTP heartbeats every quarter of the timeout and drops a connection that
 //! stays silent for the whole timeout (a stopped peer, a dead link); a socket
 //! monitor per DEALER tracks whether its connection is up (handshake done)
-//! or down (never connected, disconnected). A peer down for the timeout is
-//! reported by [`ControlChannel::unreachable_peers`] until it is up again
-//! (ZMQ keeps reconnecting, so a peer that comes back is simply up again).
+//! or down (never connected, disconnected). A peer down for the timeout
+//! after a failure (disconnected, heartbeat unanswered, connection refused),
+//! or never connected for three timeouts (no failure seen: perhaps only a
+//! slow machine), is reported by [`ControlChannel::unreachable_peers`] until
+//! it is up again (ZMQ keeps reconnecting, so a peer that comes back is
+//! simply up again).
 //!
 //! Context: one `zmq::Context` per channel (not per peer, not per process).
 //! A bounce engine owns one channel, so this costs one ZMQ IO thread per
@@ -395,6 +398,25 @@ struct Peer {
     link: Option<Link>,
 }
 
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if self.link.is_some() {
+            // Stop the monitor while its reader is still connected: events
+            // the closing DEALER emits later would otherwise block the IO
+            // thread on a reader that is gone.
+            // SAFETY: the socket is a live DEALER owned by this peer, used
+            // only by this thread; a null endpoint deregisters monitoring
+            // (zmq_socket_monitor's documented form).
+            let rc = unsafe {
+                zmq_sys::zmq_socket_monitor(self.socket.as_mut_ptr(), std::ptr::null(), 0)
+            };
+            if rc != 0 {
+                tracing::warn!(endpoint = %self.endpoint, "control channel: stopping a link monitor failed");
+            }
+        }
+    }
+}
+
 /// The state of a DEALER's connection, from its socket monitor: up from a
 /// completed ZMTP handshake until a disconnection (the peer closed or died,
 /// or a heartbeat went unanswered). A new peer starts down.
@@ -402,13 +424,30 @@ struct Link {
     monitor: zmq::Socket,
     up: bool,
     down_since: Instant,
+    /// Since it went down, ZMQ saw a failure (a disconnection, a refused
+    /// connection), not just slowness.
+    failed: bool,
     /// This outage was already logged.
     reported: bool,
 }
 
 impl Link {
-    const EVENTS: i32 =
-        zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32 | zmq::SocketEvent::DISCONNECTED as i32;
+    const EVENTS: i32 = zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32
+        | zmq::SocketEvent::DISCONNECTED as i32
+        | zmq::SocketEvent::CONNECT_RETRIED as i32;
+    /// A link that never failed but is not up yet (a first connection on a
+    /// slow or loaded machine) gets this many timeouts.
+    const SLOW_GRACE: u32 = 3;
+
+    /// Whether the peer counts as unreachable at `now`.
+    fn unreachable(&self, now: Instant, timeout: Duration) -> bool {
+        let grace = if self.failed {
+            timeout
+        } else {
+            timeout * Self::SLOW_GRACE
+        };
+        !self.up && now.duration_since(self.down_since) >= grace
+    }
 
     /// Applies the monitor's pending events.
     fn update(&mut self, now: Instant) {
@@ -419,12 +458,24 @@ impl Link {
                 continue;
             };
             let id = u16::from_ne_bytes([id[0], id[1]]);
+            tracing::debug!(
+                event = id,
+                peer = %String::from_utf8_lossy(frames.get(1).map_or(&[][..], |f| f)),
+                "control channel: link event"
+            );
             if id == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
                 self.up = true;
+                self.failed = false;
                 self.reported = false;
-            } else if id == zmq::SocketEvent::DISCONNECTED.to_raw() && self.up {
-                self.up = false;
-                self.down_since = now;
+            } else if id == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                if self.up {
+                    self.up = false;
+                    self.down_since = now;
+                }
+                self.failed = true;
+            } else if id == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+                // A connection attempt failed (refused, unreachable).
+                self.failed = true;
             }
         }
     }
@@ -578,8 +629,13 @@ impl ZmqChannel {
                     .set_heartbeat_ivl(ms(timeout / 4))
                     .and_then(|()| dealer.set_heartbeat_timeout(ms(timeout)))
                     .map_err(|e| ControlError::zmq(ctx("setting ZMQ_HEARTBEAT_IVL/TIMEOUT"), e))?;
-                // The monitor's reader connects before the DEALER does, so
-                // no event is lost.
+                // libzmq sends monitor events from its IO thread with a
+                // blocking send: the reader must never make that wait (it
+                // would stall every socket of the channel). So the reader
+                // connects before the DEALER does (no event lost, none sent
+                // to nobody), its queue is unbounded (RCVHWM 0; it is drained
+                // every reactor check), and the monitor is stopped before
+                // the reader goes (`Drop for Peer`).
                 let at = format!("inproc://link-{monitor_id}");
                 dealer
                     .monitor(&at, Link::EVENTS)
@@ -588,12 +644,14 @@ impl ZmqChannel {
                     .context
                     .socket(zmq::PAIR)
                     .and_then(|m| m.set_linger(0).map(|()| m))
+                    .and_then(|m| m.set_rcvhwm(0).map(|()| m))
                     .and_then(|m| m.connect(&at).map(|()| m))
                     .map_err(|e| ControlError::zmq(ctx("connecting the DEALER's monitor"), e))?;
                 Some(Link {
                     monitor,
                     up: false,
                     down_since: Instant::now(),
+                    failed: false,
                     reported: false,
                 })
             }
@@ -754,12 +812,13 @@ impl ControlChannel for ZmqChannel {
                 continue;
             };
             link.update(now);
-            if !link.up && now.duration_since(link.down_since) >= timeout {
+            if link.unreachable(now, timeout) {
                 if !link.reported {
                     link.reported = true;
                     tracing::warn!(
                         endpoint = %peer.endpoint,
-                        "control channel: no connection to the peer for {timeout:?}; it is unreachable"
+                        "control channel: no connection to the peer for {:?}; it is unreachable",
+                        now.duration_since(link.down_since)
                     );
                 }
                 down.push(*handle);

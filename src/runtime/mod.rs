@@ -1053,6 +1053,10 @@ impl Reactor {
                 Ok(Some(incoming)) => {
                     any = true;
                     wait = Duration::ZERO;
+                    // Commands queued before this message arrived apply
+                    // first: forgetting a peer, then loading it again, must
+                    // not forget the flow its next WANT opens.
+                    self.drain_commands();
                     let Some(from) = incoming.from.as_str().map(PeerId::new) else {
                         tracing::warn!(agent = %self.name, "control message from a non-UTF-8 endpoint dropped");
                         continue;
