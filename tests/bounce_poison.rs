@@ -16,7 +16,7 @@ use bounce::*;
 use common::*;
 use faults::*;
 use nixl_sys::ThreadSync;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const MANY: usize = 4096;
 const ARENA: u64 = 4 << 20;
@@ -40,7 +40,7 @@ fn a_write_that_never_ends_poisons_the_arena_and_the_process_reports_it() {
     let mut a = with_failpoints("stuck_chunk_writes", || {
         endpoint("po-a", &EX, len(), 1, ThreadSync::Default)
     });
-    let mut b = endpoint("po-b", &EX, len(), 2, ThreadSync::Default);
+    let b = endpoint("po-b", &EX, len(), 2, ThreadSync::Default);
     pair_up(&a.node, &b.node);
     let ours = |r: &nixl_bounce::stats::PoisonedArena| r.arena.starts_with(a.name());
     let before = nixl_bounce::stats::plugin_poisoned().or_fail("poison report");
@@ -59,7 +59,6 @@ fn a_write_that_never_ends_poisons_the_arena_and_the_process_reports_it() {
     std::thread::sleep(Duration::from_millis(50));
     // Forgetting the peer tears the data path down; the stuck write can
     // never be proven over (bound: runtime::QUIESCE_BOUND, 5 s).
-    let t0 = Instant::now();
     a.node
         .agent
         .invalidate_remote_md(b.name())
