@@ -34,8 +34,11 @@
 //! A bounce engine owns one channel, so this costs one ZMQ IO thread per
 //! engine, and dropping the channel terminates the context, joining its
 //! threads: nothing of ZMQ outlives the engine, which matters for a plugin
-//! that NIXL may unload. Removed peers' sockets are closed at once (linger 0),
-//! so a long-lived server holds sockets only for its current peers.
+//! that NIXL may unload. A removed peer's DEALER stays open for
+//! [`DEALER_LINGER_MS`] so that what it queued (the REFUSEs telling a
+//! forgotten peer its flows are over) can leave, then closes with linger 0
+//! (adding the peer again within that moment takes the same socket back), so
+//! a long-lived server holds sockets only for its current peers.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -486,15 +489,20 @@ impl Drop for ZmqChannel {
         // The context terminates after the sockets; give the last queued
         // messages (REFUSEs sent by a shutting-down endpoint) a bounded
         // moment to leave instead of discarding them.
-        for peer in self.peers.values() {
+        for peer in self
+            .peers
+            .values()
+            .chain(self.closing.iter().map(|(_, p)| p))
+        {
             let _ = peer.socket.set_linger(DEALER_LINGER_MS);
         }
     }
 }
 
 /// The ZMQ control channel (see the module docs).
-/// How long, when the channel itself closes, its DEALERs keep trying to
-/// deliver queued messages (a shutting-down receiver's REFUSEs).
+/// How long, once a DEALER is closed (its peer forgotten, or the channel
+/// itself closed), ZMQ keeps trying to deliver its queued messages (a
+/// forgetting or shutting-down receiver's REFUSEs).
 pub const DEALER_LINGER_MS: i32 = 100;
 
 pub struct ZmqChannel {
@@ -504,6 +512,9 @@ pub struct ZmqChannel {
     router: zmq::Socket,
     peers: HashMap<PeerHandle, Peer>,
     by_endpoint: HashMap<String, PeerHandle>,
+    /// Removed peers, closed once their moment to send what they queued is
+    /// over (see the module docs).
+    closing: Vec<(Instant, Peer)>,
     next_peer: u64,
     local: Endpoint,
     config: ZmqConfig,
@@ -582,6 +593,7 @@ impl ZmqChannel {
             router,
             peers: HashMap::new(),
             by_endpoint: HashMap::new(),
+            closing: Vec::new(),
             next_peer: 1,
             local,
             config,
@@ -596,6 +608,14 @@ impl ZmqChannel {
         self.peers.len()
     }
 
+    /// Closes the removed peers' DEALERs whose moment is over.
+    fn close_removed(&mut self) {
+        if !self.closing.is_empty() {
+            let now = Instant::now();
+            self.closing.retain(|(due, _)| *due > now);
+        }
+    }
+
     /// A DEALER connected to `endpoint`, with its link monitor when liveness
     /// is tracked (`monitor_id` names the monitor's inproc endpoint).
     fn connect_dealer(
@@ -608,8 +628,8 @@ impl ZmqChannel {
             .context
             .socket(zmq::DEALER)
             .map_err(|e| ControlError::zmq(ctx("creating a DEALER"), e))?;
-        // Linger 0: a forgotten peer's socket goes at once (see Drop for
-        // the channel's own shutdown, which lets queued messages leave).
+        // Linger 0 while in use; closing sets DEALER_LINGER_MS so the last
+        // queued messages may leave (`remove_peer`, Drop for the channel).
         dealer
             .set_linger(0)
             .map_err(|e| ControlError::zmq(ctx("setting ZMQ_LINGER"), e))?;
@@ -699,20 +719,25 @@ impl ControlChannel for ZmqChannel {
         if let Some(handle) = self.by_endpoint.get(&key) {
             return Ok(*handle);
         }
-        let (socket, link) = self.connect_dealer(&key, self.next_peer)?;
         let handle = PeerHandle::new(self.next_peer);
         self.next_peer += 1;
+        // A peer removed a moment ago gets its socket back (one connection,
+        // one routing id at the remote ROUTER).
+        let peer = match self.closing.iter().position(|(_, p)| p.endpoint == key) {
+            Some(i) => self.closing.swap_remove(i).1,
+            None => {
+                let (socket, link) = self.connect_dealer(&key, handle.id())?;
+                Peer {
+                    endpoint: key.clone(),
+                    socket,
+                    dropped: 0,
+                    link,
+                }
+            }
+        };
         tracing::debug!(%handle, endpoint = %key, "control channel: peer added");
-        self.by_endpoint.insert(key.clone(), handle);
-        self.peers.insert(
-            handle,
-            Peer {
-                endpoint: key,
-                socket,
-                dropped: 0,
-                link,
-            },
-        );
+        self.by_endpoint.insert(key, handle);
+        self.peers.insert(handle, peer);
         Ok(handle)
     }
 
@@ -722,8 +747,10 @@ impl ControlChannel for ZmqChannel {
         };
         self.by_endpoint.remove(&removed.endpoint);
         tracing::debug!(handle = %peer, endpoint = %removed.endpoint, dropped = removed.dropped, "control channel: peer removed");
-        // Dropping the DEALER closes it; ZMQ_LINGER 0 discards what is queued.
-        drop(removed);
+        // Closed (linger 0) once what it queued (a REFUSE) had a moment to
+        // leave.
+        let due = Instant::now() + Duration::from_millis(DEALER_LINGER_MS as u64);
+        self.closing.push((due, removed));
         true
     }
 
@@ -760,6 +787,7 @@ impl ControlChannel for ZmqChannel {
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Option<Incoming>, ControlError> {
+        self.close_removed();
         let deadline = super::deadline_after(timeout);
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
