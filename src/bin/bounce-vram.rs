@@ -695,26 +695,21 @@ fn killed_target_drill(args: &Args) -> Result<String, String> {
 
 fn run_faults(args: &Args) -> bool {
     let mut failed = 0;
-    let drills: [(&str, Box<dyn Fn() -> Result<String, String>>); 4] = [
-        (
-            "cancel_during_gather",
-            Box::new(|| cancel_drill(args, "gather", "delay_gather_ms=300", "")),
-        ),
-        (
-            "cancel_during_write",
-            Box::new(|| cancel_drill(args, "write", "delay_write_ms=300", "")),
-        ),
-        (
-            "cancel_during_scatter",
-            Box::new(|| cancel_drill(args, "scatter", "", "delay_scatter_ms=300")),
-        ),
-        (
-            "target_killed_mid_transfer",
-            Box::new(|| killed_target_drill(args)),
-        ),
+    type Drill = fn(&Args) -> Result<String, String>;
+    let drills: [(&str, Drill); 4] = [
+        ("cancel_during_gather", |a| {
+            cancel_drill(a, "gather", "delay_gather_ms=300", "")
+        }),
+        ("cancel_during_write", |a| {
+            cancel_drill(a, "write", "delay_write_ms=300", "")
+        }),
+        ("cancel_during_scatter", |a| {
+            cancel_drill(a, "scatter", "", "delay_scatter_ms=300")
+        }),
+        ("target_killed_mid_transfer", killed_target_drill),
     ];
     for (name, drill) in drills {
-        match drill() {
+        match drill(args) {
             Ok(detail) => println!("test {name} ... ok {detail}"),
             Err(e) => {
                 failed += 1;
