@@ -1250,11 +1250,17 @@ impl Reactor {
     }
 
     /// Records that the arena is poisoned (for this engine's stats and the
-    /// process-wide report), with an error log saying why.
+    /// process-wide report), with an error log saying why; the first cause
+    /// is the one kept.
     fn mark_poisoned(&self, cause: String) {
-        tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
-        crate::stats::record_poisoned(&self.name, &cause);
-        *self.shared.poisoned.lock().expect("poisoned") = Some(cause);
+        let mut poisoned = self.shared.poisoned.lock().expect("poisoned");
+        if poisoned.is_none() {
+            tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
+            crate::stats::record_poisoned(&self.name, &cause);
+            *poisoned = Some(cause);
+        } else {
+            tracing::error!(agent = %self.name, "bounce arena (already poisoned): {cause}");
+        }
     }
 
     fn start_copy(
