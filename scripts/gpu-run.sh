@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|bounce|perf|x2]   Logs and JSON go to $OUT (or ./out).
+# Usage: bash .gpu/run.sh [quick|full|bounce|faults|perf|x2]   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -60,6 +60,11 @@ if [[ "$mode" == perf ]]; then
     cat "$out"/perf-*.log | grep -E "x |per request" >"$out/perf-summary.txt"
     exit $status
 fi
+if [[ "$mode" == faults ]]; then
+    # Fault drills only (see `bounce-vram faults`).
+    run vram-faults "$v" faults --buffer 268435456
+    exit $status
+fi
 run probe "$nb/bin/gpu-probe"
 for t in "$nb"/bin/gpu_*; do
     [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
@@ -73,6 +78,9 @@ if [[ -x "$v" ]]; then
     run vram-test-small-arena "$v" test --param arena_size_bytes=16MiB --param max_chunk_size_bytes=2MiB
     # VRAM bounce disabled on the target: transfers fall back to UCX at once.
     run vram-test-fallback "$v" test --target-param enable=false --expect-fallback
+    # Cancel during gather / write / scatter, the target killed mid-transfer:
+    # terminal in bound, arenas drained and conserved, next WRITE byte-exact.
+    run vram-faults "$v" faults --buffer 268435456
     iters=20; [[ "$mode" == full ]] && iters=50
     run bench-bounce "$v" bench --backend BOUNCE --label BOUNCE --iters $iters --json "$out/bench-bounce.json"
     run bench-ucx-default "$v" bench --backend UCX --label UCX-default --iters $iters --json "$out/bench-ucx-default.json"

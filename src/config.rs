@@ -89,6 +89,9 @@ pub struct Config {
     pub disable_scatter_run_merging: bool,
     /// Absolute per-request deadline from submission (ms); 0 = none.
     pub request_deadline_ms: u64,
+    /// A peer whose ZMQ control connection is down this long (ms) is
+    /// unreachable: its requests fail and its flows are aborted; 0 = off.
+    pub peer_liveness_timeout_ms: u64,
     /// Network interface for the ZMQ control socket; empty = auto-detect.
     pub control_interface: String,
     /// Bind the ZMQ control socket to 127.0.0.1 (single-host tests only).
@@ -118,6 +121,7 @@ impl Default for Config {
             use_cub_copy: false,
             disable_scatter_run_merging: false,
             request_deadline_ms: 0,
+            peer_liveness_timeout_ms: 1000,
             control_interface: String::new(),
             control_bind_loopback: false,
             busy_poll_us: 0,
@@ -283,6 +287,7 @@ static SETTINGS: &[Setting] = &[
     setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
     setting!(disable_scatter_run_merging, "disable_scatter_run_merging", "DISABLE_SCATTER_RUN_MERGING", Bool, true, "DEBUG ONLY: one run per descriptor instead of coalesced runs."),
     setting!(request_deadline_ms, "request_deadline_ms", "REQUEST_DEADLINE_MS", Millis, true, "Absolute per-request deadline from submission; 0 = none."),
+    setting!(peer_liveness_timeout_ms, "peer_liveness_timeout_ms", "PEER_LIVENESS_TIMEOUT_MS", Millis, true, "A peer whose ZMQ control connection is down this long (heartbeats every quarter of it) is unreachable: its requests fail, its flows are aborted; 0 = off."),
     setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the ZMQ control socket; empty = auto-detect."),
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the ZMQ control socket to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
@@ -623,11 +628,12 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 20);
+        assert_eq!(keys.len(), 21);
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));
         assert!(keys.contains(&"control_bind_loopback"));
         assert!(keys.contains(&"busy_poll_us"));
+        assert!(keys.contains(&"peer_liveness_timeout_ms"));
         let rows = Config::describe();
         assert_eq!(rows[0].env, "NIXL_BOUNCE_ENABLE");
         assert_eq!(rows[1].default, "256MiB");

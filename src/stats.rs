@@ -153,9 +153,76 @@ pub fn local_snapshot(agent: &str) -> Option<Snapshot> {
     reg.get(agent).and_then(Weak::upgrade).map(|s| s.snapshot())
 }
 
+/// A poisoned bounce arena of this process. Records are kept for the life
+/// of the process: the arena's memory is never reused (it is leaked when its
+/// engine goes), and the event needs an operator's attention.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoisonedArena {
+    /// The engine's agent and the arena's memory location.
+    pub arena: String,
+    pub reason: String,
+}
+
+static POISONED: Lazy<Mutex<Vec<PoisonedArena>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+/// Records that `arena` is poisoned (the runtime calls this once per arena).
+pub fn record_poisoned(arena: &str, reason: &str) {
+    POISONED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(PoisonedArena {
+            arena: arena.to_string(),
+            reason: reason.to_string(),
+        });
+}
+
+/// Every arena poisoned in THIS copy of the library, oldest first.
+pub fn local_poisoned() -> Vec<PoisonedArena> {
+    POISONED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
+/// Every arena poisoned in the plugin NIXL loaded into this process, oldest
+/// first (empty: none).
+pub fn plugin_poisoned() -> Result<Vec<PoisonedArena>, String> {
+    with_plugin_symbol(c"nixl_bounce_poisoned", |sym| {
+        // SAFETY: the symbol is the plugin's nixl_bounce_poisoned, whose
+        // signature is declared in src/ffi (the same source as this crate).
+        let f: PoisonedFn = unsafe { std::mem::transmute::<*mut libc::c_void, PoisonedFn>(sym) };
+        let mut buf = vec![0u8; 1024];
+        loop {
+            // SAFETY: the pointer and length describe a live buffer.
+            let n = unsafe { f(buf.as_mut_ptr(), buf.len()) };
+            let n = usize::try_from(n).map_err(|_| "nixl_bounce_poisoned failed".to_string())?;
+            if n <= buf.len() {
+                return serde_json::from_slice(&buf[..n])
+                    .map_err(|e| format!("malformed poison report: {e}"));
+            }
+            buf.resize(n, 0);
+        }
+    })
+}
+
+type PoisonedFn = unsafe extern "C" fn(*mut u8, usize) -> isize;
+
 /// The snapshot of `agent`'s BOUNCE engine in the plugin NIXL loaded into this
 /// process (`libplugin_BOUNCE.so`).
 pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
+    with_plugin_symbol(c"nixl_bounce_stats", |sym| {
+        // SAFETY: the symbol is the plugin's nixl_bounce_stats, whose
+        // signature is declared in src/ffi (the same source as this crate).
+        let f: StatsFn = unsafe { std::mem::transmute::<*mut libc::c_void, StatsFn>(sym) };
+        call_stats(f, agent)
+    })
+}
+
+/// Calls `f` with the address of `symbol` in the loaded plugin.
+fn with_plugin_symbol<T>(
+    symbol: &std::ffi::CStr,
+    f: impl FnOnce(*mut libc::c_void) -> Result<T, String>,
+) -> Result<T, String> {
     let path = crate::nixl_runtime::loaded_object_path("libplugin_BOUNCE.so").ok_or(
         "libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)",
     )?;
@@ -168,17 +235,15 @@ pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
         return Err(format!("cannot open the loaded plugin {}", path.display()));
     }
     // SAFETY: handle is valid; the symbol name is NUL-terminated.
-    let sym = unsafe { libc::dlsym(handle, c"nixl_bounce_stats".as_ptr()) };
+    let sym = unsafe { libc::dlsym(handle, symbol.as_ptr()) };
     let result = if sym.is_null() {
         Err(format!(
-            "{} does not export nixl_bounce_stats",
-            path.display()
+            "{} does not export {}",
+            path.display(),
+            symbol.to_string_lossy()
         ))
     } else {
-        // SAFETY: the symbol is the plugin's nixl_bounce_stats, whose
-        // signature is declared in src/ffi (the same source as this crate).
-        let f: StatsFn = unsafe { std::mem::transmute::<*mut libc::c_void, StatsFn>(sym) };
-        call_stats(f, agent)
+        f(sym)
     };
     // SAFETY: balances the NOLOAD dlopen above (the object stays loaded).
     unsafe { libc::dlclose(handle) };

@@ -10,6 +10,12 @@
 //! show the data crossed it. Everything created is removed by a Drop guard,
 //! also on failure.
 //!
+//! A second test takes the link down mid-transfer (`ip link set <veth>
+//! down`): the sender's request must end within its bound (peer liveness:
+//! ZMQ heartbeats go unanswered), nothing outside the destinations may
+//! change; with the link up again, both arenas drain and fresh transfers
+//! both ways are byte-exact.
+//!
 //! Where namespaces cannot be created for lack of privilege, the test prints
 //! `SKIP:` and passes (even with NIXL_BOUNCE_REQUIRE_RUNTIME=1: that is a
 //! property of the machine); any other failure to set them up fails under
@@ -17,6 +23,8 @@
 #[path = "support/bounce.rs"]
 mod bounce;
 mod common;
+#[path = "support/faults.rs"]
+mod faults;
 #[path = "support/peer.rs"]
 mod peer;
 
@@ -24,6 +32,7 @@ use bounce::*;
 use common::*;
 use peer::*;
 use std::process::Command;
+use std::time::Duration;
 
 const MANY: usize = 4096;
 
@@ -153,14 +162,14 @@ fn netdev(p: &mut Peer, dev: &str) -> (u64, u64) {
     (w[0], w[1])
 }
 
-/// The two namespaces, or `None` (with the reason printed) where the test
-/// must skip.
+/// The namespaces, or `None` (after printing why) where the machine does
+/// not allow them.
 fn namespaces() -> Option<Netns> {
-    let net = match Netns::create() {
-        Ok(n) => n,
+    match Netns::create() {
+        Ok(n) => Some(n),
         Err(e) if e.permission => {
             eprintln!("SKIP: network namespaces are not permitted on this machine (a permission problem, not a failure): {}", e.message);
-            return None;
+            None
         }
         Err(e) if require_runtime() => panic!(
             "NIXL_BOUNCE_REQUIRE_RUNTIME is set and the namespaces could not be set up: {}",
@@ -168,14 +177,9 @@ fn namespaces() -> Option<Netns> {
         ),
         Err(e) => {
             eprintln!("SKIP: cannot set up the network namespaces: {}", e.message);
-            return None;
+            None
         }
-    };
-    eprintln!(
-        "namespaces {:?}, veth {:?}, addresses {:?}",
-        net.ns, net.veth, net.addr
-    );
-    Some(net)
+    }
 }
 
 /// A peer process in namespace `i`, UCX over TCP on its veth only.
@@ -198,6 +202,10 @@ fn two_hosts_over_a_veth_pair() {
         return;
     }
     let Some(net) = namespaces() else { return };
+    eprintln!(
+        "namespaces {:?}, veth {:?}, addresses {:?}",
+        net.ns, net.veth, net.addr
+    );
     let len = blocks_for(MANY) * BLOCK;
     let mut a = spawn(&net, 0, "host-a", len);
     let mut b = spawn(&net, 1, "host-b", len);
@@ -356,6 +364,115 @@ fn two_hosts_read_over_a_veth_pair() {
             "only {} bytes left the owner's veth",
             tx1 - tx0
         );
+    }
+    a.finish();
+    b.finish();
+    drop(net);
+}
+
+#[test]
+#[serial_test::serial]
+fn link_down_mid_transfer() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let Some(net) = namespaces() else {
+        return;
+    };
+    const ARENA: u64 = 4 << 20;
+    let len = blocks_for(MANY) * BLOCK;
+    // 64 chunks of 256 KiB; the receiver's scatters take 50 ms each, so the
+    // transfer runs for about a second: the link goes down in the middle.
+    let spawn = |i: usize, label: &str, failpoints: &str| -> Peer {
+        let extra = [
+            ("control_interface", net.veth[i].as_str()),
+            ("max_chunk_size_bytes", "256KiB"),
+            ("arena_size_bytes", "4MiB"),
+            ("arena_allocation_granularity_bytes", "64KiB"),
+        ];
+        let mut c = peer_command(
+            &["ip", "netns", "exec", &net.ns[i]],
+            len,
+            &extra,
+            &format!("nd-{label}"),
+        );
+        c.env("UCX_TLS", "tcp")
+            .env("UCX_NET_DEVICES", &net.veth[i])
+            .env("NIXL_BOUNCE_FAILPOINTS", failpoints);
+        Peer::spawn(label, c).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let mut a = spawn(0, "host-a", "");
+    let mut b = spawn(1, "host-b", "delay_scatter_ms=50");
+    let (amd, bmd) = (hex(&a.md), hex(&b.md));
+    assert_eq!(a.cmd(&format!("PEER {bmd}")), b.name);
+    assert_eq!(b.cmd(&format!("PEER {amd}")), a.name);
+    a.cmd("FILL 1");
+    b.cmd("FILL 2");
+    let a0 = a.stats();
+    a.cmd(&format!("WRITE_BG {} {} {MANY} 3", b.name, b.addr));
+    faults::wait_for(
+        Duration::from_secs(10),
+        || "no chunk written".into(),
+        || a.stats().since(&a0, "chunks_written") > 0,
+    );
+    let link = |state: &str| {
+        ip(&["-n", &net.ns[0], "link", "set", &net.veth[0], state])
+            .unwrap_or_else(|e| panic!("{}", e.message))
+    };
+    link("down");
+    // Terminal within the bound (liveness: heartbeats every 250 ms, a
+    // connection silent for 1 s is dropped, a peer without one for 1 s is
+    // unreachable); the request timeout (30 s) must not be what ends it.
+    let r = a.cmd("WAIT_BG 8000");
+    let w: Vec<u64> = r
+        .split_whitespace()
+        .map(|v| v.parse().expect("number"))
+        .collect();
+    let failed_in = Duration::from_micros(w[2]);
+    eprintln!(
+        "link down: {} succeeded, {} failed, terminal after {failed_in:?}",
+        w[0], w[1]
+    );
+    assert_eq!(w[1], 1, "the transfer across a dead link did not fail");
+    std::thread::sleep(Duration::from_millis(500));
+    link("up");
+    // With the link back, writes still in flight end, the CANCEL reaches the
+    // receiver, and both arenas drain.
+    for p in [&mut a, &mut b] {
+        let dt = faults::wait_for(
+            Duration::from_secs(20),
+            || "an arena still holds bytes after the link came back".into(),
+            || faults::arena_held(&p.stats()) == 0,
+        );
+        faults::assert_arena_conserved(&p.stats(), ARENA);
+        eprintln!("{}: arena idle {dt:?} after the link came back", p.name);
+    }
+    b.cmd(&format!("CHECK_OUTSIDE {MANY} 3 2"));
+    // Fresh transfers both ways, byte-exact.
+    for from in 0..2u64 {
+        let (src, dst) = if from == 0 {
+            (&mut a, &mut b)
+        } else {
+            (&mut b, &mut a)
+        };
+        let s = 10 * (from + 1);
+        src.cmd(&format!("FILL {}", s + 1));
+        dst.cmd(&format!("FILL {}", s + 2));
+        let s0 = src.stats();
+        src.cmd(&format!(
+            "WRITE {} {} {MANY} {} -",
+            dst.name,
+            dst.addr,
+            s + 3
+        ));
+        dst.cmd(&format!(
+            "CHECK_WRITE {} {MANY} {} {} {} -",
+            src.name,
+            s + 3,
+            s + 1,
+            s + 2
+        ));
+        assert_sender_bounced(&s0, &src.stats(), 1);
     }
     a.finish();
     b.finish();

@@ -16,9 +16,12 @@
 //!   late and its request hangs until `request_timeout_ms`. On agent
 //!   destruction this runs before the engine's shutdown, so the
 //!   REFUSE(ShuttingDown) of `Endpoint::shutdown` finds no flow left.
-//! - Found (ignored `BUG:` test): a bounce WRITE to a receiver that is gone
-//!   before the WANT reaches it is never answered; the sender waits
-//!   `request_timeout_ms` for a GRANT, where the UCX path fails at once.
+//! - Found (fixed since: peer liveness): a bounce WRITE to a receiver that
+//!   is gone before the WANT reaches it was never answered; the sender
+//!   waited `request_timeout_ms` for a GRANT, where the UCX path fails at
+//!   once. The ZMQ channel now tracks each peer's connection (socket
+//!   monitor + ZMTP heartbeats); a peer without one for
+//!   `peer_liveness_timeout_ms` (1 s) is unreachable and its requests fail.
 #[path = "support/bounce.rs"]
 mod bounce;
 mod common;
@@ -214,7 +217,6 @@ fn sender_fails_promptly_when_the_receiver_is_destroyed_mid_transfer() {
 
 #[test]
 #[serial_test::serial]
-#[ignore = "BUG: a bounce WRITE to a receiver that is already gone waits request_timeout_ms for a GRANT (no peer-liveness signal; the UCX path fails at once)"]
 fn transfer_to_a_receiver_that_is_gone_fails_promptly() {
     if !ready("BOUNCE") {
         return;

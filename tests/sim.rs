@@ -8,7 +8,8 @@
 //! control messages (with seeded random delay, reordering and loss),
 //! executes gathers, writes and scatters on simulated memory at simulated
 //! times (with seeded failures), and injects cancels, deadlines, peer
-//! crashes and restarts, and operations that never finish (poisoning).
+//! crashes and restarts, peers found unreachable while they live on (a
+//! transient partition), and operations that never finish (poisoning).
 //!
 //! After every step it checks each agent's invariants (conservation, no
 //! region owned twice) and, whenever a write lands, that the target region
@@ -167,6 +168,12 @@ enum Ev {
     Crash {
         agent: usize,
     },
+    /// `agent` finds `peer` unreachable (its control connection went down:
+    /// a transient partition, or a wrong suspicion) while both live on.
+    Suspect {
+        agent: usize,
+        peer: usize,
+    },
     Detect {
         agent: usize,
     },
@@ -184,6 +191,7 @@ struct Faults {
     stuck_p: f64,
     cancels: u32,
     crash: bool,
+    suspicions: u32,
 }
 
 impl Faults {
@@ -195,6 +203,7 @@ impl Faults {
             && self.stuck_p == 0.0
             && self.cancels == 0
             && !self.crash
+            && self.suspicions == 0
     }
 }
 
@@ -247,6 +256,9 @@ struct Sim {
     senders: BTreeSet<usize>,
     receivers: BTreeSet<usize>,
     refused_submits: u64,
+    /// Draws for the faults added after the first seeds were recorded (so
+    /// the scenarios of those seeds did not change).
+    extra_rng: Rng,
 }
 
 fn fail(seed: u64, msg: String) -> String {
@@ -278,7 +290,13 @@ impl Sim {
             access_key: 0,
         };
         let mut faults = Faults::default();
+        let mut extra_rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED_0F_F417);
         if rng.chance(0.5) {
+            faults.suspicions = if extra_rng.chance(0.3) {
+                extra_rng.range(1, 3) as u32
+            } else {
+                0
+            };
             let heavy = rng.chance(0.3);
             let p = |rng: &mut Rng, base: f64| if rng.chance(0.5) { base } else { 0.0 };
             faults.drop_p = p(&mut rng, if heavy { 0.05 } else { 0.01 });
@@ -340,6 +358,7 @@ impl Sim {
             senders: BTreeSet::new(),
             receivers: BTreeSet::new(),
             refused_submits: 0,
+            extra_rng,
         };
         sim.plan_workload();
         sim
@@ -460,6 +479,12 @@ impl Sim {
             let agent = self.rng.below(n as u64) as usize;
             let t = Time::from_nanos(self.rng.range(100 * US, 3_000 * US));
             self.at(t, Ev::Crash { agent });
+        }
+        for _ in 0..self.faults.suspicions {
+            let agent = self.extra_rng.below(n as u64) as usize;
+            let peer = (agent + 1 + self.extra_rng.below(n as u64 - 1) as usize) % n;
+            let t = Time::from_nanos(self.extra_rng.range(50 * US, 3_000 * US));
+            self.at(t, Ev::Suspect { agent, peer });
         }
     }
 
@@ -929,11 +954,27 @@ impl Sim {
                     .after(Duration::from_micros(self.rng.range(50, 2_000)));
                 self.at(t, Ev::Detect { agent });
             }
+            Ev::Suspect { agent, peer } => {
+                if !self.agents[agent].alive {
+                    return Ok(());
+                }
+                self.log(|| format!("a{agent} finds a{peer} unreachable"));
+                let name = self.agents[peer].name.clone();
+                let now = self.now;
+                self.agents[agent].ep.peer_unreachable(now, &name);
+                self.run_actions(agent)?;
+            }
             Ev::Detect { agent } => {
                 let name = self.agents[agent].name.clone();
                 let now = self.now;
                 for i in 0..self.agents.len() {
                     if i != agent && self.agents[i].alive {
+                        // The runtime finds a dead peer unreachable before
+                        // the application forgets it (sometimes).
+                        if self.faults.suspicions > 0 {
+                            self.agents[i].ep.peer_unreachable(now, &name);
+                            self.run_actions(i)?;
+                        }
                         self.agents[i].ep.forget_peer(now, &name);
                         self.run_actions(i)?;
                     }
@@ -1105,6 +1146,8 @@ impl Sim {
             if usage.local != 0 || usage.flows != 0 || usage.orphan != 0 {
                 return Err(format!("a{i}: arena not idle at the end: {usage:?}"));
             }
+            // A suspicion quarantines the suspected sender's regions until
+            // its CANCEL (sent once its writes ended): without loss, freed.
             if self.faults.drop_p == 0.0
                 && !self.faults.crash
                 && self.faults.stuck_p == 0.0

@@ -12,6 +12,14 @@
 //!   bounce-vram bench [--backend BOUNCE|UCX] [--label L] [--param K=V]...
 //!                     [--counts 1024,4096,16384] [--sizes 4096] [--iters N]
 //!                     [--concurrent 128] [--json PATH]
+//!   bounce-vram faults [--device N] [--target-device N] [--param K=V]...
+//!
+//! `faults` runs the fault drills with VRAM arenas on both sides (2 MiB
+//! chunks, 16 MiB arenas unless given): a WRITE released during gather,
+//! write and scatter (stages held by failpoints), and the target killed
+//! mid-transfer; each checks the request ends within its bound, both arenas
+//! drain with every byte accounted for, nothing outside the destinations
+//! changed, and the next WRITE is byte-exact.
 //!
 //! Without a CUDA driver both commands print `SKIP: ...` and exit 0.
 
@@ -222,6 +230,38 @@ fn serve(args: &Args) {
                     },
                 }
             }
+            ["CHECK_OUTSIDE", parts, n, size, slots, pseed, dseed, mixed] => {
+                let p = |s: &str| s.parse::<usize>().unwrap_or(0);
+                let ps = plans(
+                    p(parts),
+                    p(n),
+                    p(size),
+                    p(slots),
+                    p(pseed) as u64,
+                    *mixed == "1",
+                );
+                let mut got = vec![0u8; args.buffer];
+                match buf.read(0, &mut got) {
+                    Err(e) => reply(format!("ERR {e}")),
+                    Ok(()) => {
+                        // The fill everywhere, except what the destinations
+                        // now hold (unspecified after a failed request).
+                        let mut want = pattern(args.buffer, p(dseed) as u64);
+                        for plan in &ps {
+                            for &(_, d, l) in &plan.moves {
+                                want[d..d + l].copy_from_slice(&got[d..d + l]);
+                            }
+                        }
+                        match got.iter().zip(&want).position(|(a, b)| a != b) {
+                            None => reply("OK".into()),
+                            Some(i) => reply(format!(
+                                "ERR byte {i} outside every destination changed: {} != {}",
+                                got[i], want[i]
+                            )),
+                        }
+                    }
+                }
+            }
             ["STATS"] => reply(format!(
                 "OK {}",
                 serde_json::to_string(&plugin_counters(&name)).unwrap_or_default()
@@ -242,11 +282,13 @@ struct Target {
 }
 
 impl Target {
-    fn spawn(args: &Args) -> Result<Target, String> {
+    /// Starts the target process with `failpoints` (`NIXL_BOUNCE_FAILPOINTS`).
+    fn spawn(args: &Args, failpoints: &str) -> Result<Target, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(exe);
         cmd.arg("serve")
             .args(args.forward())
+            .env(FAILPOINTS, failpoints)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -322,18 +364,34 @@ struct Initiator {
     target_name: String,
 }
 
+const FAILPOINTS: &str = "NIXL_BOUNCE_FAILPOINTS";
+
 impl Initiator {
     fn new(args: &Args) -> Result<Initiator, String> {
+        Self::with_failpoints(args, "", "")
+    }
+
+    /// With failpoints for this process's engine and for the target's.
+    fn with_failpoints(args: &Args, mine: &str, target: &str) -> Result<Initiator, String> {
         let cuda = CudaRuntime::probe()?;
         let dev = cuda.device(args.device)?;
         let buf = DeviceArena::new(&dev, args.buffer)?;
-        let name = format!("vram-init-{}", std::process::id());
-        let agent = agent(&name, &args.backend, &args.params)?;
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let name = format!(
+            "vram-init-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        // Read once, when the engine is created.
+        std::env::set_var(FAILPOINTS, mine);
+        let agent = agent(&name, &args.backend, &args.params);
+        std::env::remove_var(FAILPOINTS);
+        let agent = agent?;
         agent
             .register_memory(&buf, None)
             .map(std::mem::forget)
             .map_err(|e| format!("register: {e}"))?;
-        let target = Target::spawn(args)?;
+        let target = Target::spawn(args, target)?;
         let loaded = agent
             .load_remote_md(&target.metadata)
             .map_err(|e| format!("loading the target's metadata: {e}"))?;
@@ -553,6 +611,205 @@ fn run_tests(args: &Args) -> bool {
         }
     }
     println!("\n{passed} passed, {failed} failed");
+    failed == 0
+}
+
+// ---- fault drills --------------------------------------------------------------
+
+/// Arena bytes held by anything (flows, staging, orphans, quarantine).
+fn arena_held(c: &BTreeMap<String, u64>) -> u64 {
+    [
+        "arena_flow_bytes",
+        "arena_local_bytes",
+        "arena_orphan_bytes",
+        "arena_quarantine_bytes",
+    ]
+    .iter()
+    .map(|k| c.get(*k).copied().unwrap_or(0))
+    .sum()
+}
+
+fn arena_total(c: &BTreeMap<String, u64>) -> u64 {
+    let get = |k: &str| c.get(k).copied().unwrap_or(0);
+    get("arena_free_bytes") + get("arena_reserve_bytes") + arena_held(c)
+}
+
+fn since(after: &BTreeMap<String, u64>, before: &BTreeMap<String, u64>, k: &str) -> u64 {
+    let get = |m: &BTreeMap<String, u64>| m.get(k).copied().unwrap_or(0);
+    get(after).saturating_sub(get(before))
+}
+
+/// Polls `cond` every millisecond up to `bound`; returns how long it took.
+fn wait_until(
+    bound: Duration,
+    what: &str,
+    mut cond: impl FnMut() -> bool,
+) -> Result<Duration, String> {
+    let t0 = Instant::now();
+    while !cond() {
+        if t0.elapsed() > bound {
+            return Err(format!("{what}: not within {bound:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(t0.elapsed())
+}
+
+/// Both arenas hold nothing and every byte is accounted for; returns how
+/// long that took.
+fn arenas_idle(init: &mut Initiator, capacity: u64) -> Result<Duration, String> {
+    let name = init.name.clone();
+    let t = &mut init.target;
+    let dt = wait_until(Duration::from_secs(10), "arenas idle", || {
+        arena_held(&plugin_counters(&name)) == 0 && arena_held(&target_counters(t)) == 0
+    })?;
+    for c in [plugin_counters(&name), target_counters(&mut init.target)] {
+        if arena_total(&c) != capacity {
+            return Err(format!(
+                "arena bytes not conserved ({capacity} expected): {c:?}"
+            ));
+        }
+    }
+    Ok(dt)
+}
+
+/// The drill's WRITE: 16,384 x 4 KiB scattered over the buffers.
+const DRILL_N: usize = 16384;
+const DRILL_SIZE: usize = 4096;
+
+/// A WRITE released (cancelled) once `stage` is reached, the stage held by
+/// failpoints (`mine` for this process, `target` for the target's).
+fn cancel_drill(args: &Args, stage: &str, mine: &str, target: &str) -> Result<String, String> {
+    let capacity = args.arena_capacity();
+    let mut init = Initiator::with_failpoints(args, mine, target)?;
+    let slots = args.buffer / DRILL_SIZE;
+    let (seed, sseed, dseed) = (31u64, 63u64, 64u64);
+    let p = plan(DRILL_N, DRILL_SIZE, slots, 0, seed, false);
+    init.buf.write(0, &pattern(args.buffer, sseed))?;
+    init.target.cmd(&format!("FILL {dseed}"))?;
+    let (b0, t0) = (
+        plugin_counters(&init.name),
+        target_counters(&mut init.target),
+    );
+    let req = init.request(&p, None)?;
+    init.agent
+        .post_xfer_req(&req, None)
+        .map_err(|e| format!("post: {e}"))?;
+    let name = init.name.clone();
+    let tgt = &mut init.target;
+    wait_until(Duration::from_secs(20), stage, || {
+        let (b, t) = (plugin_counters(&name), target_counters(tgt));
+        match stage {
+            "gather" => b.get("arena_local_bytes").copied().unwrap_or(0) > 0,
+            "write" => since(&t, &t0, "grants") > 0 && since(&b, &b0, "gather_ns") > 0,
+            _ => since(&b, &b0, "chunks_written") > 0,
+        }
+    })?;
+    let t_release = Instant::now();
+    drop(req);
+    let released = t_release.elapsed();
+    let terminal = wait_until(
+        Duration::from_secs(10),
+        "cancelled request terminal",
+        || since(&plugin_counters(&name), &b0, "bounce_cancels") == 1,
+    )?;
+    let idle = arenas_idle(&mut init, capacity)?;
+    init.target.cmd(&format!(
+        "CHECK_OUTSIDE 1 {DRILL_N} {DRILL_SIZE} {slots} {seed} {dseed} 0"
+    ))?;
+    init.checked_write(4096, DRILL_SIZE, 41, false, args)?;
+    arenas_idle(&mut init, capacity)?;
+    Ok(format!(
+        "(release {:.3} ms, terminal {:.1} ms, arenas idle {:.1} ms after)",
+        released.as_secs_f64() * 1e3,
+        terminal.as_secs_f64() * 1e3,
+        idle.as_secs_f64() * 1e3
+    ))
+}
+
+/// The target killed (SIGKILL) mid-transfer: the request fails within its
+/// bound, this arena drains, and a new target is served byte-exact.
+fn killed_target_drill(args: &Args) -> Result<String, String> {
+    let capacity = args.arena_capacity();
+    let mut init = Initiator::new(args)?;
+    let slots = args.buffer / DRILL_SIZE;
+    let p = plan(DRILL_N, DRILL_SIZE, slots, 0, 51, false);
+    init.buf.write(0, &pattern(args.buffer, 52))?;
+    let b0 = plugin_counters(&init.name);
+    let req = init.request(&p, None)?;
+    init.agent
+        .post_xfer_req(&req, None)
+        .map_err(|e| format!("post: {e}"))?;
+    let name = init.name.clone();
+    wait_until(Duration::from_secs(20), "a chunk written", || {
+        since(&plugin_counters(&name), &b0, "chunks_written") > 0
+    })?;
+    init.target.child.kill().map_err(|e| format!("kill: {e}"))?;
+    let _ = init.target.child.wait();
+    let t0 = Instant::now();
+    let outcome = loop {
+        match init.agent.get_xfer_status(&req) {
+            Ok(XferStatus::Success) => break Ok(()),
+            Ok(XferStatus::InProgress) if t0.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_micros(200))
+            }
+            Ok(XferStatus::InProgress) => return Err("still running 10 s after the kill".into()),
+            Err(e) => break Err(e.to_string()),
+        }
+    };
+    let failed_in = t0.elapsed();
+    drop(req);
+    if outcome.is_ok() {
+        return Err("a WRITE to a killed target succeeded".into());
+    }
+    let idle = wait_until(Duration::from_secs(10), "arena idle", || {
+        arena_held(&plugin_counters(&name)) == 0
+    })?;
+    let c = plugin_counters(&name);
+    if arena_total(&c) != capacity {
+        return Err(format!("arena bytes not conserved: {c:?}"));
+    }
+    // A new target.
+    let dead = init.target_name.clone();
+    let _ = init.agent.invalidate_remote_md(&dead);
+    init.target = Target::spawn(args, "")?;
+    init.target_name = init
+        .agent
+        .load_remote_md(&init.target.metadata)
+        .map_err(|e| format!("loading the new target's metadata: {e}"))?;
+    init.checked_write(4096, DRILL_SIZE, 53, false, args)?;
+    Ok(format!(
+        "(failed {:.1} ms after the kill, arena idle {:.1} ms after)",
+        failed_in.as_secs_f64() * 1e3,
+        idle.as_secs_f64() * 1e3
+    ))
+}
+
+fn run_faults(args: &Args) -> bool {
+    let mut failed = 0;
+    type Drill = fn(&Args) -> Result<String, String>;
+    let drills: [(&str, Drill); 4] = [
+        ("cancel_during_gather", |a| {
+            cancel_drill(a, "gather", "delay_gather_ms=300", "")
+        }),
+        ("cancel_during_write", |a| {
+            cancel_drill(a, "write", "delay_write_ms=300", "")
+        }),
+        ("cancel_during_scatter", |a| {
+            cancel_drill(a, "scatter", "", "delay_scatter_ms=300")
+        }),
+        ("target_killed_mid_transfer", killed_target_drill),
+    ];
+    for (name, drill) in drills {
+        match drill(args) {
+            Ok(detail) => println!("test {name} ... ok {detail}"),
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED: {e}");
+            }
+        }
+    }
+    println!("\n{} passed, {failed} failed", 4 - failed);
     failed == 0
 }
 
@@ -908,10 +1165,33 @@ impl Args {
         if a.backend != "BOUNCE" {
             a.params.retain(|(k, _)| k != "control_bind_loopback");
         }
+        if a.command == "faults" {
+            // Small chunks and arenas: a drill's WRITE is 32 chunks, running
+            // when the fault hits.
+            for (k, v) in [
+                ("max_chunk_size_bytes", "2MiB"),
+                ("arena_size_bytes", "16MiB"),
+            ] {
+                if !a.params.iter().any(|(key, _)| key == k) {
+                    a.params.push((k.into(), v.into()));
+                }
+            }
+        }
         if a.label.is_empty() {
             a.label = a.backend.clone();
         }
         a
+    }
+
+    /// The usable arena capacity these parameters give.
+    fn arena_capacity(&self) -> u64 {
+        let size = self
+            .params
+            .iter()
+            .find(|(k, _)| k == "arena_size_bytes")
+            .and_then(|(_, v)| nixl_bounce::config::parse_bytes(v).ok())
+            .unwrap_or(256 << 20);
+        1u64 << (63 - size.leading_zeros())
     }
 
     /// The options the target process needs.
@@ -968,7 +1248,10 @@ fn main() {
         }
         "test" => run_tests(&args),
         "bench" => run_bench(&args),
-        other => die(format!("unknown command {other} (test, bench, serve)")),
+        "faults" => run_faults(&args),
+        other => die(format!(
+            "unknown command {other} (test, bench, faults, serve)"
+        )),
     };
     std::process::exit(if ok { 0 } else { 1 });
 }

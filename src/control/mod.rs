@@ -251,6 +251,15 @@ pub trait ControlChannel: Send {
     /// Which transport this is.
     fn kind(&self) -> ControlKind;
 
+    /// Peers whose connection is down and has been for the channel's
+    /// liveness timeout (the peer died, is stopped, or the network between
+    /// us is gone), reported on every call until they are up again. A
+    /// channel without a liveness signal reports none; requests to such
+    /// peers end at their timeout.
+    fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
+        Vec::new()
+    }
+
     /// A handle any thread may call to make a `recv` that is waiting (or the
     /// next one) return early, e.g. when the application submitted work.
     fn waker(&self) -> Waker;

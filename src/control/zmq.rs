@@ -19,12 +19,26 @@
 //! per DEALER, and sends with `ZMQ_DONTWAIT` so a full queue is reported as
 //! [`SendError::WouldBlock`] instead of blocking the reactor.
 //!
+//! Liveness (when [`ZmqConfig::liveness_timeout`] is set): each DEALER sends
+//! ZMTP heartbeats every quarter of the timeout and drops a connection that
+//! stays silent for the whole timeout (a stopped peer, a dead link); a socket
+//! monitor per DEALER tracks whether its connection is up (handshake done)
+//! or down (never connected, disconnected). A peer down for the timeout
+//! after a failure (disconnected, heartbeat unanswered, connection refused),
+//! or never connected for three timeouts (no failure seen: perhaps only a
+//! slow machine), is reported by [`ControlChannel::unreachable_peers`] until
+//! it is up again (ZMQ keeps reconnecting, so a peer that comes back is
+//! simply up again).
+//!
 //! Context: one `zmq::Context` per channel (not per peer, not per process).
 //! A bounce engine owns one channel, so this costs one ZMQ IO thread per
 //! engine, and dropping the channel terminates the context, joining its
 //! threads: nothing of ZMQ outlives the engine, which matters for a plugin
-//! that NIXL may unload. Removed peers' sockets are closed at once (linger 0),
-//! so a long-lived server holds sockets only for its current peers.
+//! that NIXL may unload. A removed peer's DEALER stays open for
+//! [`DEALER_LINGER_MS`] so that what it queued (the REFUSEs telling a
+//! forgotten peer its flows are over) can leave, then closes with linger 0
+//! (adding the peer again within that moment takes the same socket back), so
+//! a long-lived server holds sockets only for its current peers.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -49,6 +63,11 @@ pub struct ZmqConfig {
     /// is disconnected by ZMQ (`ZMQ_MAXMSGSIZE`, bounds memory against raw
     /// clients). Negative means unlimited.
     pub max_message_bytes: i64,
+    /// A peer whose connection has been down this long is reported by
+    /// [`ControlChannel::unreachable_peers`]; DEALERs send ZMTP heartbeats
+    /// every quarter of it and drop a connection silent for all of it (a
+    /// stopped peer, a dead link). `None`: no liveness tracking.
+    pub liveness_timeout: Option<Duration>,
 }
 
 impl Default for ZmqConfig {
@@ -57,6 +76,7 @@ impl Default for ZmqConfig {
             send_hwm: 4096,
             recv_hwm: 4096,
             max_message_bytes: 64 << 20,
+            liveness_timeout: None,
         }
     }
 }
@@ -378,6 +398,90 @@ struct Peer {
     endpoint: String,
     socket: zmq::Socket,
     dropped: u64,
+    link: Option<Link>,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if self.link.is_some() {
+            // Stop the monitor while its reader is still connected: events
+            // the closing DEALER emits later would otherwise block the IO
+            // thread on a reader that is gone.
+            // SAFETY: the socket is a live DEALER owned by this peer, used
+            // only by this thread; a null endpoint deregisters monitoring
+            // (zmq_socket_monitor's documented form).
+            let rc = unsafe {
+                zmq_sys::zmq_socket_monitor(self.socket.as_mut_ptr(), std::ptr::null(), 0)
+            };
+            if rc != 0 {
+                tracing::warn!(endpoint = %self.endpoint, "control channel: stopping a link monitor failed");
+            }
+        }
+    }
+}
+
+/// The state of a DEALER's connection, from its socket monitor: up from a
+/// completed ZMTP handshake until a disconnection (the peer closed or died,
+/// or a heartbeat went unanswered). A new peer starts down.
+struct Link {
+    monitor: zmq::Socket,
+    up: bool,
+    down_since: Instant,
+    /// Since it went down, ZMQ saw a failure (a disconnection, a refused
+    /// connection), not just slowness.
+    failed: bool,
+    /// This outage was already logged.
+    reported: bool,
+}
+
+impl Link {
+    const EVENTS: i32 = zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32
+        | zmq::SocketEvent::DISCONNECTED as i32
+        | zmq::SocketEvent::CONNECT_RETRIED as i32;
+    /// A link that never failed but is not up yet (a first connection on a
+    /// slow or loaded machine) gets this many timeouts.
+    const SLOW_GRACE: u32 = 3;
+
+    /// Whether the peer counts as unreachable at `now`.
+    fn unreachable(&self, now: Instant, timeout: Duration) -> bool {
+        let grace = if self.failed {
+            timeout
+        } else {
+            timeout * Self::SLOW_GRACE
+        };
+        !self.up && now.duration_since(self.down_since) >= grace
+    }
+
+    /// Applies the monitor's pending events.
+    fn update(&mut self, now: Instant) {
+        // Each event is two frames: 16-bit event id + 32-bit value (host
+        // byte order), then the peer's address.
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            let Some(id) = frames.first().and_then(|f| f.get(..2)) else {
+                continue;
+            };
+            let id = u16::from_ne_bytes([id[0], id[1]]);
+            tracing::debug!(
+                event = id,
+                peer = %String::from_utf8_lossy(frames.get(1).map_or(&[][..], |f| f)),
+                "control channel: link event"
+            );
+            if id == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+                self.up = true;
+                self.failed = false;
+                self.reported = false;
+            } else if id == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                if self.up {
+                    self.up = false;
+                    self.down_since = now;
+                }
+                self.failed = true;
+            } else if id == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+                // A connection attempt failed (refused, unreachable).
+                self.failed = true;
+            }
+        }
+    }
 }
 
 impl Drop for ZmqChannel {
@@ -385,15 +489,20 @@ impl Drop for ZmqChannel {
         // The context terminates after the sockets; give the last queued
         // messages (REFUSEs sent by a shutting-down endpoint) a bounded
         // moment to leave instead of discarding them.
-        for peer in self.peers.values() {
+        for peer in self
+            .peers
+            .values()
+            .chain(self.closing.iter().map(|(_, p)| p))
+        {
             let _ = peer.socket.set_linger(DEALER_LINGER_MS);
         }
     }
 }
 
 /// The ZMQ control channel (see the module docs).
-/// How long, when the channel itself closes, its DEALERs keep trying to
-/// deliver queued messages (a shutting-down receiver's REFUSEs).
+/// How long, once a DEALER is closed (its peer forgotten, or the channel
+/// itself closed), ZMQ keeps trying to deliver its queued messages (a
+/// forgetting or shutting-down receiver's REFUSEs).
 pub const DEALER_LINGER_MS: i32 = 100;
 
 pub struct ZmqChannel {
@@ -403,6 +512,9 @@ pub struct ZmqChannel {
     router: zmq::Socket,
     peers: HashMap<PeerHandle, Peer>,
     by_endpoint: HashMap<String, PeerHandle>,
+    /// Removed peers, closed once their moment to send what they queued is
+    /// over (see the module docs).
+    closing: Vec<(Instant, Peer)>,
     next_peer: u64,
     local: Endpoint,
     config: ZmqConfig,
@@ -481,6 +593,7 @@ impl ZmqChannel {
             router,
             peers: HashMap::new(),
             by_endpoint: HashMap::new(),
+            closing: Vec::new(),
             next_peer: 1,
             local,
             config,
@@ -495,14 +608,28 @@ impl ZmqChannel {
         self.peers.len()
     }
 
-    fn connect_dealer(&self, endpoint: &str) -> Result<zmq::Socket, ControlError> {
+    /// Closes the removed peers' DEALERs whose moment is over.
+    fn close_removed(&mut self) {
+        if !self.closing.is_empty() {
+            let now = Instant::now();
+            self.closing.retain(|(due, _)| *due > now);
+        }
+    }
+
+    /// A DEALER connected to `endpoint`, with its link monitor when liveness
+    /// is tracked (`monitor_id` names the monitor's inproc endpoint).
+    fn connect_dealer(
+        &self,
+        endpoint: &str,
+        monitor_id: u64,
+    ) -> Result<(zmq::Socket, Option<Link>), ControlError> {
         let ctx = |what: &str| format!("{what} for peer {endpoint}");
         let dealer = self
             .context
             .socket(zmq::DEALER)
             .map_err(|e| ControlError::zmq(ctx("creating a DEALER"), e))?;
-        // Linger 0: a forgotten peer's socket goes at once (see Drop for
-        // the channel's own shutdown, which lets queued messages leave).
+        // Linger 0 while in use; closing sets DEALER_LINGER_MS so the last
+        // queued messages may leave (`remove_peer`, Drop for the channel).
         dealer
             .set_linger(0)
             .map_err(|e| ControlError::zmq(ctx("setting ZMQ_LINGER"), e))?;
@@ -515,10 +642,45 @@ impl ZmqChannel {
         dealer
             .set_identity(self.local.as_bytes())
             .map_err(|e| ControlError::zmq(ctx("setting the routing id"), e))?;
+        let link = match self.config.liveness_timeout {
+            Some(timeout) => {
+                let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1);
+                dealer
+                    .set_heartbeat_ivl(ms(timeout / 4))
+                    .and_then(|()| dealer.set_heartbeat_timeout(ms(timeout)))
+                    .map_err(|e| ControlError::zmq(ctx("setting ZMQ_HEARTBEAT_IVL/TIMEOUT"), e))?;
+                // libzmq sends monitor events from its IO thread with a
+                // blocking send: the reader must never make that wait (it
+                // would stall every socket of the channel). So the reader
+                // connects before the DEALER does (no event lost, none sent
+                // to nobody), its queue is unbounded (RCVHWM 0; it is drained
+                // every reactor check), and the monitor is stopped before
+                // the reader goes (`Drop for Peer`).
+                let at = format!("inproc://link-{monitor_id}");
+                dealer
+                    .monitor(&at, Link::EVENTS)
+                    .map_err(|e| ControlError::zmq(ctx("monitoring the DEALER"), e))?;
+                let monitor = self
+                    .context
+                    .socket(zmq::PAIR)
+                    .and_then(|m| m.set_linger(0).map(|()| m))
+                    .and_then(|m| m.set_rcvhwm(0).map(|()| m))
+                    .and_then(|m| m.connect(&at).map(|()| m))
+                    .map_err(|e| ControlError::zmq(ctx("connecting the DEALER's monitor"), e))?;
+                Some(Link {
+                    monitor,
+                    up: false,
+                    down_since: Instant::now(),
+                    failed: false,
+                    reported: false,
+                })
+            }
+            None => None,
+        };
         dealer
             .connect(endpoint)
             .map_err(|e| ControlError::zmq(ctx("connecting"), e))?;
-        Ok(dealer)
+        Ok((dealer, link))
     }
 
     /// Turns one ROUTER message into an [`Incoming`], or `None` (with a
@@ -557,19 +719,25 @@ impl ControlChannel for ZmqChannel {
         if let Some(handle) = self.by_endpoint.get(&key) {
             return Ok(*handle);
         }
-        let socket = self.connect_dealer(&key)?;
         let handle = PeerHandle::new(self.next_peer);
         self.next_peer += 1;
+        // A peer removed a moment ago gets its socket back (one connection,
+        // one routing id at the remote ROUTER).
+        let peer = match self.closing.iter().position(|(_, p)| p.endpoint == key) {
+            Some(i) => self.closing.swap_remove(i).1,
+            None => {
+                let (socket, link) = self.connect_dealer(&key, handle.id())?;
+                Peer {
+                    endpoint: key.clone(),
+                    socket,
+                    dropped: 0,
+                    link,
+                }
+            }
+        };
         tracing::debug!(%handle, endpoint = %key, "control channel: peer added");
-        self.by_endpoint.insert(key.clone(), handle);
-        self.peers.insert(
-            handle,
-            Peer {
-                endpoint: key,
-                socket,
-                dropped: 0,
-            },
-        );
+        self.by_endpoint.insert(key, handle);
+        self.peers.insert(handle, peer);
         Ok(handle)
     }
 
@@ -579,8 +747,10 @@ impl ControlChannel for ZmqChannel {
         };
         self.by_endpoint.remove(&removed.endpoint);
         tracing::debug!(handle = %peer, endpoint = %removed.endpoint, dropped = removed.dropped, "control channel: peer removed");
-        // Dropping the DEALER closes it; ZMQ_LINGER 0 discards what is queued.
-        drop(removed);
+        // Closed (linger 0) once what it queued (a REFUSE) had a moment to
+        // leave.
+        let due = Instant::now() + Duration::from_millis(DEALER_LINGER_MS as u64);
+        self.closing.push((due, removed));
         true
     }
 
@@ -617,6 +787,7 @@ impl ControlChannel for ZmqChannel {
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Option<Incoming>, ControlError> {
+        self.close_removed();
         let deadline = super::deadline_after(timeout);
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
@@ -656,6 +827,32 @@ impl ControlChannel for ZmqChannel {
 
     fn kind(&self) -> ControlKind {
         ControlKind::Zmq
+    }
+
+    fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
+        let Some(timeout) = self.config.liveness_timeout else {
+            return Vec::new();
+        };
+        let now = Instant::now();
+        let mut down = Vec::new();
+        for (handle, peer) in &mut self.peers {
+            let Some(link) = &mut peer.link else {
+                continue;
+            };
+            link.update(now);
+            if link.unreachable(now, timeout) {
+                if !link.reported {
+                    link.reported = true;
+                    tracing::warn!(
+                        endpoint = %peer.endpoint,
+                        "control channel: no connection to the peer for {:?}; it is unreachable",
+                        now.duration_since(link.down_since)
+                    );
+                }
+                down.push(*handle);
+            }
+        }
+        down
     }
 
     fn waker(&self) -> super::Waker {

@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nixl_sys::{Agent, MemType};
 
@@ -104,7 +104,17 @@ impl Bounce {
                 } else {
                     BindSpec::auto()
                 };
-                let ch = ZmqChannel::new(&bind, ZmqConfig::default()).map_err(|e| e.to_string())?;
+                let defaults = ZmqConfig::default();
+                let zmq = ZmqConfig {
+                    liveness_timeout: (config.peer_liveness_timeout_ms > 0)
+                        .then(|| Duration::from_millis(config.peer_liveness_timeout_ms)),
+                    send_hwm: shared
+                        .failpoints
+                        .value("control_send_hwm")
+                        .map_or(defaults.send_hwm, |n| n.clamp(1, i32::MAX as u64) as i32),
+                    ..defaults
+                };
+                let ch = ZmqChannel::new(&bind, zmq).map_err(|e| e.to_string())?;
                 (Box::new(ch), ControlKind::Zmq)
             };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
@@ -133,8 +143,13 @@ impl Bounce {
             access_key,
             ..local_handshake(config, control)
         };
+        // Play peers built without a capability (tests of the negotiation).
         if shared.failpoints.is_set("advertise_no_read") {
-            handshake.capabilities = Capabilities::CANCEL;
+            handshake.capabilities = Capabilities(handshake.capabilities.0 & !Capabilities::READ.0);
+        }
+        if shared.failpoints.is_set("no_cancel_capability") {
+            handshake.capabilities =
+                Capabilities(handshake.capabilities.0 & !Capabilities::CANCEL.0);
         }
         let notifier = shared.inner.clone();
         let loader = shared.inner.clone();
@@ -184,10 +199,28 @@ impl Bounce {
         }
     }
 
-    /// Forgets `peer` if this instance knew it.
+    /// Forgets `peer`: as a target of our writes, and as a sender whose
+    /// flows we serve (which we may hold without ever having written to it).
     pub fn forget_peer(&self, peer: &PeerId) {
-        if self.known_peers.lock().expect("known peers").remove(peer) {
-            self.runtime.forget_peer(peer.clone());
+        self.known_peers.lock().expect("known peers").remove(peer);
+        self.runtime.forget_peer(peer.clone());
+    }
+}
+
+impl Drop for Bounce {
+    /// Stops the reactor first. An arena it could not prove quiescent (a
+    /// write or copy that never ended) is poisoned: a transport may still
+    /// read or write it, so its memory is leaked rather than handed back to
+    /// the allocator (fail-closed).
+    fn drop(&mut self) {
+        self.runtime.stop();
+        if let Some(why) = self.runtime.poisoned() {
+            tracing::error!(
+                location = %self.location,
+                bytes = self._arena.len(),
+                "leaking the poisoned bounce arena ({why}): it may still be written"
+            );
+            std::mem::forget(self._arena.clone());
         }
     }
 }
@@ -246,12 +279,13 @@ pub struct PeerBounce {
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
+/// On refusal: the counter naming the reason, and the reason.
 pub fn admit(
     config: &Config,
     kind: MemKind,
     inner_agent: &str,
     peer: &Handshake,
-) -> Result<PeerBounce, String> {
+) -> Result<PeerBounce, (&'static str, String)> {
     let control = if config.use_nixl_notifications {
         ControlKind::NixlNotif
     } else {
@@ -259,8 +293,11 @@ pub fn admit(
     };
     local_handshake(config, control)
         .check_compatible(peer)
-        .map_err(|e: Incompatible| e.to_string())?;
-    let id = peer_id_of(&peer.endpoint).ok_or("the peer's control endpoint is not text")?;
+        .map_err(|e: Incompatible| (incompatibility_counter(&e), e.to_string()))?;
+    let id = peer_id_of(&peer.endpoint).ok_or((
+        "peer_incompatible_endpoint",
+        "the peer's control endpoint is not text".to_string(),
+    ))?;
     Ok(PeerBounce {
         id,
         key: peer.access_key,
@@ -275,6 +312,18 @@ pub fn admit(
             },
         },
     })
+}
+
+/// The counter an incompatible peer instance bumps (its transfers then
+/// count as `fallback_peer_not_bounce_capable`).
+fn incompatibility_counter(e: &Incompatible) -> &'static str {
+    match e {
+        Incompatible::WireVersion { .. } => "peer_incompatible_wire_version",
+        Incompatible::ControlKind { .. } => "peer_incompatible_control_kind",
+        Incompatible::MaxChunk { .. } => "peer_incompatible_chunk_size",
+        Incompatible::NoCancel => "peer_incompatible_no_cancel",
+        Incompatible::NoEndpoint => "peer_incompatible_endpoint",
+    }
 }
 
 /// The protocol's name for a peer: its control endpoint up to the first NUL

@@ -681,7 +681,8 @@ impl Engine {
         };
         let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer) {
             Ok(p) => p,
-            Err(why) => {
+            Err((counter, why)) => {
+                self.stats.bump_named(counter);
                 tracing::info!(
                     remote,
                     "peer's bounce path is incompatible ({why}); using UCX for that memory"
@@ -1214,7 +1215,7 @@ fn failure_status(reason: crate::proto::FailureReason) -> Status {
     use crate::proto::FailureReason as F;
     match reason {
         F::Cancelled => Status::Canceled,
-        F::PeerLost => Status::RemoteDisconnect,
+        F::PeerLost | F::PeerUnreachable => Status::RemoteDisconnect,
         F::SourceRefused => Status::InvalidParam,
         _ => Status::Backend,
     }

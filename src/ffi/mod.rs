@@ -762,3 +762,25 @@ pub unsafe extern "C" fn nixl_bounce_stats(
     }))
     .unwrap_or(-1)
 }
+
+/// Writes a JSON array of every bounce arena poisoned in this process
+/// (`[{"arena": "<agent> <location>", "reason": "..."}]`, oldest first,
+/// `[]` when none) into `buf` (up to `cap` bytes) and returns its full
+/// length (call again with a larger buffer if it exceeds `cap`), or -1 on an
+/// internal error. A poisoned arena is never used again; its engine's
+/// transfers take the UCX path.
+///
+/// # Safety
+/// `buf` points to `cap` writable bytes (or `cap` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn nixl_bounce_poisoned(buf: *mut u8, cap: usize) -> isize {
+    catch_unwind(AssertUnwindSafe(|| {
+        let json = serde_json::to_vec(&crate::stats::local_poisoned()).unwrap_or_default();
+        if !buf.is_null() && json.len() <= cap {
+            // SAFETY: buf has cap >= json.len() writable bytes (caller contract).
+            unsafe { std::ptr::copy_nonoverlapping(json.as_ptr(), buf, json.len()) };
+        }
+        json.len() as isize
+    }))
+    .unwrap_or(-1)
+}

@@ -108,6 +108,10 @@ pub enum FailureReason {
     Cancelled,
     /// The peer was forgotten (lost).
     PeerLost,
+    /// The control channel to the peer is down (the peer died, hangs, or
+    /// the network is gone); unlike [`FailureReason::PeerLost`] its data
+    /// path is still there, so the CANCEL still follows.
+    PeerUnreachable,
     /// A write failed.
     WriteFailed,
     /// A gather failed.
@@ -874,6 +878,21 @@ impl Endpoint {
         self.pump(now);
     }
 
+    /// The control channel to `peer` is down (the peer died, is stopped, or
+    /// the network between us is gone) while its data path may still be up:
+    /// its live requests fail with [`FailureReason::PeerUnreachable`] (their
+    /// CANCEL still follows once their writes ended, for a peer that comes
+    /// back), and its live flows are aborted, their regions quarantined (a
+    /// stopped peer may still write when it resumes) until its CANCEL or
+    /// [`Endpoint::forget_peer`].
+    pub fn peer_unreachable(&mut self, now: Time, peer: &PeerId) {
+        self.sender
+            .fail_peer(&mut self.ctx, peer, FailureReason::PeerUnreachable);
+        self.receiver
+            .abort_peer(&mut self.ctx, now, peer, super::wire::RefuseReason::Expired);
+        self.pump(now);
+    }
+
     /// Records the access key of `peer` (from its handshake): every WANT and
     /// CANCEL sent to it carries this key.
     pub fn set_peer_key(&mut self, peer: &PeerId, key: u64) {
@@ -1364,6 +1383,54 @@ mod tests {
         assert!(completes(&acts).is_empty());
         assert_eq!(tx.request_count(), 0);
         tx.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn unreachable_peer_fails_its_requests_and_cancels_once_writes_end() {
+        let (a, b) = (PeerId::new("A"), PeerId::new("B"));
+        let mut tx = Endpoint::new(cfg(false)).unwrap();
+        let mut rx = Endpoint::new(cfg(false)).unwrap();
+        let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
+        let want = sent(&drain(&mut tx))[0].clone();
+        rx.handle_message(t(1), &a, want);
+        let grant = sent(&drain(&mut rx))[0].clone();
+        tx.handle_message(t(2), &b, grant);
+        let Action::StartGather { chunk, .. } = drain(&mut tx)[0].clone() else {
+            panic!()
+        };
+        tx.handle_gather_done(t(3), chunk);
+        assert!(matches!(drain(&mut tx)[0], Action::PostWrite { .. }));
+        // Both sides lose the control channel while the write runs.
+        tx.peer_unreachable(t(4), &b);
+        let acts = drain(&mut tx);
+        assert_eq!(
+            completes(&acts),
+            vec![(id, Outcome::Failure(FailureReason::PeerUnreachable))]
+        );
+        assert!(sent(&acts).is_empty(), "no CANCEL while the write runs");
+        rx.peer_unreachable(t(4), &a);
+        let acts = drain(&mut rx);
+        assert!(matches!(
+            sent(&acts)[..],
+            [Message::Refuse {
+                reason: RefuseReason::Expired,
+                ..
+            }]
+        ));
+        assert!(
+            rx.arena_usage().quarantine > 0,
+            "a stopped sender may still write"
+        );
+        tx.handle_write_done(t(5), chunk);
+        let cancel = sent(&drain(&mut tx))[0].clone();
+        assert_eq!(cancel, Message::cancel(id, b"ep".to_vec(), 0));
+        // The peer comes back: its CANCEL frees the quarantine.
+        rx.handle_message(t(6), &a, cancel);
+        drain(&mut rx);
+        assert_eq!(rx.arena_usage().quarantine, 0);
+        assert_eq!(tx.request_count(), 0);
+        tx.check_invariants().unwrap();
+        rx.check_invariants().unwrap();
     }
 
     #[test]

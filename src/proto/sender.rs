@@ -774,8 +774,8 @@ impl Sender {
         }
     }
 
-    pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
-        self.reader_paths.remove(peer);
+    /// Fails every live request to `peer` with `reason`.
+    pub fn fail_peer(&mut self, ctx: &mut Ctx, peer: &PeerId, reason: FailureReason) {
         let ids: Vec<RequestId> = self
             .requests
             .iter()
@@ -783,10 +783,15 @@ impl Sender {
             .map(|(&id, _)| id)
             .collect();
         for id in ids {
-            self.fail(ctx, id, FailureReason::PeerLost);
-            if let Some(r) = self.requests.get_mut(&id) {
-                r.cancel_pending = false;
-            }
+            self.fail(ctx, id, reason);
+        }
+    }
+
+    pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
+        self.reader_paths.remove(peer);
+        self.fail_peer(ctx, peer, FailureReason::PeerLost);
+        for r in self.requests.values_mut().filter(|r| r.peer == *peer) {
+            r.cancel_pending = false;
         }
     }
 

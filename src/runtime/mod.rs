@@ -12,7 +12,7 @@
 //! [`IDLE_WAIT`], until the next protocol timer, or until woken (application
 //! submissions and finished copies wake the channel).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -29,6 +29,9 @@ use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Longest the idle reactor sleeps in the control channel.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);
+/// How often the reactor asks the control channel which peers are
+/// unreachable.
+pub const LIVENESS_CHECK_EVERY: Duration = Duration::from_millis(100);
 /// How long a forgotten peer's in-flight writes may take to finish before
 /// the arena is declared poisoned.
 pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
@@ -130,6 +133,11 @@ pub struct RuntimeCounters {
     /// Requests that passed their deadline.
     pub deadlines: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Times a peer was found unreachable (control connection down too
+    /// long; once per outage).
+    pub peers_unreachable: AtomicU64,
+    /// The arena now, in bytes, by owner (gauges; they sum to its capacity).
+    pub arena: ArenaGauges,
     /// Time spent, summed over operations (for the benchmark's breakdown):
     /// gathers and scatters running, copy jobs waiting for a worker, chunk
     /// writes from post to completion, requests from submission to outcome.
@@ -144,6 +152,21 @@ pub struct RuntimeCounters {
     /// DATA sent -> its ACK (the peer's scatter included).
     pub grant_wait_ns: AtomicU64,
     pub ack_wait_ns: AtomicU64,
+}
+
+/// Where the arena's bytes are, updated after every protocol event.
+#[derive(Debug, Default)]
+pub struct ArenaGauges {
+    pub free: AtomicU64,
+    pub reserve: AtomicU64,
+    /// Granted to remote flows.
+    pub flows: AtomicU64,
+    /// Local gather staging.
+    pub local: AtomicU64,
+    /// Reclaimed, waiting for an operation still running on them.
+    pub orphan: AtomicU64,
+    /// Kept from a sender that may still write.
+    pub quarantine: AtomicU64,
 }
 
 /// Application memory the copies may touch, and what they touch now.
@@ -462,10 +485,14 @@ impl Runtime {
             let waker = shared.waker.clone();
             let t = targets.clone();
             let spin = parts.busy_poll;
+            let delays = (
+                parts.failpoints.delay("delay_gather_ms"),
+                parts.failpoints.delay("delay_scatter_ms"),
+            );
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("bounce-copy-{i}"))
-                    .spawn(move || copy_worker(rx, tx, copier, waker, t, spin))?,
+                    .spawn(move || copy_worker(rx, tx, copier, waker, t, spin, delays))?,
             );
         }
         let (write_tx, write_rx) = mpsc::channel::<WriteJob>();
@@ -473,9 +500,12 @@ impl Runtime {
         let writer = {
             let (data, waker, sh) = (parts.data, shared.waker.clone(), shared.clone());
             let spin = parts.busy_poll;
+            let delay = parts.failpoints.delay("delay_write_ms");
             std::thread::Builder::new()
                 .name(format!("bounce-write-{}", parts.name))
-                .spawn(move || write_worker(data, write_rx, write_done_tx, waker, sh, spin))?
+                .spawn(move || {
+                    write_worker(data, write_rx, write_done_tx, waker, sh, spin, delay)
+                })?
         };
         let mut endpoint = parts.endpoint;
         endpoint.set_source_check(Box::new(RegisteredSources(targets.clone())));
@@ -501,6 +531,8 @@ impl Runtime {
             writes: Vec::new(),
             peers: HashMap::new(),
             handles: HashMap::new(),
+            unreachable: HashSet::new(),
+            liveness_checked: Instant::now(),
             tickets: HashMap::new(),
             awaiting_grant: HashMap::new(),
             awaiting_ack: HashMap::new(),
@@ -633,6 +665,13 @@ impl Runtime {
                 ("bounce_timeouts", &c.timeouts),
                 ("bounce_deadlines_exceeded", &c.deadlines),
                 ("bounce_cancels", &c.cancelled),
+                ("peers_unreachable", &c.peers_unreachable),
+                ("arena_free_bytes", &c.arena.free),
+                ("arena_reserve_bytes", &c.arena.reserve),
+                ("arena_flow_bytes", &c.arena.flows),
+                ("arena_local_bytes", &c.arena.local),
+                ("arena_orphan_bytes", &c.arena.orphan),
+                ("arena_quarantine_bytes", &c.arena.quarantine),
                 ("gather_ns", &c.gather_ns),
                 ("scatter_ns", &c.scatter_ns),
                 ("copy_queue_ns", &c.copy_queue_ns),
@@ -657,8 +696,10 @@ impl Runtime {
     }
 }
 
-impl Drop for Runtime {
-    fn drop(&mut self) {
+impl Runtime {
+    /// Shuts the reactor down (see [`Runtime`]); idempotent. Afterwards
+    /// [`Runtime::poisoned`] says whether the arena may still be touched.
+    pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         (self.shared.waker)();
         if let Some(t) = self.thread.take() {
@@ -666,6 +707,12 @@ impl Drop for Runtime {
                 tracing::error!("the bounce reactor thread panicked during shutdown");
             }
         }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
@@ -720,11 +767,20 @@ fn copy_worker(
     waker: crate::control::Waker,
     targets: Arc<ScatterTargets>,
     spin: Duration,
+    // Failpoint delays of gathers and scatters (zero normally).
+    (gather_delay, scatter_delay): (Duration, Duration),
 ) {
     loop {
         let Some(job) = next_job(&jobs, spin) else {
             return; // the reactor is gone
         };
+        let delay = match job.id {
+            CopyId::Gather(_) => gather_delay,
+            CopyId::Scatter(_) => scatter_delay,
+        };
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
         let started = Instant::now();
         let queued = started.duration_since(job.queued_at);
         let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -783,6 +839,8 @@ fn write_worker(
     waker: crate::control::Waker,
     shared: Arc<Shared>,
     spin: Duration,
+    // Failpoint delay before each post (zero normally).
+    delay: Duration,
 ) {
     let jobs = Mutex::new(jobs);
     let mut pending: Vec<(ChunkRef, ChunkWrite)> = Vec::new();
@@ -809,6 +867,9 @@ fn write_worker(
         let mut progressed = false;
         if let Some(j) = job {
             progressed = true;
+            if !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
             let t = Instant::now();
             let posted = data.post_write(&j.arena, j.local, j.remote, j.len);
             shared
@@ -897,6 +958,10 @@ struct Reactor {
     peers: HashMap<PeerId, PeerState>,
     /// Control-channel handles by peer.
     handles: HashMap<PeerId, PeerHandle>,
+    /// Peers the control channel reports unreachable, and when it was last
+    /// asked.
+    unreachable: HashSet<PeerId>,
+    liveness_checked: Instant,
     tickets: HashMap<RequestId, (Arc<Ticket>, Option<DeferredNotif>, Instant)>,
     /// For the control round-trip timers: requests still waiting for their
     /// first GRANT, and DATA messages waiting for their ACK.
@@ -933,6 +998,7 @@ impl Reactor {
             } else if spinning {
                 std::thread::yield_now();
             }
+            self.check_liveness();
             self.fire_timers();
             self.execute_actions();
         }
@@ -945,6 +1011,35 @@ impl Reactor {
             || self.endpoint.flow_count() > 0
             || self.copies_in_flight > 0
             || !self.writes.is_empty()
+    }
+
+    /// Peers the control channel reports unreachable: their requests
+    /// (also those submitted during the outage) fail and their flows are
+    /// aborted, instead of waiting for timeouts.
+    fn check_liveness(&mut self) {
+        if self.liveness_checked.elapsed() < LIVENESS_CHECK_EVERY {
+            return;
+        }
+        self.liveness_checked = Instant::now();
+        let down = self.channel.unreachable_peers();
+        let peers: Vec<PeerId> = self
+            .handles
+            .iter()
+            .filter(|(_, h)| down.contains(h))
+            .map(|(p, _)| p.clone())
+            .collect();
+        self.unreachable.retain(|p| peers.contains(p));
+        for peer in peers {
+            if self.unreachable.insert(peer.clone()) {
+                self.shared
+                    .counters
+                    .peers_unreachable
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(agent = %self.name, %peer, "peer unreachable: failing its requests, aborting its flows");
+            }
+            let now = self.now();
+            self.endpoint.peer_unreachable(now, &peer);
+        }
     }
 
     fn drain_commands(&mut self) -> bool {
@@ -1117,6 +1212,10 @@ impl Reactor {
                 Ok(Some(incoming)) => {
                     any = true;
                     wait = Duration::ZERO;
+                    // Commands queued before this message arrived apply
+                    // first: forgetting a peer, then loading it again, must
+                    // not forget the flow its next WANT opens.
+                    self.drain_commands();
                     let Some(from) = incoming.from.as_str().map(PeerId::new) else {
                         tracing::warn!(agent = %self.name, "control message from a non-UTF-8 endpoint dropped");
                         continue;
@@ -1209,7 +1308,9 @@ impl Reactor {
                     }
                 }
                 Action::Send { peer, message } => {
-                    if self.failpoints.is_set("drop_control") {
+                    let withheld = matches!(message, crate::proto::wire::Message::Grant { .. })
+                        && self.failpoints.is_set("withhold_grant");
+                    if withheld || self.failpoints.is_set("drop_control") {
                         self.shared
                             .counters
                             .control_send_drops
@@ -1288,6 +1389,8 @@ impl Reactor {
                         _ if self.failpoints.is_set("fail_chunk_writes") => {
                             Err("failpoint fail_chunk_writes".to_string())
                         }
+                        // Accepted, never posted, never ending: a hung transport.
+                        Some(_) if self.failpoints.is_set("stuck_chunk_writes") => Ok(()),
                         Some(p) => {
                             let job = WriteJob {
                                 chunk,
@@ -1331,10 +1434,7 @@ impl Reactor {
                     }
                 }
                 Action::Complete { request, outcome } => self.complete(request, outcome),
-                Action::Poisoned { cause } => {
-                    tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
-                    *self.shared.poisoned.lock().expect("poisoned") = Some(cause);
-                }
+                Action::Poisoned { cause } => self.mark_poisoned(cause),
             }
         }
         let s = self.endpoint.stats();
@@ -1344,6 +1444,28 @@ impl Reactor {
         c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
         c.reads_served.store(s.reads_served, Ordering::Relaxed);
         c.reads_refused.store(s.reads_refused, Ordering::Relaxed);
+        let held = self.endpoint.arena_usage();
+        let a = &c.arena;
+        a.free.store(self.endpoint.arena_free(), Ordering::Relaxed);
+        a.reserve.store(held.reserve, Ordering::Relaxed);
+        a.flows.store(held.flows, Ordering::Relaxed);
+        a.local.store(held.local, Ordering::Relaxed);
+        a.orphan.store(held.orphan, Ordering::Relaxed);
+        a.quarantine.store(held.quarantine, Ordering::Relaxed);
+    }
+
+    /// Records that the arena is poisoned (for this engine's stats and the
+    /// process-wide report), with an error log saying why; the first cause
+    /// is the one kept.
+    fn mark_poisoned(&self, cause: String) {
+        let mut poisoned = self.shared.poisoned.lock().expect("poisoned");
+        if poisoned.is_none() {
+            tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
+            crate::stats::record_poisoned(&self.name, &cause);
+            *poisoned = Some(cause);
+        } else {
+            tracing::error!(agent = %self.name, "bounce arena (already poisoned): {cause}");
+        }
     }
 
     fn start_copy(
@@ -1450,14 +1572,11 @@ impl Reactor {
             }
         }
         if self.copies_in_flight > 0 || !self.writes.is_empty() {
-            tracing::error!(
-                agent = %self.name,
-                copies = self.copies_in_flight,
-                writes = self.writes.len(),
-                "shutdown: operations still running after {QUIESCE_BOUND:?}; arena left poisoned"
-            );
-            *self.shared.poisoned.lock().expect("poisoned") =
-                Some("shutdown with operations in flight".into());
+            self.mark_poisoned(format!(
+                "shutdown with {} copies and {} chunk writes still running after {QUIESCE_BOUND:?}",
+                self.copies_in_flight,
+                self.writes.len()
+            ));
         }
         for (_, (ticket, _, _)) in self.tickets.drain() {
             ticket.finish(Err(FailureReason::Shutdown));

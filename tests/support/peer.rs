@@ -24,6 +24,13 @@
 //!   (also the check after a READ into this buffer);
 //! - `WAIT_NOTIF <from> <notif hex>`;
 //! - `CHECK_UNCHANGED <seed>`;
+//! - `WRITE_BG <peer> <peer addr> <n> <plan seed>`: post that WRITE and
+//!   reply at once, leaving it running (fault tests kill the process then);
+//! - `WAIT_BG <ms>`: wait (bounded) until every WRITE_BG request is
+//!   terminal; replies `<succeeded> <failed> <elapsed us>`;
+//! - `CHECK_OUTSIDE <n> <plan seed> <seed>`: every byte outside the plan's
+//!   destinations still holds the seed's pattern;
+//! - `FORGET <peer>`: invalidate the peer's metadata;
 //! - `STATS`: this agent's BOUNCE counters as one JSON line;
 //! - `NETDEV <dev>`: `<rx bytes> <tx bytes>` of a network device as this
 //!   process sees it;
@@ -32,7 +39,7 @@
 
 use crate::bounce::*;
 use crate::common::*;
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::{ThreadSync, XferOp, XferStatus};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
@@ -121,6 +128,8 @@ pub fn peer_main() {
         }
     };
     let md = node.local_md().expect("local md");
+    // Requests left running by WRITE_BG.
+    let mut background = Vec::new();
     reply(&format!(
         "HELLO {} {} {} {}",
         node.name,
@@ -195,6 +204,55 @@ pub fn peer_main() {
                 buf.check_guards()?;
                 Ok(String::new())
             })(),
+            Some("WRITE_BG") => (|| {
+                let p = plan(len, num(3) as usize, num(4));
+                let req =
+                    node.create_xfer(XferOp::Write, &p, buf.addr(), num(2) as usize, w[1], None)?;
+                node.agent
+                    .post_xfer_req(&req, None)
+                    .map_err(|e| format!("post_xfer_req: {e:?}"))?;
+                background.push(req);
+                Ok(String::new())
+            })(),
+            Some("WAIT_BG") => (|| {
+                let bound = Duration::from_millis(num(1));
+                let t0 = Instant::now();
+                let (mut ok, mut failed) = (0, 0);
+                for req in background.drain(..) {
+                    loop {
+                        match node.agent.get_xfer_status(&req) {
+                            Ok(XferStatus::Success) => ok += 1,
+                            Ok(XferStatus::InProgress) if t0.elapsed() < bound => {
+                                std::thread::sleep(Duration::from_millis(1));
+                                continue;
+                            }
+                            Ok(XferStatus::InProgress) => {
+                                return Err(format!("a request still runs after {bound:?}"))
+                            }
+                            Err(_) => failed += 1,
+                        }
+                        break;
+                    }
+                }
+                Ok(format!("{ok} {failed} {}", t0.elapsed().as_micros()))
+            })(),
+            Some("CHECK_OUTSIDE") => {
+                let p = plan(len, num(1) as usize, num(2));
+                let before = pattern(len, num(3));
+                let mut inside = vec![false; len];
+                for d in &p.dst {
+                    inside[*d..*d + p.block].iter_mut().for_each(|b| *b = true);
+                }
+                match (0..len).find(|&i| !inside[i] && buf.as_slice()[i] != before[i]) {
+                    Some(i) => Err(format!("byte {i} outside every destination changed")),
+                    None => buf.check_guards().map(|_| String::new()),
+                }
+            }
+            Some("FORGET") => node
+                .agent
+                .invalidate_remote_md(w[1])
+                .map(|_| String::new())
+                .map_err(|e| format!("invalidate_remote_md: {e:?}")),
             Some("CHECK_UNCHANGED") => {
                 verify_bytes(buf.as_slice(), &pattern(len, num(1)), |_| "source".into())
                     .and_then(|_| buf.check_guards())
@@ -343,6 +401,26 @@ impl Peer {
             None if r == "BYE" => r,
             None => panic!("{} peer: unexpected reply to {what}: {r}", self.label),
         }
+    }
+
+    /// Sends `signal` to the peer process.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid (not yet reaped: we hold
+        // the Child and only wait for it in kill9/finish/drop).
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(
+            rc,
+            0,
+            "kill({}, {signal}): {}",
+            self.child.id(),
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// `kill -9`, then reaps the process.
+    pub fn kill9(mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
     }
 
     pub fn stats(&mut self) -> Counters {
