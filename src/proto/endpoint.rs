@@ -248,6 +248,30 @@ pub enum SubmitError {
     },
 }
 
+/// When a live request expires: at its deadline or `timeout` after its
+/// last progress, whichever comes first.
+pub(crate) fn expiry(last_progress: Time, deadline: Option<Time>, timeout: Duration) -> Time {
+    let t = last_progress.after(timeout);
+    deadline.map_or(t, |d| d.min(t))
+}
+
+/// The failure due at `now` for a live request, if any: a passed deadline
+/// (even with progress) before the no-progress timeout.
+pub(crate) fn due_failure(
+    now: Time,
+    last_progress: Time,
+    deadline: Option<Time>,
+    timeout: Duration,
+) -> Option<FailureReason> {
+    if deadline.is_some_and(|d| now >= d) {
+        Some(FailureReason::DeadlineExceeded)
+    } else if now >= last_progress.after(timeout) {
+        Some(FailureReason::Timeout)
+    } else {
+        None
+    }
+}
+
 /// Counters for observability (and the simulation's checks).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {

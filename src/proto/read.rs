@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::endpoint::{Action, Ctx, FailureReason, Outcome, SubmitError};
+use super::endpoint::{due_failure, expiry, Action, Ctx, FailureReason, Outcome, SubmitError};
 use super::plan::Plan;
 use super::wire::{Message, ReadChunk, RefuseReason};
 use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Runs, Time};
@@ -357,13 +357,7 @@ impl Reads {
             .iter()
             .filter(|(_, r)| r.active())
             .filter_map(|(&id, r)| {
-                if r.deadline.is_some_and(|d| now >= d) {
-                    Some((id, FailureReason::DeadlineExceeded))
-                } else if now >= r.last_progress.after(timeout) {
-                    Some((id, FailureReason::Timeout))
-                } else {
-                    None
-                }
+                due_failure(now, r.last_progress, r.deadline, timeout).map(|why| (id, why))
             })
             .collect();
         for (id, reason) in due {
@@ -375,10 +369,7 @@ impl Reads {
         self.reads
             .values()
             .filter(|r| r.active())
-            .map(|r| {
-                let t = r.last_progress.after(ctx.cfg.request_timeout);
-                r.deadline.map_or(t, |d| d.min(t))
-            })
+            .map(|r| expiry(r.last_progress, r.deadline, ctx.cfg.request_timeout))
             .min()
     }
 

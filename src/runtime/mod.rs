@@ -572,16 +572,7 @@ impl Runtime {
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
     ) -> Arc<Ticket> {
-        let ticket = Ticket::new();
-        self.push(Command::Submit {
-            read: false,
-            peer,
-            plan,
-            ticket: ticket.clone(),
-            notif,
-            deadline,
-        });
-        ticket
+        self.submit_command(false, peer, plan, notif, deadline)
     }
 
     /// Starts a bounce READ from `peer` of a plan made by
@@ -596,9 +587,20 @@ impl Runtime {
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
     ) -> Arc<Ticket> {
+        self.submit_command(true, peer, plan, notif, deadline)
+    }
+
+    fn submit_command(
+        &self,
+        read: bool,
+        peer: PeerId,
+        plan: Arc<Plan>,
+        notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
+    ) -> Arc<Ticket> {
         let ticket = Ticket::new();
         self.push(Command::Submit {
-            read: true,
+            read,
             peer,
             plan,
             ticket: ticket.clone(),
