@@ -264,6 +264,33 @@ impl<'a> Reader<'a> {
         Ok(n)
     }
 
+    /// Reads and checks a 4-byte magic then a u16 version (named `magic`
+    /// and `version` in errors).
+    pub fn header(
+        &mut self,
+        magic: [u8; 4],
+        magic_name: &'static str,
+        version: u16,
+        version_name: &'static str,
+    ) -> Result<(), WireError> {
+        let found: [u8; 4] = self.array(magic_name)?;
+        if found != magic {
+            return Err(WireError::BadMagic {
+                found,
+                expected: magic,
+            });
+        }
+        let found = self.u16(version_name)?;
+        if found != version {
+            return Err(WireError::Version {
+                what: version_name,
+                found,
+                supported: version,
+            });
+        }
+        Ok(())
+    }
+
     /// Fails if any byte is left.
     pub fn finish(&self, what: &'static str) -> Result<(), WireError> {
         match self.remaining() {
@@ -698,21 +725,7 @@ impl Message {
     /// Decodes one message; the input must be exactly one message.
     pub fn decode(bytes: &[u8]) -> Result<Message, WireError> {
         let mut r = Reader::new(bytes);
-        let magic: [u8; 4] = r.array("magic")?;
-        if magic != MESSAGE_MAGIC {
-            return Err(WireError::BadMagic {
-                found: magic,
-                expected: MESSAGE_MAGIC,
-            });
-        }
-        let version = r.u16("wire version")?;
-        if version != WIRE_VERSION {
-            return Err(WireError::Version {
-                what: "wire",
-                found: version,
-                supported: WIRE_VERSION,
-            });
-        }
+        r.header(MESSAGE_MAGIC, "magic", WIRE_VERSION, "wire")?;
         let ty = r.u8("message type")?;
         let flags = r.u8("header flags")?;
         let declared = r.u32("payload length")?;
@@ -1042,21 +1055,12 @@ impl Handshake {
     /// Decodes a blob; the input must be exactly one blob.
     pub fn decode(bytes: &[u8]) -> Result<Handshake, WireError> {
         let mut r = Reader::new(bytes);
-        let magic: [u8; 4] = r.array("handshake magic")?;
-        if magic != HANDSHAKE_MAGIC {
-            return Err(WireError::BadMagic {
-                found: magic,
-                expected: HANDSHAKE_MAGIC,
-            });
-        }
-        let format = r.u16("handshake format")?;
-        if format != HANDSHAKE_FORMAT {
-            return Err(WireError::Version {
-                what: "handshake format",
-                found: format,
-                supported: HANDSHAKE_FORMAT,
-            });
-        }
+        r.header(
+            HANDSHAKE_MAGIC,
+            "handshake magic",
+            HANDSHAKE_FORMAT,
+            "handshake format",
+        )?;
         let wire_version = r.u16("wire version")?;
         let control = match r.u8("control kind")? {
             1 => ControlKind::Zmq,
