@@ -185,6 +185,21 @@ fn sink_bytes(sink: bounce_sink_t, ctx: *mut c_void, bytes: &[u8]) -> Result<(),
     Ok(())
 }
 
+/// Hands `value` to the shim through its out-pointer; the shim owns it
+/// from then on and gives it back through the matching release entry.
+fn hand_out<T>(out: *mut *mut T, value: Box<T>, what: &str) -> Result<(), Error> {
+    if out.is_null() {
+        return Err(Error::new(
+            Status::InvalidParam,
+            format!("null out-pointer for {what}"),
+        ));
+    }
+    // SAFETY: non-null, and every entry that hands out an object is called
+    // by the shim with the address of a local pointer to fill.
+    unsafe { *out = Box::into_raw(value) };
+    Ok(())
+}
+
 /// # Safety
 /// `md` is null or a live bounce_md_t owned by the caller.
 unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
@@ -370,8 +385,7 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
             },
             MemKind::from_nixl(mem)?,
         )?;
-        // SAFETY: the shim passes the address of a local pointer.
-        unsafe { *out = Box::into_raw(md) };
+        hand_out(out, md, "the memory descriptor")?;
         Ok(Status::Success)
     })
 }
@@ -502,8 +516,7 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
             MemKind::from_nixl(mem)?,
             data,
         )?;
-        // SAFETY: the shim passes the address of a local pointer.
-        unsafe { *out = Box::into_raw(md) };
+        hand_out(out, md, "the memory descriptor")?;
         Ok(Status::Success)
     })
 }
@@ -519,8 +532,7 @@ pub unsafe extern "C" fn bounce_engine_load_local_md(
     with_engine(engine, "loadLocalMD", |e| {
         // SAFETY: caller contract.
         let md = e.load_local_md(unsafe { md_ref(input) }?)?;
-        // SAFETY: the shim passes the address of a local pointer.
-        unsafe { *out = Box::into_raw(md) };
+        hand_out(out, md, "the memory descriptor")?;
         Ok(Status::Success)
     })
 }
@@ -583,8 +595,7 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             )
         };
         let request = e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)?;
-        // SAFETY: the shim passes the address of a local pointer.
-        unsafe { *req = Box::into_raw(Box::new(request)) };
+        hand_out(req, Box::new(request), "the transfer request")?;
         Ok(Status::Success)
     })
 }
