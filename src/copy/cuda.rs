@@ -1428,8 +1428,9 @@ impl Default for CopyOptions {
 pub struct CudaCopy {
     pool: Arc<ExecPool>,
     opts: CopyOptions,
-    /// Host time to launch (context, table fill, upload, launch) and time
-    /// waiting for the device, per direction: `[gather, scatter]`.
+    /// Host time to launch (waiting for a free execution context, then
+    /// binding, table fill, upload, launch) and time waiting for the
+    /// device, per direction: `[gather, scatter]`.
     launch_ns: [AtomicU64; 2],
     wait_ns: [AtomicU64; 2],
 }

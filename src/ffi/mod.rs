@@ -185,19 +185,26 @@ fn sink_bytes(sink: bounce_sink_t, ctx: *mut c_void, bytes: &[u8]) -> Result<(),
     Ok(())
 }
 
-/// Hands `value` to the shim through its out-pointer; the shim owns it
-/// from then on and gives it back through the matching release entry.
-fn hand_out<T>(out: *mut *mut T, value: Box<T>, what: &str) -> Result<(), Error> {
-    if out.is_null() {
-        return Err(Error::new(
-            Status::InvalidParam,
-            format!("null out-pointer for {what}"),
-        ));
+/// Where an entry hands an object to the shim: its out-pointer, checked
+/// non-null before the entry does any work (so a bad call changes nothing).
+struct OutSlot<T>(std::ptr::NonNull<*mut T>);
+
+/// # Safety
+/// `out` is null or valid for writing one pointer (every entry that hands
+/// out an object is called by the shim with the address of a local).
+unsafe fn out_slot<T>(out: *mut *mut T, what: &str) -> Result<OutSlot<T>, Error> {
+    std::ptr::NonNull::new(out)
+        .map(OutSlot)
+        .ok_or_else(|| Error::new(Status::InvalidParam, format!("null out-pointer for {what}")))
+}
+
+impl<T> OutSlot<T> {
+    /// Hands `value` over: the shim owns it from then on and gives it back
+    /// through the matching release entry.
+    fn put(self, value: Box<T>) {
+        // SAFETY: non-null and writable per `out_slot`'s contract.
+        unsafe { *self.0.as_ptr() = Box::into_raw(value) };
     }
-    // SAFETY: non-null, and every entry that hands out an object is called
-    // by the shim with the address of a local pointer to fill.
-    unsafe { *out = Box::into_raw(value) };
-    Ok(())
 }
 
 /// # Safety
@@ -377,6 +384,8 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
     out: *mut *mut Md,
 ) -> i32 {
     with_engine(engine, "registerMem", |e| {
+        // SAFETY: `out` comes from the shim (see `out_slot`).
+        let slot = unsafe { out_slot(out, "the memory descriptor") }?;
         let md = e.register_mem(
             Range {
                 addr,
@@ -385,7 +394,7 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
             },
             MemKind::from_nixl(mem)?,
         )?;
-        hand_out(out, md, "the memory descriptor")?;
+        slot.put(md);
         Ok(Status::Success)
     })
 }
@@ -499,6 +508,8 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
     out: *mut *mut Md,
 ) -> i32 {
     with_engine(engine, "loadRemoteMD", |e| {
+        // SAFETY: `out` comes from the shim (see `out_slot`).
+        let slot = unsafe { out_slot(out, "the memory descriptor") }?;
         // SAFETY: caller contract.
         let (agent, data) = unsafe {
             (
@@ -516,7 +527,7 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
             MemKind::from_nixl(mem)?,
             data,
         )?;
-        hand_out(out, md, "the memory descriptor")?;
+        slot.put(md);
         Ok(Status::Success)
     })
 }
@@ -530,9 +541,11 @@ pub unsafe extern "C" fn bounce_engine_load_local_md(
     out: *mut *mut Md,
 ) -> i32 {
     with_engine(engine, "loadLocalMD", |e| {
+        // SAFETY: `out` comes from the shim (see `out_slot`).
+        let slot = unsafe { out_slot(out, "the memory descriptor") }?;
         // SAFETY: caller contract.
         let md = e.load_local_md(unsafe { md_ref(input) }?)?;
-        hand_out(out, md, "the memory descriptor")?;
+        slot.put(md);
         Ok(Status::Success)
     })
 }
@@ -585,6 +598,8 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
     req: *mut *mut Request,
 ) -> i32 {
     with_engine(engine, "prepXfer", |e| {
+        // SAFETY: `req` comes from the shim (see `out_slot`).
+        let slot = unsafe { out_slot(req, "the transfer request") }?;
         // SAFETY: caller contract.
         let (l, r, agent, args) = unsafe {
             (
@@ -595,7 +610,7 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             )
         };
         let request = e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)?;
-        hand_out(req, Box::new(request), "the transfer request")?;
+        slot.put(Box::new(request));
         Ok(Status::Success)
     })
 }

@@ -912,6 +912,14 @@ impl Endpoint {
     pub fn peer_unreachable(&mut self, now: Time, peer: &PeerId) {
         self.sender
             .fail_peer(&mut self.ctx, peer, FailureReason::PeerUnreachable);
+        // Our READs from it too: their flows are aborted just below, so
+        // they could only end at their timeout.
+        self.reads.fail_peer(
+            &mut self.ctx,
+            peer,
+            FailureReason::PeerUnreachable,
+            Ending::Refuse,
+        );
         self.receiver
             .abort_peer(&mut self.ctx, now, peer, super::wire::RefuseReason::Expired);
         self.pump(now);

@@ -218,11 +218,6 @@ impl fmt::Display for ChunkRef {
 ///
 /// Used for both directions: gather (addr is the source) and scatter
 /// (addr is the destination).
-/// A shared, immutable run list. Plans are built once (when a transfer is
-/// prepared) and reposted many times: gathers, DATA messages and scatters
-/// share the plan's lists instead of copying them per post.
-pub type Runs = Arc<[Run]>;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Run {
     /// Offset of the first copy within the region.
@@ -289,3 +284,8 @@ impl Run {
         })
     }
 }
+
+/// A shared, immutable run list. Plans are built once (when a transfer is
+/// prepared) and reposted many times: gathers, DATA messages and scatters
+/// share the plan's lists instead of copying them per post.
+pub type Runs = Arc<[Run]>;

@@ -468,7 +468,8 @@ impl OwnerBook {
     }
 
     /// Holds credits for a READ not seen yet. False when too many READs
-    /// wait (the caller answers READ_END).
+    /// wait, or when this one would hold more credits than a READ has
+    /// chunks (the caller answers READ_END).
     pub fn hold(
         &mut self,
         ctx: &Ctx,
@@ -485,6 +486,11 @@ impl OwnerBook {
             .early
             .entry(key)
             .or_insert_with(|| (now.after(ctx.cfg.request_timeout), Vec::new()));
+        // A READ has at most MAX_READ_CHUNKS chunks, so no honest reader
+        // holds more credits for one: refuse a peer that piles them up.
+        if entry.1.len() + credits.len() > super::wire::MAX_READ_CHUNKS as usize {
+            return false;
+        }
         entry.1.extend(credits);
         true
     }

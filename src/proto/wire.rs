@@ -688,7 +688,7 @@ impl Message {
         p.into_bytes()
     }
 
-    /// The payload's encoded size (exact for the variable-size messages).
+    /// The payload's encoded size (exact; checked by `messages_round_trip`).
     fn payload_len_hint(&self) -> usize {
         match self {
             Message::Want {
@@ -705,7 +705,7 @@ impl Message {
                 chunks,
                 ..
             } => {
-                24 + endpoint.len()
+                28 + endpoint.len()
                     + data_path.len()
                     + chunks
                         .iter()
@@ -713,12 +713,8 @@ impl Message {
                         .sum::<usize>()
             }
             Message::ReadGrant { credits, .. } => 12 + 20 * credits.len(),
-            Message::Ack { .. }
-            | Message::Refuse { .. }
-            | Message::ReadEnd { .. }
-            | Message::ReadData { .. }
-            | Message::ReadAck { .. }
-            | Message::ReadRefuse { .. } => 20,
+            Message::Ack { .. } | Message::ReadData { .. } | Message::ReadAck { .. } => 20,
+            Message::Refuse { .. } | Message::ReadEnd { .. } | Message::ReadRefuse { .. } => 9,
         }
     }
 
@@ -1445,6 +1441,8 @@ mod tests {
         #[test]
         fn messages_round_trip(m in arb_message()) {
             let bytes = m.encode();
+            // The size hint is exact (one allocation per encode).
+            prop_assert_eq!(bytes.len(), HEADER_LEN + m.payload_len_hint());
             prop_assert_eq!(Message::decode(&bytes), Ok(m));
         }
 

@@ -148,8 +148,8 @@ pub struct RuntimeCounters {
     pub request_ns: AtomicU64,
     /// Of `write_ns`: the writer thread preparing and posting the writes.
     pub write_post_ns: AtomicU64,
-    /// Control round trips: submission -> the request's first GRANT, and
-    /// DATA sent -> its ACK (the peer's scatter included).
+    /// Control round trips of WRITEs: submission -> the request's first
+    /// GRANT, and DATA sent -> its ACK (the peer's scatter included).
     pub grant_wait_ns: AtomicU64,
     pub ack_wait_ns: AtomicU64,
 }
@@ -914,6 +914,8 @@ fn write_worker(
                     pending.len()
                 );
                 std::mem::forget(pending);
+                // Nor deregister the arena they may still read.
+                std::mem::forget(data);
                 return;
             }
         }
@@ -977,7 +979,29 @@ impl Reactor {
         Time::from_nanos(self.start.elapsed().as_nanos() as u64)
     }
 
+    /// The IO thread. A panic in it (a bug) must not end in a freed arena
+    /// under running copies and writes, nor in requests that never end:
+    /// the arena is then poisoned (so it is leaked, not freed, and new
+    /// transfers take UCX) and every live request fails.
     fn run(mut self) {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop()));
+        match outcome {
+            Ok(()) => self.shutdown(),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-string panic".into());
+                self.mark_poisoned(format!("the IO thread panicked: {what}"));
+                for (_, (ticket, _, _)) in self.tickets.drain() {
+                    ticket.finish(Err(FailureReason::Poisoned));
+                }
+            }
+        }
+    }
+
+    fn run_loop(&mut self) {
         let mut last_event = Instant::now();
         while !self.shared.stop.load(Ordering::SeqCst) {
             let mut progressed = self.drain_commands();
@@ -1004,7 +1028,6 @@ impl Reactor {
             self.fire_timers();
             self.execute_actions();
         }
-        self.shutdown();
     }
 
     /// Whether anything is in flight (requests, flows, copies, writes).
@@ -1068,7 +1091,10 @@ impl Reactor {
                             *ticket.request.lock().expect("ticket") = Some(id);
                             let now = Instant::now();
                             self.tickets.insert(id, (ticket, notif, now));
-                            self.awaiting_grant.insert(id, now);
+                            if !read {
+                                // READs are granted by this side.
+                                self.awaiting_grant.insert(id, now);
+                            }
                         }
                         Err(e) => {
                             tracing::warn!(agent = %self.name, "bounce submission refused: {e}");
@@ -1093,6 +1119,8 @@ impl Reactor {
     }
 
     fn forget_peer(&mut self, peer: &PeerId) {
+        // A peer added again later is new: its outages count and log anew.
+        self.unreachable.remove(peer);
         // Tell the peer its flows here are over (it may be alive: a local
         // invalidation), so its requests fail now, not at their timeout.
         let now = self.now();
