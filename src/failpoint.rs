@@ -7,6 +7,7 @@
 //! | name | effect |
 //! |---|---|
 //! | `panic_in_post_xfer` | `postXfer` panics (checks the FFI panic boundary) |
+//! | `panic_in_io_thread` | the IO thread panics when it starts a gather (checks its containment) |
 //! | `fail_chunk_writes` | every chunk write reports failure |
 //! | `stuck_chunk_writes` | chunk writes are never posted and never end (a hung transport) |
 //! | `drop_control` | every outgoing control message is dropped |
@@ -26,6 +27,7 @@ pub const ENV: &str = "NIXL_BOUNCE_FAILPOINTS";
 /// Known failpoints (anything else in the variable is warned about).
 pub const KNOWN: &[&str] = &[
     "panic_in_post_xfer",
+    "panic_in_io_thread",
     "fail_chunk_writes",
     "stuck_chunk_writes",
     "drop_control",

@@ -4,6 +4,8 @@
 //!   is poisoned, the process-wide report (`nixl_bounce_poisoned`,
 //!   `stats::plugin_poisoned`) names it and why, new transfers take UCX
 //!   (`fallback_poisoned`) byte-exact, and the peer's arena recovers;
+//! - a panic on an instance's IO thread (`panic_in_io_thread`) fails the
+//!   request at once and poisons the arena (reported, leaked);
 //! - a peer that does not advertise CANCEL (`no_cancel_capability`) is
 //!   served through UCX, counted by reason.
 #[path = "support/bounce.rs"]
@@ -120,6 +122,52 @@ fn a_write_that_never_ends_poisons_the_arena_and_the_process_reports_it() {
     wait_arena_idle(b.name(), ARENA, Duration::from_secs(10));
     assert!(stats(b.name()).poisoned.is_none());
     a.buf.fill_pattern(0);
+}
+
+/// A panic on an instance's IO thread (a bug) is contained: the request
+/// fails at once instead of hanging, the arena is poisoned and reported
+/// (so it is leaked, never freed under copies or writes that may still
+/// run), later transfers take UCX byte-exact, and the process lives on.
+#[test]
+#[serial_test::serial]
+fn a_panic_on_the_io_thread_fails_requests_and_poisons_the_arena() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = with_failpoints("panic_in_io_thread", || {
+        endpoint("pp-a", &EX, len(), 1, ThreadSync::Default)
+    });
+    let b = endpoint("pp-b", &EX, len(), 2, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let plan = Plan::standard(MANY, BLOCK, 3);
+    let b_before = b.buf.as_slice().to_vec();
+    let req = write_request(&a, &b, &plan);
+    post(&a.node, &req).or_fail("post");
+    let (outcome, dt) = terminal_within(&a.node, &req, Duration::from_secs(5), "the request");
+    drop(req);
+    assert!(outcome.is_err(), "a request whose IO thread died succeeded");
+    let report = nixl_bounce::stats::plugin_poisoned().or_fail("poison report");
+    let mine: Vec<_> = report
+        .iter()
+        .filter(|r| r.arena.starts_with(a.name()))
+        .collect();
+    eprintln!("request failed after {dt:?}; report: {mine:?}");
+    assert_eq!(mine.len(), 1, "{report:?}");
+    assert!(mine[0].reason.contains("panicked"), "{mine:?}");
+    outside_destinations_unchanged(b.buf.as_slice(), &b_before, &plan).or_fail("receiver");
+
+    let plan = Plan::standard(MANY, BLOCK, 4);
+    a.buf.fill_pattern(5);
+    let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
+    let s0 = stats(a.name());
+    let req = write_request(&a, &b, &plan);
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("WRITE after the IO thread died");
+    drop(req);
+    plan.verify(b.buf.as_slice(), &dst_before, &src)
+        .or_fail("WRITE after the IO thread died");
+    assert_fell_back(&s0, &stats(a.name()), 1, "fallback_poisoned");
 }
 
 #[test]

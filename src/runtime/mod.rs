@@ -1366,6 +1366,9 @@ impl Reactor {
                     region,
                     runs,
                 } => {
+                    if self.failpoints.is_set("panic_in_io_thread") {
+                        panic!("failpoint panic_in_io_thread");
+                    }
                     let in_use = match self.targets.admit_gather(&runs) {
                         Ok(t) => t,
                         Err(why) => {
