@@ -934,6 +934,10 @@ fn write_worker(
 
 struct PeerState {
     arena: PeerArena,
+    /// From the peer's handshake (the application loaded its metadata),
+    /// not from a data path one of its READs described: a READ never
+    /// replaces it.
+    known: bool,
 }
 
 struct Reactor {
@@ -1109,7 +1113,7 @@ impl Reactor {
                 }
                 Command::AddPeer { peer, arena, key } => {
                     self.endpoint.set_peer_key(&peer, key);
-                    self.peers.insert(peer, PeerState { arena });
+                    self.peers.insert(peer, PeerState { arena, known: true });
                 }
                 Command::ForgetPeer { peer } => self.forget_peer(&peer),
             }
@@ -1454,10 +1458,19 @@ impl Reactor {
                     }
                 }
                 Action::LoadDataPath { peer, data_path } => {
-                    if self.data_paths.get(&peer) != Some(&data_path) {
+                    // A peer whose handshake we loaded is written where its
+                    // handshake says: a READ cannot aim our writes elsewhere.
+                    let known = self.peers.get(&peer).is_some_and(|p| p.known);
+                    if !known && self.data_paths.get(&peer) != Some(&data_path) {
                         match (self.load_data_path)(&data_path) {
                             Ok(arena) => {
-                                self.peers.insert(peer.clone(), PeerState { arena });
+                                self.peers.insert(
+                                    peer.clone(),
+                                    PeerState {
+                                        arena,
+                                        known: false,
+                                    },
+                                );
                                 self.data_paths.insert(peer, data_path);
                             }
                             Err(e) => {
