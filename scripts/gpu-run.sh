@@ -86,5 +86,12 @@ if [[ -x "$v" ]]; then
     run bench-ucx-default "$v" bench --backend UCX --label UCX-default --iters $iters --json "$out/bench-ucx-default.json"
     NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best "$v" bench --backend UCX --label UCX-best --param num_threads=8 \
         --iters $iters --json "$out/bench-ucx-best.json"
+    # The same three for READ (the initiator reads the target's buffer).
+    run bench-bounce-read "$v" bench --op read --backend BOUNCE --label BOUNCE-read --iters $iters \
+        --json "$out/bench-bounce-read.json"
+    run bench-ucx-read "$v" bench --op read --backend UCX --label UCX-default-read --iters $iters \
+        --json "$out/bench-ucx-default-read.json"
+    NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best-read "$v" bench --op read --backend UCX --label UCX-best-read \
+        --param num_threads=8 --iters $iters --json "$out/bench-ucx-best-read.json"
 fi
 exit $status

@@ -11,7 +11,9 @@
 //!   bounce-vram test  [--device N] [--target-device N] [--param K=V]...
 //!   bounce-vram bench [--backend BOUNCE|UCX] [--label L] [--param K=V]...
 //!                     [--counts 1024,4096,16384] [--sizes 4096] [--iters N]
-//!                     [--concurrent 128] [--json PATH]
+//!                     [--concurrent 128] [--json PATH] [--op write|read]
+//!                     (--op read: the initiator READs the target's buffer; the
+//!                     target is the data owner)
 //!   bounce-vram faults [--device N] [--target-device N] [--param K=V]...
 //!
 //! `faults` runs the fault drills with VRAM arenas on both sides (2 MiB
@@ -901,7 +903,9 @@ fn run_bench(args: &Args) -> bool {
             let target_before = target_counters(&mut init.target);
             let mut times = Vec::new();
             for _ in 0..args.iters {
-                let req = init.request(&p, None).unwrap_or_else(|e| die(e));
+                let req = init
+                    .request_op(args.op, &p, None)
+                    .unwrap_or_else(|e| die(e));
                 let t0 = Instant::now();
                 init.agent
                     .post_xfer_req(&req, None)
@@ -931,7 +935,19 @@ fn run_bench(args: &Args) -> bool {
             });
             print_row(rows.last().expect("row"));
             if bounced {
-                print_breakdown(args.iters, &before, &after, &target_before, &target_after);
+                // The side that gathers and writes: the initiator of a
+                // WRITE, the target (data owner) of a READ.
+                match args.op {
+                    XferOp::Read => {
+                        println!(
+                            "    (READ: gather and write on the owner, scatter on the reader)"
+                        );
+                        print_breakdown(args.iters, &target_before, &target_after, &before, &after)
+                    }
+                    _ => {
+                        print_breakdown(args.iters, &before, &after, &target_before, &target_after)
+                    }
+                }
             }
         }
     }
@@ -948,7 +964,7 @@ fn run_bench(args: &Args) -> bool {
             for round in 0..3 {
                 let reqs: Vec<XferRequest> = plans
                     .iter()
-                    .map(|p| init.request(p, None).unwrap_or_else(|e| die(e)))
+                    .map(|p| init.request_op(args.op, p, None).unwrap_or_else(|e| die(e)))
                     .collect();
                 let t0 = Instant::now();
                 for r in &reqs {
@@ -1101,6 +1117,8 @@ struct Args {
     expect_fallback: bool,
     /// Parameters for the target process only (e.g. `enable=false`).
     target_params: Vec<(String, String)>,
+    /// What `bench` measures: WRITEs to the target, or READs from it.
+    op: XferOp,
 }
 
 impl Args {
@@ -1120,6 +1138,7 @@ impl Args {
             concurrent: 128,
             json: None,
             expect_fallback: false,
+            op: XferOp::Write,
             target_params: Vec::new(),
         };
         let list = |s: String| {
@@ -1152,6 +1171,13 @@ impl Args {
                 "--concurrent" => a.concurrent = val().parse().unwrap_or(0),
                 "--json" => a.json = Some(val()),
                 "--expect-fallback" => a.expect_fallback = true,
+                "--op" => {
+                    a.op = match val().as_str() {
+                        "write" => XferOp::Write,
+                        "read" => XferOp::Read,
+                        other => die(format!("--op {other}: expected write or read")),
+                    }
+                }
                 "--target-param" => {
                     let kv = val();
                     let (k, v) = kv
