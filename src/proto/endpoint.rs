@@ -988,6 +988,9 @@ impl Endpoint {
             }
         }
         self.sender.eager_fill(&mut self.ctx);
+        for (reader, request) in self.sender.take_ended_serves() {
+            self.owner_book.tombstone(&self.ctx, now, &reader, request);
+        }
     }
 
     /// Checks the scheduler's conservation invariant and that every local
@@ -1250,6 +1253,44 @@ mod tests {
         assert_eq!(reader.flow_count(), 0);
         owner.check_invariants().unwrap();
         reader.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_grant_for_a_serve_that_ended_is_ignored_not_held() {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+        reader.set_read_data_path(b"dp".to_vec());
+        reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+        let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+        let (read, grant) = (msgs[0].clone(), msgs[1].clone());
+        owner.handle_message(t(1), &r, read);
+        owner.handle_message(t(2), &r, grant.clone());
+        let Some(Action::StartGather { chunk, .. }) = drain(&mut owner)
+            .into_iter()
+            .find(|a| matches!(a, Action::StartGather { .. }))
+        else {
+            panic!("no gather")
+        };
+        // The gather fails: the serve ends (READ_END) and is removed.
+        owner.handle_gather_failed(t(3), chunk, true);
+        let acts = drain(&mut owner);
+        assert!(
+            sent(&acts)
+                .iter()
+                .any(|m| matches!(m, Message::ReadEnd { .. })),
+            "{acts:?}"
+        );
+        assert_eq!(owner.request_count(), 0);
+        // A READ_GRANT the reader sent meanwhile arrives late: nothing is
+        // held for it (it would wait a request timeout for a READ that never
+        // comes) and no second READ_END is sent.
+        owner.handle_message(t(4), &r, grant);
+        let acts = drain(&mut owner);
+        assert!(sent(&acts).is_empty(), "{acts:?}");
+        assert_eq!(owner.request_count(), 0, "credits held for an ended serve");
+        owner.check_invariants().unwrap();
     }
 
     #[test]

@@ -96,6 +96,9 @@ pub(crate) struct Sender {
     served: BTreeMap<(PeerId, RequestId), RequestId>,
     /// The data path each reader's serves write through.
     reader_paths: BTreeMap<PeerId, Vec<u8>>,
+    /// Serves removed since the endpoint last looked (see
+    /// [`Sender::take_ended_serves`]).
+    ended_serves: Vec<(PeerId, RequestId)>,
 }
 
 /// The READ_END reason for a failed serving request.
@@ -119,6 +122,7 @@ impl Sender {
             leaked: Vec::new(),
             served: BTreeMap::new(),
             reader_paths: BTreeMap::new(),
+            ended_serves: Vec::new(),
         }
     }
 
@@ -249,9 +253,17 @@ impl Sender {
     fn remove(&mut self, id: RequestId) {
         if let Some(req) = self.requests.remove(&id) {
             if let Some(r) = req.serves {
-                self.served.remove(&(req.peer, r));
+                self.served.remove(&(req.peer.clone(), r));
+                self.ended_serves.push((req.peer, r));
             }
         }
+    }
+
+    /// Serves (reader, reader's request) that ended since the last call:
+    /// the endpoint tombstones them, so a READ_GRANT still on its way is
+    /// ignored instead of held as credits for a READ yet to come.
+    pub fn take_ended_serves(&mut self) -> Vec<(PeerId, RequestId)> {
+        std::mem::take(&mut self.ended_serves)
     }
 
     /// Whether credits wait for staging space.
