@@ -660,6 +660,17 @@ impl Endpoint {
             } => self
                 .receiver
                 .on_data(&mut self.ctx, now, from, request, chunk, region, runs),
+            // WRITE messages name our WRITE requests only: a serve (our
+            // side of a READ) takes READ_GRANT / READ_ACK / READ_REFUSE,
+            // keyed by the reader's id.
+            Message::Grant { request, .. }
+            | Message::Ack { request, .. }
+            | Message::Refuse { request, .. }
+                if self.sender.serves(request).is_some() =>
+            {
+                self.ctx.stats.ignored += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "a WRITE message from {from} names {request}, which serves a READ: ignored");
+            }
             Message::Grant { request, credits } => {
                 self.sender
                     .on_grant(&mut self.ctx, now, from, request, &credits)
@@ -1290,6 +1301,47 @@ mod tests {
         let acts = drain(&mut owner);
         assert!(sent(&acts).is_empty(), "{acts:?}");
         assert_eq!(owner.request_count(), 0, "credits held for an ended serve");
+        owner.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn write_messages_naming_a_serve_are_ignored() {
+        let r = PeerId::new("R");
+        let o = PeerId::new("O");
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+        reader.set_read_data_path(b"dp".to_vec());
+        reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+        let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+        owner.handle_message(t(1), &r, msgs[0].clone());
+        owner.handle_message(t(2), &r, msgs[1].clone());
+        let Some(Action::StartGather { chunk, region, .. }) = drain(&mut owner)
+            .into_iter()
+            .find(|a| matches!(a, Action::StartGather { .. }))
+        else {
+            panic!("no gather")
+        };
+        let ignored = owner.stats().ignored;
+        // A faulty reader names the owner's local serve id in WRITE messages.
+        for m in [
+            Message::Ack {
+                request: chunk.request,
+                chunk: 0,
+                region,
+            },
+            Message::Refuse {
+                request: chunk.request,
+                reason: super::super::wire::RefuseReason::Expired,
+            },
+        ] {
+            owner.handle_message(t(3), &r, m);
+        }
+        assert!(drain(&mut owner).is_empty());
+        assert_eq!(owner.stats().ignored, ignored + 2);
+        // The serve goes on.
+        owner.handle_gather_done(t(4), chunk);
+        assert!(matches!(drain(&mut owner)[0], Action::PostWrite { .. }));
         owner.check_invariants().unwrap();
     }
 
