@@ -75,7 +75,7 @@ impl Default for ZmqConfig {
         Self {
             send_hwm: 4096,
             recv_hwm: 4096,
-            max_message_bytes: 64 << 20,
+            max_message_bytes: crate::proto::wire::MAX_MESSAGE_BYTES as i64,
             liveness_timeout: None,
         }
     }

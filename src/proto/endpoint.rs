@@ -238,6 +238,17 @@ pub enum SubmitError {
     /// The descriptors cannot be planned.
     #[error(transparent)]
     Plan(#[from] PlanError),
+    /// A READ whose message (every chunk's source runs) would exceed what
+    /// the control channel carries.
+    #[error("the READ's {bytes}-byte request message exceeds the {max}-byte control message limit ({runs} source runs); split the transfer")]
+    ReadTooLarge {
+        /// Encoded size of the READ message.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+        /// Source runs it would carry.
+        runs: usize,
+    },
     /// A plan made with other options than this endpoint's.
     #[error("the plan has a {chunk}-byte chunk, more than this endpoint's {max}-byte chunk cap (plan with Endpoint::plan)")]
     ChunkTooLarge {
@@ -1302,6 +1313,39 @@ mod tests {
         assert!(sent(&acts).is_empty(), "{acts:?}");
         assert_eq!(owner.request_count(), 0, "credits held for an ended serve");
         owner.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_read_whose_message_would_not_fit_the_channel_is_refused() {
+        use crate::proto::plan::Chunk;
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        reader.set_read_data_path(b"dp".to_vec());
+        // One chunk whose source runs alone encode to more than the limit.
+        let n = super::super::wire::MAX_MESSAGE_BYTES / 44 + 1;
+        let runs: Runs = (0..n as u64)
+            .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32))
+            .collect();
+        let plan = Arc::new(Plan {
+            chunks: vec![Chunk {
+                bytes: 32,
+                gather_runs: runs.clone(),
+                scatter_runs: runs,
+                pieces: n as u32,
+            }],
+            src_dev: 0,
+            dst_dev: 0,
+            payload_bytes: 32 * n as u64,
+        });
+        let err = reader
+            .submit_read_plan(t(0), &PeerId::new("O"), plan, None)
+            .unwrap_err();
+        assert!(
+            matches!(err, SubmitError::ReadTooLarge { runs, .. } if runs == n),
+            "{err}"
+        );
+        assert!(err.to_string().contains("split the transfer"), "{err}");
+        assert!(drain(&mut reader).is_empty(), "nothing sent, nothing held");
+        assert_eq!((reader.request_count(), reader.flow_count()), (0, 0));
     }
 
     #[test]

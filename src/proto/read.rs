@@ -43,7 +43,7 @@ use std::time::Duration;
 
 use super::endpoint::{due_failure, expiry, Action, Ctx, FailureReason, Outcome, SubmitError};
 use super::plan::Plan;
-use super::wire::{Message, ReadChunk, RefuseReason};
+use super::wire::{Message, ReadChunk, RefuseReason, HEADER_LEN, MAX_MESSAGE_BYTES};
 use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// The data owner's check of the source ranges a READ asks for: `Ok` only
@@ -134,6 +134,30 @@ impl Reads {
         plan: Arc<Plan>,
         deadline: Option<Duration>,
     ) -> Result<(), SubmitError> {
+        let read = Message::Read {
+            request: id,
+            key: ctx.key_for(peer),
+            endpoint: ctx.cfg.local_endpoint.clone(),
+            data_path: self.data_path.clone(),
+            chunks: plan
+                .chunks
+                .iter()
+                .map(|c| ReadChunk {
+                    size: c.bytes,
+                    runs: c.gather_runs.clone(),
+                })
+                .collect(),
+        };
+        // One message carries every chunk's source runs: it must fit the
+        // control channel (a WRITE's DATA carries one chunk's).
+        let bytes = HEADER_LEN + read.payload_len_hint();
+        if bytes > MAX_MESSAGE_BYTES {
+            return Err(SubmitError::ReadTooLarge {
+                bytes,
+                max: MAX_MESSAGE_BYTES,
+                runs: plan.chunks.iter().map(|c| c.gather_runs.len()).sum(),
+            });
+        }
         ctx.stats.submitted += 1;
         if plan.chunks.is_empty() {
             ctx.stats.succeeded += 1;
@@ -156,23 +180,7 @@ impl Reads {
         }
         // READ goes before the first READ_GRANT (the grant comes from the
         // scheduling pass after this call; actions are executed in order).
-        ctx.send(
-            peer,
-            Message::Read {
-                request: id,
-                key: ctx.key_for(peer),
-                endpoint: ctx.cfg.local_endpoint.clone(),
-                data_path: self.data_path.clone(),
-                chunks: plan
-                    .chunks
-                    .iter()
-                    .map(|c| ReadChunk {
-                        size: c.bytes,
-                        runs: c.gather_runs.clone(),
-                    })
-                    .collect(),
-            },
-        );
+        ctx.send(peer, read);
         self.reads.insert(
             id,
             Read {

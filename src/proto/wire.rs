@@ -41,6 +41,11 @@ pub const MAX_ENDPOINT_LEN: u32 = 64 * 1024;
 pub const MAX_READ_CHUNKS: u32 = MAX_WANT_CHUNKS;
 /// Maximum length of the reader's data-path description in a READ (bytes).
 pub const MAX_DATA_PATH_LEN: u32 = 1 << 20;
+/// Largest encoded control message a channel carries (the ZMQ channel
+/// disconnects a peer that sends more). A DATA stays far below it (one
+/// chunk's runs); a READ carries every chunk's runs, so a READ plan is
+/// checked against it before it starts.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 const CREDIT_LEN: usize = 4 + 8 + 8;
 const RUN_LEN: usize = 8 + 8 + 8 + 4 + 8 + 8;
@@ -689,7 +694,7 @@ impl Message {
     }
 
     /// The payload's encoded size (exact; checked by `messages_round_trip`).
-    fn payload_len_hint(&self) -> usize {
+    pub fn payload_len_hint(&self) -> usize {
         match self {
             Message::Want {
                 chunk_sizes,
