@@ -33,6 +33,21 @@ fn len() -> usize {
     blocks_for(MANY) * BLOCK
 }
 
+/// A new WRITE from `a`, whose arena is poisoned, to `b` takes UCX
+/// (`fallback_poisoned`), byte-exact.
+fn write_falls_back_poisoned(a: &mut Endpoint, b: &Endpoint, what: &str) {
+    let plan = Plan::standard(MANY, BLOCK, 4);
+    a.buf.fill_pattern(5);
+    let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
+    let s0 = stats(a.name());
+    let req = write_request(a, b, &plan);
+    a.node.post_and_wait(&req, wait_timeout()).or_fail(what);
+    drop(req);
+    plan.verify(b.buf.as_slice(), &dst_before, &src)
+        .or_fail(what);
+    assert_fell_back(&s0, &stats(a.name()), 1, "fallback_poisoned");
+}
+
 #[test]
 #[serial_test::serial]
 fn a_write_that_never_ends_poisons_the_arena_and_the_process_reports_it() {
@@ -98,20 +113,8 @@ fn a_write_that_never_ends_poisons_the_arena_and_the_process_reports_it() {
     // Nothing outside the destinations changed at the receiver.
     outside_destinations_unchanged(b.buf.as_slice(), &b_before, &plan).or_fail("receiver");
 
-    // New transfers take UCX, byte-exact.
     load(&a.node, &b.node);
-    let plan = Plan::standard(MANY, BLOCK, 4);
-    a.buf.fill_pattern(5);
-    let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
-    let s0 = stats(a.name());
-    let req = write_request(&a, &b, &plan);
-    a.node
-        .post_and_wait(&req, wait_timeout())
-        .or_fail("WRITE from a poisoned agent");
-    drop(req);
-    plan.verify(b.buf.as_slice(), &dst_before, &src)
-        .or_fail("WRITE from a poisoned agent");
-    assert_fell_back(&s0, &stats(a.name()), 1, "fallback_poisoned");
+    write_falls_back_poisoned(&mut a, &b, "WRITE from a poisoned agent");
 
     // The receiver gets its regions back once it forgets the sender whose
     // write may still land (its flow was quarantined or still held).
@@ -156,18 +159,7 @@ fn a_panic_on_the_io_thread_fails_requests_and_poisons_the_arena() {
     assert!(mine[0].reason.contains("panicked"), "{mine:?}");
     outside_destinations_unchanged(b.buf.as_slice(), &b_before, &plan).or_fail("receiver");
 
-    let plan = Plan::standard(MANY, BLOCK, 4);
-    a.buf.fill_pattern(5);
-    let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
-    let s0 = stats(a.name());
-    let req = write_request(&a, &b, &plan);
-    a.node
-        .post_and_wait(&req, wait_timeout())
-        .or_fail("WRITE after the IO thread died");
-    drop(req);
-    plan.verify(b.buf.as_slice(), &dst_before, &src)
-        .or_fail("WRITE after the IO thread died");
-    assert_fell_back(&s0, &stats(a.name()), 1, "fallback_poisoned");
+    write_falls_back_poisoned(&mut a, &b, "WRITE after the IO thread died");
 }
 
 #[test]

@@ -81,35 +81,6 @@ fn read_from_peer(me: &mut Endpoint, p: &mut Peer, seeds: (u64, u64, u64), notif
     );
 }
 
-/// The reader's side of `n` bounce READs: submitted, succeeded, scattered.
-#[track_caller]
-fn assert_reader_bounced(before: &Counters, after: &Counters, n: u64) {
-    let d = after.diff(before);
-    assert_eq!(
-        after.since(before, "bounce_submitted"),
-        n,
-        "bounce_submitted; {d}"
-    );
-    assert_eq!(
-        after.since(before, "bounce_succeeded"),
-        n,
-        "bounce_succeeded; {d}"
-    );
-    assert_eq!(
-        after.since(before, "bounce_failed"),
-        0,
-        "bounce_failed; {d}"
-    );
-    assert!(
-        after.since(before, "chunks_scattered") >= n,
-        "chunks_scattered; {d}"
-    );
-    for f in after.map.keys().filter(|k| k.starts_with("fallback_")) {
-        assert_eq!(after.since(before, f), 0, "{f} rose: {d}");
-    }
-    assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
-}
-
 fn both_ways(extra: &[(&str, &str)], seed: u64) {
     let len = len();
     let mut p = Peer::spawn("owner", peer_command(&[], len, extra, "rp-peer"))

@@ -83,10 +83,12 @@ pub fn counters_from_json(agent: &str, json: &str) -> Counters {
     }
 }
 
-/// The sender side took the bounce path for exactly `n` more transfers, all
-/// succeeded, and nothing fell back.
+/// The initiating side (the sender of a WRITE, the reader of a READ) took
+/// the bounce path for exactly `n` more transfers, all succeeded, at least
+/// `n` chunks were counted under `chunk_counter` (its own half of the
+/// work), nothing fell back and the arena is not poisoned.
 #[track_caller]
-pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
+fn assert_initiator_bounced(before: &Counters, after: &Counters, n: u64, chunk_counter: &str) {
     let d = after.diff(before);
     assert_eq!(
         after.since(before, "bounce_submitted"),
@@ -104,13 +106,27 @@ pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
         "bounce_failed; {d}"
     );
     assert!(
-        after.since(before, "chunks_written") >= n,
-        "chunks_written; {d}"
+        after.since(before, chunk_counter) >= n,
+        "{chunk_counter}; {d}"
     );
     for f in after.map.keys().filter(|k| k.starts_with("fallback_")) {
         assert_eq!(after.since(before, f), 0, "{f} rose: {d}");
     }
     assert!(after.poisoned.is_none(), "poisoned: {:?}", after.poisoned);
+}
+
+/// The sender side took the bounce path for exactly `n` more WRITEs, all
+/// succeeded (and wrote chunks), and nothing fell back.
+#[track_caller]
+pub fn assert_sender_bounced(before: &Counters, after: &Counters, n: u64) {
+    assert_initiator_bounced(before, after, n, "chunks_written");
+}
+
+/// The reader's side of `n` more bounce READs: submitted, succeeded,
+/// scattered, nothing fell back.
+#[track_caller]
+pub fn assert_reader_bounced(before: &Counters, after: &Counters, n: u64) {
+    assert_initiator_bounced(before, after, n, "chunks_scattered");
 }
 
 /// The receiver side scattered at least `chunks` chunks and refused none.
