@@ -32,7 +32,10 @@ use std::time::{Duration, Instant};
 
 use nixl_bounce::copy::cuda::CudaRuntime;
 use nixl_bounce::dataplane::vram::DeviceArena;
-use nixl_sys::{Agent, MemType, OptArgs, Params, XferDescList, XferOp, XferRequest, XferStatus};
+use nixl_sys::{
+    Agent, MemType, OptArgs, Params, RegistrationHandle, XferDescList, XferOp, XferRequest,
+    XferStatus,
+};
 
 const TAG: &str = "@@VR ";
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -357,12 +360,15 @@ impl Drop for Target {
 
 // ---- the initiator -------------------------------------------------------------
 
+/// Fields drop in order: the registration (deregisters), the agent (its
+/// engine and IO thread stop), the target process, and only then the buffer.
 struct Initiator {
+    _registration: RegistrationHandle,
     agent: Agent,
+    target: Target,
     name: String,
     buf: DeviceArena,
     dev: u64,
-    target: Target,
     target_name: String,
 }
 
@@ -389,9 +395,8 @@ impl Initiator {
         let agent = agent(&name, &args.backend, &args.params);
         std::env::remove_var(FAILPOINTS);
         let agent = agent?;
-        agent
+        let registration = agent
             .register_memory(&buf, None)
-            .map(std::mem::forget)
             .map_err(|e| format!("register: {e}"))?;
         let target = Target::spawn(args, target)?;
         let loaded = agent
@@ -401,6 +406,7 @@ impl Initiator {
             return Err(format!("loaded {loaded:?}, expected {:?}", target.name));
         }
         Ok(Initiator {
+            _registration: registration,
             agent,
             name,
             dev: args.device as u64,
@@ -942,11 +948,23 @@ fn run_bench(args: &Args) -> bool {
                         println!(
                             "    (READ: gather and write on the owner, scatter on the reader)"
                         );
-                        print_breakdown(args.iters, &target_before, &target_after, &before, &after)
+                        print_breakdown(
+                            args.iters,
+                            &target_before,
+                            &target_after,
+                            &before,
+                            &after,
+                            true,
+                        )
                     }
-                    _ => {
-                        print_breakdown(args.iters, &before, &after, &target_before, &target_after)
-                    }
+                    _ => print_breakdown(
+                        args.iters,
+                        &before,
+                        &after,
+                        &target_before,
+                        &target_after,
+                        false,
+                    ),
                 }
             }
         }
@@ -1043,6 +1061,7 @@ fn print_breakdown(
     after: &BTreeMap<String, u64>,
     tbefore: &BTreeMap<String, u64>,
     tafter: &BTreeMap<String, u64>,
+    read: bool,
 ) {
     let d = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
         a.get(k)
@@ -1054,9 +1073,16 @@ fn print_breakdown(
     let chunks = d(after, before, "chunks_written") as f64 / iters.max(1) as f64;
     let i = |k: &str| per(d(after, before, k));
     let t = |k: &str| per(d(tafter, tbefore, k));
+    // The request lives on the initiator: the writer of a WRITE, the
+    // reader (the "target" side here) of a READ.
+    let total = if read {
+        t("request_ns")
+    } else {
+        i("request_ns")
+    };
     println!(
         "    per request: total {:.3} ms | chunks {:.1} | gather {:.3} ms (launch {:.3}, device wait {:.3}) | copy queue {:.3} ms | write {:.3} ms (post {:.3}) | scatter (target) {:.3} ms (launch {:.3}, device wait {:.3}) | target queue {:.3} ms",
-        i("request_ns"),
+        total,
         chunks,
         i("gather_ns"),
         i("gpu_gather_launch_ns"),
@@ -1069,11 +1095,14 @@ fn print_breakdown(
         t("gpu_scatter_wait_ns"),
         t("copy_queue_ns"),
     );
-    println!(
-        "    control per request: submit -> first GRANT {:.3} ms | DATA -> ACK {:.3} ms (sum over chunks, includes the target's scatter)",
-        i("grant_wait_ns"),
-        i("ack_wait_ns"),
-    );
+    if !read {
+        // Both round trips are timed by the writer of a WRITE only.
+        println!(
+            "    control per request: submit -> first GRANT {:.3} ms | DATA -> ACK {:.3} ms (sum over chunks, includes the target's scatter)",
+            i("grant_wait_ns"),
+            i("ack_wait_ns"),
+        );
+    }
     let both = |k: &str| i(k) + t(k);
     println!(
         "    GPU launch steps, both sides: prepare {:.3} ms | table fill {:.3} ms | upload call {:.3} ms | launch + event {:.3} ms",
