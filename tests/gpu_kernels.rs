@@ -316,6 +316,70 @@ fn non_blocking_start_and_poll() {
     }
 }
 
+/// The engine-level launch the IO thread uses for gathers: byte-exact,
+/// `None` while no context is idle (the runtime then hands the copy to a
+/// worker), and the launch and device-wait counters move.
+#[test]
+fn try_launch_polls_to_completion_and_declines_when_busy() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(4242);
+    let (region_len, app_len) = (2 << 20, 4 << 20);
+    let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
+    let pool = ExecPool::new(dev.clone(), 1, true).unwrap();
+    let engine = CudaCopy::new(pool.clone());
+    let counter = |k: &str| {
+        engine
+            .phase_counters()
+            .into_iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v)
+            .unwrap()
+    };
+    for case in 0..6 {
+        let layout = random_layout(&mut rng, region_len as u64, app_len as u64, 20000, 800);
+        let what = format!("try_launch case {case}");
+        bufs.round_trip(&what, &layout, 0, region_len, |d, span, runs| {
+            let mut copy = engine
+                .try_launch(d, span, runs)
+                .expect("the only context is idle")
+                .unwrap();
+            assert!(
+                engine.try_launch(d, span, runs).is_none(),
+                "{what}: no idle context, so the caller should use a worker"
+            );
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let r = loop {
+                if let Some(r) = copy.poll() {
+                    break r;
+                }
+                assert!(Instant::now() < deadline, "{what}: copy never completed");
+                std::hint::spin_loop();
+            };
+            r.unwrap();
+            assert_eq!(pool.idle(), 1, "completion returns the context");
+        });
+    }
+    assert!(counter("gpu_gather_launch_ns") > 0 && counter("gpu_gather_wait_ns") > 0);
+    assert!(counter("gpu_scatter_launch_ns") > 0 && counter("gpu_scatter_wait_ns") > 0);
+    // A run outside the region is refused at launch, nothing touched.
+    let (span, _) = bufs.spans(0, 4096);
+    let bad = [Run {
+        region_offset: 4000,
+        addr: bufs.src.base(),
+        len: 200,
+        count: 1,
+        region_stride: 200,
+        addr_stride: 200,
+    }];
+    let e = match engine.try_launch(Direction::Gather, span, &bad) {
+        Some(Err(e)) => e,
+        Some(Ok(_)) => panic!("a run past the region was launched"),
+        None => panic!("the context is idle"),
+    };
+    assert!(e.quiesced, "{e}");
+    assert_eq!(pool.idle(), 1);
+}
+
 #[test]
 fn concurrent_copies_through_one_pool() {
     let Some(dev) = device() else { return };

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc;
 
-use super::{check_runs, CopyEngine, CopyError, Direction, RegionSpan};
+use super::{check_runs, CopyEngine, CopyError, Direction, LaunchedCopy, RegionSpan};
 use crate::proto::Run;
 
 /// The kernel's CUDA C source.
@@ -1428,11 +1428,45 @@ impl Default for CopyOptions {
 pub struct CudaCopy {
     pool: Arc<ExecPool>,
     opts: CopyOptions,
-    /// Host time to launch (waiting for a free execution context, then
-    /// binding, table fill, upload, launch) and time waiting for the
-    /// device, per direction: `[gather, scatter]`.
+    phases: Arc<CopyPhases>,
+}
+
+/// Host time to launch (waiting for a free execution context, then binding,
+/// table fill, upload, launch) and time waiting for the device, per
+/// direction: `[gather, scatter]`.
+#[derive(Debug, Default)]
+struct CopyPhases {
     launch_ns: [AtomicU64; 2],
     wait_ns: [AtomicU64; 2],
+}
+
+impl CopyPhases {
+    fn add(&self, direction: Direction, launch: Option<Duration>, wait: Option<Duration>) {
+        let i = direction as usize;
+        if let Some(d) = launch {
+            self.launch_ns[i].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        }
+        if let Some(d) = wait {
+            self.wait_ns[i].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A copy launched by [`CopyEngine::try_launch`]: its device wait is
+/// counted when a poll first sees it finished.
+struct TimedCopy {
+    pending: PendingCopy,
+    launched: Instant,
+    phases: Arc<CopyPhases>,
+}
+
+impl LaunchedCopy for TimedCopy {
+    fn poll(&mut self) -> Option<Result<(), CopyError>> {
+        let r = self.pending.poll()?;
+        self.phases
+            .add(self.pending.direction, None, Some(self.launched.elapsed()));
+        Some(r)
+    }
 }
 
 impl std::fmt::Debug for CudaCopy {
@@ -1449,8 +1483,7 @@ impl CudaCopy {
         CudaCopy {
             pool,
             opts: CopyOptions::default(),
-            launch_ns: Default::default(),
-            wait_ns: Default::default(),
+            phases: Default::default(),
         }
     }
 
@@ -1542,25 +1575,43 @@ impl CopyEngine for CudaCopy {
         region: RegionSpan,
         runs: &[Run],
     ) -> Result<(), CopyError> {
-        let i = direction as usize;
         let t0 = Instant::now();
         let pending = self.start(direction, region, runs)?;
         let t1 = Instant::now();
         let done = pending.wait();
-        let (launch, wait) = (t1 - t0, t1.elapsed());
-        self.launch_ns[i].fetch_add(launch.as_nanos() as u64, Ordering::Relaxed);
-        self.wait_ns[i].fetch_add(wait.as_nanos() as u64, Ordering::Relaxed);
+        self.phases
+            .add(direction, Some(t1 - t0), Some(t1.elapsed()));
         done
+    }
+
+    fn try_launch(
+        &self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+    ) -> Option<Result<Box<dyn LaunchedCopy>, CopyError>> {
+        let t0 = Instant::now();
+        let started = self.try_start(direction, region, runs).transpose()?;
+        let launched = Instant::now();
+        self.phases.add(direction, Some(launched - t0), None);
+        Some(started.map(|pending| {
+            Box::new(TimedCopy {
+                pending,
+                launched,
+                phases: self.phases.clone(),
+            }) as Box<dyn LaunchedCopy>
+        }))
     }
 
     fn phase_counters(&self) -> Vec<(&'static str, u64)> {
         let get = |a: &[AtomicU64; 2], i: usize| a[i].load(Ordering::Relaxed);
+        let p = &self.phases;
         let step = |i: usize| self.pool.launch_steps_ns[i].load(Ordering::Relaxed);
         vec![
-            ("gpu_gather_launch_ns", get(&self.launch_ns, 0)),
-            ("gpu_gather_wait_ns", get(&self.wait_ns, 0)),
-            ("gpu_scatter_launch_ns", get(&self.launch_ns, 1)),
-            ("gpu_scatter_wait_ns", get(&self.wait_ns, 1)),
+            ("gpu_gather_launch_ns", get(&p.launch_ns, 0)),
+            ("gpu_gather_wait_ns", get(&p.wait_ns, 0)),
+            ("gpu_scatter_launch_ns", get(&p.launch_ns, 1)),
+            ("gpu_scatter_wait_ns", get(&p.wait_ns, 1)),
             ("gpu_launch_prepare_ns", step(0)),
             ("gpu_launch_fill_ns", step(1)),
             ("gpu_launch_upload_ns", step(2)),

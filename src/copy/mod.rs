@@ -39,16 +39,40 @@ pub struct RegionSpan {
     pub len: usize,
 }
 
+/// A copy launched without waiting for it (see [`CopyEngine::try_launch`]).
+pub trait LaunchedCopy: Send {
+    /// `None` while the copy runs; then its result. Does not block (a
+    /// failure may synchronise the copy's stream to tell whether it is
+    /// quiet). Dropping a copy that still runs waits for it first, so an
+    /// abandoned copy never touches memory afterwards.
+    fn poll(&mut self) -> Option<Result<(), CopyError>>;
+}
+
 /// Moves bytes between application memory and arena regions.
 ///
 /// `copy` blocks until the bytes are in place (the runtime calls it from a
-/// copy worker, never from the IO thread). Implementations check that every
+/// copy worker, never from the IO thread); `try_launch` queues a copy
+/// without blocking where the engine can (the CUDA engine), and the IO
+/// thread then polls it. Implementations check that every
 /// run lies inside `region` before touching memory; the application side of
 /// each run was validated by the caller (the sender's descriptors by NIXL,
 /// the receiver's destinations against registered memory).
 pub trait CopyEngine: Send + Sync + std::fmt::Debug {
     fn copy(&self, direction: Direction, region: RegionSpan, runs: &[Run])
         -> Result<(), CopyError>;
+
+    /// Launches a copy without waiting for it. `None`: this engine copies
+    /// synchronously (the host engine), or nothing is free to launch on
+    /// right now; then the caller hands the copy to a worker's `copy`.
+    /// `Some(Err(_))`: refused up front or failed to launch, as `copy`.
+    fn try_launch(
+        &self,
+        _direction: Direction,
+        _region: RegionSpan,
+        _runs: &[Run],
+    ) -> Option<Result<Box<dyn LaunchedCopy>, CopyError>> {
+        None
+    }
 
     /// Engine-specific time counters for the stats export (name, value),
     /// e.g. the CUDA engine's host launch time against its device wait.

@@ -507,6 +507,7 @@ impl Runtime {
                     write_worker(data, write_rx, write_done_tx, waker, sh, spin, delay)
                 })?
         };
+        let launch_gathers = parts.failpoints.delay("delay_gather_ms").is_zero();
         let mut endpoint = parts.endpoint;
         endpoint.set_source_check(Box::new(RegisteredSources(targets.clone())));
         let reactor = Reactor {
@@ -528,6 +529,9 @@ impl Runtime {
             jobs: Some(job_tx),
             done: done_rx,
             copies_in_flight: 0,
+            copier: parts.copier.clone(),
+            launched: Vec::new(),
+            launch_gathers,
             writes: Vec::new(),
             peers: HashMap::new(),
             handles: HashMap::new(),
@@ -740,6 +744,16 @@ struct CopyDone {
     /// Queued -> started, and started -> finished.
     queued: Duration,
     ran: Duration,
+}
+
+/// A copy launched on the IO thread (a CUDA gather: the kernel is queued
+/// and an event marks its end), polled there instead of a worker blocking
+/// on its stream.
+struct Launched {
+    id: CopyId,
+    copy: Box<dyn crate::copy::LaunchedCopy>,
+    in_use: InUse,
+    started: Instant,
 }
 
 /// Takes the next job from `jobs`: polls for up to `spin` first (the next
@@ -959,7 +973,15 @@ struct Reactor {
     start: Instant,
     jobs: Option<Sender<CopyJob>>,
     done: Receiver<CopyDone>,
+    /// Copies handed to workers or launched here, not yet finished.
     copies_in_flight: usize,
+    /// For gathers launched on this thread (see `start_copy`).
+    copier: Arc<dyn CopyEngine>,
+    /// Gathers launched on this thread, polled by `drain_copies`.
+    launched: Vec<Launched>,
+    /// Whether gathers may be launched here (not while a failpoint delays
+    /// them: the delay belongs on a worker).
+    launch_gathers: bool,
     /// Chunk writes handed to the writer thread: chunk, peer, bytes, when.
     writes: Vec<(ChunkRef, PeerId, u64, Instant)>,
     /// Peers we send data to (from their handshake).
@@ -998,6 +1020,7 @@ impl Reactor {
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "a non-string panic".into());
                 self.mark_poisoned(format!("the IO thread panicked: {what}"));
+                self.leak_launched();
                 for (_, (ticket, _, _)) in self.tickets.drain() {
                     ticket.finish(Err(FailureReason::Poisoned));
                 }
@@ -1016,7 +1039,11 @@ impl Reactor {
             // are live it polls for `busy_poll` after the last event first:
             // the next message or completion usually comes within
             // microseconds, and waking a sleeping thread costs tens.
-            let spinning = !progressed && self.live() && last_event.elapsed() < self.busy_poll;
+            // Gathers launched here are polled (their events) without
+            // sleeping: they end within microseconds to a few hundred.
+            let spinning = !progressed
+                && (!self.launched.is_empty()
+                    || (self.live() && last_event.elapsed() < self.busy_poll));
             let wait = if progressed || spinning {
                 Duration::ZERO
             } else {
@@ -1161,47 +1188,62 @@ impl Reactor {
         let mut any = false;
         while let Ok(done) = self.done.try_recv() {
             any = true;
-            self.copies_in_flight -= 1;
-            let now = self.now();
-            let c = &self.shared.counters;
-            c.copy_queue_ns
-                .fetch_add(done.queued.as_nanos() as u64, Ordering::Relaxed);
-            match done.id {
-                CopyId::Gather(_) => c
-                    .gather_ns
-                    .fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
-                CopyId::Scatter(_) => c
-                    .scatter_ns
-                    .fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+            self.copy_finished(done);
+        }
+        let mut i = 0;
+        while i < self.launched.len() {
+            let Some(result) = self.launched[i].copy.poll() else {
+                i += 1;
+                continue;
             };
-            match (done.id, done.result) {
-                (CopyId::Gather(chunk), Ok(())) => self.endpoint.handle_gather_done(now, chunk),
-                (CopyId::Gather(chunk), Err(e)) => {
-                    self.shared
-                        .counters
-                        .copy_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(agent = %self.name, %chunk, "gather failed: {e}");
-                    self.endpoint.handle_gather_failed(now, chunk, e.quiesced);
-                }
-                (CopyId::Scatter(region), Ok(())) => {
-                    self.shared
-                        .counters
-                        .chunks_scattered
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.endpoint.handle_scatter_done(now, region);
-                }
-                (CopyId::Scatter(region), Err(e)) => {
-                    self.shared
-                        .counters
-                        .copy_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(agent = %self.name, %region, "scatter failed: {e}");
-                    self.endpoint.handle_scatter_failed(now, region, e.quiesced);
-                }
+            any = true;
+            let l = self.launched.swap_remove(i);
+            // As on a worker: a copy that failed without quiescing may still
+            // touch the memory, so its range stays marked.
+            if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
+                self.targets.release(l.in_use);
             }
+            self.copy_finished(CopyDone {
+                id: l.id,
+                result,
+                queued: Duration::ZERO,
+                ran: l.started.elapsed(),
+            });
         }
         any
+    }
+
+    fn copy_finished(&mut self, done: CopyDone) {
+        self.copies_in_flight -= 1;
+        let now = self.now();
+        let c = &self.shared.counters;
+        c.copy_queue_ns
+            .fetch_add(done.queued.as_nanos() as u64, Ordering::Relaxed);
+        match done.id {
+            CopyId::Gather(_) => c
+                .gather_ns
+                .fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+            CopyId::Scatter(_) => c
+                .scatter_ns
+                .fetch_add(done.ran.as_nanos() as u64, Ordering::Relaxed),
+        };
+        match (done.id, done.result) {
+            (CopyId::Gather(chunk), Ok(())) => self.endpoint.handle_gather_done(now, chunk),
+            (CopyId::Gather(chunk), Err(e)) => {
+                c.copy_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(agent = %self.name, %chunk, "gather failed: {e}");
+                self.endpoint.handle_gather_failed(now, chunk, e.quiesced);
+            }
+            (CopyId::Scatter(region), Ok(())) => {
+                c.chunks_scattered.fetch_add(1, Ordering::Relaxed);
+                self.endpoint.handle_scatter_done(now, region);
+            }
+            (CopyId::Scatter(region), Err(e)) => {
+                c.copy_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(agent = %self.name, %region, "scatter failed: {e}");
+                self.endpoint.handle_scatter_failed(now, region, e.quiesced);
+            }
+        }
     }
 
     /// Takes the writer thread's outcomes.
@@ -1500,6 +1542,17 @@ impl Reactor {
         a.quarantine.store(held.quarantine, Ordering::Relaxed);
     }
 
+    /// Gives up on the gathers launched here without waiting for them
+    /// (dropping one synchronises its stream, which may never return when
+    /// the device is stuck): the arena is poisoned and leaked, so nothing
+    /// reuses what they may still touch, and their source ranges stay
+    /// marked in use.
+    fn leak_launched(&mut self) {
+        for l in self.launched.drain(..) {
+            std::mem::forget(l);
+        }
+    }
+
     /// Records that the arena is poisoned (for this engine's stats and the
     /// process-wide report), with an error log saying why; the first cause
     /// is the one kept.
@@ -1527,6 +1580,39 @@ impl Reactor {
             addr: self.arena.addr + offset,
             len: self.arena.len.saturating_sub(offset),
         };
+        // Gathers go on the GPU from here when the engine can launch without
+        // blocking (eager gather, completion seen by polling its event): no
+        // hand-off to a worker and back. Scatters stay on workers, which
+        // synchronise their own streams.
+        if direction == Direction::Gather && self.launch_gathers {
+            let started = Instant::now();
+            match self.copier.try_launch(direction, span, &runs) {
+                None => {} // not now: a worker takes it
+                Some(Ok(copy)) => {
+                    self.copies_in_flight += 1;
+                    self.launched.push(Launched {
+                        id,
+                        copy,
+                        in_use,
+                        started,
+                    });
+                    return;
+                }
+                Some(Err(e)) => {
+                    if e.quiesced {
+                        self.targets.release(in_use);
+                    }
+                    self.copies_in_flight += 1;
+                    self.copy_finished(CopyDone {
+                        id,
+                        result: Err(e),
+                        queued: Duration::ZERO,
+                        ran: started.elapsed(),
+                    });
+                    return;
+                }
+            }
+        }
         let job = CopyJob {
             id,
             queued_at: Instant::now(),
@@ -1623,6 +1709,7 @@ impl Reactor {
                 self.copies_in_flight,
                 self.writes.len()
             ));
+            self.leak_launched();
         }
         for (_, (ticket, _, _)) in self.tickets.drain() {
             ticket.finish(Err(FailureReason::Shutdown));
