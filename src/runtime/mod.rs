@@ -507,7 +507,10 @@ impl Runtime {
                     write_worker(data, write_rx, write_done_tx, waker, sh, spin, delay)
                 })?
         };
-        let launch_gathers = parts.failpoints.delay("delay_gather_ms").is_zero();
+        let launch_here = [
+            parts.failpoints.delay("delay_gather_ms").is_zero(),
+            parts.failpoints.delay("delay_scatter_ms").is_zero(),
+        ];
         let mut endpoint = parts.endpoint;
         endpoint.set_source_check(Box::new(RegisteredSources(targets.clone())));
         let reactor = Reactor {
@@ -531,7 +534,7 @@ impl Runtime {
             copies_in_flight: 0,
             copier: parts.copier.clone(),
             launched: Vec::new(),
-            launch_gathers,
+            launch_here,
             writes: Vec::new(),
             peers: HashMap::new(),
             handles: HashMap::new(),
@@ -746,9 +749,8 @@ struct CopyDone {
     ran: Duration,
 }
 
-/// A copy launched on the IO thread (a CUDA gather: the kernel is queued
-/// and an event marks its end), polled there instead of a worker blocking
-/// on its stream.
+/// A copy launched on the IO thread (a CUDA kernel is queued and an event
+/// marks its end), polled there instead of a worker blocking on its stream.
 struct Launched {
     id: CopyId,
     copy: Box<dyn crate::copy::LaunchedCopy>,
@@ -977,11 +979,11 @@ struct Reactor {
     copies_in_flight: usize,
     /// For gathers launched on this thread (see `start_copy`).
     copier: Arc<dyn CopyEngine>,
-    /// Gathers launched on this thread, polled by `drain_copies`.
+    /// Copies launched on this thread, polled by `drain_copies`.
     launched: Vec<Launched>,
-    /// Whether gathers may be launched here (not while a failpoint delays
-    /// them: the delay belongs on a worker).
-    launch_gathers: bool,
+    /// Whether gathers / scatters may be launched here (not while a
+    /// failpoint delays them: the delay belongs on a worker).
+    launch_here: [bool; 2],
     /// Chunk writes handed to the writer thread: chunk, peer, bytes, when.
     writes: Vec<(ChunkRef, PeerId, u64, Instant)>,
     /// Peers we send data to (from their handshake).
@@ -1039,7 +1041,7 @@ impl Reactor {
             // are live it polls for `busy_poll` after the last event first:
             // the next message or completion usually comes within
             // microseconds, and waking a sleeping thread costs tens.
-            // Gathers launched here are polled (their events) without
+            // Copies launched here are polled (their events) without
             // sleeping: they end within microseconds to a few hundred.
             let spinning = !progressed
                 && (!self.launched.is_empty()
@@ -1542,7 +1544,7 @@ impl Reactor {
         a.quarantine.store(held.quarantine, Ordering::Relaxed);
     }
 
-    /// Gives up on the gathers launched here without waiting for them
+    /// Gives up on the copies launched here without waiting for them
     /// (dropping one synchronises its stream, which may never return when
     /// the device is stuck): the arena is poisoned and leaked, so nothing
     /// reuses what they may still touch, and their source ranges stay
@@ -1580,11 +1582,12 @@ impl Reactor {
             addr: self.arena.addr + offset,
             len: self.arena.len.saturating_sub(offset),
         };
-        // Gathers go on the GPU from here when the engine can launch without
-        // blocking (eager gather, completion seen by polling its event): no
-        // hand-off to a worker and back. Scatters stay on workers, which
-        // synchronise their own streams.
-        if direction == Direction::Gather && self.launch_gathers {
+        // Copies go on the GPU from here when the engine can launch without
+        // blocking (the CUDA engine: completion is seen by polling the
+        // copy's event): no hand-off to a worker and back, which costs two
+        // thread wake-ups per copy. The host engine's memcpy blocks, so it
+        // stays on the workers.
+        if self.launch_here[direction as usize] {
             let started = Instant::now();
             match self.copier.try_launch(direction, span, &runs) {
                 None => {} // not now: a worker takes it
