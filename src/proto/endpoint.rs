@@ -1320,26 +1320,10 @@ mod tests {
         use crate::proto::plan::Chunk;
         let mut reader = Endpoint::new(cfg(false)).unwrap();
         reader.set_read_data_path(b"dp".to_vec());
-        // One chunk whose source runs alone encode to more than the limit:
-        // random values in every field take ~50 bytes per run even coded
-        // compactly (plans never look like this; the check must hold anyway).
-        let n = super::super::wire::MAX_MESSAGE_BYTES / 40;
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        let runs: Runs = (0..n)
-            .map(|_| crate::proto::Run {
-                region_offset: next(),
-                addr: next(),
-                len: next(),
-                count: next() as u32 | 1 << 31,
-                region_stride: next(),
-                addr_stride: next(),
-            })
+        // One chunk whose source runs alone encode to more than the limit.
+        let n = super::super::wire::MAX_MESSAGE_BYTES / 44 + 1;
+        let runs: Runs = (0..n as u64)
+            .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32))
             .collect();
         let plan = Arc::new(Plan {
             chunks: vec![Chunk {

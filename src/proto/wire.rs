@@ -23,7 +23,7 @@ pub const MESSAGE_MAGIC: [u8; 4] = *b"NXBM";
 /// Handshake blob magic.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"NXBH";
 /// The wire version this build speaks.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 2;
 /// Handshake blob format version.
 pub const HANDSHAKE_FORMAT: u16 = 2;
 /// Header length.
@@ -48,8 +48,7 @@ pub const MAX_DATA_PATH_LEN: u32 = 1 << 20;
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 const CREDIT_LEN: usize = 4 + 8 + 8;
-/// The fewest bytes a run takes (flags and two one-byte varints).
-const MIN_RUN_LEN: usize = 3;
+const RUN_LEN: usize = 8 + 8 + 8 + 4 + 8 + 8;
 
 /// Message type codes. 1-5 serve WRITE flows; 16-21 serve READ flows
 /// (22-31 stay reserved for the READ direction). A READ flow's GRANT, DATA,
@@ -221,35 +220,6 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
-    /// Reads an unsigned LEB128 varint (at most 10 bytes, no redundant
-    /// trailing zero byte, so every value has exactly one encoding).
-    pub fn varint(&mut self, what: &'static str) -> Result<u64, WireError> {
-        let mut v = 0u64;
-        for i in 0..10 {
-            let b = self.u8(what)?;
-            if i == 9 && b > 1 {
-                return Err(WireError::Invalid {
-                    what,
-                    why: "varint overflows 64 bits".into(),
-                });
-            }
-            v |= u64::from(b & 0x7f) << (7 * i);
-            if b & 0x80 == 0 {
-                if b == 0 && i > 0 {
-                    return Err(WireError::Invalid {
-                        what,
-                        why: "varint has a redundant trailing zero byte".into(),
-                    });
-                }
-                return Ok(v);
-            }
-        }
-        Err(WireError::Invalid {
-            what,
-            why: "varint longer than 10 bytes".into(),
-        })
-    }
-
     /// Reads a u8.
     pub fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
         Ok(self.array::<1>(what)?[0])
@@ -378,15 +348,6 @@ impl Writer {
     /// Appends a u64.
     pub fn u64(&mut self, v: u64) {
         self.buf.extend_from_slice(&v.to_le_bytes());
-    }
-
-    /// Appends an unsigned LEB128 varint ([`varint_len`] bytes).
-    pub fn varint(&mut self, mut v: u64) {
-        while v >= 0x80 {
-            self.buf.push(v as u8 | 0x80);
-            v >>= 7;
-        }
-        self.buf.push(v as u8);
     }
 
     /// Appends raw bytes.
@@ -742,7 +703,7 @@ impl Message {
             } => 24 + 8 * chunk_sizes.len() + endpoint.len(),
             Message::Cancel { endpoint, .. } => 24 + endpoint.len(),
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
-            Message::Data { runs, .. } => 20 + runs_len(runs),
+            Message::Data { runs, .. } => 24 + RUN_LEN * runs.len(),
             Message::Read {
                 endpoint,
                 data_path,
@@ -751,7 +712,10 @@ impl Message {
             } => {
                 28 + endpoint.len()
                     + data_path.len()
-                    + chunks.iter().map(|c| 8 + runs_len(&c.runs)).sum::<usize>()
+                    + chunks
+                        .iter()
+                        .map(|c| 12 + RUN_LEN * c.runs.len())
+                        .sum::<usize>()
             }
             Message::ReadGrant { credits, .. } => 12 + 20 * credits.len(),
             Message::Ack { .. } | Message::ReadData { .. } | Message::ReadAck { .. } => 20,
@@ -829,6 +793,25 @@ impl Message {
     }
 }
 
+/// One run from its `RUN_LEN` encoded bytes.
+fn parse_run(b: &[u8]) -> Run {
+    let u64_at = |at: usize| {
+        let mut v = [0u8; 8];
+        v.copy_from_slice(&b[at..at + 8]);
+        u64::from_le_bytes(v)
+    };
+    let mut count = [0u8; 4];
+    count.copy_from_slice(&b[24..28]);
+    Run {
+        region_offset: u64_at(0),
+        addr: u64_at(8),
+        len: u64_at(16),
+        count: u32::from_le_bytes(count),
+        region_stride: u64_at(28),
+        addr_stride: u64_at(36),
+    }
+}
+
 fn encode_grant(p: &mut Writer, request: RequestId, credits: &[Credit]) {
     p.u64(request.0);
     p.u32(credits.len() as u32);
@@ -859,180 +842,25 @@ fn decode_grant(r: &mut Reader<'_>) -> Result<(RequestId, Vec<Credit>), WireErro
     Ok((request, credits))
 }
 
-// Run lists (DATA, READ) are coded compactly, each run against the end of
-// the one before it: a plan's runs follow one another in the region
-// (alignment padding aside) and mostly share one length, so a 4 KiB block
-// takes ~7 bytes instead of 44. Per run:
-//
-//   flags          u8: RUN_SAME_LEN (bit 0), RUN_STRIDED (bit 1), others 0
-//   region offset  zigzag varint: offset - previous run's region end
-//   address        zigzag varint: address - previous run's address end
-//   length         varint, absent with RUN_SAME_LEN
-//   count, region stride, address stride: varints, only with RUN_STRIDED
-//                  (otherwise count 1 and both strides 0)
-//
-// Differences and ends wrap (u64), so any run list round-trips exactly;
-// the values are validated where they are used, not here. The first run is
-// coded against an empty run at 0.
-
-/// The run has the previous run's length.
-const RUN_SAME_LEN: u8 = 1;
-/// Count and strides follow (a run that is not a single plain copy).
-const RUN_STRIDED: u8 = 2;
-
-/// Bytes of `v` as an unsigned LEB128 varint.
-pub fn varint_len(v: u64) -> usize {
-    1 + (63 - (v | 1).leading_zeros() as usize) / 7
-}
-
-fn zigzag(v: u64) -> u64 {
-    let v = v as i64;
-    ((v << 1) ^ (v >> 63)) as u64
-}
-
-fn unzigzag(v: u64) -> u64 {
-    (v >> 1) ^ (v & 1).wrapping_neg()
-}
-
-/// Where a run ends on the region side and on the application side
-/// (wrapping: the codec must handle any values).
-fn run_ends(r: &Run) -> (u64, u64) {
-    let more = u64::from(r.count).wrapping_sub(1);
-    (
-        r.region_offset
-            .wrapping_add(more.wrapping_mul(r.region_stride))
-            .wrapping_add(r.len),
-        r.addr
-            .wrapping_add(more.wrapping_mul(r.addr_stride))
-            .wrapping_add(r.len),
-    )
-}
-
-/// A run's flags and its two position differences, coded against `prev`.
-fn run_code(prev: &Run, r: &Run) -> (u8, u64, u64) {
-    let (region_end, addr_end) = run_ends(prev);
-    let mut flags = 0;
-    if r.len == prev.len {
-        flags |= RUN_SAME_LEN;
-    }
-    if (r.count, r.region_stride, r.addr_stride) != (1, 0, 0) {
-        flags |= RUN_STRIDED;
-    }
-    (
-        flags,
-        zigzag(r.region_offset.wrapping_sub(region_end)),
-        zigzag(r.addr.wrapping_sub(addr_end)),
-    )
-}
-
-const NO_RUN: Run = Run {
-    region_offset: 0,
-    addr: 0,
-    len: 0,
-    count: 1,
-    region_stride: 0,
-    addr_stride: 0,
-};
-
-/// Encoded bytes of a run list, its u32 count included.
-fn runs_len(runs: &[Run]) -> usize {
-    let mut prev = &NO_RUN;
-    let mut n = 4;
-    for r in runs {
-        let (flags, dr, da) = run_code(prev, r);
-        n += 1 + varint_len(dr) + varint_len(da);
-        if flags & RUN_SAME_LEN == 0 {
-            n += varint_len(r.len);
-        }
-        if flags & RUN_STRIDED != 0 {
-            n += varint_len(u64::from(r.count))
-                + varint_len(r.region_stride)
-                + varint_len(r.addr_stride);
-        }
-        prev = r;
-    }
-    n
-}
-
 fn encode_runs(p: &mut Writer, runs: &[Run]) {
     p.u32(runs.len() as u32);
-    let mut prev = &NO_RUN;
     for r in runs {
-        let (flags, dr, da) = run_code(prev, r);
-        p.u8(flags);
-        p.varint(dr);
-        p.varint(da);
-        if flags & RUN_SAME_LEN == 0 {
-            p.varint(r.len);
-        }
-        if flags & RUN_STRIDED != 0 {
-            p.varint(u64::from(r.count));
-            p.varint(r.region_stride);
-            p.varint(r.addr_stride);
-        }
-        prev = r;
+        p.u64(r.region_offset);
+        p.u64(r.addr);
+        p.u64(r.len);
+        p.u32(r.count);
+        p.u64(r.region_stride);
+        p.u64(r.addr_stride);
     }
 }
 
 fn decode_runs(r: &mut Reader<'_>) -> Result<Runs, WireError> {
-    // `count` checked that n runs of at least MIN_RUN_LEN bytes can be
-    // there before anything is allocated.
-    let n = r.count("run", MAX_DATA_RUNS, MIN_RUN_LEN)?;
-    let mut runs = Vec::with_capacity(n);
-    let mut prev = NO_RUN;
-    for _ in 0..n {
-        let flags = r.u8("run flags")?;
-        if flags & !(RUN_SAME_LEN | RUN_STRIDED) != 0 {
-            return Err(WireError::Invalid {
-                what: "run flags",
-                why: format!("unknown bits in {flags:#04x}"),
-            });
-        }
-        let (region_end, addr_end) = run_ends(&prev);
-        let region_offset = region_end.wrapping_add(unzigzag(r.varint("run region offset")?));
-        let addr = addr_end.wrapping_add(unzigzag(r.varint("run address")?));
-        let len = if flags & RUN_SAME_LEN != 0 {
-            prev.len
-        } else {
-            r.varint("run length")?
-        };
-        let (count, region_stride, addr_stride) = if flags & RUN_STRIDED != 0 {
-            let count = u32::try_from(r.varint("run count")?).map_err(|_| WireError::Invalid {
-                what: "run count",
-                why: "above u32::MAX".into(),
-            })?;
-            (
-                count,
-                r.varint("run region stride")?,
-                r.varint("run address stride")?,
-            )
-        } else {
-            (1, 0, 0)
-        };
-        let run = Run {
-            region_offset,
-            addr,
-            len,
-            count,
-            region_stride,
-            addr_stride,
-        };
-        if flags & RUN_STRIDED != 0 && (count, region_stride, addr_stride) == (1, 0, 0) {
-            return Err(WireError::Invalid {
-                what: "run flags",
-                why: "a strided run with count 1 and no strides (must be coded plain)".into(),
-            });
-        }
-        if flags & RUN_SAME_LEN == 0 && len == prev.len {
-            return Err(WireError::Invalid {
-                what: "run length",
-                why: "repeats the previous run's length (must be coded as the same)".into(),
-            });
-        }
-        runs.push(run);
-        prev = run;
-    }
-    Ok(runs.into())
+    let n = r.count("run", MAX_DATA_RUNS, RUN_LEN)?;
+    // `count` checked that the n runs are all there: parse them from one
+    // slice straight into the shared list (one allocation; a run list can
+    // be hundreds of KiB).
+    let raw = r.take(n * RUN_LEN, "runs")?;
+    Ok(raw.chunks_exact(RUN_LEN).map(parse_run).collect())
 }
 
 fn decode_read(r: &mut Reader<'_>) -> Result<Message, WireError> {
@@ -1310,19 +1138,14 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// Any values, but often plan-shaped (a 4 KiB block right after the
-    /// previous one, a plain single copy) so every coding path is taken.
     fn arb_run() -> impl Strategy<Value = Run> {
         (
-            prop_oneof![any::<u64>(), (0u64..4).prop_map(|i| i * 4096)],
-            prop_oneof![
-                any::<u64>(),
-                (0u64..1 << 20).prop_map(|b| 0x7f00_0000_0000 + b * 4096)
-            ],
-            prop_oneof![any::<u64>(), Just(4096u64), Just(0u64)],
-            prop_oneof![any::<u32>(), Just(1u32)],
-            prop_oneof![any::<u64>(), Just(0u64)],
-            prop_oneof![any::<u64>(), Just(0u64)],
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u64>(),
         )
             .prop_map(
                 |(region_offset, addr, len, count, region_stride, addr_stride)| Run {
@@ -1545,136 +1368,6 @@ mod tests {
         let bytes = c.encode();
         assert_eq!(bytes[6], MessageType::Want as u8);
         assert_eq!(Message::decode(&bytes).unwrap(), c);
-    }
-
-    #[test]
-    fn varints_round_trip_and_reject_bad_encodings() {
-        for v in [
-            0,
-            1,
-            127,
-            128,
-            16383,
-            16384,
-            u32::MAX as u64,
-            u64::MAX - 1,
-            u64::MAX,
-        ] {
-            let mut w = Writer::new();
-            w.varint(v);
-            let b = w.into_bytes();
-            assert_eq!(b.len(), varint_len(v), "{v}");
-            let mut r = Reader::new(&b);
-            assert_eq!(r.varint("v"), Ok(v));
-            assert_eq!(r.remaining(), 0);
-        }
-        for (bad, why) in [
-            (&[0x80u8, 0x00][..], "redundant trailing zero"),
-            (
-                &[0xff; 9].iter().chain(&[0x02]).copied().collect::<Vec<_>>()[..],
-                "overflows",
-            ),
-            (&[0xff; 11][..], "overflows"),
-            (&[0x80][..], "truncated"),
-        ] {
-            let e = Reader::new(bad).varint("v").unwrap_err().to_string();
-            assert!(e.contains(why), "{bad:02x?}: {e}");
-        }
-        for v in [0u64, 1, u64::MAX, i64::MAX as u64, 1 << 63] {
-            assert_eq!(unzigzag(zigzag(v)), v);
-        }
-        assert_eq!(zigzag(0u64.wrapping_sub(1)), 1, "-1 takes one byte");
-    }
-
-    /// A plan's typical chunk: scattered 4 KiB blocks packed back to back
-    /// in the region. Each run takes a handful of bytes, not 44.
-    #[test]
-    fn plan_shaped_runs_are_compact() {
-        let mut x = 88172645463325252u64;
-        let runs: Vec<Run> = (0..8192u64)
-            .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                Run::single(i * 4096, 0x7f00_0000_0000 + (x % (1 << 18)) * 4096, 4096)
-            })
-            .collect();
-        let m = Message::Data {
-            request: RequestId(1),
-            chunk: 0,
-            region: RegionHandle(0),
-            runs: runs.clone().into(),
-        };
-        let bytes = m.encode();
-        let per_run = bytes.len() as f64 / runs.len() as f64;
-        assert!(per_run < 8.0, "{per_run} bytes per run");
-        assert_eq!(Message::decode(&bytes), Ok(m));
-    }
-
-    #[test]
-    fn non_canonical_runs_are_rejected() {
-        let data = |body: &dyn Fn(&mut Writer)| {
-            let mut w = Writer::new();
-            w.u64(1);
-            w.u32(0);
-            w.u64(0);
-            w.u32(1);
-            body(&mut w);
-            let payload = w.into_bytes();
-            let mut m = Writer::new();
-            m.bytes(&MESSAGE_MAGIC);
-            m.u16(WIRE_VERSION);
-            m.u8(MessageType::Data as u8);
-            m.u8(0);
-            m.u32(payload.len() as u32);
-            m.bytes(&payload);
-            Message::decode(&m.into_bytes())
-        };
-        let plain = data(&|w| {
-            w.u8(0);
-            w.varint(0);
-            w.varint(0);
-            w.varint(4096);
-        });
-        assert!(plain.is_ok(), "{plain:?}");
-        for (what, body) in [
-            (
-                "unknown bits",
-                &(|w: &mut Writer| {
-                    w.u8(4);
-                    w.varint(0);
-                    w.varint(0);
-                    w.varint(1);
-                }) as &dyn Fn(&mut Writer),
-            ),
-            ("must be coded plain", &|w: &mut Writer| {
-                w.u8(RUN_STRIDED);
-                w.varint(0);
-                w.varint(0);
-                w.varint(1);
-                w.varint(1);
-                w.varint(0);
-                w.varint(0);
-            }),
-            ("must be coded as the same", &|w: &mut Writer| {
-                w.u8(0);
-                w.varint(0);
-                w.varint(0);
-                w.varint(0); // the empty run before the first has length 0
-            }),
-            ("above u32::MAX", &|w: &mut Writer| {
-                w.u8(RUN_STRIDED);
-                w.varint(0);
-                w.varint(0);
-                w.varint(1);
-                w.varint(1 << 32);
-                w.varint(0);
-                w.varint(0);
-            }),
-        ] {
-            let e = data(body).unwrap_err().to_string();
-            assert!(e.contains(what), "{what}: {e}");
-        }
     }
 
     #[test]
