@@ -545,74 +545,36 @@ fn run_tests(args: &Args) -> bool {
     match Initiator::new(args) {
         Err(e) => check("setup", Err(e)),
         Ok(mut init) => {
-            for (n, size, mixed) in [
+            let writes = [
                 (1, 4096, false),
                 (1024, 4096, false),
                 (16384, 4096, false),
                 (4096, 16384, true),
-            ] {
-                let before = plugin_counters(&init.name);
-                let r = init
-                    .checked_write(n, size, 7 + n as u64, mixed, args)
-                    .and_then(|dt| {
-                        let after = plugin_counters(&init.name);
-                        let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
-                            - before.get("bounce_succeeded").copied().unwrap_or(0);
-                        let want_bounce = bounce && n >= 1024 && !args.expect_fallback;
-                        if want_bounce && bounced != 1 {
-                            return Err(format!("expected the bounce path, counters: {after:?}"));
-                        }
-                        if !want_bounce && bounced != 0 {
-                            return Err("expected the UCX path, but the transfer bounced".into());
-                        }
-                        Ok(format!(
-                            "({:.3} ms, {})",
-                            dt.as_secs_f64() * 1e3,
-                            if bounced == 1 { "bounce" } else { "ucx" }
-                        ))
-                    });
-                check(
-                    &format!("write_{n}x{size}{}", if mixed { "_mixed" } else { "" }),
-                    r,
-                );
-            }
-            let r = concurrent(&mut init, args);
-            check("concurrent_threads", r);
-            for (n, size, mixed) in [
+            ];
+            let reads = [
                 (1024, 4096, false),
                 (16384, 4096, false),
                 (4096, 16384, true),
-            ] {
-                let before = plugin_counters(&init.name);
-                let served_before = target_counters(&mut init.target);
-                let r = init
-                    .checked_read(n, size, 50 + n as u64, mixed, args)
-                    .and_then(|dt| {
-                        let after = plugin_counters(&init.name);
-                        let served = target_counters(&mut init.target);
-                        let d = |m: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
-                            m.get(k).copied().unwrap_or(0) - b.get(k).copied().unwrap_or(0)
-                        };
-                        let bounced = d(&after, &before, "bounce_succeeded");
-                        let want_bounce = bounce && !args.expect_fallback;
-                        if want_bounce
-                            && (bounced != 1 || d(&served, &served_before, "reads_served") != 1)
-                        {
-                            return Err(format!(
-                                "expected the bounce path: reader {after:?}, owner {served:?}"
-                            ));
-                        }
-                        if !want_bounce && bounced != 0 {
-                            return Err("expected the UCX path, but the READ bounced".into());
-                        }
-                        Ok(format!(
-                            "({:.3} ms, {})",
-                            dt.as_secs_f64() * 1e3,
-                            if bounced == 1 { "bounce" } else { "ucx" }
-                        ))
-                    });
+            ];
+            let cases = writes
+                .iter()
+                .map(|&c| (XferOp::Write, c))
+                .chain(reads.iter().map(|&c| (XferOp::Read, c)));
+            for (i, (op, (n, size, mixed))) in cases.enumerate() {
+                if i == writes.len() {
+                    // Between the WRITEs and the READs.
+                    let r = concurrent(&mut init, args);
+                    check("concurrent_threads", r);
+                }
+                // A WRITE of one descriptor stays below the bounce threshold.
+                let want_bounce = bounce && !args.expect_fallback && n >= 1024;
+                let r = checked_case(&mut init, op, n, size, mixed, want_bounce, args);
+                let name = match op {
+                    XferOp::Read => "read",
+                    _ => "write",
+                };
                 check(
-                    &format!("read_{n}x{size}{}", if mixed { "_mixed" } else { "" }),
+                    &format!("{name}_{n}x{size}{}", if mixed { "_mixed" } else { "" }),
                     r,
                 );
             }
@@ -620,6 +582,44 @@ fn run_tests(args: &Args) -> bool {
     }
     println!("\n{passed} passed, {failed} failed");
     failed == 0
+}
+
+/// One byte-exact WRITE or READ of `n` x `size` (a fresh random plan), and
+/// whether it took the path expected: the bounce path on both sides (for a
+/// READ the owner must have served it) or UCX.
+fn checked_case(
+    init: &mut Initiator,
+    op: XferOp,
+    n: usize,
+    size: usize,
+    mixed: bool,
+    want_bounce: bool,
+    args: &Args,
+) -> Result<String, String> {
+    let before = plugin_counters(&init.name);
+    let served_before = target_counters(&mut init.target);
+    let dt = match op {
+        XferOp::Read => init.checked_read(n, size, 50 + n as u64, mixed, args)?,
+        _ => init.checked_write(n, size, 7 + n as u64, mixed, args)?,
+    };
+    let after = plugin_counters(&init.name);
+    let served = target_counters(&mut init.target);
+    let bounced = since(&after, &before, "bounce_succeeded");
+    let owner_served = since(&served, &served_before, "reads_served");
+    let took_bounce = bounced == 1 && (op != XferOp::Read || owner_served == 1);
+    if want_bounce && !took_bounce {
+        return Err(format!(
+            "expected the bounce path: initiator {after:?}, target {served:?}"
+        ));
+    }
+    if !want_bounce && bounced != 0 {
+        return Err(format!("expected the UCX path, but the {op:?} bounced"));
+    }
+    Ok(format!(
+        "({:.3} ms, {})",
+        dt.as_secs_f64() * 1e3,
+        if bounced == 1 { "bounce" } else { "ucx" }
+    ))
 }
 
 // ---- fault drills --------------------------------------------------------------
