@@ -27,6 +27,10 @@ pub struct Counters {
     pub panics: AtomicU64,
 }
 
+/// Reads an engine's live counters (name, value) and its poison cause, if
+/// any, for a stats snapshot.
+pub type StatsSource = Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send>;
+
 /// What an engine exposes about itself.
 pub struct EngineStats {
     pub agent: String,
@@ -35,8 +39,7 @@ pub struct EngineStats {
     /// Counters by name (fallback reasons, bounce submissions, ...).
     named: Mutex<BTreeMap<&'static str, u64>>,
     /// Live values from the bounce runtime, read at snapshot time.
-    #[allow(clippy::type_complexity)]
-    source: Mutex<Option<Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send>>>,
+    source: Mutex<Option<StatsSource>>,
 }
 
 impl std::fmt::Debug for EngineStats {
@@ -93,7 +96,7 @@ impl EngineStats {
     }
 
     /// Installs the source of live runtime counters and poison state.
-    pub fn set_source(&self, f: Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send>) {
+    pub fn set_source(&self, f: StatsSource) {
         *self.source.lock().expect("stats source") = Some(f);
     }
 

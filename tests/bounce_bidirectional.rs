@@ -76,7 +76,7 @@ fn run(extra: &[(&str, &str)], rounds: u64, seed: u64) {
         let results: Vec<Result<(String, Duration), String>> = std::thread::scope(|sc| {
             let mut hs = Vec::new();
             for (from, to, plans) in [(&a, &b, &a_plans), (&b, &a, &b_plans)] {
-                for t in 0..THREADS {
+                for (t, plan) in plans.iter().enumerate().take(THREADS) {
                     let barrier = &barrier;
                     hs.push(sc.spawn(move || -> Result<(String, Duration), String> {
                         let who = format!("{} thread {t}", from.name());
@@ -84,7 +84,7 @@ fn run(extra: &[(&str, &str)], rounds: u64, seed: u64) {
                             .node
                             .create_xfer(
                                 XferOp::Write,
-                                &plans[t],
+                                plan,
                                 from.buf.addr(),
                                 to.buf.addr(),
                                 &to.node.name,

@@ -9,6 +9,7 @@
 //! - (c) the peers differ in control kind (one uses NIXL notifications);
 //! - (d) the peer speaks another wire version (its published handshake
 //!   patched to the next version).
+//!
 //! Plus the routing gates at their edges (descriptor count, average size,
 //! also for a READ) between two compatible peers, and an engine whose
 //! bounce set-up failed (its control socket cannot bind) working through

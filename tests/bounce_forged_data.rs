@@ -13,6 +13,7 @@
 //! - beyond the granted region (region offsets past the credit's length);
 //! - with a destination that wraps around the address space;
 //! - at a region that was never granted to this flow.
+//!
 //! Each must be refused (REFUSE, or a dropped late DATA) with nothing
 //! written anywhere (every byte of every buffer compared, guard zones
 //! included); the refusals of the destination check must be counted in
@@ -76,7 +77,7 @@ fn healthy(s: &mut Endpoint, r: &mut Endpoint, seed: u64) {
     s.buf.fill_pattern(seed + 1);
     let (src, dst_before) = (s.buf.as_slice().to_vec(), r.buf.as_slice().to_vec());
     let (ss, sr) = (stats(s.name()), stats(r.name()));
-    let req = write_request(&s, &r, &plan);
+    let req = write_request(s, r, &plan);
     s.node
         .post_and_wait(&req, wait_timeout())
         .or_fail("a real transfer after the forged DATA");

@@ -29,7 +29,7 @@ fn write(a: &mut Endpoint, b: &mut Endpoint, seed: u64) {
     b.buf.fill_pattern(seed + 2);
     let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
     let (sa, sb) = (stats(a.name()), stats(b.name()));
-    let req = write_request(&a, &b, &plan);
+    let req = write_request(a, b, &plan);
     a.node.post_and_wait(&req, wait_timeout()).or_fail("WRITE");
     drop(req);
     plan.verify(b.buf.as_slice(), &dst_before, &src)

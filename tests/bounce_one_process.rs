@@ -31,7 +31,7 @@ fn write_once(a: &mut Endpoint, b: &mut Endpoint, plan_seed: u64, seeds: (u64, u
     b.buf.fill_pattern(seeds.1);
     let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
     let (sa, sb) = (stats(a.name()), stats(b.name()));
-    let req = write_request(&a, &b, &plan);
+    let req = write_request(a, b, &plan);
     let dt = a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!(
         "WRITE {} -> {}",
         a.name(),

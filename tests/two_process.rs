@@ -75,10 +75,9 @@ fn peer_helper() {
         let w: Vec<&str> = line.split_whitespace().collect();
         let num = |i: usize| -> u64 { w[i].parse().expect("number") };
         let res: Result<String, String> = match w.first().copied() {
-            Some("PEER") => unhex(w[1]).and_then(|m| ep.node.load_md(&m)).map(|n| {
-                initiator = n.clone();
-                n
-            }),
+            Some("PEER") => unhex(w[1])
+                .and_then(|m| ep.node.load_md(&m))
+                .inspect(|n| initiator = n.clone()),
             Some("FILL") => {
                 ep.buf.fill_pattern(num(1));
                 Ok(String::new())

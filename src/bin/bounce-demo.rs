@@ -248,8 +248,8 @@ fn main() -> ExitCode {
     let rows: Vec<Row> = o.backends.iter().map(|b| run_backend(&o, b)).collect();
 
     println!(
-        "{:<8} {:>11} {:>12} {:>9} {:>8}  {:<8}  {}",
-        "backend", "descriptors", "bytes", "p50 ms", "GB/s", "verified", "path"
+        "{:<8} {:>11} {:>12} {:>9} {:>8}  {:<8}  path",
+        "backend", "descriptors", "bytes", "p50 ms", "GB/s", "verified"
     );
     let mut ok = true;
     for r in &rows {

@@ -428,7 +428,8 @@ impl Initiator {
         plan: &Plan,
         notif: Option<&[u8]>,
     ) -> Result<XferRequest, String> {
-        let (local, remote): (Vec<(usize, usize)>, Vec<(usize, usize)>) = match op {
+        type Spans = Vec<(usize, usize)>; // (offset, length)
+        let (local, remote): (Spans, Spans) = match op {
             XferOp::Write => plan.moves.iter().map(|&(s, d, l)| ((s, l), (d, l))).unzip(),
             XferOp::Read => plan.moves.iter().map(|&(s, d, l)| ((d, l), (s, l))).unzip(),
         };
@@ -969,12 +970,9 @@ fn run_bench(args: &Args) -> bool {
             }
         }
     }
-    if args.concurrent > 0 {
-        // `concurrent` requests of 1024 x 4 KiB in flight at once, disjoint.
-        let size = 4096;
-        let n = 1024;
-        let slots = args.buffer / size;
-        let per = slots / args.concurrent;
+    // `concurrent` requests of 1024 x 4 KiB in flight at once, disjoint.
+    let (size, n) = (4096, 1024);
+    if let Some(per) = (args.buffer / size).checked_div(args.concurrent) {
         if per >= n {
             let plans: Vec<Plan> = (0..args.concurrent)
                 .map(|i| plan(n, size, per, i * per * size, 7000 + i as u64, false))

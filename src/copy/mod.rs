@@ -109,17 +109,16 @@ pub fn check_runs(direction: Direction, region_len: usize, runs: &[Run]) -> Resu
     Ok(total)
 }
 
+/// An arena and the copy engine that fills and drains it.
+pub type ArenaAndCopier = (Arc<dyn Arena>, Arc<dyn CopyEngine>);
+
 /// The arena and copy engine for GPU `device`: device memory and the CUDA
 /// gather/scatter kernels.
 ///
 /// Fails (and the engine keeps that GPU's memory on UCX) when no CUDA driver
 /// is present, the kernel does not compile, or the arena cannot be
 /// allocated.
-pub fn device_arena(
-    device: u64,
-    len: usize,
-    config: &Config,
-) -> Result<(Arc<dyn Arena>, Arc<dyn CopyEngine>), String> {
+pub fn device_arena(device: u64, len: usize, config: &Config) -> Result<ArenaAndCopier, String> {
     let cuda = cuda::CudaRuntime::probe()?;
     let ordinal =
         usize::try_from(device).map_err(|_| format!("device id {device} is not a GPU ordinal"))?;

@@ -117,7 +117,7 @@ macro_rules! backend_tests {
                 #[test]
                 #[serial_test::serial]
                 fn $name() {
-                    if crate::common::ready("BOUNCE") { super::cases::$name("BOUNCE") }
+                    if $crate::common::ready("BOUNCE") { super::cases::$name("BOUNCE") }
                 }
             )*
         }
@@ -126,7 +126,7 @@ macro_rules! backend_tests {
                 #[test]
                 #[serial_test::serial]
                 fn $name() {
-                    if crate::common::ready("UCX") { super::cases::$name("UCX") }
+                    if $crate::common::ready("UCX") { super::cases::$name("UCX") }
                 }
             )*
         }
