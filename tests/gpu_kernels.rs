@@ -200,6 +200,18 @@ impl Buffers {
     }
 }
 
+/// Polls a launched copy until it reports its result (at most 10 s).
+fn poll_until_done<T>(what: &str, mut poll: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(r) = poll() {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "{what}: copy never completed");
+        std::hint::spin_loop();
+    }
+}
+
 #[test]
 fn random_runs_match_the_host_reference_in_both_argument_modes() {
     let Some(dev) = device() else { return };
@@ -285,15 +297,7 @@ fn non_blocking_start_and_poll() {
                     pool.try_acquire().is_none(),
                     "the copy holds the only context"
                 );
-                let deadline = Instant::now() + Duration::from_secs(10);
-                let r = loop {
-                    if let Some(r) = p.poll() {
-                        break r;
-                    }
-                    assert!(Instant::now() < deadline, "{what}: copy never completed");
-                    std::hint::spin_loop();
-                };
-                r.unwrap();
+                poll_until_done(&what, || p.poll()).unwrap();
                 assert_eq!(p.poll(), Some(Ok(())), "a finished copy keeps its result");
                 assert_eq!(pool.idle(), 1, "completion returns the context");
             });
@@ -347,15 +351,7 @@ fn try_launch_polls_to_completion_and_declines_when_busy() {
                 engine.try_launch(d, span, runs).is_none(),
                 "{what}: no idle context, so the caller should use a worker"
             );
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let r = loop {
-                if let Some(r) = copy.poll() {
-                    break r;
-                }
-                assert!(Instant::now() < deadline, "{what}: copy never completed");
-                std::hint::spin_loop();
-            };
-            r.unwrap();
+            poll_until_done(&what, || copy.poll()).unwrap();
             assert_eq!(pool.idle(), 1, "completion returns the context");
         });
     }
