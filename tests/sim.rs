@@ -648,6 +648,14 @@ impl Sim {
                         _ => return Err(format!("a{a}: {peer} described a data path {dp:?}")),
                     }
                 }
+                Action::ForgetPeer { peer } => {
+                    let Some(&p) = self.by_name.get(&peer) else {
+                        return Err(format!("a{a}: forgets unknown peer {peer}"));
+                    };
+                    self.agents[a].loaded_paths.remove(&p);
+                    let now = self.now;
+                    self.agents[a].ep.forget_peer(now, &peer);
+                }
                 Action::Poisoned { cause } => {
                     if self.faults.stuck_p == 0.0 {
                         return Err(format!("a{a} poisoned without stuck operations: {cause}"));

@@ -136,6 +136,9 @@ pub struct RuntimeCounters {
     /// Times a peer was found unreachable (control connection down too
     /// long; once per outage).
     pub peers_unreachable: AtomicU64,
+    /// Unreachable peers the application never loaded (readers known only
+    /// by their READs), forgotten once nothing of them was left.
+    pub peers_forgotten: AtomicU64,
     /// The arena now, in bytes, by owner (gauges; they sum to its capacity).
     pub arena: ArenaGauges,
     /// Gauges: peers the control channel holds a connection for, and
@@ -682,6 +685,7 @@ impl Runtime {
                 ("bounce_deadlines_exceeded", &c.deadlines),
                 ("bounce_cancels", &c.cancelled),
                 ("peers_unreachable", &c.peers_unreachable),
+                ("peers_forgotten", &c.peers_forgotten),
                 ("control_peers", &c.control_peers),
                 ("reader_data_paths", &c.reader_data_paths),
                 ("arena_free_bytes", &c.arena.free),
@@ -1207,6 +1211,35 @@ impl Reactor {
         }
     }
 
+    /// The endpoint's [`Action::ForgetPeer`]: `peer` is unreachable, the
+    /// application never loaded it, and nothing of it is left (no serve
+    /// writes to it). Its control socket, the data path its READs
+    /// described and its entries here go; a later READ from it starts
+    /// afresh.
+    fn forget_unreachable(&mut self, peer: &PeerId) {
+        // The endpoint decided this before any other event; checked again
+        // here, fail-closed.
+        let loaded = self.peers.get(peer).is_some_and(|p| p.known);
+        let writing = self.writes.iter().any(|w| &w.1 == peer);
+        if loaded || writing || self.endpoint.holds_peer(peer) {
+            tracing::error!(agent = %self.name, %peer, loaded, writing, "not forgetting a peer still in use");
+            return;
+        }
+        self.unreachable.remove(peer);
+        self.peers.remove(peer);
+        self.unload_data_path(peer);
+        if let Some(h) = self.handles.remove(peer) {
+            self.channel.remove_peer(h);
+        }
+        let now = self.now();
+        self.endpoint.forget_peer(now, peer);
+        self.shared
+            .counters
+            .peers_forgotten
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(agent = %self.name, %peer, "forgot an unreachable peer the application never loaded");
+    }
+
     fn drain_copies(&mut self) -> bool {
         let mut any = false;
         while let Ok(done) = self.done.try_recv() {
@@ -1552,6 +1585,7 @@ impl Reactor {
                         }
                     }
                 }
+                Action::ForgetPeer { peer } => self.forget_unreachable(&peer),
                 Action::Complete { request, outcome } => self.complete(request, outcome),
                 Action::Poisoned { cause } => self.mark_poisoned(cause),
             }
