@@ -2,7 +2,11 @@
 //! - 1000 cycles of two agents loading each other's metadata, one bounce
 //!   WRITE (control connections made both ways), and both invalidating;
 //! - 100 cycles of a whole agent created, paired, written from, forgotten
-//!   and destroyed.
+//!   and destroyed;
+//! - 40 reader agents, each loading one owner, READing from it once and
+//!   destroyed, without the owner ever loading them: the owner forgets
+//!   each (control connection, data path, the reader's agent in its inner
+//!   agent) once it finds it unreachable.
 //!
 //! Measured after a warm-up and at the end: open file descriptors
 //! (/proc/self/fd), threads (/proc/self/task), resident memory, and the
@@ -310,6 +314,111 @@ fn a_hundred_agents_created_and_destroyed() {
         warm.expect("warm-up"),
         Resources::now(),
     );
+}
+
+/// One counted bounce READ by `reader` from `owner`; byte-exact when
+/// `check`.
+fn read(reader: &mut Endpoint, owner: &Endpoint, seed: u64, check: bool) {
+    let plan = Plan::standard(N, BLOCK, seed);
+    let before = reader.buf.as_slice().to_vec();
+    let s0 = stats(reader.name());
+    let req = reader
+        .node
+        .create_xfer(
+            nixl_sys::XferOp::Read,
+            &plan,
+            reader.buf.addr(),
+            owner.buf.addr(),
+            &owner.node.name.clone(),
+            None,
+        )
+        .or_fail("create_xfer_req(READ)");
+    reader
+        .node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail(&format!("READ #{seed}"));
+    drop(req);
+    if check {
+        plan.verify(reader.buf.as_slice(), &before, owner.buf.as_slice())
+            .or_fail(&format!("READ #{seed}"));
+        assert_reader_bounced(&s0, &stats(reader.name()), 1);
+    }
+}
+
+/// The owner's peers: control connections, readers' data paths, readers'
+/// agents loaded in its inner agent, and how many it forgot.
+fn owner_peers(owner: &str) -> [u64; 4] {
+    let s = stats(owner);
+    [
+        s.get("control_peers"),
+        s.get("reader_data_paths"),
+        s.get("reader_agents_loaded"),
+        s.get("peers_forgotten"),
+    ]
+}
+
+/// Waits until the owner forgot `n` readers in all and holds none.
+fn wait_readers_forgotten(owner: &str, n: u64) -> Duration {
+    wait_for(
+        Duration::from_secs(10),
+        || format!("{owner} still holds readers: {:?}", owner_peers(owner)),
+        || owner_peers(owner) == [0, 0, 0, n],
+    )
+}
+
+#[test]
+#[serial_test::serial]
+fn forty_readers_read_once_and_are_destroyed() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    const READERS: u64 = 40;
+    let owner = endpoint("cy-own", &EX, len(), 1, ThreadSync::Default);
+    let t0 = Instant::now();
+    let mut warm = None;
+    for i in 0..READERS {
+        if i == 10 {
+            // The first ten forgotten: from here on nothing may grow.
+            wait_readers_forgotten(owner.name(), i);
+            std::thread::sleep(Duration::from_millis(200));
+            warm = Some(Resources::now());
+        }
+        let mut c = endpoint("cy-rd", &EX, len(), 3 + i, ThreadSync::Default);
+        load(&c.node, &owner.node);
+        read(&mut c, &owner, i, i % 5 == 0);
+        let [control, paths, agents, _] = owner_peers(owner.name());
+        assert!(
+            control >= 1 && paths >= 1 && agents >= 1,
+            "the owner serves a reader it never loaded: {:?}",
+            owner_peers(owner.name())
+        );
+        drop(c);
+    }
+    let cycles = t0.elapsed();
+    // Each reader is found unreachable about one liveness timeout (1 s)
+    // after it went, then forgotten.
+    let last = wait_readers_forgotten(owner.name(), READERS);
+    wait_arena_idle(owner.name(), ARENA, Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(300));
+    let s = stats(owner.name());
+    eprintln!(
+        "{READERS} readers in {cycles:?}, the last forgotten {last:?} later; owner: \
+         peers_unreachable {} peers_forgotten {} reads_served {}",
+        s.get("peers_unreachable"),
+        s.get("peers_forgotten"),
+        s.get("reads_served")
+    );
+    assert_eq!(s.get("reads_served"), READERS);
+    assert!(s.poisoned.is_none(), "{:?}", s.poisoned);
+    assert_flat(
+        "40 readers created, read once and destroyed",
+        warm.expect("warm-up"),
+        Resources::now(),
+    );
+    // A reader again: served as before.
+    let mut c = endpoint("cy-rd", &EX, len(), 99, ThreadSync::Default);
+    load(&c.node, &owner.node);
+    read(&mut c, &owner, 99, true);
 }
 
 /// NIXL's UCX backend alone (no BOUNCE), UCX with TCP: 200 load /

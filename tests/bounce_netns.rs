@@ -439,12 +439,8 @@ fn link_down_mid_transfer() {
     // With the link back, writes still in flight end, the CANCEL reaches the
     // receiver, and both arenas drain.
     for p in [&mut a, &mut b] {
-        let dt = faults::wait_for(
-            Duration::from_secs(20),
-            || "an arena still holds bytes after the link came back".into(),
-            || faults::arena_held(&p.stats()) == 0,
-        );
-        faults::assert_arena_conserved(&p.stats(), ARENA);
+        let what = format!("{} (the link came back)", p.name);
+        let dt = faults::wait_idle_of(&what, ARENA, Duration::from_secs(20), || p.stats());
         eprintln!("{}: arena idle {dt:?} after the link came back", p.name);
     }
     b.cmd(&format!("CHECK_OUTSIDE {MANY} 3 2"));

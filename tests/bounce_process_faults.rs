@@ -117,14 +117,8 @@ fn write_from(p: &mut Peer, me: &mut Endpoint, seed: u64) {
 
 /// Waits until the peer's arena holds nothing; returns how long it took.
 fn wait_peer_idle(p: &mut Peer) -> Duration {
-    let label = p.label.clone();
-    let dt = wait_for(
-        DRAIN_BOUND,
-        || format!("the {label} peer's arena still holds bytes"),
-        || arena_held(&p.stats()) == 0,
-    );
-    assert_arena_conserved(&p.stats(), ARENA);
-    dt
+    let what = format!("the {} peer", p.label);
+    wait_idle_of(&what, ARENA, DRAIN_BOUND, || p.stats())
 }
 
 #[test]

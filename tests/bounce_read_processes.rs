@@ -10,16 +10,20 @@
 //! - an owner killed (SIGKILL) mid-READ: the reader's request fails within
 //!   its timeout, and after the application forgets the dead owner the
 //!   reader reads from another one;
-//! - a reader killed mid-READ: the owner stays healthy and serves the next
-//!   reader.
+//! - a reader killed mid-READ: the owner ends its serve within the liveness
+//!   bound, drains its arena, forgets the reader (it never loaded it) and
+//!   serves the next reader.
 #[path = "support/bounce.rs"]
 mod bounce;
 mod common;
+#[path = "support/faults.rs"]
+mod faults;
 #[path = "support/peer.rs"]
 mod peer;
 
 use bounce::*;
 use common::*;
+use faults::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
 use std::time::{Duration, Instant};
@@ -337,9 +341,13 @@ fn reader_survives_an_owner_killed_mid_read() {
     q.finish();
 }
 
-/// SIGKILL a reader process while it READs from this process: the owner
-/// stays healthy (nothing poisoned, its serve ends by itself) and serves
-/// the next reader.
+/// SIGKILL a reader process while it READs from this process (which never
+/// loaded the reader: it knows it only through its READ): the owner finds
+/// it unreachable and ends the serve within the liveness bound, not the
+/// request timeout (30 s here); its arena drains and is conserved; it
+/// forgets the reader (control connection, data path, the reader's agent
+/// in its inner agent); nothing of its memory changed; nothing is
+/// poisoned; the next reader is served byte-exact.
 #[test]
 #[serial_test::serial]
 fn owner_survives_a_reader_killed_mid_read() {
@@ -347,15 +355,17 @@ fn owner_survives_a_reader_killed_mid_read() {
         return;
     }
     let len = len();
+    const ARENA: u64 = 1 << 20;
     let ex = [
         LOOPBACK,
         ("max_chunk_size_bytes", "64KiB"),
         ("arena_size_bytes", "1MiB"),
         ("arena_allocation_granularity_bytes", "64KiB"),
         ("max_inflight_chunks_per_request", "1"),
-        ("request_timeout_ms", "2000"),
+        ("request_timeout_ms", "30000"),
     ];
-    let me = endpoint("rk-owner", &ex, len, 31, ThreadSync::Default);
+    let owner_seed = 31;
+    let me = endpoint("rk-owner", &ex, len, owner_seed, ThreadSync::Default);
     let md = hex(&me.node.local_md().or_fail("md"));
     let mut p = Peer::spawn("reader", peer_command(&[], len, &ex, "rk-reader"))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -366,20 +376,56 @@ fn owner_survives_a_reader_killed_mid_read() {
         me.name(),
         me.buf.addr()
     ));
-    let t0 = Instant::now();
-    while stats(me.name()).since(&sm, "chunks_written") < 2 {
-        check_deadline(t0, Duration::from_secs(20), &|| {
-            "the owner wrote nothing".into()
-        });
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    wait_for(
+        Duration::from_secs(20),
+        || "the owner wrote nothing".into(),
+        || stats(me.name()).since(&sm, "chunks_written") >= 2,
+    );
+    let serving = stats(me.name());
+    assert_eq!(serving.get("reader_data_paths"), 1, "{:?}", serving.map);
+    assert_eq!(serving.get("reader_agents_loaded"), 1, "{:?}", serving.map);
     p.kill();
-    // Give the owner's serve time to run into its timeout.
-    std::thread::sleep(Duration::from_millis(2500));
+    let killed = Instant::now();
+    let unreachable_in = wait_for(
+        Duration::from_secs(3),
+        || "the killed reader is not found unreachable".into(),
+        || stats(me.name()).since(&sm, "peers_unreachable") >= 1,
+    );
+    // Forgotten only once its serve ended and no write to it runs.
+    wait_for(
+        Duration::from_secs(3),
+        || {
+            format!(
+                "the killed reader is not forgotten: {}",
+                stats(me.name()).diff(&sm)
+            )
+        },
+        || stats(me.name()).since(&sm, "peers_forgotten") >= 1,
+    );
+    let forgotten_in = killed.elapsed();
+    let idle_after = wait_arena_idle(me.name(), ARENA, Duration::from_secs(1));
     let em = stats(me.name());
-    eprintln!("owner after its reader was killed: {}", em.diff(&sm));
+    eprintln!(
+        "owner after its reader was killed: unreachable after {unreachable_in:?}, serve ended and \
+         reader forgotten after {forgotten_in:?}, arena idle {idle_after:?} later; {}",
+        em.diff(&sm)
+    );
+    assert!(
+        forgotten_in < Duration::from_secs(3),
+        "the serve ended only after {forgotten_in:?} (liveness 1 s; request timeout 30 s)"
+    );
     assert!(em.poisoned.is_none(), "poisoned: {:?}", em.poisoned);
     assert_eq!(em.since(&sm, "reads_served"), 0, "{}", em.diff(&sm));
+    assert_eq!(em.since(&sm, "peers_forgotten"), 1, "{}", em.diff(&sm));
+    for gauge in ["control_peers", "reader_data_paths", "reader_agents_loaded"] {
+        assert_eq!(em.get(gauge), 0, "{gauge}: {:?}", em.map);
+    }
+    // The owner's buffer is only a source: not one byte of it changed.
+    verify_bytes(me.buf.as_slice(), &pattern(len, owner_seed), |_| {
+        "the owner's buffer".into()
+    })
+    .or_fail("the owner's memory");
+    me.buf.check_guards().or_fail("guards");
     // The next reader is served.
     let mut q = Peer::spawn("reader-2", peer_command(&[], len, &ex, "rk-reader2"))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -387,7 +433,107 @@ fn owner_survives_a_reader_killed_mid_read() {
     q.cmd("FILL 33");
     let sm = stats(me.name());
     q.cmd(&format!("READ {} {} {MANY} 34 -", me.name(), me.buf.addr()));
-    q.cmd(&format!("CHECK_WRITE - {MANY} 34 31 33 -"));
+    q.cmd(&format!("CHECK_WRITE - {MANY} 34 {owner_seed} 33 -"));
     assert_eq!(stats(me.name()).since(&sm, "reads_served"), 1);
+    wait_arena_idle(me.name(), ARENA, Duration::from_secs(1));
     q.finish();
+}
+
+/// SIGSTOP a reader process mid-READ: the owner (which never loaded it)
+/// finds it unreachable, ends the serve and forgets it. On SIGCONT the
+/// reader's READ fails (its own timeout ran out while it was stopped), and
+/// the same reader, same agent and control endpoint, READs again:
+/// connected, its data path and agent loaded anew, byte-exact.
+#[test]
+#[serial_test::serial]
+fn a_forgotten_reader_that_comes_back_is_served_again() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let len = len();
+    const ARENA: u64 = 1 << 20;
+    let common = [
+        LOOPBACK,
+        ("max_chunk_size_bytes", "64KiB"),
+        ("arena_size_bytes", "1MiB"),
+        ("arena_allocation_granularity_bytes", "64KiB"),
+        ("max_inflight_chunks_per_request", "1"),
+    ];
+    let with_timeout = |ms: &'static str| {
+        let mut v = common.to_vec();
+        v.push(("request_timeout_ms", ms));
+        v
+    };
+    let owner_seed = 41;
+    let me = endpoint(
+        "rc-owner",
+        &with_timeout("30000"),
+        len,
+        owner_seed,
+        ThreadSync::Default,
+    );
+    let md = hex(&me.node.local_md().or_fail("md"));
+    let mut p = Peer::spawn(
+        "reader",
+        peer_command(&[], len, &with_timeout("3000"), "rc-reader"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.cmd(&format!("PEER {md}")), me.name());
+    let sm = stats(me.name());
+    let sp = p.stats();
+    p.cmd(&format!(
+        "POST_READ {} {} {MANY} 42 -",
+        me.name(),
+        me.buf.addr()
+    ));
+    wait_for(
+        Duration::from_secs(20),
+        || "the owner wrote nothing".into(),
+        || stats(me.name()).since(&sm, "chunks_written") >= 2,
+    );
+    p.signal(libc::SIGSTOP);
+    let forgotten_in = wait_for(
+        Duration::from_secs(6),
+        || {
+            format!(
+                "the stopped reader is not forgotten: {}",
+                stats(me.name()).diff(&sm)
+            )
+        },
+        || stats(me.name()).since(&sm, "peers_forgotten") >= 1,
+    );
+    wait_arena_idle(me.name(), ARENA, Duration::from_secs(1));
+    let em = stats(me.name());
+    for gauge in ["control_peers", "reader_data_paths", "reader_agents_loaded"] {
+        assert_eq!(em.get(gauge), 0, "{gauge}: {:?}", em.map);
+    }
+    p.signal(libc::SIGCONT);
+    let failed_in = wait_for(
+        Duration::from_secs(10),
+        || "the stopped reader's READ never failed".into(),
+        || p.stats().since(&sp, "bounce_failed") >= 1,
+    );
+    // It READs again.
+    p.cmd("FILL 43");
+    let sm2 = stats(me.name());
+    let us = p.cmd(&format!("READ {} {} {MANY} 44 -", me.name(), me.buf.addr()));
+    p.cmd(&format!("CHECK_WRITE - {MANY} 44 {owner_seed} 43 -"));
+    let em2 = stats(me.name());
+    eprintln!(
+        "stopped reader forgotten after {forgotten_in:?}; its READ failed {failed_in:?} after \
+         SIGCONT; READ again in {us} us; owner: {}",
+        em2.diff(&sm)
+    );
+    assert_eq!(em2.since(&sm2, "reads_served"), 1, "{}", em2.diff(&sm2));
+    assert_eq!(em2.since(&sm, "peers_forgotten"), 1, "{}", em2.diff(&sm));
+    assert_eq!(em2.get("control_peers"), 1, "{:?}", em2.map);
+    assert_eq!(em2.get("reader_data_paths"), 1, "{:?}", em2.map);
+    assert!(em2.poisoned.is_none(), "poisoned: {:?}", em2.poisoned);
+    verify_bytes(me.buf.as_slice(), &pattern(len, owner_seed), |_| {
+        "the owner's buffer".into()
+    })
+    .or_fail("the owner's memory");
+    wait_arena_idle(me.name(), ARENA, Duration::from_secs(5));
+    wait_idle_of("the reader", ARENA, Duration::from_secs(10), || p.stats());
+    p.finish();
 }

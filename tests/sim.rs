@@ -10,6 +10,12 @@
 //! times (with seeded failures), and injects cancels, deadlines, peer
 //! crashes and restarts, peers found unreachable while they live on (a
 //! transient partition), and operations that never finish (poisoning).
+//! An agent loads a peer (its key) only before it first sends to it or
+//! reads from it, as an application does; a peer it never loaded (a reader
+//! known only by its READs, a sender only by its WANTs) is forgotten by
+//! the endpoint itself once unreachable with nothing of it left
+//! (`Action::ForgetPeer`), which the harness checks happens only when no
+//! write to it is in flight, and with every such peer at the end.
 //!
 //! After every step it checks each agent's invariants (conservation, no
 //! region owned twice) and, whenever a write lands, that the target region
@@ -86,14 +92,11 @@ impl SourceCheck for SimSources {
 }
 
 /// A fresh endpoint for incarnation `inc` of agent `i` as the runtime would
-/// set it up.
-fn endpoint(c: EndpointConfig, i: usize, inc: u32, names: &[PeerId]) -> Endpoint {
+/// set it up (it loads peers as it first transfers with them).
+fn endpoint(c: EndpointConfig, i: usize, inc: u32) -> Endpoint {
     let mut ep = Endpoint::new(c).expect("endpoint");
     ep.set_source_check(Box::new(SimSources));
     ep.set_read_data_path(data_path(i, inc));
-    for (b, peer) in names.iter().enumerate() {
-        ep.set_peer_key(peer, access_key(b));
-    }
     ep
 }
 
@@ -169,10 +172,12 @@ enum Ev {
         agent: usize,
     },
     /// `agent` finds `peer` unreachable (its control connection went down:
-    /// a transient partition, or a wrong suspicion) while both live on.
+    /// a transient partition, a wrong suspicion, or a crash); the runtime
+    /// asks again every 100 us while it stays so (`repeats` more times).
     Suspect {
         agent: usize,
         peer: usize,
+        repeats: u32,
     },
     Detect {
         agent: usize,
@@ -220,6 +225,9 @@ struct Agent {
     /// Which incarnation of each reader's arena this agent's served READs
     /// write into (from the data paths it loaded).
     loaded_paths: BTreeMap<usize, u32>,
+    /// Peers this incarnation loaded (their keys): those it sent to or read
+    /// from. Only these does the application forget.
+    loaded: BTreeSet<usize>,
 }
 
 struct ReqInfo {
@@ -259,6 +267,10 @@ struct Sim {
     /// Draws for the faults added after the first seeds were recorded (so
     /// the scenarios of those seeds did not change).
     extra_rng: Rng,
+    /// Peers the endpoints forgot by themselves during the run.
+    forgotten: u64,
+    /// Set while the final checks run (forgets then are not counted).
+    finishing: bool,
 }
 
 fn fail(seed: u64, msg: String) -> String {
@@ -330,7 +342,7 @@ impl Sim {
             }
             agents.push(Agent {
                 name,
-                ep: endpoint(c, i, 0, &names),
+                ep: endpoint(c, i, 0),
                 arena: vec![0u8; capacity as usize],
                 initial_mem: mem.clone(),
                 mem,
@@ -339,6 +351,7 @@ impl Sim {
                 src_bump: 0,
                 dst_bump: SRC_AREA,
                 loaded_paths: BTreeMap::new(),
+                loaded: BTreeSet::new(),
             });
         }
         let trace = std::env::var("SIM_SEED").is_ok();
@@ -359,6 +372,8 @@ impl Sim {
             receivers: BTreeSet::new(),
             refused_submits: 0,
             extra_rng,
+            forgotten: 0,
+            finishing: false,
         };
         sim.plan_workload();
         sim
@@ -484,7 +499,15 @@ impl Sim {
             let agent = self.extra_rng.below(n as u64) as usize;
             let peer = (agent + 1 + self.extra_rng.below(n as u64 - 1) as usize) % n;
             let t = Time::from_nanos(self.extra_rng.range(50 * US, 3_000 * US));
-            self.at(t, Ev::Suspect { agent, peer });
+            let repeats = self.extra_rng.below(4) as u32;
+            self.at(
+                t,
+                Ev::Suspect {
+                    agent,
+                    peer,
+                    repeats,
+                },
+            );
         }
     }
 
@@ -648,6 +671,28 @@ impl Sim {
                         _ => return Err(format!("a{a}: {peer} described a data path {dp:?}")),
                     }
                 }
+                Action::ForgetPeer { peer } => {
+                    let Some(&p) = self.by_name.get(&peer) else {
+                        return Err(format!("a{a}: forgets unknown peer {peer}"));
+                    };
+                    if self.agents[a].loaded.contains(&p) {
+                        return Err(format!("a{a} forgets a{p} by itself, which it loaded"));
+                    }
+                    // Nothing may still be written into the peer's arena.
+                    let writing = self.events.values().any(|e| {
+                        matches!(e, Ev::WriteEnd { agent, inc: i, peer: q, .. }
+                            if *agent == a && *i == inc && *q == p)
+                    });
+                    if writing {
+                        return Err(format!("a{a} forgets a{p} while a write to it runs"));
+                    }
+                    if !self.finishing && self.agents[a].ep.knows_peer(&peer) {
+                        self.forgotten += 1;
+                    }
+                    self.agents[a].loaded_paths.remove(&p);
+                    let now = self.now;
+                    self.agents[a].ep.forget_peer(now, &peer);
+                }
                 Action::Poisoned { cause } => {
                     if self.faults.stuck_p == 0.0 {
                         return Err(format!("a{a} poisoned without stuck operations: {cause}"));
@@ -701,6 +746,10 @@ impl Sim {
                     return Ok(());
                 }
                 let peer = self.agents[to].name.clone();
+                // The application loads a peer before its first transfer.
+                if self.agents[agent].loaded.insert(to) {
+                    self.agents[agent].ep.set_peer_key(&peer, access_key(to));
+                }
                 let (source, dest) = if read { (to, agent) } else { (agent, to) };
                 let expected: Vec<Vec<u8>> = descs
                     .iter()
@@ -954,7 +1003,11 @@ impl Sim {
                     .after(Duration::from_micros(self.rng.range(50, 2_000)));
                 self.at(t, Ev::Detect { agent });
             }
-            Ev::Suspect { agent, peer } => {
+            Ev::Suspect {
+                agent,
+                peer,
+                repeats,
+            } => {
                 if !self.agents[agent].alive {
                     return Ok(());
                 }
@@ -963,12 +1016,26 @@ impl Sim {
                 let now = self.now;
                 self.agents[agent].ep.peer_unreachable(now, &name);
                 self.run_actions(agent)?;
+                if repeats > 0 {
+                    let t = self.now.after(Duration::from_micros(100));
+                    self.at(
+                        t,
+                        Ev::Suspect {
+                            agent,
+                            peer,
+                            repeats: repeats - 1,
+                        },
+                    );
+                }
             }
             Ev::Detect { agent } => {
                 let name = self.agents[agent].name.clone();
                 let now = self.now;
                 for i in 0..self.agents.len() {
-                    if i != agent && self.agents[i].alive {
+                    if i == agent || !self.agents[i].alive {
+                        continue;
+                    }
+                    if self.agents[i].loaded.remove(&agent) {
                         // The runtime finds a dead peer unreachable before
                         // the application forgets it (sometimes).
                         if self.faults.suspicions > 0 {
@@ -977,6 +1044,18 @@ impl Sim {
                         }
                         self.agents[i].ep.forget_peer(now, &name);
                         self.run_actions(i)?;
+                    } else {
+                        // The application never loaded it and cannot
+                        // forget it: the runtime finds it unreachable, and
+                        // keeps finding it so until it restarts.
+                        self.at(
+                            now,
+                            Ev::Suspect {
+                                agent: i,
+                                peer: agent,
+                                repeats: 3,
+                            },
+                        );
                     }
                 }
                 let t = self
@@ -992,10 +1071,10 @@ impl Sim {
                 c.local_endpoint = format!("sim://a{agent}").into_bytes();
                 c.request_id_base = ((agent as u64) << 48) | (u64::from(ag.inc) << 32);
                 c.access_key = access_key(agent);
-                let names: Vec<PeerId> = self.agents.iter().map(|a| a.name.clone()).collect();
                 let ag = &mut self.agents[agent];
-                ag.ep = endpoint(c, agent, ag.inc, &names);
+                ag.ep = endpoint(c, agent, ag.inc);
                 ag.loaded_paths.clear();
+                ag.loaded.clear();
                 ag.arena.iter_mut().for_each(|b| *b = 0);
                 ag.alive = true;
             }
@@ -1124,8 +1203,39 @@ impl Sim {
                 }
             }
         }
-        let names: Vec<PeerId> = self.agents.iter().map(|a| a.name.clone()).collect();
+        // Every peer an agent never loaded, found unreachable now (all is
+        // quiet): forgotten by the endpoint unless something of it is still
+        // held (quarantine after a loss, a crash or a stuck operation).
+        self.finishing = true;
         let now = self.now;
+        for i in 0..self.agents.len() {
+            if !self.agents[i].alive {
+                continue;
+            }
+            let ep = &self.agents[i].ep;
+            if ep.request_count() != 0 || ep.flow_count() != 0 {
+                return Err(format!(
+                    "a{i}: {} requests and {} flows left behind",
+                    ep.request_count(),
+                    ep.flow_count()
+                ));
+            }
+            for p in 0..self.agents.len() {
+                if p == i || self.agents[i].loaded.contains(&p) {
+                    continue;
+                }
+                let name = self.agents[p].name.clone();
+                self.agents[i].ep.peer_unreachable(now, &name);
+                self.run_actions(i)?;
+                let ep = &self.agents[i].ep;
+                if ep.knows_peer(&name) && !ep.holds_peer(&name) {
+                    return Err(format!(
+                        "a{i}: a{p}, never loaded, unreachable and with nothing held, is not forgotten"
+                    ));
+                }
+            }
+        }
+        let names: Vec<PeerId> = self.agents.iter().map(|a| a.name.clone()).collect();
         for (i, ag) in self.agents.iter_mut().enumerate() {
             if !ag.alive {
                 continue;
@@ -1197,6 +1307,8 @@ struct Tally {
     reads_succeeded: u64,
     forged_reads_refused: u64,
     steps: u64,
+    /// Unreachable peers the endpoints forgot by themselves during runs.
+    forgotten: u64,
 }
 
 fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
@@ -1216,6 +1328,7 @@ fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
     }
     tally.scenarios += 1;
     tally.steps += sim.steps;
+    tally.forgotten += sim.forgotten;
     for r in sim.reqs.values() {
         tally.requests += 1;
         tally.reads += u64::from(r.read);
@@ -1278,6 +1391,10 @@ fn run_range(first: u64) {
     assert!(
         tally.forged_reads_refused > 0,
         "no READ of unexported memory was refused"
+    );
+    assert!(
+        tally.forgotten > 0,
+        "no unreachable peer was forgotten by an endpoint during a run"
     );
 }
 

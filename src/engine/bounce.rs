@@ -2,7 +2,7 @@
 //! protocol endpoint, reactor) per memory location in use, the admission of
 //! peers' instances, and the routing decision.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -74,6 +74,8 @@ pub struct Shared<'a> {
     pub agent: &'a str,
     pub config: &'a Config,
     pub failpoints: &'a Failpoints,
+    /// The readers' agents loaded for served READs, over all instances.
+    pub readers: &'a Arc<ReaderAgents>,
 }
 
 impl Bounce {
@@ -152,7 +154,7 @@ impl Bounce {
                 Capabilities(handshake.capabilities.0 & !Capabilities::CANCEL.0);
         }
         let notifier = shared.inner.clone();
-        let loader = shared.inner.clone();
+        let (loader, unloader) = (shared.readers.clone(), shared.readers.clone());
         let workers = (config.scatter_worker_count as usize).clamp(1, 64);
         let runtime = Runtime::start(Parts {
             name: format!("{} {location}", shared.agent),
@@ -172,7 +174,8 @@ impl Bounce {
                     .send_notification(target, msg, None)
                     .map_err(|e| e.to_string())
             }),
-            load_data_path: Box::new(move |bytes: &[u8]| load_data_path(&loader, bytes)),
+            load_data_path: Box::new(move |bytes: &[u8]| loader.load(bytes)),
+            unload_data_path: Box::new(move |bytes: &[u8]| unloader.unload(bytes)),
         })
         .map_err(|e| format!("starting the reactor: {e}"))?;
         tracing::info!(agent = shared.agent, %location, capacity, "bounce arena ready");
@@ -225,30 +228,106 @@ impl Drop for Bounce {
     }
 }
 
-/// Makes a reader's arena (described in its READ) a write target of our
-/// inner agent. Loading what the inner agent already knows (a peer we also
-/// write to) fails harmlessly; a data path that really is unusable makes
-/// the chunk writes fail, and with them the READ.
-fn load_data_path(inner: &Agent, bytes: &[u8]) -> Result<PeerArena, String> {
-    let dp = DataPath::decode(bytes)?;
-    for (what, md) in [("connection", &dp.conn_md), ("arena", &dp.arena_md)] {
-        if md.is_empty() {
-            continue;
-        }
-        if let Err(e) = inner.load_remote_md(md) {
-            tracing::debug!(reader = %dp.inner_agent, "loading the reader's {what} metadata: {e} (already known?)");
+/// The readers' agents our inner agent loaded to serve their READs (the
+/// data paths their READs described), counted over the engine's instances:
+/// a reader's agent is invalidated in the inner agent when no instance
+/// writes to it any more, unless the application loaded that agent itself
+/// (its metadata then belongs to the application's own transfers).
+pub struct ReaderAgents {
+    inner: Agent,
+    inner_name: String,
+    /// The application's remote agents (see `Engine::remotes`).
+    remotes: Arc<Mutex<HashMap<String, super::Remote>>>,
+    /// Loaded data paths per reader's inner agent name. Loading and
+    /// unloading hold this lock, so one instance cannot invalidate an agent
+    /// another is loading.
+    loads: Mutex<HashMap<String, usize>>,
+}
+
+impl std::fmt::Debug for ReaderAgents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReaderAgents")
+            .field("loads", &self.loads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReaderAgents {
+    pub(super) fn new(
+        inner: Agent,
+        inner_name: String,
+        remotes: Arc<Mutex<HashMap<String, super::Remote>>>,
+    ) -> Self {
+        Self {
+            inner,
+            inner_name,
+            remotes,
+            loads: Mutex::new(HashMap::new()),
         }
     }
-    Ok(PeerArena {
-        inner_agent: dp.inner_agent,
-        base: dp.base,
-        device: dp.device,
-        mem: if dp.kind == MemKind::Vram as u8 {
-            MemType::Vram
-        } else {
-            MemType::Dram
-        },
-    })
+
+    /// Makes a reader's arena (described in its READ) a write target of
+    /// our inner agent. Loading what the inner agent already knows (a peer
+    /// we also write to) fails harmlessly; a data path that really is
+    /// unusable makes the chunk writes fail, and with them the READ.
+    fn load(&self, bytes: &[u8]) -> Result<PeerArena, String> {
+        let dp = DataPath::decode(bytes)?;
+        let mut loads = self.loads.lock().expect("reader agents");
+        for (what, md) in [("connection", &dp.conn_md), ("arena", &dp.arena_md)] {
+            if md.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.inner.load_remote_md(md) {
+                tracing::debug!(reader = %dp.inner_agent, "loading the reader's {what} metadata: {e} (already known?)");
+            }
+        }
+        *loads.entry(dp.inner_agent.clone()).or_default() += 1;
+        Ok(PeerArena {
+            inner_agent: dp.inner_agent,
+            base: dp.base,
+            device: dp.device,
+            mem: if dp.kind == MemKind::Vram as u8 {
+                MemType::Vram
+            } else {
+                MemType::Dram
+            },
+        })
+    }
+
+    /// Undoes one [`ReaderAgents::load`] of `bytes` (nothing writes through
+    /// it any more): the reader's agent is invalidated with the last one,
+    /// unless the application loaded it or it is our own.
+    fn unload(&self, bytes: &[u8]) -> Result<(), String> {
+        let dp = DataPath::decode(bytes)?;
+        let mut loads = self.loads.lock().expect("reader agents");
+        let Some(n) = loads.get_mut(&dp.inner_agent) else {
+            return Ok(());
+        };
+        *n -= 1;
+        if *n > 0 {
+            return Ok(());
+        }
+        loads.remove(&dp.inner_agent);
+        if dp.inner_agent == self.inner_name {
+            return Ok(());
+        }
+        // Held while invalidating: the application's loads take this lock
+        // before they load into the inner agent.
+        let remotes = self.remotes.lock().expect("remotes lock");
+        if remotes.values().any(|r| r.inner == dp.inner_agent) {
+            return Ok(());
+        }
+        self.inner
+            .invalidate_remote_md(&dp.inner_agent)
+            .map_err(|e| format!("invalidating reader agent {:?}: {e}", dp.inner_agent))?;
+        tracing::debug!(reader = %dp.inner_agent, "reader's agent invalidated");
+        Ok(())
+    }
+
+    /// Readers' agents loaded now (tests and stats).
+    pub fn loaded(&self) -> usize {
+        self.loads.lock().expect("reader agents").len()
+    }
 }
 
 /// The handshake fields that depend only on the configuration (what two

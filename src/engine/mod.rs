@@ -352,8 +352,11 @@ pub struct Engine {
     /// The inner agent's metadata from its creation (its connection only):
     /// part of the data path a READ describes.
     inner_md: Vec<u8>,
-    /// Outer remote agent name -> what we know of it.
-    remotes: Mutex<HashMap<String, Remote>>,
+    /// Outer remote agent name -> what we know of it (shared with
+    /// `readers`, which must not invalidate an agent the application loaded).
+    remotes: Arc<Mutex<HashMap<String, Remote>>>,
+    /// Readers' agents loaded to serve their READs.
+    readers: Arc<bounce::ReaderAgents>,
     broken: AtomicBool,
     config: Config,
     failpoints: Failpoints,
@@ -448,8 +451,14 @@ impl Engine {
         }
         .encode();
 
+        let remotes = Arc::new(Mutex::new(HashMap::new()));
+        let readers = Arc::new(bounce::ReaderAgents::new(
+            inner.clone(),
+            inner_name.clone(),
+            remotes.clone(),
+        ));
         let stats = EngineStats::new(local_name, params);
-        stats.set_source(instances_stats(instances.clone()));
+        stats.set_source(instances_stats(instances.clone(), readers.clone()));
         tracing::info!(agent = local_name, inner = %inner_name, bounce = config.enabled, "BOUNCE engine created");
         Ok(Self {
             local_name: local_name.to_string(),
@@ -457,7 +466,8 @@ impl Engine {
             inner,
             conn_info,
             inner_md,
-            remotes: Mutex::new(HashMap::new()),
+            remotes,
+            readers,
             broken: AtomicBool::new(false),
             stats,
             config,
@@ -504,6 +514,7 @@ impl Engine {
                 agent: &self.local_name,
                 config: &self.config,
                 failpoints: &self.failpoints,
+                readers: &self.readers,
             };
             Bounce::start(&shared, location).map(Arc::new)
         };
@@ -625,6 +636,10 @@ impl Engine {
                 format!("connection info of agent {remote:?} is malformed: {e}"),
             )
         })?;
+        // Held from the load to the record: a reader's agent is invalidated
+        // (`ReaderAgents::unload`) only under this lock and only when no
+        // remote names it, so it cannot undo this load in between.
+        let mut remotes = self.remotes.lock().expect("remotes lock");
         let inner_remote = self
             .inner
             .load_remote_md(&info.inner_md)
@@ -644,7 +659,7 @@ impl Engine {
                 "ignoring a connection-level bounce handshake (handshakes travel with regions)"
             );
         }
-        self.remotes.lock().expect("remotes lock").insert(
+        remotes.insert(
             remote.to_string(),
             Remote {
                 inner: inner_remote,
@@ -1188,6 +1203,7 @@ fn uniform<'a, T: 'a>(
 #[allow(clippy::type_complexity)]
 fn instances_stats(
     instances: Instances,
+    readers: Arc<bounce::ReaderAgents>,
 ) -> Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send> {
     Box::new(move || {
         let map = instances.lock().expect("instances lock");
@@ -1207,6 +1223,7 @@ fn instances_stats(
             "bounce_instances".into(),
             map.values().flatten().count() as u64,
         );
+        total.insert("reader_agents_loaded".into(), readers.loaded() as u64);
         (total, poisoned)
     })
 }

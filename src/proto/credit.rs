@@ -299,6 +299,15 @@ impl CreditScheduler {
         self.flows.contains_key(flow)
     }
 
+    /// Whether anything of `peer` is in the arena: one of its flows, or a
+    /// region granted to or quarantined for one.
+    pub fn holds_peer(&self, peer: &PeerId) -> bool {
+        self.flows.keys().any(|f| f.peer == *peer)
+            || self.regions.values().any(
+                |e| matches!(&e.owner, Owner::Flow(f) | Owner::Quarantine(f) if f.peer == *peer),
+            )
+    }
+
     /// Number of allocated regions of any owner (the reserve included).
     pub fn region_count(&self) -> usize {
         self.regions.len()

@@ -211,6 +211,16 @@ pub enum Action {
         /// Its description of how to write into its arena.
         data_path: Vec<u8>,
     },
+    /// `peer` is unreachable, the application never loaded it (a reader
+    /// known only through its READs, or a sender only through its WANTs),
+    /// and nothing of it is left here (no request, serve, READ, flow,
+    /// region or held credit): tear down its control connection and the
+    /// data path its READs described, then call [`Endpoint::forget_peer`].
+    /// Idempotent; emitted by [`Endpoint::peer_unreachable`].
+    ForgetPeer {
+        /// The peer.
+        peer: PeerId,
+    },
     /// A request reached its terminal outcome (exactly once per request).
     Complete {
         /// The request.
@@ -910,8 +920,10 @@ impl Endpoint {
     }
 
     /// The peer is gone and its data path torn down: fail its requests
-    /// ([`FailureReason::PeerLost`]) and reclaim its flows.
+    /// ([`FailureReason::PeerLost`]) and reclaim its flows. Its access key
+    /// goes too (the application loads it again to send to it).
     pub fn forget_peer(&mut self, now: Time, peer: &PeerId) {
+        self.ctx.peer_keys.remove(peer);
         self.sender.forget_peer(&mut self.ctx, peer);
         self.reads.fail_peer(
             &mut self.ctx,
@@ -931,6 +943,14 @@ impl Endpoint {
     /// back), and its live flows are aborted, their regions quarantined (a
     /// stopped peer may still write when it resumes) until its CANCEL or
     /// [`Endpoint::forget_peer`].
+    ///
+    /// Call it again while the peer stays unreachable (requests submitted
+    /// meanwhile fail too). A peer the application never loaded (no
+    /// [`Endpoint::set_peer_key`]) is one only the peer itself can speak
+    /// for: once nothing of it is left here (its serves ended, their writes
+    /// with them; no flow or region of it), [`Action::ForgetPeer`] asks the
+    /// runtime to forget it, so that readers that READ and die do not pile
+    /// up. A loaded peer stays until the application forgets it.
     pub fn peer_unreachable(&mut self, now: Time, peer: &PeerId) {
         self.sender
             .fail_peer(&mut self.ctx, peer, FailureReason::PeerUnreachable);
@@ -945,10 +965,39 @@ impl Endpoint {
         self.receiver
             .abort_peer(&mut self.ctx, now, peer, super::wire::RefuseReason::Expired);
         self.pump(now);
+        if !self.ctx.peer_keys.contains_key(peer) && !self.holds_peer(peer) {
+            self.ctx
+                .actions
+                .push_back(Action::ForgetPeer { peer: peer.clone() });
+        }
+    }
+
+    /// Whether anything of `peer` is live here: a request to it or a serve
+    /// of its READ (also a failed one whose operations still run), a READ
+    /// from it, one of its flows or a region granted to or quarantined for
+    /// one, credits of its waiting for their READ.
+    pub fn holds_peer(&self, peer: &PeerId) -> bool {
+        self.sender.has_peer(peer)
+            || self.reads.has_peer(peer)
+            || self.ctx.sched.holds_peer(peer)
+            || self.owner_book.holds(peer)
+    }
+
+    /// Whether this endpoint keeps any state about `peer` (beyond
+    /// tombstones, which expire): its key, its endpoint, the data path of
+    /// its READs, or anything [`Endpoint::holds_peer`] counts.
+    pub fn knows_peer(&self, peer: &PeerId) -> bool {
+        self.ctx.peer_keys.contains_key(peer)
+            || self.receiver.knows(peer)
+            || self.sender.knows_reader(peer)
+            || self.holds_peer(peer)
     }
 
     /// Records the access key of `peer` (from its handshake): every WANT and
-    /// CANCEL sent to it carries this key.
+    /// CANCEL sent to it carries this key. This also marks the peer as
+    /// loaded by the application, which alone forgets it
+    /// ([`Endpoint::forget_peer`]); a peer never loaded is forgotten once
+    /// unreachable with nothing of it left ([`Endpoint::peer_unreachable`]).
     pub fn set_peer_key(&mut self, peer: &PeerId, key: u64) {
         self.ctx.peer_keys.insert(peer.clone(), key);
     }
@@ -1599,6 +1648,248 @@ mod tests {
         assert_eq!(rx.arena_usage().quarantine, 0);
         assert_eq!(tx.request_count(), 0);
         tx.check_invariants().unwrap();
+        rx.check_invariants().unwrap();
+    }
+
+    fn forgets(actions: &[Action]) -> Vec<&PeerId> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::ForgetPeer { peer } => Some(peer),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A reader and an owner that never loaded it, after the READ of two
+    /// chunks (`descs(2, 1000)`) and its READ_GRANT reached the owner:
+    /// (reader, owner, R, O, the reader's request, the READ_GRANT).
+    fn read_in_progress() -> (Endpoint, Endpoint, PeerId, PeerId, RequestId, Message) {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+        reader.set_read_data_path(b"dp".to_vec());
+        let id = reader.submit_read(t(0), &o, &descs(2, 1000), None).unwrap();
+        let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+        let [read, grant] = &msgs[..] else {
+            panic!("{msgs:?}")
+        };
+        owner.handle_message(t(1), &r, read.clone());
+        let acts = drain(&mut owner);
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r)));
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)));
+        (reader, owner, r, o, id, grant.clone())
+    }
+
+    /// The reader of a served READ becomes unreachable (killed): the serve
+    /// fails at once, but what it still runs holds it (the gather reading
+    /// the source, the write into the reader's arena, their staging); its
+    /// READ_END goes once no write can land; the reader, known only through
+    /// its READ, is forgotten only after that; and when it comes back, a
+    /// new READ is served normally.
+    #[test]
+    fn an_unreachable_reader_is_forgotten_once_its_serve_ended() {
+        let (mut reader, mut owner, r, o, id, grant) = read_in_progress();
+        owner.handle_message(t(2), &r, grant);
+        let gathers: Vec<ChunkRef> = drain(&mut owner)
+            .iter()
+            .filter_map(|a| match a {
+                Action::StartGather { chunk, .. } => Some(*chunk),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(gathers.len(), 2, "both chunks credited and gathering");
+        owner.handle_gather_done(t(3), gathers[0]);
+        assert!(matches!(drain(&mut owner)[..], [Action::PostWrite { .. }]));
+        let staged = owner.arena_usage().local;
+        assert!(staged > 0);
+
+        // Chunk 0 is being written, chunk 1 gathered, when the reader dies.
+        owner.peer_unreachable(t(4), &r);
+        let acts = drain(&mut owner);
+        assert!(
+            sent(&acts).is_empty(),
+            "no READ_END while a write runs: {acts:?}"
+        );
+        assert!(forgets(&acts).is_empty(), "a write and a gather still run");
+        assert!(
+            completes(&acts).is_empty(),
+            "nothing local waits on a serve"
+        );
+        assert_eq!(
+            owner.arena_usage().local,
+            staged,
+            "staging held, not reused"
+        );
+        assert!(owner.holds_peer(&r));
+        // Asked again (the runtime does while the peer stays unreachable):
+        // still held.
+        owner.peer_unreachable(t(5), &r);
+        assert!(forgets(&drain(&mut owner)).is_empty());
+
+        // The gather ends: its staging is freed, no write starts.
+        owner.handle_gather_done(t(6), gathers[1]);
+        let acts = drain(&mut owner);
+        assert!(
+            !acts.iter().any(|a| matches!(a, Action::PostWrite { .. })),
+            "{acts:?}"
+        );
+        assert!(owner.arena_usage().local < staged);
+        // The write fails (the reader is dead): READ_END, staging freed.
+        owner.handle_write_failed(t(7), gathers[0]);
+        let acts = drain(&mut owner);
+        let end = match sent(&acts)[..] {
+            [m @ Message::ReadEnd { request, .. }] if *request == id => m.clone(),
+            _ => panic!("READ_END once no write can land: {acts:?}"),
+        };
+        assert!(forgets(&acts).is_empty(), "decided at the next check");
+        assert_eq!(owner.request_count(), 0);
+        assert_eq!(owner.arena_usage().local, 0, "the arena drained");
+        owner.check_invariants().unwrap();
+
+        // The next check: nothing of the reader is left, forget it.
+        owner.peer_unreachable(t(8), &r);
+        let acts = drain(&mut owner);
+        assert_eq!(forgets(&acts), vec![&r]);
+        assert!(sent(&acts).is_empty(), "{acts:?}");
+        owner.forget_peer(t(9), &r);
+        assert!(drain(&mut owner).is_empty());
+        assert!(!owner.knows_peer(&r), "no state about the reader is left");
+
+        // The reader was only cut off: it hears the READ_END, then READs
+        // again and is served like a new reader.
+        reader.handle_message(t(10), &o, end);
+        assert_eq!(
+            completes(&drain(&mut reader)),
+            vec![(id, Outcome::Failure(FailureReason::Rejected))]
+        );
+        let id2 = reader.submit_read(t(11), &o, &descs(1, 100), None).unwrap();
+        let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+        owner.handle_message(t(12), &r, msgs[0].clone());
+        let acts = drain(&mut owner);
+        assert!(
+            acts.iter()
+                .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r))
+                && acts
+                    .iter()
+                    .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)),
+            "the reader's endpoint and data path are loaded anew: {acts:?}"
+        );
+        owner.handle_message(t(13), &r, msgs[1].clone());
+        let Some(Action::StartGather { chunk, .. }) = drain(&mut owner)
+            .into_iter()
+            .find(|a| matches!(a, Action::StartGather { .. }))
+        else {
+            panic!("the new READ is not served")
+        };
+        owner.handle_gather_done(t(14), chunk);
+        assert!(matches!(drain(&mut owner)[..], [Action::PostWrite { .. }]));
+        owner.handle_write_done(t(15), chunk);
+        let data = sent(&drain(&mut owner))[0].clone();
+        reader.handle_message(t(16), &o, data);
+        let Action::StartScatter { region, .. } = drain(&mut reader)[0].clone() else {
+            panic!()
+        };
+        reader.handle_scatter_done(t(17), region);
+        let acts = drain(&mut reader);
+        assert_eq!(completes(&acts), vec![(id2, Outcome::Success)]);
+        owner.handle_message(t(18), &r, sent(&acts)[0].clone());
+        drain(&mut owner);
+        assert_eq!(owner.stats().reads_served, 1);
+        assert_eq!(owner.request_count(), 0);
+        owner.check_invariants().unwrap();
+        reader.check_invariants().unwrap();
+    }
+
+    /// A serve with nothing running (its READ_GRANT was lost) ends at once
+    /// when its reader is unreachable: READ_END, then the reader is
+    /// forgotten in the same step.
+    #[test]
+    fn an_idle_serve_ends_at_once_when_its_reader_is_unreachable() {
+        let (_reader, mut owner, r, _o, id, _grant) = read_in_progress();
+        assert!(owner.holds_peer(&r));
+        owner.peer_unreachable(t(2), &r);
+        let acts = drain(&mut owner);
+        assert!(
+            matches!(
+                &acts[..],
+                [Action::Send { message: Message::ReadEnd { request, .. }, .. }, Action::ForgetPeer { peer }]
+                    if *request == id && *peer == r
+            ),
+            "{acts:?}"
+        );
+        assert_eq!(owner.request_count(), 0);
+        owner.forget_peer(t(3), &r);
+        assert!(!owner.knows_peer(&r));
+        owner.check_invariants().unwrap();
+    }
+
+    /// Found by the simulation: a READ_REFUSE that overtook its READ
+    /// tombstones the READ; forgetting the unreachable reader keeps the
+    /// tombstone, or the late READ would be served into regions the reader
+    /// has given back.
+    #[test]
+    fn a_forgotten_reader_s_late_read_is_not_served_after_its_refusal() {
+        let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        let mut owner = Endpoint::new(cfg(false)).unwrap();
+        owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+        reader.set_read_data_path(b"dp".to_vec());
+        let id = reader.submit_read(t(0), &o, &descs(1, 100), None).unwrap();
+        let read = sent(&drain(&mut reader))[0].clone();
+        assert!(reader.cancel(t(1), id));
+        let refuse = sent(&drain(&mut reader))[0].clone();
+        assert!(matches!(refuse, Message::ReadRefuse { .. }));
+        owner.handle_message(t(2), &r, refuse);
+        let end = sent(&drain(&mut owner))[0].clone();
+        assert!(matches!(end, Message::ReadEnd { .. }));
+        owner.peer_unreachable(t(3), &r);
+        assert_eq!(forgets(&drain(&mut owner)), vec![&r]);
+        owner.forget_peer(t(4), &r);
+        owner.handle_message(t(5), &r, read);
+        let acts = drain(&mut owner);
+        assert!(
+            !acts
+                .iter()
+                .any(|a| matches!(a, Action::LoadDataPath { .. } | Action::StartGather { .. })),
+            "a READ refused before it arrived is served: {acts:?}"
+        );
+        assert_eq!(owner.request_count(), 0);
+    }
+
+    /// Only peers the application never loaded are forgotten by the
+    /// endpoint, and only once nothing of them is left: a loaded peer stays
+    /// (the application forgets it); a sender whose regions are quarantined
+    /// stays until its CANCEL frees them.
+    #[test]
+    fn unreachable_peers_are_forgotten_only_when_unloaded_and_empty() {
+        let (_reader, mut owner, r, _o, _id, _grant) = read_in_progress();
+        owner.set_peer_key(&r, 7);
+        owner.peer_unreachable(t(2), &r);
+        let acts = drain(&mut owner);
+        assert!(forgets(&acts).is_empty(), "a loaded peer: {acts:?}");
+        assert!(!owner.holds_peer(&r) && owner.knows_peer(&r));
+        // The application forgets it; it is not loaded any more.
+        owner.forget_peer(t(3), &r);
+        assert!(!owner.knows_peer(&r));
+
+        let (mut rx, a, _region) = receiver_with_grant();
+        rx.peer_unreachable(t(1), &a);
+        let acts = drain(&mut rx);
+        assert!(forgets(&acts).is_empty(), "its regions are quarantined");
+        assert!(rx.arena_usage().quarantine > 0 && rx.holds_peer(&a));
+        rx.handle_message(t(2), &a, Message::cancel(RequestId(7), vec![], 0));
+        drain(&mut rx);
+        assert_eq!(rx.arena_usage().quarantine, 0);
+        rx.peer_unreachable(t(3), &a);
+        assert_eq!(forgets(&drain(&mut rx)), vec![&a]);
+        rx.forget_peer(t(4), &a);
+        assert!(!rx.knows_peer(&a));
         rx.check_invariants().unwrap();
     }
 

@@ -339,6 +339,11 @@ impl Reads {
         }
     }
 
+    /// Whether a read from `peer` is still tracked.
+    pub fn has_peer(&self, peer: &PeerId) -> bool {
+        self.reads.values().any(|r| r.peer == *peer)
+    }
+
     /// Fails every read from `peer`.
     pub fn fail_peer(
         &mut self,
@@ -525,10 +530,18 @@ impl OwnerBook {
         [early, tomb].into_iter().flatten().min()
     }
 
-    /// Forgets everything about `reader` (it is gone).
+    /// Forgets the credits `reader` sent ahead of its READs (it is gone).
+    /// Its tombstones stay until they expire: a READ still on its way (the
+    /// channel may reorder; a forgotten reader may come back) must not be
+    /// served after its READ_REFUSE or after its serve ended, when the
+    /// reader may have given its regions to another flow.
     pub fn forget(&mut self, reader: &PeerId) {
         self.early.retain(|(p, _), _| p != reader);
-        self.tombstones.retain(|(p, _), _| p != reader);
+    }
+
+    /// Whether credits of `reader` wait for their READ.
+    pub fn holds(&self, reader: &PeerId) -> bool {
+        self.early.keys().any(|(p, _)| p == reader)
     }
 
     /// READs with held credits.

@@ -97,6 +97,11 @@ impl Receiver {
         }
     }
 
+    /// Whether `peer`'s endpoint was handed to the runtime.
+    pub fn knows(&self, peer: &PeerId) -> bool {
+        self.known_peers.contains(peer)
+    }
+
     fn tombstone(&mut self, ctx: &Ctx, flow: FlowId, now: Time) {
         self.tombstones
             .insert(flow, now.after(ctx.cfg.tombstone_ttl));

@@ -275,6 +275,17 @@ impl Sender {
         self.requests.len()
     }
 
+    /// Whether a request with `peer` is still tracked (a WRITE to it or a
+    /// serve of its READ; live, or failed with operations still running).
+    pub fn has_peer(&self, peer: &PeerId) -> bool {
+        self.requests.values().any(|r| r.peer == *peer)
+    }
+
+    /// Whether the data path `peer`'s READs write through is recorded.
+    pub fn knows_reader(&self, peer: &PeerId) -> bool {
+        self.reader_paths.contains_key(peer)
+    }
+
     /// Whether eagerly gathered chunks wait for their credit.
     pub fn has_eager_ready(&self) -> bool {
         !self.eager_ready.is_empty()

@@ -136,8 +136,15 @@ pub struct RuntimeCounters {
     /// Times a peer was found unreachable (control connection down too
     /// long; once per outage).
     pub peers_unreachable: AtomicU64,
+    /// Unreachable peers the application never loaded (readers known only
+    /// by their READs), forgotten once nothing of them was left.
+    pub peers_forgotten: AtomicU64,
     /// The arena now, in bytes, by owner (gauges; they sum to its capacity).
     pub arena: ArenaGauges,
+    /// Gauges: peers the control channel holds a connection for, and
+    /// readers' data paths loaded for served READs.
+    pub control_peers: AtomicU64,
+    pub reader_data_paths: AtomicU64,
     /// Time spent, summed over operations (for the benchmark's breakdown):
     /// gathers and scatters running, copy jobs waiting for a worker, chunk
     /// writes from post to completion, requests from submission to outcome.
@@ -445,6 +452,9 @@ impl crate::proto::read::SourceCheck for RegisteredSources {
 /// Loads a reader's data-path description (from its READ) and returns how
 /// to write into its arena.
 pub type DataPathLoader = Box<dyn Fn(&[u8]) -> Result<PeerArena, String> + Send>;
+/// Undoes one [`DataPathLoader`] call for that description (once nothing
+/// writes through it any more).
+pub type DataPathUnloader = Box<dyn Fn(&[u8]) -> Result<(), String> + Send>;
 
 /// Everything the reactor needs, built by the engine.
 pub struct Parts {
@@ -463,6 +473,8 @@ pub struct Parts {
     pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
     /// Makes a reader's arena a write target (served READs).
     pub load_data_path: DataPathLoader,
+    /// Gives up a reader's arena loaded by `load_data_path`.
+    pub unload_data_path: DataPathUnloader,
 }
 
 impl Runtime {
@@ -517,6 +529,7 @@ impl Runtime {
             name: parts.name.clone(),
             endpoint,
             load_data_path: parts.load_data_path,
+            unload_data_path: parts.unload_data_path,
             data_paths: HashMap::new(),
             channel: parts.channel,
             write_jobs: Some(write_tx),
@@ -675,6 +688,9 @@ impl Runtime {
                 ("bounce_deadlines_exceeded", &c.deadlines),
                 ("bounce_cancels", &c.cancelled),
                 ("peers_unreachable", &c.peers_unreachable),
+                ("peers_forgotten", &c.peers_forgotten),
+                ("control_peers", &c.control_peers),
+                ("reader_data_paths", &c.reader_data_paths),
                 ("arena_free_bytes", &c.arena.free),
                 ("arena_reserve_bytes", &c.arena.reserve),
                 ("arena_flow_bytes", &c.arena.flows),
@@ -967,6 +983,7 @@ struct Reactor {
     busy_poll: Duration,
     notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
     load_data_path: DataPathLoader,
+    unload_data_path: DataPathUnloader,
     /// The data-path description each reader's arena was loaded from.
     data_paths: HashMap<PeerId, Vec<u8>>,
     failpoints: crate::failpoint::Failpoints,
@@ -1179,11 +1196,50 @@ impl Reactor {
         }
         self.writes.retain(|w| &w.1 != peer);
         self.peers.remove(peer);
-        self.data_paths.remove(peer);
+        self.unload_data_path(peer);
         if let Some(h) = self.handles.remove(peer) {
             self.channel.remove_peer(h);
         }
         self.endpoint.forget_peer(now, peer);
+    }
+
+    /// Gives up the data path `peer`'s READs described, if one was loaded
+    /// (no write may go through it any more).
+    fn unload_data_path(&mut self, peer: &PeerId) {
+        if let Some(dp) = self.data_paths.remove(peer) {
+            if let Err(e) = (self.unload_data_path)(&dp) {
+                tracing::warn!(agent = %self.name, %peer, "giving up the reader's data path: {e}");
+            }
+        }
+    }
+
+    /// The endpoint's [`Action::ForgetPeer`]: `peer` is unreachable, the
+    /// application never loaded it, and nothing of it is left (no serve
+    /// writes to it). Its control socket, the data path its READs
+    /// described and its entries here go; a later READ from it starts
+    /// afresh.
+    fn forget_unreachable(&mut self, peer: &PeerId) {
+        // The endpoint decided this before any other event; checked again
+        // here, fail-closed.
+        let loaded = self.peers.get(peer).is_some_and(|p| p.known);
+        let writing = self.writes.iter().any(|w| &w.1 == peer);
+        if loaded || writing || self.endpoint.holds_peer(peer) {
+            tracing::error!(agent = %self.name, %peer, loaded, writing, "not forgetting a peer still in use");
+            return;
+        }
+        self.unreachable.remove(peer);
+        self.peers.remove(peer);
+        self.unload_data_path(peer);
+        if let Some(h) = self.handles.remove(peer) {
+            self.channel.remove_peer(h);
+        }
+        let now = self.now();
+        self.endpoint.forget_peer(now, peer);
+        self.shared
+            .counters
+            .peers_forgotten
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(agent = %self.name, %peer, "forgot an unreachable peer the application never loaded");
     }
 
     fn drain_copies(&mut self) -> bool {
@@ -1515,7 +1571,15 @@ impl Reactor {
                                         known: false,
                                     },
                                 );
-                                self.data_paths.insert(peer, data_path);
+                                // The endpoint takes another data path only
+                                // once nothing writes through the previous
+                                // one; loaded first, given up second, so an
+                                // agent both name stays loaded.
+                                if let Some(old) = self.data_paths.insert(peer.clone(), data_path) {
+                                    if let Err(e) = (self.unload_data_path)(&old) {
+                                        tracing::warn!(agent = %self.name, %peer, "giving up the reader's previous data path: {e}");
+                                    }
+                                }
                             }
                             Err(e) => {
                                 tracing::warn!(agent = %self.name, %peer, "cannot write into the reader's arena ({e}); its READ fails");
@@ -1523,6 +1587,7 @@ impl Reactor {
                         }
                     }
                 }
+                Action::ForgetPeer { peer } => self.forget_unreachable(&peer),
                 Action::Complete { request, outcome } => self.complete(request, outcome),
                 Action::Poisoned { cause } => self.mark_poisoned(cause),
             }
@@ -1542,6 +1607,10 @@ impl Reactor {
         a.local.store(held.local, Ordering::Relaxed);
         a.orphan.store(held.orphan, Ordering::Relaxed);
         a.quarantine.store(held.quarantine, Ordering::Relaxed);
+        c.control_peers
+            .store(self.handles.len() as u64, Ordering::Relaxed);
+        c.reader_data_paths
+            .store(self.data_paths.len() as u64, Ordering::Relaxed);
     }
 
     /// Gives up on the copies launched here without waiting for them

@@ -67,13 +67,33 @@ pub fn wait_for(
 /// and checks conservation. Returns how long it took.
 #[track_caller]
 pub fn wait_arena_idle(agent: &str, capacity: u64, bound: Duration) -> Duration {
-    let dt = wait_for(
-        bound,
-        || format!("{agent}'s arena still holds bytes: {:?}", stats(agent).map),
-        || arena_held(&stats(agent)) == 0,
-    );
-    assert_arena_conserved(&stats(agent), capacity);
-    dt
+    wait_idle_of(agent, capacity, bound, || stats(agent))
+}
+
+/// [`wait_arena_idle`] for counters read by `read` (a peer process's
+/// `STATS`, say); `what` names the arena in the failure.
+#[track_caller]
+pub fn wait_idle_of(
+    what: &str,
+    capacity: u64,
+    bound: Duration,
+    mut read: impl FnMut() -> Counters,
+) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let last = read();
+        if arena_held(&last) == 0 {
+            assert_arena_conserved(&last, capacity);
+            return t0.elapsed();
+        }
+        if t0.elapsed() > bound {
+            panic!(
+                "not within {bound:?}: {what}'s arena still holds bytes: {:?}",
+                last.map
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 /// Every byte outside `plan`'s destination blocks is as in `before`.
