@@ -285,9 +285,14 @@ fn control_high_water_mark_saturated() {
     if !ready("BOUNCE") {
         return;
     }
-    // At most 16 control messages queued towards a peer (twice a flow's
-    // DATA window, so one transfer never fills it); 3 s request timeout
-    // (a dropped WANT is recovered by the request timeout).
+    // At most HWM control messages queued towards a peer. ZMQ counts a
+    // queued message as gone only when its I/O thread reports progress,
+    // every HWM / 2 messages and late on a loaded machine, so the limit
+    // must leave room for that: at 16 a single transfer (8 chunks in
+    // flight) lost DATA on the 2-core CI machine. 3 s request timeout (a
+    // dropped WANT is recovered by the request timeout).
+    const HWM: usize = 64;
+    const BURST: usize = 4 * HWM;
     let ex = [
         LOOPBACK,
         ("max_chunk_size_bytes", "256KiB"),
@@ -295,14 +300,14 @@ fn control_high_water_mark_saturated() {
         ("arena_allocation_granularity_bytes", "64KiB"),
         ("request_timeout_ms", "3000"),
     ];
-    let mut me = with_failpoints("control_send_hwm=16", || {
+    let mut me = with_failpoints(&format!("control_send_hwm={HWM}"), || {
         endpoint("pf-me", &ex, len(), 1, ThreadSync::Default)
     });
     let mut p = spawn("receiver");
     pair(&me, &mut p);
     write_to(&mut me, &mut p, 60);
 
-    // A burst of 32 requests (the same 1024 blocks each) to a live peer.
+    // A burst of requests (the same 1024 blocks each) to a live peer.
     let n = 1024;
     me.buf.fill_pattern(61);
     p.cmd("FILL 62");
@@ -310,7 +315,7 @@ fn control_high_water_mark_saturated() {
     let s0 = stats(me.name());
     let (peer_addr, peer_name) = (p.addr, p.name.clone());
     let burst = |me: &Endpoint| -> Vec<nixl_sys::XferRequest> {
-        (0..32)
+        (0..BURST)
             .map(|_| {
                 let r = me
                     .node
@@ -340,7 +345,7 @@ fn control_high_water_mark_saturated() {
     drop(reqs);
     let s1 = stats(me.name());
     eprintln!(
-        "burst of 32 to a live peer: {ok} succeeded, all terminal within {slowest:?}; {}",
+        "burst of {BURST} to a live peer: {ok} succeeded, all terminal within {slowest:?}; {}",
         s1.diff(&s0)
     );
     if ok > 0 {
@@ -352,8 +357,8 @@ fn control_high_water_mark_saturated() {
     wait_arena_idle(me.name(), ARENA, DRAIN_BOUND);
     wait_peer_idle(&mut p);
 
-    // The peer stops reading: once it is found unreachable, 32 more
-    // requests fill the queue (16 messages) and fail.
+    // The peer stops reading: once it is found unreachable, BURST more
+    // requests fill the queue and fail.
     p.cmd("FILL 64");
     let s2 = stats(me.name());
     p.signal(libc::SIGSTOP);
@@ -372,7 +377,7 @@ fn control_high_water_mark_saturated() {
     drop(reqs);
     let s3 = stats(me.name());
     eprintln!(
-        "peer stopped, found unreachable after {found:?}; 32 requests failed within {slowest:?}; {}",
+        "peer stopped, found unreachable after {found:?}; {BURST} requests failed within {slowest:?}; {}",
         s3.diff(&s2)
     );
     assert!(

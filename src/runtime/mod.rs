@@ -1461,7 +1461,7 @@ impl Reactor {
                                 .counters
                                 .control_send_drops
                                 .fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(agent = %self.name, %peer, "control message dropped: {e}");
+                            tracing::warn!(agent = %self.name, %peer, kind = ?message.message_type(), "control message dropped: {e}");
                         }
                     }
                 }
