@@ -302,7 +302,7 @@ impl Sim {
             access_key: 0,
         };
         let mut faults = Faults::default();
-        let mut extra_rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED_0F_F417);
+        let mut extra_rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x005E_ED0F_F417);
         if rng.chance(0.5) {
             faults.suspicions = if extra_rng.chance(0.3) {
                 extra_rng.range(1, 3) as u32

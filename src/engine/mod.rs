@@ -582,6 +582,10 @@ impl Engine {
     }
 
     /// Releases registered memory or loaded metadata.
+    // Boxed on purpose: the handle NIXL held is this allocation, and its
+    // magic is cleared in place before it is freed, so a stale handle
+    // presented later fails `is_valid` rather than passing it.
+    #[allow(clippy::boxed_local)]
     pub fn release_md(&self, mut md: Box<Md>) -> Result<()> {
         if !md.is_valid() {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
@@ -964,7 +968,7 @@ impl Engine {
                     }) => Some(b),
                     _ => None,
                 }),
-            |a, b| Arc::ptr_eq(a, b),
+            Arc::ptr_eq,
         );
         let peer = uniform(
             remote
@@ -1200,11 +1204,10 @@ fn uniform<'a, T: 'a>(
 }
 
 /// Sums the counters of every bounce instance (for the stats snapshot).
-#[allow(clippy::type_complexity)]
 fn instances_stats(
     instances: Instances,
     readers: Arc<bounce::ReaderAgents>,
-) -> Box<dyn Fn() -> (BTreeMap<String, u64>, Option<String>) + Send> {
+) -> crate::stats::StatsSource {
     Box::new(move || {
         let map = instances.lock().expect("instances lock");
         let mut total = BTreeMap::new();
@@ -1248,6 +1251,16 @@ fn opt_args(args: &XferArgs) -> Result<Option<OptArgs>> {
     opt.set_notification_message(msg)
         .map_err(|e| Error::nixl("setting the notification", e))?;
     Ok(Some(opt))
+}
+
+/// The backend options NIXL lists for BOUNCE (`get_backend_options`), with
+/// their defaults: BOUNCE's own. UCX's parameters are accepted too and passed
+/// to the inner UCX backend.
+pub fn advertised_options() -> Vec<(String, String)> {
+    Config::describe()
+        .into_iter()
+        .map(|s| (s.key.to_string(), s.default))
+        .collect()
 }
 
 #[cfg(test)]
@@ -1317,14 +1330,4 @@ mod tests {
             dev: 0
         }));
     }
-}
-
-/// The backend options NIXL lists for BOUNCE (`get_backend_options`), with
-/// their defaults: BOUNCE's own. UCX's parameters are accepted too and passed
-/// to the inner UCX backend.
-pub fn advertised_options() -> Vec<(String, String)> {
-    Config::describe()
-        .into_iter()
-        .map(|s| (s.key.to_string(), s.default))
-        .collect()
 }

@@ -457,6 +457,10 @@ pub type DataPathLoader = Box<dyn Fn(&[u8]) -> Result<PeerArena, String> + Send>
 pub type DataPathUnloader = Box<dyn Fn(&[u8]) -> Result<(), String> + Send>;
 
 /// Everything the reactor needs, built by the engine.
+/// Sends a user notification (target agent, message) through the inner
+/// agent.
+pub type Notify = Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>;
+
 pub struct Parts {
     pub name: String,
     pub endpoint: Endpoint,
@@ -470,7 +474,7 @@ pub struct Parts {
     pub busy_poll: Duration,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
-    pub notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    pub notify: Notify,
     /// Makes a reader's arena a write target (served READs).
     pub load_data_path: DataPathLoader,
     /// Gives up a reader's arena loaded by `load_data_path`.
@@ -660,10 +664,7 @@ impl Runtime {
 
     /// A reader of the runtime's counters and poison state for the engine's
     /// stats snapshot (holds the shared state, not the reactor).
-    #[allow(clippy::type_complexity)]
-    pub fn stats_source(
-        &self,
-    ) -> Box<dyn Fn() -> (std::collections::BTreeMap<String, u64>, Option<String>) + Send> {
+    pub fn stats_source(&self) -> crate::stats::StatsSource {
         let shared = self.shared.clone();
         let copier = self.copier.clone();
         Box::new(move || {
@@ -981,7 +982,7 @@ struct Reactor {
     writer: Option<JoinHandle<()>>,
     arena: RegionSpan,
     busy_poll: Duration,
-    notify: Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>,
+    notify: Notify,
     load_data_path: DataPathLoader,
     unload_data_path: DataPathUnloader,
     /// The data-path description each reader's arena was loaded from.
