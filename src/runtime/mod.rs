@@ -995,7 +995,7 @@ struct Reactor {
     done: Receiver<CopyDone>,
     /// Copies handed to workers or launched here, not yet finished.
     copies_in_flight: usize,
-    /// For gathers launched on this thread (see `start_copy`).
+    /// For copies launched on this thread (see `start_copy`).
     copier: Arc<dyn CopyEngine>,
     /// Copies launched on this thread, polled by `drain_copies`.
     launched: Vec<Launched>,
@@ -1249,6 +1249,11 @@ impl Reactor {
             any = true;
             self.copy_finished(done);
         }
+        // A poll queries the copy's event; only after an error does it
+        // synchronise the stream (to learn whether the copy is quiet), and
+        // a stream whose context reported an error returns at once. A copy
+        // that never ends keeps answering "running": its request then fails
+        // at its timeout and the quiescence bound poisons the arena.
         let mut i = 0;
         while i < self.launched.len() {
             let Some(result) = self.launched[i].copy.poll() else {
