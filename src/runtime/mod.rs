@@ -1252,8 +1252,10 @@ impl Reactor {
         // A poll queries the copy's event; only after an error does it
         // synchronise the stream (to learn whether the copy is quiet), and
         // a stream whose context reported an error returns at once. A copy
-        // that never ends keeps answering "running": its request then fails
-        // at its timeout and the quiescence bound poisons the arena.
+        // that never ends keeps answering "running": its request still fails
+        // at its timeout, its regions stay held (never reused), and shutdown
+        // poisons and leaks the arena after its quiescence bound (as for a
+        // worker blocked on such a copy).
         let mut i = 0;
         while i < self.launched.len() {
             let Some(result) = self.launched[i].copy.poll() else {
