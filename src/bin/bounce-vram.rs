@@ -160,6 +160,21 @@ fn xfer_list(
     l
 }
 
+/// Posts `req`, naming the failure.
+fn post(a: &Agent, req: &XferRequest) -> Result<(), String> {
+    a.post_xfer_req(req, None)
+        .map(drop)
+        .map_err(|e| format!("post: {e}"))
+}
+
+/// Posts `req` and waits for it; returns the time from post to completion.
+fn post_and_wait(a: &Agent, req: &XferRequest) -> Result<Duration, String> {
+    let t0 = Instant::now();
+    post(a, req)?;
+    wait(a, req)?;
+    Ok(t0.elapsed())
+}
+
 fn wait(a: &Agent, req: &XferRequest) -> Result<(), String> {
     let t0 = Instant::now();
     loop {
@@ -470,12 +485,7 @@ impl Initiator {
         self.buf.write(0, &pattern(args.buffer, sseed))?;
         self.target.cmd(&format!("FILL {dseed}"))?;
         let req = self.request(&p, None)?;
-        let t0 = Instant::now();
-        self.agent
-            .post_xfer_req(&req, None)
-            .map_err(|e| format!("post: {e}"))?;
-        wait(&self.agent, &req)?;
-        let dt = t0.elapsed();
+        let dt = post_and_wait(&self.agent, &req)?;
         drop(req);
         self.target.cmd(&format!(
             "CHECK 1 {n} {size} {slots} {seed} {sseed} {dseed} {}",
@@ -502,12 +512,7 @@ impl Initiator {
         self.target.cmd(&format!("FILL {sseed}"))?;
         self.buf.write(0, &pattern(args.buffer, dseed))?;
         let req = self.request_op(XferOp::Read, &p, None)?;
-        let t0 = Instant::now();
-        self.agent
-            .post_xfer_req(&req, None)
-            .map_err(|e| format!("post: {e}"))?;
-        wait(&self.agent, &req)?;
-        let dt = t0.elapsed();
+        let dt = post_and_wait(&self.agent, &req)?;
         drop(req);
         let want = expected(args.buffer, std::slice::from_ref(&p), sseed, dseed);
         let mut got = vec![0u8; args.buffer];
@@ -701,9 +706,7 @@ fn cancel_drill(args: &Args, stage: &str, mine: &str, target: &str) -> Result<St
         target_counters(&mut init.target),
     );
     let req = init.request(&p, None)?;
-    init.agent
-        .post_xfer_req(&req, None)
-        .map_err(|e| format!("post: {e}"))?;
+    post(&init.agent, &req)?;
     let name = init.name.clone();
     let tgt = &mut init.target;
     wait_until(Duration::from_secs(20), stage, || {
@@ -746,9 +749,7 @@ fn killed_target_drill(args: &Args) -> Result<String, String> {
     init.buf.write(0, &pattern(args.buffer, 52))?;
     let b0 = plugin_counters(&init.name);
     let req = init.request(&p, None)?;
-    init.agent
-        .post_xfer_req(&req, None)
-        .map_err(|e| format!("post: {e}"))?;
+    post(&init.agent, &req)?;
     let name = init.name.clone();
     wait_until(Duration::from_secs(20), "a chunk written", || {
         since(&plugin_counters(&name), &b0, "chunks_written") > 0
@@ -840,11 +841,7 @@ fn concurrent(init: &mut Initiator, args: &Args) -> Result<String, String> {
             .map(|p| {
                 s.spawn(move || -> Result<(), String> {
                     let req = init_ref.request(p, None)?;
-                    init_ref
-                        .agent
-                        .post_xfer_req(&req, None)
-                        .map_err(|e| format!("post: {e}"))?;
-                    wait(&init_ref.agent, &req)
+                    post_and_wait(&init_ref.agent, &req).map(drop)
                 })
             })
             .collect();
@@ -913,12 +910,8 @@ fn run_bench(args: &Args) -> bool {
                 let req = init
                     .request_op(args.op, &p, None)
                     .unwrap_or_else(|e| die(e));
-                let t0 = Instant::now();
-                init.agent
-                    .post_xfer_req(&req, None)
-                    .unwrap_or_else(|e| die(format!("post: {e}")));
-                wait(&init.agent, &req).unwrap_or_else(|e| die(e));
-                times.push(t0.elapsed().as_secs_f64() * 1e3);
+                let dt = post_and_wait(&init.agent, &req).unwrap_or_else(|e| die(e));
+                times.push(dt.as_secs_f64() * 1e3);
             }
             let after = plugin_counters(&init.name);
             let target_after = target_counters(&mut init.target);
@@ -984,9 +977,7 @@ fn run_bench(args: &Args) -> bool {
                     .collect();
                 let t0 = Instant::now();
                 for r in &reqs {
-                    init.agent
-                        .post_xfer_req(r, None)
-                        .unwrap_or_else(|e| die(format!("post: {e}")));
+                    post(&init.agent, r).unwrap_or_else(|e| die(e));
                 }
                 let mut done = vec![None; reqs.len()];
                 while done.iter().any(Option::is_none) {
