@@ -265,6 +265,57 @@ fn many_readers_from_one_owner_with_a_write_beside() {
     target.finish();
 }
 
+/// The fault tests' engines: a 1 MiB arena of 64 KiB chunks, one chunk in
+/// flight per request (so a READ is still running when the fault comes),
+/// and the given request timeout.
+fn fault_config(request_timeout_ms: &'static str) -> [(&'static str, &'static str); 6] {
+    [
+        LOOPBACK,
+        ("max_chunk_size_bytes", "64KiB"),
+        ("arena_size_bytes", "1MiB"),
+        ("arena_allocation_granularity_bytes", "64KiB"),
+        ("max_inflight_chunks_per_request", "1"),
+        ("request_timeout_ms", request_timeout_ms),
+    ]
+}
+
+/// The arena size of [`fault_config`].
+const FAULT_ARENA: u64 = 1 << 20;
+
+/// `p` (a reader process paired with `me`) posts a READ of `me`'s buffer
+/// with plan seed `seed`; returns `me`'s counters from before, once `me`
+/// (the owner) wrote two chunks of it.
+fn reader_mid_read(me: &Endpoint, p: &mut Peer, seed: u64) -> Counters {
+    let sm = stats(me.name());
+    p.cmd(&format!(
+        "POST_READ {} {} {MANY} {seed} -",
+        me.name(),
+        me.buf.addr()
+    ));
+    wait_for(
+        Duration::from_secs(20),
+        || "the owner wrote nothing".into(),
+        || stats(me.name()).since(&sm, "chunks_written") >= 2,
+    );
+    sm
+}
+
+/// The owner holds nothing of a reader any more: no control connection,
+/// no data path, no reader's agent in its inner agent.
+fn assert_no_reader_left(owner: &Counters) {
+    for gauge in ["control_peers", "reader_data_paths", "reader_agents_loaded"] {
+        assert_eq!(owner.get(gauge), 0, "{gauge}: {:?}", owner.map);
+    }
+}
+
+/// The owner's buffer is only a source: not one byte of it changed.
+fn assert_owner_untouched(me: &Endpoint, owner_seed: u64) {
+    verify_bytes(me.buf.as_slice(), &pattern(len(), owner_seed), |_| {
+        "the owner's buffer".into()
+    })
+    .or_fail("the owner's memory");
+}
+
 /// SIGKILL the owner while this process READs from it: the READ fails
 /// within its timeout; once the application forgets the dead owner, a READ
 /// from another owner succeeds.
@@ -275,14 +326,7 @@ fn reader_survives_an_owner_killed_mid_read() {
         return;
     }
     let len = len();
-    let ex = [
-        LOOPBACK,
-        ("max_chunk_size_bytes", "64KiB"),
-        ("arena_size_bytes", "1MiB"),
-        ("arena_allocation_granularity_bytes", "64KiB"),
-        ("max_inflight_chunks_per_request", "1"),
-        ("request_timeout_ms", "2000"),
-    ];
+    let ex = fault_config("2000");
     let mut me = endpoint("rk-me", &ex, len, 21, ThreadSync::Default);
     let p = Peer::spawn("owner", peer_command(&[], len, &ex, "rk-owner"))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -355,32 +399,14 @@ fn owner_survives_a_reader_killed_mid_read() {
         return;
     }
     let len = len();
-    const ARENA: u64 = 1 << 20;
-    let ex = [
-        LOOPBACK,
-        ("max_chunk_size_bytes", "64KiB"),
-        ("arena_size_bytes", "1MiB"),
-        ("arena_allocation_granularity_bytes", "64KiB"),
-        ("max_inflight_chunks_per_request", "1"),
-        ("request_timeout_ms", "30000"),
-    ];
+    let ex = fault_config("30000");
     let owner_seed = 31;
     let me = endpoint("rk-owner", &ex, len, owner_seed, ThreadSync::Default);
     let md = hex(&me.node.local_md().or_fail("md"));
     let mut p = Peer::spawn("reader", peer_command(&[], len, &ex, "rk-reader"))
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.cmd(&format!("PEER {md}")), me.name());
-    let sm = stats(me.name());
-    p.cmd(&format!(
-        "POST_READ {} {} {MANY} 32 -",
-        me.name(),
-        me.buf.addr()
-    ));
-    wait_for(
-        Duration::from_secs(20),
-        || "the owner wrote nothing".into(),
-        || stats(me.name()).since(&sm, "chunks_written") >= 2,
-    );
+    let sm = reader_mid_read(&me, &mut p, 32);
     let serving = stats(me.name());
     assert_eq!(serving.get("reader_data_paths"), 1, "{:?}", serving.map);
     assert_eq!(serving.get("reader_agents_loaded"), 1, "{:?}", serving.map);
@@ -403,7 +429,7 @@ fn owner_survives_a_reader_killed_mid_read() {
         || stats(me.name()).since(&sm, "peers_forgotten") >= 1,
     );
     let forgotten_in = killed.elapsed();
-    let idle_after = wait_arena_idle(me.name(), ARENA, Duration::from_secs(1));
+    let idle_after = wait_arena_idle(me.name(), FAULT_ARENA, Duration::from_secs(1));
     let em = stats(me.name());
     eprintln!(
         "owner after its reader was killed: unreachable after {unreachable_in:?}, serve ended and \
@@ -417,14 +443,8 @@ fn owner_survives_a_reader_killed_mid_read() {
     assert!(em.poisoned.is_none(), "poisoned: {:?}", em.poisoned);
     assert_eq!(em.since(&sm, "reads_served"), 0, "{}", em.diff(&sm));
     assert_eq!(em.since(&sm, "peers_forgotten"), 1, "{}", em.diff(&sm));
-    for gauge in ["control_peers", "reader_data_paths", "reader_agents_loaded"] {
-        assert_eq!(em.get(gauge), 0, "{gauge}: {:?}", em.map);
-    }
-    // The owner's buffer is only a source: not one byte of it changed.
-    verify_bytes(me.buf.as_slice(), &pattern(len, owner_seed), |_| {
-        "the owner's buffer".into()
-    })
-    .or_fail("the owner's memory");
+    assert_no_reader_left(&em);
+    assert_owner_untouched(&me, owner_seed);
     me.buf.check_guards().or_fail("guards");
     // The next reader is served.
     let mut q = Peer::spawn("reader-2", peer_command(&[], len, &ex, "rk-reader2"))
@@ -435,7 +455,7 @@ fn owner_survives_a_reader_killed_mid_read() {
     q.cmd(&format!("READ {} {} {MANY} 34 -", me.name(), me.buf.addr()));
     q.cmd(&format!("CHECK_WRITE - {MANY} 34 {owner_seed} 33 -"));
     assert_eq!(stats(me.name()).since(&sm, "reads_served"), 1);
-    wait_arena_idle(me.name(), ARENA, Duration::from_secs(1));
+    wait_arena_idle(me.name(), FAULT_ARENA, Duration::from_secs(1));
     q.finish();
 }
 
@@ -451,23 +471,10 @@ fn a_forgotten_reader_that_comes_back_is_served_again() {
         return;
     }
     let len = len();
-    const ARENA: u64 = 1 << 20;
-    let common = [
-        LOOPBACK,
-        ("max_chunk_size_bytes", "64KiB"),
-        ("arena_size_bytes", "1MiB"),
-        ("arena_allocation_granularity_bytes", "64KiB"),
-        ("max_inflight_chunks_per_request", "1"),
-    ];
-    let with_timeout = |ms: &'static str| {
-        let mut v = common.to_vec();
-        v.push(("request_timeout_ms", ms));
-        v
-    };
     let owner_seed = 41;
     let me = endpoint(
         "rc-owner",
-        &with_timeout("30000"),
+        &fault_config("30000"),
         len,
         owner_seed,
         ThreadSync::Default,
@@ -475,22 +482,12 @@ fn a_forgotten_reader_that_comes_back_is_served_again() {
     let md = hex(&me.node.local_md().or_fail("md"));
     let mut p = Peer::spawn(
         "reader",
-        peer_command(&[], len, &with_timeout("3000"), "rc-reader"),
+        peer_command(&[], len, &fault_config("3000"), "rc-reader"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.cmd(&format!("PEER {md}")), me.name());
-    let sm = stats(me.name());
     let sp = p.stats();
-    p.cmd(&format!(
-        "POST_READ {} {} {MANY} 42 -",
-        me.name(),
-        me.buf.addr()
-    ));
-    wait_for(
-        Duration::from_secs(20),
-        || "the owner wrote nothing".into(),
-        || stats(me.name()).since(&sm, "chunks_written") >= 2,
-    );
+    let sm = reader_mid_read(&me, &mut p, 42);
     p.signal(libc::SIGSTOP);
     let forgotten_in = wait_for(
         Duration::from_secs(6),
@@ -502,11 +499,8 @@ fn a_forgotten_reader_that_comes_back_is_served_again() {
         },
         || stats(me.name()).since(&sm, "peers_forgotten") >= 1,
     );
-    wait_arena_idle(me.name(), ARENA, Duration::from_secs(1));
-    let em = stats(me.name());
-    for gauge in ["control_peers", "reader_data_paths", "reader_agents_loaded"] {
-        assert_eq!(em.get(gauge), 0, "{gauge}: {:?}", em.map);
-    }
+    wait_arena_idle(me.name(), FAULT_ARENA, Duration::from_secs(1));
+    assert_no_reader_left(&stats(me.name()));
     p.signal(libc::SIGCONT);
     let failed_in = wait_for(
         Duration::from_secs(10),
@@ -529,11 +523,10 @@ fn a_forgotten_reader_that_comes_back_is_served_again() {
     assert_eq!(em2.get("control_peers"), 1, "{:?}", em2.map);
     assert_eq!(em2.get("reader_data_paths"), 1, "{:?}", em2.map);
     assert!(em2.poisoned.is_none(), "poisoned: {:?}", em2.poisoned);
-    verify_bytes(me.buf.as_slice(), &pattern(len, owner_seed), |_| {
-        "the owner's buffer".into()
-    })
-    .or_fail("the owner's memory");
-    wait_arena_idle(me.name(), ARENA, Duration::from_secs(5));
-    wait_idle_of("the reader", ARENA, Duration::from_secs(10), || p.stats());
+    assert_owner_untouched(&me, owner_seed);
+    wait_arena_idle(me.name(), FAULT_ARENA, Duration::from_secs(5));
+    wait_idle_of("the reader", FAULT_ARENA, Duration::from_secs(10), || {
+        p.stats()
+    });
     p.finish();
 }
