@@ -155,32 +155,17 @@ pub fn peer_main() {
                 buf.fill_pattern(num(1));
                 Ok(String::new())
             }
-            Some("WRITE") => (|| {
+            Some(cmd @ ("WRITE" | "READ" | "POST_READ")) => (|| {
+                let op = if cmd == "WRITE" {
+                    XferOp::Write
+                } else {
+                    XferOp::Read
+                };
                 let p = plan(len, num(3) as usize, num(4));
                 let notif = notif_arg(5)?;
-                let req = node.create_xfer(
-                    XferOp::Write,
-                    &p,
-                    buf.addr(),
-                    num(2) as usize,
-                    w[1],
-                    notif.as_deref(),
-                )?;
-                let dt = node.post_and_wait(&req, wait_timeout())?;
-                Ok(dt.as_micros().to_string())
-            })(),
-            Some(op @ ("READ" | "POST_READ")) => (|| {
-                let p = plan(len, num(3) as usize, num(4));
-                let notif = notif_arg(5)?;
-                let req = node.create_xfer(
-                    XferOp::Read,
-                    &p,
-                    buf.addr(),
-                    num(2) as usize,
-                    w[1],
-                    notif.as_deref(),
-                )?;
-                if op == "POST_READ" {
+                let req =
+                    node.create_xfer(op, &p, buf.addr(), num(2) as usize, w[1], notif.as_deref())?;
+                if cmd == "POST_READ" {
                     node.agent
                         .post_xfer_req(&req, None)
                         .map_err(|e| format!("post READ: {e:?}"))?;
