@@ -322,17 +322,7 @@ fn read(reader: &mut Endpoint, owner: &Endpoint, seed: u64, check: bool) {
     let plan = Plan::standard(N, BLOCK, seed);
     let before = reader.buf.as_slice().to_vec();
     let s0 = stats(reader.name());
-    let req = reader
-        .node
-        .create_xfer(
-            nixl_sys::XferOp::Read,
-            &plan,
-            reader.buf.addr(),
-            owner.buf.addr(),
-            &owner.node.name.clone(),
-            None,
-        )
-        .or_fail("create_xfer_req(READ)");
+    let req = read_request(reader, owner, &plan, None);
     reader
         .node
         .post_and_wait(&req, wait_timeout())

@@ -32,7 +32,7 @@ use common::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Credit, Message, ReadChunk, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, RequestId, Run};
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::ThreadSync;
 use std::time::Duration;
 
 const MANY: usize = 4096;
@@ -62,17 +62,7 @@ fn healthy(r: &mut Endpoint, o: &mut Endpoint, seed: u64) {
     o.buf.fill_pattern(seed + 1);
     let (src, dst_before) = (o.buf.as_slice().to_vec(), r.buf.as_slice().to_vec());
     let so = stats(o.name());
-    let req = r
-        .node
-        .create_xfer(
-            XferOp::Read,
-            &plan,
-            r.buf.addr(),
-            o.buf.addr(),
-            o.name(),
-            None,
-        )
-        .or_fail("create_xfer_req(READ)");
+    let req = read_request(r, o, &plan, None);
     r.node
         .post_and_wait(&req, wait_timeout())
         .or_fail("healthy READ");

@@ -12,7 +12,7 @@ mod common;
 
 use bounce::*;
 use common::*;
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};
 
 const SMALL_ARENA: [(&str, &str); 3] = [
@@ -27,17 +27,7 @@ fn read(r: &mut Endpoint, o: &mut Endpoint, plan: &Plan, seeds: (u64, u64)) -> u
     o.buf.fill_pattern(seeds.1);
     let (src, dst_before) = (o.buf.as_slice().to_vec(), r.buf.as_slice().to_vec());
     let (sr, so) = (stats(r.name()), stats(o.name()));
-    let req = r
-        .node
-        .create_xfer(
-            XferOp::Read,
-            plan,
-            r.buf.addr(),
-            o.buf.addr(),
-            o.name(),
-            None,
-        )
-        .or_fail("create_xfer_req(READ)");
+    let req = read_request(r, o, plan, None);
     let dt = r.node.post_and_wait(&req, wait_timeout()).or_fail("READ");
     drop(req);
     plan.verify(r.buf.as_slice(), &dst_before, &src)
@@ -147,17 +137,7 @@ fn read_released_while_running_then_keep_going() {
     for i in 0..3u64 {
         let plan = Plan::standard(MANY, BLOCK, 20 + i);
         let (sr, so) = (stats(r.name()), stats(o.name()));
-        let req = r
-            .node
-            .create_xfer(
-                XferOp::Read,
-                &plan,
-                r.buf.addr(),
-                o.buf.addr(),
-                o.name(),
-                Some(msg),
-            )
-            .or_fail("create_xfer_req(READ)");
+        let req = read_request(&r, &o, &plan, Some(msg));
         post(&r.node, &req).or_fail("post");
         // Release once data flows (i chunks in), while the READ runs.
         let t0 = Instant::now();

@@ -28,27 +28,6 @@ fn len() -> usize {
     blocks_for(MANY) * BLOCK
 }
 
-/// A prepared READ of `plan` from `owner`'s buffer (the plan's source) into
-/// `reader`'s buffer (the plan's destination).
-fn read_request(
-    reader: &Endpoint,
-    owner: &Endpoint,
-    plan: &Plan,
-    notif: Option<&[u8]>,
-) -> nixl_sys::XferRequest {
-    reader
-        .node
-        .create_xfer(
-            XferOp::Read,
-            plan,
-            reader.buf.addr(),
-            owner.buf.addr(),
-            &owner.node.name.clone(),
-            notif,
-        )
-        .or_fail("create_xfer_req(READ)")
-}
-
 /// The reader took the bounce path for `n` READs, the owner served them.
 #[track_caller]
 fn assert_read_bounced(

@@ -449,6 +449,27 @@ pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Han
     Err(format!("the agent offers no bounce path (seen: {seen:?})"))
 }
 
+/// A prepared READ of `plan` from `owner`'s buffer (the plan's source) into
+/// `reader`'s buffer (the plan's destination).
+pub fn read_request(
+    reader: &Endpoint,
+    owner: &Endpoint,
+    plan: &Plan,
+    notif: Option<&[u8]>,
+) -> nixl_sys::XferRequest {
+    reader
+        .node
+        .create_xfer(
+            XferOp::Read,
+            plan,
+            reader.buf.addr(),
+            owner.buf.addr(),
+            &owner.node.name.clone(),
+            notif,
+        )
+        .or_fail("create_xfer_req(READ)")
+}
+
 /// A prepared WRITE of `plan` from `a`'s buffer into `b`'s buffer.
 pub fn write_request(a: &Endpoint, b: &Endpoint, plan: &Plan) -> XferRequest {
     a.node
