@@ -1264,19 +1264,30 @@ impl Reactor {
             };
             any = true;
             let l = self.launched.swap_remove(i);
-            // As on a worker: a copy that failed without quiescing may still
-            // touch the memory, so its range stays marked.
-            if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
-                self.targets.release(l.in_use);
-            }
-            self.copy_finished(CopyDone {
-                id: l.id,
-                result,
-                queued: Duration::ZERO,
-                ran: l.started.elapsed(),
-            });
+            self.launched_copy_ended(l.id, l.in_use, l.started, result);
         }
         any
+    }
+
+    /// A copy launched here ended (or failed to launch). As on a worker: a
+    /// copy that failed without quiescing may still touch the memory, so
+    /// its range stays marked.
+    fn launched_copy_ended(
+        &mut self,
+        id: CopyId,
+        in_use: InUse,
+        started: Instant,
+        result: Result<(), crate::copy::CopyError>,
+    ) {
+        if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
+            self.targets.release(in_use);
+        }
+        self.copy_finished(CopyDone {
+            id,
+            result,
+            queued: Duration::ZERO,
+            ran: started.elapsed(),
+        });
     }
 
     fn copy_finished(&mut self, done: CopyDone) {
@@ -1666,32 +1677,21 @@ impl Reactor {
         // stays on the workers.
         if self.launch_here[direction as usize] {
             let started = Instant::now();
-            match self.copier.try_launch(direction, span, &runs) {
-                None => {} // not now: a worker takes it
-                Some(Ok(copy)) => {
-                    self.copies_in_flight += 1;
-                    self.launched.push(Launched {
+            if let Some(launched) = self.copier.try_launch(direction, span, &runs) {
+                self.copies_in_flight += 1;
+                match launched {
+                    Ok(copy) => self.launched.push(Launched {
                         id,
                         copy,
                         in_use,
                         started,
-                    });
-                    return;
+                    }),
+                    // Refused or failed to launch: it ends here.
+                    Err(e) => self.launched_copy_ended(id, in_use, started, Err(e)),
                 }
-                Some(Err(e)) => {
-                    if e.quiesced {
-                        self.targets.release(in_use);
-                    }
-                    self.copies_in_flight += 1;
-                    self.copy_finished(CopyDone {
-                        id,
-                        result: Err(e),
-                        queued: Duration::ZERO,
-                        ran: started.elapsed(),
-                    });
-                    return;
-                }
+                return;
             }
+            // Not now (or not this engine): a worker takes it.
         }
         let job = CopyJob {
             id,
