@@ -99,6 +99,10 @@ pub struct Config {
     /// How long the IO thread, copy workers and writer keep polling after
     /// their last event while transfers are live (us); 0 = always block.
     pub busy_poll_us: u64,
+    /// VRAM peers on the same host: one kernel moves a transfer straight
+    /// between this process's memory and the peer's, mapped with CUDA IPC
+    /// (the peer-mapped path); off: such transfers take the bounce path.
+    pub enable_peer_map: bool,
 }
 
 impl Default for Config {
@@ -125,6 +129,7 @@ impl Default for Config {
             control_interface: String::new(),
             control_bind_loopback: false,
             busy_poll_us: 0,
+            enable_peer_map: true,
         }
     }
 }
@@ -291,6 +296,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the ZMQ control socket; empty = auto-detect."),
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the ZMQ control socket to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
+    setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),
 ];
 
 /// Renders a byte count with the largest exact binary suffix.
@@ -628,7 +634,8 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 21);
+        assert_eq!(keys.len(), 22);
+        assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));
         assert!(keys.contains(&"control_bind_loopback"));

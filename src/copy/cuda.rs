@@ -696,6 +696,11 @@ fn nvrtc_supported_archs() -> Vec<i32> {
 }
 
 impl CopyKernel {
+    /// The kernel that reads an uploaded table (the peer-mapped copy's).
+    pub(crate) fn function(&self) -> &CudaFunction {
+        &self.func
+    }
+
     fn build(dev: &CudaDevice) -> Result<CopyKernel, String> {
         // SAFETY: only tries to dlopen the candidate library names.
         if !unsafe { nvrtc::sys::is_culib_present() } {

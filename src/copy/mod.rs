@@ -4,6 +4,7 @@
 
 pub mod cuda;
 pub mod host;
+pub mod peer;
 
 use std::sync::Arc;
 

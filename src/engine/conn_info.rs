@@ -18,7 +18,8 @@ use crate::proto::wire::{Reader, WireError, Writer};
 pub const MAGIC: &[u8; 8] = b"NXBOUNCE";
 pub const CONN_INFO_VERSION: u16 = 1;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
-pub const PUBLIC_VERSION: u16 = 1;
+/// Version 2 added the peer-map block; version 1 (no block) is still read.
+pub const PUBLIC_VERSION: u16 = 2;
 pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
 pub const DATA_PATH_VERSION: u16 = 1;
 
@@ -78,6 +79,8 @@ impl ConnInfo {
 ///   kind      u8      0 DRAM, 1 VRAM
 ///   am_len    u32, am the inner agent's metadata for the bounce arena
 ///   handshake rest    the bounce handshake of the region's location
+/// pm_len u32      (version 2) 0 when the region is not exported for
+///                 peer mapping, else PEER_EXPORT_LEN bytes of [`PeerExport`]
 /// ```
 /// The bounce handshake travels with the memory it serves because an arena
 /// (one per memory location) is created when memory at that location is
@@ -86,6 +89,76 @@ impl ConnInfo {
 pub struct PublicData {
     pub region_md: Vec<u8>,
     pub bounce: Option<PublicBounce>,
+    /// How a peer on the same host may map the region's allocation (the
+    /// peer-mapped path, docs/design.md §3).
+    pub peer_map: Option<PeerExport>,
+}
+
+/// Bytes of an encoded [`PeerExport`].
+pub const PEER_EXPORT_LEN: usize = 16 + 16 + 16 + 8 + 8 + 64;
+
+/// A VRAM region's allocation as a peer on the same host can map it:
+///
+/// ```text
+/// host        16 bytes  the kernel's boot id (same boot id: same host)
+/// process     16 bytes  a random token of the exporting process
+/// device_uuid 16 bytes  the GPU holding the allocation
+/// alloc_base  u64       the allocation's base address in the exporter
+/// alloc_len   u64       its length; the region lies inside it
+/// ipc_handle  64 bytes  CUDA's IPC handle of the allocation
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerExport {
+    pub host: [u8; 16],
+    pub process: [u8; 16],
+    pub device_uuid: [u8; 16],
+    pub alloc_base: u64,
+    pub alloc_len: u64,
+    pub ipc_handle: [u8; 64],
+}
+
+impl PeerExport {
+    fn encode_into(&self, w: &mut Writer) {
+        w.bytes(&self.host);
+        w.bytes(&self.process);
+        w.bytes(&self.device_uuid);
+        w.u64(self.alloc_base);
+        w.u64(self.alloc_len);
+        w.bytes(&self.ipc_handle);
+    }
+
+    fn decode(block: &[u8]) -> Result<Self, String> {
+        if block.len() != PEER_EXPORT_LEN {
+            return Err(format!(
+                "peer-map block of {} bytes (expected {PEER_EXPORT_LEN})",
+                block.len()
+            ));
+        }
+        let mut r = Reader::new(block);
+        let export = PeerExport {
+            host: r.array("host id").map_err(truncated)?,
+            process: r.array("process token").map_err(truncated)?,
+            device_uuid: r.array("device uuid").map_err(truncated)?,
+            alloc_base: r.u64("allocation base").map_err(truncated)?,
+            alloc_len: r.u64("allocation length").map_err(truncated)?,
+            ipc_handle: r.array("ipc handle").map_err(truncated)?,
+        };
+        if export.alloc_len == 0 || export.alloc_base.checked_add(export.alloc_len).is_none() {
+            return Err(format!(
+                "peer-map block describes an impossible allocation ({} bytes at {:#x})",
+                export.alloc_len, export.alloc_base
+            ));
+        }
+        Ok(export)
+    }
+
+    /// Whether `[addr, addr + len)` lies inside the exported allocation.
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.alloc_base
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.alloc_base + self.alloc_len)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +182,11 @@ impl PublicData {
             block.bytes(&b.handshake);
         }
         w.len_prefixed(&block.into_bytes());
+        let mut pm = Writer::new();
+        if let Some(p) = &self.peer_map {
+            p.encode_into(&mut pm);
+        }
+        w.len_prefixed(&pm.into_bytes());
         w.into_bytes()
     }
 
@@ -119,14 +197,24 @@ impl PublicData {
             return Err("not BOUNCE region metadata; is the peer running BOUNCE?".into());
         }
         let version = r.u16("version").map_err(truncated)?;
-        if version != PUBLIC_VERSION {
+        if !(1..=PUBLIC_VERSION).contains(&version) {
             return Err(format!(
-                "peer speaks BOUNCE region-metadata version {version}, this plugin speaks {PUBLIC_VERSION}"
+                "peer speaks BOUNCE region-metadata version {version}, this plugin speaks 1 to {PUBLIC_VERSION}"
             ));
         }
         let region_md = len_prefixed(&mut r, "region metadata")?.to_vec();
         let block = len_prefixed(&mut r, "bounce block")?;
+        let peer_block = if version >= 2 {
+            len_prefixed(&mut r, "peer-map block")?
+        } else {
+            &[]
+        };
         r.finish("region metadata").map_err(|e| e.to_string())?;
+        let peer_map = if peer_block.is_empty() {
+            None
+        } else {
+            Some(PeerExport::decode(peer_block)?)
+        };
         let bounce = if block.is_empty() {
             None
         } else {
@@ -146,7 +234,11 @@ impl PublicData {
                 handshake,
             })
         };
-        Ok(Self { region_md, bounce })
+        Ok(Self {
+            region_md,
+            bounce,
+            peer_map,
+        })
     }
 }
 
@@ -279,19 +371,35 @@ mod tests {
         assert!(e.contains("version 9"), "{e}");
     }
 
+    fn export() -> PeerExport {
+        PeerExport {
+            host: [1; 16],
+            process: [2; 16],
+            device_uuid: [3; 16],
+            alloc_base: 0x7f00_0000_0000,
+            alloc_len: 1 << 30,
+            ipc_handle: [4; 64],
+        }
+    }
+
     #[test]
     fn public_data_round_trips_and_rejects_malformed_input() {
-        for bounce in [
+        let bounces = [
             None,
             Some(PublicBounce {
                 kind: 1,
                 arena_md: vec![5; 7],
                 handshake: vec![6; 30],
             }),
-        ] {
+        ];
+        for (bounce, peer_map) in bounces
+            .iter()
+            .flat_map(|b| [(b.clone(), None), (b.clone(), Some(export()))])
+        {
             let p = PublicData {
                 region_md: vec![1, 2, 3],
                 bounce,
+                peer_map,
             };
             let bytes = p.encode();
             assert_eq!(PublicData::decode(&bytes).unwrap(), p);
@@ -305,6 +413,56 @@ mod tests {
             long.push(9);
             assert!(PublicData::decode(&long).is_err());
         }
+    }
+
+    #[test]
+    fn version_1_public_data_is_still_read() {
+        // A version-1 peer: no peer-map block after the bounce block.
+        let mut w = Writer::new();
+        w.bytes(PUBLIC_MAGIC);
+        w.u16(1);
+        w.len_prefixed(&[7, 7]);
+        w.len_prefixed(&[]);
+        let p = PublicData::decode(&w.into_bytes()).unwrap();
+        assert_eq!(p.region_md, vec![7, 7]);
+        assert_eq!((p.bounce, p.peer_map), (None, None));
+        let mut future = PublicData {
+            region_md: vec![1],
+            bounce: None,
+            peer_map: None,
+        }
+        .encode();
+        future[8] = 3;
+        let e = PublicData::decode(&future).unwrap_err();
+        assert!(e.contains("version 3"), "{e}");
+    }
+
+    #[test]
+    fn peer_export_block_is_checked() {
+        let p = PublicData {
+            region_md: vec![1],
+            bounce: None,
+            peer_map: Some(PeerExport {
+                alloc_len: 0,
+                ..export()
+            }),
+        };
+        let e = PublicData::decode(&p.encode()).unwrap_err();
+        assert!(e.contains("impossible allocation"), "{e}");
+        let p = PublicData {
+            peer_map: Some(PeerExport {
+                alloc_base: u64::MAX - 4,
+                ..export()
+            }),
+            ..p
+        };
+        assert!(PublicData::decode(&p.encode()).is_err());
+        let x = export();
+        assert!(x.covers(x.alloc_base, x.alloc_len));
+        assert!(x.covers(x.alloc_base + 4096, 4096));
+        assert!(!x.covers(x.alloc_base - 1, 2));
+        assert!(!x.covers(x.alloc_base + x.alloc_len - 1, 2));
+        assert!(!x.covers(u64::MAX, 2));
     }
 
     #[test]

@@ -11,6 +11,7 @@
 pub mod bounce;
 pub mod conn_info;
 pub mod params;
+pub mod peer;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -221,6 +222,9 @@ pub enum MdOwner {
         /// The peer's bounce instance for the region's location, when it
         /// advertised a compatible one.
         bounce: Option<PeerBounce>,
+        /// The peer's allocation holding the region, when it is on this
+        /// host and exported it for mapping (the peer-mapped path).
+        peer: Option<Arc<peer::RemoteAlloc>>,
     },
     /// This agent's own registered memory as the target of a local transfer.
     LocalTarget,
@@ -258,6 +262,9 @@ enum Route {
     Standard(XferRequest),
     /// The bounce path.
     Bounce(BounceXfer),
+    /// The peer-mapped path: one kernel through a mapping of the peer's
+    /// memory.
+    PeerMapped(peer::PeerXfer),
 }
 
 struct BounceXfer {
@@ -280,12 +287,17 @@ impl Request {
     pub fn is_bounce(&self) -> bool {
         matches!(self.route, Route::Bounce(_))
     }
+    /// Whether this request took the peer-mapped path.
+    pub fn is_peer_mapped(&self) -> bool {
+        matches!(self.route, Route::PeerMapped(_))
+    }
 }
 
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Request")
             .field("bounce", &self.is_bounce())
+            .field("peer_mapped", &self.is_peer_mapped())
             .field("args", &self.args)
             .finish_non_exhaustive()
     }
@@ -363,6 +375,8 @@ pub struct Engine {
     hub: Arc<NotifHub>,
     /// The bounce path: one instance per memory location in use.
     instances: Instances,
+    /// The peer-mapped path: exports, mappings, copiers.
+    peer: peer::PeerMaps,
     /// Counters and identity, published for `nixl_bounce_stats`.
     pub stats: Arc<EngineStats>,
 }
@@ -460,7 +474,9 @@ impl Engine {
         let stats = EngineStats::new(local_name, params);
         stats.set_source(instances_stats(instances.clone(), readers.clone()));
         tracing::info!(agent = local_name, inner = %inner_name, bounce = config.enabled, "BOUNCE engine created");
+        let peer = peer::PeerMaps::new(&config);
         Ok(Self {
+            peer,
             local_name: local_name.to_string(),
             inner_name,
             inner,
@@ -560,6 +576,24 @@ impl Engine {
         if let Some(b) = &bounce {
             b.runtime.targets.add(range.addr, range.len);
         }
+        let peer_map = match kind {
+            MemKind::Vram if self.config.enabled && self.config.enable_peer_map => {
+                match self
+                    .peer
+                    .export(range.dev, range.addr as u64, range.len as u64)
+                {
+                    Ok(e) => {
+                        self.stats.bump_named("peer_map_exported");
+                        Some(e)
+                    }
+                    Err(e) => {
+                        tracing::info!(addr = range.addr, len = range.len, "VRAM region not exported for peer mapping: {e}");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let public_data = PublicData {
             region_md,
             bounce: bounce.as_ref().map(|b| PublicBounce {
@@ -567,6 +601,7 @@ impl Engine {
                 arena_md: b.arena_metadata.clone(),
                 handshake: b.handshake.encode(),
             }),
+            peer_map,
         }
         .encode();
         Ok(Box::new(Md {
@@ -759,6 +794,12 @@ impl Engine {
                     .bounce
                     .as_ref()
                     .and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
+                peer: match (kind, &public.peer_map) {
+                    (MemKind::Vram, Some(e)) if remote != self.local_name => {
+                        self.peer.remote(e, range.addr as u64, range.len as u64)
+                    }
+                    _ => None,
+                },
             },
         }))
     }
@@ -857,6 +898,24 @@ impl Engine {
         check_side("remote", remote)?;
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
+        if let Some(i) = local
+            .descs
+            .iter()
+            .zip(&remote.descs)
+            .position(|((l, _), (r, _))| l.len != r.len)
+        {
+            return Err(Error::invalid(format!(
+                "descriptor {i}: local length {} differs from remote length {}",
+                local.descs[i].0.len, remote.descs[i].0.len
+            )));
+        }
+
+        if let Some(x) = self.peer_mapped_route(op, local, remote, agent, &inner_remote) {
+            return Ok(Request {
+                route: Route::PeerMapped(x),
+                args,
+            });
+        }
 
         match self.choose_route(op, local, remote, agent) {
             Ok((instance, peer)) => {
@@ -880,17 +939,6 @@ impl Engine {
                         }
                     })
                     .collect();
-                if let Some(i) = local
-                    .descs
-                    .iter()
-                    .zip(&remote.descs)
-                    .position(|((l, _), (r, _))| l.len != r.len)
-                {
-                    return Err(Error::invalid(format!(
-                        "descriptor {i}: local length {} differs from remote length {}",
-                        local.descs[i].0.len, remote.descs[i].0.len
-                    )));
-                }
                 // Planned once here, reused by every post of the request.
                 match instance.runtime.plan(&descriptors) {
                     Ok(plan) => {
@@ -942,6 +990,51 @@ impl Engine {
             route: Route::Standard(xfer),
             args,
         })
+    }
+
+    /// The peer-mapped path for this transfer, if it can take it (see
+    /// [`peer`]); `None` sends it on to the bounce path's routing.
+    fn peer_mapped_route(
+        &self,
+        op: Op,
+        local: &Side<'_>,
+        remote: &Side<'_>,
+        agent: &str,
+        inner_remote: &str,
+    ) -> Option<peer::PeerXfer> {
+        let input = peer::GateInput {
+            local: local.kind,
+            remote: remote.kind,
+            descriptors: local.descs.len() as u64,
+            bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
+            local_transfer: agent == self.local_name,
+        };
+        peer::gate(&self.config, &input).ok()?;
+        let device = local.descs.first()?.0.dev;
+        let mut pairs = Vec::with_capacity(remote.descs.len());
+        for ((l, _), (r, md)) in local.descs.iter().zip(&remote.descs) {
+            let alloc = match md.map(|m| &m.owner) {
+                Some(MdOwner::Remote {
+                    peer: Some(a), ..
+                }) => a.clone(),
+                _ => return None,
+            };
+            if l.dev != device {
+                return None;
+            }
+            pairs.push((l.addr as u64, r.addr as u64, l.len as u64, alloc));
+        }
+        match self
+            .peer
+            .prepare(op, device as usize, pairs.into_iter(), inner_remote.to_string())
+        {
+            Ok(x) => Some(x),
+            Err(e) => {
+                tracing::info!(agent = %self.local_name, "peer-mapped path unavailable for this transfer ({e}); trying the bounce path");
+                self.stats.bump_named("peer_map_unavailable");
+                None
+            }
+        }
     }
 
     /// Decides the path of a transfer: the local instance and the peer's for
@@ -1054,6 +1147,32 @@ impl Engine {
                 self.stats.add_named("bounce_bytes", b.plan.payload_bytes);
                 Ok(Status::InProgress)
             }
+            Route::PeerMapped(x) => {
+                if x.launch.as_ref().is_some_and(|l| l.poll().is_none()) {
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the peer-mapped transfer is still running",
+                    ));
+                }
+                let launch = match x.table.launch() {
+                    Ok(l) => Arc::new(l),
+                    Err(e) => {
+                        EngineStats::bump(&self.stats.counters.transfers_failed);
+                        self.stats.bump_named("peer_map_failed");
+                        return Err(Error::new(Status::Backend, e));
+                    }
+                };
+                x.launch = Some(launch.clone());
+                x.reported = false;
+                self.stats.bump_named("peer_map_submitted");
+                self.stats.add_named("peer_map_bytes", x.table.bytes());
+                if let Some(message) = req.args.notif.clone() {
+                    self.peer
+                        .notify_after(&self.inner, launch, x.peer_inner.clone(), message)
+                        .map_err(|e| Error::new(Status::Backend, e))?;
+                }
+                Ok(Status::InProgress)
+            }
         }
     }
 
@@ -1089,6 +1208,35 @@ impl Engine {
                     }
                 }
             }
+            Route::PeerMapped(x) => {
+                let Some(launch) = &x.launch else {
+                    return Err(Error::new(
+                        Status::NotPosted,
+                        "the peer-mapped transfer was not posted",
+                    ));
+                };
+                let outcome = launch.poll();
+                let first = !x.reported && outcome.is_some();
+                if first {
+                    x.reported = true;
+                }
+                match outcome {
+                    None => Ok(Status::InProgress),
+                    Some(Ok(())) => {
+                        if first {
+                            self.stats.bump_named("peer_map_succeeded");
+                        }
+                        Ok(Status::Success)
+                    }
+                    Some(Err(e)) => {
+                        if first {
+                            EngineStats::bump(&self.stats.counters.transfers_failed);
+                            self.stats.bump_named("peer_map_failed");
+                        }
+                        Err(Error::new(Status::Backend, e))
+                    }
+                }
+            }
         }
     }
 
@@ -1096,13 +1244,25 @@ impl Engine {
     /// call returns at once, and the runtime reclaims its regions only once
     /// nothing can still touch them.
     pub fn release_req(&self, req: Request) -> Result<()> {
-        if let Route::Bounce(b) = &req.route {
-            if let Some(t) = &b.ticket {
-                if t.outcome().is_none() {
-                    b.instance.runtime.cancel(t);
-                    self.stats.bump_named("bounce_cancelled");
+        match &req.route {
+            Route::Bounce(b) => {
+                if let Some(t) = &b.ticket {
+                    if t.outcome().is_none() {
+                        b.instance.runtime.cancel(t);
+                        self.stats.bump_named("bounce_cancelled");
+                    }
                 }
             }
+            // A running kernel cannot be stopped: its bytes still land (as
+            // a released UCX transfer's may), but no notification is sent.
+            // Its table is freed after it, its mappings closed after it.
+            Route::PeerMapped(x) => {
+                if let Some(l) = x.launch.as_ref().filter(|l| l.poll().is_none()) {
+                    l.cancelled.store(true, Ordering::SeqCst);
+                    self.stats.bump_named("peer_map_cancelled");
+                }
+            }
+            Route::Standard(_) => {}
         }
         drop(req);
         Ok(())

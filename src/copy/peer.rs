@@ -1,0 +1,638 @@
+//! The peer-mapped copy: one kernel moves every descriptor of a transfer
+//! straight between this process's device memory and a peer's, when the
+//! peer runs on the same host and its allocation can be mapped into this
+//! process with CUDA IPC. No arena, no control messages, and no kernel in
+//! the peer's process (on one shared GPU that kernel would cost a GPU
+//! context switch; see docs/design.md §3 "The peer-mapped path").
+//!
+//! The pieces, each owning one CUDA resource:
+//! - [`export_allocation`]: what a registering process publishes for a VRAM
+//!   region (the allocation's base, length, IPC handle and GPU).
+//! - [`PeerMapping`]: a peer's allocation opened in this process (closed on
+//!   drop, after every peer-mapped copy of the device has ended).
+//! - [`PeerCopier`]: one device's streams and its copy kernel.
+//! - [`PeerTable`]: a transfer's run table, built and uploaded once when the
+//!   request is prepared, so a post is one kernel launch.
+//! - [`PeerLaunch`]: one posted copy, polled through its event.
+//!
+//! The kernel is the gather/scatter kernel of `kernels/gather_scatter.cu`:
+//! a peer-mapped copy is a gather whose "region" is the whole address space
+//! (every destination is an absolute address, already translated into the
+//! mapping and checked against the peer's registration by the engine).
+
+use std::ffi::c_void;
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{result, sys, CudaEvent, CudaStream};
+
+use super::cuda::{
+    fill_table, CopyKernel, CudaDevice, CudaRuntime, DevRun, DevStrides, LaunchShape, TableLayout,
+    BLOCK_THREADS, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
+};
+use super::{Direction, RegionSpan};
+use crate::proto::Run;
+
+/// Bytes of a CUDA IPC memory handle.
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// Who this process is, as peers compare it: the host (the kernel's boot id,
+/// shared by every process and container of one machine) and a random
+/// token of this process (a PID can repeat across PID namespaces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    pub host: [u8; 16],
+    pub process: [u8; 16],
+}
+
+/// This process's identity; `None` when the host cannot be identified (no
+/// readable boot id), in which case nothing is exported or mapped.
+pub fn identity() -> Option<Identity> {
+    static ID: OnceLock<Option<Identity>> = OnceLock::new();
+    *ID.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let host = parse_uuid(&text)?;
+        let mut process = [0u8; 16];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut process))
+            .ok()?;
+        Some(Identity { host, process })
+    })
+}
+
+/// Parses a textual UUID (`8-4-4-4-12` hex digits, surrounding whitespace
+/// allowed) into its 16 bytes.
+pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+    let hex: Vec<u8> = text.trim().bytes().filter(|&b| b != b'-').collect();
+    if hex.len() != 32 || text.trim().len() != 36 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let s = std::str::from_utf8(pair).ok()?;
+        out[i] = u8::from_str_radix(s, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// The UUID of device `ordinal`.
+fn device_uuid(ordinal: usize) -> Result<[u8; 16], String> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one CUdevice through a valid pointer.
+    unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }
+        .result()
+        .map_err(|e| format!("cuDeviceGet({ordinal}): {e}"))?;
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: writes one CUuuid through a valid pointer.
+    unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) }
+        .result()
+        .map_err(|e| format!("cuDeviceGetUuid({ordinal}): {e}"))?;
+    Ok(uuid.bytes.map(|b| b as u8))
+}
+
+/// The ordinal of the local device with this UUID, if this process sees it.
+pub fn device_with_uuid(cuda: &CudaRuntime, uuid: &[u8; 16]) -> Option<usize> {
+    (0..cuda.device_count()).find(|&d| device_uuid(d).is_ok_and(|u| &u == uuid))
+}
+
+/// What a registering process publishes for device memory at `addr` on
+/// `device`: the enclosing allocation (base, length), its IPC handle and the
+/// GPU's UUID. Err when the memory cannot be shared this way (e.g. it was
+/// not allocated with `cuMemAlloc`/`cudaMalloc`).
+pub fn export_allocation(
+    device: &CudaDevice,
+    addr: u64,
+) -> Result<(u64, u64, [u8; IPC_HANDLE_LEN], [u8; 16]), String> {
+    device.bind()?;
+    let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: two out pointers; the driver only reads `addr` as a number.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, addr) }
+        .result()
+        .map_err(|e| format!("cuMemGetAddressRange({addr:#x}): {e}"))?;
+    let mut handle = sys::CUipcMemHandle {
+        reserved: [0; IPC_HANDLE_LEN],
+    };
+    // SAFETY: one out pointer; `base` is the start of a live allocation (just
+    // looked up).
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
+        .result()
+        .map_err(|e| format!("cuIpcGetMemHandle({base:#x}): {e}"))?;
+    Ok((
+        base,
+        len as u64,
+        handle.reserved.map(|b| b as u8),
+        device_uuid(device.ordinal())?,
+    ))
+}
+
+// ---------------------------------------------------------------------------
+// The copier of one device
+// ---------------------------------------------------------------------------
+
+/// Streams of one device for peer-mapped copies, round-robin, plus one
+/// stream for table uploads (so preparing a request never waits behind a
+/// running copy).
+pub struct PeerCopier {
+    device: Arc<CudaDevice>,
+    kernel: Arc<CopyKernel>,
+    streams: Vec<Arc<CudaStream>>,
+    upload: Arc<CudaStream>,
+    next: AtomicUsize,
+}
+
+impl std::fmt::Debug for PeerCopier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerCopier")
+            .field("device", &self.device.ordinal())
+            .field("streams", &self.streams.len())
+            .finish()
+    }
+}
+
+impl PeerCopier {
+    /// Compiles the copy kernel (if not yet) and creates `streams` streams.
+    pub fn new(device: Arc<CudaDevice>, streams: usize) -> Result<Arc<Self>, String> {
+        let kernel = device.copy_kernel()?;
+        device.bind()?;
+        let ctx = device.context();
+        let make = || ctx.new_stream().map_err(|e| format!("cuStreamCreate: {e}"));
+        let upload = make()?;
+        let streams = (0..streams.max(1))
+            .map(|_| make())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Arc::new(PeerCopier {
+            device,
+            kernel,
+            streams,
+            upload,
+            next: AtomicUsize::new(0),
+        }))
+    }
+
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Waits until no peer-mapped copy of this device runs (before a mapping
+    /// is closed).
+    pub fn synchronize(&self) -> Result<(), String> {
+        for s in &self.streams {
+            s.synchronize()
+                .map_err(|e| format!("synchronising a peer-copy stream: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Builds and uploads the run table of `copies` (absolute source and
+    /// destination addresses; consecutive copies that continue each other on
+    /// both sides are merged into one run). Blocks for the upload only.
+    pub fn prepare(self: &Arc<Self>, copies: &[PeerCopy]) -> Result<PeerTable, String> {
+        let runs = merge(copies);
+        if runs.is_empty() {
+            return Err("a peer-mapped copy of no bytes".into());
+        }
+        let layout = TableLayout::new(runs.len())
+            .ok_or_else(|| format!("{} runs overflow the run table", runs.len()))?;
+        // One u64 buffer keeps every part of the table 8-byte aligned.
+        let mut host = vec![0u64; layout.capacity.div_ceil(8)];
+        let nruns = runs.len();
+        // SAFETY: `host` holds `layout.capacity` bytes: nruns DevRuns at 0,
+        // nruns + 1 u32s at tile_start_offset and nruns DevStrides at
+        // strides_offset (16-aligned offsets of an 8-aligned buffer; DevRun
+        // and DevStrides need 8); the three ranges are disjoint.
+        let (out_runs, out_tile_start, out_strides) = unsafe {
+            let base = host.as_mut_ptr() as *mut u8;
+            (
+                std::slice::from_raw_parts_mut(base as *mut DevRun, nruns),
+                std::slice::from_raw_parts_mut(
+                    base.add(layout.tile_start_offset) as *mut u32,
+                    nruns + 1,
+                ),
+                std::slice::from_raw_parts_mut(
+                    base.add(layout.strides_offset) as *mut DevStrides,
+                    nruns,
+                ),
+            )
+        };
+        let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let shape = fill_table(
+            Direction::Gather,
+            WHOLE_ADDRESS_SPACE,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            max_warps,
+            out_runs,
+            out_tile_start,
+            out_strides,
+        )
+        .map_err(|e| e.reason)?;
+        let used = shape.table_bytes();
+        // SAFETY: `host` holds at least `used` initialised bytes (zeroed,
+        // then filled).
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
+        self.device.bind()?;
+        let stream = self.upload.cu_stream();
+        // SAFETY: a stream-ordered allocation on our own upload stream.
+        let ptr = unsafe { result::malloc_async(stream, used) }
+            .map_err(|e| format!("cuMemAllocAsync({used} bytes) for a peer-copy table: {e}"))?;
+        let table = PeerTable {
+            copier: self.clone(),
+            ptr,
+            layout,
+            shape,
+            last_stream: None,
+        };
+        // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive until the
+        // stream is synchronised below.
+        unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
+            .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"))?;
+        // After this the table is complete and may be read from any stream.
+        self.upload
+            .synchronize()
+            .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))?;
+        Ok(table)
+    }
+}
+
+/// The "region" of a peer-mapped copy: every address is absolute.
+const WHOLE_ADDRESS_SPACE: RegionSpan = RegionSpan {
+    addr: 0,
+    len: usize::MAX,
+};
+
+/// One copy of a peer-mapped transfer: absolute addresses in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCopy {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+/// Copies as the kernel's runs (a gather into address 0: `addr` is the
+/// source, `region_offset` the destination), merging a copy into the one
+/// before it when both its source and destination continue it.
+pub fn merge(copies: &[PeerCopy]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::with_capacity(copies.len());
+    for c in copies.iter().filter(|c| c.len > 0) {
+        if let Some(last) = runs.last_mut() {
+            if last.addr.checked_add(last.len) == Some(c.src)
+                && last.region_offset.checked_add(last.len) == Some(c.dst)
+            {
+                last.len += c.len;
+                continue;
+            }
+        }
+        runs.push(Run::single(c.dst, c.src, c.len));
+    }
+    runs
+}
+
+// ---------------------------------------------------------------------------
+// A prepared table and its launches
+// ---------------------------------------------------------------------------
+
+/// A transfer's uploaded run table. Freed on drop, ordered after the last
+/// copy launched from it (stream-ordered free: nothing waits).
+pub struct PeerTable {
+    copier: Arc<PeerCopier>,
+    ptr: u64,
+    layout: TableLayout,
+    shape: LaunchShape,
+    last_stream: Option<usize>,
+}
+
+impl std::fmt::Debug for PeerTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerTable")
+            .field("runs", &self.shape.nruns)
+            .field("bytes", &self.shape.total_bytes)
+            .finish()
+    }
+}
+
+impl PeerTable {
+    /// Bytes one launch moves.
+    pub fn bytes(&self) -> u64 {
+        self.shape.total_bytes
+    }
+    /// Runs after merging.
+    pub fn runs(&self) -> u32 {
+        self.shape.nruns
+    }
+
+    /// Launches the copy on the next stream and records an event after it.
+    /// The caller must not launch again before the returned copy has ended
+    /// (the engine refuses a repost of a running request).
+    pub fn launch(&mut self) -> Result<PeerLaunch, String> {
+        let c = &self.copier;
+        let i = c.next.fetch_add(1, Ordering::Relaxed) % c.streams.len();
+        let stream = &c.streams[i];
+        c.device.bind()?;
+        let event = c
+            .device
+            .context()
+            .new_event(None)
+            .map_err(|e| format!("cuEventCreate: {e}"))?;
+        let mut a_runs: u64 = self.ptr;
+        let mut a_tile_start: u64 = self.ptr + self.layout.tile_start_offset as u64;
+        let mut a_strides: u64 = self.ptr + self.layout.strides_offset as u64;
+        let mut a_total: u32 = self.shape.total_tiles;
+        let mut a_tpw: u32 = self.shape.tiles_per_warp;
+        let mut a_shift: u32 = self.shape.tile_shift();
+        let mut a_nruns: u32 = self.shape.nruns;
+        let mut params: [*mut c_void; 7] = [
+            &mut a_runs as *mut u64 as *mut c_void,
+            &mut a_tile_start as *mut u64 as *mut c_void,
+            &mut a_strides as *mut u64 as *mut c_void,
+            &mut a_total as *mut u32 as *mut c_void,
+            &mut a_tpw as *mut u32 as *mut c_void,
+            &mut a_shift as *mut u32 as *mut c_void,
+            &mut a_nruns as *mut u32 as *mut c_void,
+        ];
+        // SAFETY: the function is this device's copy kernel, whose
+        // parameters are (u64, u64, u64, u32, u32, u32, u32) as in `params`
+        // (copied by cuLaunchKernel before it returns). The table it reads
+        // was uploaded and synchronised in `prepare` and is freed only after
+        // this launch (stream-ordered, in Drop). Every address in it was
+        // checked by the engine: sources and destinations lie in memory
+        // registered here or in the peer's registered memory, translated
+        // into a mapping that stays open until this device's copies ended.
+        let launched = unsafe {
+            result::launch_kernel(
+                c.kernel.function().cu_function(),
+                (self.shape.grid, 1, 1),
+                (BLOCK_THREADS, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+        };
+        launched.map_err(|e| {
+            format!(
+                "launching the peer-mapped copy ({} runs, {} blocks): {e}",
+                self.shape.nruns, self.shape.grid
+            )
+        })?;
+        self.last_stream = Some(i);
+        event
+            .record(stream)
+            .map_err(|e| format!("cuEventRecord after the peer-mapped copy: {e}"))?;
+        Ok(PeerLaunch {
+            event,
+            cancelled: AtomicBool::new(false),
+            failure: Mutex::new(None),
+        })
+    }
+}
+
+impl Drop for PeerTable {
+    fn drop(&mut self) {
+        let c = &self.copier;
+        let stream = match self.last_stream {
+            Some(i) => c.streams[i].cu_stream(),
+            None => c.upload.cu_stream(),
+        };
+        if c.device.bind().is_err() {
+            tracing::warn!("cannot bind the CUDA context to free a peer-copy table; leaked");
+            return;
+        }
+        // SAFETY: `ptr` came from cuMemAllocAsync; the free is ordered after
+        // the last launch that reads it (same stream), or after the upload.
+        if let Err(e) = unsafe { result::free_async(self.ptr, stream) } {
+            tracing::warn!("freeing a peer-copy table: {e}");
+        }
+    }
+}
+
+/// One launched peer-mapped copy. Shared by the request (which polls it)
+/// and the notifier (which sends the transfer's notification once it ended).
+#[derive(Debug)]
+pub struct PeerLaunch {
+    event: CudaEvent,
+    /// The request was released before its copy ended: send no notification.
+    pub cancelled: AtomicBool,
+    failure: Mutex<Option<String>>,
+}
+
+impl PeerLaunch {
+    /// `None` while the copy runs, then its result (never blocks).
+    pub fn poll(&self) -> Option<Result<(), String>> {
+        if let Some(f) = self.failure.lock().ok()?.as_ref() {
+            return Some(Err(f.clone()));
+        }
+        match self.event.try_is_complete() {
+            Ok(false) => None,
+            Ok(true) => Some(Ok(())),
+            Err(e) => {
+                let f = format!("the peer-mapped copy failed: {e}");
+                if let Ok(mut slot) = self.failure.lock() {
+                    *slot = Some(f.clone());
+                }
+                Some(Err(f))
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Mappings of a peer's allocations
+// ---------------------------------------------------------------------------
+
+/// A peer's allocation as this process addresses it.
+pub struct PeerMapping {
+    copier: Arc<PeerCopier>,
+    /// This process's address of the allocation's base.
+    base: u64,
+    len: u64,
+    /// Opened with cuIpcOpenMemHandle (closed on drop); false for memory of
+    /// this very process, used at its own address.
+    opened: bool,
+}
+
+impl std::fmt::Debug for PeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerMapping")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .field("opened", &self.opened)
+            .finish()
+    }
+}
+
+impl PeerMapping {
+    /// Maps a peer's allocation for copies launched by `copier`.
+    ///
+    /// `same_process`: the exporter is this process (two agents in one
+    /// process); its memory is used at its own address, which needs the
+    /// allocation to be on the copier's device. Otherwise the IPC handle is
+    /// opened in the copier's device context, with peer access enabled when
+    /// the allocation lives on another GPU (refused when the two GPUs cannot
+    /// reach each other).
+    pub fn open(
+        copier: &Arc<PeerCopier>,
+        device_uuid: &[u8; 16],
+        alloc_base: u64,
+        alloc_len: u64,
+        ipc_handle: &[u8; IPC_HANDLE_LEN],
+        same_process: bool,
+    ) -> Result<PeerMapping, String> {
+        let local = copier.device.ordinal();
+        let cuda = CudaRuntime::probe()?;
+        let owner = device_with_uuid(&cuda, device_uuid)
+            .ok_or_else(|| "the peer's GPU is not visible to this process".to_string())?;
+        if same_process {
+            if owner != local {
+                return Err(format!(
+                    "memory of this process on GPU {owner} is not mapped for copies on GPU {local}"
+                ));
+            }
+            return Ok(PeerMapping {
+                copier: copier.clone(),
+                base: alloc_base,
+                len: alloc_len,
+                opened: false,
+            });
+        }
+        if owner != local {
+            let (mut a, mut b): (sys::CUdevice, sys::CUdevice) = (0, 0);
+            let mut can: std::ffi::c_int = 0;
+            // SAFETY: out pointers for plain integers.
+            let probed = unsafe {
+                sys::cuDeviceGet(&mut a, local as i32)
+                    .result()
+                    .and_then(|_| sys::cuDeviceGet(&mut b, owner as i32).result())
+                    .and_then(|_| sys::cuDeviceCanAccessPeer(&mut can, a, b).result())
+            };
+            probed.map_err(|e| format!("cuDeviceCanAccessPeer({local}, {owner}): {e}"))?;
+            if can == 0 {
+                return Err(format!("GPU {local} cannot access GPU {owner}'s memory"));
+            }
+        }
+        copier.device.bind()?;
+        let handle = sys::CUipcMemHandle {
+            reserved: ipc_handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: one out pointer; the handle is plain bytes the driver
+        // validates (a forged or stale handle is an error, not UB).
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                handle,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuIpcOpenMemHandle: {e}"))?;
+        Ok(PeerMapping {
+            copier: copier.clone(),
+            base: ptr,
+            len: alloc_len,
+            opened: true,
+        })
+    }
+
+    /// This process's address of byte `offset` of the allocation.
+    pub fn address(&self, offset: u64) -> Option<u64> {
+        (offset < self.len).then(|| self.base + offset)
+    }
+
+    pub fn copier(&self) -> &Arc<PeerCopier> {
+        &self.copier
+    }
+}
+
+impl Drop for PeerMapping {
+    fn drop(&mut self) {
+        if !self.opened {
+            return;
+        }
+        // No copy may still write through the mapping when it is closed.
+        if let Err(e) = self.copier.synchronize() {
+            tracing::error!(
+                "peer mapping left open (a copy may still use it and cannot be waited for): {e}"
+            );
+            return;
+        }
+        if self.copier.device.bind().is_ok() {
+            // SAFETY: `base` came from cuIpcOpenMemHandle and no copy uses it.
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base) }.result() {
+                tracing::warn!("cuIpcCloseMemHandle: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_parse_strictly() {
+        let u = parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n").unwrap();
+        assert_eq!(u[0], 0x0f);
+        assert_eq!(u[15], 0xf0);
+        assert!(parse_uuid("0f1e2d3c4b5a69788796a5b4c3d2e1f0").is_none());
+        assert!(parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1fz").is_none());
+        assert!(parse_uuid("").is_none());
+    }
+
+    #[test]
+    fn identity_is_stable_and_names_this_host() {
+        // Linux always has a boot id; the token is random but fixed per process.
+        let a = identity().expect("boot id readable");
+        assert_eq!(identity(), Some(a));
+        assert_ne!(a.process, [0; 16]);
+    }
+
+    #[test]
+    fn merge_joins_only_copies_that_continue_on_both_sides() {
+        let c = |src, dst, len| PeerCopy { src, dst, len };
+        let runs = merge(&[
+            c(0, 1000, 10),
+            c(10, 1010, 5),  // continues both: merged
+            c(15, 2000, 5),  // source continues, destination jumps
+            c(20, 2005, 5),  // continues the last
+            c(100, 2010, 0), // empty: skipped
+            c(50, 2010, 5),  // destination continues, source jumps
+        ]);
+        let got: Vec<(u64, u64, u64)> = runs
+            .iter()
+            .map(|r| (r.addr, r.region_offset, r.len))
+            .collect();
+        assert_eq!(got, vec![(0, 1000, 15), (15, 2000, 10), (50, 2010, 5)]);
+        assert!(runs.iter().all(|r| r.count == 1));
+    }
+
+    #[test]
+    fn a_merged_table_fills_with_absolute_destinations() {
+        let copies: Vec<PeerCopy> = (0..64)
+            .map(|i| PeerCopy {
+                src: 0x1000_0000 + i * 8192,
+                dst: 0x9000_0000 + (63 - i) * 4096,
+                len: 4096,
+            })
+            .collect();
+        let runs = merge(&copies);
+        let n = runs.len();
+        let mut out_runs = vec![DevRun::default(); n];
+        let mut starts = vec![0u32; n + 1];
+        let mut strides = vec![[0u64; 2]; n];
+        let shape = fill_table(
+            Direction::Gather,
+            WHOLE_ADDRESS_SPACE,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            1 << 20,
+            &mut out_runs,
+            &mut starts,
+            &mut strides,
+        )
+        .unwrap();
+        assert_eq!(shape.total_bytes, 64 * 4096);
+        for (r, c) in out_runs.iter().zip(&copies) {
+            assert_eq!((r.src, r.dst, r.len), (c.src, c.dst, c.len));
+        }
+    }
+}

@@ -1,0 +1,470 @@
+//! The peer-mapped path in the engine: which VRAM regions are exported for
+//! mapping, which remote regions can be mapped, and the routing rule that
+//! sends a transfer through one kernel instead of the bounce arena.
+//!
+//! A transfer takes this path when both engines run on one host (same boot
+//! id), every descriptor is VRAM on both sides, the local descriptors lie on
+//! one GPU, every remote descriptor lies in an allocation the peer exported
+//! and this process could map, and the routing gates of the bounce path
+//! (descriptor count, average size) pass. Anything else takes the bounce
+//! path or UCX, exactly as before. See docs/design.md §3.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nixl_sys::Agent;
+
+use super::conn_info::PeerExport;
+use super::{MemKind, Op};
+use crate::config::Config;
+use crate::copy::cuda::CudaRuntime;
+use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
+
+/// Streams per device for peer-mapped copies.
+const STREAMS_PER_DEVICE: usize = 4;
+
+/// What the peer-mapped routing rule looks at (pure, for tests).
+#[derive(Debug, Clone, Copy)]
+pub struct GateInput {
+    pub local: MemKind,
+    pub remote: MemKind,
+    pub descriptors: u64,
+    pub bytes: u64,
+    pub local_transfer: bool,
+}
+
+/// Why a transfer does not take the peer-mapped path (before any mapping is
+/// looked at).
+pub fn gate(cfg: &Config, g: &GateInput) -> Result<(), &'static str> {
+    if !cfg.enabled || !cfg.enable_peer_map {
+        return Err("peer mapping disabled");
+    }
+    if g.local_transfer {
+        return Err("a transfer within one agent");
+    }
+    if g.local != MemKind::Vram || g.remote != MemKind::Vram {
+        return Err("not VRAM on both sides");
+    }
+    if g.descriptors < cfg.min_descriptor_count.max(1) {
+        return Err("too few descriptors");
+    }
+    if g.bytes > cfg.max_average_descriptor_size_bytes.saturating_mul(g.descriptors) {
+        return Err("descriptors too large");
+    }
+    Ok(())
+}
+
+/// A peer's exported allocation, shared by every loaded region in it; holds
+/// this process's mappings of it (one per local GPU that copies to or from
+/// it). Dropped, with its mappings, when the last such region is unloaded.
+#[derive(Debug)]
+pub struct RemoteAlloc {
+    pub export: PeerExport,
+    same_process: bool,
+    mappings: Mutex<HashMap<usize, Result<Arc<PeerMapping>, String>>>,
+}
+
+impl RemoteAlloc {
+    /// The mapping for copies on `copier`'s device, opened at first use (a
+    /// failure is remembered and not retried for this allocation).
+    fn mapping(&self, copier: &Arc<PeerCopier>) -> Result<Arc<PeerMapping>, String> {
+        let dev = copier.device().ordinal();
+        let mut map = self.mappings.lock().expect("mappings lock");
+        map.entry(dev)
+            .or_insert_with(|| {
+                let e = &self.export;
+                PeerMapping::open(
+                    copier,
+                    &e.device_uuid,
+                    e.alloc_base,
+                    e.alloc_len,
+                    &e.ipc_handle,
+                    self.same_process,
+                )
+                .map(Arc::new)
+            })
+            .clone()
+    }
+}
+
+/// A transfer on the peer-mapped path, made when the request is prepared.
+pub struct PeerXfer {
+    pub table: peer::PeerTable,
+    /// The mappings the table's addresses point into: open while the request
+    /// lives (and, once it is gone, until its last copy ended: see
+    /// `PeerMapping`'s drop).
+    pub _mappings: Vec<Arc<PeerMapping>>,
+    pub launch: Option<Arc<PeerLaunch>>,
+    pub reported: bool,
+    pub peer_inner: String,
+}
+
+/// The engine's peer-mapping state.
+pub struct PeerMaps {
+    identity: Option<Identity>,
+    copiers: Mutex<HashMap<usize, Result<Arc<PeerCopier>, String>>>,
+    allocs: Mutex<HashMap<PeerExport, Weak<RemoteAlloc>>>,
+    notifier: Mutex<Option<Notifier>>,
+}
+
+impl std::fmt::Debug for PeerMaps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerMaps")
+            .field("identity", &self.identity.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerMaps {
+    pub fn new(cfg: &Config) -> Self {
+        let identity = if cfg.enabled && cfg.enable_peer_map {
+            peer::identity()
+        } else {
+            None
+        };
+        PeerMaps {
+            identity,
+            copiers: Mutex::new(HashMap::new()),
+            allocs: Mutex::new(HashMap::new()),
+            notifier: Mutex::new(None),
+        }
+    }
+
+    /// What to publish for a VRAM region registered on `device` at `addr`
+    /// (`len` bytes), if it can be mapped by peers. Errors are the reason
+    /// it cannot (logged by the caller, not fatal).
+    pub fn export(&self, device: u64, addr: u64, len: u64) -> Result<PeerExport, String> {
+        let id = self
+            .identity
+            .ok_or("peer mapping is off, or this host cannot be identified")?;
+        let cuda = CudaRuntime::probe()?;
+        let dev = cuda.device(device as usize)?;
+        let (alloc_base, alloc_len, ipc_handle, device_uuid) =
+            peer::export_allocation(&dev, addr)?;
+        let export = PeerExport {
+            host: id.host,
+            process: id.process,
+            device_uuid,
+            alloc_base,
+            alloc_len,
+            ipc_handle,
+        };
+        if !export.covers(addr, len) {
+            return Err(format!(
+                "the region ({len} bytes at {addr:#x}) does not lie inside one allocation"
+            ));
+        }
+        Ok(export)
+    }
+
+    /// The shared handle of a peer's exported allocation holding the region
+    /// `[addr, addr + len)`, when it can be used from here: the peer is on
+    /// this host and the region lies inside the allocation. `None` means
+    /// the region is served by the bounce path or UCX.
+    pub fn remote(&self, export: &PeerExport, addr: u64, len: u64) -> Option<Arc<RemoteAlloc>> {
+        let id = self.identity?;
+        if export.host != id.host {
+            return None;
+        }
+        if !export.covers(addr, len) {
+            tracing::warn!(
+                addr,
+                len,
+                "a peer's region lies outside the allocation it exported; not mapped"
+            );
+            return None;
+        }
+        let mut allocs = self.allocs.lock().expect("allocs lock");
+        allocs.retain(|_, w| w.strong_count() > 0);
+        if let Some(a) = allocs.get(export).and_then(Weak::upgrade) {
+            return Some(a);
+        }
+        let a = Arc::new(RemoteAlloc {
+            export: *export,
+            same_process: export.process == id.process,
+            mappings: Mutex::new(HashMap::new()),
+        });
+        allocs.insert(*export, Arc::downgrade(&a));
+        Some(a)
+    }
+
+    fn copier(&self, device: usize) -> Result<Arc<PeerCopier>, String> {
+        let mut map = self.copiers.lock().expect("copiers lock");
+        map.entry(device)
+            .or_insert_with(|| {
+                let cuda = CudaRuntime::probe()?;
+                PeerCopier::new(cuda.device(device)?, STREAMS_PER_DEVICE)
+            })
+            .clone()
+    }
+
+    /// Plans a peer-mapped transfer: `pairs` are (local address, remote
+    /// address, length, the remote region's allocation) per descriptor, the
+    /// local ones on `device`. Err: why it cannot take this path.
+    pub fn prepare(
+        &self,
+        op: Op,
+        device: usize,
+        pairs: impl Iterator<Item = (u64, u64, u64, Arc<RemoteAlloc>)>,
+        peer_inner: String,
+    ) -> Result<PeerXfer, String> {
+        let copier = self.copier(device)?;
+        let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
+        let mut last: Option<(*const RemoteAlloc, Arc<PeerMapping>)> = None;
+        let mut copies = Vec::new();
+        for (local, remote, len, alloc) in pairs {
+            // Consecutive descriptors usually share an allocation.
+            let mapping = match &last {
+                Some((p, m)) if std::ptr::eq(*p, Arc::as_ptr(&alloc)) => m.clone(),
+                _ => {
+                    let m = alloc.mapping(&copier)?;
+                    if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                        mappings.push(m.clone());
+                    }
+                    last = Some((Arc::as_ptr(&alloc), m.clone()));
+                    m
+                }
+            };
+            let e = &alloc.export;
+            if !e.covers(remote, len) {
+                return Err(format!(
+                    "remote descriptor ({len} bytes at {remote:#x}) lies outside the peer's allocation"
+                ));
+            }
+            let mapped = mapping
+                .address(remote - e.alloc_base)
+                .ok_or("remote descriptor outside the mapping")?;
+            copies.push(match op {
+                Op::Write => PeerCopy {
+                    src: local,
+                    dst: mapped,
+                    len,
+                },
+                Op::Read => PeerCopy {
+                    src: mapped,
+                    dst: local,
+                    len,
+                },
+            });
+        }
+        let table = copier.prepare(&copies)?;
+        Ok(PeerXfer {
+            table,
+            _mappings: mappings,
+            launch: None,
+            reported: false,
+            peer_inner,
+        })
+    }
+
+    /// Sends `message` to `peer_inner` through `inner` once `launch` ended
+    /// (unless the request was released first). A thread of the engine does
+    /// it, so the notification leaves even if the application never polls
+    /// the request.
+    pub fn notify_after(
+        &self,
+        inner: &Agent,
+        launch: Arc<PeerLaunch>,
+        peer_inner: String,
+        message: Vec<u8>,
+    ) -> Result<(), String> {
+        let mut slot = self.notifier.lock().expect("notifier lock");
+        if slot.is_none() {
+            *slot = Some(Notifier::start(inner.clone())?);
+        }
+        let n = slot.as_ref().expect("started above");
+        n.tx.send(Pending {
+            launch,
+            peer_inner,
+            message,
+        })
+        .map_err(|_| "the peer-map notifier has stopped".to_string())
+    }
+}
+
+impl Drop for PeerMaps {
+    fn drop(&mut self) {
+        if let Some(n) = self.notifier.get_mut().ok().and_then(Option::take) {
+            n.stop();
+        }
+    }
+}
+
+struct Pending {
+    launch: Arc<PeerLaunch>,
+    peer_inner: String,
+    message: Vec<u8>,
+}
+
+/// The thread that sends notifications of peer-mapped transfers after their
+/// copies ended, in posting order.
+struct Notifier {
+    tx: mpsc::Sender<Pending>,
+    thread: JoinHandle<()>,
+}
+
+impl Notifier {
+    fn start(inner: Agent) -> Result<Self, String> {
+        let (tx, rx) = mpsc::channel::<Pending>();
+        let thread = std::thread::Builder::new()
+            .name("bounce-peer-notify".into())
+            .spawn(move || {
+                for p in rx {
+                    let ended = loop {
+                        match p.launch.poll() {
+                            None => std::thread::sleep(Duration::from_micros(20)),
+                            Some(r) => break r,
+                        }
+                    };
+                    if let Err(e) = ended {
+                        tracing::warn!("no notification for a failed peer-mapped copy: {e}");
+                        continue;
+                    }
+                    if p.launch.cancelled.load(std::sync::atomic::Ordering::SeqCst) {
+                        continue;
+                    }
+                    if let Err(e) = inner.send_notification(&p.peer_inner, &p.message, None) {
+                        tracing::warn!(peer = %p.peer_inner, "sending a peer-mapped transfer's notification: {e}");
+                    }
+                }
+            })
+            .map_err(|e| format!("starting the peer-map notifier: {e}"))?;
+        Ok(Notifier { tx, thread })
+    }
+
+    /// Sends what is queued (each after its copy) and ends the thread.
+    fn stop(self) {
+        drop(self.tx);
+        let _ = self.thread.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input() -> GateInput {
+        GateInput {
+            local: MemKind::Vram,
+            remote: MemKind::Vram,
+            descriptors: 4096,
+            bytes: 4096 * 4096,
+            local_transfer: false,
+        }
+    }
+
+    #[test]
+    fn vram_transfers_with_many_small_descriptors_pass() {
+        assert_eq!(gate(&Config::default(), &input()), Ok(()));
+    }
+
+    #[test]
+    fn each_gate_says_why() {
+        let cfg = Config::default();
+        let off = Config {
+            enable_peer_map: false,
+            ..Config::default()
+        };
+        assert_eq!(gate(&off, &input()), Err("peer mapping disabled"));
+        let master_off = Config {
+            enabled: false,
+            ..Config::default()
+        };
+        assert_eq!(gate(&master_off, &input()), Err("peer mapping disabled"));
+        for (g, why) in [
+            (
+                GateInput {
+                    local_transfer: true,
+                    ..input()
+                },
+                "a transfer within one agent",
+            ),
+            (
+                GateInput {
+                    local: MemKind::Dram,
+                    ..input()
+                },
+                "not VRAM on both sides",
+            ),
+            (
+                GateInput {
+                    remote: MemKind::Dram,
+                    ..input()
+                },
+                "not VRAM on both sides",
+            ),
+            (
+                GateInput {
+                    descriptors: 10,
+                    bytes: 40960,
+                    ..input()
+                },
+                "too few descriptors",
+            ),
+            (
+                GateInput {
+                    bytes: 4096 * (1 << 20),
+                    ..input()
+                },
+                "descriptors too large",
+            ),
+        ] {
+            assert_eq!(gate(&cfg, &g), Err(why));
+        }
+    }
+
+    #[test]
+    fn remote_regions_of_other_hosts_or_outside_the_allocation_are_not_mapped() {
+        let maps = PeerMaps::new(&Config::default());
+        let id = peer::identity().expect("boot id");
+        let export = PeerExport {
+            host: id.host,
+            process: [9; 16],
+            device_uuid: [1; 16],
+            alloc_base: 1 << 40,
+            alloc_len: 1 << 30,
+            ipc_handle: [0; 64],
+        };
+        let a = maps.remote(&export, 1 << 40, 4096).expect("same host");
+        let b = maps.remote(&export, (1 << 40) + 8192, 4096).expect("same host");
+        assert!(Arc::ptr_eq(&a, &b), "one handle per allocation");
+        assert!(!a.same_process);
+        assert!(maps.remote(&export, (1 << 40) + (1 << 30), 1).is_none());
+        let other_host = PeerExport {
+            host: [0xee; 16],
+            ..export
+        };
+        assert!(maps.remote(&other_host, 1 << 40, 4096).is_none());
+        let mine = PeerExport {
+            process: id.process,
+            ..export
+        };
+        assert!(maps.remote(&mine, 1 << 40, 4096).unwrap().same_process);
+        drop((a, b));
+        // The last region gone, the allocation is forgotten.
+        assert!(maps.remote(&export, 1 << 40, 4096).is_some());
+        assert_eq!(maps.allocs.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn nothing_is_exported_when_peer_mapping_is_off() {
+        let maps = PeerMaps::new(&Config {
+            enable_peer_map: false,
+            ..Config::default()
+        });
+        assert!(maps.export(0, 4096, 4096).unwrap_err().contains("off"));
+        let id = peer::identity().expect("boot id");
+        let export = PeerExport {
+            host: id.host,
+            process: id.process,
+            device_uuid: [1; 16],
+            alloc_base: 4096,
+            alloc_len: 4096,
+            ipc_handle: [0; 64],
+        };
+        assert!(maps.remote(&export, 4096, 4096).is_none());
+    }
+}
