@@ -47,8 +47,10 @@ if [[ "$mode" == bounce ]]; then
     # breakdown, no UCX runs; then the byte-exact test so speed never hides
     # a wrong result.
     run bench-bounce "$v" bench --backend BOUNCE --label BOUNCE --iters 20 --json "$out/bench-bounce.json"
+    run bench-arena "$v" bench --backend BOUNCE --label BOUNCE-arena --param enable_peer_map=false --iters 20 \
+        --json "$out/bench-arena.json"
     run vram-test "$v" test
-    grep -E "x |per request|phase|passed|FAILED" "$out/bench-bounce.log" "$out/vram-test.log"
+    grep -E "x |per request|phase|passed|FAILED" "$out/bench-bounce.log" "$out/bench-arena.log" "$out/vram-test.log"
     exit $status
 fi
 if [[ "$mode" == perf ]]; then
@@ -70,12 +72,15 @@ for t in "$nb"/bin/gpu_*; do
     [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
 done
 if [[ -x "$v" ]]; then
-    # Two-process VRAM WRITEs through the plugin, byte-exact (1, 1024, 16384 x
-    # 4 KiB, mixed sizes, 8 concurrent threads).
+    # Two-process VRAM WRITEs and READs through the plugin, byte-exact (1,
+    # 1024, 16384 x 4 KiB, mixed sizes, 8 concurrent threads): the
+    # peer-mapped path (the default on one host), then the bounce path.
     run vram-test "$v" test
-    run vram-test-notif "$v" test --param use_nixl_notifications=true
+    run vram-test-arena "$v" test --param enable_peer_map=false
+    run vram-test-notif "$v" test --param enable_peer_map=false --param use_nixl_notifications=true
     # A request larger than the arena streams through it.
-    run vram-test-small-arena "$v" test --param arena_size_bytes=16MiB --param max_chunk_size_bytes=2MiB
+    run vram-test-small-arena "$v" test --param enable_peer_map=false --param arena_size_bytes=16MiB \
+        --param max_chunk_size_bytes=2MiB
     # VRAM bounce disabled on the target: transfers fall back to UCX at once.
     run vram-test-fallback "$v" test --target-param enable=false --expect-fallback
     # Cancel during gather / write / scatter, the target killed mid-transfer:
@@ -83,12 +88,16 @@ if [[ -x "$v" ]]; then
     run vram-faults "$v" faults --buffer 268435456
     iters=20; [[ "$mode" == full ]] && iters=50
     run bench-bounce "$v" bench --backend BOUNCE --label BOUNCE --iters $iters --json "$out/bench-bounce.json"
+    run bench-arena "$v" bench --backend BOUNCE --label BOUNCE-arena --param enable_peer_map=false --iters $iters \
+        --json "$out/bench-arena.json"
     run bench-ucx-default "$v" bench --backend UCX --label UCX-default --iters $iters --json "$out/bench-ucx-default.json"
     NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best "$v" bench --backend UCX --label UCX-best --param num_threads=8 \
         --iters $iters --json "$out/bench-ucx-best.json"
     # The same three for READ (the initiator reads the target's buffer).
     run bench-bounce-read "$v" bench --op read --backend BOUNCE --label BOUNCE-read --iters $iters \
         --json "$out/bench-bounce-read.json"
+    run bench-arena-read "$v" bench --op read --backend BOUNCE --label BOUNCE-arena-read \
+        --param enable_peer_map=false --iters $iters --json "$out/bench-arena-read.json"
     run bench-ucx-read "$v" bench --op read --backend UCX --label UCX-default-read --iters $iters \
         --json "$out/bench-ucx-default-read.json"
     NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best-read "$v" bench --op read --backend UCX --label UCX-best-read \

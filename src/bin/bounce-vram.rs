@@ -16,6 +16,12 @@
 //!                     target is the data owner)
 //!   bounce-vram faults [--device N] [--target-device N] [--param K=V]...
 //!
+//! Same-host peers take the peer-mapped path by default (one kernel through
+//! a CUDA IPC mapping of the target's buffer); `--param
+//! enable_peer_map=false` tests and measures the bounce path instead. Each
+//! case checks from the counters which path carried it (`peer`, `bounce`
+//! or `ucx`).
+//!
 //! `faults` runs the fault drills with VRAM arenas on both sides (2 MiB
 //! chunks, 16 MiB arenas unless given): a WRITE released during gather,
 //! write and scatter (stages held by failpoints), and the target killed
@@ -194,6 +200,35 @@ fn plugin_counters(name: &str) -> BTreeMap<String, u64> {
     nixl_bounce::stats::plugin_stats(name)
         .map(|s| s.counters)
         .unwrap_or_default()
+}
+
+/// Which path carried the requests counted between two snapshots of the
+/// initiator's counters (and, for the bounce path's READ, the owner's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Path {
+    Peer,
+    Bounce,
+    Ucx,
+}
+
+impl Path {
+    fn of(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> Path {
+        if since(after, before, "peer_map_succeeded") > 0 {
+            Path::Peer
+        } else if since(after, before, "bounce_succeeded") > 0 {
+            Path::Bounce
+        } else {
+            Path::Ucx
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Path::Peer => "peer",
+            Path::Bounce => "bounce",
+            Path::Ucx => "ucx",
+        }
+    }
 }
 
 // ---- the target process --------------------------------------------------------
@@ -547,7 +582,6 @@ fn run_tests(args: &Args) -> bool {
             println!("test {name} ... FAILED: {e}");
         }
     };
-    let bounce = args.backend == "BOUNCE";
     match Initiator::new(args) {
         Err(e) => check("setup", Err(e)),
         Ok(mut init) => {
@@ -572,9 +606,9 @@ fn run_tests(args: &Args) -> bool {
                     let r = concurrent(&mut init, args);
                     check("concurrent_threads", r);
                 }
-                // A WRITE of one descriptor stays below the bounce threshold.
-                let want_bounce = bounce && !args.expect_fallback && n >= 1024;
-                let r = checked_case(&mut init, op, n, size, mixed, want_bounce, args);
+                // A WRITE of one descriptor stays below the routing gate.
+                let want = if n >= 1024 { args.expected_path() } else { Path::Ucx };
+                let r = checked_case(&mut init, op, n, size, mixed, want, args);
                 let name = match op {
                     XferOp::Read => "read",
                     _ => "write",
@@ -591,15 +625,16 @@ fn run_tests(args: &Args) -> bool {
 }
 
 /// One byte-exact WRITE or READ of `n` x `size` (a fresh random plan), and
-/// whether it took the path expected: the bounce path on both sides (for a
-/// READ the owner must have served it) or UCX.
+/// whether it took the path expected: the peer-mapped path (the target's
+/// bounce path untouched), the bounce path on both sides (for a READ the
+/// owner must have served it) or UCX.
 fn checked_case(
     init: &mut Initiator,
     op: XferOp,
     n: usize,
     size: usize,
     mixed: bool,
-    want_bounce: bool,
+    want: Path,
     args: &Args,
 ) -> Result<String, String> {
     let before = plugin_counters(&init.name);
@@ -610,22 +645,24 @@ fn checked_case(
     };
     let after = plugin_counters(&init.name);
     let served = target_counters(&mut init.target);
+    let path = Path::of(&before, &after);
+    let peer = since(&after, &before, "peer_map_succeeded");
     let bounced = since(&after, &before, "bounce_succeeded");
     let owner_served = since(&served, &served_before, "reads_served");
-    let took_bounce = bounced == 1 && (op != XferOp::Read || owner_served == 1);
-    if want_bounce && !took_bounce {
+    let target_scattered = since(&served, &served_before, "chunks_scattered");
+    let exact = match path {
+        Path::Peer => peer == 1 && bounced == 0 && owner_served == 0 && target_scattered == 0,
+        Path::Bounce => bounced == 1 && (op != XferOp::Read || owner_served == 1),
+        Path::Ucx => true,
+    };
+    if path != want || !exact {
         return Err(format!(
-            "expected the bounce path: initiator {after:?}, target {served:?}"
+            "expected the {} path, took {}: initiator {after:?}, target {served:?}",
+            want.name(),
+            path.name()
         ));
     }
-    if !want_bounce && bounced != 0 {
-        return Err(format!("expected the UCX path, but the {op:?} bounced"));
-    }
-    Ok(format!(
-        "({:.3} ms, {})",
-        dt.as_secs_f64() * 1e3,
-        if bounced == 1 { "bounce" } else { "ucx" }
-    ))
+    Ok(format!("({:.3} ms, {})", dt.as_secs_f64() * 1e3, path.name()))
 }
 
 // ---- fault drills --------------------------------------------------------------
@@ -856,10 +893,22 @@ fn concurrent(init: &mut Initiator, args: &Args) -> Result<String, String> {
         "CHECK {threads} {n} {size} {per} {seed} {sseed} {dseed} 0"
     ))?;
     let after = plugin_counters(&init.name);
-    let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
-        - before.get("bounce_succeeded").copied().unwrap_or(0);
+    let peer = since(&after, &before, "peer_map_succeeded");
+    let bounced = since(&after, &before, "bounce_succeeded");
+    let want = args.expected_path();
+    let carried = match want {
+        Path::Peer => peer,
+        Path::Bounce => bounced,
+        Path::Ucx => threads as u64 - peer - bounced,
+    };
+    if carried != threads as u64 {
+        return Err(format!(
+            "expected the {} path for all {threads}: {peer} peer-mapped, {bounced} bounced",
+            want.name()
+        ));
+    }
     Ok(format!(
-        "({threads} threads x {n} x 4 KiB in {:.3} ms, {bounced} bounced)",
+        "({threads} threads x {n} x 4 KiB in {:.3} ms, {peer} peer-mapped, {bounced} bounced)",
         dt.as_secs_f64() * 1e3
     ))
 }
@@ -876,7 +925,11 @@ struct Row {
     p90_ms: f64,
     p99_ms: f64,
     gbps: f64,
+    /// Accelerated (peer-mapped or bounce), as older JSON files say.
     bounce_path: bool,
+    path: Path,
+    /// Median time to prepare the request (`createXferReq`), not in p50.
+    prep_p50_ms: f64,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -906,20 +959,24 @@ fn run_bench(args: &Args) -> bool {
             let before = plugin_counters(&init.name);
             let target_before = target_counters(&mut init.target);
             let mut times = Vec::new();
+            let mut preps = Vec::new();
             for _ in 0..args.iters {
+                let t0 = Instant::now();
                 let req = init
                     .request_op(args.op, &p, None)
                     .unwrap_or_else(|e| die(e));
+                preps.push(t0.elapsed().as_secs_f64() * 1e3);
                 let dt = post_and_wait(&init.agent, &req).unwrap_or_else(|e| die(e));
                 times.push(dt.as_secs_f64() * 1e3);
             }
+            preps.sort_by(f64::total_cmp);
             let after = plugin_counters(&init.name);
             let target_after = target_counters(&mut init.target);
             times.sort_by(f64::total_cmp);
             let p50 = percentile(&times, 0.5);
             let bytes = (n * size) as f64;
-            let bounced = after.get("bounce_succeeded").copied().unwrap_or(0)
-                > before.get("bounce_succeeded").copied().unwrap_or(0);
+            let path = Path::of(&before, &after);
+            let bounced = path == Path::Bounce;
             rows.push(Row {
                 label: args.label.clone(),
                 backend: args.backend.clone(),
@@ -931,7 +988,9 @@ fn run_bench(args: &Args) -> bool {
                 p90_ms: percentile(&times, 0.9),
                 p99_ms: percentile(&times, 0.99),
                 gbps: bytes / (p50 * 1e-3) / 1e9,
-                bounce_path: bounced,
+                bounce_path: path != Path::Ucx,
+                path,
+                prep_p50_ms: percentile(&preps, 0.5),
             });
             print_row(rows.last().expect("row"));
             if bounced {
@@ -971,6 +1030,7 @@ fn run_bench(args: &Args) -> bool {
                 .map(|i| plan(n, size, per, i * per * size, 7000 + i as u64, false))
                 .collect();
             for round in 0..3 {
+                let before = plugin_counters(&init.name);
                 let reqs: Vec<XferRequest> = plans
                     .iter()
                     .map(|p| init.request_op(args.op, p, None).unwrap_or_else(|e| die(e)))
@@ -997,6 +1057,7 @@ fn run_bench(args: &Args) -> bool {
                     }
                 }
                 let wall = t0.elapsed().as_secs_f64() * 1e3;
+                let path = Path::of(&before, &plugin_counters(&init.name));
                 let mut times: Vec<f64> = done.into_iter().flatten().collect();
                 times.sort_by(f64::total_cmp);
                 if round == 2 {
@@ -1011,7 +1072,9 @@ fn run_bench(args: &Args) -> bool {
                         p90_ms: percentile(&times, 0.9),
                         p99_ms: percentile(&times, 0.99),
                         gbps: (args.concurrent * n * size) as f64 / (wall * 1e-3) / 1e9,
-                        bounce_path: args.backend == "BOUNCE",
+                        bounce_path: path != Path::Ucx,
+                        path,
+                        prep_p50_ms: f64::NAN,
                     });
                     print_row(rows.last().expect("row"));
                 }
@@ -1104,7 +1167,7 @@ fn print_breakdown(
 
 fn print_row(r: &Row) {
     println!(
-        "{:<14} {:>6} x {:>6} B  inflight {:>4}  p50 {:>9.3} ms  p90 {:>9.3}  p99 {:>9.3}  {:>8.2} GB/s  {}",
+        "{:<14} {:>6} x {:>6} B  inflight {:>4}  p50 {:>9.3} ms  p90 {:>9.3}  p99 {:>9.3}  {:>8.2} GB/s  {}  (prepare p50 {:.3} ms)",
         r.label,
         r.descriptors,
         r.size,
@@ -1113,7 +1176,8 @@ fn print_row(r: &Row) {
         r.p90_ms,
         r.p99_ms,
         r.gbps,
-        if r.bounce_path { "bounce" } else { "ucx" }
+        r.path.name(),
+        r.prep_p50_ms,
     );
 }
 
@@ -1210,11 +1274,13 @@ impl Args {
             a.params.retain(|(k, _)| k != "control_bind_loopback");
         }
         if a.command == "faults" {
-            // Small chunks and arenas: a drill's WRITE is 32 chunks, running
-            // when the fault hits.
+            // The drills hold the bounce path's stages (so not the
+            // peer-mapped path); small chunks and arenas: a drill's WRITE is
+            // 32 chunks, running when the fault hits.
             for (k, v) in [
                 ("max_chunk_size_bytes", "2MiB"),
                 ("arena_size_bytes", "16MiB"),
+                ("enable_peer_map", "false"),
             ] {
                 if !a.params.iter().any(|(key, _)| key == k) {
                     a.params.push((k.into(), v.into()));
@@ -1225,6 +1291,26 @@ impl Args {
             a.label = a.backend.clone();
         }
         a
+    }
+
+    /// The path an eligible transfer should take with these parameters.
+    fn expected_path(&self) -> Path {
+        let off = |list: &[(String, String)], key: &str| {
+            list.iter()
+                .any(|(k, v)| k == key && matches!(v.as_str(), "false" | "0" | "off" | "no"))
+        };
+        if self.backend != "BOUNCE"
+            || self.expect_fallback
+            || off(&self.params, "enable")
+            || off(&self.target_params, "enable")
+        {
+            Path::Ucx
+        } else if off(&self.params, "enable_peer_map") || off(&self.target_params, "enable_peer_map")
+        {
+            Path::Bounce
+        } else {
+            Path::Peer
+        }
     }
 
     /// The usable arena capacity these parameters give.

@@ -421,7 +421,12 @@ impl PeerLaunch {
         if let Some(f) = self.failure.lock().ok()?.as_ref() {
             return Some(Err(f.clone()));
         }
-        match self.event.try_is_complete() {
+        let queried = self
+            .event
+            .context()
+            .bind_to_thread()
+            .and_then(|_| self.event.try_is_complete());
+        match queried {
             Ok(false) => None,
             Ok(true) => Some(Ok(())),
             Err(e) => {

@@ -1,0 +1,251 @@
+//! The peer-mapped path with two BOUNCE agents in one process (needs a GPU;
+//! prints `SKIP: ...` and passes elsewhere). In one process the peer's
+//! memory is used at its own address; two processes (CUDA IPC) are covered
+//! by `bounce-vram test` (docs/gpu.md).
+//!
+//! - WRITE and READ of 1024 and 16,384 scattered 4 KiB blocks, byte-exact
+//!   over the whole buffers, counted as peer-mapped on the initiator and
+//!   never seen by the target's bounce path;
+//! - a WRITE with a notification: the target checks its destination the
+//!   moment the notification arrives, without the initiator polling first;
+//! - `enable_peer_map=false` on the target: the region is not exported and
+//!   the WRITE takes the bounce path instead;
+//! - a release while the copy runs: no notification, nothing outside the
+//!   destinations touched, the next WRITE byte-exact.
+//!
+//! Run: `cargo test --release --test gpu_peer_map -- --nocapture`.
+#[path = "support/bounce.rs"]
+mod bounce;
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bounce::{stats, take_notifs};
+use common::*;
+use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
+use nixl_bounce::dataplane::vram::DeviceArena;
+use nixl_sys::{OptArgs, RegistrationHandle, XferOp};
+
+const BLOCK: usize = 4096;
+
+fn device() -> Option<Arc<CudaDevice>> {
+    match CudaRuntime::probe().and_then(|rt| rt.device(0)) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("SKIP: no CUDA driver or device ({e})");
+            None
+        }
+    }
+}
+
+/// An agent with a VRAM buffer registered with BOUNCE.
+struct Side {
+    node: Node,
+    buf: DeviceArena,
+    _reg: RegistrationHandle,
+}
+
+impl Side {
+    fn new(dev: &CudaDevice, prefix: &str, len: usize, extra: &[(&str, &str)]) -> Side {
+        let mut params = vec![("control_bind_loopback", "true")];
+        params.extend_from_slice(extra);
+        let node = Node::new(&unique_name(prefix), "BOUNCE", &params).or_fail("agent");
+        let buf = DeviceArena::new(dev, len).or_fail("device buffer");
+        let mut opt = OptArgs::new().expect("opt args");
+        opt.add_backend(&node.backend).expect("backend");
+        let reg = node
+            .agent
+            .register_memory(&buf, Some(&opt))
+            .map_err(|e| format!("{e}"))
+            .or_fail("register VRAM");
+        Side {
+            node,
+            buf,
+            _reg: reg,
+        }
+    }
+    fn name(&self) -> &str {
+        &self.node.name
+    }
+    fn fill(&self, seed: u64) -> Vec<u8> {
+        let data = pattern(self.buf.len(), seed);
+        self.buf.write(0, &data).or_fail("fill");
+        data
+    }
+    fn contents(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.buf.len()];
+        self.buf.read(0, &mut v).or_fail("read back");
+        v
+    }
+}
+
+fn pair(dev: &CudaDevice, n: usize, target_extra: &[(&str, &str)]) -> (Side, Side) {
+    let len = blocks_for(n) * BLOCK;
+    let a = Side::new(dev, "pm-init", len, &[]);
+    let b = Side::new(dev, "pm-target", len, target_extra);
+    a.node
+        .load_md(&b.node.local_md().or_fail("target md"))
+        .or_fail("load target md");
+    b.node
+        .load_md(&a.node.local_md().or_fail("initiator md"))
+        .or_fail("load initiator md");
+    (a, b)
+}
+
+/// One byte-exact transfer of `plan` between the two buffers; returns the
+/// path the initiator's counters show ("peer", "bounce" or "ucx").
+fn checked(op: XferOp, a: &Side, b: &Side, plan: &Plan, seed: u64) -> &'static str {
+    // Source and destination buffers of the plan.
+    let (src, dst) = match op {
+        XferOp::Write => (a, b),
+        _ => (b, a),
+    };
+    let src_data = src.fill(seed);
+    let dst_before = dst.fill(seed + 1);
+    let before = stats(a.name());
+    let req = a
+        .node
+        .create_xfer(op, plan, a.buf.base() as usize, b.buf.base() as usize, b.name(), None)
+        .or_fail("prepare");
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("transfer");
+    drop(req);
+    plan.verify(&dst.contents(), &dst_before, &src_data)
+        .or_fail("destination");
+    verify_bytes(&src.contents(), &src_data, |_| "source".into()).or_fail("source changed");
+    let after = stats(a.name());
+    match (
+        after.since(&before, "peer_map_succeeded"),
+        after.since(&before, "bounce_succeeded"),
+    ) {
+        (1, 0) => "peer",
+        (0, 1) => "bounce",
+        (0, 0) => "ucx",
+        other => panic!("counted on two paths: {other:?}"),
+    }
+}
+
+#[test]
+#[serial_test::serial]
+fn writes_and_reads_are_one_kernel_through_the_mapping() {
+    let Some(dev) = device() else { return };
+    if !ready("BOUNCE") {
+        return;
+    }
+    for n in [1024, 16384] {
+        let (a, b) = pair(&dev, n, &[]);
+        let target_before = stats(b.name());
+        for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
+            let plan = Plan::standard(n, BLOCK, 40 + n as u64 + i as u64);
+            let path = checked(op, &a, &b, &plan, 7 * n as u64 + i as u64);
+            assert_eq!(path, "peer", "{op:?} of {n} x 4 KiB");
+        }
+        let target_after = stats(b.name());
+        for k in ["chunks_scattered", "reads_served", "bounce_succeeded"] {
+            assert_eq!(target_after.since(&target_before, k), 0, "target {k}");
+        }
+        println!("{n} x 4 KiB: WRITE and READ peer-mapped, byte-exact");
+    }
+}
+
+#[test]
+#[serial_test::serial]
+fn the_notification_means_the_data_is_there() {
+    let Some(dev) = device() else { return };
+    if !ready("BOUNCE") {
+        return;
+    }
+    let n = 4096;
+    let (a, b) = pair(&dev, n, &[]);
+    let plan = Plan::standard(n, BLOCK, 77);
+    let src = a.fill(1);
+    let dst_before = b.fill(2);
+    let req = a
+        .node
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            a.buf.base() as usize,
+            b.buf.base() as usize,
+            b.name(),
+            Some(b"peer-done"),
+        )
+        .or_fail("prepare");
+    let before = stats(a.name());
+    a.node.agent.post_xfer_req(&req, None).expect("post");
+    // The initiator does not poll: the notification must still come.
+    let t0 = Instant::now();
+    let got = loop {
+        let msgs = take_notifs(&b.node).or_fail("notifications");
+        if !msgs.is_empty() {
+            break msgs;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no notification");
+        std::thread::sleep(Duration::from_micros(50));
+    };
+    assert_eq!(got, vec![(a.name().to_string(), b"peer-done".to_vec())]);
+    plan.verify(&b.contents(), &dst_before, &src)
+        .or_fail("destination at notification time");
+    a.node
+        .wait_xfer(&req, Instant::now(), wait_timeout())
+        .or_fail("status");
+    assert_eq!(stats(a.name()).since(&before, "peer_map_succeeded"), 1);
+}
+
+#[test]
+#[serial_test::serial]
+fn a_target_that_turns_peer_mapping_off_gets_the_bounce_path() {
+    let Some(dev) = device() else { return };
+    if !ready("BOUNCE") {
+        return;
+    }
+    let n = 1024;
+    let (a, b) = pair(&dev, n, &[("enable_peer_map", "false")]);
+    let plan = Plan::standard(n, BLOCK, 5);
+    assert_eq!(checked(XferOp::Write, &a, &b, &plan, 11), "bounce");
+}
+
+#[test]
+#[serial_test::serial]
+fn a_release_while_the_copy_runs_sends_nothing_and_harms_nothing() {
+    let Some(dev) = device() else { return };
+    if !ready("BOUNCE") {
+        return;
+    }
+    let n = 16384;
+    let (a, b) = pair(&dev, n, &[]);
+    let plan = Plan::standard(n, BLOCK, 9);
+    let src = a.fill(3);
+    let dst_before = b.fill(4);
+    let before = stats(a.name());
+    for _ in 0..20 {
+        let req = a
+            .node
+            .create_xfer(
+                XferOp::Write,
+                &plan,
+                a.buf.base() as usize,
+                b.buf.base() as usize,
+                b.name(),
+                Some(b"released"),
+            )
+            .or_fail("prepare");
+        a.node.agent.post_xfer_req(&req, None).expect("post");
+        drop(req); // released at once, mostly while the kernel runs
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let after = stats(a.name());
+    let cancelled = after.since(&before, "peer_map_cancelled");
+    let notifs = take_notifs(&b.node).or_fail("notifications").len();
+    // Every request released while running sent nothing; the others did.
+    assert_eq!(notifs as u64 + cancelled, 20, "cancelled {cancelled}, notified {notifs}");
+    // Each copy wrote the same bytes: the destinations hold the source, the
+    // rest is untouched.
+    plan.verify(&b.contents(), &dst_before, &src)
+        .or_fail("destination after released copies");
+    let again = Plan::standard(n, BLOCK, 10);
+    assert_eq!(checked(XferOp::Write, &a, &b, &again, 12), "peer");
+    println!("{cancelled} of 20 released while running");
+}
