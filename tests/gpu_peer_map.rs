@@ -25,7 +25,7 @@ use bounce::{stats, take_notifs};
 use common::*;
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
 use nixl_bounce::dataplane::vram::DeviceArena;
-use nixl_sys::{OptArgs, RegistrationHandle, XferOp};
+use nixl_sys::{MemType, OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest};
 
 const BLOCK: usize = 4096;
 
@@ -80,6 +80,28 @@ impl Side {
     }
 }
 
+/// A VRAM transfer request of `plan` from `a`'s buffer to `b`'s (WRITE) or
+/// back (READ), as `Node::create_xfer` makes for DRAM.
+fn vram_xfer(op: XferOp, plan: &Plan, a: &Side, b: &Side, notif: Option<&[u8]>) -> XferRequest {
+    let (lo, ro) = match op {
+        XferOp::Write => (&plan.src, &plan.dst),
+        _ => (&plan.dst, &plan.src),
+    };
+    let list = |base: u64, offsets: &[usize]| {
+        let mut l = XferDescList::new(MemType::Vram).expect("descriptor list");
+        for o in offsets {
+            l.add_desc(base as usize + o, plan.block, 0);
+        }
+        l
+    };
+    let opt = a.node.opt_args(notif).or_fail("opt args");
+    a.node
+        .agent
+        .create_xfer_req(op, &list(a.buf.base(), lo), &list(b.buf.base(), ro), b.name(), Some(&opt))
+        .map_err(|e| format!("create_xfer_req({op:?}, {} descriptors): {e}", plan.len()))
+        .or_fail("prepare")
+}
+
 fn pair(dev: &CudaDevice, n: usize, target_extra: &[(&str, &str)]) -> (Side, Side) {
     let len = blocks_for(n) * BLOCK;
     let a = Side::new(dev, "pm-init", len, &[]);
@@ -104,10 +126,7 @@ fn checked(op: XferOp, a: &Side, b: &Side, plan: &Plan, seed: u64) -> &'static s
     let src_data = src.fill(seed);
     let dst_before = dst.fill(seed + 1);
     let before = stats(a.name());
-    let req = a
-        .node
-        .create_xfer(op, plan, a.buf.base() as usize, b.buf.base() as usize, b.name(), None)
-        .or_fail("prepare");
+    let req = vram_xfer(op, plan, a, b, None);
     a.node
         .post_and_wait(&req, wait_timeout())
         .or_fail("transfer");
@@ -162,17 +181,7 @@ fn the_notification_means_the_data_is_there() {
     let plan = Plan::standard(n, BLOCK, 77);
     let src = a.fill(1);
     let dst_before = b.fill(2);
-    let req = a
-        .node
-        .create_xfer(
-            XferOp::Write,
-            &plan,
-            a.buf.base() as usize,
-            b.buf.base() as usize,
-            b.name(),
-            Some(b"peer-done"),
-        )
-        .or_fail("prepare");
+    let req = vram_xfer(XferOp::Write, &plan, &a, &b, Some(b"peer-done"));
     let before = stats(a.name());
     a.node.agent.post_xfer_req(&req, None).expect("post");
     // The initiator does not poll: the notification must still come.
@@ -221,17 +230,7 @@ fn a_release_while_the_copy_runs_sends_nothing_and_harms_nothing() {
     let dst_before = b.fill(4);
     let before = stats(a.name());
     for _ in 0..20 {
-        let req = a
-            .node
-            .create_xfer(
-                XferOp::Write,
-                &plan,
-                a.buf.base() as usize,
-                b.buf.base() as usize,
-                b.name(),
-                Some(b"released"),
-            )
-            .or_fail("prepare");
+        let req = vram_xfer(XferOp::Write, &plan, &a, &b, Some(b"released"));
         a.node.agent.post_xfer_req(&req, None).expect("post");
         drop(req); // released at once, mostly while the kernel runs
     }

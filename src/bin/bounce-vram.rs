@@ -993,6 +993,15 @@ fn run_bench(args: &Args) -> bool {
                 prep_p50_ms: percentile(&preps, 0.5),
             });
             print_row(rows.last().expect("row"));
+            if path == Path::Peer {
+                let per = |k: &str| since(&after, &before, k) as f64 / args.iters.max(1) as f64 / 1e6;
+                println!(
+                    "    peer-mapped prepare (in the plugin): {:.3} ms, of it table fill {:.3} ms, upload {:.3} ms",
+                    per("peer_map_prepare_ns"),
+                    per("peer_map_fill_ns"),
+                    per("peer_map_upload_ns"),
+                );
+            }
             if bounced {
                 // The side that gathers and writes: the initiator of a
                 // WRITE, the target (data owner) of a READ.

@@ -24,6 +24,7 @@ use std::ffi::c_void;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
@@ -132,13 +133,34 @@ pub fn export_allocation(
 
 /// Streams of one device for peer-mapped copies, round-robin, plus one
 /// stream for table uploads (so preparing a request never waits behind a
-/// running copy).
+/// running copy), and a memory pool of its own for the tables: it keeps
+/// freed memory for the next table (the device's default pool returns it to
+/// the system at every synchronisation, and its settings are the
+/// application's).
 pub struct PeerCopier {
     device: Arc<CudaDevice>,
     kernel: Arc<CopyKernel>,
     streams: Vec<Arc<CudaStream>>,
     upload: Arc<CudaStream>,
+    pool: sys::CUmemoryPool,
     next: AtomicUsize,
+}
+
+// SAFETY: `pool` is a driver handle, usable from any thread; everything
+// else is Send + Sync already.
+unsafe impl Send for PeerCopier {}
+// SAFETY: as above; the driver serialises use of the pool.
+unsafe impl Sync for PeerCopier {}
+
+impl Drop for PeerCopier {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: the pool was created in `new`; tables hold an Arc of
+            // this copier, so every table was freed (stream-ordered) before.
+            // The driver releases the pool once those frees completed.
+            let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        }
+    }
 }
 
 impl std::fmt::Debug for PeerCopier {
@@ -161,11 +183,38 @@ impl PeerCopier {
         let streams = (0..streams.max(1))
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: all-zero is a valid CUmemPoolProps (no handle types, no
+        // size limit); the fields that matter are set below.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device.ordinal() as i32,
+        };
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: out pointer and a fully initialised props struct.
+        unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
+            .result()
+            .map_err(|e| format!("cuMemPoolCreate for peer-copy tables: {e}"))?;
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: the attribute takes a u64 (cuuint64_t) through the pointer.
+        let kept = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut c_void,
+            )
+        }
+        .result();
+        if let Err(e) = kept {
+            tracing::debug!("peer-copy table pool keeps no memory cached: {e}");
+        }
         Ok(Arc::new(PeerCopier {
             device,
             kernel,
             streams,
             upload,
+            pool,
             next: AtomicUsize::new(0),
         }))
     }
@@ -188,6 +237,7 @@ impl PeerCopier {
     /// destination addresses; consecutive copies that continue each other on
     /// both sides are merged into one run). Blocks for the upload only.
     pub fn prepare(self: &Arc<Self>, copies: &[PeerCopy]) -> Result<PeerTable, String> {
+        let t0 = Instant::now();
         let runs = merge(copies);
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
@@ -227,21 +277,27 @@ impl PeerCopier {
             out_strides,
         )
         .map_err(|e| e.reason)?;
+        let t1 = Instant::now();
         let used = shape.table_bytes();
         // SAFETY: `host` holds at least `used` initialised bytes (zeroed,
         // then filled).
         let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
         self.device.bind()?;
         let stream = self.upload.cu_stream();
-        // SAFETY: a stream-ordered allocation on our own upload stream.
-        let ptr = unsafe { result::malloc_async(stream, used) }
-            .map_err(|e| format!("cuMemAllocAsync({used} bytes) for a peer-copy table: {e}"))?;
-        let table = PeerTable {
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: a stream-ordered allocation from our pool on our own
+        // upload stream; one out pointer.
+        unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, used, self.pool, stream) }
+            .result()
+            .map_err(|e| format!("cuMemAllocFromPoolAsync({used} bytes) for a peer-copy table: {e}"))?;
+        let mut table = PeerTable {
             copier: self.clone(),
             ptr,
             layout,
             shape,
             last_stream: None,
+            fill_ns: (t1 - t0).as_nanos() as u64,
+            upload_ns: 0,
         };
         // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive until the
         // stream is synchronised below.
@@ -251,6 +307,7 @@ impl PeerCopier {
         self.upload
             .synchronize()
             .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))?;
+        table.upload_ns = t1.elapsed().as_nanos() as u64;
         Ok(table)
     }
 }
@@ -300,6 +357,9 @@ pub struct PeerTable {
     layout: TableLayout,
     shape: LaunchShape,
     last_stream: Option<usize>,
+    /// Host time building the table (merge, fill), and uploading it.
+    pub fill_ns: u64,
+    pub upload_ns: u64,
 }
 
 impl std::fmt::Debug for PeerTable {

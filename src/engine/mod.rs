@@ -1010,6 +1010,7 @@ impl Engine {
             local_transfer: agent == self.local_name,
         };
         peer::gate(&self.config, &input).ok()?;
+        let started = std::time::Instant::now();
         let device = local.descs.first()?.0.dev;
         let mut pairs = Vec::with_capacity(remote.descs.len());
         for ((l, _), (r, md)) in local.descs.iter().zip(&remote.descs) {
@@ -1028,7 +1029,14 @@ impl Engine {
             .peer
             .prepare(op, device as usize, pairs.into_iter(), inner_remote.to_string())
         {
-            Ok(x) => Some(x),
+            Ok(x) => {
+                self.stats.bump_named("peer_map_prepared");
+                self.stats
+                    .add_named("peer_map_prepare_ns", started.elapsed().as_nanos() as u64);
+                self.stats.add_named("peer_map_fill_ns", x.table.fill_ns);
+                self.stats.add_named("peer_map_upload_ns", x.table.upload_ns);
+                Some(x)
+            }
             Err(e) => {
                 tracing::info!(agent = %self.local_name, "peer-mapped path unavailable for this transfer ({e}); trying the bounce path");
                 self.stats.bump_named("peer_map_unavailable");

@@ -433,7 +433,15 @@ pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Han
         let Some(bb_len) = le_u32(rest, 14 + md_len) else {
             continue;
         };
-        let Some(blob) = rest.get(..18 + md_len + bb_len) else {
+        // Version 2 adds a length-prefixed peer-map block.
+        let mut end = 18 + md_len + bb_len;
+        if rest.get(8..10).is_some_and(|v| v != [1, 0]) {
+            let Some(pm_len) = le_u32(rest, end) else {
+                continue;
+            };
+            end += 4 + pm_len;
+        }
+        let Some(blob) = rest.get(..end) else {
             continue;
         };
         match PublicData::decode(blob) {
