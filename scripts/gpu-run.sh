@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|bounce|faults|perf|x2]   Logs and JSON go to $OUT (or ./out).
+# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|x2]   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -67,11 +67,11 @@ if [[ "$mode" == faults ]]; then
     run vram-faults "$v" faults --buffer 268435456
     exit $status
 fi
-run probe "$nb/bin/gpu-probe"
-for t in "$nb"/bin/gpu_*; do
-    [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
-done
-if [[ -x "$v" ]]; then
+tests() {
+    run probe "$nb/bin/gpu-probe"
+    for t in "$nb"/bin/gpu_*; do
+        [[ -x "$t" ]] && run "$(basename "$t")" "$t" --test-threads=1
+    done
     # Two-process VRAM WRITEs and READs through the plugin, byte-exact (1,
     # 1024, 16384 x 4 KiB, mixed sizes, 8 concurrent threads): the
     # peer-mapped path (the default on one host), then the bounce path.
@@ -83,24 +83,34 @@ if [[ -x "$v" ]]; then
         --param max_chunk_size_bytes=2MiB
     # VRAM bounce disabled on the target: transfers fall back to UCX at once.
     run vram-test-fallback "$v" test --target-param enable=false --expect-fallback
-    # Cancel during gather / write / scatter, the target killed mid-transfer:
-    # terminal in bound, arenas drained and conserved, next WRITE byte-exact.
+    # Cancel during gather / write / scatter, the target killed mid-transfer
+    # (bounce path), the target killed under a peer-mapped copy: terminal in
+    # bound, arenas drained and conserved, next WRITE byte-exact.
     run vram-faults "$v" faults --buffer 268435456
-    iters=20; [[ "$mode" == full ]] && iters=50
-    run bench-bounce "$v" bench --backend BOUNCE --label BOUNCE --iters $iters --json "$out/bench-bounce.json"
-    run bench-arena "$v" bench --backend BOUNCE --label BOUNCE-arena --param enable_peer_map=false --iters $iters \
-        --json "$out/bench-arena.json"
-    run bench-ucx-default "$v" bench --backend UCX --label UCX-default --iters $iters --json "$out/bench-ucx-default.json"
-    NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best "$v" bench --backend UCX --label UCX-best --param num_threads=8 \
-        --iters $iters --json "$out/bench-ucx-best.json"
-    # The same three for READ (the initiator reads the target's buffer).
-    run bench-bounce-read "$v" bench --op read --backend BOUNCE --label BOUNCE-read --iters $iters \
-        --json "$out/bench-bounce-read.json"
-    run bench-arena-read "$v" bench --op read --backend BOUNCE --label BOUNCE-arena-read \
-        --param enable_peer_map=false --iters $iters --json "$out/bench-arena-read.json"
-    run bench-ucx-read "$v" bench --op read --backend UCX --label UCX-default-read --iters $iters \
-        --json "$out/bench-ucx-default-read.json"
-    NIXL_UCX_SGL_ENABLE=1 run bench-ucx-best-read "$v" bench --op read --backend UCX --label UCX-best-read \
-        --param num_threads=8 --iters $iters --json "$out/bench-ucx-best-read.json"
-fi
+}
+benches() {
+    local iters=20; [[ "$mode" == full ]] && iters=50
+    # WRITE, then READ (the initiator reads the target's buffer): BOUNCE as
+    # it runs by default (peer-mapped on one host), BOUNCE's arena path,
+    # UCX default and UCX best, one after the other.
+    local op
+    for op in write read; do
+        local sfx=""; [[ $op == read ]] && sfx="-read"
+        run "bench-bounce$sfx" "$v" bench --op $op --backend BOUNCE --label "BOUNCE$sfx" --iters $iters \
+            --json "$out/bench-bounce$sfx.json"
+        run "bench-arena$sfx" "$v" bench --op $op --backend BOUNCE --label "BOUNCE-arena$sfx" \
+            --param enable_peer_map=false --iters $iters --json "$out/bench-arena$sfx.json"
+        run "bench-ucx-default$sfx" "$v" bench --op $op --backend UCX --label "UCX-default$sfx" --iters $iters \
+            --json "$out/bench-ucx-default$sfx.json"
+        NIXL_UCX_SGL_ENABLE=1 run "bench-ucx-best$sfx" "$v" bench --op $op --backend UCX --label "UCX-best$sfx" \
+            --param num_threads=8 --iters $iters --json "$out/bench-ucx-best$sfx.json"
+    done
+}
+# tests: every GPU test and drill; benches: the side-by-side benchmarks;
+# quick / full: both (full with more iterations).
+case "$mode" in
+    tests) tests ;;
+    benches) benches ;;
+    *) tests; benches ;;
+esac
 exit $status

@@ -832,10 +832,70 @@ fn killed_target_drill(args: &Args) -> Result<String, String> {
     ))
 }
 
+/// Waits up to 10 s for `req` to end; its outcome as text.
+fn terminal(a: &Agent, req: &XferRequest) -> Result<&'static str, String> {
+    let t0 = Instant::now();
+    loop {
+        match a.get_xfer_status(req) {
+            Ok(XferStatus::Success) => return Ok("completed"),
+            Ok(XferStatus::InProgress) if t0.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_micros(200))
+            }
+            Ok(XferStatus::InProgress) => return Err("still running after 10 s".into()),
+            Err(_) => return Ok("failed"),
+        }
+    }
+}
+
+/// The peer-mapped path (no arena): the target killed while a 16,384 x 4
+/// KiB WRITE into its mapped memory runs, and another WRITE posted after
+/// the kill. Each request ends within its bound, this process lives on,
+/// forgetting the dead target closes its mapping, and a new target is
+/// served byte-exact through its own mapping.
+fn peer_killed_target_drill(args: &Args) -> Result<String, String> {
+    let mut a = args.clone();
+    a.params.retain(|(k, _)| k != "enable_peer_map");
+    let mut init = Initiator::new(&a)?;
+    let slots = a.buffer / DRILL_SIZE;
+    let p = plan(DRILL_N, DRILL_SIZE, slots, 0, 61, false);
+    init.buf.write(0, &pattern(a.buffer, 62))?;
+    let before = plugin_counters(&init.name);
+    let first = init.request(&p, None)?;
+    let second = init.request(&p, None)?;
+    post(&init.agent, &first)?;
+    init.target.child.kill().map_err(|e| format!("kill: {e}"))?;
+    let _ = init.target.child.wait();
+    let o1 = terminal(&init.agent, &first)?;
+    let o2 = match post(&init.agent, &second) {
+        Ok(()) => terminal(&init.agent, &second)?,
+        Err(_) => "refused at post",
+    };
+    drop((first, second));
+    let after = plugin_counters(&init.name);
+    if since(&after, &before, "peer_map_submitted") == 0 {
+        return Err(format!("the drill did not take the peer-mapped path: {after:?}"));
+    }
+    let dead = init.target_name.clone();
+    init.agent
+        .invalidate_remote_md(&dead)
+        .map_err(|e| format!("forgetting the dead target: {e}"))?;
+    init.target = Target::spawn(&a, "")?;
+    init.target_name = init
+        .agent
+        .load_remote_md(&init.target.metadata)
+        .map_err(|e| format!("loading the new target's metadata: {e}"))?;
+    let b2 = plugin_counters(&init.name);
+    init.checked_write(4096, DRILL_SIZE, 63, false, &a)?;
+    if Path::of(&b2, &plugin_counters(&init.name)) != Path::Peer {
+        return Err("the new target was not served through its mapping".into());
+    }
+    Ok(format!("(copy running at the kill: {o1}; posted after it: {o2})"))
+}
+
 fn run_faults(args: &Args) -> bool {
     let mut failed = 0;
     type Drill = fn(&Args) -> Result<String, String>;
-    let drills: [(&str, Drill); 4] = [
+    let drills: [(&str, Drill); 5] = [
         ("cancel_during_gather", |a| {
             cancel_drill(a, "gather", "delay_gather_ms=300", "")
         }),
@@ -846,7 +906,9 @@ fn run_faults(args: &Args) -> bool {
             cancel_drill(a, "scatter", "", "delay_scatter_ms=300")
         }),
         ("target_killed_mid_transfer", killed_target_drill),
+        ("peer_mapped_target_killed", peer_killed_target_drill),
     ];
+    let total = drills.len();
     for (name, drill) in drills {
         match drill(args) {
             Ok(detail) => println!("test {name} ... ok {detail}"),
@@ -856,7 +918,7 @@ fn run_faults(args: &Args) -> bool {
             }
         }
     }
-    println!("\n{} passed, {failed} failed", 4 - failed);
+    println!("\n{} passed, {failed} failed", total - failed);
     failed == 0
 }
 
@@ -1192,6 +1254,7 @@ fn print_row(r: &Row) {
 
 // ---- arguments -----------------------------------------------------------------
 
+#[derive(Clone)]
 struct Args {
     command: String,
     backend: String,
