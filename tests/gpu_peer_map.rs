@@ -97,7 +97,13 @@ fn vram_xfer(op: XferOp, plan: &Plan, a: &Side, b: &Side, notif: Option<&[u8]>) 
     let opt = a.node.opt_args(notif).or_fail("opt args");
     a.node
         .agent
-        .create_xfer_req(op, &list(a.buf.base(), lo), &list(b.buf.base(), ro), b.name(), Some(&opt))
+        .create_xfer_req(
+            op,
+            &list(a.buf.base(), lo),
+            &list(b.buf.base(), ro),
+            b.name(),
+            Some(&opt),
+        )
         .map_err(|e| format!("create_xfer_req({op:?}, {} descriptors): {e}", plan.len()))
         .or_fail("prepare")
 }
@@ -239,7 +245,11 @@ fn a_release_while_the_copy_runs_sends_nothing_and_harms_nothing() {
     let cancelled = after.since(&before, "peer_map_cancelled");
     let notifs = take_notifs(&b.node).or_fail("notifications").len();
     // Every request released while running sent nothing; the others did.
-    assert_eq!(notifs as u64 + cancelled, 20, "cancelled {cancelled}, notified {notifs}");
+    assert_eq!(
+        notifs as u64 + cancelled,
+        20,
+        "cancelled {cancelled}, notified {notifs}"
+    );
     // Each copy wrote the same bytes: the destinations hold the source, the
     // rest is untouched.
     plan.verify(&b.contents(), &dst_before, &src)

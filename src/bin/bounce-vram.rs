@@ -607,7 +607,11 @@ fn run_tests(args: &Args) -> bool {
                     check("concurrent_threads", r);
                 }
                 // A WRITE of one descriptor stays below the routing gate.
-                let want = if n >= 1024 { args.expected_path() } else { Path::Ucx };
+                let want = if n >= 1024 {
+                    args.expected_path()
+                } else {
+                    Path::Ucx
+                };
                 let r = checked_case(&mut init, op, n, size, mixed, want, args);
                 let name = match op {
                     XferOp::Read => "read",
@@ -662,7 +666,11 @@ fn checked_case(
             path.name()
         ));
     }
-    Ok(format!("({:.3} ms, {})", dt.as_secs_f64() * 1e3, path.name()))
+    Ok(format!(
+        "({:.3} ms, {})",
+        dt.as_secs_f64() * 1e3,
+        path.name()
+    ))
 }
 
 // ---- fault drills --------------------------------------------------------------
@@ -873,7 +881,9 @@ fn peer_killed_target_drill(args: &Args) -> Result<String, String> {
     drop((first, second));
     let after = plugin_counters(&init.name);
     if since(&after, &before, "peer_map_submitted") == 0 {
-        return Err(format!("the drill did not take the peer-mapped path: {after:?}"));
+        return Err(format!(
+            "the drill did not take the peer-mapped path: {after:?}"
+        ));
     }
     let dead = init.target_name.clone();
     init.agent
@@ -889,7 +899,9 @@ fn peer_killed_target_drill(args: &Args) -> Result<String, String> {
     if Path::of(&b2, &plugin_counters(&init.name)) != Path::Peer {
         return Err("the new target was not served through its mapping".into());
     }
-    Ok(format!("(copy running at the kill: {o1}; posted after it: {o2})"))
+    Ok(format!(
+        "(copy running at the kill: {o1}; posted after it: {o2})"
+    ))
 }
 
 fn run_faults(args: &Args) -> bool {
@@ -1056,7 +1068,8 @@ fn run_bench(args: &Args) -> bool {
             });
             print_row(rows.last().expect("row"));
             if path == Path::Peer {
-                let per = |k: &str| since(&after, &before, k) as f64 / args.iters.max(1) as f64 / 1e6;
+                let per =
+                    |k: &str| since(&after, &before, k) as f64 / args.iters.max(1) as f64 / 1e6;
                 println!(
                     "    peer-mapped prepare (in the plugin): {:.3} ms, of it table fill {:.3} ms, upload {:.3} ms",
                     per("peer_map_prepare_ns"),
@@ -1377,7 +1390,8 @@ impl Args {
             || off(&self.target_params, "enable")
         {
             Path::Ucx
-        } else if off(&self.params, "enable_peer_map") || off(&self.target_params, "enable_peer_map")
+        } else if off(&self.params, "enable_peer_map")
+            || off(&self.target_params, "enable_peer_map")
         {
             Path::Bounce
         } else {

@@ -24,7 +24,7 @@ use std::ffi::c_void;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
@@ -34,6 +34,9 @@ use super::cuda::{
 };
 use super::{Direction, RegionSpan};
 use crate::proto::Run;
+
+/// How long closing a mapping waits for this device's copies to end.
+pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
 
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_LEN: usize = 64;
@@ -223,22 +226,37 @@ impl PeerCopier {
         &self.device
     }
 
-    /// Waits until no peer-mapped copy of this device runs (before a mapping
-    /// is closed).
-    pub fn synchronize(&self) -> Result<(), String> {
+    /// Waits up to `bound` until no peer-mapped copy of this device runs
+    /// (before a mapping is closed). Err: a copy still runs, or a stream
+    /// reports an error; nothing can then be proven quiet.
+    pub fn quiesce(&self, bound: Duration) -> Result<(), String> {
+        let t0 = Instant::now();
+        self.device.bind()?;
         for s in &self.streams {
-            s.synchronize()
-                .map_err(|e| format!("synchronising a peer-copy stream: {e}"))?;
+            loop {
+                // SAFETY: queries a live stream of ours.
+                match unsafe { sys::cuStreamQuery(s.cu_stream()) } {
+                    sys::CUresult::CUDA_SUCCESS => break,
+                    sys::CUresult::CUDA_ERROR_NOT_READY if t0.elapsed() < bound => {
+                        std::thread::sleep(Duration::from_micros(50))
+                    }
+                    sys::CUresult::CUDA_ERROR_NOT_READY => {
+                        return Err(format!("a peer-mapped copy still runs after {bound:?}"))
+                    }
+                    e => return Err(format!("a peer-copy stream reports {e:?}")),
+                }
+            }
         }
         Ok(())
     }
 
-    /// Builds and uploads the run table of `copies` (absolute source and
-    /// destination addresses; consecutive copies that continue each other on
-    /// both sides are merged into one run). Blocks for the upload only.
-    pub fn prepare(self: &Arc<Self>, copies: &[PeerCopy]) -> Result<PeerTable, String> {
-        let t0 = Instant::now();
-        let runs = merge(copies);
+    /// Builds and uploads the run table of `runs` (made by [`push_merged`]:
+    /// a gather into address 0, so `addr` is each source and
+    /// `region_offset` each destination). Blocks for the upload only.
+    /// `started` is when the caller began building the runs (for the
+    /// table-fill time).
+    pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<PeerTable, String> {
+        let t0 = started;
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
         }
@@ -269,7 +287,7 @@ impl PeerCopier {
         let shape = fill_table(
             Direction::Gather,
             WHOLE_ADDRESS_SPACE,
-            &runs,
+            runs,
             DEFAULT_TILE_BYTES,
             max_warps,
             out_runs,
@@ -289,7 +307,9 @@ impl PeerCopier {
         // upload stream; one out pointer.
         unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, used, self.pool, stream) }
             .result()
-            .map_err(|e| format!("cuMemAllocFromPoolAsync({used} bytes) for a peer-copy table: {e}"))?;
+            .map_err(|e| {
+                format!("cuMemAllocFromPoolAsync({used} bytes) for a peer-copy table: {e}")
+            })?;
         let mut table = PeerTable {
             copier: self.clone(),
             ptr,
@@ -326,21 +346,30 @@ pub struct PeerCopy {
     pub len: u64,
 }
 
-/// Copies as the kernel's runs (a gather into address 0: `addr` is the
-/// source, `region_offset` the destination), merging a copy into the one
-/// before it when both its source and destination continue it.
-pub fn merge(copies: &[PeerCopy]) -> Vec<Run> {
-    let mut runs: Vec<Run> = Vec::with_capacity(copies.len());
-    for c in copies.iter().filter(|c| c.len > 0) {
-        if let Some(last) = runs.last_mut() {
-            if last.addr.checked_add(last.len) == Some(c.src)
-                && last.region_offset.checked_add(last.len) == Some(c.dst)
-            {
-                last.len += c.len;
-                continue;
-            }
+/// Appends copy `c` to `runs` as the kernel's runs (a gather into address
+/// 0: `addr` is the source, `region_offset` the destination), merged into
+/// the last run when both its source and destination continue it. Empty
+/// copies are skipped.
+pub fn push_merged(runs: &mut Vec<Run>, c: PeerCopy) {
+    if c.len == 0 {
+        return;
+    }
+    if let Some(last) = runs.last_mut() {
+        if last.addr.checked_add(last.len) == Some(c.src)
+            && last.region_offset.checked_add(last.len) == Some(c.dst)
+        {
+            last.len += c.len;
+            return;
         }
-        runs.push(Run::single(c.dst, c.src, c.len));
+    }
+    runs.push(Run::single(c.dst, c.src, c.len));
+}
+
+/// `copies` as merged runs (see [`push_merged`]).
+pub fn merge(copies: &[PeerCopy]) -> Vec<Run> {
+    let mut runs = Vec::with_capacity(copies.len());
+    for &c in copies {
+        push_merged(&mut runs, c);
     }
     runs
 }
@@ -440,6 +469,7 @@ impl PeerTable {
             .map_err(|e| format!("cuEventRecord after the peer-mapped copy: {e}"))?;
         Ok(PeerLaunch {
             event,
+            posted: Instant::now(),
             cancelled: AtomicBool::new(false),
             failure: Mutex::new(None),
         })
@@ -470,12 +500,26 @@ impl Drop for PeerTable {
 #[derive(Debug)]
 pub struct PeerLaunch {
     event: CudaEvent,
+    posted: Instant,
     /// The request was released before its copy ended: send no notification.
     pub cancelled: AtomicBool,
     failure: Mutex<Option<String>>,
 }
 
 impl PeerLaunch {
+    /// Fails the copy if it still runs `limit` after its launch: it cannot
+    /// be stopped, but its request ends (and sends no notification).
+    pub fn expire(&self, limit: Duration) {
+        if self.posted.elapsed() > limit && self.poll().is_none() {
+            self.cancelled.store(true, Ordering::SeqCst);
+            if let Ok(mut slot) = self.failure.lock() {
+                slot.get_or_insert_with(|| {
+                    format!("the peer-mapped copy still runs {limit:?} after its launch")
+                });
+            }
+        }
+    }
+
     /// `None` while the copy runs, then its result (never blocks).
     pub fn poll(&self) -> Option<Result<(), String>> {
         if let Some(f) = self.failure.lock().ok()?.as_ref() {
@@ -613,11 +657,10 @@ impl Drop for PeerMapping {
         if !self.opened {
             return;
         }
-        // No copy may still write through the mapping when it is closed.
-        if let Err(e) = self.copier.synchronize() {
-            tracing::error!(
-                "peer mapping left open (a copy may still use it and cannot be waited for): {e}"
-            );
+        // No copy may still write through the mapping when it is closed:
+        // when that cannot be shown, the mapping is leaked (fail closed).
+        if let Err(e) = self.copier.quiesce(QUIESCE_BOUND) {
+            tracing::error!("peer mapping left open, leaked: {e}");
             return;
         }
         if self.copier.device.bind().is_ok() {

@@ -587,7 +587,11 @@ impl Engine {
                         Some(e)
                     }
                     Err(e) => {
-                        tracing::info!(addr = range.addr, len = range.len, "VRAM region not exported for peer mapping: {e}");
+                        tracing::info!(
+                            addr = range.addr,
+                            len = range.len,
+                            "VRAM region not exported for peer mapping: {e}"
+                        );
                         None
                     }
                 }
@@ -1012,29 +1016,45 @@ impl Engine {
         peer::gate(&self.config, &input).ok()?;
         let started = std::time::Instant::now();
         let device = local.descs.first()?.0.dev;
-        let mut pairs = Vec::with_capacity(remote.descs.len());
-        for ((l, _), (r, md)) in local.descs.iter().zip(&remote.descs) {
-            let alloc = match md.map(|m| &m.owner) {
-                Some(MdOwner::Remote {
-                    peer: Some(a), ..
-                }) => a.clone(),
-                _ => return None,
-            };
-            if l.dev != device {
-                return None;
-            }
-            pairs.push((l.addr as u64, r.addr as u64, l.len as u64, alloc));
+        // Peers elsewhere (or not exporting) are the common case off one
+        // host: no log, no count.
+        let exported = |md: &Option<&Md>| {
+            matches!(
+                md.map(|m| &m.owner),
+                Some(MdOwner::Remote { peer: Some(_), .. })
+            )
+        };
+        if !remote.descs.iter().all(|(_, md)| exported(md)) {
+            return None;
         }
-        match self
-            .peer
-            .prepare(op, device as usize, pairs.into_iter(), inner_remote.to_string())
-        {
+        let pairs = local
+            .descs
+            .iter()
+            .zip(&remote.descs)
+            .map(|((l, _), (r, md))| {
+                let alloc = match md.map(|m| &m.owner) {
+                    Some(MdOwner::Remote { peer: Some(a), .. }) => a,
+                    _ => return Err("a remote descriptor in memory not exported for peer mapping"),
+                };
+                if l.dev != device {
+                    return Err("local descriptors on more than one GPU");
+                }
+                Ok((l.addr as u64, r.addr as u64, l.len as u64, alloc))
+            });
+        match self.peer.prepare(
+            op,
+            device as usize,
+            local.descs.len(),
+            pairs,
+            inner_remote.to_string(),
+        ) {
             Ok(x) => {
                 self.stats.bump_named("peer_map_prepared");
                 self.stats
                     .add_named("peer_map_prepare_ns", started.elapsed().as_nanos() as u64);
                 self.stats.add_named("peer_map_fill_ns", x.table.fill_ns);
-                self.stats.add_named("peer_map_upload_ns", x.table.upload_ns);
+                self.stats
+                    .add_named("peer_map_upload_ns", x.table.upload_ns);
                 Some(x)
             }
             Err(e) => {
@@ -1171,12 +1191,20 @@ impl Engine {
                     }
                 };
                 x.launch = Some(launch.clone());
+                x.limit = per_transfer
+                    .deadline_ms
+                    .or((self.config.request_deadline_ms > 0)
+                        .then_some(self.config.request_deadline_ms))
+                    .map_or(
+                        std::time::Duration::from_millis(self.config.request_timeout_ms),
+                        std::time::Duration::from_millis,
+                    );
                 x.reported = false;
                 self.stats.bump_named("peer_map_submitted");
                 self.stats.add_named("peer_map_bytes", x.table.bytes());
                 if let Some(message) = req.args.notif.clone() {
                     self.peer
-                        .notify_after(&self.inner, launch, x.peer_inner.clone(), message)
+                        .notify_after(&self.inner, launch, x.limit, x.peer_inner.clone(), message)
                         .map_err(|e| Error::new(Status::Backend, e))?;
                 }
                 Ok(Status::InProgress)
@@ -1223,6 +1251,7 @@ impl Engine {
                         "the peer-mapped transfer was not posted",
                     ));
                 };
+                launch.expire(x.limit);
                 let outcome = launch.poll();
                 let first = !x.reported && outcome.is_some();
                 if first {

@@ -51,7 +51,11 @@ pub fn gate(cfg: &Config, g: &GateInput) -> Result<(), &'static str> {
     if g.descriptors < cfg.min_descriptor_count.max(1) {
         return Err("too few descriptors");
     }
-    if g.bytes > cfg.max_average_descriptor_size_bytes.saturating_mul(g.descriptors) {
+    if g.bytes
+        > cfg
+            .max_average_descriptor_size_bytes
+            .saturating_mul(g.descriptors)
+    {
         return Err("descriptors too large");
     }
     Ok(())
@@ -98,6 +102,9 @@ pub struct PeerXfer {
     /// `PeerMapping`'s drop).
     pub _mappings: Vec<Arc<PeerMapping>>,
     pub launch: Option<Arc<PeerLaunch>>,
+    /// How long the posted copy may run before its request fails (the
+    /// transfer's deadline, else the configured deadline or timeout).
+    pub limit: Duration,
     pub reported: bool,
     pub peer_inner: String,
 }
@@ -142,8 +149,7 @@ impl PeerMaps {
             .ok_or("peer mapping is off, or this host cannot be identified")?;
         let cuda = CudaRuntime::probe()?;
         let dev = cuda.device(device as usize)?;
-        let (alloc_base, alloc_len, ipc_handle, device_uuid) =
-            peer::export_allocation(&dev, addr)?;
+        let (alloc_base, alloc_len, ipc_handle, device_uuid) = peer::export_allocation(&dev, addr)?;
         let export = PeerExport {
             host: id.host,
             process: id.process,
@@ -201,30 +207,34 @@ impl PeerMaps {
             .clone()
     }
 
-    /// Plans a peer-mapped transfer: `pairs` are (local address, remote
-    /// address, length, the remote region's allocation) per descriptor, the
-    /// local ones on `device`. Err: why it cannot take this path.
-    pub fn prepare(
+    /// Plans a peer-mapped transfer of `n` descriptors: `pairs` yields, per
+    /// descriptor, (local address, remote address, length, the remote
+    /// region's allocation), the local ones on `device`, or `Err` naming why
+    /// that descriptor cannot take this path. Err: why the transfer cannot.
+    pub fn prepare<'a>(
         &self,
         op: Op,
         device: usize,
-        pairs: impl Iterator<Item = (u64, u64, u64, Arc<RemoteAlloc>)>,
+        n: usize,
+        pairs: impl Iterator<Item = Result<(u64, u64, u64, &'a Arc<RemoteAlloc>), &'static str>>,
         peer_inner: String,
     ) -> Result<PeerXfer, String> {
+        let started = std::time::Instant::now();
         let copier = self.copier(device)?;
         let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
         let mut last: Option<(*const RemoteAlloc, Arc<PeerMapping>)> = None;
-        let mut copies = Vec::new();
-        for (local, remote, len, alloc) in pairs {
+        let mut runs = Vec::with_capacity(n);
+        for pair in pairs {
+            let (local, remote, len, alloc) = pair?;
             // Consecutive descriptors usually share an allocation.
             let mapping = match &last {
-                Some((p, m)) if std::ptr::eq(*p, Arc::as_ptr(&alloc)) => m.clone(),
+                Some((p, m)) if std::ptr::eq(*p, Arc::as_ptr(alloc)) => m.clone(),
                 _ => {
                     let m = alloc.mapping(&copier)?;
                     if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
                         mappings.push(m.clone());
                     }
-                    last = Some((Arc::as_ptr(&alloc), m.clone()));
+                    last = Some((Arc::as_ptr(alloc), m.clone()));
                     m
                 }
             };
@@ -237,7 +247,7 @@ impl PeerMaps {
             let mapped = mapping
                 .address(remote - e.alloc_base)
                 .ok_or("remote descriptor outside the mapping")?;
-            copies.push(match op {
+            let copy = match op {
                 Op::Write => PeerCopy {
                     src: local,
                     dst: mapped,
@@ -248,13 +258,15 @@ impl PeerMaps {
                     dst: local,
                     len,
                 },
-            });
+            };
+            peer::push_merged(&mut runs, copy);
         }
-        let table = copier.prepare(&copies)?;
+        let table = copier.prepare(&runs, started)?;
         Ok(PeerXfer {
             table,
             _mappings: mappings,
             launch: None,
+            limit: Duration::MAX,
             reported: false,
             peer_inner,
         })
@@ -268,6 +280,7 @@ impl PeerMaps {
         &self,
         inner: &Agent,
         launch: Arc<PeerLaunch>,
+        limit: Duration,
         peer_inner: String,
         message: Vec<u8>,
     ) -> Result<(), String> {
@@ -278,6 +291,7 @@ impl PeerMaps {
         let n = slot.as_ref().expect("started above");
         n.tx.send(Pending {
             launch,
+            limit,
             peer_inner,
             message,
         })
@@ -295,6 +309,10 @@ impl Drop for PeerMaps {
 
 struct Pending {
     launch: Arc<PeerLaunch>,
+    /// After this long the copy counts as failed (see `PeerLaunch::expire`),
+    /// so a copy that never ends cannot hold the thread (or the engine's
+    /// teardown, which waits for it) longer.
+    limit: Duration,
     peer_inner: String,
     message: Vec<u8>,
 }
@@ -314,6 +332,7 @@ impl Notifier {
             .spawn(move || {
                 for p in rx {
                     let ended = loop {
+                        p.launch.expire(p.limit);
                         match p.launch.poll() {
                             None => std::thread::sleep(Duration::from_micros(20)),
                             Some(r) => break r,
@@ -429,7 +448,9 @@ mod tests {
             ipc_handle: [0; 64],
         };
         let a = maps.remote(&export, 1 << 40, 4096).expect("same host");
-        let b = maps.remote(&export, (1 << 40) + 8192, 4096).expect("same host");
+        let b = maps
+            .remote(&export, (1 << 40) + 8192, 4096)
+            .expect("same host");
         assert!(Arc::ptr_eq(&a, &b), "one handle per allocation");
         assert!(!a.same_process);
         assert!(maps.remote(&export, (1 << 40) + (1 << 30), 1).is_none());
