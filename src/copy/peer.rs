@@ -256,6 +256,7 @@ impl PeerCopier {
     /// `started` is when the caller began building the runs (for the
     /// table-fill time).
     pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<PeerTable, String> {
+        let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
         let t0 = started;
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
@@ -414,6 +415,7 @@ impl PeerTable {
     /// The caller must not launch again before the returned copy has ended
     /// (the engine refuses a repost of a running request).
     pub fn launch(&mut self) -> Result<PeerLaunch, String> {
+        let _range = crate::nvtx::range(c"bounce peer-mapped launch");
         let c = &self.copier;
         let i = c.next.fetch_add(1, Ordering::Relaxed) % c.streams.len();
         let stream = &c.streams[i];
