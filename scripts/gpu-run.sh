@@ -32,8 +32,12 @@ if [[ "$mode" == x2 ]]; then
     for dir in "0 1" "1 0"; do
         set -- $dir
         run "x2-test-$1to$2" "$v" test --device "$1" --target-device "$2"
+        run "x2-test-arena-$1to$2" "$v" test --device "$1" --target-device "$2" --param enable_peer_map=false
         run "x2-bounce-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" --device "$1" --target-device "$2" \
             --sizes 4096,16384 --counts 1024,4096,16384 --iters 20 --json "$out/x2-bounce-$1to$2.json"
+        run "x2-arena-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-arena-gpu$1-gpu$2" --device "$1" \
+            --target-device "$2" --param enable_peer_map=false --sizes 4096,16384 --counts 1024,4096,16384 \
+            --iters 20 --json "$out/x2-arena-$1to$2.json"
         run "x2-ucx-$1to$2" "$v" bench --backend UCX --label "UCX-gpu$1-gpu$2" --device "$1" --target-device "$2" \
             --sizes 4096,16384 --counts 1024,4096,16384 --iters 10 --json "$out/x2-ucx-$1to$2.json"
     done

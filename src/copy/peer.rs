@@ -80,6 +80,54 @@ pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
+/// Restores, when it ends, the CUDA context the thread had when it began:
+/// the engine runs on the application's threads, whose current device it
+/// must not change. Only made once the driver is loaded (after
+/// [`CudaRuntime::probe`] succeeded).
+struct ContextScope {
+    previous: sys::CUcontext,
+}
+
+impl ContextScope {
+    /// Remembers the thread's current context.
+    fn save() -> Result<ContextScope, String> {
+        let mut previous: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: one out pointer.
+        unsafe { sys::cuCtxGetCurrent(&mut previous) }
+            .result()
+            .map_err(|e| format!("cuCtxGetCurrent: {e}"))?;
+        Ok(ContextScope { previous })
+    }
+
+    /// Remembers the thread's current context and makes `device`'s current.
+    fn enter(device: &CudaDevice) -> Result<ContextScope, String> {
+        let scope = Self::save()?;
+        let ours = device.context().cu_ctx();
+        if scope.previous != ours {
+            // SAFETY: `ours` is the device's primary context, retained by
+            // CudaDevice for the life of the process.
+            unsafe { sys::cuCtxSetCurrent(ours) }
+                .result()
+                .map_err(|e| format!("making CUDA device {} current: {e}", device.ordinal()))?;
+        }
+        Ok(scope)
+    }
+}
+
+impl Drop for ContextScope {
+    fn drop(&mut self) {
+        let mut now: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: one out pointer; then `previous`, which was current on
+        // this thread when the scope began (null, or a context the
+        // application keeps alive).
+        unsafe {
+            if sys::cuCtxGetCurrent(&mut now).result().is_ok() && now != self.previous {
+                let _ = sys::cuCtxSetCurrent(self.previous);
+            }
+        }
+    }
+}
+
 /// The UUID of device `ordinal`.
 fn device_uuid(ordinal: usize) -> Result<[u8; 16], String> {
     let mut dev: sys::CUdevice = 0;
@@ -101,19 +149,21 @@ pub fn device_with_uuid(cuda: &CudaRuntime, uuid: &[u8; 16]) -> Option<usize> {
 }
 
 /// What a registering process publishes for device memory at `addr` on
-/// `device`: the enclosing allocation (base, length), its IPC handle and the
-/// GPU's UUID. Err when the memory cannot be shared this way (e.g. it was
-/// not allocated with `cuMemAlloc`/`cudaMalloc`).
+/// device `ordinal`: the enclosing allocation (base, length), its IPC handle
+/// and the GPU's UUID. Err when the memory cannot be shared this way (e.g.
+/// it was not allocated with `cuMemAlloc`/`cudaMalloc`), or there is no
+/// CUDA driver.
 pub fn export_allocation(
-    device: &CudaDevice,
+    ordinal: usize,
     addr: u64,
 ) -> Result<(u64, u64, [u8; IPC_HANDLE_LEN], [u8; 16]), String> {
-    device.bind()?;
-    let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: two out pointers; the driver only reads `addr` as a number.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, addr) }
-        .result()
-        .map_err(|e| format!("cuMemGetAddressRange({addr:#x}): {e}"))?;
+    let cuda = CudaRuntime::probe()?;
+    // Opening the device may make its context current: restore the
+    // application's afterwards.
+    let _saved = ContextScope::save()?;
+    let device = cuda.device(ordinal)?;
+    let _ctx = ContextScope::enter(&device)?;
+    let (base, len) = allocation_of(addr)?;
     let mut handle = sys::CUipcMemHandle {
         reserved: [0; IPC_HANDLE_LEN],
     };
@@ -124,9 +174,9 @@ pub fn export_allocation(
         .map_err(|e| format!("cuIpcGetMemHandle({base:#x}): {e}"))?;
     Ok((
         base,
-        len as u64,
+        len,
         handle.reserved.map(|b| b as u8),
-        device_uuid(device.ordinal())?,
+        device_uuid(ordinal)?,
     ))
 }
 
@@ -157,7 +207,7 @@ unsafe impl Sync for PeerCopier {}
 
 impl Drop for PeerCopier {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        if let Ok(_ctx) = ContextScope::enter(&self.device) {
             // SAFETY: the pool was created in `new`; tables hold an Arc of
             // this copier, so every table was freed (stream-ordered) before.
             // The driver releases the pool once those frees completed.
@@ -176,10 +226,14 @@ impl std::fmt::Debug for PeerCopier {
 }
 
 impl PeerCopier {
-    /// Compiles the copy kernel (if not yet) and creates `streams` streams.
-    pub fn new(device: Arc<CudaDevice>, streams: usize) -> Result<Arc<Self>, String> {
+    /// The copier of device `ordinal`: compiles the copy kernel (if not
+    /// yet) and creates `streams` streams.
+    pub fn for_device(ordinal: usize, streams: usize) -> Result<Arc<Self>, String> {
+        let cuda = CudaRuntime::probe()?;
+        let _saved = ContextScope::save()?;
+        let device = cuda.device(ordinal)?;
         let kernel = device.copy_kernel()?;
-        device.bind()?;
+        let _ctx = ContextScope::enter(&device)?;
         let ctx = device.context();
         let make = || ctx.new_stream().map_err(|e| format!("cuStreamCreate: {e}"));
         let upload = make()?;
@@ -224,30 +278,6 @@ impl PeerCopier {
 
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
-    }
-
-    /// Waits up to `bound` until no peer-mapped copy of this device runs
-    /// (before a mapping is closed). Err: a copy still runs, or a stream
-    /// reports an error; nothing can then be proven quiet.
-    pub fn quiesce(&self, bound: Duration) -> Result<(), String> {
-        let t0 = Instant::now();
-        self.device.bind()?;
-        for s in &self.streams {
-            loop {
-                // SAFETY: queries a live stream of ours.
-                match unsafe { sys::cuStreamQuery(s.cu_stream()) } {
-                    sys::CUresult::CUDA_SUCCESS => break,
-                    sys::CUresult::CUDA_ERROR_NOT_READY if t0.elapsed() < bound => {
-                        std::thread::sleep(Duration::from_micros(50))
-                    }
-                    sys::CUresult::CUDA_ERROR_NOT_READY => {
-                        return Err(format!("a peer-mapped copy still runs after {bound:?}"))
-                    }
-                    e => return Err(format!("a peer-copy stream reports {e:?}")),
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Builds and uploads the run table of `runs` (made by [`push_merged`]:
@@ -301,7 +331,7 @@ impl PeerCopier {
         // SAFETY: `host` holds at least `used` initialised bytes (zeroed,
         // then filled).
         let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
-        self.device.bind()?;
+        let _ctx = ContextScope::enter(&self.device)?;
         let stream = self.upload.cu_stream();
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: a stream-ordered allocation from our pool on our own
@@ -311,12 +341,15 @@ impl PeerCopier {
             .map_err(|e| {
                 format!("cuMemAllocFromPoolAsync({used} bytes) for a peer-copy table: {e}")
             })?;
+        // Every launch of this table goes to one stream, and so does its
+        // free: the free is then ordered after every launch that reads it.
+        let on = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
         let mut table = PeerTable {
             copier: self.clone(),
             ptr,
             layout,
             shape,
-            last_stream: None,
+            stream: on,
             fill_ns: (t1 - t0).as_nanos() as u64,
             upload_ns: 0,
         };
@@ -379,14 +412,15 @@ pub fn merge(copies: &[PeerCopy]) -> Vec<Run> {
 // A prepared table and its launches
 // ---------------------------------------------------------------------------
 
-/// A transfer's uploaded run table. Freed on drop, ordered after the last
-/// copy launched from it (stream-ordered free: nothing waits).
+/// A transfer's uploaded run table. Its copies all run on one stream of
+/// the copier; freed on drop, ordered on that stream after every copy
+/// launched from it (stream-ordered free: nothing waits).
 pub struct PeerTable {
     copier: Arc<PeerCopier>,
     ptr: u64,
     layout: TableLayout,
     shape: LaunchShape,
-    last_stream: Option<usize>,
+    stream: usize,
     /// Host time building the table (merge, fill), and uploading it.
     pub fill_ns: u64,
     pub upload_ns: u64,
@@ -411,15 +445,15 @@ impl PeerTable {
         self.shape.nruns
     }
 
-    /// Launches the copy on the next stream and records an event after it.
-    /// The caller must not launch again before the returned copy has ended
-    /// (the engine refuses a repost of a running request).
+    /// Launches the copy on the table's stream and records an event after
+    /// it. (The engine refuses to repost a request whose copy still runs;
+    /// were it not to, the copies would only queue on that stream.)
     pub fn launch(&mut self) -> Result<PeerLaunch, String> {
         let _range = crate::nvtx::range(c"bounce peer-mapped launch");
         let c = &self.copier;
-        let i = c.next.fetch_add(1, Ordering::Relaxed) % c.streams.len();
+        let i = self.stream;
         let stream = &c.streams[i];
-        c.device.bind()?;
+        let _ctx = ContextScope::enter(&c.device)?;
         let event = c
             .device
             .context()
@@ -445,7 +479,7 @@ impl PeerTable {
         // parameters are (u64, u64, u64, u32, u32, u32, u32) as in `params`
         // (copied by cuLaunchKernel before it returns). The table it reads
         // was uploaded and synchronised in `prepare` and is freed only after
-        // this launch (stream-ordered, in Drop). Every address in it was
+        // this launch (stream-ordered on the same stream, in Drop). Every address in it was
         // checked by the engine: sources and destinations lie in memory
         // registered here or in the peer's registered memory, translated
         // into a mapping that stays open until this device's copies ended.
@@ -465,12 +499,13 @@ impl PeerTable {
                 self.shape.nruns, self.shape.grid
             )
         })?;
-        self.last_stream = Some(i);
         event
             .record(stream)
             .map_err(|e| format!("cuEventRecord after the peer-mapped copy: {e}"))?;
         Ok(PeerLaunch {
             event,
+            device: c.device.clone(),
+            stream: i,
             posted: Instant::now(),
             cancelled: AtomicBool::new(false),
             failure: Mutex::new(None),
@@ -481,16 +516,14 @@ impl PeerTable {
 impl Drop for PeerTable {
     fn drop(&mut self) {
         let c = &self.copier;
-        let stream = match self.last_stream {
-            Some(i) => c.streams[i].cu_stream(),
-            None => c.upload.cu_stream(),
-        };
-        if c.device.bind().is_err() {
+        let stream = c.streams[self.stream].cu_stream();
+        let Ok(_ctx) = ContextScope::enter(&c.device) else {
             tracing::warn!("cannot bind the CUDA context to free a peer-copy table; leaked");
             return;
-        }
-        // SAFETY: `ptr` came from cuMemAllocAsync; the free is ordered after
-        // the last launch that reads it (same stream), or after the upload.
+        };
+        // SAFETY: `ptr` came from cuMemAllocFromPoolAsync and its upload was
+        // synchronised; the free is ordered after every launch that reads it
+        // (all on this stream).
         if let Err(e) = unsafe { result::free_async(self.ptr, stream) } {
             tracing::warn!("freeing a peer-copy table: {e}");
         }
@@ -502,6 +535,9 @@ impl Drop for PeerTable {
 #[derive(Debug)]
 pub struct PeerLaunch {
     event: CudaEvent,
+    device: Arc<CudaDevice>,
+    /// The copier stream it runs on.
+    stream: usize,
     posted: Instant,
     /// The request was released before its copy ended: send no notification.
     pub cancelled: AtomicBool,
@@ -514,41 +550,64 @@ impl PeerLaunch {
     pub fn expire(&self, limit: Duration) {
         if self.posted.elapsed() > limit && self.poll().is_none() {
             self.cancelled.store(true, Ordering::SeqCst);
-            if let Ok(mut slot) = self.failure.lock() {
-                slot.get_or_insert_with(|| {
+            self.failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(|| {
                     format!("the peer-mapped copy still runs {limit:?} after its launch")
                 });
-            }
         }
     }
 
-    /// `None` while the copy runs, then its result (never blocks).
+    /// `None` while the request is open, then its result (never blocks).
+    /// A request failed by [`expire`](Self::expire) has a result while its
+    /// copy may still run: see [`running`](Self::running).
     pub fn poll(&self) -> Option<Result<(), String>> {
-        if let Some(f) = self.failure.lock().ok()?.as_ref() {
+        let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = failure.as_ref() {
             return Some(Err(f.clone()));
         }
-        let queried = self
-            .event
-            .context()
-            .bind_to_thread()
-            .and_then(|_| self.event.try_is_complete());
-        match queried {
+        match self.query() {
             Ok(false) => None,
             Ok(true) => Some(Ok(())),
             Err(e) => {
                 let f = format!("the peer-mapped copy failed: {e}");
-                if let Ok(mut slot) = self.failure.lock() {
-                    *slot = Some(f.clone());
-                }
+                *failure = Some(f.clone());
                 Some(Err(f))
             }
         }
+    }
+
+    /// Whether the kernel may still be running (whatever the request's
+    /// outcome): an error from the event counts as ended.
+    pub fn running(&self) -> bool {
+        matches!(self.query(), Ok(false))
+    }
+
+    fn query(&self) -> Result<bool, String> {
+        let _ctx = ContextScope::enter(&self.device)?;
+        self.event.try_is_complete().map_err(|e| e.to_string())
+    }
+
+    /// The copier stream the copy runs on.
+    pub fn stream(&self) -> usize {
+        self.stream
     }
 }
 
 // ---------------------------------------------------------------------------
 // Mappings of a peer's allocations
 // ---------------------------------------------------------------------------
+
+/// The allocation holding `addr` in the current context: (base, length).
+fn allocation_of(addr: u64) -> Result<(u64, u64), String> {
+    let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: two out pointers; the driver only reads `addr` as a number.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, addr) }
+        .result()
+        .map_err(|e| format!("cuMemGetAddressRange({addr:#x}): {e}"))?;
+    Ok((base, len as u64))
+}
 
 /// A peer's allocation as this process addresses it.
 pub struct PeerMapping {
@@ -559,6 +618,9 @@ pub struct PeerMapping {
     /// Opened with cuIpcOpenMemHandle (closed on drop); false for memory of
     /// this very process, used at its own address.
     opened: bool,
+    /// The last copy launched through this mapping on each copier stream
+    /// (copies on one stream end in order): what closing it waits for.
+    last: Mutex<Vec<Option<Arc<PeerLaunch>>>>,
 }
 
 impl std::fmt::Debug for PeerMapping {
@@ -592,18 +654,29 @@ impl PeerMapping {
         let cuda = CudaRuntime::probe()?;
         let owner = device_with_uuid(&cuda, device_uuid)
             .ok_or_else(|| "the peer's GPU is not visible to this process".to_string())?;
+        let mapping = |base: u64, opened: bool| PeerMapping {
+            copier: copier.clone(),
+            base,
+            len: alloc_len,
+            opened,
+            last: Mutex::new(vec![None; copier.streams.len()]),
+        };
+        let _ctx = ContextScope::enter(&copier.device)?;
         if same_process {
             if owner != local {
                 return Err(format!(
                     "memory of this process on GPU {owner} is not mapped for copies on GPU {local}"
                 ));
             }
-            return Ok(PeerMapping {
-                copier: copier.clone(),
-                base: alloc_base,
-                len: alloc_len,
-                opened: false,
-            });
+            // The claim is checked, not trusted: an allocation of this
+            // process must start there and be that long.
+            let (base, len) = allocation_of(alloc_base)?;
+            if base != alloc_base || len < alloc_len {
+                return Err(format!(
+                    "no allocation of {alloc_len} bytes at {alloc_base:#x} in this process"
+                ));
+            }
+            return Ok(mapping(alloc_base, false));
         }
         if owner != local {
             let (mut a, mut b): (sys::CUdevice, sys::CUdevice) = (0, 0);
@@ -620,7 +693,6 @@ impl PeerMapping {
                 return Err(format!("GPU {local} cannot access GPU {owner}'s memory"));
             }
         }
-        copier.device.bind()?;
         let handle = sys::CUipcMemHandle {
             reserved: ipc_handle.map(|b| b as std::ffi::c_char),
         };
@@ -636,12 +708,24 @@ impl PeerMapping {
         }
         .result()
         .map_err(|e| format!("cuIpcOpenMemHandle: {e}"))?;
-        Ok(PeerMapping {
-            copier: copier.clone(),
-            base: ptr,
-            len: alloc_len,
-            opened: true,
-        })
+        let opened = mapping(ptr, true);
+        // The length is the peer's word; what the driver mapped decides.
+        match allocation_of(ptr) {
+            Ok((base, len)) if base == ptr && len >= alloc_len => Ok(opened),
+            Ok((_, len)) => Err(format!(
+                "the peer exported {alloc_len} bytes, but its handle maps {len}"
+            )),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Remembers `launch` as the last copy through this mapping on its
+    /// stream (call after each launch that uses it).
+    pub fn note(&self, launch: &Arc<PeerLaunch>) {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = last.get_mut(launch.stream()) {
+            *slot = Some(launch.clone());
+        }
     }
 
     /// This process's address of byte `offset` of the allocation.
@@ -659,13 +743,23 @@ impl Drop for PeerMapping {
         if !self.opened {
             return;
         }
-        // No copy may still write through the mapping when it is closed:
-        // when that cannot be shown, the mapping is leaked (fail closed).
-        if let Err(e) = self.copier.quiesce(QUIESCE_BOUND) {
-            tracing::error!("peer mapping left open, leaked: {e}");
-            return;
+        // No copy may still use the mapping when it is closed: wait (a
+        // bounded time) for the last copy through it on each stream; when
+        // that cannot be shown, the mapping is leaked (fail closed).
+        let t0 = Instant::now();
+        let last = std::mem::take(self.last.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for launch in last.iter().flatten() {
+            while launch.running() {
+                if t0.elapsed() > QUIESCE_BOUND {
+                    tracing::error!(
+                        "peer mapping left open, leaked: a copy through it still runs after {QUIESCE_BOUND:?}"
+                    );
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
-        if self.copier.device.bind().is_ok() {
+        if let Ok(_ctx) = ContextScope::enter(&self.copier.device) {
             // SAFETY: `base` came from cuIpcOpenMemHandle and no copy uses it.
             if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base) }.result() {
                 tracing::warn!("cuIpcCloseMemHandle: {e}");

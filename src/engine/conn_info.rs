@@ -173,7 +173,13 @@ impl PublicData {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         w.bytes(PUBLIC_MAGIC);
-        w.u16(PUBLIC_VERSION);
+        // Without a peer-map block, version 1: plugins that know only
+        // version 1 still read the region.
+        w.u16(if self.peer_map.is_some() {
+            PUBLIC_VERSION
+        } else {
+            1
+        });
         w.len_prefixed(&self.region_md);
         let mut block = Writer::new();
         if let Some(b) = &self.bounce {
@@ -182,11 +188,11 @@ impl PublicData {
             block.bytes(&b.handshake);
         }
         w.len_prefixed(&block.into_bytes());
-        let mut pm = Writer::new();
         if let Some(p) = &self.peer_map {
+            let mut pm = Writer::new();
             p.encode_into(&mut pm);
+            w.len_prefixed(&pm.into_bytes());
         }
-        w.len_prefixed(&pm.into_bytes());
         w.into_bytes()
     }
 
@@ -426,12 +432,22 @@ mod tests {
         let p = PublicData::decode(&w.into_bytes()).unwrap();
         assert_eq!(p.region_md, vec![7, 7]);
         assert_eq!((p.bounce, p.peer_map), (None, None));
-        let mut future = PublicData {
+        // Only data with a peer-map block needs version 2.
+        let plain = PublicData {
             region_md: vec![1],
             bounce: None,
             peer_map: None,
+        };
+        assert_eq!(
+            u16::from_le_bytes([plain.encode()[8], plain.encode()[9]]),
+            1
+        );
+        let mut future = PublicData {
+            peer_map: Some(export()),
+            ..plain
         }
         .encode();
+        assert_eq!(u16::from_le_bytes([future[8], future[9]]), 2);
         future[8] = 3;
         let e = PublicData::decode(&future).unwrap_err();
         assert!(e.contains("version 3"), "{e}");

@@ -1176,12 +1176,23 @@ impl Engine {
                 Ok(Status::InProgress)
             }
             Route::PeerMapped(x) => {
-                if x.launch.as_ref().is_some_and(|l| l.poll().is_none()) {
+                if x.launch.as_ref().is_some_and(|l| l.running()) {
                     return Err(Error::new(
                         Status::RepostActive,
                         "the peer-mapped transfer is still running",
                     ));
                 }
+                // Ready to send the notification before anything runs, so
+                // that no copy is left running behind an error.
+                let notify = match &req.args.notif {
+                    Some(_) => Some(
+                        self.peer
+                            .notifier(&self.inner)
+                            .map_err(|e| Error::new(Status::Backend, e))?,
+                    ),
+                    None => None,
+                };
+                x.launch = None;
                 let launch = match x.table.launch() {
                     Ok(l) => Arc::new(l),
                     Err(e) => {
@@ -1190,6 +1201,9 @@ impl Engine {
                         return Err(Error::new(Status::Backend, e));
                     }
                 };
+                for m in &x.mappings {
+                    m.note(&launch);
+                }
                 x.launch = Some(launch.clone());
                 x.limit = per_transfer
                     .deadline_ms
@@ -1202,10 +1216,8 @@ impl Engine {
                 x.reported = false;
                 self.stats.bump_named("peer_map_submitted");
                 self.stats.add_named("peer_map_bytes", x.table.bytes());
-                if let Some(message) = req.args.notif.clone() {
-                    self.peer
-                        .notify_after(&self.inner, launch, x.limit, x.peer_inner.clone(), message)
-                        .map_err(|e| Error::new(Status::Backend, e))?;
+                if let (Some(notify), Some(message)) = (notify, req.args.notif.clone()) {
+                    notify.after(launch, x.limit, x.peer_inner.clone(), message);
                 }
                 Ok(Status::InProgress)
             }
@@ -1294,7 +1306,7 @@ impl Engine {
             // a released UCX transfer's may), but no notification is sent.
             // Its table is freed after it, its mappings closed after it.
             Route::PeerMapped(x) => {
-                if let Some(l) = x.launch.as_ref().filter(|l| l.poll().is_none()) {
+                if let Some(l) = x.launch.as_ref().filter(|l| l.running()) {
                     l.cancelled.store(true, Ordering::SeqCst);
                     self.stats.bump_named("peer_map_cancelled");
                 }

@@ -10,6 +10,7 @@
 //! path or UCX, exactly as before. See docs/design.md §3.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
@@ -20,7 +21,6 @@ use nixl_sys::Agent;
 use super::conn_info::PeerExport;
 use super::{MemKind, Op};
 use crate::config::Config;
-use crate::copy::cuda::CudaRuntime;
 use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
 
 /// Streams per device for peer-mapped copies.
@@ -100,7 +100,7 @@ pub struct PeerXfer {
     /// The mappings the table's addresses point into: open while the request
     /// lives (and, once it is gone, until its last copy ended: see
     /// `PeerMapping`'s drop).
-    pub _mappings: Vec<Arc<PeerMapping>>,
+    pub mappings: Vec<Arc<PeerMapping>>,
     pub launch: Option<Arc<PeerLaunch>>,
     /// How long the posted copy may run before its request fails (the
     /// transfer's deadline, else the configured deadline or timeout).
@@ -147,9 +147,8 @@ impl PeerMaps {
         let id = self
             .identity
             .ok_or("peer mapping is off, or this host cannot be identified")?;
-        let cuda = CudaRuntime::probe()?;
-        let dev = cuda.device(device as usize)?;
-        let (alloc_base, alloc_len, ipc_handle, device_uuid) = peer::export_allocation(&dev, addr)?;
+        let (alloc_base, alloc_len, ipc_handle, device_uuid) =
+            peer::export_allocation(device as usize, addr)?;
         let export = PeerExport {
             host: id.host,
             process: id.process,
@@ -200,10 +199,7 @@ impl PeerMaps {
     fn copier(&self, device: usize) -> Result<Arc<PeerCopier>, String> {
         let mut map = self.copiers.lock().expect("copiers lock");
         map.entry(device)
-            .or_insert_with(|| {
-                let cuda = CudaRuntime::probe()?;
-                PeerCopier::new(cuda.device(device)?, STREAMS_PER_DEVICE)
-            })
+            .or_insert_with(|| PeerCopier::for_device(device, STREAMS_PER_DEVICE))
             .clone()
     }
 
@@ -264,7 +260,7 @@ impl PeerMaps {
         let table = copier.prepare(&runs, started)?;
         Ok(PeerXfer {
             table,
-            _mappings: mappings,
+            mappings,
             launch: None,
             limit: Duration::MAX,
             reported: false,
@@ -272,30 +268,40 @@ impl PeerMaps {
         })
     }
 
-    /// Sends `message` to `peer_inner` through `inner` once `launch` ended
-    /// (unless the request was released first). A thread of the engine does
-    /// it, so the notification leaves even if the application never polls
-    /// the request.
-    pub fn notify_after(
-        &self,
-        inner: &Agent,
-        launch: Arc<PeerLaunch>,
-        limit: Duration,
-        peer_inner: String,
-        message: Vec<u8>,
-    ) -> Result<(), String> {
+    /// The way to send notifications of peer-mapped transfers (the
+    /// engine's notifier thread, started at the first use).
+    pub fn notifier(&self, inner: &Agent) -> Result<Notify, String> {
         let mut slot = self.notifier.lock().expect("notifier lock");
         if slot.is_none() {
             *slot = Some(Notifier::start(inner.clone())?);
         }
         let n = slot.as_ref().expect("started above");
-        n.tx.send(Pending {
+        Ok(Notify(n.tx.clone()))
+    }
+}
+
+/// Queues notifications for the notifier thread.
+pub struct Notify(mpsc::Sender<Pending>);
+
+impl Notify {
+    /// Sends `message` to `peer_inner` once `launch` ended, unless the
+    /// request was released or failed first. A thread of the engine does
+    /// it, so the notification leaves even if the application never polls
+    /// the request.
+    pub fn after(
+        self,
+        launch: Arc<PeerLaunch>,
+        limit: Duration,
+        peer_inner: String,
+        message: Vec<u8>,
+    ) {
+        // The thread ends only with the engine, after every sender is gone.
+        let _ = self.0.send(Pending {
             launch,
             limit,
             peer_inner,
             message,
-        })
-        .map_err(|_| "the peer-map notifier has stopped".to_string())
+        });
     }
 }
 
@@ -322,27 +328,47 @@ struct Pending {
 struct Notifier {
     tx: mpsc::Sender<Pending>,
     thread: JoinHandle<()>,
+    /// Set when the engine goes: copies still running get at most
+    /// [`STOP_GRACE`] more before their notifications are given up.
+    stopping: Arc<AtomicBool>,
 }
+
+/// How long a stopping notifier still waits for a copy to end.
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 impl Notifier {
     fn start(inner: Agent) -> Result<Self, String> {
         let (tx, rx) = mpsc::channel::<Pending>();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
         let thread = std::thread::Builder::new()
             .name("bounce-peer-notify".into())
             .spawn(move || {
                 for p in rx {
+                    let mut stop_seen: Option<std::time::Instant> = None;
                     let ended = loop {
-                        p.launch.expire(p.limit);
-                        match p.launch.poll() {
-                            None => std::thread::sleep(Duration::from_micros(20)),
-                            Some(r) => break r,
+                        if p.launch.cancelled.load(Ordering::SeqCst) {
+                            break Err("released".to_string());
                         }
+                        p.launch.expire(p.limit);
+                        if let Some(r) = p.launch.poll() {
+                            break r;
+                        }
+                        if stop.load(Ordering::SeqCst) {
+                            let since = *stop_seen.get_or_insert_with(std::time::Instant::now);
+                            if since.elapsed() > STOP_GRACE {
+                                break Err("the engine stopped before the copy ended".into());
+                            }
+                        }
+                        std::thread::sleep(Duration::from_micros(20));
                     };
                     if let Err(e) = ended {
-                        tracing::warn!("no notification for a failed peer-mapped copy: {e}");
+                        if !p.launch.cancelled.load(Ordering::SeqCst) {
+                            tracing::warn!("no notification for a peer-mapped copy: {e}");
+                        }
                         continue;
                     }
-                    if p.launch.cancelled.load(std::sync::atomic::Ordering::SeqCst) {
+                    if p.launch.cancelled.load(Ordering::SeqCst) {
                         continue;
                     }
                     if let Err(e) = inner.send_notification(&p.peer_inner, &p.message, None) {
@@ -351,11 +377,17 @@ impl Notifier {
                 }
             })
             .map_err(|e| format!("starting the peer-map notifier: {e}"))?;
-        Ok(Notifier { tx, thread })
+        Ok(Notifier {
+            tx,
+            thread,
+            stopping,
+        })
     }
 
-    /// Sends what is queued (each after its copy) and ends the thread.
+    /// Sends what is queued (each after its copy, waiting at most
+    /// [`STOP_GRACE`] more per copy) and ends the thread.
     fn stop(self) {
+        self.stopping.store(true, Ordering::SeqCst);
         drop(self.tx);
         let _ = self.thread.join();
     }
