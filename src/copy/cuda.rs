@@ -116,6 +116,73 @@ impl TableLayout {
     }
 }
 
+/// The three parts of a run table of `nruns` runs laid out by `layout` in
+/// the buffer at `base`: the runs, the tile starts, the stride slots.
+///
+/// # Safety
+/// `base` must point to at least `layout.capacity` writable bytes, aligned
+/// to 8, that nothing else reads or writes while the slices live, and
+/// `layout` must be `TableLayout::new(nruns)`.
+pub(crate) unsafe fn table_parts<'a>(
+    base: *mut u8,
+    layout: &TableLayout,
+) -> (&'a mut [DevRun], &'a mut [u32], &'a mut [DevStrides]) {
+    let nruns = layout.nruns;
+    // SAFETY (of each part): nruns DevRuns at 0, nruns + 1 u32s at
+    // tile_start_offset, nruns DevStrides at strides_offset (16-aligned):
+    // disjoint, inside `layout.capacity`, aligned for their types given an
+    // 8-aligned base (the caller's promise).
+    (
+        std::slice::from_raw_parts_mut(base as *mut DevRun, nruns),
+        std::slice::from_raw_parts_mut(base.add(layout.tile_start_offset) as *mut u32, nruns + 1),
+        std::slice::from_raw_parts_mut(base.add(layout.strides_offset) as *mut DevStrides, nruns),
+    )
+}
+
+/// Launches `func` (one of the copy kernels) over the table at device
+/// address `table` laid out by `layout`, with the grid `shape` asks for.
+///
+/// # Safety
+/// `func` must be a copy kernel of the current context's module, `table` a
+/// filled table (`fill_table`) that stays allocated and unchanged until the
+/// kernel ended, and every address in it valid for the kernel to read
+/// (sources) or write (destinations) until then.
+pub(crate) unsafe fn launch_copy(
+    func: &CudaFunction,
+    table: u64,
+    layout: &TableLayout,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+) -> Result<(), result::DriverError> {
+    let mut a_runs: u64 = table;
+    let mut a_tile_start: u64 = table + layout.tile_start_offset as u64;
+    let mut a_strides: u64 = table + layout.strides_offset as u64;
+    let mut a_total: u32 = shape.total_tiles;
+    let mut a_tpw: u32 = shape.tiles_per_warp;
+    let mut a_shift: u32 = shape.tile_shift();
+    let mut a_nruns: u32 = shape.nruns;
+    let mut params: [*mut c_void; 7] = [
+        &mut a_runs as *mut u64 as *mut c_void,
+        &mut a_tile_start as *mut u64 as *mut c_void,
+        &mut a_strides as *mut u64 as *mut c_void,
+        &mut a_total as *mut u32 as *mut c_void,
+        &mut a_tpw as *mut u32 as *mut c_void,
+        &mut a_shift as *mut u32 as *mut c_void,
+        &mut a_nruns as *mut u32 as *mut c_void,
+    ];
+    // The kernels' parameters are (u64, u64, u64, u32, u32, u32, u32),
+    // matching `params`, which cuLaunchKernel copies before returning; the
+    // rest is the caller's promise.
+    result::launch_kernel(
+        func.cu_function(),
+        (shape.grid, 1, 1),
+        (BLOCK_THREADS, 1, 1),
+        0,
+        stream,
+        &mut params,
+    )
+}
+
 /// The launch a filled table describes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchShape {
@@ -1116,26 +1183,12 @@ impl ExecGuard {
             .ensure(layout.capacity)
             .map_err(|e| err(e, true))?;
         let nruns = runs.len();
-        // SAFETY: the table holds at least `layout.capacity` bytes: nruns
-        // DevRuns at 0, nruns + 1 u32s at tile_start_offset, nruns
-        // DevStrides at strides_offset (16-aligned); the three ranges are
-        // disjoint. cuMemHostAlloc memory is page-aligned, so every part is
-        // aligned for its type. The context is borrowed exclusively and
-        // idle, so no kernel reads the table while it is rewritten.
-        let (out_runs, out_tile_start, out_strides) = unsafe {
-            let base = ctx.table.host;
-            (
-                std::slice::from_raw_parts_mut(base as *mut DevRun, nruns),
-                std::slice::from_raw_parts_mut(
-                    base.add(layout.tile_start_offset) as *mut u32,
-                    nruns + 1,
-                ),
-                std::slice::from_raw_parts_mut(
-                    base.add(layout.strides_offset) as *mut DevStrides,
-                    nruns,
-                ),
-            )
-        };
+        // SAFETY: the pinned table holds at least `layout.capacity` bytes
+        // (ensured above), page-aligned (cuMemHostAlloc); the context is
+        // borrowed exclusively and idle, so no kernel reads the table while
+        // it is rewritten.
+        let (out_runs, out_tile_start, out_strides) =
+            unsafe { table_parts(ctx.table.host, &layout) };
         let t1 = Instant::now();
         let shape = fill_table(
             direction,
@@ -1186,44 +1239,17 @@ impl ExecGuard {
         let t3 = Instant::now();
         // The table writes above must be visible before the launch doorbell.
         fence(Ordering::SeqCst);
-        let mut a_runs: u64 = table_dev;
-        let mut a_tile_start: u64 = table_dev + layout.tile_start_offset as u64;
-        let mut a_strides: u64 = table_dev + layout.strides_offset as u64;
-        let mut a_total: u32 = shape.total_tiles;
-        let mut a_tpw: u32 = shape.tiles_per_warp;
-        let mut a_shift: u32 = shape.tile_shift();
-        let mut a_nruns: u32 = shape.nruns;
-        let mut params: [*mut c_void; 7] = [
-            &mut a_runs as *mut u64 as *mut c_void,
-            &mut a_tile_start as *mut u64 as *mut c_void,
-            &mut a_strides as *mut u64 as *mut c_void,
-            &mut a_total as *mut u32 as *mut c_void,
-            &mut a_tpw as *mut u32 as *mut c_void,
-            &mut a_shift as *mut u32 as *mut c_void,
-            &mut a_nruns as *mut u32 as *mut c_void,
-        ];
         let func = if zero_copy {
             &kernel.func_zero_copy
         } else {
             &kernel.func
         };
-        // SAFETY: the function is a live kernel of this device's module whose
-        // parameters are (u64, u64, u64, u32, u32, u32, u32), matching
-        // `params` (cuLaunchKernel copies them before returning). The table
-        // it reads stays allocated and unchanged until the context is idle
-        // again. Every address in the table was checked: the region side
-        // against `region` (check_runs), the application side by the caller
-        // (see CopyEngine).
-        let launched = unsafe {
-            result::launch_kernel(
-                func.cu_function(),
-                (shape.grid, 1, 1),
-                (BLOCK_THREADS, 1, 1),
-                0,
-                stream,
-                &mut params,
-            )
-        };
+        // SAFETY: a copy kernel of this device's module over the table just
+        // filled, which stays allocated and unchanged until the context is
+        // idle again. Every address in the table was checked: the region
+        // side against `region` (check_runs), the application side by the
+        // caller (see CopyEngine).
+        let launched = unsafe { launch_copy(func, table_dev, &layout, &shape, stream) };
         if let Err(e) = launched {
             return Err(self.after_failure(
                 direction,

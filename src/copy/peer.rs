@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::cuda::{
-    fill_table, CopyKernel, CudaDevice, CudaRuntime, DevRun, DevStrides, LaunchShape, TableLayout,
-    BLOCK_THREADS, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
+    fill_table, launch_copy, table_parts, CopyKernel, CudaDevice, CudaRuntime, LaunchShape,
+    TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
 use crate::proto::Run;
@@ -295,25 +295,10 @@ impl PeerCopier {
             .ok_or_else(|| format!("{} runs overflow the run table", runs.len()))?;
         // One u64 buffer keeps every part of the table 8-byte aligned.
         let mut host = vec![0u64; layout.capacity.div_ceil(8)];
-        let nruns = runs.len();
-        // SAFETY: `host` holds `layout.capacity` bytes: nruns DevRuns at 0,
-        // nruns + 1 u32s at tile_start_offset and nruns DevStrides at
-        // strides_offset (16-aligned offsets of an 8-aligned buffer; DevRun
-        // and DevStrides need 8); the three ranges are disjoint.
-        let (out_runs, out_tile_start, out_strides) = unsafe {
-            let base = host.as_mut_ptr() as *mut u8;
-            (
-                std::slice::from_raw_parts_mut(base as *mut DevRun, nruns),
-                std::slice::from_raw_parts_mut(
-                    base.add(layout.tile_start_offset) as *mut u32,
-                    nruns + 1,
-                ),
-                std::slice::from_raw_parts_mut(
-                    base.add(layout.strides_offset) as *mut DevStrides,
-                    nruns,
-                ),
-            )
-        };
+        // SAFETY: `host` holds `layout.capacity` bytes, 8-aligned (a u64
+        // buffer), used by nothing else.
+        let (out_runs, out_tile_start, out_strides) =
+            unsafe { table_parts(host.as_mut_ptr() as *mut u8, &layout) };
         let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
         let shape = fill_table(
             Direction::Gather,
@@ -459,38 +444,19 @@ impl PeerTable {
             .context()
             .new_event(None)
             .map_err(|e| format!("cuEventCreate: {e}"))?;
-        let mut a_runs: u64 = self.ptr;
-        let mut a_tile_start: u64 = self.ptr + self.layout.tile_start_offset as u64;
-        let mut a_strides: u64 = self.ptr + self.layout.strides_offset as u64;
-        let mut a_total: u32 = self.shape.total_tiles;
-        let mut a_tpw: u32 = self.shape.tiles_per_warp;
-        let mut a_shift: u32 = self.shape.tile_shift();
-        let mut a_nruns: u32 = self.shape.nruns;
-        let mut params: [*mut c_void; 7] = [
-            &mut a_runs as *mut u64 as *mut c_void,
-            &mut a_tile_start as *mut u64 as *mut c_void,
-            &mut a_strides as *mut u64 as *mut c_void,
-            &mut a_total as *mut u32 as *mut c_void,
-            &mut a_tpw as *mut u32 as *mut c_void,
-            &mut a_shift as *mut u32 as *mut c_void,
-            &mut a_nruns as *mut u32 as *mut c_void,
-        ];
-        // SAFETY: the function is this device's copy kernel, whose
-        // parameters are (u64, u64, u64, u32, u32, u32, u32) as in `params`
-        // (copied by cuLaunchKernel before it returns). The table it reads
-        // was uploaded and synchronised in `prepare` and is freed only after
-        // this launch (stream-ordered on the same stream, in Drop). Every address in it was
-        // checked by the engine: sources and destinations lie in memory
+        // SAFETY: this device's copy kernel over the table uploaded and
+        // synchronised in `prepare`, freed only after this launch
+        // (stream-ordered on the same stream, in Drop). Every address in it
+        // was checked by the engine: sources and destinations lie in memory
         // registered here or in the peer's registered memory, translated
-        // into a mapping that stays open until this device's copies ended.
+        // into a mapping that stays open until the copies through it ended.
         let launched = unsafe {
-            result::launch_kernel(
-                c.kernel.function().cu_function(),
-                (self.shape.grid, 1, 1),
-                (BLOCK_THREADS, 1, 1),
-                0,
+            launch_copy(
+                c.kernel.function(),
+                self.ptr,
+                &self.layout,
+                &self.shape,
                 stream.cu_stream(),
-                &mut params,
             )
         };
         launched.map_err(|e| {
@@ -771,6 +737,7 @@ impl Drop for PeerMapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::copy::cuda::DevRun;
 
     #[test]
     fn uuids_parse_strictly() {
