@@ -22,6 +22,7 @@
 
 use std::ffi::c_void;
 use std::io::Read;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -193,8 +194,13 @@ pub fn export_allocation(
 pub struct PeerCopier {
     device: Arc<CudaDevice>,
     kernel: Arc<CopyKernel>,
-    streams: Vec<Arc<CudaStream>>,
-    upload: Arc<CudaStream>,
+    /// Dropped by hand, inside a [`ContextScope`]: cudarc's drop of a
+    /// stream makes its context current and leaves it so.
+    streams: ManuallyDrop<Vec<Arc<CudaStream>>>,
+    upload: ManuallyDrop<Arc<CudaStream>>,
+    /// Held while a copy is launched on stream i and noted by its mappings,
+    /// so a mapping's "last copy on stream i" is really the last one.
+    launching: Vec<Mutex<()>>,
     pool: sys::CUmemoryPool,
     next: AtomicUsize,
 }
@@ -207,11 +213,17 @@ unsafe impl Sync for PeerCopier {}
 
 impl Drop for PeerCopier {
     fn drop(&mut self) {
-        if let Ok(_ctx) = ContextScope::enter(&self.device) {
-            // SAFETY: the pool was created in `new`; tables hold an Arc of
-            // this copier, so every table was freed (stream-ordered) before.
-            // The driver releases the pool once those frees completed.
-            let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        let Ok(_ctx) = ContextScope::enter(&self.device) else {
+            return; // leaked: nothing can be released without the context
+        };
+        // SAFETY: the pool was created in `new`; tables hold an Arc of
+        // this copier, so every table was freed (stream-ordered) before.
+        // The driver releases the pool once those frees completed.
+        let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        // SAFETY: dropped once, here, and never used again.
+        unsafe {
+            ManuallyDrop::drop(&mut self.streams);
+            ManuallyDrop::drop(&mut self.upload);
         }
     }
 }
@@ -253,6 +265,25 @@ impl PeerCopier {
         unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
             .result()
             .map_err(|e| format!("cuMemPoolCreate for peer-copy tables: {e}"))?;
+        // Reuse only memory whose free already completed: a block still
+        // queued behind a running copy must not make an upload wait for it.
+        for attr in [
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+        ] {
+            let mut off: std::ffi::c_int = 0;
+            // SAFETY: these attributes take an int through the pointer.
+            let set = unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    attr,
+                    &mut off as *mut std::ffi::c_int as *mut c_void,
+                )
+            };
+            if let Err(e) = set.result() {
+                tracing::debug!("peer-copy table pool: {attr:?} stays on: {e}");
+            }
+        }
         let mut keep: u64 = u64::MAX;
         // SAFETY: the attribute takes a u64 (cuuint64_t) through the pointer.
         let kept = unsafe {
@@ -269,8 +300,9 @@ impl PeerCopier {
         Ok(Arc::new(PeerCopier {
             device,
             kernel,
-            streams,
-            upload,
+            launching: streams.iter().map(|_| Mutex::new(())).collect(),
+            streams: ManuallyDrop::new(streams),
+            upload: ManuallyDrop::new(upload),
             pool,
             next: AtomicUsize::new(0),
         }))
@@ -329,25 +361,31 @@ impl PeerCopier {
         // Every launch of this table goes to one stream, and so does its
         // free: the free is then ordered after every launch that reads it.
         let on = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
-        let mut table = PeerTable {
+        // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive until the
+        // stream is synchronised below.
+        let uploaded = unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
+            .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"))
+            .and_then(|()| {
+                self.upload
+                    .synchronize()
+                    .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))
+            });
+        if let Err(e) = uploaded {
+            // SAFETY: `ptr` came from the pool on this stream and nothing
+            // else uses it; the free is ordered after the upload.
+            let _ = unsafe { result::free_async(ptr, stream) };
+            return Err(e);
+        }
+        // The table is complete and may be read from any stream.
+        Ok(PeerTable {
             copier: self.clone(),
             ptr,
             layout,
             shape,
             stream: on,
             fill_ns: (t1 - t0).as_nanos() as u64,
-            upload_ns: 0,
-        };
-        // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive until the
-        // stream is synchronised below.
-        unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
-            .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"))?;
-        // After this the table is complete and may be read from any stream.
-        self.upload
-            .synchronize()
-            .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))?;
-        table.upload_ns = t1.elapsed().as_nanos() as u64;
-        Ok(table)
+            upload_ns: t1.elapsed().as_nanos() as u64,
+        })
     }
 }
 
@@ -430,10 +468,13 @@ impl PeerTable {
         self.shape.nruns
     }
 
-    /// Launches the copy on the table's stream and records an event after
-    /// it. (The engine refuses to repost a request whose copy still runs;
-    /// were it not to, the copies would only queue on that stream.)
-    pub fn launch(&mut self) -> Result<PeerLaunch, String> {
+    /// Launches the copy on the table's stream, records an event after it
+    /// and notes it in every mapping its addresses point into (`mappings`),
+    /// all under the stream's launch lock, so that each mapping's last copy
+    /// on that stream is the one queued last. (The engine refuses to repost
+    /// a request whose copy still runs; were it not to, the copies would
+    /// only queue on the stream.) On an error nothing runs any more.
+    pub fn launch(&mut self, mappings: &[Arc<PeerMapping>]) -> Result<Arc<PeerLaunch>, String> {
         let _range = crate::nvtx::range(c"bounce peer-mapped launch");
         let c = &self.copier;
         let i = self.stream;
@@ -444,12 +485,14 @@ impl PeerTable {
             .context()
             .new_event(None)
             .map_err(|e| format!("cuEventCreate: {e}"))?;
+        let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: this device's copy kernel over the table uploaded and
         // synchronised in `prepare`, freed only after this launch
         // (stream-ordered on the same stream, in Drop). Every address in it
         // was checked by the engine: sources and destinations lie in memory
         // registered here or in the peer's registered memory, translated
-        // into a mapping that stays open until the copies through it ended.
+        // into mappings that stay open until the copies through them ended
+        // (noted below).
         let launched = unsafe {
             launch_copy(
                 c.kernel.function(),
@@ -465,17 +508,25 @@ impl PeerTable {
                 self.shape.nruns, self.shape.grid
             )
         })?;
-        event
-            .record(stream)
-            .map_err(|e| format!("cuEventRecord after the peer-mapped copy: {e}"))?;
-        Ok(PeerLaunch {
-            event,
+        if let Err(e) = event.record(stream) {
+            // The copy runs untracked: wait for it before reporting.
+            let waited = stream.synchronize();
+            return Err(format!(
+                "cuEventRecord after the peer-mapped copy: {e} (waiting for the copy: {waited:?})"
+            ));
+        }
+        let launch = Arc::new(PeerLaunch {
+            event: ManuallyDrop::new(event),
             device: c.device.clone(),
             stream: i,
             posted: Instant::now(),
             cancelled: AtomicBool::new(false),
             failure: Mutex::new(None),
-        })
+        });
+        for m in mappings {
+            m.note(&launch);
+        }
+        Ok(launch)
     }
 }
 
@@ -500,7 +551,9 @@ impl Drop for PeerTable {
 /// and the notifier (which sends the transfer's notification once it ended).
 #[derive(Debug)]
 pub struct PeerLaunch {
-    event: CudaEvent,
+    /// Dropped by hand, inside a [`ContextScope`] (cudarc's drop of an
+    /// event makes its context current and leaves it so).
+    event: ManuallyDrop<CudaEvent>,
     device: Arc<CudaDevice>,
     /// The copier stream it runs on.
     stream: usize,
@@ -508,6 +561,15 @@ pub struct PeerLaunch {
     /// The request was released before its copy ended: send no notification.
     pub cancelled: AtomicBool,
     failure: Mutex<Option<String>>,
+}
+
+impl Drop for PeerLaunch {
+    fn drop(&mut self) {
+        // A PeerLaunch exists only once the driver is loaded.
+        let _ctx = ContextScope::save();
+        // SAFETY: dropped once, here, and never used again.
+        unsafe { ManuallyDrop::drop(&mut self.event) };
+    }
 }
 
 impl PeerLaunch {

@@ -1182,6 +1182,8 @@ impl Engine {
                         "the peer-mapped transfer is still running",
                     ));
                 }
+                // From here a failure leaves no earlier outcome behind.
+                x.launch = None;
                 // Ready to send the notification before anything runs, so
                 // that no copy is left running behind an error.
                 let notify = match &req.args.notif {
@@ -1192,18 +1194,14 @@ impl Engine {
                     ),
                     None => None,
                 };
-                x.launch = None;
-                let launch = match x.table.launch() {
-                    Ok(l) => Arc::new(l),
+                let launch = match x.table.launch(&x.mappings) {
+                    Ok(l) => l,
                     Err(e) => {
                         EngineStats::bump(&self.stats.counters.transfers_failed);
                         self.stats.bump_named("peer_map_failed");
                         return Err(Error::new(Status::Backend, e));
                     }
                 };
-                for m in &x.mappings {
-                    m.note(&launch);
-                }
                 x.launch = Some(launch.clone());
                 x.limit = per_transfer
                     .deadline_ms

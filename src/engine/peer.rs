@@ -344,8 +344,10 @@ impl Notifier {
         let thread = std::thread::Builder::new()
             .name("bounce-peer-notify".into())
             .spawn(move || {
+                // When the engine began stopping: from then on, at most
+                // STOP_GRACE in all for the copies still queued.
+                let mut stop_seen: Option<std::time::Instant> = None;
                 for p in rx {
-                    let mut stop_seen: Option<std::time::Instant> = None;
                     let ended = loop {
                         if p.launch.cancelled.load(Ordering::SeqCst) {
                             break Err("released".to_string());
