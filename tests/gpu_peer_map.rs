@@ -29,9 +29,11 @@ use nixl_sys::{MemType, OptArgs, RegistrationHandle, XferDescList, XferOp, XferR
 
 const BLOCK: usize = 4096;
 
-fn device() -> Option<Arc<CudaDevice>> {
+/// GPU 0, when there is one and the plugin can run (else the test skips,
+/// saying why).
+fn gpu_and_plugin() -> Option<Arc<CudaDevice>> {
     match CudaRuntime::probe().and_then(|rt| rt.device(0)) {
-        Ok(d) => Some(d),
+        Ok(d) => ready("BOUNCE").then_some(d),
         Err(e) => {
             println!("SKIP: no CUDA driver or device ({e})");
             None
@@ -155,10 +157,7 @@ fn checked(op: XferOp, a: &Side, b: &Side, plan: &Plan, seed: u64) -> &'static s
 #[test]
 #[serial_test::serial]
 fn writes_and_reads_are_one_kernel_through_the_mapping() {
-    let Some(dev) = device() else { return };
-    if !ready("BOUNCE") {
-        return;
-    }
+    let Some(dev) = gpu_and_plugin() else { return };
     for n in [1024, 16384] {
         let (a, b) = pair(&dev, n, &[]);
         let target_before = stats(b.name());
@@ -178,10 +177,7 @@ fn writes_and_reads_are_one_kernel_through_the_mapping() {
 #[test]
 #[serial_test::serial]
 fn the_notification_means_the_data_is_there() {
-    let Some(dev) = device() else { return };
-    if !ready("BOUNCE") {
-        return;
-    }
+    let Some(dev) = gpu_and_plugin() else { return };
     let n = 4096;
     let (a, b) = pair(&dev, n, &[]);
     let plan = Plan::standard(n, BLOCK, 77);
@@ -212,10 +208,7 @@ fn the_notification_means_the_data_is_there() {
 #[test]
 #[serial_test::serial]
 fn a_target_that_turns_peer_mapping_off_gets_the_bounce_path() {
-    let Some(dev) = device() else { return };
-    if !ready("BOUNCE") {
-        return;
-    }
+    let Some(dev) = gpu_and_plugin() else { return };
     let n = 1024;
     let (a, b) = pair(&dev, n, &[("enable_peer_map", "false")]);
     let plan = Plan::standard(n, BLOCK, 5);
@@ -225,10 +218,7 @@ fn a_target_that_turns_peer_mapping_off_gets_the_bounce_path() {
 #[test]
 #[serial_test::serial]
 fn a_release_while_the_copy_runs_sends_nothing_and_harms_nothing() {
-    let Some(dev) = device() else { return };
-    if !ready("BOUNCE") {
-        return;
-    }
+    let Some(dev) = gpu_and_plugin() else { return };
     let n = 16384;
     let (a, b) = pair(&dev, n, &[]);
     let plan = Plan::standard(n, BLOCK, 9);
