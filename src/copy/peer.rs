@@ -34,6 +34,7 @@ use super::cuda::{
     TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
+use crate::proto::plan::add_piece;
 use crate::proto::Run;
 
 /// How long closing a mapping waits for this device's copies to end.
@@ -312,7 +313,7 @@ impl PeerCopier {
         &self.device
     }
 
-    /// Builds and uploads the run table of `runs` (made by [`push_merged`]:
+    /// Builds and uploads the run table of `runs` (made by [`push_copy`]:
     /// a gather into address 0, so `addr` is each source and
     /// `region_offset` each destination). Blocks for the upload only.
     /// `started` is when the caller began building the runs (for the
@@ -403,30 +404,22 @@ pub struct PeerCopy {
     pub len: u64,
 }
 
-/// Appends copy `c` to `runs` as the kernel's runs (a gather into address
-/// 0: `addr` is the source, `region_offset` the destination), merged into
-/// the last run when both its source and destination continue it. Empty
-/// copies are skipped.
-pub fn push_merged(runs: &mut Vec<Run>, c: PeerCopy) {
-    if c.len == 0 {
-        return;
+/// Appends copy `c` to `runs` as the kernel's runs: a gather into address
+/// 0, so `addr` is the source and `region_offset` the destination, merged
+/// with the planner's rule (`proto::plan::add_piece`: contiguous on both
+/// sides, or a uniform stride on both). Empty copies are skipped.
+pub fn push_copy(runs: &mut Vec<Run>, c: PeerCopy) {
+    if c.len > 0 {
+        add_piece(runs, c.dst, c.src, c.len, true);
     }
-    if let Some(last) = runs.last_mut() {
-        if last.addr.checked_add(last.len) == Some(c.src)
-            && last.region_offset.checked_add(last.len) == Some(c.dst)
-        {
-            last.len += c.len;
-            return;
-        }
-    }
-    runs.push(Run::single(c.dst, c.src, c.len));
 }
 
-/// `copies` as merged runs (see [`push_merged`]).
-pub fn merge(copies: &[PeerCopy]) -> Vec<Run> {
+/// `copies` as runs (see [`push_copy`]).
+#[cfg(test)]
+fn merge(copies: &[PeerCopy]) -> Vec<Run> {
     let mut runs = Vec::with_capacity(copies.len());
     for &c in copies {
-        push_merged(&mut runs, c);
+        push_copy(&mut runs, c);
     }
     runs
 }
@@ -756,9 +749,11 @@ impl PeerMapping {
         }
     }
 
-    /// This process's address of byte `offset` of the allocation.
-    pub fn address(&self, offset: u64) -> Option<u64> {
-        (offset < self.len).then(|| self.base + offset)
+    /// This process's address of bytes `[offset, offset + len)` of the
+    /// allocation, if they lie inside it.
+    pub fn address(&self, offset: u64, len: u64) -> Option<u64> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| self.base + offset)
     }
 
     pub fn copier(&self) -> &Arc<PeerCopier> {
@@ -836,6 +831,47 @@ mod tests {
             .collect();
         assert_eq!(got, vec![(0, 1000, 15), (15, 2000, 10), (50, 2010, 5)]);
         assert!(runs.iter().all(|r| r.count == 1));
+    }
+
+    #[test]
+    fn uniformly_strided_copies_become_one_strided_run() {
+        // Blocks every 8 KiB on the source, every 12 KiB on the destination.
+        let copies: Vec<PeerCopy> = (0..64)
+            .map(|i| PeerCopy {
+                src: 0x1000_0000 + i * 8192,
+                dst: 0x9000_0000 + i * 12288,
+                len: 4096,
+            })
+            .collect();
+        let runs = merge(&copies);
+        assert_eq!(runs.len(), 1);
+        let r = runs[0];
+        assert_eq!(
+            (r.addr, r.region_offset, r.len, r.count),
+            (0x1000_0000, 0x9000_0000, 4096, 64)
+        );
+        assert_eq!((r.addr_stride, r.region_stride), (8192, 12288));
+        let mut out_runs = vec![DevRun::default(); 1];
+        let mut starts = vec![0u32; 2];
+        let mut strides = vec![[0u64; 2]; 1];
+        let shape = fill_table(
+            Direction::Gather,
+            WHOLE_ADDRESS_SPACE,
+            &runs,
+            DEFAULT_TILE_BYTES,
+            1 << 20,
+            &mut out_runs,
+            &mut starts,
+            &mut strides,
+        )
+        .unwrap();
+        assert_eq!(shape.total_bytes, 64 * 4096);
+        assert_eq!((shape.nstrided, shape.total_tiles), (1, 64));
+        assert_eq!(
+            (out_runs[0].src, out_runs[0].dst),
+            (0x1000_0000, 0x9000_0000)
+        );
+        assert_eq!(strides[0], [8192, 12288]);
     }
 
     #[test]

@@ -512,13 +512,20 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.op == Op::Read && !r.peer_reads {
         return Err(Fallback::PeerLacksRead);
     }
-    if r.descriptors < cfg.min_descriptor_count.max(1) {
+    descriptor_gate(cfg, r.descriptors, r.bytes)
+}
+
+/// The gate every accelerated path shares (the bounce arena and the
+/// peer-mapped path): at least `min_descriptor_count` descriptors, of
+/// average size at most `max_average_descriptor_size_bytes`.
+pub fn descriptor_gate(cfg: &Config, descriptors: u64, bytes: u64) -> Result<(), Fallback> {
+    if descriptors < cfg.min_descriptor_count.max(1) {
         return Err(Fallback::TooFewDescriptors);
     }
-    if r.bytes
+    if bytes
         > cfg
             .max_average_descriptor_size_bytes
-            .saturating_mul(r.descriptors)
+            .saturating_mul(descriptors)
     {
         return Err(Fallback::DescriptorsTooLarge);
     }

@@ -998,11 +998,11 @@ impl Engine {
 
     /// The peer-mapped path for this transfer, if it can take it (see
     /// [`peer`]); `None` sends it on to the bounce path's routing.
-    fn peer_mapped_route(
+    fn peer_mapped_route<'a>(
         &self,
         op: Op,
-        local: &Side<'_>,
-        remote: &Side<'_>,
+        local: &Side<'a>,
+        remote: &Side<'a>,
         agent: &str,
         inner_remote: &str,
     ) -> Option<peer::PeerXfer> {
@@ -1016,15 +1016,14 @@ impl Engine {
         peer::gate(&self.config, &input).ok()?;
         let started = std::time::Instant::now();
         let device = local.descs.first()?.0.dev;
+        // The peer's allocation holding a remote descriptor, if exported.
+        let peer_alloc = |md: &Option<&'a Md>| match md.map(|m| &m.owner) {
+            Some(MdOwner::Remote { peer: Some(a), .. }) => Some(a),
+            _ => None,
+        };
         // Peers elsewhere (or not exporting) are the common case off one
         // host: no log, no count.
-        let exported = |md: &Option<&Md>| {
-            matches!(
-                md.map(|m| &m.owner),
-                Some(MdOwner::Remote { peer: Some(_), .. })
-            )
-        };
-        if !remote.descs.iter().all(|(_, md)| exported(md)) {
+        if !remote.descs.iter().all(|(_, md)| peer_alloc(md).is_some()) {
             return None;
         }
         let pairs = local
@@ -1032,10 +1031,8 @@ impl Engine {
             .iter()
             .zip(&remote.descs)
             .map(|((l, _), (r, md))| {
-                let alloc = match md.map(|m| &m.owner) {
-                    Some(MdOwner::Remote { peer: Some(a), .. }) => a,
-                    _ => return Err("a remote descriptor in memory not exported for peer mapping"),
-                };
+                let alloc = peer_alloc(md)
+                    .ok_or("a remote descriptor in memory not exported for peer mapping")?;
                 if l.dev != device {
                     return Err("local descriptors on more than one GPU");
                 }

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use nixl_sys::Agent;
 
+use super::bounce::{descriptor_gate, Fallback};
 use super::conn_info::PeerExport;
 use super::{MemKind, Op};
 use crate::config::Config;
@@ -48,17 +49,10 @@ pub fn gate(cfg: &Config, g: &GateInput) -> Result<(), &'static str> {
     if g.local != MemKind::Vram || g.remote != MemKind::Vram {
         return Err("not VRAM on both sides");
     }
-    if g.descriptors < cfg.min_descriptor_count.max(1) {
-        return Err("too few descriptors");
-    }
-    if g.bytes
-        > cfg
-            .max_average_descriptor_size_bytes
-            .saturating_mul(g.descriptors)
-    {
-        return Err("descriptors too large");
-    }
-    Ok(())
+    descriptor_gate(cfg, g.descriptors, g.bytes).map_err(|f| match f {
+        Fallback::TooFewDescriptors => "too few descriptors",
+        _ => "descriptors too large",
+    })
 }
 
 /// A peer's exported allocation, shared by every loaded region in it; holds
@@ -234,15 +228,12 @@ impl PeerMaps {
                     m
                 }
             };
-            let e = &alloc.export;
-            if !e.covers(remote, len) {
-                return Err(format!(
-                    "remote descriptor ({len} bytes at {remote:#x}) lies outside the peer's allocation"
-                ));
-            }
-            let mapped = mapping
-                .address(remote - e.alloc_base)
-                .ok_or("remote descriptor outside the mapping")?;
+            let mapped = remote
+                .checked_sub(alloc.export.alloc_base)
+                .and_then(|offset| mapping.address(offset, len))
+                .ok_or_else(|| {
+                    format!("remote descriptor ({len} bytes at {remote:#x}) lies outside the peer's allocation")
+                })?;
             let copy = match op {
                 Op::Write => PeerCopy {
                     src: local,
@@ -255,7 +246,7 @@ impl PeerMaps {
                     len,
                 },
             };
-            peer::push_merged(&mut runs, copy);
+            peer::push_copy(&mut runs, copy);
         }
         let table = copier.prepare(&runs, started)?;
         Ok(PeerXfer {
