@@ -456,10 +456,6 @@ impl PeerTable {
     pub fn bytes(&self) -> u64 {
         self.shape.total_bytes
     }
-    /// Runs after merging.
-    pub fn runs(&self) -> u32 {
-        self.shape.nruns
-    }
 
     /// Launches the copy on the table's stream, records an event after it
     /// and notes it in every mapping its addresses point into (`mappings`),
@@ -754,10 +750,6 @@ impl PeerMapping {
     pub fn address(&self, offset: u64, len: u64) -> Option<u64> {
         let end = offset.checked_add(len)?;
         (end <= self.len).then(|| self.base + offset)
-    }
-
-    pub fn copier(&self) -> &Arc<PeerCopier> {
-        &self.copier
     }
 }
 
