@@ -204,10 +204,22 @@ pub struct PeerCopier {
     launching: Vec<Mutex<()>>,
     pool: sys::CUmemoryPool,
     next: AtomicUsize,
+    /// Pinned host memory the tables are built in and uploaded from (one
+    /// DMA, no staging by the driver, no page faults), kept between
+    /// preparations; a preparation that finds it in use builds in a
+    /// pageable buffer instead.
+    staging: Mutex<Staging>,
 }
 
-// SAFETY: `pool` is a driver handle, usable from any thread; everything
-// else is Send + Sync already.
+/// A pinned host buffer (`cuMemHostAlloc`), zeroed when allocated.
+struct Staging {
+    ptr: *mut u64,
+    bytes: usize,
+}
+
+// SAFETY: `pool` and `staging.ptr` are driver handles and memory usable from
+// any thread (the staging buffer only under its mutex); everything else is
+// Send + Sync already.
 unsafe impl Send for PeerCopier {}
 // SAFETY: as above; the driver serialises use of the pool.
 unsafe impl Sync for PeerCopier {}
@@ -221,6 +233,12 @@ impl Drop for PeerCopier {
         // this copier, so every table was freed (stream-ordered) before.
         // The driver releases the pool once those frees completed.
         let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        let staging = self.staging.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !staging.ptr.is_null() {
+            // SAFETY: allocated by cuMemHostAlloc in `prepare`; every upload
+            // from it was synchronised before its lock was released.
+            let _ = unsafe { result::free_host(staging.ptr as *mut c_void) };
+        }
         // SAFETY: dropped once, here, and never used again.
         unsafe {
             ManuallyDrop::drop(&mut self.streams);
@@ -306,6 +324,10 @@ impl PeerCopier {
             upload: ManuallyDrop::new(upload),
             pool,
             next: AtomicUsize::new(0),
+            staging: Mutex::new(Staging {
+                ptr: std::ptr::null_mut(),
+                bytes: 0,
+            }),
         }))
     }
 
@@ -326,12 +348,28 @@ impl PeerCopier {
         }
         let layout = TableLayout::new(runs.len())
             .ok_or_else(|| format!("{} runs overflow the run table", runs.len()))?;
-        // One u64 buffer keeps every part of the table 8-byte aligned.
-        let mut host = vec![0u64; layout.capacity.div_ceil(8)];
-        // SAFETY: `host` holds `layout.capacity` bytes, 8-aligned (a u64
-        // buffer), used by nothing else.
+        let _ctx = ContextScope::enter(&self.device)?;
+        // Pinned staging when free (held until the upload completed), else a
+        // pageable buffer of this call's own.
+        let mut staging = self.staging.try_lock().ok();
+        let mut pageable = Vec::new();
+        let pinned = match staging.as_deref_mut() {
+            Some(st) => Self::reserve(st, layout.capacity).then_some(st.ptr),
+            None => None,
+        };
+        let host: *mut u64 = match pinned {
+            Some(p) => p,
+            None => {
+                staging = None;
+                pageable = vec![0u64; layout.capacity.div_ceil(8)];
+                pageable.as_mut_ptr()
+            }
+        };
+        // SAFETY: `host` holds at least `layout.capacity` bytes, 8-aligned
+        // (u64 memory), used by nothing else while `staging` is held (or it
+        // is this call's `pageable`).
         let (out_runs, out_tile_start, out_strides) =
-            unsafe { table_parts(host.as_mut_ptr() as *mut u8, &layout) };
+            unsafe { table_parts(host as *mut u8, &layout) };
         let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
         let shape = fill_table(
             Direction::Gather,
@@ -346,10 +384,9 @@ impl PeerCopier {
         .map_err(|e| e.reason)?;
         let t1 = Instant::now();
         let used = shape.table_bytes();
-        // SAFETY: `host` holds at least `used` initialised bytes (zeroed,
-        // then filled).
-        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
-        let _ctx = ContextScope::enter(&self.device)?;
+        // SAFETY: `host` holds at least `used` initialised bytes (zeroed
+        // when allocated, then filled).
+        let bytes = unsafe { std::slice::from_raw_parts(host as *const u8, used) };
         let stream = self.upload.cu_stream();
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: a stream-ordered allocation from our pool on our own
@@ -371,6 +408,8 @@ impl PeerCopier {
                     .synchronize()
                     .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))
             });
+        drop(staging);
+        drop(pageable);
         if let Err(e) = uploaded {
             // SAFETY: `ptr` came from the pool on this stream and nothing
             // else uses it; the free is ordered after the upload.
@@ -387,6 +426,36 @@ impl PeerCopier {
             fill_ns: (t1 - t0).as_nanos() as u64,
             upload_ns: t1.elapsed().as_nanos() as u64,
         })
+    }
+}
+
+impl PeerCopier {
+    /// Makes `st` hold at least `bytes` (a power of two, at least 64 KiB),
+    /// zeroed when (re)allocated; false when pinned memory is not to be had.
+    /// Needs the device's context current.
+    fn reserve(st: &mut Staging, bytes: usize) -> bool {
+        if st.bytes >= bytes {
+            return true;
+        }
+        let want = bytes.next_power_of_two().max(64 << 10);
+        if !st.ptr.is_null() {
+            // SAFETY: ours, from cuMemHostAlloc; no upload from it is in
+            // flight (each one is synchronised under the lock we hold).
+            let _ = unsafe { result::free_host(st.ptr as *mut c_void) };
+            st.ptr = std::ptr::null_mut();
+            st.bytes = 0;
+        }
+        // SAFETY: a plain pinned allocation; the pointer is checked below.
+        match unsafe { result::malloc_host(want, 0) } {
+            Ok(p) if !p.is_null() => {
+                // SAFETY: `want` writable bytes just allocated.
+                unsafe { std::ptr::write_bytes(p as *mut u8, 0, want) };
+                st.ptr = p as *mut u64;
+                st.bytes = want;
+                true
+            }
+            _ => false,
+        }
     }
 }
 
