@@ -8,6 +8,8 @@ fn main() {
     println!("cargo:rerun-if-changed=plugin/bounce_plugin.cpp");
     println!("cargo:rerun-if-changed=include/bounce_ffi.h");
     println!("cargo:rerun-if-changed=include/nixl_abi/nixl_abi.h");
+    // dlopen/dladdr of the UCX delegate (libdl is part of libc from glibc 2.34).
+    println!("cargo:rustc-link-lib=dl");
 
     // The shim must match NIXL's C++20 / libstdc++ (C++11 string ABI) build.
     // Hidden visibility keeps our inline copies of NIXL's classes private to

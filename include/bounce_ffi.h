@@ -21,9 +21,17 @@
  *   _load_local_md, OWNED by the C++ metadata wrapper NIXL holds; returned
  *   exactly once to Rust by bounce_engine_deregister_mem (for registered
  *   memory) or bounce_engine_unload_md (for loaded metadata), which free it.
- * - bounce_req_t: created by bounce_engine_prep_xfer (or post_xfer when no
- *   prepared handle exists), OWNED by the C++ request wrapper; freed exactly
- *   once by bounce_engine_release_req, which also aborts it if still running.
+ * - bounce_req_t: created by bounce_engine_prep_xfer, OWNED by the C++
+ *   request wrapper; freed exactly once by bounce_engine_release_req, which
+ *   also aborts it if still running.
+ *
+ * The UCX delegate
+ * - Transfers that take neither of BOUNCE's own paths are carried by NIXL's
+ *   UCX engine, which the shim creates beside the Rust engine and calls
+ *   directly (no second NIXL agent, no second preparation). The Rust side
+ *   decides the route (prep_xfer's *delegate) and keeps the UCX engine's
+ *   blobs inside its own metadata: the shim passes UCX's connection info and
+ *   region public data in, and gets the peer's UCX parts back out.
  */
 #ifndef NIXL_BOUNCE_FFI_H
 #define NIXL_BOUNCE_FFI_H
@@ -123,24 +131,40 @@ bounce_status_t bounce_engine_new(bounce_bytes_t local_agent,
                                   void *error_ctx,
                                   bounce_engine_t **out);
 void bounce_engine_free(bounce_engine_t *engine);
+/* The backend parameters for the UCX delegate: calls sink(ctx, key) then
+ * sink(ctx, value) for each. */
+bounce_status_t bounce_engine_ucx_params(bounce_engine_t *engine, bounce_sink_t sink, void *ctx);
+/* Records that the UCX delegate could not be created (reason borrowed for the
+ * call): the engine logs it once. */
+void bounce_engine_report(bounce_engine_t *engine, bounce_bytes_t message);
 
 /* ---- memory ---- */
 
+/* ucx_public: the UCX delegate's public data of the same region. */
 bounce_status_t bounce_engine_register_mem(bounce_engine_t *engine,
                                            uintptr_t addr,
                                            size_t len,
                                            uint64_t dev_id,
                                            bounce_mem_t mem,
+                                           bounce_bytes_t ucx_public,
                                            bounce_md_t **out);
 bounce_status_t bounce_engine_deregister_mem(bounce_engine_t *engine, bounce_md_t *md);
 bounce_status_t bounce_engine_public_data(bounce_engine_t *engine,
                                           const bounce_md_t *md,
                                           bounce_sink_t sink,
                                           void *ctx);
-bounce_status_t bounce_engine_conn_info(bounce_engine_t *engine, bounce_sink_t sink, void *ctx);
+/* ucx_conn: the UCX delegate's connection info, carried inside ours. */
+bounce_status_t bounce_engine_conn_info(bounce_engine_t *engine,
+                                        bounce_bytes_t ucx_conn,
+                                        bounce_sink_t sink,
+                                        void *ctx);
+/* ucx_sink receives the peer's UCX connection info (once, on success). */
 bounce_status_t bounce_engine_load_remote_conn_info(bounce_engine_t *engine,
                                                     bounce_bytes_t remote_agent,
-                                                    bounce_bytes_t conn_info);
+                                                    bounce_bytes_t conn_info,
+                                                    bounce_sink_t ucx_sink,
+                                                    void *ucx_ctx);
+/* ucx_sink receives the UCX public data of the region (once, on success). */
 bounce_status_t bounce_engine_load_remote_md(bounce_engine_t *engine,
                                              uintptr_t addr,
                                              size_t len,
@@ -148,6 +172,8 @@ bounce_status_t bounce_engine_load_remote_md(bounce_engine_t *engine,
                                              bounce_bytes_t public_data,
                                              bounce_mem_t mem,
                                              bounce_bytes_t remote_agent,
+                                             bounce_sink_t ucx_sink,
+                                             void *ucx_ctx,
                                              bounce_md_t **out);
 bounce_status_t bounce_engine_load_local_md(bounce_engine_t *engine,
                                             const bounce_md_t *input,
@@ -161,32 +187,28 @@ bounce_status_t bounce_engine_disconnect(bounce_engine_t *engine, bounce_bytes_t
 
 /* ---- transfers ---- */
 
-/* *req is NULL on entry to prep_xfer; on success it holds a new request. */
+/* *req is NULL on entry to prep_xfer. On success either *delegate is 1 and
+ * *req stays NULL (the transfer is the UCX delegate's to prepare and run), or
+ * *delegate is 0 and *req holds a new request. */
 bounce_status_t bounce_engine_prep_xfer(bounce_engine_t *engine,
                                         bounce_op_t op,
                                         const bounce_desc_list_t *local,
                                         const bounce_desc_list_t *remote,
                                         bounce_bytes_t remote_agent,
                                         const bounce_xfer_args_t *args,
+                                        int32_t *delegate,
                                         bounce_req_t **req);
-/* *req may be NULL (then a request is created as by prep_xfer) or a request
- * from prep_xfer (posted again if it already completed). */
+/* Posts (or posts again, once it completed) a request from prep_xfer. */
 bounce_status_t bounce_engine_post_xfer(bounce_engine_t *engine,
-                                        bounce_op_t op,
-                                        const bounce_desc_list_t *local,
-                                        const bounce_desc_list_t *remote,
-                                        bounce_bytes_t remote_agent,
                                         const bounce_xfer_args_t *args,
-                                        bounce_req_t **req);
+                                        bounce_req_t *req);
 bounce_status_t bounce_engine_check_xfer(bounce_engine_t *engine, bounce_req_t *req);
 bounce_status_t bounce_engine_release_req(bounce_engine_t *engine, bounce_req_t *req);
 
 /* ---- notifications ---- */
 
+/* The notifications of BOUNCE's own paths (the UCX delegate's come from it). */
 bounce_status_t bounce_engine_get_notifs(bounce_engine_t *engine, bounce_notif_sink_t sink, void *ctx);
-bounce_status_t bounce_engine_gen_notif(bounce_engine_t *engine,
-                                        bounce_bytes_t remote_agent,
-                                        bounce_bytes_t msg);
 
 #ifdef __cplusplus
 }

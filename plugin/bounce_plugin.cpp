@@ -1,6 +1,9 @@
 // The BOUNCE plugin shim: NIXL's C++ engine interface -> the C calls of
 // include/bounce_ffi.h, implemented in Rust (src/ffi/). Translation only: no
-// decisions are made here.
+// decisions are made here. The one thing it owns besides the translation is
+// the UCX delegate: NIXL's own UCX engine, loaded from libplugin_UCX.so and
+// called directly for every transfer that the Rust side routes to it, so that
+// such a transfer costs what it costs under UCX (docs/design.md §2).
 //
 // Every entry point from NIXL is noexcept and catches every C++ exception
 // (std::bad_alloc from a string copy, say) and turns it into an error status;
@@ -9,8 +12,13 @@
 #include "bounce_ffi.h"
 #include "nixl_abi/nixl_abi.h"
 
+#include <dlfcn.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -34,6 +42,10 @@ void append_to_vector(void *ctx, const uint8_t *ptr, size_t len) {
     static_cast<std::vector<std::string> *>(ctx)->emplace_back(reinterpret_cast<const char *>(ptr), len);
 }
 
+void assign_string(void *ctx, const uint8_t *ptr, size_t len) {
+    static_cast<std::string *>(ctx)->assign(reinterpret_cast<const char *>(ptr), len);
+}
+
 void append_notif(void *ctx, bounce_bytes_t agent, bounce_bytes_t msg) {
     static_cast<notif_list_t *>(ctx)->emplace_back(
         std::string(reinterpret_cast<const char *>(agent.ptr), agent.len),
@@ -53,24 +65,135 @@ template <class F> nixl_status_t guarded(const char *what, F &&f) noexcept {
 }
 
 // NIXL-owned metadata object wrapping a Rust bounce_md_t (owned, see
-// bounce_ffi.h). `loaded` tells which Rust call releases it.
+// bounce_ffi.h) and the UCX delegate's metadata of the same memory (owned).
+// `loaded` tells which calls release them.
 class BounceMD final : public nixlBackendMD {
 public:
-    BounceMD(bounce_md_t *md, bool loaded) : nixlBackendMD(!loaded), md(md), loaded(loaded) {}
+    BounceMD(bounce_md_t *md, nixlBackendMD *ucx, bool loaded)
+        : nixlBackendMD(!loaded), md(md), ucx(ucx), loaded(loaded) {}
     bounce_md_t *const md;
+    nixlBackendMD *const ucx;
     const bool loaded;
-};
-
-// NIXL-owned request handle wrapping a Rust bounce_req_t (owned).
-class BounceReqH final : public nixlBackendReqH {
-public:
-    explicit BounceReqH(bounce_req_t *req) : req(req) {}
-    bounce_req_t *const req;
 };
 
 const bounce_md_t *rust_md(const nixlBackendMD *md) {
     return md ? static_cast<const BounceMD *>(md)->md : nullptr;
 }
+
+nixlBackendMD *ucx_md(const nixlBackendMD *md) {
+    return md ? static_cast<const BounceMD *>(md)->ucx : nullptr;
+}
+
+// A copy of a NIXL descriptor list with every descriptor's metadata replaced
+// by the UCX delegate's metadata of the same memory: the list UCX's engine
+// expects. One pass, 32 bytes a descriptor.
+std::unique_ptr<nixl_meta_dlist_t> ucx_list(const nixl_meta_dlist_t &list) {
+    auto out = std::make_unique<nixl_meta_dlist_t>(list.getType());
+    const int n = list.descCount();
+    out->reserve(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+        nixlMetaDesc d = list[static_cast<size_t>(i)];
+        d.metadataP = ucx_md(d.metadataP);
+        out->emplace(d);
+    }
+    return out;
+}
+
+// NIXL-owned request handle: a Rust bounce_req_t (owned), or a request of
+// the UCX delegate (owned) with the lists it was prepared with (kept for its
+// posts: NIXL posts a prepared request with the lists it prepared it with).
+class BounceReqH final : public nixlBackendReqH {
+public:
+    explicit BounceReqH(bounce_req_t *req) : req(req) {}
+    BounceReqH(nixlBackendReqH *ucx,
+               std::unique_ptr<nixl_meta_dlist_t> local,
+               std::unique_ptr<nixl_meta_dlist_t> remote)
+        : ucx(ucx), ucx_local(std::move(local)), ucx_remote(std::move(remote)) {}
+    bounce_req_t *const req = nullptr;
+    nixlBackendReqH *ucx = nullptr;
+    const std::unique_ptr<nixl_meta_dlist_t> ucx_local, ucx_remote;
+};
+
+// NIXL's UCX engine, created from the UCX plugin installed beside this one.
+class UcxDelegate {
+public:
+    // Loads libplugin_UCX.so from this plugin's own folder (where NIXL's
+    // wheel keeps it; README "setup") or else from NIXL_PLUGIN_DIR, and
+    // creates an engine with the application's init parameters and the UCX
+    // subset of its backend parameters. nullptr with `error` set on failure.
+    static std::unique_ptr<UcxDelegate>
+    create(const nixlBackendInitParams *init, const nixl_b_params_t &params, std::string &error) {
+        const std::string path = plugin_path();
+        void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+        if (!lib) {
+            const char *why = dlerror();
+            error = "cannot load NIXL's UCX plugin " + path + " (" + (why ? why : "unknown error") +
+                "); BOUNCE needs it beside libplugin_BOUNCE.so";
+            return nullptr;
+        }
+        using init_fn = nixlBackendPlugin *(*)();
+        auto plugin_init = reinterpret_cast<init_fn>(dlsym(lib, "nixl_plugin_init"));
+        nixlBackendPlugin *plugin = plugin_init ? plugin_init() : nullptr;
+        if (!plugin || plugin->api_version != NIXL_PLUGIN_API_VERSION || !plugin->create_engine ||
+            !plugin->destroy_engine) {
+            error = path + " is not a NIXL plugin of API version " + std::to_string(NIXL_PLUGIN_API_VERSION);
+            dlclose(lib);
+            return nullptr;
+        }
+        nixl_b_params_t ucx_params = params;
+        nixlBackendInitParams ucx_init;
+        ucx_init.localAgent = init->localAgent;
+        ucx_init.type = "UCX";
+        ucx_init.customParams = &ucx_params;
+        ucx_init.enableProgTh = init->enableProgTh;
+        ucx_init.pthrDelay = init->pthrDelay;
+        ucx_init.syncMode = init->syncMode;
+        ucx_init.enableTelemetry_ = init->enableTelemetry_;
+        nixlBackendEngine *engine = plugin->create_engine(&ucx_init);
+        if (!engine || engine->getInitErr()) {
+            error = "NIXL's UCX engine (" + path + ") failed to initialise with the parameters given";
+            if (engine) {
+                plugin->destroy_engine(engine);
+            }
+            dlclose(lib);
+            return nullptr;
+        }
+        return std::unique_ptr<UcxDelegate>(new UcxDelegate(lib, plugin, engine));
+    }
+
+    ~UcxDelegate() {
+        plugin_->destroy_engine(engine);
+        // The library stays loaded: UCX keeps process-wide state (its memory
+        // hooks among it) that must not be unmapped under the application.
+    }
+
+    nixlBackendEngine *const engine;
+
+private:
+    UcxDelegate(void *lib, nixlBackendPlugin *plugin, nixlBackendEngine *engine)
+        : engine(engine), lib_(lib), plugin_(plugin) {}
+
+    static std::string plugin_path() {
+        Dl_info info{};
+        if (dladdr(reinterpret_cast<void *>(&plugin_path), &info) != 0 && info.dli_fname) {
+            std::string self = info.dli_fname;
+            const size_t slash = self.rfind('/');
+            if (slash != std::string::npos) {
+                std::string beside = self.substr(0, slash + 1) + "libplugin_UCX.so";
+                if (access(beside.c_str(), R_OK) == 0) {
+                    return beside;
+                }
+            }
+        }
+        if (const char *dir = std::getenv("NIXL_PLUGIN_DIR"); dir && *dir) {
+            return std::string(dir) + "/libplugin_UCX.so";
+        }
+        return "libplugin_UCX.so";
+    }
+
+    void *lib_;
+    nixlBackendPlugin *plugin_;
+};
 
 // Flattens a NIXL descriptor list into a C array for one call.
 class DescList {
@@ -112,16 +235,34 @@ public:
             bytes(init->localAgent), params.data(), params.size(), append_to_string, &error, &engine);
         if (st != BOUNCE_SUCCESS || engine == nullptr) {
             // NIXL reports this as "backend initialization error"; the reason
-            // was logged by the Rust side, and is kept here for the destructor.
+            // was logged by the Rust side.
             initErr = true;
             engine = nullptr;
+            return;
+        }
+        std::vector<std::string> flat;
+        if (bounce_engine_ucx_params(engine, append_to_vector, &flat) != BOUNCE_SUCCESS) {
+            initErr = true;
+            return;
+        }
+        nixl_b_params_t ucx_params;
+        for (size_t i = 0; i + 1 < flat.size(); i += 2) {
+            ucx_params.emplace(flat[i], flat[i + 1]);
+        }
+        ucx = UcxDelegate::create(init, ucx_params, error);
+        if (!ucx) {
+            bounce_engine_report(engine, bytes(error));
+            initErr = true;
         }
     }
 
     ~BounceEngine() override {
+        // The Rust engine first: its threads may still send through its own
+        // inner agent, never through the delegate.
         if (engine) {
             bounce_engine_free(engine);
         }
+        ucx.reset();
     }
 
     bool supportsRemote() const override { return true; }
@@ -131,13 +272,27 @@ public:
 
     nixl_status_t registerMem(const nixlBlobDesc &mem, const nixl_mem_t &kind, nixlBackendMD *&out) override {
         return guarded("registerMem", [&] {
-            bounce_md_t *md = nullptr;
-            const bounce_status_t st = bounce_engine_register_mem(
-                engine, mem.addr, mem.len, mem.devId, static_cast<bounce_mem_t>(kind), &md);
-            if (st == BOUNCE_SUCCESS) {
-                out = wrap_md(md, false);
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
             }
-            return st;
+            nixlBackendMD *u = nullptr;
+            nixl_status_t st = ucx->engine->registerMem(mem, kind, u);
+            if (st != NIXL_SUCCESS) {
+                return st;
+            }
+            std::string pub;
+            st = ucx->engine->getPublicData(u, pub);
+            bounce_md_t *md = nullptr;
+            if (st == NIXL_SUCCESS) {
+                st = static_cast<nixl_status_t>(bounce_engine_register_mem(
+                    engine, mem.addr, mem.len, mem.devId, static_cast<bounce_mem_t>(kind), bytes(pub), &md));
+            }
+            if (st != NIXL_SUCCESS) {
+                ucx->engine->deregisterMem(u);
+                return st;
+            }
+            out = wrap_md(md, u, false);
+            return NIXL_SUCCESS;
         });
     }
 
@@ -150,11 +305,24 @@ public:
     }
 
     nixl_status_t connect(const std::string &remote_agent) override {
-        return guarded("connect", [&] { return bounce_engine_connect(engine, bytes(remote_agent)); });
+        return guarded("connect", [&] {
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
+            }
+            const nixl_status_t st = ucx->engine->connect(remote_agent);
+            if (st != NIXL_SUCCESS) {
+                return st;
+            }
+            return static_cast<nixl_status_t>(bounce_engine_connect(engine, bytes(remote_agent)));
+        });
     }
 
     nixl_status_t disconnect(const std::string &remote_agent) override {
-        return guarded("disconnect", [&] { return bounce_engine_disconnect(engine, bytes(remote_agent)); });
+        return guarded("disconnect", [&] {
+            const bounce_status_t own = bounce_engine_disconnect(engine, bytes(remote_agent));
+            const nixl_status_t st = ucx ? ucx->engine->disconnect(remote_agent) : NIXL_SUCCESS;
+            return own != BOUNCE_SUCCESS ? static_cast<nixl_status_t>(own) : st;
+        });
     }
 
     nixl_status_t prepXfer(const nixl_xfer_op_t &op,
@@ -164,15 +332,39 @@ public:
                            nixlBackendReqH *&handle,
                            const nixl_opt_b_args_t *opt_args) const override {
         return guarded("prepXfer", [&] {
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
+            }
             const DescList l(local), r(remote);
             const bounce_xfer_args_t args = xfer_args(opt_args);
+            int32_t delegate = 0;
             bounce_req_t *req = nullptr;
             const bounce_status_t st = bounce_engine_prep_xfer(
-                engine, static_cast<bounce_op_t>(op), l.get(), r.get(), bytes(remote_agent), &args, &req);
-            if (st == BOUNCE_SUCCESS) {
-                handle = wrap_req(req);
+                engine, static_cast<bounce_op_t>(op), l.get(), r.get(), bytes(remote_agent), &args, &delegate, &req);
+            if (st != BOUNCE_SUCCESS) {
+                return static_cast<nixl_status_t>(st);
             }
-            return st;
+            if (!delegate) {
+                handle = wrap_req(req);
+                return NIXL_SUCCESS;
+            }
+            auto ul = ucx_list(local);
+            auto ur = ucx_list(remote);
+            nixlBackendReqH *u = nullptr;
+            const nixl_status_t ust = ucx->engine->prepXfer(op, *ul, *ur, remote_agent, u, opt_args);
+            if (ust != NIXL_SUCCESS) {
+                if (u) {
+                    ucx->engine->releaseReqH(u);
+                }
+                return ust;
+            }
+            try {
+                handle = new BounceReqH(u, std::move(ul), std::move(ur));
+            } catch (...) {
+                ucx->engine->releaseReqH(u);
+                throw;
+            }
+            return NIXL_SUCCESS;
         });
     }
 
@@ -183,33 +375,41 @@ public:
                            nixlBackendReqH *&handle,
                            const nixl_opt_b_args_t *opt_args) const override {
         return guarded("postXfer", [&] {
-            const DescList l(local), r(remote);
-            const bounce_xfer_args_t args = xfer_args(opt_args);
-            bounce_req_t *req = handle ? static_cast<BounceReqH *>(handle)->req : nullptr;
-            const bool fresh = (req == nullptr);
-            const bounce_status_t st = bounce_engine_post_xfer(
-                engine, static_cast<bounce_op_t>(op), l.get(), r.get(), bytes(remote_agent), &args, &req);
-            if (fresh && req != nullptr) {
-                handle = wrap_req(req);
+            if (!handle) {
+                // NIXL always prepares first; a bare post is prepared here.
+                const nixl_status_t st = prepXfer(op, local, remote, remote_agent, handle, opt_args);
+                if (st != NIXL_SUCCESS) {
+                    return st;
+                }
             }
-            return st;
+            auto *h = static_cast<BounceReqH *>(handle);
+            if (h->ucx) {
+                return ucx->engine->postXfer(op, *h->ucx_local, *h->ucx_remote, remote_agent, h->ucx, opt_args);
+            }
+            const bounce_xfer_args_t args = xfer_args(opt_args);
+            return static_cast<nixl_status_t>(bounce_engine_post_xfer(engine, &args, h->req));
         });
     }
 
     nixl_status_t checkXfer(nixlBackendReqH *handle) const override {
         return guarded("checkXfer", [&] {
-            return handle ? bounce_engine_check_xfer(engine, static_cast<BounceReqH *>(handle)->req)
-                          : BOUNCE_ERR_INVALID_PARAM;
+            if (!handle) {
+                return NIXL_ERR_INVALID_PARAM;
+            }
+            auto *h = static_cast<BounceReqH *>(handle);
+            return h->ucx ? ucx->engine->checkXfer(h->ucx)
+                          : static_cast<nixl_status_t>(bounce_engine_check_xfer(engine, h->req));
         });
     }
 
     nixl_status_t releaseReqH(nixlBackendReqH *handle) const override {
         return guarded("releaseReqH", [&] {
             if (!handle) {
-                return BOUNCE_ERR_INVALID_PARAM;
+                return NIXL_ERR_INVALID_PARAM;
             }
             auto *h = static_cast<BounceReqH *>(handle);
-            const bounce_status_t st = bounce_engine_release_req(engine, h->req);
+            const nixl_status_t st = h->ucx ? ucx->engine->releaseReqH(h->ucx)
+                                            : static_cast<nixl_status_t>(bounce_engine_release_req(engine, h->req));
             delete h;
             return st;
         });
@@ -224,14 +424,36 @@ public:
 
     nixl_status_t getConnInfo(std::string &str) const override {
         return guarded("getConnInfo", [&] {
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
+            }
+            std::string ucx_conn;
+            const nixl_status_t st = ucx->engine->getConnInfo(ucx_conn);
+            if (st != NIXL_SUCCESS) {
+                return st;
+            }
             str.clear();
-            return bounce_engine_conn_info(engine, append_to_string, &str);
+            return static_cast<nixl_status_t>(
+                bounce_engine_conn_info(engine, bytes(ucx_conn), append_to_string, &str));
         });
     }
 
     nixl_status_t loadRemoteConnInfo(const std::string &remote_agent, const std::string &info) override {
         return guarded("loadRemoteConnInfo", [&] {
-            return bounce_engine_load_remote_conn_info(engine, bytes(remote_agent), bytes(info));
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
+            }
+            std::string ucx_conn;
+            const bounce_status_t st = bounce_engine_load_remote_conn_info(
+                engine, bytes(remote_agent), bytes(info), assign_string, &ucx_conn);
+            if (st != BOUNCE_SUCCESS) {
+                return static_cast<nixl_status_t>(st);
+            }
+            const nixl_status_t ust = ucx->engine->loadRemoteConnInfo(remote_agent, ucx_conn);
+            if (ust != NIXL_SUCCESS) {
+                bounce_engine_disconnect(engine, bytes(remote_agent));
+            }
+            return ust;
         });
     }
 
@@ -240,45 +462,75 @@ public:
                                const std::string &remote_agent,
                                nixlBackendMD *&out) override {
         return guarded("loadRemoteMD", [&] {
-            bounce_md_t *md = nullptr;
-            const bounce_status_t st = bounce_engine_load_remote_md(engine, input.addr, input.len, input.devId,
-                                                                    bytes(input.metaInfo),
-                                                                    static_cast<bounce_mem_t>(kind),
-                                                                    bytes(remote_agent), &md);
-            if (st == BOUNCE_SUCCESS) {
-                out = wrap_md(md, true);
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
             }
-            return st;
+            nixlBlobDesc ucx_input;
+            static_cast<nixlBasicDesc &>(ucx_input) = input;
+            bounce_md_t *md = nullptr;
+            const bounce_status_t st = bounce_engine_load_remote_md(
+                engine, input.addr, input.len, input.devId, bytes(input.metaInfo), static_cast<bounce_mem_t>(kind),
+                bytes(remote_agent), assign_string, &ucx_input.metaInfo, &md);
+            if (st != BOUNCE_SUCCESS) {
+                return static_cast<nixl_status_t>(st);
+            }
+            nixlBackendMD *u = nullptr;
+            const nixl_status_t ust = ucx->engine->loadRemoteMD(ucx_input, kind, remote_agent, u);
+            if (ust != NIXL_SUCCESS) {
+                bounce_engine_unload_md(engine, md);
+                return ust;
+            }
+            out = wrap_md(md, u, true);
+            return NIXL_SUCCESS;
         });
     }
 
     nixl_status_t loadLocalMD(nixlBackendMD *input, nixlBackendMD *&out) override {
         return guarded("loadLocalMD", [&] {
+            if (!ucx) {
+                return NIXL_ERR_BACKEND;
+            }
             bounce_md_t *md = nullptr;
             const bounce_status_t st = bounce_engine_load_local_md(engine, rust_md(input), &md);
-            if (st == BOUNCE_SUCCESS) {
-                out = wrap_md(md, true);
+            if (st != BOUNCE_SUCCESS) {
+                return static_cast<nixl_status_t>(st);
             }
-            return st;
+            nixlBackendMD *u = nullptr;
+            const nixl_status_t ust = ucx->engine->loadLocalMD(ucx_md(input), u);
+            if (ust != NIXL_SUCCESS) {
+                bounce_engine_unload_md(engine, md);
+                return ust;
+            }
+            out = wrap_md(md, u, true);
+            return NIXL_SUCCESS;
         });
     }
 
     nixl_status_t getNotifs(notif_list_t &notif_list) override {
-        return guarded("getNotifs", [&] { return bounce_engine_get_notifs(engine, append_notif, &notif_list); });
+        return guarded("getNotifs", [&] {
+            if (ucx) {
+                const nixl_status_t st = ucx->engine->getNotifs(notif_list);
+                if (st != NIXL_SUCCESS) {
+                    return st;
+                }
+            }
+            return static_cast<nixl_status_t>(bounce_engine_get_notifs(engine, append_notif, &notif_list));
+        });
     }
 
     nixl_status_t genNotif(const std::string &remote_agent, const std::string &msg) const override {
-        return guarded("genNotif", [&] { return bounce_engine_gen_notif(engine, bytes(remote_agent), bytes(msg)); });
+        return guarded("genNotif", [&] { return ucx ? ucx->engine->genNotif(remote_agent, msg) : NIXL_ERR_BACKEND; });
     }
 
 private:
-    // Takes ownership of a Rust handle; frees it again if the wrapper cannot
-    // be allocated, so nothing leaks on bad_alloc.
-    BounceMD *wrap_md(bounce_md_t *md, bool loaded) {
+    // Takes ownership of a Rust handle and the delegate's metadata; releases
+    // both again if the wrapper cannot be allocated, so nothing leaks on
+    // bad_alloc.
+    BounceMD *wrap_md(bounce_md_t *md, nixlBackendMD *u, bool loaded) {
         try {
-            return new BounceMD(md, loaded);
+            return new BounceMD(md, u, loaded);
         } catch (...) {
-            loaded ? bounce_engine_unload_md(engine, md) : bounce_engine_deregister_mem(engine, md);
+            release_parts(md, u, loaded);
             throw;
         }
     }
@@ -292,18 +544,30 @@ private:
         }
     }
 
-    bounce_status_t release_md(nixlBackendMD *meta) {
+    // The Rust side first: deregistration waits there until no copy of
+    // BOUNCE's own paths touches the memory.
+    nixl_status_t release_parts(bounce_md_t *md, nixlBackendMD *u, bool loaded) {
+        const bounce_status_t st =
+            loaded ? bounce_engine_unload_md(engine, md) : bounce_engine_deregister_mem(engine, md);
+        nixl_status_t ust = NIXL_SUCCESS;
+        if (u && ucx) {
+            ust = loaded ? ucx->engine->unloadMD(u) : ucx->engine->deregisterMem(u);
+        }
+        return st != BOUNCE_SUCCESS ? static_cast<nixl_status_t>(st) : ust;
+    }
+
+    nixl_status_t release_md(nixlBackendMD *meta) {
         if (!meta) {
-            return BOUNCE_ERR_INVALID_PARAM;
+            return NIXL_ERR_INVALID_PARAM;
         }
         auto *m = static_cast<BounceMD *>(meta);
-        const bounce_status_t st =
-            m->loaded ? bounce_engine_unload_md(engine, m->md) : bounce_engine_deregister_mem(engine, m->md);
+        const nixl_status_t st = release_parts(m->md, m->ucx, m->loaded);
         delete m;
         return st;
     }
 
     bounce_engine_t *engine = nullptr;
+    std::unique_ptr<UcxDelegate> ucx;
 };
 
 nixlBackendEngine *create_engine(const nixlBackendInitParams *init) noexcept {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|x2]   Logs and JSON go to $OUT (or ./out).
+# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|x2]
+#        (source .gpu/run.sh python: only the environment, with the Python API)   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -65,6 +66,25 @@ if [[ "$mode" == perf ]]; then
     done
     cat "$out"/perf-*.log | grep -E "x |per request" >"$out/perf-summary.txt"
     exit $status
+fi
+if [[ "$mode" == vllm || "$mode" == python ]]; then
+    # The official Python API: the wheel's nixl_cu13 module (not in the
+    # bundle; carry it as .py312/nixl_cu13, docs/gpu.md) beside the bundle's
+    # libraries, so its $ORIGIN-relative paths find them.
+    py="${PY312:-$here/../.py312}"
+    [[ -d "$py/nixl_cu13" ]] || { echo "no $py/nixl_cu13 (docs/gpu.md)"; exit 1; }
+    cp -a "$py/nixl_cu13" "$nb/site/"
+    export PYTHONPATH="$nb/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    if [[ "$mode" == vllm ]]; then
+        # vLLM's NIXL connector pattern with torch KV caches, BOUNCE and UCX
+        # (as vLLM creates it) alternating, every transfer byte-exact.
+        run vllm-pattern python3 bench/vllm_pattern.py --device cuda --iters "${VLLM_ITERS:-20}" \
+            --json "$out/vllm-pattern.json"
+        grep -vE "^\s*$" "$out/vllm-pattern.log" | tail -n 40
+        exit $status
+    fi
+    # python: stay in this shell's environment (source it) for more commands.
+    return 0 2>/dev/null || exit 0
 fi
 if [[ "$mode" == faults ]]; then
     # Fault drills only (see `bounce-vram faults`).

@@ -64,10 +64,23 @@ pub struct Config {
     pub copy_stream_count: u32,
     /// Scatter worker thread count.
     pub scatter_worker_count: u32,
-    /// Routing gate: minimum descriptor count for the bounce path.
+    /// Routing gate of the bounce arena for DRAM on both sides: minimum
+    /// descriptor count.
     pub min_descriptor_count: u64,
-    /// Routing gate: maximum average descriptor size (bytes).
+    /// Routing gate of the bounce arena for DRAM: maximum average descriptor
+    /// size (bytes).
     pub max_average_descriptor_size_bytes: u64,
+    /// Routing gate of the bounce arena when either side is VRAM: minimum
+    /// descriptor count.
+    pub vram_min_descriptor_count: u64,
+    /// Routing gate of the bounce arena when either side is VRAM: maximum
+    /// average descriptor size (bytes).
+    pub vram_max_average_descriptor_size_bytes: u64,
+    /// Routing gate of the peer-mapped path: minimum descriptor count.
+    pub peer_map_min_descriptor_count: u64,
+    /// Routing gate of the peer-mapped path: maximum average descriptor size
+    /// (bytes); 0 = no limit.
+    pub peer_map_max_average_descriptor_size_bytes: u64,
     /// Per-request no-progress timeout (ms).
     pub request_timeout_ms: u64,
     /// Use plain device allocation instead of fabric memory for the arena.
@@ -116,7 +129,11 @@ impl Default for Config {
             copy_stream_count: 8,
             scatter_worker_count: 4,
             min_descriptor_count: 1024,
-            max_average_descriptor_size_bytes: 16 * KIB,
+            max_average_descriptor_size_bytes: 8 * KIB,
+            vram_min_descriptor_count: 256,
+            vram_max_average_descriptor_size_bytes: 256 * KIB,
+            peer_map_min_descriptor_count: 1,
+            peer_map_max_average_descriptor_size_bytes: 0,
             request_timeout_ms: 30_000,
             disable_fabric_memory: false,
             enable_eager_gather: true,
@@ -282,8 +299,12 @@ static SETTINGS: &[Setting] = &[
     setting!(max_inflight_chunks_per_request, "max_inflight_chunks_per_request", "MAX_INFLIGHT_CHUNKS_PER_REQUEST", Count, false, "Per-flow in-flight cap W (pipeline depth)."),
     setting!(copy_stream_count, "copy_stream_count", "COPY_STREAM_COUNT", Count, false, "Copy execution contexts (GPU kernel concurrency cap)."),
     setting!(scatter_worker_count, "scatter_worker_count", "SCATTER_WORKER_COUNT", Count, false, "Scatter worker thread count."),
-    setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Routing gate: minimum descriptor count."),
-    setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Routing gate: maximum average descriptor bytes."),
+    setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides: minimum descriptor count (fewer go to UCX)."),
+    setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, DRAM on both sides: maximum average descriptor bytes (larger go to UCX)."),
+    setting!(vram_min_descriptor_count, "vram_min_descriptor_count", "VRAM_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on either side: minimum descriptor count."),
+    setting!(vram_max_average_descriptor_size_bytes, "vram_max_average_descriptor_size_bytes", "VRAM_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, VRAM on either side: maximum average descriptor bytes."),
+    setting!(peer_map_min_descriptor_count, "peer_map_min_descriptor_count", "PEER_MAP_MIN_DESCRIPTOR_COUNT", Count, false, "Peer-mapped path: minimum descriptor count."),
+    setting!(peer_map_max_average_descriptor_size_bytes, "peer_map_max_average_descriptor_size_bytes", "PEER_MAP_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "Peer-mapped path: maximum average descriptor bytes; 0 = no limit."),
     setting!(request_timeout_ms, "request_timeout_ms", "REQUEST_TIMEOUT_MS", Millis, false, "Per-request no-progress timeout."),
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
     setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),
@@ -634,7 +655,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 22);
+        assert_eq!(keys.len(), 26);
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));

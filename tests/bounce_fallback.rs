@@ -207,17 +207,17 @@ fn routing_gates_at_their_edges() {
             None,
         ),
         (
-            "1024 x 16 KiB (exactly the average-size limit)",
+            "1024 x 8 KiB (exactly the average-size limit)",
             XferOp::Write,
             1024,
-            16 * KIB,
+            8 * KIB,
             None,
         ),
         (
-            "1024 x 16 KiB + 1 byte",
+            "1024 x 8 KiB + 1 byte",
             XferOp::Write,
             1024,
-            16 * KIB + 1,
+            8 * KIB + 1,
             Some("fallback_descriptors_too_large"),
         ),
         (

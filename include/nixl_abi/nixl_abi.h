@@ -90,25 +90,40 @@ struct nixlRemoteMetaDesc : public nixlMetaDesc {
 };
 
 // A descriptor list as NIXL lays it out: a vtable pointer, the memory type,
-// then the vector of descriptors. We only ever read lists that NIXL built, so
-// the virtual methods are declared (to give the class its vtable pointer) but
-// never defined or called here.
+// then the vector of descriptors, with NIXL's four virtual methods in order.
+// The shim reads lists that NIXL built, and builds lists of its own only to
+// hand them to NIXL's UCX engine (src/plugins/ucx reads them through the
+// inline accessors below, never through the vtable). The virtuals are defined
+// here, inline and hidden, so that a list built here has a vtable of ours
+// and the plugin needs no NIXL symbol.
 template <class T> class nixlDescList {
 protected:
     nixl_mem_t type;
     std::vector<T> descs;
 
 public:
+    explicit nixlDescList(nixl_mem_t mem_type) : type(mem_type) {}
     nixlDescList(const nixlDescList &) = delete;
     nixlDescList &operator=(const nixlDescList &) = delete;
-    virtual ~nixlDescList();
-    virtual void resize(const size_t &count);
-    virtual void addDesc(const T &desc);
-    virtual int getIndex(const nixlBasicDesc &query) const;
+    virtual ~nixlDescList() = default;
+    virtual void resize(const size_t &count) { descs.resize(count); }
+    virtual void addDesc(const T &desc) { descs.push_back(desc); }
+    virtual int getIndex(const nixlBasicDesc &query) const {
+        for (size_t i = 0; i < descs.size(); ++i) {
+            const nixlBasicDesc &d = descs[i];
+            if (d.addr == query.addr && d.len == query.len && d.devId == query.devId) {
+                return static_cast<int>(i);
+            }
+        }
+        return -4; // NIXL_ERR_NOT_FOUND
+    }
 
     nixl_mem_t getType() const { return type; }
     int descCount() const { return static_cast<int>(descs.size()); }
+    bool isEmpty() const noexcept { return descs.empty(); }
     const T &operator[](size_t index) const { return descs[index]; }
+    void reserve(size_t count) { descs.reserve(count); }
+    template <class... Args> T &emplace(Args &&...args) { return descs.emplace_back(std::forward<Args>(args)...); }
 };
 
 using nixl_meta_dlist_t = nixlDescList<nixlMetaDesc>;
@@ -287,3 +302,7 @@ static_assert(sizeof(nixlMetaDesc) == 32, "nixlMetaDesc layout");
 static_assert(sizeof(nixlDescList<nixlMetaDesc>) == 40, "nixlDescList layout");
 static_assert(sizeof(nixlBackendOptionalArgs) == 72, "nixlBackendOptionalArgs layout");
 static_assert(sizeof(nixlTelemetryEvent) == 16, "nixlTelemetryEvent layout");
+// The shim builds these for NIXL's UCX engine (plugin/bounce_plugin.cpp), so
+// their layout is NIXL's as well.
+static_assert(sizeof(nixlBackendInitParams) == 96, "nixlBackendInitParams layout");
+static_assert(sizeof(nixlBackendMD) == 16, "nixlBackendMD layout");

@@ -606,11 +606,11 @@ fn run_tests(args: &Args) -> bool {
                     let r = concurrent(&mut init, args);
                     check("concurrent_threads", r);
                 }
-                // A WRITE of one descriptor stays below the routing gate.
-                let want = if n >= 1024 {
-                    args.expected_path()
-                } else {
-                    Path::Ucx
+                // One descriptor is below the arena's routing gate (at least
+                // 256 on VRAM); the peer-mapped path takes any count.
+                let want = match args.expected_path() {
+                    Path::Bounce if n < 256 => Path::Ucx,
+                    p => p,
                 };
                 let r = checked_case(&mut init, op, n, size, mixed, want, args);
                 let name = match op {

@@ -512,24 +512,53 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.op == Op::Read && !r.peer_reads {
         return Err(Fallback::PeerLacksRead);
     }
-    descriptor_gate(cfg, r.descriptors, r.bytes)
+    arena_gate(cfg, r.local, r.remote).admit(r.descriptors, r.bytes)
 }
 
-/// The gate every accelerated path shares (the bounce arena and the
-/// peer-mapped path): at least `min_descriptor_count` descriptors, of
-/// average size at most `max_average_descriptor_size_bytes`.
-pub fn descriptor_gate(cfg: &Config, descriptors: u64, bytes: u64) -> Result<(), Fallback> {
-    if descriptors < cfg.min_descriptor_count.max(1) {
-        return Err(Fallback::TooFewDescriptors);
+/// Which transfers a path takes by their shape, where it beats UCX: at
+/// least `min_descriptors` descriptors, of average size at most
+/// `max_average_bytes` (0: no limit). Each path has its own, measured
+/// (docs/design.md §3 "Routing by benefit").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShapeGate {
+    pub min_descriptors: u64,
+    pub max_average_bytes: u64,
+}
+
+impl ShapeGate {
+    pub fn admit(self, descriptors: u64, bytes: u64) -> Result<(), Fallback> {
+        if descriptors < self.min_descriptors.max(1) {
+            return Err(Fallback::TooFewDescriptors);
+        }
+        if self.max_average_bytes > 0 && bytes > self.max_average_bytes.saturating_mul(descriptors)
+        {
+            return Err(Fallback::DescriptorsTooLarge);
+        }
+        Ok(())
     }
-    if bytes
-        > cfg
-            .max_average_descriptor_size_bytes
-            .saturating_mul(descriptors)
-    {
-        return Err(Fallback::DescriptorsTooLarge);
+}
+
+/// The bounce arena's gate: DRAM on both sides, or VRAM on either.
+pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> ShapeGate {
+    if local == MemKind::Vram || remote == MemKind::Vram {
+        ShapeGate {
+            min_descriptors: cfg.vram_min_descriptor_count,
+            max_average_bytes: cfg.vram_max_average_descriptor_size_bytes,
+        }
+    } else {
+        ShapeGate {
+            min_descriptors: cfg.min_descriptor_count,
+            max_average_bytes: cfg.max_average_descriptor_size_bytes,
+        }
     }
-    Ok(())
+}
+
+/// The peer-mapped path's gate.
+pub fn peer_map_gate(cfg: &Config) -> ShapeGate {
+    ShapeGate {
+        min_descriptors: cfg.peer_map_min_descriptor_count,
+        max_average_bytes: cfg.peer_map_max_average_descriptor_size_bytes,
+    }
 }
 
 #[cfg(test)]

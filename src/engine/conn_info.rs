@@ -6,17 +6,21 @@
 //! magic    8 bytes  "NXBOUNCE"
 //! version  u16      CONN_INFO_VERSION
 //! md_len   u32      length of the inner agent's metadata
-//! md       md_len   the inner NIXL agent's own metadata (its UCX connection)
-//! hs_len   u32      length of the bounce handshake (0: bounce not offered)
-//! hs       hs_len   the bounce capability handshake
+//! md       md_len   the inner NIXL agent's own metadata (its UCX connection,
+//!                   for the bounce arena's writes and control notifications)
+//! uc_len   u32      length of the UCX delegate's connection info
+//! uc       uc_len   the UCX delegate's connection info (its worker address)
 //! ```
+//! Version 1 carried an (always empty) bounce handshake where version 2
+//! carries the UCX delegate's connection: bounce handshakes travel with
+//! each region's public data.
 //! Nothing may follow. A peer that cannot parse this (another version, a
 //! truncated blob) is refused with an error that says what was wrong.
 
 use crate::proto::wire::{Reader, WireError, Writer};
 
 pub const MAGIC: &[u8; 8] = b"NXBOUNCE";
-pub const CONN_INFO_VERSION: u16 = 1;
+pub const CONN_INFO_VERSION: u16 = 2;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
 /// Version 2 added the peer-map block; version 1 (no block) is still read.
 pub const PUBLIC_VERSION: u16 = 2;
@@ -28,8 +32,8 @@ pub const DATA_PATH_VERSION: u16 = 1;
 pub struct ConnInfo {
     /// The peer's inner agent metadata, loaded into our inner agent.
     pub inner_md: Vec<u8>,
-    /// The peer's bounce handshake; empty when it offers no bounce path.
-    pub handshake: Vec<u8>,
+    /// The connection info of the peer's UCX delegate, loaded into ours.
+    pub ucx_conn: Vec<u8>,
 }
 
 impl ConnInfo {
@@ -38,7 +42,7 @@ impl ConnInfo {
         w.bytes(MAGIC);
         w.u16(CONN_INFO_VERSION);
         w.len_prefixed(&self.inner_md);
-        w.len_prefixed(&self.handshake);
+        w.len_prefixed(&self.ucx_conn);
         w.into_bytes()
     }
 
@@ -57,15 +61,15 @@ impl ConnInfo {
             ));
         }
         let inner_md = len_prefixed(&mut r, "inner metadata")?.to_vec();
-        let handshake = len_prefixed(&mut r, "handshake")?.to_vec();
+        let ucx_conn = len_prefixed(&mut r, "UCX connection info")?.to_vec();
         r.finish("connection info").map_err(|e| e.to_string())?;
         if inner_md.is_empty() {
             return Err("connection info carries no inner-agent metadata".into());
         }
-        Ok(Self {
-            inner_md,
-            handshake,
-        })
+        if ucx_conn.is_empty() {
+            return Err("connection info carries no UCX connection info".into());
+        }
+        Ok(Self { inner_md, ucx_conn })
     }
 }
 
@@ -74,7 +78,7 @@ impl ConnInfo {
 /// ```text
 /// magic    8 bytes  "NXBPUBLC"
 /// version  u16      PUBLIC_VERSION
-/// md_len   u32, md  the inner agent's metadata for the region
+/// md_len   u32, md  the UCX delegate's public data of the region (its remote key)
 /// bb_len   u32      0 when the region's location offers no bounce path, else:
 ///   kind      u8      0 DRAM, 1 VRAM
 ///   am_len    u32, am the inner agent's metadata for the bounce arena
@@ -87,6 +91,7 @@ impl ConnInfo {
 /// first registered, after NIXL took the connection info.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublicData {
+    /// The UCX delegate's public data of the region.
     pub region_md: Vec<u8>,
     pub bounce: Option<PublicBounce>,
     /// How a peer on the same host may map the region's allocation (the
@@ -342,7 +347,7 @@ mod tests {
     fn round_trips() {
         let c = ConnInfo {
             inner_md: vec![1, 2, 3],
-            handshake: vec![9; 40],
+            ucx_conn: vec![9; 40],
         };
         assert_eq!(ConnInfo::decode(&c.encode()).unwrap(), c);
     }
@@ -351,7 +356,7 @@ mod tests {
     fn rejects_every_malformed_prefix_and_trailing_bytes() {
         let good = ConnInfo {
             inner_md: vec![7; 10],
-            handshake: vec![],
+            ucx_conn: vec![8; 3],
         }
         .encode();
         for n in 0..good.len() {
@@ -369,7 +374,7 @@ mod tests {
     fn names_the_version_mismatch() {
         let mut b = ConnInfo {
             inner_md: vec![1],
-            handshake: vec![],
+            ucx_conn: vec![2],
         }
         .encode();
         b[8] = 9;

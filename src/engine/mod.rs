@@ -1,12 +1,16 @@
 //! The BOUNCE backend engine.
 //!
-//! One [`Engine`] exists per (NIXL agent, BOUNCE backend). It owns an inner
-//! NIXL agent (named after the outer one plus [`INNER_SUFFIX`]) with a UCX
-//! backend, and carries out every backend operation through it: memory is
-//! registered with the inner agent, our connection info and per-region public
-//! data are the inner agent's metadata, and transfers become inner transfer
-//! requests. This is the "standard path"; the bounce path is routed in front
-//! of it for eligible transfers.
+//! One [`Engine`] exists per (NIXL agent, BOUNCE backend). Every transfer
+//! that neither of BOUNCE's own paths takes is carried by the UCX delegate:
+//! NIXL's own UCX engine, which the C++ shim creates beside this engine and
+//! calls directly (docs/design.md §2). This engine decides the route
+//! ([`Engine::prep_xfer`] answers `None` for the delegate) and carries the
+//! delegate's connection info and region public data inside its own.
+//!
+//! The engine also owns an inner NIXL agent (named after the outer one plus
+//! [`INNER_SUFFIX`]) with a UCX backend of its own, for the bounce arena: its
+//! chunk writes, its control notifications, and the completion
+//! notifications of BOUNCE's own paths.
 
 pub mod bounce;
 pub mod conn_info;
@@ -17,10 +21,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use nixl_sys::{
-    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, OptArgs, Params,
-    RegDescList, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
-};
+use nixl_sys::{Agent, AgentConfig, NixlError, Params, ThreadSync};
 
 use crate::config::{Config, ConfigSource};
 use crate::control::notif::NotifHub;
@@ -35,7 +36,9 @@ use conn_info::{ConnInfo, PublicBounce, PublicData};
 
 /// Appended to the outer agent's name to name its inner agent. Peers use it to
 /// map inner agent names (as seen in notifications) back to outer names.
-pub const INNER_SUFFIX: &str = "/bounce";
+/// No `/` in it: NIXL's file telemetry writes `<dir>/<agent name>`, and the
+/// outer agent's file must not have to be a folder.
+pub const INNER_SUFFIX: &str = ".bounce";
 
 /// How long the inner agent's progress thread sleeps between rounds.
 pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
@@ -82,7 +85,10 @@ impl Error {
             NixlError::NotFound => Status::NotFound,
             _ => Status::Backend,
         };
-        Self::new(status, format!("{context}: inner UCX agent reported {e}"))
+        Self::new(
+            status,
+            format!("{context}: NIXL reported {e} to BOUNCE's inner agent (the bounce arena's)"),
+        )
     }
 }
 
@@ -112,12 +118,6 @@ impl MemKind {
             )),
         }
     }
-    fn to_sys(self) -> MemType {
-        match self {
-            Self::Dram => MemType::Dram,
-            Self::Vram => MemType::Vram,
-        }
-    }
 }
 
 /// A transfer direction as NIXL numbers it.
@@ -135,12 +135,6 @@ impl Op {
             other => Err(Error::invalid(format!(
                 "unknown transfer operation {other}"
             ))),
-        }
-    }
-    fn to_sys(self) -> XferOp {
-        match self {
-            Self::Read => XferOp::Read,
-            Self::Write => XferOp::Write,
         }
     }
 }
@@ -168,31 +162,6 @@ impl Range {
     }
 }
 
-/// A memory region as nixl-sys wants to see it for registration.
-#[derive(Debug)]
-struct RawRegion {
-    range: Range,
-    kind: MemKind,
-}
-
-impl MemoryRegion for RawRegion {
-    unsafe fn as_ptr(&self) -> *const u8 {
-        self.range.addr as *const u8
-    }
-    fn size(&self) -> usize {
-        self.range.len
-    }
-}
-
-impl NixlDescriptor for RawRegion {
-    fn mem_type(&self) -> MemType {
-        self.kind.to_sys()
-    }
-    fn device_id(&self) -> u64 {
-        self.range.dev
-    }
-}
-
 /// Backend metadata handed to NIXL (one per registered region, per loaded
 /// remote region, and per local target).
 #[derive(Debug)]
@@ -209,9 +178,9 @@ const MD_MAGIC: u64 = 0x4e58_424d_445f_4f4b; // "NXBMD_OK"
 
 #[derive(Debug)]
 pub enum MdOwner {
-    /// Memory this agent registered. Dropping the handle deregisters it.
+    /// Memory this agent registered (with the UCX delegate too: the shim
+    /// holds that registration beside this handle).
     Registered {
-        registration: RegistrationHandle,
         public_data: Vec<u8>,
         /// The bounce instance of the region's location, if any.
         bounce: Option<Arc<Bounce>>,
@@ -251,6 +220,18 @@ pub struct Side<'a> {
     pub descs: Vec<(Range, Option<&'a Md>)>,
 }
 
+/// What routing looks at before any descriptor: the memory kinds, the
+/// descriptor count and their total length, and whether the transfer stays
+/// within this agent.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub local: MemKind,
+    pub remote: MemKind,
+    pub descriptors: u64,
+    pub bytes: u64,
+    pub local_transfer: bool,
+}
+
 /// A transfer request owned by NIXL's request handle.
 pub struct Request {
     route: Route,
@@ -258,8 +239,6 @@ pub struct Request {
 }
 
 enum Route {
-    /// The standard path: one inner UCX request.
-    Standard(XferRequest),
     /// The bounce path.
     Bounce(BounceXfer),
     /// The peer-mapped path: one kernel through a mapping of the peer's
@@ -334,7 +313,7 @@ impl TransferParams {
         {
             let (k, v) = item.split_once('=').ok_or_else(|| {
                 Error::invalid(format!(
-                    "custom parameter item {item:?} is not key=value (known keys: deadline_ms)"
+                    "custom parameter item {item:?} is not key=value (known keys: deadline_ms, worker_id)"
                 ))
             })?;
             match k.trim() {
@@ -344,11 +323,11 @@ impl TransferParams {
                     })?;
                     out.deadline_ms = Some(ms);
                 }
-                other => {
-                    return Err(Error::invalid(format!(
-                        "unknown custom parameter key {other:?} (known keys: deadline_ms)"
-                    )))
-                }
+                // UCX's: the shared worker a UCX-routed transfer runs on.
+                "worker_id" => {}
+                other => return Err(Error::invalid(format!(
+                    "unknown custom parameter key {other:?} (known keys: deadline_ms, worker_id)"
+                ))),
             }
         }
         Ok(out)
@@ -360,7 +339,9 @@ pub struct Engine {
     local_name: String,
     inner_name: String,
     inner: Agent,
-    conn_info: Vec<u8>,
+    /// The backend parameters that are UCX's: the UCX delegate's (and the
+    /// inner agent's UCX backend's).
+    ucx_params: Vec<(String, String)>,
     /// The inner agent's metadata from its creation (its connection only):
     /// part of the data path a READ describes.
     inner_md: Vec<u8>,
@@ -423,8 +404,11 @@ impl Engine {
             .map_err(|e| Error::nixl("reading the UCX plugin's parameters", e))?
             .filter_map(|p| p.ok().map(|(key, _)| key.to_string()))
             .collect();
-        let split = params::split(&params, &ucx_keys, &Config::known_param_keys())
+        let mut split = params::split(&params, &ucx_keys, &Config::known_param_keys())
             .map_err(Error::invalid)?;
+        params::add_ucx_from_env(&mut split.ucx, &ucx_keys, &|name: &str| {
+            std::env::var(name).ok()
+        });
         let (config, warnings) =
             Config::resolve(&|name: &str| std::env::var(name).ok(), &split.bounce)
                 .map_err(|e| Error::invalid(format!("BOUNCE configuration: {e}")))?;
@@ -457,13 +441,6 @@ impl Engine {
         let inner_md = inner
             .get_local_md()
             .map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
-        // Bounce handshakes travel in each region's public data (see
-        // conn_info::PublicData), so the connection info carries none.
-        let conn_info = ConnInfo {
-            inner_md: inner_md.clone(),
-            handshake: Vec::new(),
-        }
-        .encode();
 
         let remotes = Arc::new(Mutex::new(HashMap::new()));
         let readers = Arc::new(bounce::ReaderAgents::new(
@@ -480,7 +457,7 @@ impl Engine {
             local_name: local_name.to_string(),
             inner_name,
             inner,
-            conn_info,
+            ucx_params: split.ucx.clone().into_iter().collect(),
             inner_md,
             remotes,
             readers,
@@ -547,27 +524,15 @@ impl Engine {
 
     // ---- memory ----------------------------------------------------------------
 
-    pub fn register_mem(&self, range: Range, kind: MemKind) -> Result<Box<Md>> {
+    /// Registers memory the UCX delegate registered too; `ucx_public` is the
+    /// delegate's public data of it, which travels inside ours.
+    pub fn register_mem(&self, range: Range, kind: MemKind, ucx_public: &[u8]) -> Result<Box<Md>> {
         if range.len == 0 || range.end().is_none() {
             return Err(Error::invalid(format!(
                 "cannot register {} bytes at {:#x}",
                 range.len, range.addr
             )));
         }
-        let region = RawRegion { range, kind };
-        let registration = self.inner.register_memory(&region, None).map_err(|e| {
-            Error::nixl(
-                &format!("registering {} bytes at {:#x}", range.len, range.addr),
-                e,
-            )
-        })?;
-        let mut descs = RegDescList::new(kind.to_sys())
-            .map_err(|e| Error::nixl("building a registration list", e))?;
-        descs.add_desc(range.addr, range.len, range.dev);
-        let region_md = self
-            .inner
-            .get_local_partial_md(&descs, None)
-            .map_err(|e| Error::nixl("exporting the region's metadata", e))?;
         EngineStats::bump(&self.stats.counters.registrations);
         let bounce = self.instance(Location {
             kind,
@@ -599,7 +564,7 @@ impl Engine {
             _ => None,
         };
         let public_data = PublicData {
-            region_md,
+            region_md: ucx_public.to_vec(),
             bounce: bounce.as_ref().map(|b| PublicBounce {
                 kind: kind as u8,
                 arena_md: b.arena_metadata.clone(),
@@ -613,7 +578,6 @@ impl Engine {
             range,
             kind,
             owner: MdOwner::Registered {
-                registration,
                 public_data,
                 bounce,
             },
@@ -630,12 +594,7 @@ impl Engine {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }
         md.magic = 0;
-        if let MdOwner::Registered {
-            registration,
-            bounce,
-            ..
-        } = &mut md.owner
-        {
+        if let MdOwner::Registered { bounce, .. } = &md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
             if let Some(b) = bounce {
                 // The user may free the memory once we return: wait until no
@@ -652,9 +611,6 @@ impl Engine {
                     );
                 }
             }
-            registration
-                .deregister()
-                .map_err(|e| Error::nixl(&format!("deregistering {:#x}", md.range.addr), e))?;
         }
         Ok(())
     }
@@ -668,11 +624,23 @@ impl Engine {
         }
     }
 
-    pub fn conn_info(&self) -> Vec<u8> {
-        self.conn_info.clone()
+    /// The backend parameters for the UCX delegate.
+    pub fn ucx_params(&self) -> &[(String, String)] {
+        &self.ucx_params
     }
 
-    pub fn load_remote_conn_info(&self, remote: &str, info: &[u8]) -> Result<()> {
+    /// Our connection info, carrying the UCX delegate's (`ucx_conn`).
+    pub fn conn_info(&self, ucx_conn: &[u8]) -> Vec<u8> {
+        ConnInfo {
+            inner_md: self.inner_md.clone(),
+            ucx_conn: ucx_conn.to_vec(),
+        }
+        .encode()
+    }
+
+    /// Loads a peer's connection info; returns the connection info of its
+    /// UCX delegate, for ours.
+    pub fn load_remote_conn_info(&self, remote: &str, info: &[u8]) -> Result<Vec<u8>> {
         let info = ConnInfo::decode(info).map_err(|e| {
             Error::new(
                 Status::Mismatch,
@@ -696,12 +664,6 @@ impl Engine {
                 "peer's inner agent is not named after it"
             );
         }
-        if !info.handshake.is_empty() {
-            tracing::debug!(
-                remote,
-                "ignoring a connection-level bounce handshake (handshakes travel with regions)"
-            );
-        }
         remotes.insert(
             remote.to_string(),
             Remote {
@@ -710,7 +672,7 @@ impl Engine {
             },
         );
         tracing::debug!(remote, "loaded connection info");
-        Ok(())
+        Ok(info.ucx_conn)
     }
 
     /// Admits the bounce instance a peer advertised with one of its regions.
@@ -765,13 +727,15 @@ impl Engine {
         Some(admitted)
     }
 
+    /// Loads a peer's region; returns its metadata and the public data of the
+    /// region for the UCX delegate.
     pub fn load_remote_md(
         &self,
         remote: &str,
         range: Range,
         kind: MemKind,
         public_data: &[u8],
-    ) -> Result<Box<Md>> {
+    ) -> Result<(Box<Md>, Vec<u8>)> {
         let inner_remote = self.inner_remote(remote)?;
         let public = PublicData::decode(public_data).map_err(|e| {
             Error::new(
@@ -779,16 +743,7 @@ impl Engine {
                 format!("region metadata of agent {remote:?} is malformed: {e}"),
             )
         })?;
-        let loaded = self.inner.load_remote_md(&public.region_md).map_err(|e| {
-            Error::nixl(&format!("loading a memory section of agent {remote:?}"), e)
-        })?;
-        if loaded != inner_remote {
-            return Err(Error::new(
-                Status::Mismatch,
-                format!("metadata for agent {remote:?} describes agent {loaded:?}"),
-            ));
-        }
-        Ok(Box::new(Md {
+        let md = Box::new(Md {
             magic: MD_MAGIC,
             range,
             kind,
@@ -805,7 +760,8 @@ impl Engine {
                     _ => None,
                 },
             },
-        }))
+        });
+        Ok((md, public.region_md))
     }
 
     pub fn load_local_md(&self, input: &Md) -> Result<Box<Md>> {
@@ -854,9 +810,11 @@ impl Engine {
                     b.forget_peer(peer);
                 }
             }
-            self.inner
-                .invalidate_remote_md(&inner_remote)
-                .map_err(|e| Error::nixl(&format!("disconnecting from agent {remote:?}"), e))?;
+            // The owner side may have forgotten this reader's agent already
+            // (engine::bounce::ReaderAgents); nothing is left to undo then.
+            if let Err(e) = self.inner.invalidate_remote_md(&inner_remote) {
+                tracing::debug!(remote, inner = %inner_remote, "inner agent had nothing to invalidate ({e})");
+            }
             tracing::debug!(remote, "disconnected");
         }
         Ok(())
@@ -881,7 +839,41 @@ impl Engine {
 
     // ---- transfers ---------------------------------------------------------------
 
-    /// Checks a transfer's descriptors and creates its inner request.
+    /// Why neither of BOUNCE's own paths can take a transfer of this shape,
+    /// decided before any descriptor is looked at: such a transfer goes to
+    /// the UCX delegate untouched (counted here as prepared and by reason).
+    /// The transfer's custom parameter is checked here already, whichever
+    /// path takes it.
+    pub fn early_fallback(&self, shape: &Shape, args: &XferArgs) -> Result<Option<Fallback>> {
+        if !args.custom_param.is_empty() {
+            TransferParams::parse(&args.custom_param)?;
+        }
+        let reason = if !self.config.enabled {
+            Some(Fallback::BounceDisabled)
+        } else if shape.local_transfer {
+            Some(Fallback::LocalTransfer)
+        } else if self.config.enable_peer_map
+            && shape.local == MemKind::Vram
+            && shape.remote == MemKind::Vram
+            && bounce::peer_map_gate(&self.config)
+                .admit(shape.descriptors, shape.bytes)
+                .is_ok()
+        {
+            None
+        } else {
+            bounce::arena_gate(&self.config, shape.local, shape.remote)
+                .admit(shape.descriptors, shape.bytes)
+                .err()
+        };
+        if let Some(r) = reason {
+            EngineStats::bump(&self.stats.counters.transfers_prepared);
+            self.stats.bump_named(r.name());
+        }
+        Ok(reason)
+    }
+
+    /// Checks a transfer's descriptors and prepares it on one of BOUNCE's own
+    /// paths; `None`: the UCX delegate carries it (the reason is counted).
     pub fn prep_xfer(
         &self,
         op: Op,
@@ -889,7 +881,7 @@ impl Engine {
         remote: &Side<'_>,
         agent: &str,
         args: XferArgs,
-    ) -> Result<Request> {
+    ) -> Result<Option<Request>> {
         if local.descs.len() != remote.descs.len() {
             return Err(Error::invalid(format!(
                 "{} local descriptors but {} remote descriptors",
@@ -915,10 +907,10 @@ impl Engine {
         }
 
         if let Some(x) = self.peer_mapped_route(op, local, remote, agent, &inner_remote) {
-            return Ok(Request {
+            return Ok(Some(Request {
                 route: Route::PeerMapped(x),
                 args,
-            });
+            }));
         }
 
         match self.choose_route(op, local, remote, agent) {
@@ -946,7 +938,7 @@ impl Engine {
                 // Planned once here, reused by every post of the request.
                 match instance.runtime.plan(&descriptors) {
                     Ok(plan) => {
-                        return Ok(Request {
+                        return Ok(Some(Request {
                             route: Route::Bounce(BounceXfer {
                                 read: op == Op::Read,
                                 instance,
@@ -958,7 +950,7 @@ impl Engine {
                                 reported: false,
                             }),
                             args,
-                        });
+                        }));
                     }
                     Err(e) => {
                         tracing::info!(agent = %self.local_name, "bounce path cannot plan this transfer ({e}); using UCX");
@@ -969,31 +961,7 @@ impl Engine {
             Err(reason) => self.stats.bump_named(reason.name()),
         }
 
-        let mut l = XferDescList::new(local.kind.to_sys())
-            .map_err(|e| Error::nixl("building a descriptor list", e))?;
-        let mut r = XferDescList::new(remote.kind.to_sys())
-            .map_err(|e| Error::nixl("building a descriptor list", e))?;
-        for ((lr, _), (rr, _)) in local.descs.iter().zip(&remote.descs) {
-            l.add_desc(lr.addr, lr.len, lr.dev);
-            r.add_desc(rr.addr, rr.len, rr.dev);
-        }
-        let opt = opt_args(&args)?;
-        let xfer = self
-            .inner
-            .create_xfer_req(op.to_sys(), &l, &r, &inner_remote, opt.as_ref())
-            .map_err(|e| {
-                Error::nixl(
-                    &format!(
-                        "preparing a {op:?} of {} descriptors to {agent:?}",
-                        l.len().unwrap_or(0)
-                    ),
-                    e,
-                )
-            })?;
-        Ok(Request {
-            route: Route::Standard(xfer),
-            args,
-        })
+        Ok(None)
     }
 
     /// The peer-mapped path for this transfer, if it can take it (see
@@ -1134,17 +1102,6 @@ impl Engine {
         req.args = args;
         EngineStats::bump(&self.stats.counters.transfers_posted);
         match &mut req.route {
-            Route::Standard(xfer) => {
-                let opt = opt_args(&req.args)?;
-                match self.inner.post_xfer_req(xfer, opt.as_ref()) {
-                    Ok(true) => Ok(Status::InProgress),
-                    Ok(false) => Ok(Status::Success),
-                    Err(e) => {
-                        EngineStats::bump(&self.stats.counters.transfers_failed);
-                        Err(Error::nixl("posting a transfer", e))
-                    }
-                }
-            }
             Route::Bounce(b) => {
                 if b.ticket.as_ref().is_some_and(|t| t.outcome().is_none()) {
                     return Err(Error::new(
@@ -1221,14 +1178,6 @@ impl Engine {
 
     pub fn check_xfer(&self, req: &mut Request) -> Result<Status> {
         match &mut req.route {
-            Route::Standard(xfer) => match self.inner.get_xfer_status(xfer) {
-                Ok(XferStatus::Success) => Ok(Status::Success),
-                Ok(XferStatus::InProgress) => Ok(Status::InProgress),
-                Err(e) => {
-                    EngineStats::bump(&self.stats.counters.transfers_failed);
-                    Err(Error::nixl("transfer failed", e))
-                }
-            },
             Route::Bounce(b) => {
                 let Some(ticket) = &b.ticket else {
                     return Err(Error::new(
@@ -1306,7 +1255,6 @@ impl Engine {
                     self.stats.bump_named("peer_map_cancelled");
                 }
             }
-            Route::Standard(_) => {}
         }
         drop(req);
         Ok(())
@@ -1345,15 +1293,6 @@ impl Engine {
             .notifs_received
             .fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
-    }
-
-    pub fn gen_notif(&self, remote: &str, msg: &[u8]) -> Result<()> {
-        let inner_remote = self.inner_remote(remote)?;
-        self.inner
-            .send_notification(&inner_remote, msg, None)
-            .map_err(|e| Error::nixl(&format!("sending a notification to {remote:?}"), e))?;
-        EngineStats::bump(&self.stats.counters.notifs_sent);
-        Ok(())
     }
 }
 
@@ -1445,21 +1384,9 @@ fn failure_status(reason: crate::proto::FailureReason) -> Status {
     }
 }
 
-fn opt_args(args: &XferArgs) -> Result<Option<OptArgs>> {
-    let Some(msg) = &args.notif else {
-        return Ok(None);
-    };
-    let mut opt = OptArgs::new().map_err(|e| Error::nixl("allocating transfer arguments", e))?;
-    opt.set_has_notification(true)
-        .map_err(|e| Error::nixl("setting the notification flag", e))?;
-    opt.set_notification_message(msg)
-        .map_err(|e| Error::nixl("setting the notification", e))?;
-    Ok(Some(opt))
-}
-
 /// The backend options NIXL lists for BOUNCE (`get_backend_options`), with
 /// their defaults: BOUNCE's own. UCX's parameters are accepted too and passed
-/// to the inner UCX backend.
+/// to the UCX delegate and the inner agent's UCX backend.
 pub fn advertised_options() -> Vec<(String, String)> {
     Config::describe()
         .into_iter()

@@ -66,9 +66,48 @@ pub fn split(
     }
 }
 
+/// The environment variable that gives UCX parameter `key` to BOUNCE's UCX
+/// backends: `NIXL_BOUNCE_UCX_<KEY>` (vLLM, for one, passes backend
+/// parameters to no backend but UCX).
+pub fn ucx_env_name(key: &str) -> String {
+    format!("NIXL_BOUNCE_UCX_{}", key.to_ascii_uppercase())
+}
+
+/// Adds to `ucx` every UCX parameter (advertised or not) that the
+/// environment sets and the backend parameters do not (they win).
+pub fn add_ucx_from_env(
+    ucx: &mut BTreeMap<String, String>,
+    ucx_keys: &[String],
+    env: &dyn Fn(&str) -> Option<String>,
+) {
+    let keys = ucx_keys
+        .iter()
+        .map(String::as_str)
+        .chain(UCX_UNADVERTISED_KEYS.iter().copied());
+    for key in keys {
+        if !ucx.contains_key(key) {
+            if let Some(v) = env(&ucx_env_name(key)) {
+                ucx.insert(key.to_string(), v);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ucx_parameters_come_from_the_environment_unless_given() {
+        let env = |name: &str| match name {
+            "NIXL_BOUNCE_UCX_NUM_THREADS" => Some("4".to_string()),
+            "NIXL_BOUNCE_UCX_NUM_WORKERS" => Some("2".to_string()),
+            _ => None,
+        };
+        let mut ucx = map(&[("num_workers", "3")]);
+        add_ucx_from_env(&mut ucx, &["num_workers".to_string()], &env);
+        assert_eq!(ucx, map(&[("num_threads", "4"), ("num_workers", "3")]));
+    }
 
     fn map(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
         kv.iter()

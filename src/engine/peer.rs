@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use nixl_sys::Agent;
 
-use super::bounce::{descriptor_gate, Fallback};
+use super::bounce::{peer_map_gate, Fallback};
 use super::conn_info::PeerExport;
 use super::{MemKind, Op};
 use crate::config::Config;
@@ -49,10 +49,12 @@ pub fn gate(cfg: &Config, g: &GateInput) -> Result<(), &'static str> {
     if g.local != MemKind::Vram || g.remote != MemKind::Vram {
         return Err("not VRAM on both sides");
     }
-    descriptor_gate(cfg, g.descriptors, g.bytes).map_err(|f| match f {
-        Fallback::TooFewDescriptors => "too few descriptors",
-        _ => "descriptors too large",
-    })
+    peer_map_gate(cfg)
+        .admit(g.descriptors, g.bytes)
+        .map_err(|f| match f {
+            Fallback::TooFewDescriptors => "too few descriptors",
+            _ => "descriptors too large",
+        })
 }
 
 /// A peer's exported allocation, shared by every loaded region in it; holds
@@ -216,18 +218,16 @@ impl PeerMaps {
         let mut runs = Vec::with_capacity(n);
         for pair in pairs {
             let (local, remote, len, alloc) = pair?;
-            // Consecutive descriptors usually share an allocation.
-            let mapping = match &last {
-                Some((p, m)) if std::ptr::eq(*p, Arc::as_ptr(alloc)) => m.clone(),
-                _ => {
-                    let m = alloc.mapping(&copier)?;
-                    if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                        mappings.push(m.clone());
-                    }
-                    last = Some((Arc::as_ptr(alloc), m.clone()));
-                    m
+            // Consecutive descriptors usually share an allocation: no
+            // look-up and no reference count per descriptor then.
+            if !matches!(&last, Some((p, _)) if std::ptr::eq(*p, Arc::as_ptr(alloc))) {
+                let m = alloc.mapping(&copier)?;
+                if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                    mappings.push(m.clone());
                 }
-            };
+                last = Some((Arc::as_ptr(alloc), m));
+            }
+            let mapping = &last.as_ref().expect("set above").1;
             let mapped = remote
                 .checked_sub(alloc.export.alloc_base)
                 .and_then(|offset| mapping.address(offset, len))
@@ -403,11 +403,24 @@ mod tests {
     #[test]
     fn vram_transfers_with_many_small_descriptors_pass() {
         assert_eq!(gate(&Config::default(), &input()), Ok(()));
+        // One large descriptor too: the kernel tiles it over every warp.
+        let one = GateInput {
+            descriptors: 1,
+            bytes: 1 << 30,
+            ..input()
+        };
+        assert_eq!(gate(&Config::default(), &one), Ok(()));
     }
 
     #[test]
     fn each_gate_says_why() {
-        let cfg = Config::default();
+        // The default gate admits every count and size; these limits are set
+        // to see each reason.
+        let cfg = Config {
+            peer_map_min_descriptor_count: 1024,
+            peer_map_max_average_descriptor_size_bytes: 16 << 10,
+            ..Config::default()
+        };
         let off = Config {
             enable_peer_map: false,
             ..Config::default()

@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::engine::{Engine, Error, Md, MemKind, Op, Range, Request, Side, Status, XferArgs};
+use crate::engine::{
+    Engine, Error, Md, MemKind, Op, Range, Request, Shape, Side, Status, XferArgs,
+};
 
 /// Types generated from `include/bounce_ffi.h`.
 pub mod sys {
@@ -207,6 +209,22 @@ impl<T> OutSlot<T> {
     }
 }
 
+/// Where `bounce_engine_prep_xfer` tells the shim whether the UCX delegate
+/// carries the transfer: checked non-null before any work.
+struct RouteSlot(std::ptr::NonNull<i32>);
+
+impl RouteSlot {
+    fn new(p: *mut i32) -> Result<Self, Error> {
+        std::ptr::NonNull::new(p)
+            .map(RouteSlot)
+            .ok_or_else(|| Error::new(Status::InvalidParam, "null out-pointer for the route"))
+    }
+    fn set(&self, delegate: i32) {
+        // SAFETY: non-null, and the shim passes the address of a local.
+        unsafe { *self.0.as_ptr() = delegate };
+    }
+}
+
 /// # Safety
 /// `md` is null or a live bounce_md_t owned by the caller.
 unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
@@ -224,9 +242,14 @@ unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
     Ok(md)
 }
 
+/// The descriptors of a list as the shim passed them, and their memory kind.
+///
 /// # Safety
-/// `list` points to a valid bounce_desc_list_t whose arrays live for the call.
-unsafe fn side<'a>(list: *const bounce_desc_list_t, which: &str) -> Result<Side<'a>, Error> {
+/// `list` points to a valid bounce_desc_list_t whose arrays live for `'a`.
+unsafe fn raw_descs<'a>(
+    list: *const bounce_desc_list_t,
+    which: &str,
+) -> Result<(&'a [sys::bounce_desc_t], MemKind), Error> {
     if list.is_null() {
         return Err(Error::new(
             Status::InvalidParam,
@@ -242,6 +265,13 @@ unsafe fn side<'a>(list: *const bounce_desc_list_t, which: &str) -> Result<Side<
         // SAFETY: the shim passes a vector's data pointer and its length.
         unsafe { std::slice::from_raw_parts(list.descs, list.count) }
     };
+    Ok((raw, kind))
+}
+
+/// # Safety
+/// Every non-null `md` in `raw` is a metadata pointer NIXL handed back (the
+/// shim's, of this engine), live for `'a`.
+unsafe fn side<'a>(raw: &'a [sys::bounce_desc_t], kind: MemKind) -> Result<Side<'a>, Error> {
     let mut descs = Vec::with_capacity(raw.len());
     for d in raw {
         let md = if d.md.is_null() {
@@ -367,6 +397,44 @@ pub unsafe extern "C" fn bounce_engine_free(engine: *mut Engine) {
     }));
 }
 
+/// The backend parameters for the UCX delegate, as key, value, key, ...
+///
+/// # Safety
+/// `sink`/`ctx` are valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_ucx_params(
+    engine: *mut Engine,
+    sink: bounce_sink_t,
+    ctx: *mut c_void,
+) -> i32 {
+    with_engine(engine, "creating the UCX delegate", |e| {
+        for (k, v) in e.ucx_params() {
+            sink_bytes(sink, ctx, k.as_bytes())?;
+            sink_bytes(sink, ctx, v.as_bytes())?;
+        }
+        Ok(Status::Success)
+    })
+}
+
+/// Logs why the shim could not create the UCX delegate.
+///
+/// # Safety
+/// `message` is borrowed for the call.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_report(engine: *mut Engine, message: bounce_bytes_t) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: caller contract.
+        let text = String::from_utf8_lossy(unsafe { borrow(message) });
+        let agent = if engine.is_null() {
+            ""
+        } else {
+            // SAFETY: a live engine (header contract).
+            unsafe { &*engine }.local_name()
+        };
+        tracing::error!(agent, "BOUNCE backend not created: {text}");
+    }));
+}
+
 // ---- memory ---------------------------------------------------------------------
 
 /// Registers memory. On success `*out` is a new handle owned by the caller,
@@ -381,6 +449,7 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
     len: usize,
     dev_id: u64,
     mem: i32,
+    ucx_public: bounce_bytes_t,
     out: *mut *mut Md,
 ) -> i32 {
     with_engine(engine, "registerMem", |e| {
@@ -393,6 +462,8 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
                 dev: dev_id,
             },
             MemKind::from_nixl(mem)?,
+            // SAFETY: caller contract (borrowed for the call).
+            unsafe { borrow(ucx_public) },
         )?;
         slot.put(md);
         Ok(Status::Success)
@@ -457,26 +528,31 @@ pub unsafe extern "C" fn bounce_engine_public_data(
 }
 
 /// # Safety
-/// `sink`/`ctx` are valid for the call.
+/// `ucx_conn` is borrowed for the call; `sink`/`ctx` are valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_conn_info(
     engine: *mut Engine,
+    ucx_conn: bounce_bytes_t,
     sink: bounce_sink_t,
     ctx: *mut c_void,
 ) -> i32 {
     with_engine(engine, "getConnInfo", |e| {
-        sink_bytes(sink, ctx, &e.conn_info())?;
+        // SAFETY: caller contract.
+        sink_bytes(sink, ctx, &e.conn_info(unsafe { borrow(ucx_conn) }))?;
         Ok(Status::Success)
     })
 }
 
 /// # Safety
-/// The byte arguments are borrowed for the call.
+/// The byte arguments are borrowed for the call; `ucx_sink`/`ucx_ctx` are
+/// valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_load_remote_conn_info(
     engine: *mut Engine,
     remote_agent: bounce_bytes_t,
     conn_info: bounce_bytes_t,
+    ucx_sink: bounce_sink_t,
+    ucx_ctx: *mut c_void,
 ) -> i32 {
     with_engine(engine, "loadRemoteConnInfo", |e| {
         // SAFETY: caller contract.
@@ -486,8 +562,9 @@ pub unsafe extern "C" fn bounce_engine_load_remote_conn_info(
                 borrow(conn_info),
             )
         };
-        e.load_remote_conn_info(agent, info)
-            .map(|()| Status::Success)
+        let ucx_conn = e.load_remote_conn_info(agent, info)?;
+        sink_bytes(ucx_sink, ucx_ctx, &ucx_conn)?;
+        Ok(Status::Success)
     })
 }
 
@@ -505,6 +582,8 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
     public_data: bounce_bytes_t,
     mem: i32,
     remote_agent: bounce_bytes_t,
+    ucx_sink: bounce_sink_t,
+    ucx_ctx: *mut c_void,
     out: *mut *mut Md,
 ) -> i32 {
     with_engine(engine, "loadRemoteMD", |e| {
@@ -517,7 +596,7 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
                 borrow(public_data),
             )
         };
-        let md = e.load_remote_md(
+        let (md, ucx_public) = e.load_remote_md(
             agent,
             Range {
                 addr,
@@ -527,6 +606,7 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
             MemKind::from_nixl(mem)?,
             data,
         )?;
+        sink_bytes(ucx_sink, ucx_ctx, &ucx_public)?;
         slot.put(md);
         Ok(Status::Success)
     })
@@ -582,11 +662,13 @@ pub unsafe extern "C" fn bounce_engine_disconnect(
 
 // ---- transfers --------------------------------------------------------------------
 
-/// Prepares a transfer. On success `*req` is a new request owned by the
-/// caller, released by `bounce_engine_release_req`.
+/// Prepares a transfer: on success either `*delegate` is 1 (the UCX
+/// delegate carries it; `*req` stays null) or `*req` is a new request owned
+/// by the caller, released by `bounce_engine_release_req`.
 ///
 /// # Safety
-/// Lists and args are valid for the call; `req` is valid for writing.
+/// Lists and args are valid for the call; `delegate` and `req` are valid for
+/// writing.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_prep_xfer(
     engine: *mut Engine,
@@ -595,70 +677,65 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
     remote: *const bounce_desc_list_t,
     remote_agent: bounce_bytes_t,
     args: *const bounce_xfer_args_t,
+    delegate: *mut i32,
     req: *mut *mut Request,
 ) -> i32 {
     with_engine(engine, "prepXfer", |e| {
         // SAFETY: `req` comes from the shim (see `out_slot`).
         let slot = unsafe { out_slot(req, "the transfer request") }?;
+        let to_ucx = RouteSlot::new(delegate)?;
         // SAFETY: caller contract.
-        let (l, r, agent, args) = unsafe {
-            (
-                side(local, "local")?,
-                side(remote, "remote")?,
-                borrow_str(remote_agent, "the remote agent name")?,
-                xfer_args(args),
-            )
+        let agent = unsafe { borrow_str(remote_agent, "the remote agent name") }?;
+        // The shape first, without building anything per descriptor: most
+        // transfers that go to UCX are decided here.
+        // SAFETY: caller contract.
+        let (lraw, lkind) = unsafe { raw_descs(local, "local") }?;
+        // SAFETY: caller contract.
+        let (rraw, rkind) = unsafe { raw_descs(remote, "remote") }?;
+        let shape = Shape {
+            local: lkind,
+            remote: rkind,
+            descriptors: lraw.len() as u64,
+            bytes: lraw.iter().map(|d| d.len as u64).sum(),
+            local_transfer: agent == e.local_name(),
         };
-        let request = e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)?;
-        slot.put(Box::new(request));
+        // SAFETY: caller contract.
+        let args = unsafe { xfer_args(args) };
+        if e.early_fallback(&shape, &args)?.is_some() {
+            to_ucx.set(1);
+            return Ok(Status::Success);
+        }
+        // SAFETY: caller contract.
+        let (l, r) = unsafe { (side(lraw, lkind)?, side(rraw, rkind)?) };
+        match e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)? {
+            Some(request) => {
+                to_ucx.set(0);
+                slot.put(Box::new(request));
+            }
+            None => to_ucx.set(1),
+        }
         Ok(Status::Success)
     })
 }
 
-/// Posts a transfer: `*req` is a prepared request (posted again) or null (a
-/// request is prepared first and stored in `*req`, owned by the caller).
+/// Posts (or posts again) a request from `bounce_engine_prep_xfer`.
 ///
 /// # Safety
-/// As for `bounce_engine_prep_xfer`; a non-null `*req` is a live request.
+/// `args` is null or valid for the call; `req` is a live request.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_post_xfer(
     engine: *mut Engine,
-    op: i32,
-    local: *const bounce_desc_list_t,
-    remote: *const bounce_desc_list_t,
-    remote_agent: bounce_bytes_t,
     args: *const bounce_xfer_args_t,
-    req: *mut *mut Request,
+    req: *mut Request,
 ) -> i32 {
     with_engine(engine, "postXfer", |e| {
+        if req.is_null() {
+            return Err(Error::new(Status::InvalidParam, "null request handle"));
+        }
         // SAFETY: caller contract.
         let args = unsafe { xfer_args(args) };
-        if req.is_null() {
-            return Err(Error::new(Status::InvalidParam, "no request pointer"));
-        }
-        // SAFETY: caller contract: *req is null or a live request.
-        let existing = unsafe { *req };
-        if existing.is_null() {
-            // SAFETY: caller contract.
-            let (l, r, agent) = unsafe {
-                (
-                    side(local, "local")?,
-                    side(remote, "remote")?,
-                    borrow_str(remote_agent, "the remote agent name")?,
-                )
-            };
-            let mut request =
-                Box::new(e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args.clone())?);
-            let st = e.post_xfer(&mut request, args);
-            // The request is handed out even when posting failed, so NIXL can
-            // release it like any other.
-            // SAFETY: `req` checked non-null.
-            unsafe { *req = Box::into_raw(request) };
-            st
-        } else {
-            // SAFETY: a live request owned by the caller, not aliased during the call.
-            e.post_xfer(unsafe { &mut *existing }, args)
-        }
+        // SAFETY: a live request owned by the caller, not aliased during the call.
+        e.post_xfer(unsafe { &mut *req }, args)
     })
 }
 
@@ -725,26 +802,6 @@ pub unsafe extern "C" fn bounce_engine_get_notifs(
             unsafe { sink(ctx, a, m) };
         }
         Ok(Status::Success)
-    })
-}
-
-/// # Safety
-/// The byte arguments are borrowed for the call.
-#[no_mangle]
-pub unsafe extern "C" fn bounce_engine_gen_notif(
-    engine: *mut Engine,
-    remote_agent: bounce_bytes_t,
-    msg: bounce_bytes_t,
-) -> i32 {
-    with_engine(engine, "genNotif", |e| {
-        // SAFETY: caller contract.
-        let (agent, msg) = unsafe {
-            (
-                borrow_str(remote_agent, "the remote agent name")?,
-                borrow(msg),
-            )
-        };
-        e.gen_notif(agent, msg).map(|()| Status::Success)
     })
 }
 
