@@ -673,13 +673,21 @@ class Reader:
             err = cache.check(seeds[k], local[k], remote[k])
             if err:
                 raise BenchError(f"{geom['name']} {b} iter {it} request {k}: NOT byte-exact: {err}")
-        route = route_of(before, self.stats.counters(agent.name)) if before is not None else "-"
+        after = self.stats.counters(agent.name) if before is not None else None
+        route = route_of(before, after) if before is not None else "-"
+        # The plugin's own share of the preparations (ns, summed over the n
+        # requests): all of it, and of the peer-mapped path's table fill and
+        # upload.
+        plugin = {k: after.get(k, 0) - before.get(k, 0)
+                  for k in ("prepare_ns", "peer_map_prepare_ns", "peer_map_fill_ns", "peer_map_upload_ns")
+                  } if after is not None else {}
 
         bytes_total = n * geom["bytes_per_req"]
         span = max(t_done) - t_prep0[0]
         self.iterations.append(dict(
             case=geom["name"], backend=b, iter=it, warmup=warm, requests=n, bytes=bytes_total,
-            span_s=span, post_span_s=max(t_done) - t_post[0], agg_gbps=bytes_total / span / 1e9, route=route))
+            span_s=span, post_span_s=max(t_done) - t_post[0], agg_gbps=bytes_total / span / 1e9, route=route,
+            plugin_prepare_ns_per_req={k: v / n for k, v in plugin.items()}))
         for k in range(n):
             t_arr, sender = arrived[msgs[k]]
             self.samples.append(dict(
@@ -721,6 +729,9 @@ def summarize(reader, cases, backends):
             row["agg_gbps"] = spread([i["agg_gbps"] for i in its])
             row["span_s"] = spread([i["span_s"] for i in its])
             row["gbps"] = g["bytes_per_req"] / row["transfer_s"]["p50"] / 1e9
+            shares = [i["plugin_prepare_ns_per_req"] for i in its if i.get("plugin_prepare_ns_per_req")]
+            if shares:
+                row["plugin_prepare_ns"] = {k: spread([x.get(k, 0) for x in shares]) for k in shares[0]}
             tele = [s["telemetry"] for s in ss if "xferDuration" in s["telemetry"]]
             if tele:
                 row["telemetry_post_us"] = spread([t["postDuration"] for t in tele])
@@ -760,6 +771,13 @@ def print_table(summary, cases, opts):
             if g["inflight"] > 1:
                 line += f" {r['agg_gbps']['p50']:9.2f}"
             print(line + "  " + ",".join(r["routes"]))
+            pp = r.get("plugin_prepare_ns")
+            if pp and pp.get("prepare_ns") and pp["prepare_ns"]["p50"] > 0:
+                us = {k: v["p50"] / 1e3 for k, v in pp.items()}
+                print(f"        plugin's share of prepare (median us per request): {us['prepare_ns']:.0f} in all"
+                      f" ({us['prepare_ns'] * 1e3 / r['descs']:.1f} ns per descriptor), of it peer-mapped"
+                      f" {us['peer_map_prepare_ns']:.0f} (fill {us['peer_map_fill_ns']:.0f},"
+                      f" upload {us['peer_map_upload_ns']:.0f})")
         by = {r["backend"]: r for r in rows}
         if "BOUNCE" in by and "UCX" in by:
             u, bo = by["UCX"], by["BOUNCE"]

@@ -195,21 +195,28 @@ private:
     nixlBackendPlugin *plugin_;
 };
 
-// Flattens a NIXL descriptor list into a C array for one call.
+// Flattens a NIXL descriptor list into a C array for one call, in a buffer
+// of the calling thread's that is kept between calls (a fresh megabyte per
+// preparation would cost its page faults every time). `slot` tells the two
+// lists of one call apart.
 class DescList {
 public:
-    explicit DescList(const nixl_meta_dlist_t &list) {
-        descs.reserve(static_cast<size_t>(list.descCount()));
-        for (int i = 0; i < list.descCount(); ++i) {
-            const nixlMetaDesc &d = list[static_cast<size_t>(i)];
-            descs.push_back(bounce_desc_t{d.addr, d.len, d.devId, rust_md(d.metadataP)});
+    DescList(const nixl_meta_dlist_t &list, int slot) {
+        static thread_local std::vector<bounce_desc_t> buffers[2];
+        std::vector<bounce_desc_t> &descs = buffers[slot];
+        const size_t n = static_cast<size_t>(list.descCount());
+        descs.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            const nixlMetaDesc &d = list[i];
+            descs[i] = bounce_desc_t{d.addr, d.len, d.devId, rust_md(d.metadataP)};
         }
-        c = bounce_desc_list_t{descs.data(), descs.size(), static_cast<bounce_mem_t>(list.getType())};
+        c = bounce_desc_list_t{descs.data(), n, static_cast<bounce_mem_t>(list.getType())};
     }
+    DescList(const DescList &) = delete;
+    DescList &operator=(const DescList &) = delete;
     const bounce_desc_list_t *get() const { return &c; }
 
 private:
-    std::vector<bounce_desc_t> descs;
     bounce_desc_list_t c;
 };
 
@@ -335,7 +342,7 @@ public:
             if (!ucx) {
                 return NIXL_ERR_BACKEND;
             }
-            const DescList l(local), r(remote);
+            const DescList l(local, 0), r(remote, 1);
             const bounce_xfer_args_t args = xfer_args(opt_args);
             int32_t delegate = 0;
             bounce_req_t *req = nullptr;
@@ -449,6 +456,12 @@ public:
             if (st != BOUNCE_SUCCESS) {
                 return static_cast<nixl_status_t>(st);
             }
+            // The newest connection info wins, as on BOUNCE's own side: NIXL
+            // keeps a peer's connection from metadata that then failed to
+            // load, and UCX alone would refuse the real one afterwards
+            // (tests/bad_input.rs). Requests and regions already made hold
+            // their connection themselves.
+            ucx->engine->disconnect(remote_agent);
             const nixl_status_t ust = ucx->engine->loadRemoteConnInfo(remote_agent, ucx_conn);
             if (ust != NIXL_SUCCESS) {
                 bounce_engine_disconnect(engine, bytes(remote_agent));

@@ -212,12 +212,125 @@ pub struct XferArgs {
     pub custom_param: Vec<u8>,
 }
 
-/// One side of a transfer: descriptors (each with the [`Md`] NIXL resolved for
-/// it, if any) and their memory kind.
-#[derive(Debug, Clone)]
+/// One descriptor as the shim passes it (`bounce_desc_t`): a range and the
+/// [`Md`] NIXL resolved it to, or null.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawDesc {
+    pub addr: usize,
+    pub len: usize,
+    pub dev: u64,
+    pub md: *const Md,
+}
+
+/// One side of a transfer: the shim's descriptor array, read in place (no
+/// copy per descriptor), and its memory kind. Every descriptor was checked
+/// when the side was made ([`Side::new`]).
+#[derive(Debug, Clone, Copy)]
 pub struct Side<'a> {
     pub kind: MemKind,
-    pub descs: Vec<(Range, Option<&'a Md>)>,
+    raw: &'a [RawDesc],
+}
+
+impl<'a> Side<'a> {
+    /// Checks every descriptor in one pass: its metadata is a live BOUNCE
+    /// handle (checked once per distinct handle: consecutive descriptors
+    /// mostly share one), it does not wrap around the address space, and it
+    /// lies inside the memory NIXL resolved it to (NIXL checks this too; a
+    /// failure means NIXL and this plugin disagree about the layout).
+    ///
+    /// # Safety
+    /// Every non-null `md` in `raw` points to an [`Md`] that lives for `'a`
+    /// or to memory that can be read as one (NIXL hands back the handles
+    /// this engine created; the magic is checked before anything else).
+    pub unsafe fn new(which: &str, kind: MemKind, raw: &'a [RawDesc]) -> Result<Self> {
+        let mut last: *const Md = std::ptr::null();
+        let mut last_range = Range {
+            addr: 0,
+            len: 0,
+            dev: 0,
+        };
+        for (i, d) in raw.iter().enumerate() {
+            let range = d.range();
+            if range.end().is_none() {
+                return Err(Error::invalid(format!(
+                    "{which} descriptor {i} wraps around the address space"
+                )));
+            }
+            if d.md.is_null() {
+                continue;
+            }
+            if d.md != last {
+                // SAFETY: caller contract; the magic is read before the rest.
+                let md = unsafe { &*d.md };
+                if !md.is_valid() {
+                    return Err(Error::new(
+                        Status::Mismatch,
+                        format!("{which} descriptor {i} carries a metadata pointer that is not BOUNCE's (NIXL ABI mismatch?)"),
+                    ));
+                }
+                last = d.md;
+                last_range = md.range;
+            }
+            if range.len > 0 && !last_range.covers(&range) {
+                return Err(Error::invalid(format!(
+                    "{which} descriptor {i} ({} bytes at {:#x}, device {}) lies outside its registered region ({} bytes at {:#x}, device {})",
+                    range.len, range.addr, range.dev, last_range.len, last_range.addr, last_range.dev
+                )));
+            }
+        }
+        Ok(Self { kind, raw })
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+
+    /// Descriptor `i`'s range.
+    pub fn range(&self, i: usize) -> Range {
+        self.raw[i].range()
+    }
+
+    /// Each descriptor's range and metadata.
+    pub fn iter(&self) -> impl Iterator<Item = (Range, Option<&'a Md>)> + 'a {
+        self.raw.iter().map(|d| {
+            // SAFETY: checked live BOUNCE handles (`Side::new`), living for 'a.
+            (d.range(), unsafe { d.md.as_ref() })
+        })
+    }
+
+    /// Each descriptor's range.
+    pub fn ranges(&self) -> impl Iterator<Item = Range> + 'a {
+        self.raw.iter().map(RawDesc::range)
+    }
+
+    /// The descriptors' metadata, each run of equal handles once (routing
+    /// looks at regions, not descriptors).
+    pub fn distinct_mds(&self) -> impl Iterator<Item = Option<&'a Md>> + 'a {
+        let mut last: Option<*const Md> = None;
+        self.raw.iter().filter_map(move |d| {
+            if last == Some(d.md) {
+                return None;
+            }
+            last = Some(d.md);
+            // SAFETY: checked live BOUNCE handles (`Side::new`), living for 'a.
+            Some(unsafe { d.md.as_ref() })
+        })
+    }
+}
+
+impl RawDesc {
+    fn range(&self) -> Range {
+        Range {
+            addr: self.addr,
+            len: self.len,
+            dev: self.dev,
+        }
+    }
 }
 
 /// What routing looks at before any descriptor: the memory kinds, the
@@ -325,9 +438,11 @@ impl TransferParams {
                 }
                 // UCX's: the shared worker a UCX-routed transfer runs on.
                 "worker_id" => {}
-                other => return Err(Error::invalid(format!(
+                other => {
+                    return Err(Error::invalid(format!(
                     "unknown custom parameter key {other:?} (known keys: deadline_ms, worker_id)"
-                ))),
+                )))
+                }
             }
         }
         Ok(out)
@@ -882,27 +997,25 @@ impl Engine {
         agent: &str,
         args: XferArgs,
     ) -> Result<Option<Request>> {
-        if local.descs.len() != remote.descs.len() {
+        if local.len() != remote.len() {
             return Err(Error::invalid(format!(
                 "{} local descriptors but {} remote descriptors",
-                local.descs.len(),
-                remote.descs.len()
+                local.len(),
+                remote.len()
             )));
         }
         TransferParams::parse(&args.custom_param)?;
-        check_side("local", local)?;
-        check_side("remote", remote)?;
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
         if let Some(i) = local
-            .descs
-            .iter()
-            .zip(&remote.descs)
-            .position(|((l, _), (r, _))| l.len != r.len)
+            .ranges()
+            .zip(remote.ranges())
+            .position(|(l, r)| l.len != r.len)
         {
             return Err(Error::invalid(format!(
                 "descriptor {i}: local length {} differs from remote length {}",
-                local.descs[i].0.len, remote.descs[i].0.len
+                local.range(i).len,
+                remote.range(i).len
             )));
         }
 
@@ -918,10 +1031,9 @@ impl Engine {
                 // Descriptors go from source to destination: local to remote
                 // for a WRITE, remote to local for a READ.
                 let descriptors: Vec<Descriptor> = local
-                    .descs
-                    .iter()
-                    .zip(&remote.descs)
-                    .map(|((l, _), (r, _))| {
+                    .ranges()
+                    .zip(remote.ranges())
+                    .map(|(l, r)| {
                         let (src, dst) = match op {
                             Op::Write => (l, r),
                             Op::Read => (r, l),
@@ -977,39 +1089,44 @@ impl Engine {
         let input = peer::GateInput {
             local: local.kind,
             remote: remote.kind,
-            descriptors: local.descs.len() as u64,
-            bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
+            descriptors: local.len() as u64,
+            bytes: local.ranges().map(|r| r.len as u64).sum(),
             local_transfer: agent == self.local_name,
         };
         peer::gate(&self.config, &input).ok()?;
         let started = std::time::Instant::now();
-        let device = local.descs.first()?.0.dev;
+        let device = local.ranges().next()?.dev;
         // The peer's allocation holding a remote descriptor, if exported.
-        let peer_alloc = |md: &Option<&'a Md>| match md.map(|m| &m.owner) {
+        let peer_alloc = |md: Option<&'a Md>| match md.map(|m| &m.owner) {
             Some(MdOwner::Remote { peer: Some(a), .. }) => Some(a),
             _ => None,
         };
         // Peers elsewhere (or not exporting) are the common case off one
-        // host: no log, no count.
-        if !remote.descs.iter().all(|(_, md)| peer_alloc(md).is_some()) {
+        // host: no log, no count. One look per distinct region.
+        if !remote.distinct_mds().all(|md| peer_alloc(md).is_some()) {
             return None;
         }
-        let pairs = local
-            .descs
-            .iter()
-            .zip(&remote.descs)
-            .map(|((l, _), (r, md))| {
-                let alloc = peer_alloc(md)
-                    .ok_or("a remote descriptor in memory not exported for peer mapping")?;
-                if l.dev != device {
-                    return Err("local descriptors on more than one GPU");
+        let mut last: Option<(*const Md, &'a Arc<peer::RemoteAlloc>)> = None;
+        let pairs = local.ranges().zip(remote.iter()).map(|(l, (r, md))| {
+            let key = md.map_or(std::ptr::null(), |m| m as *const Md);
+            let alloc = match last {
+                Some((k, a)) if k == key => a,
+                _ => {
+                    let a = peer_alloc(md)
+                        .ok_or("a remote descriptor in memory not exported for peer mapping")?;
+                    last = Some((key, a));
+                    a
                 }
-                Ok((l.addr as u64, r.addr as u64, l.len as u64, alloc))
-            });
+            };
+            if l.dev != device {
+                return Err("local descriptors on more than one GPU");
+            }
+            Ok((l.addr as u64, r.addr as u64, l.len as u64, alloc))
+        });
         match self.peer.prepare(
             op,
             device as usize,
-            local.descs.len(),
+            local.len(),
             pairs,
             inner_remote.to_string(),
         ) {
@@ -1045,35 +1162,29 @@ impl Engine {
             return Err(Fallback::BounceDisabled);
         }
         let local_instance = uniform(
-            local
-                .descs
-                .iter()
-                .map(|(_, md)| match md.map(|m| &m.owner) {
-                    Some(MdOwner::Registered {
-                        bounce: Some(b), ..
-                    }) => Some(b),
-                    _ => None,
-                }),
+            local.distinct_mds().map(|md| match md.map(|m| &m.owner) {
+                Some(MdOwner::Registered {
+                    bounce: Some(b), ..
+                }) => Some(b),
+                _ => None,
+            }),
             Arc::ptr_eq,
         );
         let peer = uniform(
-            remote
-                .descs
-                .iter()
-                .map(|(_, md)| match md.map(|m| &m.owner) {
-                    Some(MdOwner::Remote {
-                        bounce: Some(p), ..
-                    }) => Some(p),
-                    _ => None,
-                }),
+            remote.distinct_mds().map(|md| match md.map(|m| &m.owner) {
+                Some(MdOwner::Remote {
+                    bounce: Some(p), ..
+                }) => Some(p),
+                _ => None,
+            }),
             |a, b| a == b,
         );
         let input = RouteInput {
             op,
             local: local.kind,
             remote: remote.kind,
-            descriptors: local.descs.len() as u64,
-            bytes: local.descs.iter().map(|(r, _)| r.len as u64).sum(),
+            descriptors: local.len() as u64,
+            bytes: local.ranges().map(|r| r.len as u64).sum(),
             peer_capable: peer.is_some(),
             peer_reads: peer.is_some_and(|p| p.read),
             local_transfer: agent == self.local_name,
@@ -1301,34 +1412,6 @@ impl Drop for Engine {
         let snapshot = self.stats.snapshot();
         tracing::info!(agent = %self.local_name, counters = ?snapshot.counters, "BOUNCE engine shutting down");
     }
-}
-
-/// Every descriptor must be non-empty-addressable and lie inside the memory
-/// NIXL resolved it to (NIXL checks this too; a failure here means NIXL and
-/// this plugin disagree about the descriptor layout).
-fn check_side(which: &str, side: &Side<'_>) -> Result<()> {
-    for (i, (range, md)) in side.descs.iter().enumerate() {
-        if range.end().is_none() {
-            return Err(Error::invalid(format!(
-                "{which} descriptor {i} wraps around the address space"
-            )));
-        }
-        if let Some(md) = md {
-            if !md.is_valid() {
-                return Err(Error::new(
-                    Status::Mismatch,
-                    format!("{which} descriptor {i} carries a metadata pointer that is not BOUNCE's (NIXL ABI mismatch?)"),
-                ));
-            }
-            if range.len > 0 && !md.range.covers(range) {
-                return Err(Error::invalid(format!(
-                    "{which} descriptor {i} ({} bytes at {:#x}, device {}) lies outside its registered region ({} bytes at {:#x}, device {})",
-                    range.len, range.addr, range.dev, md.range.len, md.range.addr, md.range.dev
-                )));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The common value of an iterator of optional references, if every item is

@@ -23,6 +23,7 @@ use super::conn_info::PeerExport;
 use super::{MemKind, Op};
 use crate::config::Config;
 use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
+use crate::proto::Run;
 
 /// Streams per device for peer-mapped copies.
 const STREAMS_PER_DEVICE: usize = 4;
@@ -111,6 +112,10 @@ pub struct PeerMaps {
     copiers: Mutex<HashMap<usize, Result<Arc<PeerCopier>, String>>>,
     allocs: Mutex<HashMap<PeerExport, Weak<RemoteAlloc>>>,
     notifier: Mutex<Option<Notifier>>,
+    /// The run list a preparation builds, kept between preparations (its
+    /// megabytes would otherwise be page-faulted in anew every time); one
+    /// that finds it in use builds its own.
+    runs: Mutex<Vec<Run>>,
 }
 
 impl std::fmt::Debug for PeerMaps {
@@ -133,6 +138,7 @@ impl PeerMaps {
             copiers: Mutex::new(HashMap::new()),
             allocs: Mutex::new(HashMap::new()),
             notifier: Mutex::new(None),
+            runs: Mutex::new(Vec::new()),
         }
     }
 
@@ -215,7 +221,14 @@ impl PeerMaps {
         let copier = self.copier(device)?;
         let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
         let mut last: Option<(*const RemoteAlloc, Arc<PeerMapping>)> = None;
-        let mut runs = Vec::with_capacity(n);
+        let mut kept = self.runs.try_lock().ok();
+        let mut own = Vec::new();
+        let runs: &mut Vec<Run> = match kept.as_deref_mut() {
+            Some(v) => v,
+            None => &mut own,
+        };
+        runs.clear();
+        runs.reserve(n);
         for pair in pairs {
             let (local, remote, len, alloc) = pair?;
             // Consecutive descriptors usually share an allocation: no
@@ -246,9 +259,9 @@ impl PeerMaps {
                     len,
                 },
             };
-            peer::push_copy(&mut runs, copy);
+            peer::push_copy(runs, copy);
         }
-        let table = copier.prepare(&runs, started)?;
+        let table = copier.prepare(runs, started)?;
         Ok(PeerXfer {
             table,
             mappings,

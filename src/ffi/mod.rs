@@ -209,6 +209,17 @@ impl<T> OutSlot<T> {
     }
 }
 
+/// Adds the time since `.1` to the engine's `prepare_ns` when dropped.
+struct PrepTimer<'a>(&'a Engine, std::time::Instant);
+
+impl Drop for PrepTimer<'_> {
+    fn drop(&mut self) {
+        self.0
+            .stats
+            .add_named("prepare_ns", self.1.elapsed().as_nanos() as u64);
+    }
+}
+
 /// Where `bounce_engine_prep_xfer` tells the shim whether the UCX delegate
 /// carries the transfer: checked non-null before any work.
 struct RouteSlot(std::ptr::NonNull<i32>);
@@ -242,6 +253,24 @@ unsafe fn md_ref<'a>(md: *const Md) -> Result<&'a Md, Error> {
     Ok(md)
 }
 
+// The engine reads the shim's descriptor arrays in place as its own
+// `RawDesc` (same fields, same order).
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<crate::engine::RawDesc>() == size_of::<sys::bounce_desc_t>());
+    assert!(align_of::<crate::engine::RawDesc>() == align_of::<sys::bounce_desc_t>());
+    assert!(offset_of!(crate::engine::RawDesc, addr) == offset_of!(sys::bounce_desc_t, addr));
+    assert!(offset_of!(crate::engine::RawDesc, len) == offset_of!(sys::bounce_desc_t, len));
+    assert!(offset_of!(crate::engine::RawDesc, dev) == offset_of!(sys::bounce_desc_t, dev_id));
+    assert!(offset_of!(crate::engine::RawDesc, md) == offset_of!(sys::bounce_desc_t, md));
+};
+
+fn as_raw(raw: &[sys::bounce_desc_t]) -> &[crate::engine::RawDesc] {
+    // SAFETY: same size, alignment and field offsets (checked above at
+    // compile time), every bit pattern valid for both.
+    unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const crate::engine::RawDesc, raw.len()) }
+}
+
 /// The descriptors of a list as the shim passed them, and their memory kind.
 ///
 /// # Safety
@@ -266,31 +295,6 @@ unsafe fn raw_descs<'a>(
         unsafe { std::slice::from_raw_parts(list.descs, list.count) }
     };
     Ok((raw, kind))
-}
-
-/// # Safety
-/// Every non-null `md` in `raw` is a metadata pointer NIXL handed back (the
-/// shim's, of this engine), live for `'a`.
-unsafe fn side<'a>(raw: &'a [sys::bounce_desc_t], kind: MemKind) -> Result<Side<'a>, Error> {
-    let mut descs = Vec::with_capacity(raw.len());
-    for d in raw {
-        let md = if d.md.is_null() {
-            None
-        } else {
-            // SAFETY: NIXL hands back the md pointers we created; md_ref
-            // checks the magic before trusting the contents.
-            Some(unsafe { md_ref(d.md as *const Md) }?)
-        };
-        descs.push((
-            Range {
-                addr: d.addr,
-                len: d.len,
-                dev: d.dev_id,
-            },
-            md,
-        ));
-    }
-    Ok(Side { kind, descs })
 }
 
 /// # Safety
@@ -680,7 +684,10 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
     delegate: *mut i32,
     req: *mut *mut Request,
 ) -> i32 {
+    let started = std::time::Instant::now();
     with_engine(engine, "prepXfer", |e| {
+        // The plugin's own share of a preparation, whichever path it takes.
+        let _timed = PrepTimer(e, started);
         // SAFETY: `req` comes from the shim (see `out_slot`).
         let slot = unsafe { out_slot(req, "the transfer request") }?;
         let to_ucx = RouteSlot::new(delegate)?;
@@ -705,8 +712,14 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             to_ucx.set(1);
             return Ok(Status::Success);
         }
-        // SAFETY: caller contract.
-        let (l, r) = unsafe { (side(lraw, lkind)?, side(rraw, rkind)?) };
+        // SAFETY: the md pointers are the handles NIXL hands back (this
+        // engine's); `Side::new` checks each one's magic first.
+        let (l, r) = unsafe {
+            (
+                Side::new("local", lkind, as_raw(lraw))?,
+                Side::new("remote", rkind, as_raw(rraw))?,
+            )
+        };
         match e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)? {
             Some(request) => {
                 to_ucx.set(0);
