@@ -378,6 +378,80 @@ pub fn fill_table(
     })
 }
 
+/// The table of `n` copies of `len` bytes each, one run per copy, written
+/// as `copies` yields each (source, destination): the same table
+/// [`fill_table`] makes of such copies left unmerged, in one pass and with
+/// no run list (tested against it). Copies that wrap around the address
+/// space, or fewer or more than `n` of them, are refused.
+pub fn fill_uniform<E: Into<String>>(
+    n: usize,
+    len: u64,
+    copies: impl Iterator<Item = Result<(u64, u64), E>>,
+    tile_bytes: u64,
+    max_warps: u32,
+    out_runs: &mut [DevRun],
+    out_tile_start: &mut [u32],
+) -> Result<LaunchShape, String> {
+    if n == 0 || len == 0 {
+        return Err("a copy of no bytes".into());
+    }
+    if !valid_tile_bytes(tile_bytes) || max_warps == 0 {
+        return Err(format!(
+            "tile size {tile_bytes} or launch of {max_warps} warps unusable"
+        ));
+    }
+    if out_runs.len() < n || out_tile_start.len() <= n {
+        return Err(format!("run table too small for {n} runs"));
+    }
+    let per_copy = len.div_ceil(tile_bytes);
+    let total_tiles = u32::try_from(per_copy.saturating_mul(n as u64))
+        .map_err(|_| format!("{n} copies of {len} bytes: too many tiles for one launch"))?;
+    let nruns = u32::try_from(n)
+        .ok()
+        .filter(|&r| r < 1 << 31)
+        .ok_or_else(|| format!("{n} runs in one launch (at most 2^31 - 1)"))?;
+    let total_bytes = len
+        .checked_mul(n as u64)
+        .ok_or_else(|| format!("{n} copies of {len} bytes overflow"))?;
+    let mut written = 0usize;
+    for ((c, run), start) in copies
+        .zip(out_runs[..n].iter_mut())
+        .zip(out_tile_start[..n].iter_mut())
+    {
+        let (src, dst) = c.map_err(Into::into)?;
+        if src.checked_add(len).is_none() || dst.checked_add(len).is_none() {
+            return Err(format!(
+                "copy {written} ({len} bytes from {src:#x} to {dst:#x}) wraps around"
+            ));
+        }
+        *run = DevRun {
+            src,
+            dst,
+            len,
+            count: 1,
+            stride_index: 0,
+        };
+        // per_copy * written < total_tiles < 2^32 (checked above).
+        *start = (per_copy * written as u64) as u32;
+        written += 1;
+    }
+    if written != n {
+        return Err(format!("{written} copies where {n} were announced"));
+    }
+    out_tile_start[n] = total_tiles;
+    let tiles_per_warp = total_tiles.div_ceil(max_warps);
+    let warps = total_tiles.div_ceil(tiles_per_warp);
+    Ok(LaunchShape {
+        nruns,
+        nstrided: 0,
+        total_tiles,
+        tiles_per_warp,
+        grid: warps.div_ceil(WARPS_PER_BLOCK),
+        tile_bytes,
+        total_bytes,
+    })
+}
+
 /// What NVRTC should produce for a device of compute capability `cc`
 /// (`major * 10 + minor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1756,6 +1830,74 @@ impl Drop for PendingCopy {
 
 #[cfg(test)]
 mod tests {
+
+    /// The one-pass table of uniform copies is the table `fill_table`
+    /// makes of the same copies left unmerged: runs, tile starts, shape.
+    #[test]
+    fn fill_uniform_matches_fill_table() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for (n, len, tile, warps) in [
+            (1, 1, 16, 1),
+            (7, 4096, 4096, 3),
+            (300, 8192, 8192, 96),
+            (1000, 32768, 8192, 3168),
+            (64, 100_000, 4096, 10),
+        ] {
+            let copies: Vec<(u64, u64)> = (0..n)
+                .map(|_| ((next() >> 20) << 4, (next() >> 20) << 4))
+                .collect();
+            let runs: Vec<Run> = copies
+                .iter()
+                .map(|&(src, dst)| Run::single(dst, src, len))
+                .collect();
+            let (mut ra, mut ta, mut sa) = (
+                vec![DevRun::default(); n],
+                vec![0u32; n + 1],
+                vec![[0u64; 2]; n],
+            );
+            let whole = RegionSpan {
+                addr: 0,
+                len: usize::MAX,
+            };
+            let want = fill_table(
+                Direction::Gather,
+                whole,
+                &runs,
+                tile,
+                warps,
+                &mut ra,
+                &mut ta,
+                &mut sa,
+            )
+            .unwrap();
+            let (mut rb, mut tb) = (vec![DevRun::default(); n], vec![0u32; n + 1]);
+            let got = fill_uniform(
+                n,
+                len,
+                copies.iter().map(|&c| Ok::<_, String>(c)),
+                tile,
+                warps,
+                &mut rb,
+                &mut tb,
+            )
+            .unwrap();
+            assert_eq!(got, want, "{n} x {len}");
+            assert_eq!(rb, ra);
+            assert_eq!(tb, ta);
+        }
+        // Wrapping copies and a short list are refused.
+        let (mut r, mut t) = (vec![DevRun::default(); 2], vec![0u32; 3]);
+        let wrap = [Ok::<_, String>((u64::MAX - 10, 0)), Ok((0, 0))];
+        assert!(fill_uniform(2, 64, wrap.into_iter(), 16, 1, &mut r, &mut t).is_err());
+        let short = [Ok::<_, String>((0, 4096))];
+        assert!(fill_uniform(2, 64, short.into_iter(), 16, 1, &mut r, &mut t).is_err());
+    }
     use super::*;
     use crate::copy::host::HostCopy;
 

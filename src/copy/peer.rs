@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::cuda::{
-    fill_table, launch_copy, table_parts, CopyKernel, CudaDevice, CudaRuntime, LaunchShape,
-    TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
+    fill_table, fill_uniform, launch_copy, table_parts, CopyKernel, CudaDevice, CudaRuntime,
+    DevRun, DevStrides, LaunchShape, TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
 use crate::proto::plan::add_piece;
@@ -341,13 +341,72 @@ impl PeerCopier {
     /// `started` is when the caller began building the runs (for the
     /// table-fill time).
     pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<PeerTable, String> {
-        let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
-        let t0 = started;
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
         }
-        let layout = TableLayout::new(runs.len())
-            .ok_or_else(|| format!("{} runs overflow the run table", runs.len()))?;
+        let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
+        self.build(
+            runs.len(),
+            started,
+            |out_runs, out_tile_start, out_strides| {
+                fill_table(
+                    Direction::Gather,
+                    WHOLE_ADDRESS_SPACE,
+                    runs,
+                    DEFAULT_TILE_BYTES,
+                    max_warps,
+                    out_runs,
+                    out_tile_start,
+                    out_strides,
+                )
+                .map_err(|e| e.reason)
+            },
+        )
+    }
+
+    /// Builds and uploads the table of `n` copies of `len` bytes each, one
+    /// run per copy, written straight into the table as `copies` yields
+    /// them (source, destination): no run list, no merging, no second pass.
+    /// The transfers of real clients are of this shape (vLLM: every block
+    /// the same size). Every address was checked by the caller; copies that
+    /// wrap around the address space are refused here.
+    pub fn prepare_uniform(
+        self: &Arc<Self>,
+        n: usize,
+        len: u64,
+        copies: impl Iterator<Item = Result<(u64, u64), String>>,
+        started: Instant,
+    ) -> Result<PeerTable, String> {
+        if n == 0 || len == 0 {
+            return Err("a peer-mapped copy of no bytes".into());
+        }
+        let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
+        self.build(n, started, |out_runs, out_tile_start, _| {
+            fill_uniform(
+                n,
+                len,
+                copies,
+                DEFAULT_TILE_BYTES,
+                max_warps,
+                out_runs,
+                out_tile_start,
+            )
+        })
+    }
+
+    /// Builds a table of at most `nruns` runs with `fill` (which returns the
+    /// launch it describes) in pinned staging memory, and uploads it.
+    /// Blocks for the upload only.
+    fn build(
+        self: &Arc<Self>,
+        nruns: usize,
+        started: Instant,
+        fill: impl FnOnce(&mut [DevRun], &mut [u32], &mut [DevStrides]) -> Result<LaunchShape, String>,
+    ) -> Result<PeerTable, String> {
+        let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
+        let t0 = started;
+        let layout = TableLayout::new(nruns)
+            .ok_or_else(|| format!("{nruns} runs overflow the run table"))?;
         let _ctx = ContextScope::enter(&self.device)?;
         // Pinned staging when free (held until the upload completed), else a
         // pageable buffer of this call's own.
@@ -370,18 +429,7 @@ impl PeerCopier {
         // is this call's `pageable`).
         let (out_runs, out_tile_start, out_strides) =
             unsafe { table_parts(host as *mut u8, &layout) };
-        let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
-        let shape = fill_table(
-            Direction::Gather,
-            WHOLE_ADDRESS_SPACE,
-            runs,
-            DEFAULT_TILE_BYTES,
-            max_warps,
-            out_runs,
-            out_tile_start,
-            out_strides,
-        )
-        .map_err(|e| e.reason)?;
+        let shape = fill(out_runs, out_tile_start, out_strides)?;
         let t1 = Instant::now();
         let used = shape.table_bytes();
         // SAFETY: `host` holds at least `used` initialised bytes (zeroed

@@ -1123,10 +1123,18 @@ impl Engine {
             }
             Ok((l.addr as u64, r.addr as u64, l.len as u64, alloc))
         });
+        // One size for every descriptor (vLLM's blocks): the cheap table.
+        let first_len = local.ranges().next()?.len as u64;
+        let uniform = local
+            .ranges()
+            .all(|r| r.len as u64 == first_len)
+            .then_some(first_len)
+            .filter(|&l| l > 0);
         match self.peer.prepare(
             op,
             device as usize,
             local.len(),
+            uniform,
             pairs,
             inner_remote.to_string(),
         ) {

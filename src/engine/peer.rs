@@ -214,6 +214,7 @@ impl PeerMaps {
         op: Op,
         device: usize,
         n: usize,
+        uniform_len: Option<u64>,
         pairs: impl Iterator<Item = Result<(u64, u64, u64, &'a Arc<RemoteAlloc>), &'static str>>,
         peer_inner: String,
     ) -> Result<PeerXfer, String> {
@@ -221,15 +222,8 @@ impl PeerMaps {
         let copier = self.copier(device)?;
         let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
         let mut last: Option<(*const RemoteAlloc, Arc<PeerMapping>)> = None;
-        let mut kept = self.runs.try_lock().ok();
-        let mut own = Vec::new();
-        let runs: &mut Vec<Run> = match kept.as_deref_mut() {
-            Some(v) => v,
-            None => &mut own,
-        };
-        runs.clear();
-        runs.reserve(n);
-        for pair in pairs {
+        // Each pair as this process's (source, destination) of one copy.
+        let copies = pairs.map(|pair| -> Result<PeerCopy, String> {
             let (local, remote, len, alloc) = pair?;
             // Consecutive descriptors usually share an allocation: no
             // look-up and no reference count per descriptor then.
@@ -247,7 +241,7 @@ impl PeerMaps {
                 .ok_or_else(|| {
                     format!("remote descriptor ({len} bytes at {remote:#x}) lies outside the peer's allocation")
                 })?;
-            let copy = match op {
+            Ok(match op {
                 Op::Write => PeerCopy {
                     src: local,
                     dst: mapped,
@@ -258,10 +252,32 @@ impl PeerMaps {
                     dst: local,
                     len,
                 },
-            };
-            peer::push_copy(runs, copy);
-        }
-        let table = copier.prepare(runs, started)?;
+            })
+        });
+        let table = match uniform_len {
+            // Every copy of one size (real clients' blocks): written straight
+            // into the table.
+            Some(len) => copier.prepare_uniform(
+                n,
+                len,
+                copies.map(|c| c.map(|c| (c.src, c.dst))),
+                started,
+            )?,
+            None => {
+                let mut kept = self.runs.try_lock().ok();
+                let mut own = Vec::new();
+                let runs: &mut Vec<Run> = match kept.as_deref_mut() {
+                    Some(v) => v,
+                    None => &mut own,
+                };
+                runs.clear();
+                runs.reserve(n);
+                for c in copies {
+                    peer::push_copy(runs, c?);
+                }
+                copier.prepare(runs, started)?
+            }
+        };
         Ok(PeerXfer {
             table,
             mappings,
