@@ -86,19 +86,25 @@ typedef struct bounce_param {
     bounce_bytes_t value;
 } bounce_param_t;
 
-/* One transfer descriptor; md is the bounce_md_t of the memory it lies in
- * (as NIXL resolved it), or NULL. */
+/* One transfer descriptor, laid out as NIXL's own (nixlMetaDesc), so that the
+ * shim passes NIXL's descriptor array in place: md is the backend metadata
+ * NIXL resolved the descriptor to (the shim's wrapper object), or NULL;
+ * the list's resolve() gives its bounce_md_t. */
 typedef struct bounce_desc {
     uintptr_t addr;
     size_t len;
     uint64_t dev_id;
-    const bounce_md_t *md;
+    const void *md;
 } bounce_desc_t;
+
+/* The bounce_md_t inside a descriptor's backend metadata (non-NULL). */
+typedef const bounce_md_t *(*bounce_md_resolver_t)(const void *backend_md);
 
 typedef struct bounce_desc_list {
     const bounce_desc_t *descs;
     size_t count;
     bounce_mem_t mem;
+    bounce_md_resolver_t resolve;
 } bounce_desc_list_t;
 
 /* The backend's optional per-transfer arguments. */

@@ -15,6 +15,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -195,30 +196,27 @@ private:
     nixlBackendPlugin *plugin_;
 };
 
-// Flattens a NIXL descriptor list into a C array for one call, in a buffer
-// of the calling thread's that is kept between calls (a fresh megabyte per
-// preparation would cost its page faults every time). `slot` tells the two
-// lists of one call apart.
-class DescList {
-public:
-    DescList(const nixl_meta_dlist_t &list, int slot) {
-        static thread_local std::vector<bounce_desc_t> buffers[2];
-        std::vector<bounce_desc_t> &descs = buffers[slot];
-        const size_t n = static_cast<size_t>(list.descCount());
-        descs.resize(n);
-        for (size_t i = 0; i < n; ++i) {
-            const nixlMetaDesc &d = list[i];
-            descs[i] = bounce_desc_t{d.addr, d.len, d.devId, rust_md(d.metadataP)};
-        }
-        c = bounce_desc_list_t{descs.data(), n, static_cast<bounce_mem_t>(list.getType())};
-    }
-    DescList(const DescList &) = delete;
-    DescList &operator=(const DescList &) = delete;
-    const bounce_desc_list_t *get() const { return &c; }
+const bounce_md_t *resolve_md(const void *md) {
+    return rust_md(static_cast<const nixlBackendMD *>(md));
+}
 
-private:
-    bounce_desc_list_t c;
-};
+// NIXL's descriptor array as the C boundary's (bounce_desc_t has nixlMetaDesc's
+// layout): passed in place, no copy per descriptor.
+static_assert(sizeof(bounce_desc_t) == sizeof(nixlMetaDesc), "bounce_desc_t is nixlMetaDesc");
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+static_assert(offsetof(nixlMetaDesc, addr) == offsetof(bounce_desc_t, addr) &&
+                  offsetof(nixlMetaDesc, len) == offsetof(bounce_desc_t, len) &&
+                  offsetof(nixlMetaDesc, devId) == offsetof(bounce_desc_t, dev_id) &&
+                  offsetof(nixlMetaDesc, metadataP) == offsetof(bounce_desc_t, md),
+              "bounce_desc_t is nixlMetaDesc");
+#pragma GCC diagnostic pop
+
+bounce_desc_list_t desc_list(const nixl_meta_dlist_t &list) {
+    const size_t n = static_cast<size_t>(list.descCount());
+    return bounce_desc_list_t{n ? reinterpret_cast<const bounce_desc_t *>(&list[0]) : nullptr, n,
+                              static_cast<bounce_mem_t>(list.getType()), resolve_md};
+}
 
 bounce_xfer_args_t xfer_args(const nixl_opt_b_args_t *opt) {
     if (!opt) {
@@ -342,12 +340,12 @@ public:
             if (!ucx) {
                 return NIXL_ERR_BACKEND;
             }
-            const DescList l(local, 0), r(remote, 1);
+            const bounce_desc_list_t l = desc_list(local), r = desc_list(remote);
             const bounce_xfer_args_t args = xfer_args(opt_args);
             int32_t delegate = 0;
             bounce_req_t *req = nullptr;
             const bounce_status_t st = bounce_engine_prep_xfer(
-                engine, static_cast<bounce_op_t>(op), l.get(), r.get(), bytes(remote_agent), &args, &delegate, &req);
+                engine, static_cast<bounce_op_t>(op), &l, &r, bytes(remote_agent), &args, &delegate, &req);
             if (st != BOUNCE_SUCCESS) {
                 return static_cast<nixl_status_t>(st);
             }

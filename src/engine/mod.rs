@@ -212,24 +212,38 @@ pub struct XferArgs {
     pub custom_param: Vec<u8>,
 }
 
-/// One descriptor as the shim passes it (`bounce_desc_t`): a range and the
-/// [`Md`] NIXL resolved it to, or null.
+/// One descriptor as the shim passes it (`bounce_desc_t`, which is NIXL's
+/// own descriptor): a range and the backend metadata NIXL resolved it to
+/// (the shim's wrapper of an [`Md`]), or null.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RawDesc {
     pub addr: usize,
     pub len: usize,
     pub dev: u64,
-    pub md: *const Md,
+    pub md: *const std::ffi::c_void,
 }
 
-/// One side of a transfer: the shim's descriptor array, read in place (no
-/// copy per descriptor), and its memory kind. Every descriptor was checked
-/// when the side was made ([`Side::new`]).
-#[derive(Debug, Clone, Copy)]
+/// The [`Md`] inside a descriptor's (non-null) backend metadata.
+pub type MdResolver<'a> = &'a dyn Fn(*const std::ffi::c_void) -> *const Md;
+
+/// One side of a transfer: NIXL's descriptor array, read in place (no copy
+/// per descriptor), and its memory kind. Every descriptor was checked when
+/// the side was made ([`Side::new`]).
+#[derive(Clone, Copy)]
 pub struct Side<'a> {
     pub kind: MemKind,
     raw: &'a [RawDesc],
+    resolve: MdResolver<'a>,
+}
+
+impl std::fmt::Debug for Side<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Side")
+            .field("kind", &self.kind)
+            .field("descriptors", &self.raw.len())
+            .finish()
+    }
 }
 
 impl<'a> Side<'a> {
@@ -240,11 +254,17 @@ impl<'a> Side<'a> {
     /// failure means NIXL and this plugin disagree about the layout).
     ///
     /// # Safety
-    /// Every non-null `md` in `raw` points to an [`Md`] that lives for `'a`
-    /// or to memory that can be read as one (NIXL hands back the handles
-    /// this engine created; the magic is checked before anything else).
-    pub unsafe fn new(which: &str, kind: MemKind, raw: &'a [RawDesc]) -> Result<Self> {
-        let mut last: *const Md = std::ptr::null();
+    /// `resolve` of every non-null `md` in `raw` points to an [`Md`] that
+    /// lives for `'a` or to memory that can be read as one (NIXL hands back
+    /// the handles this engine created; the magic is checked before
+    /// anything else).
+    pub unsafe fn new(
+        which: &str,
+        kind: MemKind,
+        raw: &'a [RawDesc],
+        resolve: MdResolver<'a>,
+    ) -> Result<Self> {
+        let mut last: *const std::ffi::c_void = std::ptr::null();
         let mut last_range = Range {
             addr: 0,
             len: 0,
@@ -262,7 +282,7 @@ impl<'a> Side<'a> {
             }
             if d.md != last {
                 // SAFETY: caller contract; the magic is read before the rest.
-                let md = unsafe { &*d.md };
+                let md = unsafe { &*resolve(d.md) };
                 if !md.is_valid() {
                     return Err(Error::new(
                         Status::Mismatch,
@@ -279,7 +299,7 @@ impl<'a> Side<'a> {
                 )));
             }
         }
-        Ok(Self { kind, raw })
+        Ok(Self { kind, raw, resolve })
     }
 
     pub fn len(&self) -> usize {
@@ -297,10 +317,22 @@ impl<'a> Side<'a> {
 
     /// Each descriptor's range and metadata.
     pub fn iter(&self) -> impl Iterator<Item = (Range, Option<&'a Md>)> + 'a {
-        self.raw.iter().map(|d| {
-            // SAFETY: checked live BOUNCE handles (`Side::new`), living for 'a.
-            (d.range(), unsafe { d.md.as_ref() })
-        })
+        let mut md = self.mds();
+        self.raw.iter().map(move |d| (d.range(), md(d.md)))
+    }
+
+    /// Resolves descriptors' metadata, once per run of equal handles.
+    fn mds(&self) -> impl FnMut(*const std::ffi::c_void) -> Option<&'a Md> + 'a {
+        let resolve = self.resolve;
+        let mut last: (*const std::ffi::c_void, Option<&'a Md>) = (std::ptr::null(), None);
+        move |p| {
+            if p != last.0 {
+                // SAFETY: checked live BOUNCE handles (`Side::new`), living
+                // for 'a.
+                last = (p, unsafe { resolve(p).as_ref() });
+            }
+            last.1
+        }
     }
 
     /// Each descriptor's range.
@@ -311,14 +343,14 @@ impl<'a> Side<'a> {
     /// The descriptors' metadata, each run of equal handles once (routing
     /// looks at regions, not descriptors).
     pub fn distinct_mds(&self) -> impl Iterator<Item = Option<&'a Md>> + 'a {
-        let mut last: Option<*const Md> = None;
+        let mut last: Option<*const std::ffi::c_void> = None;
+        let mut md = self.mds();
         self.raw.iter().filter_map(move |d| {
             if last == Some(d.md) {
                 return None;
             }
             last = Some(d.md);
-            // SAFETY: checked live BOUNCE handles (`Side::new`), living for 'a.
-            Some(unsafe { d.md.as_ref() })
+            Some(md(d.md))
         })
     }
 }
@@ -996,6 +1028,7 @@ impl Engine {
         remote: &Side<'_>,
         agent: &str,
         args: XferArgs,
+        shape: &Shape,
     ) -> Result<Option<Request>> {
         if local.len() != remote.len() {
             return Err(Error::invalid(format!(
@@ -1007,19 +1040,23 @@ impl Engine {
         TransferParams::parse(&args.custom_param)?;
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
-        if let Some(i) = local
-            .ranges()
-            .zip(remote.ranges())
-            .position(|(l, r)| l.len != r.len)
-        {
+        // One pass: lengths equal on both sides, and whether all are one
+        // size (the peer-mapped path's cheap table).
+        let first_len = local.ranges().next().map_or(0, |r| r.len);
+        let mut uniform = true;
+        if let Some(i) = local.ranges().zip(remote.ranges()).position(|(l, r)| {
+            uniform &= l.len == first_len;
+            l.len != r.len
+        }) {
             return Err(Error::invalid(format!(
                 "descriptor {i}: local length {} differs from remote length {}",
                 local.range(i).len,
                 remote.range(i).len
             )));
         }
+        let uniform = (uniform && first_len > 0).then_some(first_len as u64);
 
-        if let Some(x) = self.peer_mapped_route(op, local, remote, agent, &inner_remote) {
+        if let Some(x) = self.peer_mapped_route(op, local, remote, shape, uniform, &inner_remote) {
             return Ok(Some(Request {
                 route: Route::PeerMapped(x),
                 args,
@@ -1083,15 +1120,16 @@ impl Engine {
         op: Op,
         local: &Side<'a>,
         remote: &Side<'a>,
-        agent: &str,
+        shape: &Shape,
+        uniform: Option<u64>,
         inner_remote: &str,
     ) -> Option<peer::PeerXfer> {
         let input = peer::GateInput {
             local: local.kind,
             remote: remote.kind,
-            descriptors: local.len() as u64,
-            bytes: local.ranges().map(|r| r.len as u64).sum(),
-            local_transfer: agent == self.local_name,
+            descriptors: shape.descriptors,
+            bytes: shape.bytes,
+            local_transfer: shape.local_transfer,
         };
         peer::gate(&self.config, &input).ok()?;
         let started = std::time::Instant::now();
@@ -1123,13 +1161,6 @@ impl Engine {
             }
             Ok((l.addr as u64, r.addr as u64, l.len as u64, alloc))
         });
-        // One size for every descriptor (vLLM's blocks): the cheap table.
-        let first_len = local.ranges().next()?.len as u64;
-        let uniform = local
-            .ranges()
-            .all(|r| r.len as u64 == first_len)
-            .then_some(first_len)
-            .filter(|&l| l > 0);
         match self.peer.prepare(
             op,
             device as usize,

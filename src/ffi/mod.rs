@@ -278,7 +278,7 @@ fn as_raw(raw: &[sys::bounce_desc_t]) -> &[crate::engine::RawDesc] {
 unsafe fn raw_descs<'a>(
     list: *const bounce_desc_list_t,
     which: &str,
-) -> Result<(&'a [sys::bounce_desc_t], MemKind), Error> {
+) -> Result<(&'a [sys::bounce_desc_t], MemKind, Resolver), Error> {
     if list.is_null() {
         return Err(Error::new(
             Status::InvalidParam,
@@ -288,14 +288,23 @@ unsafe fn raw_descs<'a>(
     // SAFETY: caller contract.
     let list = unsafe { &*list };
     let kind = MemKind::from_nixl(list.mem)?;
+    let resolve = list.resolve.ok_or_else(|| {
+        Error::new(
+            Status::InvalidParam,
+            format!("no metadata resolver with the {which} descriptors"),
+        )
+    })?;
     let raw: &[sys::bounce_desc_t] = if list.count == 0 {
         &[]
     } else {
         // SAFETY: the shim passes a vector's data pointer and its length.
         unsafe { std::slice::from_raw_parts(list.descs, list.count) }
     };
-    Ok((raw, kind))
+    Ok((raw, kind, resolve))
 }
+
+/// The shim's `bounce_md_resolver_t`.
+type Resolver = unsafe extern "C" fn(*const c_void) -> *const sys::bounce_md_t;
 
 /// # Safety
 /// `args` is null or points to a valid bounce_xfer_args_t for the call.
@@ -696,9 +705,9 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
         // The shape first, without building anything per descriptor: most
         // transfers that go to UCX are decided here.
         // SAFETY: caller contract.
-        let (lraw, lkind) = unsafe { raw_descs(local, "local") }?;
+        let (lraw, lkind, lres) = unsafe { raw_descs(local, "local") }?;
         // SAFETY: caller contract.
-        let (rraw, rkind) = unsafe { raw_descs(remote, "remote") }?;
+        let (rraw, rkind, rres) = unsafe { raw_descs(remote, "remote") }?;
         let shape = Shape {
             local: lkind,
             remote: rkind,
@@ -712,15 +721,23 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             to_ucx.set(1);
             return Ok(Status::Success);
         }
-        // SAFETY: the md pointers are the handles NIXL hands back (this
-        // engine's); `Side::new` checks each one's magic first.
+        let (lres, rres) = (
+            // SAFETY: the shim's resolver, valid for the call, given the
+            // non-null backend metadata of a descriptor.
+            move |p| unsafe { lres(p) } as *const Md,
+            // SAFETY: as above.
+            move |p| unsafe { rres(p) } as *const Md,
+        );
+        // SAFETY: the metadata are the handles NIXL hands back (this
+        // engine's, through the shim's wrappers); `Side::new` checks each
+        // one's magic first.
         let (l, r) = unsafe {
             (
-                Side::new("local", lkind, as_raw(lraw))?,
-                Side::new("remote", rkind, as_raw(rraw))?,
+                Side::new("local", lkind, as_raw(lraw), &lres)?,
+                Side::new("remote", rkind, as_raw(rraw), &rres)?,
             )
         };
-        match e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args)? {
+        match e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args, &shape)? {
             Some(request) => {
                 to_ucx.set(0);
                 slot.put(Box::new(request));
