@@ -140,6 +140,9 @@ void bounce_engine_free(bounce_engine_t *engine);
 /* The backend parameters for the UCX delegate: calls sink(ctx, key) then
  * sink(ctx, value) for each. */
 bounce_status_t bounce_engine_ucx_params(bounce_engine_t *engine, bounce_sink_t sink, void *ctx);
+/* The UCX delegate's progress-thread delay in us, or UINT64_MAX for the
+ * application's own. */
+uint64_t bounce_engine_ucx_progress_delay_us(const bounce_engine_t *engine);
 /* Records that the UCX delegate could not be created (reason borrowed for the
  * call): the engine logs it once. */
 void bounce_engine_report(bounce_engine_t *engine, bounce_bytes_t message);

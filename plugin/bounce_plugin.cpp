@@ -123,7 +123,10 @@ public:
     // creates an engine with the application's init parameters and the UCX
     // subset of its backend parameters. nullptr with `error` set on failure.
     static std::unique_ptr<UcxDelegate>
-    create(const nixlBackendInitParams *init, const nixl_b_params_t &params, std::string &error) {
+    create(const nixlBackendInitParams *init,
+           const nixl_b_params_t &params,
+           uint64_t progress_delay_us,
+           std::string &error) {
         const std::string path = plugin_path();
         void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
         if (!lib) {
@@ -147,7 +150,7 @@ public:
         ucx_init.type = "UCX";
         ucx_init.customParams = &ucx_params;
         ucx_init.enableProgTh = init->enableProgTh;
-        ucx_init.pthrDelay = init->pthrDelay;
+        ucx_init.pthrDelay = progress_delay_us == UINT64_MAX ? init->pthrDelay : progress_delay_us;
         ucx_init.syncMode = init->syncMode;
         ucx_init.enableTelemetry_ = init->enableTelemetry_;
         nixlBackendEngine *engine = plugin->create_engine(&ucx_init);
@@ -254,7 +257,7 @@ public:
         for (size_t i = 0; i + 1 < flat.size(); i += 2) {
             ucx_params.emplace(flat[i], flat[i + 1]);
         }
-        ucx = UcxDelegate::create(init, ucx_params, error);
+        ucx = UcxDelegate::create(init, ucx_params, bounce_engine_ucx_progress_delay_us(engine), error);
         if (!ucx) {
             bounce_engine_report(engine, bytes(error));
             initErr = true;

@@ -776,6 +776,12 @@ impl Engine {
         &self.ucx_params
     }
 
+    /// The UCX delegate's progress-thread delay in us, if BOUNCE sets one
+    /// (else the application's).
+    pub fn ucx_progress_delay_us(&self) -> Option<u64> {
+        (self.config.ucx_progress_delay_us > 0).then_some(self.config.ucx_progress_delay_us)
+    }
+
     /// Our connection info, carrying the UCX delegate's (`ucx_conn`).
     pub fn conn_info(&self, ucx_conn: &[u8]) -> Vec<u8> {
         ConnInfo {

@@ -429,6 +429,21 @@ pub unsafe extern "C" fn bounce_engine_ucx_params(
     })
 }
 
+/// The UCX delegate's progress-thread delay in us, or `u64::MAX` for the
+/// application's own.
+#[no_mangle]
+pub extern "C" fn bounce_engine_ucx_progress_delay_us(engine: *const Engine) -> u64 {
+    if engine.is_null() {
+        return u64::MAX;
+    }
+    // SAFETY: a live engine (header contract).
+    let e = unsafe { &*engine };
+    catch_unwind(AssertUnwindSafe(|| {
+        e.ucx_progress_delay_us().unwrap_or(u64::MAX)
+    }))
+    .unwrap_or(u64::MAX)
+}
+
 /// Logs why the shim could not create the UCX delegate.
 ///
 /// # Safety
