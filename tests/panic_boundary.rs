@@ -16,7 +16,15 @@ fn a_panic_becomes_an_error_and_disables_the_engine() {
     }
     // Read once at engine creation; only the initiator gets the failpoint.
     std::env::set_var("NIXL_BOUNCE_FAILPOINTS", "panic_in_post_xfer");
-    let init = Endpoint::new("panic-init", "BOUNCE", &[], 1 << 16, 1);
+    // Four descriptors take BOUNCE's own path only with the gate lowered
+    // (below it the UCX delegate carries them and no Rust code posts).
+    let init = Endpoint::new(
+        "panic-init",
+        "BOUNCE",
+        &[("min_descriptor_count", "1")],
+        1 << 16,
+        1,
+    );
     std::env::remove_var("NIXL_BOUNCE_FAILPOINTS");
     let init = init.or_fail("initiator");
     let target = Endpoint::new("panic-target", "BOUNCE", &[], 1 << 16, 2).or_fail("target");
