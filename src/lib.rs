@@ -8,8 +8,9 @@
 //! - [`ffi`]: the `extern "C"` entry points the C++ shim (`plugin/`) calls;
 //!   the panic boundary and handle ownership live there.
 //! - [`engine`]: the backend itself: registration, metadata, connections,
-//!   routing, transfers and notifications; the standard path is delegated to
-//!   an inner NIXL agent that owns a UCX backend.
+//!   routing, transfers and notifications; what BOUNCE does not accelerate
+//!   runs on NIXL's own UCX engine, which the shim creates and calls (the
+//!   UCX delegate); an inner NIXL agent serves the bounce arena.
 //! - [`config`]: environment variables and backend parameters -> a validated
 //!   [`config::Config`].
 //! - [`proto`]: the pure protocol (see below).
