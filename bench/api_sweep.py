@@ -38,7 +38,6 @@ Shapes: COUNTxSIZE with k/m suffixes (KiB, MiB); default
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import logging
@@ -49,6 +48,10 @@ import sys
 import time
 
 import numpy as np
+
+# Shared with the vLLM-pattern benchmark beside this file (its folder is first
+# on the path when this script runs).
+from vllm_pattern import BounceStats, spread  # noqa: E402
 
 DEFAULT_SHAPES = "1x4k,16x4k,64x4k,256x4k,1024x4k,4096x4k,16384x4k,1024x16k,1024x64k,4096x32k,64x1m"
 clock = time.perf_counter
@@ -79,38 +82,6 @@ def fmt_size(n):
     return f"{n}B"
 
 
-class BounceStats:
-    """nixl_bounce_stats of the BOUNCE plugin NIXL loaded (None if absent)."""
-
-    def __init__(self):
-        self.fn = None
-        paths = set()
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[5].endswith("/libplugin_BOUNCE.so"):
-                    paths.add(parts[5])
-        if len(paths) == 1:
-            try:
-                lib = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-                self.fn = lib.nixl_bounce_stats
-                self.fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
-                self.fn.restype = ctypes.c_ssize_t
-            except (OSError, AttributeError):
-                self.fn = None
-
-    def counters(self, agent):
-        if self.fn is None:
-            return None
-        name = agent.encode()
-        n = self.fn(name, len(name), None, 0)
-        if n < 0:
-            return None
-        buf = ctypes.create_string_buffer(n + 4096)
-        n = self.fn(name, len(name), buf, len(buf))
-        return json.loads(buf.raw[:n]).get("counters", {}) if 0 <= n <= len(buf) else None
-
-
 def route_of(before, after, iterations):
     if before is None or after is None:
         return "?"
@@ -123,12 +94,6 @@ def route_of(before, after, iterations):
     if fb:
         parts.append("UCX(" + ",".join(fb) + ")")
     return "+".join(parts) or "UCX"
-
-
-def spread(v):
-    v = np.asarray(v, dtype=float)
-    return dict(n=int(v.size), p50=float(np.median(v)), p10=float(np.percentile(v, 10)),
-                p90=float(np.percentile(v, 90)), min=float(v.min()), max=float(v.max()))
 
 
 def main():
