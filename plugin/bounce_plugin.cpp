@@ -43,6 +43,16 @@ void append_to_vector(void *ctx, const uint8_t *ptr, size_t len) {
     static_cast<std::vector<std::string> *>(ctx)->emplace_back(reinterpret_cast<const char *>(ptr), len);
 }
 
+// Backend parameters from the flat key, value, key, ... list the Rust side
+// hands out.
+nixl_b_params_t to_params(const std::vector<std::string> &flat) {
+    nixl_b_params_t params;
+    for (size_t i = 0; i + 1 < flat.size(); i += 2) {
+        params.emplace(flat[i], flat[i + 1]);
+    }
+    return params;
+}
+
 void assign_string(void *ctx, const uint8_t *ptr, size_t len) {
     static_cast<std::string *>(ctx)->assign(reinterpret_cast<const char *>(ptr), len);
 }
@@ -124,7 +134,7 @@ public:
     // subset of its backend parameters. nullptr with `error` set on failure.
     static std::unique_ptr<UcxDelegate>
     create(const nixlBackendInitParams *init,
-           const nixl_b_params_t &params,
+           nixl_b_params_t ucx_params,
            uint64_t progress_delay_us,
            std::string &error) {
         const std::string path = plugin_path();
@@ -144,7 +154,6 @@ public:
             dlclose(lib);
             return nullptr;
         }
-        nixl_b_params_t ucx_params = params;
         nixlBackendInitParams ucx_init;
         ucx_init.localAgent = init->localAgent;
         ucx_init.type = "UCX";
@@ -162,7 +171,7 @@ public:
             dlclose(lib);
             return nullptr;
         }
-        return std::unique_ptr<UcxDelegate>(new UcxDelegate(lib, plugin, engine));
+        return std::unique_ptr<UcxDelegate>(new UcxDelegate(plugin, engine));
     }
 
     ~UcxDelegate() {
@@ -174,8 +183,7 @@ public:
     nixlBackendEngine *const engine;
 
 private:
-    UcxDelegate(void *lib, nixlBackendPlugin *plugin, nixlBackendEngine *engine)
-        : engine(engine), lib_(lib), plugin_(plugin) {}
+    UcxDelegate(nixlBackendPlugin *plugin, nixlBackendEngine *engine) : engine(engine), plugin_(plugin) {}
 
     static std::string plugin_path() {
         Dl_info info{};
@@ -195,7 +203,6 @@ private:
         return "libplugin_UCX.so";
     }
 
-    void *lib_;
     nixlBackendPlugin *plugin_;
 };
 
@@ -253,11 +260,7 @@ public:
             initErr = true;
             return;
         }
-        nixl_b_params_t ucx_params;
-        for (size_t i = 0; i + 1 < flat.size(); i += 2) {
-            ucx_params.emplace(flat[i], flat[i + 1]);
-        }
-        ucx = UcxDelegate::create(init, ucx_params, bounce_engine_ucx_progress_delay_us(engine), error);
+        ucx = UcxDelegate::create(init, to_params(flat), bounce_engine_ucx_progress_delay_us(engine), error);
         if (!ucx) {
             bounce_engine_report(engine, bytes(error));
             initErr = true;
@@ -613,11 +616,7 @@ nixl_b_params_t backend_options() noexcept {
         if (bounce_plugin_options(append_to_vector, &flat) != BOUNCE_SUCCESS) {
             return {};
         }
-        nixl_b_params_t options;
-        for (size_t i = 0; i + 1 < flat.size(); i += 2) {
-            options.emplace(flat[i], flat[i + 1]);
-        }
-        return options;
+        return to_params(flat);
     } catch (...) {
         return {};
     }

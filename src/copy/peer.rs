@@ -344,7 +344,7 @@ impl PeerCopier {
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
         }
-        let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let max_warps = self.max_warps();
         self.build(
             runs.len(),
             started,
@@ -377,10 +377,7 @@ impl PeerCopier {
         copies: impl Iterator<Item = Result<(u64, u64), String>>,
         started: Instant,
     ) -> Result<PeerTable, String> {
-        if n == 0 || len == 0 {
-            return Err("a peer-mapped copy of no bytes".into());
-        }
-        let max_warps = self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let max_warps = self.max_warps();
         self.build(n, started, |out_runs, out_tile_start, _| {
             fill_uniform(
                 n,
@@ -392,6 +389,11 @@ impl PeerCopier {
                 out_tile_start,
             )
         })
+    }
+
+    /// The most warps one launch of the copy kernel runs.
+    fn max_warps(&self) -> u32 {
+        self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK)
     }
 
     /// Builds a table of at most `nruns` runs with `fill` (which returns the
@@ -905,6 +907,26 @@ mod tests {
     use super::*;
     use crate::copy::cuda::DevRun;
 
+    /// The table `prepare` builds of `runs`, on the host.
+    fn filled(runs: &[Run]) -> (LaunchShape, Vec<DevRun>, Vec<DevStrides>) {
+        let n = runs.len();
+        let mut out_runs = vec![DevRun::default(); n];
+        let mut starts = vec![0u32; n + 1];
+        let mut strides = vec![[0u64; 2]; n];
+        let shape = fill_table(
+            Direction::Gather,
+            WHOLE_ADDRESS_SPACE,
+            runs,
+            DEFAULT_TILE_BYTES,
+            1 << 20,
+            &mut out_runs,
+            &mut starts,
+            &mut strides,
+        )
+        .unwrap();
+        (shape, out_runs, strides)
+    }
+
     #[test]
     fn uuids_parse_strictly() {
         let u = parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n").unwrap();
@@ -960,20 +982,7 @@ mod tests {
             (0x1000_0000, 0x9000_0000, 4096, 64)
         );
         assert_eq!((r.addr_stride, r.region_stride), (8192, 12288));
-        let mut out_runs = vec![DevRun::default(); 1];
-        let mut starts = vec![0u32; 2];
-        let mut strides = vec![[0u64; 2]; 1];
-        let shape = fill_table(
-            Direction::Gather,
-            WHOLE_ADDRESS_SPACE,
-            &runs,
-            DEFAULT_TILE_BYTES,
-            1 << 20,
-            &mut out_runs,
-            &mut starts,
-            &mut strides,
-        )
-        .unwrap();
+        let (shape, out_runs, strides) = filled(&runs);
         assert_eq!(shape.total_bytes, 64 * 4096);
         assert_eq!((shape.nstrided, shape.total_tiles), (1, 64));
         assert_eq!(
@@ -993,21 +1002,7 @@ mod tests {
             })
             .collect();
         let runs = merge(&copies);
-        let n = runs.len();
-        let mut out_runs = vec![DevRun::default(); n];
-        let mut starts = vec![0u32; n + 1];
-        let mut strides = vec![[0u64; 2]; n];
-        let shape = fill_table(
-            Direction::Gather,
-            WHOLE_ADDRESS_SPACE,
-            &runs,
-            DEFAULT_TILE_BYTES,
-            1 << 20,
-            &mut out_runs,
-            &mut starts,
-            &mut strides,
-        )
-        .unwrap();
+        let (shape, out_runs, _) = filled(&runs);
         assert_eq!(shape.total_bytes, 64 * 4096);
         for (r, c) in out_runs.iter().zip(&copies) {
             assert_eq!((r.src, r.dst, r.len), (c.src, c.dst, c.len));

@@ -1005,13 +1005,7 @@ impl Engine {
             Some(Fallback::BounceDisabled)
         } else if shape.local_transfer {
             Some(Fallback::LocalTransfer)
-        } else if self.config.enable_peer_map
-            && shape.local == MemKind::Vram
-            && shape.remote == MemKind::Vram
-            && bounce::peer_map_gate(&self.config)
-                .admit(shape.descriptors, shape.bytes)
-                .is_ok()
-        {
+        } else if peer::gate(&self.config, shape).is_ok() {
             None
         } else {
             bounce::arena_gate(&self.config, shape.local, shape.remote)
@@ -1027,6 +1021,8 @@ impl Engine {
 
     /// Checks a transfer's descriptors and prepares it on one of BOUNCE's own
     /// paths; `None`: the UCX delegate carries it (the reason is counted).
+    /// Called after [`Engine::early_fallback`] let it through (which checked
+    /// the custom parameter).
     pub fn prep_xfer(
         &self,
         op: Op,
@@ -1043,7 +1039,6 @@ impl Engine {
                 remote.len()
             )));
         }
-        TransferParams::parse(&args.custom_param)?;
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
         // One pass: lengths equal on both sides, and whether all are one
@@ -1069,7 +1064,7 @@ impl Engine {
             }));
         }
 
-        match self.choose_route(op, local, remote, agent) {
+        match self.choose_route(op, local, remote, shape) {
             Ok((instance, peer)) => {
                 // Descriptors go from source to destination: local to remote
                 // for a WRITE, remote to local for a READ.
@@ -1130,14 +1125,7 @@ impl Engine {
         uniform: Option<u64>,
         inner_remote: &str,
     ) -> Option<peer::PeerXfer> {
-        let input = peer::GateInput {
-            local: local.kind,
-            remote: remote.kind,
-            descriptors: shape.descriptors,
-            bytes: shape.bytes,
-            local_transfer: shape.local_transfer,
-        };
-        peer::gate(&self.config, &input).ok()?;
+        peer::gate(&self.config, shape).ok()?;
         let started = std::time::Instant::now();
         let device = local.ranges().next()?.dev;
         // The peer's allocation holding a remote descriptor, if exported.
@@ -1150,18 +1138,9 @@ impl Engine {
         if !remote.distinct_mds().all(|md| peer_alloc(md).is_some()) {
             return None;
         }
-        let mut last: Option<(*const Md, &'a Arc<peer::RemoteAlloc>)> = None;
         let pairs = local.ranges().zip(remote.iter()).map(|(l, (r, md))| {
-            let key = md.map_or(std::ptr::null(), |m| m as *const Md);
-            let alloc = match last {
-                Some((k, a)) if k == key => a,
-                _ => {
-                    let a = peer_alloc(md)
-                        .ok_or("a remote descriptor in memory not exported for peer mapping")?;
-                    last = Some((key, a));
-                    a
-                }
-            };
+            let alloc = peer_alloc(md)
+                .ok_or("a remote descriptor in memory not exported for peer mapping")?;
             if l.dev != device {
                 return Err("local descriptors on more than one GPU");
             }
@@ -1201,7 +1180,7 @@ impl Engine {
         op: Op,
         local: &Side<'_>,
         remote: &Side<'_>,
-        agent: &str,
+        shape: &Shape,
     ) -> std::result::Result<(Arc<Bounce>, PeerBounce), Fallback> {
         if !self.config.enabled {
             return Err(Fallback::BounceDisabled);
@@ -1228,11 +1207,11 @@ impl Engine {
             op,
             local: local.kind,
             remote: remote.kind,
-            descriptors: local.len() as u64,
-            bytes: local.ranges().map(|r| r.len as u64).sum(),
+            descriptors: shape.descriptors,
+            bytes: shape.bytes,
             peer_capable: peer.is_some(),
             peer_reads: peer.is_some_and(|p| p.read),
-            local_transfer: agent == self.local_name,
+            local_transfer: shape.local_transfer,
             local_arena: local_instance.is_some(),
         };
         let poisoned = local_instance.is_some_and(|b| b.runtime.poisoned().is_some());

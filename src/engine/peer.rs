@@ -20,7 +20,7 @@ use nixl_sys::Agent;
 
 use super::bounce::{peer_map_gate, Fallback};
 use super::conn_info::PeerExport;
-use super::{MemKind, Op};
+use super::{MemKind, Op, Shape};
 use crate::config::Config;
 use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
 use crate::proto::Run;
@@ -28,19 +28,9 @@ use crate::proto::Run;
 /// Streams per device for peer-mapped copies.
 const STREAMS_PER_DEVICE: usize = 4;
 
-/// What the peer-mapped routing rule looks at (pure, for tests).
-#[derive(Debug, Clone, Copy)]
-pub struct GateInput {
-    pub local: MemKind,
-    pub remote: MemKind,
-    pub descriptors: u64,
-    pub bytes: u64,
-    pub local_transfer: bool,
-}
-
 /// Why a transfer does not take the peer-mapped path (before any mapping is
 /// looked at).
-pub fn gate(cfg: &Config, g: &GateInput) -> Result<(), &'static str> {
+pub fn gate(cfg: &Config, g: &Shape) -> Result<(), &'static str> {
     if !cfg.enabled || !cfg.enable_peer_map {
         return Err("peer mapping disabled");
     }
@@ -419,8 +409,8 @@ impl Notifier {
 mod tests {
     use super::*;
 
-    fn input() -> GateInput {
-        GateInput {
+    fn input() -> Shape {
+        Shape {
             local: MemKind::Vram,
             remote: MemKind::Vram,
             descriptors: 4096,
@@ -433,7 +423,7 @@ mod tests {
     fn vram_transfers_with_many_small_descriptors_pass() {
         assert_eq!(gate(&Config::default(), &input()), Ok(()));
         // One large descriptor too: the kernel tiles it over every warp.
-        let one = GateInput {
+        let one = Shape {
             descriptors: 1,
             bytes: 1 << 30,
             ..input()
@@ -462,28 +452,28 @@ mod tests {
         assert_eq!(gate(&master_off, &input()), Err("peer mapping disabled"));
         for (g, why) in [
             (
-                GateInput {
+                Shape {
                     local_transfer: true,
                     ..input()
                 },
                 "a transfer within one agent",
             ),
             (
-                GateInput {
+                Shape {
                     local: MemKind::Dram,
                     ..input()
                 },
                 "not VRAM on both sides",
             ),
             (
-                GateInput {
+                Shape {
                     remote: MemKind::Dram,
                     ..input()
                 },
                 "not VRAM on both sides",
             ),
             (
-                GateInput {
+                Shape {
                     descriptors: 10,
                     bytes: 40960,
                     ..input()
@@ -491,7 +481,7 @@ mod tests {
                 "too few descriptors",
             ),
             (
-                GateInput {
+                Shape {
                     bytes: 4096 * (1 << 20),
                     ..input()
                 },

@@ -431,8 +431,11 @@ pub unsafe extern "C" fn bounce_engine_ucx_params(
 
 /// The UCX delegate's progress-thread delay in us, or `u64::MAX` for the
 /// application's own.
+///
+/// # Safety
+/// `engine` is null or a live engine.
 #[no_mangle]
-pub extern "C" fn bounce_engine_ucx_progress_delay_us(engine: *const Engine) -> u64 {
+pub unsafe extern "C" fn bounce_engine_ucx_progress_delay_us(engine: *const Engine) -> u64 {
     if engine.is_null() {
         return u64::MAX;
     }
