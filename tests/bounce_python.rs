@@ -22,29 +22,15 @@ fn python_api_takes_the_bounce_path() {
     if !ready("BOUNCE") {
         return;
     }
-    if let Err(e) = python_ready("nixl_cu13._api, numpy") {
-        if require_runtime() {
-            panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set but the Python API is unusable: {e}");
-        }
-        eprintln!("SKIP: {e}");
+    if !python_usable("nixl_cu13._api, numpy") {
         return;
     }
-    let script = repo_root().join("tests/python/test_bounce_path.py");
     let mut cmd = python_cmd();
-    cmd.arg(&script)
+    cmd.arg(repo_root().join("tests/python/test_bounce_path.py"))
         .env("NIXL_BOUNCE_CONTROL_BIND_LOOPBACK", "1");
-    let limit = wait_timeout() * 3;
-    let (status, out) = run_with_limit(cmd, limit);
-    eprintln!("{out}");
-    match status {
-        Some(st) => assert!(
-            st.success(),
-            "tests/python/test_bounce_path.py failed ({st}):\n{out}"
-        ),
-        None => panic!("tests/python/test_bounce_path.py killed after {limit:?}:\n{out}"),
-    }
-    assert!(
-        out.contains("PASS backend=BOUNCE bounce path used"),
-        "no PASS line:\n{out}"
+    run_passing(
+        cmd,
+        "tests/python/test_bounce_path.py",
+        "PASS backend=BOUNCE bounce path used",
     );
 }

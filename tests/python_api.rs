@@ -18,44 +18,37 @@ mod python;
 use common::*;
 use python::*;
 
-/// Run the script with a hard time limit (and NIXL's file telemetry into
-/// `telemetry`, if given); returns (success, combined output).
-fn run_script(backend: &str, telemetry: Option<&std::path::Path>) -> (bool, String) {
-    let script = repo_root().join("tests/python/test_api.py");
+/// Runs the script for `backend` (with NIXL's file telemetry into
+/// `telemetry`, if given) and asserts that it passed.
+fn run_script(backend: &str, telemetry: Option<&std::path::Path>) {
     let mut cmd = python_cmd();
-    cmd.arg(&script).args(["--backend", backend]);
+    cmd.arg(repo_root().join("tests/python/test_api.py"))
+        .args(["--backend", backend]);
     if let Some(dir) = telemetry {
         cmd.env("NIXL_TELEMETRY_ENABLE", "y")
             .env("NIXL_TELEMETRY_DIR", dir);
     }
-    let limit = wait_timeout() * 3;
-    match run_with_limit(cmd, limit) {
-        (Some(st), out) => (st.success(), out),
-        (None, out) => (false, format!("killed after {limit:?}\n{out}")),
-    }
+    let with = if telemetry.is_some() {
+        " with file telemetry"
+    } else {
+        ""
+    };
+    run_passing(
+        cmd,
+        &format!("tests/python/test_api.py --backend {backend}{with}"),
+        &format!("PASS backend={backend}"),
+    );
 }
 
 backend_tests! {
     fn python_api_write_read(backend) {
-        if let Err(e) = python_ready("nixl_cu13._api") {
-            if require_runtime() {
-                panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set but the Python API is unusable: {e}");
-            }
-            eprintln!("SKIP: {e}");
-            return;
+        if python_usable("nixl_cu13._api") {
+            run_script(backend, None);
         }
-        let (ok, out) = run_script(backend, None);
-        eprintln!("{out}");
-        assert!(ok, "tests/python/test_api.py --backend {backend} failed:\n{out}");
-        assert!(out.contains(&format!("PASS backend={backend}")), "no PASS line:\n{out}");
     }
 
     fn python_api_with_file_telemetry(backend) {
-        if let Err(e) = python_ready("nixl_cu13._api") {
-            if require_runtime() {
-                panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set but the Python API is unusable: {e}");
-            }
-            eprintln!("SKIP: {e}");
+        if !python_usable("nixl_cu13._api") {
             return;
         }
         let dir = std::env::temp_dir().join(format!(
@@ -64,10 +57,7 @@ backend_tests! {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("telemetry dir");
-        let (ok, out) = run_script(backend, Some(&dir));
-        eprintln!("{out}");
-        assert!(ok, "test_api.py --backend {backend} with file telemetry failed:\n{out}");
-        assert!(out.contains(&format!("PASS backend={backend}")), "no PASS line:\n{out}");
+        run_script(backend, Some(&dir));
         // One telemetry file per application agent (py-init-<pid>,
         // py-target-<pid>), as UCX writes them.
         let files: Vec<String> = std::fs::read_dir(&dir)

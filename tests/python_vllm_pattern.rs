@@ -18,32 +18,19 @@ mod python;
 use common::*;
 use python::*;
 
-/// Run the script with a hard time limit; returns (success, combined output).
-fn run_script(backend: &str) -> (bool, String) {
-    let script = repo_root().join("tests/python/test_vllm_pattern.py");
-    let mut cmd = python_cmd();
-    cmd.arg(&script)
-        .args(["--backend", backend])
-        .env("NIXL_BOUNCE_CONTROL_BIND_LOOPBACK", "1");
-    let limit = wait_timeout() * 3;
-    match run_with_limit(cmd, limit) {
-        (Some(st), out) => (st.success(), out),
-        (None, out) => (false, format!("killed after {limit:?}\n{out}")),
-    }
-}
-
 backend_tests! {
     fn python_vllm_pattern(backend) {
-        if let Err(e) = python_ready("nixl_cu13._api, numpy") {
-            if require_runtime() {
-                panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set but the Python API is unusable: {e}");
-            }
-            eprintln!("SKIP: {e}");
+        if !python_usable("nixl_cu13._api, numpy") {
             return;
         }
-        let (ok, out) = run_script(backend);
-        eprintln!("{out}");
-        assert!(ok, "tests/python/test_vllm_pattern.py --backend {backend} failed:\n{out}");
-        assert!(out.contains(&format!("PASS backend={backend}")), "no PASS line:\n{out}");
+        let mut cmd = python_cmd();
+        cmd.arg(repo_root().join("tests/python/test_vllm_pattern.py"))
+            .args(["--backend", backend])
+            .env("NIXL_BOUNCE_CONTROL_BIND_LOOPBACK", "1");
+        run_passing(
+            cmd,
+            &format!("tests/python/test_vllm_pattern.py --backend {backend}"),
+            &format!("PASS backend={backend}"),
+        );
     }
 }

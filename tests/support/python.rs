@@ -91,3 +91,35 @@ pub fn run_with_limit(mut cmd: Command, limit: Duration) -> (Option<ExitStatus>,
     );
     (status, out)
 }
+
+/// Whether `import <modules>` works. When it does not, the test is skipped
+/// with the reason printed, or fails if `NIXL_BOUNCE_REQUIRE_RUNTIME` is set.
+pub fn python_usable(modules: &str) -> bool {
+    match python_ready(modules) {
+        Ok(()) => true,
+        Err(e) if require_runtime() => {
+            panic!("NIXL_BOUNCE_REQUIRE_RUNTIME is set but the Python API is unusable: {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIP: {e}");
+            false
+        }
+    }
+}
+
+/// Runs the script `cmd` (`what` names it) within three wait timeouts and
+/// asserts that it exited 0 and printed `pass_line`; returns its output.
+pub fn run_passing(cmd: Command, what: &str, pass_line: &str) -> String {
+    let limit = wait_timeout() * 3;
+    let (status, out) = run_with_limit(cmd, limit);
+    eprintln!("{out}");
+    match status {
+        Some(st) => assert!(st.success(), "{what} failed ({st}):\n{out}"),
+        None => panic!("{what} killed after {limit:?}:\n{out}"),
+    }
+    assert!(
+        out.contains(pass_line),
+        "{what}: no {pass_line:?} line:\n{out}"
+    );
+    out
+}
