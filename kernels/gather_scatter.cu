@@ -47,6 +47,13 @@
 // Direction (gather or scatter) is decided on the host by which side goes
 // into src and which into dst.
 //
+// The pair table (`bounce_copy_pairs`, the peer-mapped path's table when
+// every copy has one length, as real clients' KV blocks do): pairs[2i] and
+// pairs[2i + 1] are copy i's source and destination, `len` bytes each. No
+// run search and no per-run entry: 16 bytes per copy, written by the host
+// in one pass over NIXL's descriptors. Tile t is copy t / per_copy, window
+// t % per_copy (per_copy = ceil(len / tile_bytes)).
+//
 // Table location: `bounce_copy` reads a device copy uploaded (one
 // cuMemcpyHtoDAsync on the same stream) before the launch: plain loads,
 // L2-resident. `bounce_copy_zero_copy` reads mapped pinned host memory with
@@ -258,4 +265,33 @@ bounce_copy_zero_copy(const u64* runs, const u32* tile_start, const u64* strides
                       u32 total_tiles, u32 tiles_per_warp, u32 tile_shift, u32 nruns)
 {
     copy_tiles<true>(runs, tile_start, strides, total_tiles, tiles_per_warp, tile_shift, nruns);
+}
+
+// Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of a pair
+// table, warp w (see the top of this file).
+extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
+bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 tiles_per_warp,
+                  u32 tile_shift)
+{
+    const u32 lane = threadIdx.x & 31;
+    const u64 warp = (u64)blockIdx.x * BOUNCE_WARPS + (threadIdx.x >> 5);
+    const u64 first = warp * tiles_per_warp;
+    if (first >= total_tiles) return;  // the whole warp: no work left
+    const u64 last = first + tiles_per_warp;
+    const u32 t_end = last < total_tiles ? (u32)last : total_tiles;
+    const u64 tile_bytes = (u64)1 << tile_shift;
+    for (u32 t = (u32)first; t < t_end; ++t) {
+        u32 i = t, j = 0;
+        if (per_copy != 1) {
+            i = t / per_copy;
+            j = t - i * per_copy;
+        }
+        // Every lane loads the same two words: one broadcast transaction each.
+        const u64 src = pairs[2 * (u64)i];
+        const u64 dst = pairs[2 * (u64)i + 1];
+        const u64 off = (u64)j << tile_shift;
+        const u64 left = len - off;
+        const u32 n = (u32)(left < tile_bytes ? left : tile_bytes);
+        warp_copy(dst + off, src + off, n, lane);
+    }
 }

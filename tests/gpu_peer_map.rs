@@ -5,7 +5,8 @@
 //!
 //! - WRITE and READ of 1024 and 16,384 scattered 4 KiB blocks, byte-exact
 //!   over the whole buffers, counted as peer-mapped on the initiator and
-//!   never seen by the target's bounce path;
+//!   never seen by the target's bounce path (the one-pass pair table);
+//! - the same with descriptors of two lengths (the merged run table);
 //! - a WRITE with a notification: the target checks its destination the
 //!   moment the notification arrives, without the initiator polling first;
 //! - `enable_peer_map=false` on the target: the region is not exported and
@@ -85,6 +86,20 @@ impl Side {
 /// A VRAM transfer request of `plan` from `a`'s buffer to `b`'s (WRITE) or
 /// back (READ), as `Node::create_xfer` makes for DRAM.
 fn vram_xfer(op: XferOp, plan: &Plan, a: &Side, b: &Side, notif: Option<&[u8]>) -> XferRequest {
+    vram_xfer_split(op, plan, a, b, notif, None)
+}
+
+/// As [`vram_xfer`]; with `split: Some(k)` each block of the plan is two
+/// descriptors, its first `k` bytes and the rest (descriptors of two
+/// lengths, moving the same bytes).
+fn vram_xfer_split(
+    op: XferOp,
+    plan: &Plan,
+    a: &Side,
+    b: &Side,
+    notif: Option<&[u8]>,
+    split: Option<usize>,
+) -> XferRequest {
     let (lo, ro) = match op {
         XferOp::Write => (&plan.src, &plan.dst),
         _ => (&plan.dst, &plan.src),
@@ -92,7 +107,13 @@ fn vram_xfer(op: XferOp, plan: &Plan, a: &Side, b: &Side, notif: Option<&[u8]>) 
     let list = |base: u64, offsets: &[usize]| {
         let mut l = XferDescList::new(MemType::Vram).expect("descriptor list");
         for o in offsets {
-            l.add_desc(base as usize + o, plan.block, 0);
+            match split {
+                None => l.add_desc(base as usize + o, plan.block, 0),
+                Some(k) => {
+                    l.add_desc(base as usize + o, k, 0);
+                    l.add_desc(base as usize + o + k, plan.block - k, 0);
+                }
+            }
         }
         l
     };
@@ -126,6 +147,18 @@ fn pair(dev: &CudaDevice, n: usize, target_extra: &[(&str, &str)]) -> (Side, Sid
 /// One byte-exact transfer of `plan` between the two buffers; returns the
 /// path the initiator's counters show ("peer", "bounce" or "ucx").
 fn checked(op: XferOp, a: &Side, b: &Side, plan: &Plan, seed: u64) -> &'static str {
+    checked_split(op, a, b, plan, seed, None)
+}
+
+/// As [`checked`], the blocks split as [`vram_xfer_split`] does.
+fn checked_split(
+    op: XferOp,
+    a: &Side,
+    b: &Side,
+    plan: &Plan,
+    seed: u64,
+    split: Option<usize>,
+) -> &'static str {
     // Source and destination buffers of the plan.
     let (src, dst) = match op {
         XferOp::Write => (a, b),
@@ -134,7 +167,7 @@ fn checked(op: XferOp, a: &Side, b: &Side, plan: &Plan, seed: u64) -> &'static s
     let src_data = src.fill(seed);
     let dst_before = dst.fill(seed + 1);
     let before = stats(a.name());
-    let req = vram_xfer(op, plan, a, b, None);
+    let req = vram_xfer_split(op, plan, a, b, None, split);
     a.node
         .post_and_wait(&req, wait_timeout())
         .or_fail("transfer");
@@ -172,6 +205,22 @@ fn writes_and_reads_are_one_kernel_through_the_mapping() {
         }
         println!("{n} x 4 KiB: WRITE and READ peer-mapped, byte-exact");
     }
+}
+
+/// Descriptors of two lengths are not a pair table: they take the merged
+/// run table, on the same path, byte-exact.
+#[test]
+#[serial_test::serial]
+fn descriptors_of_several_lengths_take_the_run_table() {
+    let Some(dev) = gpu_and_plugin() else { return };
+    let n = 2048;
+    let (a, b) = pair(&dev, n, &[]);
+    for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
+        let plan = Plan::standard(n, BLOCK, 300 + i as u64);
+        let path = checked_split(op, &a, &b, &plan, 500 + i as u64, Some(1000));
+        assert_eq!(path, "peer", "{op:?} of {n} x (1000 + 3096) bytes");
+    }
+    println!("{n} blocks as 1000 + 3096 bytes: WRITE and READ peer-mapped, byte-exact");
 }
 
 #[test]

@@ -46,6 +46,8 @@ pub const KERNEL_SOURCE: &str = include_str!("../../kernels/gather_scatter.cu");
 pub const KERNEL_NAME: &str = "bounce_copy";
 /// The same kernel reading its table from mapped pinned host memory.
 pub const ZERO_COPY_KERNEL_NAME: &str = "bounce_copy_zero_copy";
+/// The kernel over a pair table (every copy one length; [`pairs_shape`]).
+pub const PAIRS_KERNEL_NAME: &str = "bounce_copy_pairs";
 /// Threads per block (matches `BOUNCE_THREADS` / `__launch_bounds__` in the source).
 pub const BLOCK_THREADS: u32 = 256;
 /// Warps per block: the kernel's unit of work is one warp.
@@ -378,19 +380,17 @@ pub fn fill_table(
     })
 }
 
-/// The table of `n` copies of `len` bytes each, one run per copy, written
-/// as `copies` yields each (source, destination): the same table
-/// [`fill_table`] makes of such copies left unmerged, in one pass and with
-/// no run list (tested against it). Copies that wrap around the address
-/// space, or fewer or more than `n` of them, are refused.
-pub fn fill_uniform<E: Into<String>>(
+/// The launch of a pair table (`bounce_copy_pairs` in
+/// `kernels/gather_scatter.cu`): `n` copies of `len` bytes each, table
+/// entry i the (source, destination) of copy i, 16 bytes per copy. The
+/// caller writes the pairs; this checks that such a launch exists (tiles
+/// counted in 32 bits, `n` below 2^31) and sizes it as [`fill_table`] would
+/// the same copies unmerged (tested against it). `nruns` is `n`.
+pub fn pairs_shape(
     n: usize,
     len: u64,
-    copies: impl Iterator<Item = Result<(u64, u64), E>>,
     tile_bytes: u64,
     max_warps: u32,
-    out_runs: &mut [DevRun],
-    out_tile_start: &mut [u32],
 ) -> Result<LaunchShape, String> {
     if n == 0 || len == 0 {
         return Err("a copy of no bytes".into());
@@ -400,45 +400,16 @@ pub fn fill_uniform<E: Into<String>>(
             "tile size {tile_bytes} or launch of {max_warps} warps unusable"
         ));
     }
-    if out_runs.len() < n || out_tile_start.len() <= n {
-        return Err(format!("run table too small for {n} runs"));
-    }
     let per_copy = len.div_ceil(tile_bytes);
     let total_tiles = u32::try_from(per_copy.saturating_mul(n as u64))
         .map_err(|_| format!("{n} copies of {len} bytes: too many tiles for one launch"))?;
     let nruns = u32::try_from(n)
         .ok()
         .filter(|&r| r < 1 << 31)
-        .ok_or_else(|| format!("{n} runs in one launch (at most 2^31 - 1)"))?;
+        .ok_or_else(|| format!("{n} copies in one launch (at most 2^31 - 1)"))?;
     let total_bytes = len
         .checked_mul(n as u64)
         .ok_or_else(|| format!("{n} copies of {len} bytes overflow"))?;
-    let mut written = 0usize;
-    for ((c, run), start) in copies
-        .zip(out_runs[..n].iter_mut())
-        .zip(out_tile_start[..n].iter_mut())
-    {
-        let (src, dst) = c.map_err(Into::into)?;
-        if src.checked_add(len).is_none() || dst.checked_add(len).is_none() {
-            return Err(format!(
-                "copy {written} ({len} bytes from {src:#x} to {dst:#x}) wraps around"
-            ));
-        }
-        *run = DevRun {
-            src,
-            dst,
-            len,
-            count: 1,
-            stride_index: 0,
-        };
-        // per_copy * written < total_tiles < 2^32 (checked above).
-        *start = (per_copy * written as u64) as u32;
-        written += 1;
-    }
-    if written != n {
-        return Err(format!("{written} copies where {n} were announced"));
-    }
-    out_tile_start[n] = total_tiles;
     let tiles_per_warp = total_tiles.div_ceil(max_warps);
     let warps = total_tiles.div_ceil(tiles_per_warp);
     Ok(LaunchShape {
@@ -450,6 +421,55 @@ pub fn fill_uniform<E: Into<String>>(
         tile_bytes,
         total_bytes,
     })
+}
+
+/// Bytes of a pair table of `n` copies.
+pub const fn pairs_table_bytes(n: usize) -> usize {
+    n * 16
+}
+
+/// Launches `func` (the pair kernel) over the pair table at device address
+/// `table` of copies `len` bytes long, with the grid `shape`
+/// ([`pairs_shape`]) asks for.
+///
+/// # Safety
+/// `func` must be the pair kernel of the current context's module, `table`
+/// `shape.nruns` (source, destination) pairs that stay allocated and
+/// unchanged until the kernel ended, and every range they name valid for
+/// the kernel to read (sources) or write (destinations) until then.
+pub(crate) unsafe fn launch_pairs(
+    func: &CudaFunction,
+    table: u64,
+    len: u64,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+) -> Result<(), result::DriverError> {
+    let mut a_pairs: u64 = table;
+    let mut a_len: u64 = len;
+    // ceil(len / tile_bytes) * nruns == total_tiles < 2^32 (pairs_shape).
+    let mut a_per_copy: u32 = len.div_ceil(shape.tile_bytes) as u32;
+    let mut a_total: u32 = shape.total_tiles;
+    let mut a_tpw: u32 = shape.tiles_per_warp;
+    let mut a_shift: u32 = shape.tile_shift();
+    let mut params: [*mut c_void; 6] = [
+        &mut a_pairs as *mut u64 as *mut c_void,
+        &mut a_len as *mut u64 as *mut c_void,
+        &mut a_per_copy as *mut u32 as *mut c_void,
+        &mut a_total as *mut u32 as *mut c_void,
+        &mut a_tpw as *mut u32 as *mut c_void,
+        &mut a_shift as *mut u32 as *mut c_void,
+    ];
+    // The kernel's parameters are (u64, u64, u32, u32, u32, u32), matching
+    // `params`, which cuLaunchKernel copies before returning; the rest is
+    // the caller's promise.
+    result::launch_kernel(
+        func.cu_function(),
+        (shape.grid, 1, 1),
+        (BLOCK_THREADS, 1, 1),
+        0,
+        stream,
+        &mut params,
+    )
 }
 
 /// What NVRTC should produce for a device of compute capability `cc`
@@ -718,6 +738,8 @@ pub struct CopyKernel {
     func: CudaFunction,
     /// `bounce_copy_zero_copy`: reads the table from mapped pinned memory.
     func_zero_copy: CudaFunction,
+    /// `bounce_copy_pairs`: reads an uploaded pair table.
+    func_pairs: CudaFunction,
     _module: Arc<CudaModule>,
     /// What NVRTC compiled for (e.g. `sm_90`).
     pub target: NvrtcTarget,
@@ -842,6 +864,11 @@ impl CopyKernel {
         &self.func
     }
 
+    /// The kernel over an uploaded pair table ([`launch_pairs`]).
+    pub(crate) fn pairs_function(&self) -> &CudaFunction {
+        &self.func_pairs
+    }
+
     fn build(dev: &CudaDevice) -> Result<CopyKernel, String> {
         // SAFETY: only tries to dlopen the candidate library names.
         if !unsafe { nvrtc::sys::is_culib_present() } {
@@ -867,6 +894,9 @@ impl CopyKernel {
         let func_zero_copy = module
             .load_function(ZERO_COPY_KERNEL_NAME)
             .map_err(|e| format!("cuModuleGetFunction({ZERO_COPY_KERNEL_NAME}): {e}"))?;
+        let func_pairs = module
+            .load_function(PAIRS_KERNEL_NAME)
+            .map_err(|e| format!("cuModuleGetFunction({PAIRS_KERNEL_NAME}): {e}"))?;
         let compile_time = started.elapsed();
         // SAFETY: func is a live kernel of a loaded module.
         let occ = unsafe {
@@ -881,6 +911,7 @@ impl CopyKernel {
         Ok(CopyKernel {
             func,
             func_zero_copy,
+            func_pairs,
             _module: module,
             target,
             compile_time,
@@ -1831,17 +1862,10 @@ impl Drop for PendingCopy {
 #[cfg(test)]
 mod tests {
 
-    /// The one-pass table of uniform copies is the table `fill_table`
-    /// makes of the same copies left unmerged: runs, tile starts, shape.
+    /// A pair table's launch is the launch `fill_table` sizes for the same
+    /// copies left unmerged; impossible launches are refused.
     #[test]
-    fn fill_uniform_matches_fill_table() {
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+    fn pairs_shape_matches_fill_table() {
         for (n, len, tile, warps) in [
             (1, 1, 16, 1),
             (7, 4096, 4096, 3),
@@ -1849,12 +1873,8 @@ mod tests {
             (1000, 32768, 8192, 3168),
             (64, 100_000, 4096, 10),
         ] {
-            let copies: Vec<(u64, u64)> = (0..n)
-                .map(|_| ((next() >> 20) << 4, (next() >> 20) << 4))
-                .collect();
-            let runs: Vec<Run> = copies
-                .iter()
-                .map(|&(src, dst)| Run::single(dst, src, len))
+            let runs: Vec<Run> = (0..n as u64)
+                .map(|i| Run::single(i * 2 * len, (2 * i + 1) * len, len))
                 .collect();
             let (mut ra, mut ta, mut sa) = (
                 vec![DevRun::default(); n],
@@ -1876,27 +1896,16 @@ mod tests {
                 &mut sa,
             )
             .unwrap();
-            let (mut rb, mut tb) = (vec![DevRun::default(); n], vec![0u32; n + 1]);
-            let got = fill_uniform(
-                n,
-                len,
-                copies.iter().map(|&c| Ok::<_, String>(c)),
-                tile,
-                warps,
-                &mut rb,
-                &mut tb,
-            )
-            .unwrap();
-            assert_eq!(got, want, "{n} x {len}");
-            assert_eq!(rb, ra);
-            assert_eq!(tb, ta);
+            assert_eq!(
+                pairs_shape(n, len, tile, warps).unwrap(),
+                want,
+                "{n} x {len}"
+            );
         }
-        // Wrapping copies and a short list are refused.
-        let (mut r, mut t) = (vec![DevRun::default(); 2], vec![0u32; 3]);
-        let wrap = [Ok::<_, String>((u64::MAX - 10, 0)), Ok((0, 0))];
-        assert!(fill_uniform(2, 64, wrap.into_iter(), 16, 1, &mut r, &mut t).is_err());
-        let short = [Ok::<_, String>((0, 4096))];
-        assert!(fill_uniform(2, 64, short.into_iter(), 16, 1, &mut r, &mut t).is_err());
+        assert!(pairs_shape(0, 64, 16, 1).is_err());
+        assert!(pairs_shape(2, 0, 16, 1).is_err());
+        assert!(pairs_shape(2, 64, 24, 1).is_err());
+        assert!(pairs_shape(1 << 20, 1 << 20, 16, 1).is_err(), "2^36 tiles");
     }
     use super::*;
     use crate::copy::host::HostCopy;

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::cuda::{
-    fill_table, fill_uniform, launch_copy, table_parts, CopyKernel, CudaDevice, CudaRuntime,
-    DevRun, DevStrides, LaunchShape, TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
+    fill_table, launch_copy, launch_pairs, pairs_shape, pairs_table_bytes, table_parts, CopyKernel,
+    CudaDevice, CudaRuntime, LaunchShape, TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
 use crate::proto::plan::add_piece;
@@ -211,10 +211,15 @@ pub struct PeerCopier {
     staging: Mutex<Staging>,
 }
 
-/// A pinned host buffer (`cuMemHostAlloc`), zeroed when allocated.
+/// A pinned host buffer (`cuMemHostAlloc`), zeroed when allocated, and
+/// the event of the last upload from it.
 struct Staging {
     ptr: *mut u64,
     bytes: usize,
+    /// Created at the first upload; recorded after each one.
+    event: sys::CUevent,
+    /// An upload from the buffer may still run (wait for `event`).
+    pending: bool,
 }
 
 // SAFETY: `pool` and `staging.ptr` are driver handles and memory usable from
@@ -234,10 +239,14 @@ impl Drop for PeerCopier {
         // The driver releases the pool once those frees completed.
         let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
         let staging = self.staging.get_mut().unwrap_or_else(|p| p.into_inner());
-        if !staging.ptr.is_null() {
-            // SAFETY: allocated by cuMemHostAlloc in `prepare`; every upload
-            // from it was synchronised before its lock was released.
+        if staging.wait().is_ok() && !staging.ptr.is_null() {
+            // SAFETY: allocated by cuMemHostAlloc in `reserve`; its last
+            // upload ended (waited for just above). Leaked if that failed.
             let _ = unsafe { result::free_host(staging.ptr as *mut c_void) };
+        }
+        if !staging.event.is_null() {
+            // SAFETY: our event; nothing records or waits on it any more.
+            let _ = unsafe { sys::cuEventDestroy_v2(staging.event) };
         }
         // SAFETY: dropped once, here, and never used again.
         unsafe {
@@ -327,6 +336,8 @@ impl PeerCopier {
             staging: Mutex::new(Staging {
                 ptr: std::ptr::null_mut(),
                 bytes: 0,
+                event: std::ptr::null_mut(),
+                pending: false,
             }),
         }))
     }
@@ -337,57 +348,54 @@ impl PeerCopier {
 
     /// Builds and uploads the run table of `runs` (made by [`push_copy`]:
     /// a gather into address 0, so `addr` is each source and
-    /// `region_offset` each destination). Blocks for the upload only.
-    /// `started` is when the caller began building the runs (for the
-    /// table-fill time).
+    /// `region_offset` each destination). `started` is when the caller
+    /// began building the runs (for the table-fill time).
     pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<PeerTable, String> {
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
         }
         let max_warps = self.max_warps();
-        self.build(
-            runs.len(),
-            started,
-            |out_runs, out_tile_start, out_strides| {
-                fill_table(
-                    Direction::Gather,
-                    WHOLE_ADDRESS_SPACE,
-                    runs,
-                    DEFAULT_TILE_BYTES,
-                    max_warps,
-                    out_runs,
-                    out_tile_start,
-                    out_strides,
-                )
-                .map_err(|e| e.reason)
-            },
-        )
-    }
-
-    /// Builds and uploads the table of `n` copies of `len` bytes each, one
-    /// run per copy, written straight into the table as `copies` yields
-    /// them (source, destination): no run list, no merging, no second pass.
-    /// The transfers of real clients are of this shape (vLLM: every block
-    /// the same size). Every address was checked by the caller; copies that
-    /// wrap around the address space are refused here.
-    pub fn prepare_uniform(
-        self: &Arc<Self>,
-        n: usize,
-        len: u64,
-        copies: impl Iterator<Item = Result<(u64, u64), String>>,
-        started: Instant,
-    ) -> Result<PeerTable, String> {
-        let max_warps = self.max_warps();
-        self.build(n, started, |out_runs, out_tile_start, _| {
-            fill_uniform(
-                n,
-                len,
-                copies,
+        let layout = TableLayout::new(runs.len())
+            .ok_or_else(|| format!("{} runs overflow the run table", runs.len()))?;
+        let built = self.build(layout.capacity, started, |host| {
+            // SAFETY: `host` holds `layout.capacity` bytes, 8-aligned, used by
+            // nothing else while the fill runs (`build`'s promise).
+            let (out_runs, out_tile_start, out_strides) =
+                unsafe { table_parts(host.as_mut_ptr() as *mut u8, &layout) };
+            let shape = fill_table(
+                Direction::Gather,
+                WHOLE_ADDRESS_SPACE,
+                runs,
                 DEFAULT_TILE_BYTES,
                 max_warps,
                 out_runs,
                 out_tile_start,
+                out_strides,
             )
+            .map_err(|e| e.reason)?;
+            Ok(Some((TableForm::Runs(layout), shape, shape.table_bytes())))
+        })?;
+        Ok(built.expect("a run table is never declined"))
+    }
+
+    /// Builds and uploads the pair table of `n` copies of `len` bytes each
+    /// (see `pairs_shape`): `fill` writes copy i's (source, destination)
+    /// into words 2i and 2i + 1 of the slice it is given (2n words), or
+    /// returns `Ok(false)` to decline the table (nothing is uploaded: the
+    /// caller takes another way) or an error. The transfers of real clients
+    /// are of this shape (vLLM: every block the same size). Every address
+    /// is the caller's to check.
+    pub fn prepare_pairs(
+        self: &Arc<Self>,
+        n: usize,
+        len: u64,
+        started: Instant,
+        fill: impl FnOnce(&mut [u64]) -> Result<bool, String>,
+    ) -> Result<Option<PeerTable>, String> {
+        let shape = pairs_shape(n, len, DEFAULT_TILE_BYTES, self.max_warps())?;
+        let bytes = pairs_table_bytes(n);
+        self.build(bytes, started, |host| {
+            Ok(fill(&mut host[..2 * n])?.then_some((TableForm::Pairs { len }, shape, bytes)))
         })
     }
 
@@ -396,47 +404,48 @@ impl PeerCopier {
         self.kernel.max_grid.saturating_mul(WARPS_PER_BLOCK)
     }
 
-    /// Builds a table of at most `nruns` runs with `fill` (which returns the
-    /// launch it describes) in pinned staging memory, and uploads it.
-    /// Blocks for the upload only.
+    /// Builds a table of at most `capacity` bytes with `fill` (given the
+    /// buffer as 8-byte words; it returns the table's form, launch and the
+    /// bytes it used, or `None` to decline) in pinned staging memory, and
+    /// uploads it on the upload stream. The upload is not waited for: the
+    /// stream the table's copies will run on waits for it (an event), and
+    /// so does the next table built in the staging buffer.
     fn build(
         self: &Arc<Self>,
-        nruns: usize,
+        capacity: usize,
         started: Instant,
-        fill: impl FnOnce(&mut [DevRun], &mut [u32], &mut [DevStrides]) -> Result<LaunchShape, String>,
-    ) -> Result<PeerTable, String> {
+        fill: impl FnOnce(&mut [u64]) -> Result<Option<(TableForm, LaunchShape, usize)>, String>,
+    ) -> Result<Option<PeerTable>, String> {
         let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
         let t0 = started;
-        let layout = TableLayout::new(nruns)
-            .ok_or_else(|| format!("{nruns} runs overflow the run table"))?;
         let _ctx = ContextScope::enter(&self.device)?;
-        // Pinned staging when free (held until the upload completed), else a
-        // pageable buffer of this call's own.
+        // Pinned staging when free, else a pageable buffer of this call's
+        // own (uploaded synchronously).
         let mut staging = self.staging.try_lock().ok();
         let mut pageable = Vec::new();
         let pinned = match staging.as_deref_mut() {
-            Some(st) => Self::reserve(st, layout.capacity).then_some(st.ptr),
+            Some(st) => Self::reserve(st, capacity)?.then_some(st.ptr),
             None => None,
         };
-        let host: *mut u64 = match pinned {
-            Some(p) => p,
+        let words = capacity.div_ceil(8);
+        let host: &mut [u64] = match pinned {
+            // SAFETY: the staging buffer holds at least `capacity` bytes,
+            // 8-aligned, and no upload from it is in flight (`reserve`
+            // waited for the last one); it is ours while `staging` is held.
+            Some(p) => unsafe { std::slice::from_raw_parts_mut(p, words) },
             None => {
                 staging = None;
-                pageable = vec![0u64; layout.capacity.div_ceil(8)];
-                pageable.as_mut_ptr()
+                pageable = vec![0u64; words];
+                &mut pageable
             }
         };
-        // SAFETY: `host` holds at least `layout.capacity` bytes, 8-aligned
-        // (u64 memory), used by nothing else while `staging` is held (or it
-        // is this call's `pageable`).
-        let (out_runs, out_tile_start, out_strides) =
-            unsafe { table_parts(host as *mut u8, &layout) };
-        let shape = fill(out_runs, out_tile_start, out_strides)?;
+        let Some((form, shape, used)) = fill(host)? else {
+            return Ok(None);
+        };
         let t1 = Instant::now();
-        let used = shape.table_bytes();
-        // SAFETY: `host` holds at least `used` initialised bytes (zeroed
-        // when allocated, then filled).
-        let bytes = unsafe { std::slice::from_raw_parts(host as *const u8, used) };
+        // SAFETY: `host` holds at least `used` initialised bytes (`fill`'s
+        // promise; it is `capacity` bytes, zeroed when allocated).
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
         let stream = self.upload.cu_stream();
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: a stream-ordered allocation from our pool on our own
@@ -449,33 +458,38 @@ impl PeerCopier {
         // Every launch of this table goes to one stream, and so does its
         // free: the free is then ordered after every launch that reads it.
         let on = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
-        // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive until the
+        // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive and unchanged
+        // until the upload completed: the staging buffer is reused only after
+        // its event (recorded below), a pageable buffer only after the
         // stream is synchronised below.
         let uploaded = unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
             .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"))
-            .and_then(|()| {
-                self.upload
+            .and_then(|()| match staging.as_deref_mut() {
+                Some(st) => st.after_upload(stream, self.streams[on].cu_stream()),
+                None => self
+                    .upload
                     .synchronize()
-                    .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))
+                    .map_err(|e| format!("waiting for a peer-copy table upload: {e}")),
             });
-        drop(staging);
-        drop(pageable);
         if let Err(e) = uploaded {
+            // Nothing may read the buffers any more: wait for the stream.
+            let _ = self.upload.synchronize();
             // SAFETY: `ptr` came from the pool on this stream and nothing
             // else uses it; the free is ordered after the upload.
             let _ = unsafe { result::free_async(ptr, stream) };
             return Err(e);
         }
-        // The table is complete and may be read from any stream.
-        Ok(PeerTable {
+        drop(staging);
+        drop(pageable);
+        Ok(Some(PeerTable {
             copier: self.clone(),
             ptr,
-            layout,
+            form,
             shape,
             stream: on,
             fill_ns: (t1 - t0).as_nanos() as u64,
             upload_ns: t1.elapsed().as_nanos() as u64,
-        })
+        }))
     }
 }
 
@@ -483,20 +497,21 @@ impl PeerCopier {
     /// Makes `st` hold at least `bytes` (a power of two, at least 64 KiB),
     /// zeroed when (re)allocated; false when pinned memory is not to be had.
     /// Needs the device's context current.
-    fn reserve(st: &mut Staging, bytes: usize) -> bool {
+    fn reserve(st: &mut Staging, bytes: usize) -> Result<bool, String> {
+        st.wait()?;
         if st.bytes >= bytes {
-            return true;
+            return Ok(true);
         }
         let want = bytes.next_power_of_two().max(64 << 10);
         if !st.ptr.is_null() {
             // SAFETY: ours, from cuMemHostAlloc; no upload from it is in
-            // flight (each one is synchronised under the lock we hold).
+            // flight (waited for above, under the lock we hold).
             let _ = unsafe { result::free_host(st.ptr as *mut c_void) };
             st.ptr = std::ptr::null_mut();
             st.bytes = 0;
         }
         // SAFETY: a plain pinned allocation; the pointer is checked below.
-        match unsafe { result::malloc_host(want, 0) } {
+        Ok(match unsafe { result::malloc_host(want, 0) } {
             Ok(p) if !p.is_null() => {
                 // SAFETY: `want` writable bytes just allocated.
                 unsafe { std::ptr::write_bytes(p as *mut u8, 0, want) };
@@ -505,7 +520,50 @@ impl PeerCopier {
                 true
             }
             _ => false,
+        })
+    }
+}
+
+impl Staging {
+    /// Waits for the last upload from the buffer (if one may still run).
+    /// Needs the device's context current.
+    fn wait(&mut self) -> Result<(), String> {
+        if self.pending {
+            // SAFETY: our event, recorded after the last upload.
+            unsafe { sys::cuEventSynchronize(self.event) }
+                .result()
+                .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))?;
+            self.pending = false;
         }
+        Ok(())
+    }
+
+    /// After an upload from the buffer was queued on `upload`: marks its
+    /// end with the buffer's event, which stream `copies` (where the
+    /// table's copies will run) waits for before anything queued on it
+    /// later, and which the next use of the buffer waits for. Needs the
+    /// device's context current.
+    fn after_upload(&mut self, upload: sys::CUstream, copies: sys::CUstream) -> Result<(), String> {
+        if self.event.is_null() {
+            // SAFETY: one out pointer; a plain event without timing.
+            unsafe {
+                sys::cuEventCreate(
+                    &mut self.event,
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            }
+            .result()
+            .map_err(|e| format!("cuEventCreate for table uploads: {e}"))?;
+        }
+        // SAFETY: our event and two live streams of the current context.
+        unsafe { sys::cuEventRecord(self.event, upload) }
+            .result()
+            .map_err(|e| format!("cuEventRecord after a peer-copy table upload: {e}"))?;
+        self.pending = true;
+        // SAFETY: as above; the wait takes the event's state now.
+        unsafe { sys::cuStreamWaitEvent(copies, self.event, 0) }
+            .result()
+            .map_err(|e| format!("cuStreamWaitEvent for a peer-copy table upload: {e}"))
     }
 }
 
@@ -547,13 +605,21 @@ fn merge(copies: &[PeerCopy]) -> Vec<Run> {
 // A prepared table and its launches
 // ---------------------------------------------------------------------------
 
+/// What a table holds: runs (`fill_table`), or (source, destination)
+/// pairs of copies of one length (`pairs_shape`).
+#[derive(Clone, Copy, Debug)]
+enum TableForm {
+    Runs(TableLayout),
+    Pairs { len: u64 },
+}
+
 /// A transfer's uploaded run table. Its copies all run on one stream of
 /// the copier; freed on drop, ordered on that stream after every copy
 /// launched from it (stream-ordered free: nothing waits).
 pub struct PeerTable {
     copier: Arc<PeerCopier>,
     ptr: u64,
-    layout: TableLayout,
+    form: TableForm,
     shape: LaunchShape,
     stream: usize,
     /// Host time building the table (merge, fill), and uploading it.
@@ -594,21 +660,31 @@ impl PeerTable {
             .new_event(None)
             .map_err(|e| format!("cuEventCreate: {e}"))?;
         let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: this device's copy kernel over the table uploaded and
-        // synchronised in `prepare`, freed only after this launch
+        // SAFETY: this device's copy kernel (of the table's form) over the
+        // table uploaded in `build` (this stream waits for the upload), freed
+        // only after this launch
         // (stream-ordered on the same stream, in Drop). Every address in it
         // was checked by the engine: sources and destinations lie in memory
         // registered here or in the peer's registered memory, translated
         // into mappings that stay open until the copies through them ended
         // (noted below).
         let launched = unsafe {
-            launch_copy(
-                c.kernel.function(),
-                self.ptr,
-                &self.layout,
-                &self.shape,
-                stream.cu_stream(),
-            )
+            match &self.form {
+                TableForm::Runs(layout) => launch_copy(
+                    c.kernel.function(),
+                    self.ptr,
+                    layout,
+                    &self.shape,
+                    stream.cu_stream(),
+                ),
+                TableForm::Pairs { len } => launch_pairs(
+                    c.kernel.pairs_function(),
+                    self.ptr,
+                    *len,
+                    &self.shape,
+                    stream.cu_stream(),
+                ),
+            }
         };
         launched.map_err(|e| {
             format!(
@@ -646,9 +722,9 @@ impl Drop for PeerTable {
             tracing::warn!("cannot bind the CUDA context to free a peer-copy table; leaked");
             return;
         };
-        // SAFETY: `ptr` came from cuMemAllocFromPoolAsync and its upload was
-        // synchronised; the free is ordered after every launch that reads it
-        // (all on this stream).
+        // SAFETY: `ptr` came from cuMemAllocFromPoolAsync; this stream waits
+        // for its upload, and the free is ordered after every launch that
+        // reads it (all on this stream).
         if let Err(e) = unsafe { result::free_async(self.ptr, stream) } {
             tracing::warn!("freeing a peer-copy table: {e}");
         }
@@ -866,6 +942,11 @@ impl PeerMapping {
 
     /// This process's address of bytes `[offset, offset + len)` of the
     /// allocation, if they lie inside it.
+    /// This process's address of the allocation's base.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
     pub fn address(&self, offset: u64, len: u64) -> Option<u64> {
         let end = offset.checked_add(len)?;
         (end <= self.len).then(|| self.base + offset)
@@ -905,7 +986,7 @@ impl Drop for PeerMapping {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::copy::cuda::DevRun;
+    use crate::copy::cuda::{DevRun, DevStrides};
 
     /// The table `prepare` builds of `runs`, on the host.
     fn filled(runs: &[Run]) -> (LaunchShape, Vec<DevRun>, Vec<DevStrides>) {

@@ -227,9 +227,100 @@ pub struct RawDesc {
 /// The [`Md`] inside a descriptor's (non-null) backend metadata.
 pub type MdResolver<'a> = &'a dyn Fn(*const std::ffi::c_void) -> *const Md;
 
-/// One side of a transfer: NIXL's descriptor array, read in place (no copy
-/// per descriptor), and its memory kind. Every descriptor was checked when
-/// the side was made ([`Side::new`]).
+/// One side of a transfer as NIXL hands it over: its descriptor array, read
+/// in place (no copy per descriptor), its memory kind and the way to its
+/// descriptors' metadata. Nothing is checked yet: [`Descs::check`] makes a
+/// [`Side`] of it, and the peer-mapped path's one-pass table
+/// (`peer::walk_pairs`) checks as it goes.
+#[derive(Clone, Copy)]
+pub struct Descs<'a> {
+    pub kind: MemKind,
+    raw: &'a [RawDesc],
+    resolve: MdResolver<'a>,
+}
+
+impl<'a> Descs<'a> {
+    /// # Safety
+    /// `resolve` of every non-null `md` in `raw` points to an [`Md`] that
+    /// lives for `'a` or to memory that can be read as one (NIXL hands back
+    /// the handles this engine created; the magic is checked before
+    /// anything else).
+    pub unsafe fn new(kind: MemKind, raw: &'a [RawDesc], resolve: MdResolver<'a>) -> Self {
+        Self { kind, raw, resolve }
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+
+    pub fn raw(&self) -> &'a [RawDesc] {
+        self.raw
+    }
+
+    /// The live BOUNCE metadata behind a descriptor's (non-null) handle;
+    /// `None` for null or a pointer that is not BOUNCE's.
+    pub fn md(&self, p: *const std::ffi::c_void) -> Option<&'a Md> {
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: `new`'s contract; the magic is read before the rest.
+        let md = unsafe { &*(self.resolve)(p) };
+        md.is_valid().then_some(md)
+    }
+
+    /// Checks every descriptor in one pass: its metadata is a live BOUNCE
+    /// handle (checked once per distinct handle: consecutive descriptors
+    /// mostly share one), it does not wrap around the address space, and it
+    /// lies inside the memory NIXL resolved it to (NIXL checks this too; a
+    /// failure means NIXL and this plugin disagree about the layout).
+    pub fn check(self, which: &str) -> Result<Side<'a>> {
+        let mut last: *const std::ffi::c_void = std::ptr::null();
+        let mut last_range = Range {
+            addr: 0,
+            len: 0,
+            dev: 0,
+        };
+        for (i, d) in self.raw.iter().enumerate() {
+            let range = d.range();
+            if range.end().is_none() {
+                return Err(Error::invalid(format!(
+                    "{which} descriptor {i} wraps around the address space"
+                )));
+            }
+            if d.md.is_null() {
+                continue;
+            }
+            if d.md != last {
+                let Some(md) = self.md(d.md) else {
+                    return Err(Error::new(
+                        Status::Mismatch,
+                        format!("{which} descriptor {i} carries a metadata pointer that is not BOUNCE's (NIXL ABI mismatch?)"),
+                    ));
+                };
+                last = d.md;
+                last_range = md.range;
+            }
+            if range.len > 0 && !last_range.covers(&range) {
+                return Err(Error::invalid(format!(
+                    "{which} descriptor {i} ({} bytes at {:#x}, device {}) lies outside its registered region ({} bytes at {:#x}, device {})",
+                    range.len, range.addr, range.dev, last_range.len, last_range.addr, last_range.dev
+                )));
+            }
+        }
+        Ok(Side {
+            kind: self.kind,
+            raw: self.raw,
+            resolve: self.resolve,
+        })
+    }
+}
+
+/// One side of a transfer whose every descriptor was checked
+/// ([`Descs::check`]).
 #[derive(Clone, Copy)]
 pub struct Side<'a> {
     pub kind: MemKind,
@@ -247,61 +338,6 @@ impl std::fmt::Debug for Side<'_> {
 }
 
 impl<'a> Side<'a> {
-    /// Checks every descriptor in one pass: its metadata is a live BOUNCE
-    /// handle (checked once per distinct handle: consecutive descriptors
-    /// mostly share one), it does not wrap around the address space, and it
-    /// lies inside the memory NIXL resolved it to (NIXL checks this too; a
-    /// failure means NIXL and this plugin disagree about the layout).
-    ///
-    /// # Safety
-    /// `resolve` of every non-null `md` in `raw` points to an [`Md`] that
-    /// lives for `'a` or to memory that can be read as one (NIXL hands back
-    /// the handles this engine created; the magic is checked before
-    /// anything else).
-    pub unsafe fn new(
-        which: &str,
-        kind: MemKind,
-        raw: &'a [RawDesc],
-        resolve: MdResolver<'a>,
-    ) -> Result<Self> {
-        let mut last: *const std::ffi::c_void = std::ptr::null();
-        let mut last_range = Range {
-            addr: 0,
-            len: 0,
-            dev: 0,
-        };
-        for (i, d) in raw.iter().enumerate() {
-            let range = d.range();
-            if range.end().is_none() {
-                return Err(Error::invalid(format!(
-                    "{which} descriptor {i} wraps around the address space"
-                )));
-            }
-            if d.md.is_null() {
-                continue;
-            }
-            if d.md != last {
-                // SAFETY: caller contract; the magic is read before the rest.
-                let md = unsafe { &*resolve(d.md) };
-                if !md.is_valid() {
-                    return Err(Error::new(
-                        Status::Mismatch,
-                        format!("{which} descriptor {i} carries a metadata pointer that is not BOUNCE's (NIXL ABI mismatch?)"),
-                    ));
-                }
-                last = d.md;
-                last_range = md.range;
-            }
-            if range.len > 0 && !last_range.covers(&range) {
-                return Err(Error::invalid(format!(
-                    "{which} descriptor {i} ({} bytes at {:#x}, device {}) lies outside its registered region ({} bytes at {:#x}, device {})",
-                    range.len, range.addr, range.dev, last_range.len, last_range.addr, last_range.dev
-                )));
-            }
-        }
-        Ok(Self { kind, raw, resolve })
-    }
-
     pub fn len(&self) -> usize {
         self.raw.len()
     }
@@ -327,7 +363,7 @@ impl<'a> Side<'a> {
         let mut last: (*const std::ffi::c_void, Option<&'a Md>) = (std::ptr::null(), None);
         move |p| {
             if p != last.0 {
-                // SAFETY: checked live BOUNCE handles (`Side::new`), living
+                // SAFETY: checked live BOUNCE handles (`Descs::check`), living
                 // for 'a.
                 last = (p, unsafe { resolve(p).as_ref() });
             }
@@ -1026,8 +1062,8 @@ impl Engine {
     pub fn prep_xfer(
         &self,
         op: Op,
-        local: &Side<'_>,
-        remote: &Side<'_>,
+        local: Descs<'_>,
+        remote: Descs<'_>,
         agent: &str,
         args: XferArgs,
         shape: &Shape,
@@ -1041,27 +1077,41 @@ impl Engine {
         }
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
-        // One pass: lengths equal on both sides, and whether all are one
-        // size (the peer-mapped path's cheap table).
-        let first_len = local.ranges().next().map_or(0, |r| r.len);
-        let mut uniform = true;
-        if let Some(i) = local.ranges().zip(remote.ranges()).position(|(l, r)| {
-            uniform &= l.len == first_len;
-            l.len != r.len
-        }) {
+        let peer_gate = peer::gate(&self.config, shape).is_ok();
+        // Real clients' transfers (every descriptor one length, in mapped
+        // regions): one pass from NIXL's descriptors to the uploaded table.
+        // Anything it declines is decided by the checked path below.
+        if peer_gate {
+            if let Some(x) = self
+                .peer
+                .prepare_pairs(op, &local, &remote, inner_remote.clone())
+            {
+                self.count_peer_prepared(&x);
+                return Ok(Some(Request {
+                    route: Route::PeerMapped(x),
+                    args,
+                }));
+            }
+        }
+        let (local, remote) = (&local.check("local")?, &remote.check("remote")?);
+        if let Some(i) = local
+            .ranges()
+            .zip(remote.ranges())
+            .position(|(l, r)| l.len != r.len)
+        {
             return Err(Error::invalid(format!(
                 "descriptor {i}: local length {} differs from remote length {}",
                 local.range(i).len,
                 remote.range(i).len
             )));
         }
-        let uniform = (uniform && first_len > 0).then_some(first_len as u64);
-
-        if let Some(x) = self.peer_mapped_route(op, local, remote, shape, uniform, &inner_remote) {
-            return Ok(Some(Request {
-                route: Route::PeerMapped(x),
-                args,
-            }));
+        if peer_gate {
+            if let Some(x) = self.peer_mapped_route(op, local, remote, &inner_remote) {
+                return Ok(Some(Request {
+                    route: Route::PeerMapped(x),
+                    args,
+                }));
+            }
         }
 
         match self.choose_route(op, local, remote, shape) {
@@ -1114,19 +1164,16 @@ impl Engine {
         Ok(None)
     }
 
-    /// The peer-mapped path for this transfer, if it can take it (see
-    /// [`peer`]); `None` sends it on to the bounce path's routing.
+    /// The peer-mapped path for a transfer the one-pass table declined (see
+    /// [`peer`]): copies merged into runs; `None` sends it on to the bounce
+    /// path's routing.
     fn peer_mapped_route<'a>(
         &self,
         op: Op,
         local: &Side<'a>,
         remote: &Side<'a>,
-        shape: &Shape,
-        uniform: Option<u64>,
         inner_remote: &str,
     ) -> Option<peer::PeerXfer> {
-        peer::gate(&self.config, shape).ok()?;
-        let started = std::time::Instant::now();
         let device = local.ranges().next()?.dev;
         // The peer's allocation holding a remote descriptor, if exported.
         let peer_alloc = |md: Option<&'a Md>| match md.map(|m| &m.owner) {
@@ -1150,17 +1197,11 @@ impl Engine {
             op,
             device as usize,
             local.len(),
-            uniform,
             pairs,
             inner_remote.to_string(),
         ) {
             Ok(x) => {
-                self.stats.bump_named("peer_map_prepared");
-                self.stats
-                    .add_named("peer_map_prepare_ns", started.elapsed().as_nanos() as u64);
-                self.stats.add_named("peer_map_fill_ns", x.table.fill_ns);
-                self.stats
-                    .add_named("peer_map_upload_ns", x.table.upload_ns);
+                self.count_peer_prepared(&x);
                 Some(x)
             }
             Err(e) => {
@@ -1169,6 +1210,17 @@ impl Engine {
                 None
             }
         }
+    }
+
+    /// Counts a transfer prepared on the peer-mapped path, with the time
+    /// its table took (built, uploaded).
+    fn count_peer_prepared(&self, x: &peer::PeerXfer) {
+        self.stats.bump_named("peer_map_prepared");
+        self.stats
+            .add_named("peer_map_prepare_ns", x.table.fill_ns + x.table.upload_ns);
+        self.stats.add_named("peer_map_fill_ns", x.table.fill_ns);
+        self.stats
+            .add_named("peer_map_upload_ns", x.table.upload_ns);
     }
 
     /// Decides the path of a transfer: the local instance and the peer's for

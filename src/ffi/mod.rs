@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::engine::{
-    Engine, Error, Md, MemKind, Op, Range, Request, Shape, Side, Status, XferArgs,
+    Descs, Engine, Error, Md, MemKind, Op, Range, Request, Shape, Status, XferArgs,
 };
 
 /// Types generated from `include/bounce_ffi.h`.
@@ -747,15 +747,15 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             move |p| unsafe { rres(p) } as *const Md,
         );
         // SAFETY: the metadata are the handles NIXL hands back (this
-        // engine's, through the shim's wrappers); `Side::new` checks each
-        // one's magic first.
+        // engine's, through the shim's wrappers); every look-up reads the
+        // magic first (`Descs::md`).
         let (l, r) = unsafe {
             (
-                Side::new("local", lkind, as_raw(lraw), &lres)?,
-                Side::new("remote", rkind, as_raw(rraw), &rres)?,
+                Descs::new(lkind, as_raw(lraw), &lres),
+                Descs::new(rkind, as_raw(rraw), &rres),
             )
         };
-        match e.prep_xfer(Op::from_nixl(op)?, &l, &r, agent, args, &shape)? {
+        match e.prep_xfer(Op::from_nixl(op)?, l, r, agent, args, &shape)? {
             Some(request) => {
                 to_ucx.set(0);
                 slot.put(Box::new(request));
