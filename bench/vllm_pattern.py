@@ -679,7 +679,9 @@ class Reader:
         # requests): all of it, and of the peer-mapped path's table fill and
         # upload.
         plugin = {k: after.get(k, 0) - before.get(k, 0)
-                  for k in ("prepare_ns", "peer_map_prepare_ns", "peer_map_fill_ns", "peer_map_upload_ns")
+                  for k in ("prepare_ns", "peer_map_prepare_ns", "peer_map_fill_ns", "peer_map_setup_ns",
+                            "peer_map_upload_ns", "peer_map_upload_alloc_ns", "peer_map_upload_copy_ns",
+                            "peer_map_upload_order_ns")
                   } if after is not None else {}
 
         bytes_total = n * geom["bytes_per_req"]
@@ -776,8 +778,11 @@ def print_table(summary, cases, opts):
                 us = {k: v["p50"] / 1e3 for k, v in pp.items()}
                 print(f"        plugin's share of prepare (median us per request): {us['prepare_ns']:.0f} in all"
                       f" ({us['prepare_ns'] * 1e3 / r['descs']:.1f} ns per descriptor), of it peer-mapped"
-                      f" {us['peer_map_prepare_ns']:.0f} (fill {us['peer_map_fill_ns']:.0f},"
-                      f" upload {us['peer_map_upload_ns']:.0f})")
+                      f" {us['peer_map_prepare_ns']:.0f} (fill {us['peer_map_fill_ns']:.0f}, of it set-up"
+                      f" {us.get('peer_map_setup_ns', 0):.0f}; upload {us['peer_map_upload_ns']:.0f}: device"
+                      f" allocation {us.get('peer_map_upload_alloc_ns', 0):.0f}, copy call"
+                      f" {us.get('peer_map_upload_copy_ns', 0):.0f}, ordering"
+                      f" {us.get('peer_map_upload_order_ns', 0):.0f})")
         by = {r["backend"]: r for r in rows}
         if "BOUNCE" in by and "UCX" in by:
             u, bo = by["UCX"], by["BOUNCE"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|x2]
+# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2]
 #        (source .gpu/run.sh python: only the environment, with the Python API)   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
@@ -67,6 +67,15 @@ if [[ "$mode" == perf ]]; then
     cat "$out"/perf-*.log | grep -E "x |per request" >"$out/perf-summary.txt"
     exit $status
 fi
+if [[ "$mode" == peer ]]; then
+    # The peer-mapped path while working on it: its kernel and engine tests,
+    # the two-process byte-exact test, then the vLLM-pattern benchmark.
+    run probe "$nb/bin/gpu-probe"
+    run gpu_kernels "$nb/bin/gpu_kernels" --test-threads=1
+    run gpu_peer_map "$nb/bin/gpu_peer_map" --test-threads=1
+    run vram-test "$v" test
+    mode=vllm
+fi
 if [[ "$mode" == vllm || "$mode" == python ]]; then
     # The official Python API: the wheel's nixl_cu13 module (not in the
     # bundle; carry it as .py312/nixl_cu13, docs/gpu.md) beside the bundle's
@@ -81,6 +90,7 @@ if [[ "$mode" == vllm || "$mode" == python ]]; then
         run vllm-pattern python3 bench/vllm_pattern.py --device cuda --iters "${VLLM_ITERS:-20}" \
             --json "$out/vllm-pattern.json"
         grep -vE "^\s*$" "$out/vllm-pattern.log" | tail -n 40
+        cat "$out/summary.txt"
         exit $status
     fi
     # python: stay in this shell's environment (source it) for more commands.

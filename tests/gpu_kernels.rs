@@ -647,3 +647,103 @@ fn pair_tables_match_the_host_reference() {
     let declined = copier.prepare_pairs(4, 4096, Instant::now(), |_| Ok(false));
     assert!(matches!(declined, Ok(None)));
 }
+
+/// Not a test: what each driver call of a table upload costs on this
+/// machine (pinned host -> device, async), idle between uploads or back to
+/// back, for the breakdown in docs/benchmarks.md.
+/// `gpu_kernels --ignored upload_call_costs --nocapture`.
+#[test]
+#[ignore]
+fn upload_call_costs() {
+    use cudarc::driver::{result, sys};
+    let Some(dev) = device() else { return };
+    let ctx = dev.context().clone();
+    ctx.bind_to_thread().unwrap();
+    let up = ctx.new_stream().unwrap();
+    let other = ctx.new_stream().unwrap();
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: one out pointer.
+    unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }
+        .result()
+        .unwrap();
+    for bytes in [8usize << 10, 512 << 10] {
+        // SAFETY: plain allocations, freed below.
+        let host = unsafe { result::malloc_host(bytes, 0) }.unwrap();
+        let d = unsafe { result::malloc_sync(bytes) }.unwrap();
+        for idle in [false, true] {
+            let mut t = [Vec::new(), Vec::new(), Vec::new()];
+            for _ in 0..40 {
+                if idle {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let t0 = Instant::now();
+                // SAFETY: `host` and `d` hold `bytes`; synchronised below.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(d, host, bytes, up.cu_stream())
+                        .result()
+                        .unwrap();
+                }
+                let t1 = Instant::now();
+                unsafe { sys::cuEventRecord(ev, up.cu_stream()).result().unwrap() };
+                let t2 = Instant::now();
+                unsafe {
+                    sys::cuStreamWaitEvent(other.cu_stream(), ev, 0)
+                        .result()
+                        .unwrap()
+                };
+                let t3 = Instant::now();
+                t[0].push((t1 - t0).as_nanos() as u64);
+                t[1].push((t2 - t1).as_nanos() as u64);
+                t[2].push((t3 - t2).as_nanos() as u64);
+                other.synchronize().unwrap();
+            }
+            let med = |v: &mut Vec<u64>| {
+                v.sort();
+                v[v.len() / 2] as f64 / 1e3
+            };
+            println!(
+                "upload {:>6} B {}: cuMemcpyHtoDAsync {:.1} us, cuEventRecord {:.1} us, cuStreamWaitEvent {:.1} us (medians of 40)",
+                bytes,
+                if idle { "after 2 ms idle" } else { "back to back  " },
+                med(&mut t[0]),
+                med(&mut t[1]),
+                med(&mut t[2])
+            );
+        }
+        // SAFETY: ours, nothing in flight (synchronised above).
+        unsafe {
+            result::free_sync(d).unwrap();
+            result::free_host(host).unwrap();
+        }
+    }
+    // The copier's own table build (fill of trivial pairs, then upload).
+    let copier = nixl_bounce::copy::peer::PeerCopier::for_device(dev.ordinal(), 2).unwrap();
+    for n in [512usize, 32768] {
+        for idle in [false, true] {
+            let mut up = Vec::new();
+            for _ in 0..40 {
+                if idle {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let t = copier
+                    .prepare_pairs(n, 4096, Instant::now(), |out| {
+                        out.fill(1 << 20);
+                        Ok(true)
+                    })
+                    .unwrap()
+                    .unwrap();
+                up.push(t.times.upload);
+            }
+            up.sort();
+            println!(
+                "PeerCopier table of {n} pairs {}: upload {:.1} us (median of 40)",
+                if idle {
+                    "after 2 ms idle"
+                } else {
+                    "back to back"
+                },
+                up[20] as f64 / 1e3
+            );
+        }
+    }
+}

@@ -427,6 +427,7 @@ impl PeerCopier {
             Some(st) => Self::reserve(st, capacity)?.then_some(st.ptr),
             None => None,
         };
+        let t_setup = Instant::now();
         let words = capacity.div_ceil(8);
         let host: &mut [u64] = match pinned {
             // SAFETY: the staging buffer holds at least `capacity` bytes,
@@ -455,6 +456,7 @@ impl PeerCopier {
             .map_err(|e| {
                 format!("cuMemAllocFromPoolAsync({used} bytes) for a peer-copy table: {e}")
             })?;
+        let t2 = Instant::now();
         // Every launch of this table goes to one stream, and so does its
         // free: the free is then ordered after every launch that reads it.
         let on = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
@@ -462,15 +464,16 @@ impl PeerCopier {
         // until the upload completed: the staging buffer is reused only after
         // its event (recorded below), a pageable buffer only after the
         // stream is synchronised below.
-        let uploaded = unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
-            .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"))
-            .and_then(|()| match staging.as_deref_mut() {
-                Some(st) => st.after_upload(stream, self.streams[on].cu_stream()),
-                None => self
-                    .upload
-                    .synchronize()
-                    .map_err(|e| format!("waiting for a peer-copy table upload: {e}")),
-            });
+        let copied = unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
+            .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"));
+        let t3 = Instant::now();
+        let uploaded = copied.and_then(|()| match staging.as_deref_mut() {
+            Some(st) => st.after_upload(stream, self.streams[on].cu_stream()),
+            None => self
+                .upload
+                .synchronize()
+                .map_err(|e| format!("waiting for a peer-copy table upload: {e}")),
+        });
         if let Err(e) = uploaded {
             // Nothing may read the buffers any more: wait for the stream.
             let _ = self.upload.synchronize();
@@ -487,8 +490,7 @@ impl PeerCopier {
             form,
             shape,
             stream: on,
-            fill_ns: (t1 - t0).as_nanos() as u64,
-            upload_ns: t1.elapsed().as_nanos() as u64,
+            times: TableTimes::from_marks(t0, t_setup, t1, t2, t3, Instant::now()),
         }))
     }
 }
@@ -605,6 +607,54 @@ fn merge(copies: &[PeerCopy]) -> Vec<Run> {
 // A prepared table and its launches
 // ---------------------------------------------------------------------------
 
+/// Host time a table took, in nanoseconds: `fill` from the start of the
+/// preparation to the table written (of it, `setup`: the device's context
+/// and the staging buffer, waiting for its previous upload), `upload` from
+/// then to the upload queued (of it: the device allocation, the copy call,
+/// the event that orders the copies after it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TableTimes {
+    pub fill: u64,
+    pub setup: u64,
+    pub upload: u64,
+    pub alloc: u64,
+    pub copy: u64,
+    pub order: u64,
+}
+
+impl TableTimes {
+    fn from_marks(
+        start: Instant,
+        setup: Instant,
+        filled: Instant,
+        allocated: Instant,
+        copied: Instant,
+        end: Instant,
+    ) -> Self {
+        let ns = |a: Instant, b: Instant| b.saturating_duration_since(a).as_nanos() as u64;
+        TableTimes {
+            fill: ns(start, filled),
+            setup: ns(start, setup),
+            upload: ns(filled, end),
+            alloc: ns(filled, allocated),
+            copy: ns(allocated, copied),
+            order: ns(copied, end),
+        }
+    }
+
+    /// Each part with its statistics counter's name.
+    pub fn named(&self) -> [(&'static str, u64); 6] {
+        [
+            ("peer_map_fill_ns", self.fill),
+            ("peer_map_setup_ns", self.setup),
+            ("peer_map_upload_ns", self.upload),
+            ("peer_map_upload_alloc_ns", self.alloc),
+            ("peer_map_upload_copy_ns", self.copy),
+            ("peer_map_upload_order_ns", self.order),
+        ]
+    }
+}
+
 /// What a table holds: runs (`fill_table`), or (source, destination)
 /// pairs of copies of one length (`pairs_shape`).
 #[derive(Clone, Copy, Debug)]
@@ -622,9 +672,8 @@ pub struct PeerTable {
     form: TableForm,
     shape: LaunchShape,
     stream: usize,
-    /// Host time building the table (merge, fill), and uploading it.
-    pub fill_ns: u64,
-    pub upload_ns: u64,
+    /// Where the preparation's host time went.
+    pub times: TableTimes,
 }
 
 impl std::fmt::Debug for PeerTable {

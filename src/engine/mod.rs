@@ -1215,12 +1215,13 @@ impl Engine {
     /// Counts a transfer prepared on the peer-mapped path, with the time
     /// its table took (built, uploaded).
     fn count_peer_prepared(&self, x: &peer::PeerXfer) {
+        let t = &x.table.times;
         self.stats.bump_named("peer_map_prepared");
         self.stats
-            .add_named("peer_map_prepare_ns", x.table.fill_ns + x.table.upload_ns);
-        self.stats.add_named("peer_map_fill_ns", x.table.fill_ns);
-        self.stats
-            .add_named("peer_map_upload_ns", x.table.upload_ns);
+            .add_named("peer_map_prepare_ns", t.fill + t.upload);
+        for (name, ns) in t.named() {
+            self.stats.add_named(name, ns);
+        }
     }
 
     /// Decides the path of a transfer: the local instance and the peer's for
