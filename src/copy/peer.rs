@@ -188,10 +188,8 @@ pub fn export_allocation(
 
 /// Streams of one device for peer-mapped copies, round-robin, plus one
 /// stream for table uploads (so preparing a request never waits behind a
-/// running copy), and a memory pool of its own for the tables: it keeps
-/// freed memory for the next table (the device's default pool returns it to
-/// the system at every synchronisation, and its settings are the
-/// application's).
+/// running copy), and the device memory of tables, kept for the next ones
+/// ([`TableCache`]).
 pub struct PeerCopier {
     device: Arc<CudaDevice>,
     kernel: Arc<CopyKernel>,
@@ -202,7 +200,7 @@ pub struct PeerCopier {
     /// Held while a copy is launched on stream i and noted by its mappings,
     /// so a mapping's "last copy on stream i" is really the last one.
     launching: Vec<Mutex<()>>,
-    pool: sys::CUmemoryPool,
+    tables: Mutex<TableCache>,
     next: AtomicUsize,
     /// Pinned host memory the tables are built in and uploaded from (one
     /// DMA, no staging by the driver, no page faults), kept between
@@ -222,11 +220,11 @@ struct Staging {
     pending: bool,
 }
 
-// SAFETY: `pool` and `staging.ptr` are driver handles and memory usable from
-// any thread (the staging buffer only under its mutex); everything else is
+// SAFETY: the cached tables and `staging.ptr` are driver handles and memory
+// usable from any thread (only under their mutexes); everything else is
 // Send + Sync already.
 unsafe impl Send for PeerCopier {}
-// SAFETY: as above; the driver serialises use of the pool.
+// SAFETY: as above.
 unsafe impl Sync for PeerCopier {}
 
 impl Drop for PeerCopier {
@@ -234,10 +232,12 @@ impl Drop for PeerCopier {
         let Ok(_ctx) = ContextScope::enter(&self.device) else {
             return; // leaked: nothing can be released without the context
         };
-        // SAFETY: the pool was created in `new`; tables hold an Arc of
-        // this copier, so every table was freed (stream-ordered) before.
-        // The driver releases the pool once those frees completed.
-        let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        // Tables hold an Arc of this copier: every one came back to the
+        // cache before this runs.
+        self.tables
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .release_all();
         let staging = self.staging.get_mut().unwrap_or_else(|p| p.into_inner());
         if staging.wait().is_ok() && !staging.ptr.is_null() {
             // SAFETY: allocated by cuMemHostAlloc in `reserve`; its last
@@ -280,58 +280,13 @@ impl PeerCopier {
         let streams = (0..streams.max(1))
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
-        // SAFETY: all-zero is a valid CUmemPoolProps (no handle types, no
-        // size limit); the fields that matter are set below.
-        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device.ordinal() as i32,
-        };
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: out pointer and a fully initialised props struct.
-        unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
-            .result()
-            .map_err(|e| format!("cuMemPoolCreate for peer-copy tables: {e}"))?;
-        // Reuse only memory whose free already completed: a block still
-        // queued behind a running copy must not make an upload wait for it.
-        for attr in [
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
-        ] {
-            let mut off: std::ffi::c_int = 0;
-            // SAFETY: these attributes take an int through the pointer.
-            let set = unsafe {
-                sys::cuMemPoolSetAttribute(
-                    pool,
-                    attr,
-                    &mut off as *mut std::ffi::c_int as *mut c_void,
-                )
-            };
-            if let Err(e) = set.result() {
-                tracing::debug!("peer-copy table pool: {attr:?} stays on: {e}");
-            }
-        }
-        let mut keep: u64 = u64::MAX;
-        // SAFETY: the attribute takes a u64 (cuuint64_t) through the pointer.
-        let kept = unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut keep as *mut u64 as *mut c_void,
-            )
-        }
-        .result();
-        if let Err(e) = kept {
-            tracing::debug!("peer-copy table pool keeps no memory cached: {e}");
-        }
         Ok(Arc::new(PeerCopier {
             device,
             kernel,
             launching: streams.iter().map(|_| Mutex::new(())).collect(),
             streams: ManuallyDrop::new(streams),
             upload: ManuallyDrop::new(upload),
-            pool,
+            tables: Mutex::new(TableCache::default()),
             next: AtomicUsize::new(0),
             staging: Mutex::new(Staging {
                 ptr: std::ptr::null_mut(),
@@ -448,14 +403,12 @@ impl PeerCopier {
         // promise; it is `capacity` bytes, zeroed when allocated).
         let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
         let stream = self.upload.cu_stream();
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: a stream-ordered allocation from our pool on our own
-        // upload stream; one out pointer.
-        unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, used, self.pool, stream) }
-            .result()
-            .map_err(|e| {
-                format!("cuMemAllocFromPoolAsync({used} bytes) for a peer-copy table: {e}")
-            })?;
+        let device_table = self
+            .tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(used)?;
+        let ptr = device_table.ptr;
         let t2 = Instant::now();
         // Every launch of this table goes to one stream, and so does its
         // free: the free is then ordered after every launch that reads it.
@@ -475,18 +428,23 @@ impl PeerCopier {
                 .map_err(|e| format!("waiting for a peer-copy table upload: {e}")),
         });
         if let Err(e) = uploaded {
-            // Nothing may read the buffers any more: wait for the stream.
-            let _ = self.upload.synchronize();
-            // SAFETY: `ptr` came from the pool on this stream and nothing
-            // else uses it; the free is ordered after the upload.
-            let _ = unsafe { result::free_async(ptr, stream) };
+            // Nothing may read the buffers any more: wait for the stream,
+            // then the device table goes back unused (leaked if the wait
+            // failed: its upload may still run).
+            if self.upload.synchronize().is_ok() {
+                self.tables
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .free
+                    .push(device_table);
+            }
             return Err(e);
         }
         drop(staging);
         drop(pageable);
         Ok(Some(PeerTable {
             copier: self.clone(),
-            ptr,
+            device_table: Some(device_table),
             form,
             shape,
             stream: on,
@@ -663,12 +621,13 @@ enum TableForm {
     Pairs { len: u64 },
 }
 
-/// A transfer's uploaded run table. Its copies all run on one stream of
-/// the copier; freed on drop, ordered on that stream after every copy
-/// launched from it (stream-ordered free: nothing waits).
+/// A transfer's uploaded table. Its copies all run on one stream of the
+/// copier; on drop its device memory goes back to the copier's
+/// [`TableCache`], reused only after every copy launched from it ended.
 pub struct PeerTable {
     copier: Arc<PeerCopier>,
-    ptr: u64,
+    /// Taken back by the cache on drop.
+    device_table: Option<CachedTable>,
     form: TableForm,
     shape: LaunchShape,
     stream: usize,
@@ -708,27 +667,27 @@ impl PeerTable {
             .context()
             .new_event(None)
             .map_err(|e| format!("cuEventCreate: {e}"))?;
+        let ptr = self.device_table.as_ref().map_or(0, |t| t.ptr);
         let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: this device's copy kernel (of the table's form) over the
-        // table uploaded in `build` (this stream waits for the upload), freed
-        // only after this launch
-        // (stream-ordered on the same stream, in Drop). Every address in it
-        // was checked by the engine: sources and destinations lie in memory
-        // registered here or in the peer's registered memory, translated
-        // into mappings that stay open until the copies through them ended
-        // (noted below).
+        // table uploaded in `build` (this stream waits for the upload), reused
+        // only after this launch ended (the event its drop records). Every
+        // address in it was checked by the engine: sources and destinations
+        // lie in memory registered here or in the peer's registered memory,
+        // translated into mappings that stay open until the copies through
+        // them ended (noted below).
         let launched = unsafe {
             match &self.form {
                 TableForm::Runs(layout) => launch_copy(
                     c.kernel.function(),
-                    self.ptr,
+                    ptr,
                     layout,
                     &self.shape,
                     stream.cu_stream(),
                 ),
                 TableForm::Pairs { len } => launch_pairs(
                     c.kernel.pairs_function(),
-                    self.ptr,
+                    ptr,
                     *len,
                     &self.shape,
                     stream.cu_stream(),
@@ -766,16 +725,119 @@ impl PeerTable {
 impl Drop for PeerTable {
     fn drop(&mut self) {
         let c = &self.copier;
-        let stream = c.streams[self.stream].cu_stream();
-        let Ok(_ctx) = ContextScope::enter(&c.device) else {
-            tracing::warn!("cannot bind the CUDA context to free a peer-copy table; leaked");
+        let Some(mut t) = self.device_table.take() else {
             return;
         };
-        // SAFETY: `ptr` came from cuMemAllocFromPoolAsync; this stream waits
-        // for its upload, and the free is ordered after every launch that
-        // reads it (all on this stream).
-        if let Err(e) = unsafe { result::free_async(self.ptr, stream) } {
-            tracing::warn!("freeing a peer-copy table: {e}");
+        let Ok(_ctx) = ContextScope::enter(&c.device) else {
+            tracing::warn!("cannot bind the CUDA context to return a peer-copy table; leaked");
+            return;
+        };
+        // The table's memory is reused once everything queued on its stream
+        // so far (every launch that reads it) ended: its event says when.
+        // SAFETY: the table's own event and a live stream of this context.
+        match unsafe { sys::cuEventRecord(t.event, c.streams[self.stream].cu_stream()) }.result() {
+            Ok(()) => {
+                t.queued = true;
+                c.tables
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .free
+                    .push(t);
+            }
+            // Its last copy cannot be waited for: never reused (fail closed).
+            Err(e) => tracing::warn!("returning a peer-copy table: {e}; leaked"),
+        }
+    }
+}
+
+/// The device memory of peer-copy tables, kept for reuse instead of being
+/// freed: a table's memory comes back when the table is dropped, with an
+/// event recorded on the table's stream after the last launch that reads
+/// it, and is handed out again only once that event completed (a query:
+/// nothing waits, and no stream waits for another). Allocating afresh, or
+/// from a stream-ordered pool, cost 30-40 us per preparation on the H200
+/// (docs/benchmarks.md). It holds at most as many tables as were ever live
+/// or still being read at once; all are freed with the copier.
+#[derive(Default)]
+struct TableCache {
+    free: Vec<CachedTable>,
+}
+
+/// Device memory for one table and the event of its last use.
+struct CachedTable {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    event: sys::CUevent,
+    /// The event was recorded (after the last use) and may not have
+    /// completed.
+    queued: bool,
+}
+
+impl TableCache {
+    /// Memory for a table of `bytes`: the smallest kept table that is large
+    /// enough and no longer read, else a new allocation (a power of two, at
+    /// least 64 KiB). Needs the device's context current.
+    fn take(&mut self, bytes: usize) -> Result<CachedTable, String> {
+        // Smallest first; one event query per table looked at, stopping at
+        // the first whose last use ended.
+        let mut fitting: Vec<usize> = (0..self.free.len())
+            .filter(|&i| self.free[i].bytes >= bytes)
+            .collect();
+        fitting.sort_by_key(|&i| self.free[i].bytes);
+        for i in fitting {
+            // SAFETY: the table's own event.
+            match unsafe { sys::cuEventQuery(self.free[i].event) } {
+                sys::CUresult::CUDA_SUCCESS => {
+                    let mut t = self.free.swap_remove(i);
+                    t.queued = false;
+                    return Ok(t);
+                }
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(format!("cuEventQuery on a peer-copy table: {e:?}")),
+            }
+        }
+        let want = bytes.next_power_of_two().max(64 << 10);
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: one out pointer; a plain event without timing.
+        unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuEventCreate for a peer-copy table: {e}"))?;
+        // SAFETY: a plain device allocation; released on failure below.
+        match unsafe { result::malloc_sync(want) } {
+            Ok(ptr) => Ok(CachedTable {
+                ptr,
+                bytes: want,
+                event,
+                queued: false,
+            }),
+            Err(e) => {
+                // SAFETY: created above, never recorded.
+                let _ = unsafe { sys::cuEventDestroy_v2(event) };
+                Err(format!(
+                    "cuMemAlloc({want} bytes) for a peer-copy table: {e}"
+                ))
+            }
+        }
+    }
+
+    /// Frees every kept table once its last use ended (a table whose end
+    /// cannot be waited for is leaked). Needs the device's context current.
+    fn release_all(&mut self) {
+        for t in self.free.drain(..) {
+            // SAFETY: the table's own event, recorded after its last use (or
+            // never recorded, when `queued` is false).
+            let ended = !t.queued || unsafe { sys::cuEventSynchronize(t.event) }.result().is_ok();
+            if ended {
+                // SAFETY: nothing reads the memory any more.
+                let _ = unsafe { result::free_sync(t.ptr) };
+            }
+            // SAFETY: nothing records or waits on the event any more.
+            let _ = unsafe { sys::cuEventDestroy_v2(t.event) };
         }
     }
 }
