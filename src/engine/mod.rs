@@ -225,7 +225,7 @@ pub struct RawDesc {
 }
 
 /// The [`Md`] inside a descriptor's (non-null) backend metadata.
-pub type MdResolver<'a> = &'a (dyn Fn(*const std::ffi::c_void) -> *const Md + Sync);
+pub type MdResolver<'a> = &'a dyn Fn(*const std::ffi::c_void) -> *const Md;
 
 /// One side of a transfer as NIXL hands it over: its descriptor array, read
 /// in place (no copy per descriptor), its memory kind and the way to its
@@ -390,14 +390,6 @@ impl<'a> Side<'a> {
         })
     }
 }
-
-// SAFETY: a descriptor is plain data: its `md` is only compared, and
-// resolved by the shim's resolver (a read of NIXL's handle, which nothing
-// changes during a preparation), never written through; so descriptors may
-// be read from the threads that build one table together.
-unsafe impl Send for RawDesc {}
-// SAFETY: as above.
-unsafe impl Sync for RawDesc {}
 
 impl RawDesc {
     fn range(&self) -> Range {

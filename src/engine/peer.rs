@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -106,12 +106,6 @@ pub struct PeerMaps {
     /// megabytes would otherwise be page-faulted in anew every time); one
     /// that finds it in use builds its own.
     runs: Mutex<Vec<Run>>,
-    /// Threads that build one large pair table together (`prepare_threads`,
-    /// at most half the cores), started at the first table that is split;
-    /// `None` inside: one thread (a machine of two cores, or no thread to
-    /// be had).
-    builders: OnceLock<Option<rayon::ThreadPool>>,
-    build_threads: usize,
 }
 
 impl std::fmt::Debug for PeerMaps {
@@ -135,35 +129,6 @@ impl PeerMaps {
             allocs: Mutex::new(HashMap::new()),
             notifier: Mutex::new(None),
             runs: Mutex::new(Vec::new()),
-            builders: OnceLock::new(),
-            build_threads: {
-                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-                usize::try_from(cfg.prepare_threads)
-                    .unwrap_or(usize::MAX)
-                    .min(cores / 2)
-                    .max(1)
-            },
-        }
-    }
-
-    /// How to split the one pass over `n` descriptors: one piece per
-    /// [`MIN_DESCRIPTORS_PER_PIECE`], on at most `build_threads` threads.
-    fn split(&self, n: usize) -> Split<'_> {
-        let parts = (n / MIN_DESCRIPTORS_PER_PIECE).min(self.build_threads);
-        if parts < 2 {
-            return Split::NONE;
-        }
-        let pool = self.builders.get_or_init(|| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(self.build_threads)
-                .thread_name(|i| format!("bounce-prepare-{i}"))
-                .build()
-                .map_err(|e| tracing::info!("one thread builds every peer-mapped table: {e}"))
-                .ok()
-        });
-        Split {
-            pool: pool.as_ref(),
-            parts,
         }
     }
 
@@ -247,7 +212,7 @@ impl PeerMaps {
         let first = *local.raw().first()?;
         let device = first.dev;
         let copier = self.copier(usize::try_from(device).ok()?).ok()?;
-        let mappings: Mutex<Vec<Arc<PeerMapping>>> = Mutex::new(Vec::new());
+        let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
         let local_window = |p| {
             let r = local.md(p)?.range;
             (r.dev == device).then_some(Window::of(r, 0))
@@ -266,27 +231,21 @@ impl PeerMaps {
             let offset = (md.range.addr as u64).checked_sub(alloc.export.alloc_base)?;
             m.address(offset, md.range.len as u64)?;
             let shift = m.base().wrapping_sub(alloc.export.alloc_base);
-            let mut ms = mappings.lock().unwrap_or_else(|p| p.into_inner());
-            if !ms.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                ms.push(m);
+            if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                mappings.push(m);
             }
             Some(Window::of(md.range, shift))
         };
-        let n = local.len();
-        let split = self.split(n);
-        let table = copier.prepare_pairs(n, first.len as u64, started, |out| {
-            Ok(walk_pairs_split(
-                split,
+        let table = copier.prepare_pairs(local.len(), first.len as u64, started, |out| {
+            Ok(walk_pairs(
                 op,
                 local.raw(),
                 remote.raw(),
-                first.len,
                 out,
                 local_window,
                 remote_window,
             ))
         });
-        let mappings = mappings.into_inner().unwrap_or_else(|p| p.into_inner());
         match table {
             Ok(Some(table)) => Some(PeerXfer {
                 table,
@@ -524,7 +483,7 @@ impl Window {
     }
 }
 
-/// The pair table of a transfer whose descriptors are all `len` bytes, in
+/// The pair table of a transfer whose descriptors are all one length, in
 /// one pass over NIXL's two descriptor arrays: writes copy i's (source,
 /// destination) into `out[2i]`, `out[2i + 1]` (`out` holds 2n words), local
 /// to remote for a WRITE, remote to local for a READ. Each distinct
@@ -540,12 +499,14 @@ pub fn walk_pairs(
     op: Op,
     local: &[RawDesc],
     remote: &[RawDesc],
-    len: usize,
     out: &mut [u64],
     mut local_window: impl FnMut(*const std::ffi::c_void) -> Option<Window>,
     mut remote_window: impl FnMut(*const std::ffi::c_void) -> Option<Window>,
 ) -> bool {
-    if len == 0 || local.is_empty() || remote.len() != local.len() || out.len() != 2 * local.len() {
+    let Some(len) = local.first().map(|d| d.len) else {
+        return false;
+    };
+    if len == 0 || remote.len() != local.len() || out.len() != 2 * local.len() {
         return false;
     }
     // A window with room for one descriptor, as (window, last start).
@@ -597,59 +558,6 @@ pub fn walk_pairs(
     }
     true
 }
-
-/// How [`walk_pairs_split`] splits one pass: into `parts` consecutive
-/// pieces on `pool`'s threads (one piece each), or not at all.
-#[derive(Clone, Copy)]
-pub struct Split<'p> {
-    pub pool: Option<&'p rayon::ThreadPool>,
-    pub parts: usize,
-}
-
-impl Split<'_> {
-    /// The calling thread only.
-    pub const NONE: Split<'static> = Split {
-        pool: None,
-        parts: 1,
-    };
-}
-
-/// [`walk_pairs`] over consecutive pieces of the lists at once, one per
-/// thread of `split`'s pool, each with its own look-ups: the same table, the
-/// same answer (every piece must accept). The window look-ups are shared by
-/// the threads.
-#[allow(clippy::too_many_arguments)]
-pub fn walk_pairs_split(
-    split: Split<'_>,
-    op: Op,
-    local: &[RawDesc],
-    remote: &[RawDesc],
-    len: usize,
-    out: &mut [u64],
-    local_window: impl Fn(*const std::ffi::c_void) -> Option<Window> + Sync,
-    remote_window: impl Fn(*const std::ffi::c_void) -> Option<Window> + Sync,
-) -> bool {
-    let n = local.len();
-    match split.pool {
-        Some(pool) if split.parts > 1 && n > 0 && remote.len() == n && out.len() == 2 * n => {
-            use rayon::prelude::*;
-            let per = n.div_ceil(split.parts);
-            pool.install(|| {
-                local
-                    .par_chunks(per)
-                    .zip(remote.par_chunks(per))
-                    .zip(out.par_chunks_mut(2 * per))
-                    .all(|((l, r), o)| walk_pairs(op, l, r, len, o, &local_window, &remote_window))
-            })
-        }
-        _ => walk_pairs(op, local, remote, len, out, local_window, remote_window),
-    }
-}
-
-/// Descriptors below which a table is built by one thread: a piece of
-/// 8,192 takes about 20-50 us, about what handing it to another thread
-/// costs.
-const MIN_DESCRIPTORS_PER_PIECE: usize = 8192;
 
 #[cfg(test)]
 mod tests {
@@ -805,9 +713,7 @@ mod tests {
         }
     }
 
-    fn window_of(
-        regions: &[Window],
-    ) -> impl Fn(*const std::ffi::c_void) -> Option<Window> + Sync + '_ {
+    fn window_of(regions: &[Window]) -> impl FnMut(*const std::ffi::c_void) -> Option<Window> + '_ {
         |p| regions.get((p as usize).checked_sub(1)?).copied()
     }
 
@@ -822,27 +728,8 @@ mod tests {
         lw: &[Window],
         rw: &[Window],
     ) -> Option<Vec<u64>> {
-        let len = l.first().map_or(0, |d| d.len);
         let mut out = vec![0u64; 2 * l.len()];
-        let one = walk_pairs(op, l, r, len, &mut out, window_of(lw), window_of(rw)).then_some(out);
-        // Split over threads (pieces of every size down to one descriptor):
-        // the same answer and the same table.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
-        for parts in [2, 3, l.len().max(1)] {
-            let mut out = vec![0u64; 2 * l.len()];
-            let split = Split {
-                pool: Some(&pool),
-                parts,
-            };
-            let got =
-                walk_pairs_split(split, op, l, r, len, &mut out, window_of(lw), window_of(rw))
-                    .then_some(out);
-            assert_eq!(got, one, "split in {parts}");
-        }
-        one
+        walk_pairs(op, l, r, &mut out, window_of(lw), window_of(rw)).then_some(out)
     }
 
     #[test]
@@ -933,23 +820,6 @@ mod tests {
         for (what, a, b) in cases {
             assert_eq!(walk(Op::Write, &a, &b, &lw, &rw), None, "{what}");
         }
-        // Pieces each of one length, but not the same one: declined whole
-        // (the length is the first descriptor's, for every piece).
-        let halves = (
-            vec![
-                l(0x10000, 4096),
-                l(0x11000, 4096),
-                l(0x12000, 2048),
-                l(0x13000, 2048),
-            ],
-            vec![
-                r(0x90000, 4096),
-                r(0x91000, 4096),
-                r(0x92000, 2048),
-                r(0x93000, 2048),
-            ],
-        );
-        assert_eq!(walk(Op::Write, &halves.0, &halves.1, &lw, &rw), None);
         // A window smaller than one descriptor.
         let small = [win(0x10000, 2048, 0, 0)];
         assert_eq!(walk(Op::Write, &ok.0, &ok.1, &small, &rw), None);
@@ -1047,7 +917,6 @@ mod tests {
                 Op::Read,
                 &l,
                 &r,
-                len,
                 &mut out,
                 window_of(&lw),
                 window_of(&rw)
@@ -1059,33 +928,6 @@ mod tests {
             l.len(),
             best as f64 / 1e3,
             best as f64 / l.len() as f64
-        );
-        // Split as PeerMaps would on this machine (median: a split pays the
-        // threads' wake-up, which best-of hides).
-        let maps = PeerMaps::new(&Config::default());
-        let split = maps.split(l.len());
-        let mut times: Vec<u128> = (0..50)
-            .map(|_| {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-                let t = std::time::Instant::now();
-                assert!(walk_pairs_split(
-                    split,
-                    Op::Read,
-                    &l,
-                    &r,
-                    len,
-                    &mut out,
-                    window_of(&lw),
-                    window_of(&rw)
-                ));
-                t.elapsed().as_nanos()
-            })
-            .collect();
-        times.sort();
-        println!(
-            "walk_pairs_split in {} pieces: {:.1} us (median of 50, 1 ms idle before each)",
-            split.parts,
-            times[25] as f64 / 1e3
         );
     }
 }
