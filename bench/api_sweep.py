@@ -13,12 +13,22 @@ iteration, timed as a whole:
     release_xfer_handle(handle)                             # "release"
 
 Each iteration draws new scattered, distinct block offsets on both sides
-inside a buffer `--spare` times larger than the transfer. Backends alternate
-iteration by iteration (BOUNCE, UCX, BOUNCE, UCX, ...); --order blocked runs
-one backend at a time instead, its agents the only ones alive, because an
-idle UCX agent made by the Python API (enable_prog_thread=True, delay 0 by
-default) spins its progress thread, about 0.8 core, which on a small machine
-slows whatever runs beside it. The first and the
+inside a buffer `--spare` times larger than the transfer. Orders (--order):
+
+- rounds (default): per shape, the backends take turns in rounds (BOUNCE,
+  UCX, BOUNCE, UCX, ... --rounds of each), each round with a fresh agent
+  pair that is the only one alive while it runs (its own warm-up first).
+  Alternating keeps the machine's drift out of the comparison; one backend
+  alive at a time is what an application that switches backends runs.
+- alternate: one agent pair per backend for the whole run, iterations
+  alternating. On a small machine this measures co-hosting more than the
+  backends: an idle UCX agent made by the Python API
+  (enable_prog_thread=True, delay 0 by default) spins its progress thread,
+  about 0.8 core, which slows whatever runs beside it, while BOUNCE's idle
+  agents wait on events.
+- blocked: per shape one backend after the other, one fresh pair each.
+
+The first and the
 last iteration of every backend and shape (all of them with --verify-all) are
 checked byte-exact over the whole destination buffer (moved blocks correct,
 every other byte unchanged) and the source is checked unchanged.
@@ -103,10 +113,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--backends", default="BOUNCE,UCX")
-    ap.add_argument("--order", choices=["alternate", "blocked"], default="alternate",
-                    help="alternate (default): one agent pair per backend for the whole run, backends take turns "
-                         "iteration by iteration; blocked: per shape one backend at a time, its agents the only "
-                         "ones alive (the Python API's UCX progress thread spins while idle)")
+    ap.add_argument("--order", choices=["rounds", "alternate", "blocked"], default="rounds",
+                    help="rounds (default): per shape the backends take turns in --rounds rounds, each round a "
+                         "fresh agent pair, the only one alive; alternate: one pair per backend for the whole "
+                         "run, iterations alternating (the Python API's idle UCX agents spin a core each); "
+                         "blocked: per shape one backend after the other")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per backend and shape with --order rounds "
+                                                          "(default 3; --iters split over them)")
     ap.add_argument("--spare", type=float, default=2.0, help="buffer blocks = spare x count (default 2)")
     ap.add_argument("--verify-all", action="store_true", help="check every iteration, not only first and last")
     ap.add_argument("--timeout", type=float, default=float(os.environ.get("NIXL_BOUNCE_TEST_TIMEOUT_S", "60")))
@@ -154,10 +167,19 @@ def main():
         tbuf = np.zeros(nbytes, dtype=np.uint8)  # the target's buffer
         # WRITE: initiator's blocks -> target's blocks; READ: target's -> initiator's.
         src_buf, dst_buf = (ibuf, tbuf) if op == "WRITE" else (tbuf, ibuf)
-        total = o.warmup + o.iters
-        times, routes = {b: [] for b in backends}, {}
-        log(f"{count} x {fmt_size(size)} {op}: buffers {nbytes / 2**20:.0f} MiB, {total} iterations per backend")
-        for group in ([backends] if o.order == "alternate" else [[b] for b in backends]):
+        times, routes = {b: [] for b in backends}, {b: [] for b in backends}
+        # (backends live together, timed iterations) per turn.
+        if o.order == "alternate":
+            schedule = [(backends, o.iters)]
+        elif o.order == "blocked":
+            schedule = [([b], o.iters) for b in backends]
+        else:
+            per = [o.iters // o.rounds + (1 if r < o.iters % o.rounds else 0) for r in range(o.rounds)]
+            schedule = [([b], n) for n in per for b in backends]
+        log(f"{count} x {fmt_size(size)} {op}: buffers {nbytes / 2**20:.0f} MiB, {o.iters} timed iterations per "
+            f"backend in {len(schedule) // (1 if o.order == 'alternate' else len(backends))} turn(s)")
+        for group, timed in schedule:
+            total = o.warmup + timed
             live = {b: (pairs[b] if o.order == "alternate" else make_pair(b)) for b in group}
             if stats is None and "BOUNCE" in group:
                 stats = BounceStats()
@@ -217,14 +239,17 @@ def main():
                     if not warm:
                         times[b].append(t3 - t0)
             for b, p in live.items():
-                routes[b] = (route_of(before[b], stats.counters(p["init"].name), total)
-                             if before[b] is not None else "-")
+                route = (route_of(before[b], stats.counters(p["init"].name), total)
+                         if before[b] is not None else "-")
+                if route not in routes[b]:
+                    routes[b].append(route)
                 p["init"].remove_remote_agent(p["tname"])
                 p["target"].remove_remote_agent(p["init"].name)
                 p["init"].deregister_memory(p["ireg"])
                 p["target"].deregister_memory(p["treg"])
             live = p = h = None  # the handle keeps its agent alive too
             gc.collect()  # blocked: this backend's agents go now
+        routes = {b: "/".join(r) for b, r in routes.items()}
         row = dict(count=count, size=size, bytes=count * size, op=op, routes=routes,
                    total_s={b: spread(times[b]) for b in backends},
                    prepare_s={b: spread([s["prepare_s"] for s in samples if s["backend"] == b and s["count"] == count
@@ -249,8 +274,11 @@ def print_row(row, backends, header, op, o):
     if header:
         print(f"\nNIXL Python API, default settings, DRAM, two agents in one process, scattered {op}; "
               f"time = initialize_xfer + transfer + poll to DONE + release; median [p10-p90] of {o.iters} "
-              f"(+{o.warmup} warm-up), " + ("backends alternating iteration by iteration" if o.order == "alternate"
-                                           else "one backend at a time, its agents the only ones alive"))
+              f"(+{o.warmup} warm-up), " + {
+                  "alternate": "both backends' agents alive, iterations alternating",
+                  "blocked": "one backend after the other, its agents the only ones alive",
+                  "rounds": f"backends alternating in {o.rounds} rounds each, a fresh agent pair per round, "
+                            f"the only one alive"}[o.order])
         cols = "".join(f" {b + ' ms':>25}" for b in backends)
         print(f"{'shape':>12} {'MiB':>8}{cols} {'UCX/BOUNCE':>10} {'GB/s B':>7} {'GB/s U':>7}  BOUNCE route")
     t = row["total_s"]
