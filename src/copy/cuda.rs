@@ -173,15 +173,29 @@ pub(crate) unsafe fn launch_copy(
         &mut a_nruns as *mut u32 as *mut c_void,
     ];
     // The kernels' parameters are (u64, u64, u64, u32, u32, u32, u32),
-    // matching `params`, which cuLaunchKernel copies before returning; the
-    // rest is the caller's promise.
+    // matching `params`; the rest is the caller's promise.
+    launch_grid(func, shape, stream, &mut params)
+}
+
+/// Launches `func` on `shape`'s grid of [`BLOCK_THREADS`]-thread blocks
+/// with `params` (which cuLaunchKernel copies before returning).
+///
+/// # Safety
+/// `params` point to values of `func`'s parameter types, in order; the
+/// rest is the promise of [`launch_copy`] or [`launch_pairs`].
+unsafe fn launch_grid(
+    func: &CudaFunction,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<(), result::DriverError> {
     result::launch_kernel(
         func.cu_function(),
         (shape.grid, 1, 1),
         (BLOCK_THREADS, 1, 1),
         0,
         stream,
-        &mut params,
+        params,
     )
 }
 
@@ -460,16 +474,8 @@ pub(crate) unsafe fn launch_pairs(
         &mut a_shift as *mut u32 as *mut c_void,
     ];
     // The kernel's parameters are (u64, u64, u32, u32, u32, u32), matching
-    // `params`, which cuLaunchKernel copies before returning; the rest is
-    // the caller's promise.
-    result::launch_kernel(
-        func.cu_function(),
-        (shape.grid, 1, 1),
-        (BLOCK_THREADS, 1, 1),
-        0,
-        stream,
-        &mut params,
-    )
+    // `params`; the rest is the caller's promise.
+    launch_grid(func, shape, stream, &mut params)
 }
 
 /// What NVRTC should produce for a device of compute capability `cc`
