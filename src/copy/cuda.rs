@@ -215,6 +215,30 @@ pub struct LaunchShape {
 }
 
 impl LaunchShape {
+    /// The launch of `total_tiles` tiles on at most `max_warps` warps (> 0):
+    /// one tile per warp, or as many consecutive tiles per warp as it takes
+    /// to stay within `max_warps`.
+    fn spread(
+        nruns: u32,
+        nstrided: u32,
+        total_tiles: u32,
+        max_warps: u32,
+        tile_bytes: u64,
+        total_bytes: u64,
+    ) -> Self {
+        let tiles_per_warp = total_tiles.div_ceil(max_warps);
+        let warps = total_tiles.div_ceil(tiles_per_warp);
+        LaunchShape {
+            nruns,
+            nstrided,
+            total_tiles,
+            tiles_per_warp,
+            grid: warps.div_ceil(WARPS_PER_BLOCK),
+            tile_bytes,
+            total_bytes,
+        }
+    }
+
     /// `log2(tile_bytes)`.
     pub fn tile_shift(&self) -> u32 {
         self.tile_bytes.trailing_zeros()
@@ -380,18 +404,14 @@ pub fn fill_table(
         )));
     }
     out_tile_start[nr] = total_tiles as u32;
-    let total_tiles = total_tiles as u32;
-    let tiles_per_warp = total_tiles.div_ceil(max_warps);
-    let warps = total_tiles.div_ceil(tiles_per_warp);
-    Ok(LaunchShape {
+    Ok(LaunchShape::spread(
         nruns,
-        nstrided: nstrided as u32,
-        total_tiles,
-        tiles_per_warp,
-        grid: warps.div_ceil(WARPS_PER_BLOCK),
+        nstrided as u32,
+        total_tiles as u32,
+        max_warps,
         tile_bytes,
         total_bytes,
-    })
+    ))
 }
 
 /// The launch of a pair table (`bounce_copy_pairs` in
@@ -424,17 +444,14 @@ pub fn pairs_shape(
     let total_bytes = len
         .checked_mul(n as u64)
         .ok_or_else(|| format!("{n} copies of {len} bytes overflow"))?;
-    let tiles_per_warp = total_tiles.div_ceil(max_warps);
-    let warps = total_tiles.div_ceil(tiles_per_warp);
-    Ok(LaunchShape {
+    Ok(LaunchShape::spread(
         nruns,
-        nstrided: 0,
+        0,
         total_tiles,
-        tiles_per_warp,
-        grid: warps.div_ceil(WARPS_PER_BLOCK),
+        max_warps,
         tile_bytes,
         total_bytes,
-    })
+    ))
 }
 
 /// Bytes of a pair table of `n` copies.

@@ -203,6 +203,15 @@ impl Md {
     pub fn is_valid(&self) -> bool {
         self.magic == MD_MAGIC
     }
+
+    /// The peer's allocation holding this remote region, when the peer is
+    /// on this host and exported it for mapping (the peer-mapped path).
+    pub fn peer_alloc(&self) -> Option<&Arc<peer::RemoteAlloc>> {
+        match &self.owner {
+            MdOwner::Remote { peer: Some(a), .. } => Some(a),
+            _ => None,
+        }
+    }
 }
 
 /// Optional arguments of one transfer.
@@ -311,61 +320,51 @@ impl<'a> Descs<'a> {
                 )));
             }
         }
-        Ok(Side {
-            kind: self.kind,
-            raw: self.raw,
-            resolve: self.resolve,
-        })
+        Ok(Side(self))
     }
 }
 
 /// One side of a transfer whose every descriptor was checked
 /// ([`Descs::check`]).
 #[derive(Clone, Copy)]
-pub struct Side<'a> {
-    pub kind: MemKind,
-    raw: &'a [RawDesc],
-    resolve: MdResolver<'a>,
-}
+pub struct Side<'a>(Descs<'a>);
 
 impl std::fmt::Debug for Side<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Side")
-            .field("kind", &self.kind)
-            .field("descriptors", &self.raw.len())
+            .field("kind", &self.0.kind)
+            .field("descriptors", &self.len())
             .finish()
     }
 }
 
 impl<'a> Side<'a> {
     pub fn len(&self) -> usize {
-        self.raw.len()
+        self.0.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.raw.is_empty()
+        self.0.is_empty()
     }
 
     /// Descriptor `i`'s range.
     pub fn range(&self, i: usize) -> Range {
-        self.raw[i].range()
+        self.0.raw[i].range()
     }
 
     /// Each descriptor's range and metadata.
     pub fn iter(&self) -> impl Iterator<Item = (Range, Option<&'a Md>)> + 'a {
         let mut md = self.mds();
-        self.raw.iter().map(move |d| (d.range(), md(d.md)))
+        self.0.raw.iter().map(move |d| (d.range(), md(d.md)))
     }
 
     /// Resolves descriptors' metadata, once per run of equal handles.
     fn mds(&self) -> impl FnMut(*const std::ffi::c_void) -> Option<&'a Md> + 'a {
-        let resolve = self.resolve;
+        let descs = self.0;
         let mut last: (*const std::ffi::c_void, Option<&'a Md>) = (std::ptr::null(), None);
         move |p| {
             if p != last.0 {
-                // SAFETY: checked live BOUNCE handles (`Descs::check`), living
-                // for 'a.
-                last = (p, unsafe { resolve(p).as_ref() });
+                last = (p, descs.md(p));
             }
             last.1
         }
@@ -373,7 +372,7 @@ impl<'a> Side<'a> {
 
     /// Each descriptor's range.
     pub fn ranges(&self) -> impl Iterator<Item = Range> + 'a {
-        self.raw.iter().map(RawDesc::range)
+        self.0.raw.iter().map(RawDesc::range)
     }
 
     /// The descriptors' metadata, each run of equal handles once (routing
@@ -381,7 +380,7 @@ impl<'a> Side<'a> {
     pub fn distinct_mds(&self) -> impl Iterator<Item = Option<&'a Md>> + 'a {
         let mut last: Option<*const std::ffi::c_void> = None;
         let mut md = self.mds();
-        self.raw.iter().filter_map(move |d| {
+        self.0.raw.iter().filter_map(move |d| {
             if last == Some(d.md) {
                 return None;
             }
@@ -1175,11 +1174,7 @@ impl Engine {
         inner_remote: &str,
     ) -> Option<peer::PeerXfer> {
         let device = local.ranges().next()?.dev;
-        // The peer's allocation holding a remote descriptor, if exported.
-        let peer_alloc = |md: Option<&'a Md>| match md.map(|m| &m.owner) {
-            Some(MdOwner::Remote { peer: Some(a), .. }) => Some(a),
-            _ => None,
-        };
+        let peer_alloc = |md: Option<&'a Md>| md.and_then(Md::peer_alloc);
         // Peers elsewhere (or not exporting) are the common case off one
         // host: no log, no count. One look per distinct region.
         if !remote.distinct_mds().all(|md| peer_alloc(md).is_some()) {
@@ -1258,8 +1253,8 @@ impl Engine {
         );
         let input = RouteInput {
             op,
-            local: local.kind,
-            remote: remote.kind,
+            local: shape.local,
+            remote: shape.remote,
             descriptors: shape.descriptors,
             bytes: shape.bytes,
             peer_capable: peer.is_some(),

@@ -20,7 +20,7 @@ use nixl_sys::Agent;
 
 use super::bounce::{peer_map_gate, Fallback};
 use super::conn_info::PeerExport;
-use super::{Descs, MdOwner, MemKind, Op, Range, RawDesc, Shape};
+use super::{Descs, MemKind, Op, Range, RawDesc, Shape};
 use crate::config::Config;
 use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
 use crate::proto::Run;
@@ -94,6 +94,27 @@ pub struct PeerXfer {
     pub limit: Duration,
     pub reported: bool,
     pub peer_inner: String,
+}
+
+impl PeerXfer {
+    /// A prepared, not yet posted transfer of `table` through `mappings`.
+    fn new(table: peer::PeerTable, mappings: Vec<Arc<PeerMapping>>, peer_inner: String) -> Self {
+        PeerXfer {
+            table,
+            mappings,
+            launch: None,
+            limit: Duration::MAX,
+            reported: false,
+            peer_inner,
+        }
+    }
+}
+
+/// Adds `m` to the mappings a table's addresses point into, once.
+fn keep_mapping(mappings: &mut Vec<Arc<PeerMapping>>, m: &Arc<PeerMapping>) {
+    if !mappings.iter().any(|x| Arc::ptr_eq(x, m)) {
+        mappings.push(m.clone());
+    }
 }
 
 /// The engine's peer-mapping state.
@@ -219,21 +240,14 @@ impl PeerMaps {
         };
         let remote_window = |p| {
             let md = remote.md(p)?;
-            let MdOwner::Remote {
-                peer: Some(alloc), ..
-            } = &md.owner
-            else {
-                return None;
-            };
+            let alloc = md.peer_alloc()?;
             let m = alloc.mapping(&copier).ok()?;
             // The region must lie in the mapped allocation: then so does
             // every descriptor inside the region.
             let offset = (md.range.addr as u64).checked_sub(alloc.export.alloc_base)?;
             m.address(offset, md.range.len as u64)?;
             let shift = m.base().wrapping_sub(alloc.export.alloc_base);
-            if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                mappings.push(m);
-            }
+            keep_mapping(&mut mappings, &m);
             Some(Window::of(md.range, shift))
         };
         let table = copier.prepare_pairs(local.len(), first.len as u64, started, |out| {
@@ -247,14 +261,7 @@ impl PeerMaps {
             ))
         });
         match table {
-            Ok(Some(table)) => Some(PeerXfer {
-                table,
-                mappings,
-                launch: None,
-                limit: Duration::MAX,
-                reported: false,
-                peer_inner,
-            }),
+            Ok(Some(table)) => Some(PeerXfer::new(table, mappings, peer_inner)),
             Ok(None) => None,
             Err(e) => {
                 tracing::debug!("one-pass peer-mapped table: {e}; trying the checked path");
@@ -286,9 +293,7 @@ impl PeerMaps {
             // look-up and no reference count per descriptor then.
             if !matches!(&last, Some((p, _)) if std::ptr::eq(*p, Arc::as_ptr(alloc))) {
                 let m = alloc.mapping(&copier)?;
-                if !mappings.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                    mappings.push(m.clone());
-                }
+                keep_mapping(&mut mappings, &m);
                 last = Some((Arc::as_ptr(alloc), m));
             }
             let mapping = &last.as_ref().expect("set above").1;
@@ -323,14 +328,7 @@ impl PeerMaps {
             peer::push_copy(runs, c?);
         }
         let table = copier.prepare(runs, started)?;
-        Ok(PeerXfer {
-            table,
-            mappings,
-            launch: None,
-            limit: Duration::MAX,
-            reported: false,
-            peer_inner,
-        })
+        Ok(PeerXfer::new(table, mappings, peer_inner))
     }
 
     /// The way to send notifications of peer-mapped transfers (the
