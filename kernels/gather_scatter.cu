@@ -269,9 +269,8 @@ bounce_copy_zero_copy(const u64* runs, const u32* tile_start, const u64* strides
 
 // Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of a pair
 // table, warp w (see the top of this file).
-extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
-bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 tiles_per_warp,
-                  u32 tile_shift)
+__device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_copy,
+                                           u32 total_tiles, u32 tiles_per_warp, u32 tile_shift)
 {
     const u32 lane = threadIdx.x & 31;
     const u64 warp = (u64)blockIdx.x * BOUNCE_WARPS + (threadIdx.x >> 5);
@@ -295,3 +294,40 @@ bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 
         warp_copy(dst + off, src + off, n, lane);
     }
 }
+
+// The pair table in device memory (uploaded before the launch).
+extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
+bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 tiles_per_warp,
+                  u32 tile_shift)
+{
+    copy_pairs(pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);
+}
+
+// The pair table as the launch's own parameter (`bounce_copy_pairs_inline<N>`,
+// N copies at most): nothing to allocate or upload before the launch, so a
+// small transfer's preparation makes no driver call. The driver copies the
+// parameter into the launch; `__grid_constant__` lets every warp read it in
+// place (constant bank, one broadcast per load). Kernel parameters may be
+// up to 32,764 bytes from CUDA 12.1 on (Volta and later); older NVRTCs
+// compile these kernels out, and the host then uploads every table.
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+template <u32 N>
+struct InlinePairs {
+    u64 pairs[2 * N];
+};
+
+#define BOUNCE_INLINE_PAIRS_KERNEL(N)                                                           \
+    extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)            \
+        bounce_copy_pairs_inline##N(const __grid_constant__ InlinePairs<N> table, u64 len,      \
+                                    u32 per_copy, u32 total_tiles, u32 tiles_per_warp,          \
+                                    u32 tile_shift)                                             \
+    {                                                                                           \
+        copy_pairs(table.pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);        \
+    }
+
+// The sizes are `INLINE_PAIRS` in src/copy/cuda.rs: 4 KiB and 32,640 bytes
+// of table (the largest that leaves room for the other parameters).
+BOUNCE_INLINE_PAIRS_KERNEL(256)
+BOUNCE_INLINE_PAIRS_KERNEL(2040)
+#endif

@@ -48,6 +48,10 @@ pub const KERNEL_NAME: &str = "bounce_copy";
 pub const ZERO_COPY_KERNEL_NAME: &str = "bounce_copy_zero_copy";
 /// The kernel over a pair table (every copy one length; [`pairs_shape`]).
 pub const PAIRS_KERNEL_NAME: &str = "bounce_copy_pairs";
+/// The sizes (in copies) of the pair kernels that take their table as a
+/// launch parameter (`bounce_copy_pairs_inline<N>`), smallest first: a
+/// table of at most the largest needs no device memory and no upload.
+pub const INLINE_PAIRS: [usize; 2] = [256, 2040];
 /// Threads per block (matches `BOUNCE_THREADS` / `__launch_bounds__` in the source).
 pub const BLOCK_THREADS: u32 = 256;
 /// Warps per block: the kernel's unit of work is one warp.
@@ -495,6 +499,48 @@ pub(crate) unsafe fn launch_pairs(
     launch_grid(func, shape, stream, &mut params)
 }
 
+/// The name of the pair kernel whose table parameter holds `n` copies.
+pub fn inline_pairs_kernel_name(n: usize) -> String {
+    format!("bounce_copy_pairs_inline{n}")
+}
+
+/// Launches `func` (the pair kernel for `table.len() / 2` copies, from
+/// [`CopyKernel::inline_pairs_function`]) with `table` as its parameter:
+/// the driver copies the table into the launch, so nothing needs to stay
+/// allocated for it. Copies are `len` bytes long, the grid is `shape`'s
+/// ([`pairs_shape`]).
+///
+/// # Safety
+/// `func` must be the inline pair kernel of the current context's module
+/// whose table holds exactly `table.len() / 2` pairs, `shape.nruns` of them
+/// filled, and every range they name valid for the kernel to read (sources)
+/// or write (destinations) until it ended.
+pub(crate) unsafe fn launch_pairs_inline(
+    func: &CudaFunction,
+    table: &mut [u64],
+    len: u64,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+) -> Result<(), result::DriverError> {
+    let mut a_len: u64 = len;
+    let mut a_per_copy: u32 = len.div_ceil(shape.tile_bytes) as u32;
+    let mut a_total: u32 = shape.total_tiles;
+    let mut a_tpw: u32 = shape.tiles_per_warp;
+    let mut a_shift: u32 = shape.tile_shift();
+    let mut params: [*mut c_void; 6] = [
+        table.as_mut_ptr() as *mut c_void,
+        &mut a_len as *mut u64 as *mut c_void,
+        &mut a_per_copy as *mut u32 as *mut c_void,
+        &mut a_total as *mut u32 as *mut c_void,
+        &mut a_tpw as *mut u32 as *mut c_void,
+        &mut a_shift as *mut u32 as *mut c_void,
+    ];
+    // The kernel's parameters are (InlinePairs<N>, u64, u32, u32, u32, u32):
+    // the first read from `table` (2N words, the caller's promise), the rest
+    // matching `params`.
+    launch_grid(func, shape, stream, &mut params)
+}
+
 /// What NVRTC should produce for a device of compute capability `cc`
 /// (`major * 10 + minor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -763,6 +809,9 @@ pub struct CopyKernel {
     func_zero_copy: CudaFunction,
     /// `bounce_copy_pairs`: reads an uploaded pair table.
     func_pairs: CudaFunction,
+    /// `bounce_copy_pairs_inline<N>` for each N of [`INLINE_PAIRS`] (none
+    /// when NVRTC is older than CUDA 12.1 and compiled them out).
+    func_pairs_inline: Vec<(usize, CudaFunction)>,
     _module: Arc<CudaModule>,
     /// What NVRTC compiled for (e.g. `sm_90`).
     pub target: NvrtcTarget,
@@ -892,6 +941,15 @@ impl CopyKernel {
         &self.func_pairs
     }
 
+    /// The smallest pair kernel taking its table as a parameter that holds
+    /// `n` copies, with its capacity ([`launch_pairs_inline`]).
+    pub(crate) fn inline_pairs_function(&self, n: usize) -> Option<(usize, &CudaFunction)> {
+        self.func_pairs_inline
+            .iter()
+            .find(|(cap, _)| n <= *cap)
+            .map(|(cap, f)| (*cap, f))
+    }
+
     fn build(dev: &CudaDevice) -> Result<CopyKernel, String> {
         // SAFETY: only tries to dlopen the candidate library names.
         if !unsafe { nvrtc::sys::is_culib_present() } {
@@ -920,6 +978,14 @@ impl CopyKernel {
         let func_pairs = module
             .load_function(PAIRS_KERNEL_NAME)
             .map_err(|e| format!("cuModuleGetFunction({PAIRS_KERNEL_NAME}): {e}"))?;
+        // Absent from the module when NVRTC compiled them out (see the source).
+        let func_pairs_inline = INLINE_PAIRS
+            .iter()
+            .filter_map(|&n| {
+                let f = module.load_function(&inline_pairs_kernel_name(n)).ok()?;
+                Some((n, f))
+            })
+            .collect();
         let compile_time = started.elapsed();
         // SAFETY: func is a live kernel of a loaded module.
         let occ = unsafe {
@@ -935,6 +1001,7 @@ impl CopyKernel {
             func,
             func_zero_copy,
             func_pairs,
+            func_pairs_inline,
             _module: module,
             target,
             compile_time,
@@ -2453,6 +2520,13 @@ mod tests {
                 "void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)\n{name}("
             )));
         }
+        for n in INLINE_PAIRS {
+            assert!(KERNEL_SOURCE.contains(&format!("BOUNCE_INLINE_PAIRS_KERNEL({n})\n")));
+            // The table and the other five parameters fit in CUDA's 32,764
+            // bytes of kernel parameters.
+            assert!(n * 16 + 8 + 4 * 4 <= 32_764, "{n}");
+        }
+        assert!(INLINE_PAIRS.windows(2).all(|w| w[0] < w[1]));
         assert!(
             !KERNEL_SOURCE.contains("#include"),
             "NVRTC has no toolkit headers"
@@ -2465,6 +2539,11 @@ mod tests {
             match compile_copy_kernel(target) {
                 Ok((image, t)) => {
                     assert!(!image.is_empty());
+                    // NVRTC of CUDA 12.1 or later keeps the inline kernels.
+                    let has = |name: &str| image.windows(name.len()).any(|w| w == name.as_bytes());
+                    for n in INLINE_PAIRS {
+                        assert!(has(&inline_pairs_kernel_name(n)), "{n}");
+                    }
                     println!("{target:?}: {} bytes in {t:?}", image.len());
                 }
                 Err(e) if e.contains("could not be loaded") => {

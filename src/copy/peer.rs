@@ -30,8 +30,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::cuda::{
-    fill_table, launch_copy, launch_pairs, pairs_shape, pairs_table_bytes, table_parts, CopyKernel,
-    CudaDevice, CudaRuntime, LaunchShape, TableLayout, DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
+    fill_table, launch_copy, launch_pairs, launch_pairs_inline, pairs_shape, pairs_table_bytes,
+    table_parts, CopyKernel, CudaDevice, CudaRuntime, LaunchShape, TableLayout, DEFAULT_TILE_BYTES,
+    WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
 use crate::proto::plan::add_piece;
@@ -348,10 +349,35 @@ impl PeerCopier {
         fill: impl FnOnce(&mut [u64]) -> Result<bool, String>,
     ) -> Result<Option<PeerTable>, String> {
         let shape = pairs_shape(n, len, DEFAULT_TILE_BYTES, self.max_warps())?;
+        if let Some((capacity, _)) = self.kernel.inline_pairs_function(n) {
+            // Small enough to be the launch's parameter: built in memory of
+            // its own, no driver call.
+            let mut words = vec![0u64; 2 * capacity].into_boxed_slice();
+            if !fill(&mut words[..2 * n])? {
+                return Ok(None);
+            }
+            let fill = started.elapsed().as_nanos() as u64;
+            return Ok(Some(PeerTable {
+                copier: self.clone(),
+                device_table: None,
+                form: TableForm::InlinePairs { len, words },
+                shape,
+                stream: self.next_stream(),
+                times: TableTimes {
+                    fill,
+                    ..TableTimes::default()
+                },
+            }));
+        }
         let bytes = pairs_table_bytes(n);
         self.build(bytes, started, |host| {
             Ok(fill(&mut host[..2 * n])?.then_some((TableForm::Pairs { len }, shape, bytes)))
         })
+    }
+
+    /// The stream the next table's copies run on (round robin).
+    fn next_stream(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len()
     }
 
     /// The most warps one launch of the copy kernel runs.
@@ -412,7 +438,7 @@ impl PeerCopier {
         let t2 = Instant::now();
         // Every launch of this table goes to one stream, and so does its
         // free: the free is then ordered after every launch that reads it.
-        let on = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+        let on = self.next_stream();
         // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive and unchanged
         // until the upload completed: the staging buffer is reused only after
         // its event (recorded below), a pageable buffer only after the
@@ -614,11 +640,20 @@ impl TableTimes {
 }
 
 /// What a table holds: runs (`fill_table`), or (source, destination)
-/// pairs of copies of one length (`pairs_shape`).
-#[derive(Clone, Copy, Debug)]
+/// pairs of copies of one length (`pairs_shape`), uploaded or passed to
+/// the kernel as its parameter.
+#[derive(Debug)]
 enum TableForm {
     Runs(TableLayout),
-    Pairs { len: u64 },
+    Pairs {
+        len: u64,
+    },
+    /// The whole parameter of the inline pair kernel for `words.len() / 2`
+    /// copies (`INLINE_PAIRS`), the first `shape.nruns` pairs filled.
+    InlinePairs {
+        len: u64,
+        words: Box<[u64]>,
+    },
 }
 
 /// A transfer's uploaded table. Its copies all run on one stream of the
@@ -650,6 +685,11 @@ impl PeerTable {
         self.shape.total_bytes
     }
 
+    /// The table is the launch's parameter (nothing was uploaded).
+    pub fn inline(&self) -> bool {
+        matches!(self.form, TableForm::InlinePairs { .. })
+    }
+
     /// Launches the copy on the table's stream, records an event after it
     /// and notes it in every mapping its addresses point into (`mappings`),
     /// all under the stream's launch lock, so that each mapping's last copy
@@ -671,13 +711,14 @@ impl PeerTable {
         let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: this device's copy kernel (of the table's form) over the
         // table uploaded in `build` (this stream waits for the upload), reused
-        // only after this launch ended (the event its drop records). Every
+        // only after this launch ended (the event its drop records), or over
+        // the table passed as the parameter (copied by the launch). Every
         // address in it was checked by the engine: sources and destinations
         // lie in memory registered here or in the peer's registered memory,
         // translated into mappings that stay open until the copies through
         // them ended (noted below).
         let launched = unsafe {
-            match &self.form {
+            match &mut self.form {
                 TableForm::Runs(layout) => launch_copy(
                     c.kernel.function(),
                     ptr,
@@ -692,6 +733,14 @@ impl PeerTable {
                     &self.shape,
                     stream.cu_stream(),
                 ),
+                TableForm::InlinePairs { len, words } => {
+                    match c.kernel.inline_pairs_function(words.len() / 2) {
+                        Some((_, func)) => {
+                            launch_pairs_inline(func, words, *len, &self.shape, stream.cu_stream())
+                        }
+                        None => Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)),
+                    }
+                }
             }
         };
         launched.map_err(|e| {

@@ -22,7 +22,7 @@ use crate::proto::PeerId;
 use crate::proto::{Endpoint, EndpointConfig};
 use crate::runtime::{Parts, Runtime};
 
-use super::{MemKind, Op};
+use super::{MemKind, Op, TotalBytes};
 
 /// Where memory lives: host memory, or the memory of one GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -512,7 +512,7 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.op == Op::Read && !r.peer_reads {
         return Err(Fallback::PeerLacksRead);
     }
-    arena_gate(cfg, r.local, r.remote).admit(r.descriptors, r.bytes)
+    arena_gate(cfg, r.local, r.remote).admit(r.descriptors, r.bytes.into())
 }
 
 /// Which transfers a path takes by their shape, where it beats UCX: at
@@ -526,11 +526,14 @@ pub struct ShapeGate {
 }
 
 impl ShapeGate {
-    pub fn admit(self, descriptors: u64, bytes: u64) -> Result<(), Fallback> {
+    /// Admits `descriptors` of `bytes` in all (summed only when this gate
+    /// has a size limit), or says why not.
+    pub fn admit(self, descriptors: u64, bytes: TotalBytes<'_>) -> Result<(), Fallback> {
         if descriptors < self.min_descriptors.max(1) {
             return Err(Fallback::TooFewDescriptors);
         }
-        if self.max_average_bytes > 0 && bytes > self.max_average_bytes.saturating_mul(descriptors)
+        if self.max_average_bytes > 0
+            && bytes.get() > self.max_average_bytes.saturating_mul(descriptors)
         {
             return Err(Fallback::DescriptorsTooLarge);
         }

@@ -404,12 +404,38 @@ impl RawDesc {
 /// descriptor count and their total length, and whether the transfer stays
 /// within this agent.
 #[derive(Debug, Clone, Copy)]
-pub struct Shape {
+pub struct Shape<'a> {
     pub local: MemKind,
     pub remote: MemKind,
     pub descriptors: u64,
-    pub bytes: u64,
+    pub bytes: TotalBytes<'a>,
     pub local_transfer: bool,
+}
+
+/// The total length of a transfer's descriptors: known, or summed when a
+/// gate asks for it. Only gates with a size limit ask, and the peer-mapped
+/// path's default gate has none: the real clients' transfers it takes are
+/// then read once, by the table's pass, not twice (a sum over 32,768
+/// descriptors reads 1 MiB).
+#[derive(Debug, Clone, Copy)]
+pub enum TotalBytes<'a> {
+    Known(u64),
+    Of(&'a [RawDesc]),
+}
+
+impl TotalBytes<'_> {
+    pub fn get(self) -> u64 {
+        match self {
+            TotalBytes::Known(b) => b,
+            TotalBytes::Of(d) => d.iter().map(|d| d.len as u64).sum(),
+        }
+    }
+}
+
+impl From<u64> for TotalBytes<'_> {
+    fn from(b: u64) -> Self {
+        TotalBytes::Known(b)
+    }
 }
 
 /// A transfer request owned by NIXL's request handle.
@@ -1212,6 +1238,9 @@ impl Engine {
     fn count_peer_prepared(&self, x: &peer::PeerXfer) {
         let t = &x.table.times;
         self.stats.bump_named("peer_map_prepared");
+        if x.table.inline() {
+            self.stats.bump_named("peer_map_inline_tables");
+        }
         self.stats
             .add_named("peer_map_prepare_ns", t.fill + t.upload);
         for (name, ns) in t.named() {
@@ -1256,7 +1285,7 @@ impl Engine {
             local: shape.local,
             remote: shape.remote,
             descriptors: shape.descriptors,
-            bytes: shape.bytes,
+            bytes: shape.bytes.get(),
             peer_capable: peer.is_some(),
             peer_reads: peer.is_some_and(|p| p.read),
             local_transfer: shape.local_transfer,

@@ -561,12 +561,12 @@ pub fn walk_pairs(
 mod tests {
     use super::*;
 
-    fn input() -> Shape {
+    fn input() -> Shape<'static> {
         Shape {
             local: MemKind::Vram,
             remote: MemKind::Vram,
             descriptors: 4096,
-            bytes: 4096 * 4096,
+            bytes: (4096 * 4096).into(),
             local_transfer: false,
         }
     }
@@ -577,7 +577,7 @@ mod tests {
         // One large descriptor too: the kernel tiles it over every warp.
         let one = Shape {
             descriptors: 1,
-            bytes: 1 << 30,
+            bytes: (1u64 << 30).into(),
             ..input()
         };
         assert_eq!(gate(&Config::default(), &one), Ok(()));
@@ -627,14 +627,14 @@ mod tests {
             (
                 Shape {
                     descriptors: 10,
-                    bytes: 40960,
+                    bytes: 40960.into(),
                     ..input()
                 },
                 "too few descriptors",
             ),
             (
                 Shape {
-                    bytes: 4096 * (1 << 20),
+                    bytes: (4096u64 << 20).into(),
                     ..input()
                 },
                 "descriptors too large",

@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::engine::{
-    Descs, Engine, Error, Md, MemKind, Op, Range, Request, Shape, Status, XferArgs,
+    Descs, Engine, Error, Md, MemKind, Op, Range, Request, Shape, Status, TotalBytes, XferArgs,
 };
 
 /// Types generated from `include/bounce_ffi.h`.
@@ -730,7 +730,7 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             local: lkind,
             remote: rkind,
             descriptors: lraw.len() as u64,
-            bytes: lraw.iter().map(|d| d.len as u64).sum(),
+            bytes: TotalBytes::Of(as_raw(lraw)),
             local_transfer: agent == e.local_name(),
         };
         // SAFETY: caller contract.
