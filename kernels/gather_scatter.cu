@@ -59,7 +59,9 @@
 // L2-resident. `bounce_copy_zero_copy` reads mapped pinned host memory with
 // volatile loads (so a reused pinned buffer is never served from a stale
 // cache line); every table load is then a PCIe round trip, which makes it
-// the slow option (see `ExecPool::new`).
+// the slow option (see `ExecPool::new`). `bounce_copy_pairs_inline<N>`
+// takes a pair table of at most N copies as its own parameter (the end of
+// this file).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
