@@ -74,6 +74,16 @@ if [[ "$mode" == peer ]]; then
     run gpu_kernels "$nb/bin/gpu_kernels" --test-threads=1
     run gpu_peer_map "$nb/bin/gpu_peer_map" --test-threads=1
     run vram-test "$v" test
+    # What the IPC mapping allows (cuMemcpyDtoD and the pair kernel, local
+    # against mapped), then the peer-mapped path post to completion.
+    run mapping "$v" mapping --iters 20 --json "$out/mapping.json"
+    local_op=""
+    for local_op in write read; do
+        run "bench-peer-$local_op" "$v" bench --op $local_op --backend BOUNCE --label "BOUNCE-peer-$local_op" \
+            --sizes 4096,8192,16384 --counts 1024,4096,16384 --iters 30 --json "$out/bench-peer-$local_op.json"
+    done
+    grep -hE "^mapping:|x |per request" "$out/mapping.log" "$out"/bench-peer-*.log >"$out/peer-summary.txt" || true
+    [[ -n "${PEER_ONLY:-}" ]] && { cat "$out/peer-summary.txt" "$out/summary.txt"; exit $status; }
     mode=vllm
 fi
 if [[ "$mode" == vllm || "$mode" == python ]]; then
