@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
-use nixl_bounce::copy::peer::{PeerCopier, PeerMapping, PeerTable, IPC_HANDLE_LEN};
+use nixl_bounce::copy::peer::{PeerCopier, PeerMapping, PeerTable, TableChoice, IPC_HANDLE_LEN};
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_sys::{
     Agent, MemType, OptArgs, Params, RegistrationHandle, XferDescList, XferOp, XferRequest,
@@ -1316,6 +1316,9 @@ struct MapRow {
     gbps: f64,
     /// Host wall time from the call to the completion seen (both methods).
     wall_p50_us: f64,
+    /// The table's preparation (`prepare_pairs`), p50 over the runs: the
+    /// table-form rows only.
+    prepare_p50_us: Option<f64>,
 }
 
 const MAP_WARMUPS: usize = 3;
@@ -1527,6 +1530,7 @@ impl Probe {
             p90_us: percentile(&timed, 0.9),
             gbps: (n * size) as f64 / p50 / 1e3,
             wall_p50_us: percentile(&wall, 0.5),
+            prepare_p50_us: None,
         };
         println!(
             "mapping: {method} {n}x{} {direction} p50 {:.1} us ({:.1} GB/s) p10 {:.1} p90 {:.1} us [{timer}; wall p50 {:.1} us]",
@@ -1684,6 +1688,43 @@ fn mapping_probe(args: &Args) -> Result<(), String> {
             rows.push(row?);
         }
     }
+    // (d) Where a small table goes: uploaded, the launch's parameter, or
+    // mapped pinned host memory; 4 KiB blocks written into the peer.
+    let (_, src, dst) = probe.directions()[1];
+    for n in [64usize, 256, 512, 1024, 2040, 4096] {
+        let moves = plan(n, 4096, len / 4096, 0, 0x7ab1 + n as u64, false).moves;
+        for (method, choice) in [
+            ("kernel-upload", TableChoice::Upload),
+            ("kernel-inline", TableChoice::Inline),
+            ("kernel-zerocopy", TableChoice::ZeroCopy),
+        ] {
+            probe.copier.choose_tables(choice);
+            let mut prepares = Vec::new();
+            for _ in 0..MAP_WARMUPS + args.iters.max(1) {
+                let t = Instant::now();
+                drop(probe.table(&moves, 4096, src, dst)?);
+                prepares.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            prepares.sort_by(f64::total_cmp);
+            let mut table = probe.table(&moves, 4096, src, dst)?;
+            let maps = probe.maps(src, dst);
+            let mut row = probe.case(
+                method,
+                &moves,
+                4096,
+                probe.directions()[1],
+                args.iters,
+                || launch_and_wait(&mut table, maps),
+            )?;
+            row.prepare_p50_us = Some(percentile(&prepares, 0.5));
+            println!(
+                "mapping: {method} {n}x4KiB prepare p50 {:.1} us",
+                row.prepare_p50_us.unwrap_or(0.0)
+            );
+            rows.push(row);
+        }
+    }
+    probe.copier.choose_tables(TableChoice::Auto);
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "command": std::env::args().collect::<Vec<_>>(),
