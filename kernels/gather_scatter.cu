@@ -270,9 +270,7 @@ bounce_copy_zero_copy(const u64* runs, const u32* tile_start, const u64* strides
 }
 
 // Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of a pair
-// table, warp w (see the top of this file); ZC: the table is in mapped
-// pinned host memory (volatile loads, as in `bounce_copy_zero_copy`).
-template <bool ZC>
+// table, warp w (see the top of this file).
 __device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_copy,
                                            u32 total_tiles, u32 tiles_per_warp, u32 tile_shift)
 {
@@ -290,8 +288,8 @@ __device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_co
             j = t - i * per_copy;
         }
         // Every lane loads the same two words: one broadcast transaction each.
-        const u64 src = ld_u64<ZC>(pairs + 2 * (u64)i);
-        const u64 dst = ld_u64<ZC>(pairs + 2 * (u64)i + 1);
+        const u64 src = pairs[2 * (u64)i];
+        const u64 dst = pairs[2 * (u64)i + 1];
         const u64 off = (u64)j << tile_shift;
         const u64 left = len - off;
         const u32 n = (u32)(left < tile_bytes ? left : tile_bytes);
@@ -304,16 +302,7 @@ extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
 bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 tiles_per_warp,
                   u32 tile_shift)
 {
-    copy_pairs<false>(pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);
-}
-
-// The pair table in mapped pinned host memory: written by the host at
-// preparation, read over PCIe once per tile, nothing uploaded.
-extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
-bounce_copy_pairs_zero_copy(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles,
-                            u32 tiles_per_warp, u32 tile_shift)
-{
-    copy_pairs<true>(pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);
+    copy_pairs(pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);
 }
 
 // The pair table as the launch's own parameter (`bounce_copy_pairs_inline<N>`,
@@ -336,11 +325,16 @@ struct InlinePairs {
                                     u32 per_copy, u32 total_tiles, u32 tiles_per_warp,          \
                                     u32 tile_shift)                                             \
     {                                                                                           \
-        copy_pairs<false>(table.pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);        \
+        copy_pairs(table.pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);        \
     }
 
-// The sizes are `INLINE_PAIRS` in src/copy/cuda.rs: 4 KiB and 32,640 bytes
-// of table (the largest that leaves room for the other parameters).
+// The sizes are `INLINE_PAIRS` in src/copy/cuda.rs: 4, 8 and 16 KiB and
+// 32,640 bytes of table (the largest that leaves room for the other
+// parameters). A launch's cost grows with its parameter's size (1.5 us
+// more than an uploaded table's at 4 KiB, 7 us at 32 KiB on the H200), so
+// each table takes the smallest that holds it.
 BOUNCE_INLINE_PAIRS_KERNEL(256)
+BOUNCE_INLINE_PAIRS_KERNEL(512)
+BOUNCE_INLINE_PAIRS_KERNEL(1024)
 BOUNCE_INLINE_PAIRS_KERNEL(2040)
 #endif

@@ -82,6 +82,12 @@ if [[ "$mode" == peer ]]; then
         run "bench-peer-$local_op" "$v" bench --op $local_op --backend BOUNCE --label "BOUNCE-peer-$local_op" \
             --sizes 4096,8192,16384 --counts 1024,4096,16384 --iters 30 --json "$out/bench-peer-$local_op.json"
     done
+    # Small tables: the launch's parameter (the default) against uploaded.
+    for inline in 2040 0; do
+        run "bench-peer-small-inline$inline" "$v" bench --backend BOUNCE --label "BOUNCE-peer-inline$inline" \
+            --param peer_map_inline_table_max_descriptors=$inline --sizes 4096 --counts 256,512,1024,2040 \
+            --iters 30 --json "$out/bench-peer-small-inline$inline.json"
+    done
     grep -hE "^mapping:|x |per request" "$out/mapping.log" "$out"/bench-peer-*.log >"$out/peer-summary.txt" || true
     [[ -n "${PEER_ONLY:-}" ]] && { cat "$out/peer-summary.txt" "$out/summary.txt"; exit $status; }
     mode=vllm

@@ -587,7 +587,7 @@ fn batched_memcpy_path_matches_the_host_reference() {
 /// built while the previous one may still be uploading.
 #[test]
 fn pair_tables_match_the_host_reference() {
-    use nixl_bounce::copy::peer::{PeerCopier, TableChoice};
+    use nixl_bounce::copy::peer::PeerCopier;
     let Some(dev) = device() else { return };
     let copier = PeerCopier::for_device(dev.ordinal(), 2).expect("copier");
     let mut rng = Rng(0x005e_ed0f_9a1e);
@@ -623,13 +623,9 @@ fn pair_tables_match_the_host_reference() {
                 want[to..to + len].copy_from_slice(&src_h[from..from + len]);
             }
             // Every table form in turn.
-            let choices = [
-                TableChoice::Auto,
-                TableChoice::Upload,
-                TableChoice::ZeroCopy,
-            ];
-            let choice = choices[(case + 2 * misalign) % choices.len()];
-            copier.choose_tables(choice);
+            // Both table forms in turn: inline where it fits, or uploaded.
+            let inline_limit = [usize::MAX, 0][(case + misalign) % 2];
+            copier.set_inline_limit(inline_limit);
             let table = copier
                 .prepare_pairs(n, len as u64, Instant::now(), |out| {
                     for (pair, &(from, to)) in out.chunks_exact_mut(2).zip(&copies) {
@@ -642,16 +638,14 @@ fn pair_tables_match_the_host_reference() {
                 .expect("not declined");
             assert_eq!(table.bytes(), (n * len) as u64);
             // This machine's NVRTC (CUDA 13) has the inline pair kernels.
-            if choice == TableChoice::Auto {
-                assert_eq!(table.inline(), n <= 2040, "{n} copies");
-            }
+            assert_eq!(table.inline(), n <= 2040 && inline_limit > 0, "{n} copies");
             let mut table = table;
             let launch = table.launch(&[]).expect("launch");
             poll_until_done("pair copy", || launch.poll()).expect("copy succeeds");
             let mut got = vec![0u8; buf];
             dst.read(0, &mut got).unwrap();
             assert_same(
-                &format!("case {case}: {n} x {len} bytes, misaligned by {misalign}, {choice:?}"),
+                &format!("case {case}: {n} x {len} bytes, misaligned by {misalign}, inline up to {inline_limit}"),
                 &got,
                 &want,
             );

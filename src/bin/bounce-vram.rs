@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
-use nixl_bounce::copy::peer::{PeerCopier, PeerMapping, PeerTable, TableChoice, IPC_HANDLE_LEN};
+use nixl_bounce::copy::peer::{PeerCopier, PeerMapping, PeerTable, IPC_HANDLE_LEN};
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_sys::{
     Agent, MemType, OptArgs, Params, RegistrationHandle, XferDescList, XferOp, XferRequest,
@@ -1693,12 +1693,8 @@ fn mapping_probe(args: &Args) -> Result<(), String> {
     let (_, src, dst) = probe.directions()[1];
     for n in [64usize, 256, 512, 1024, 2040, 4096] {
         let moves = plan(n, 4096, len / 4096, 0, 0x7ab1 + n as u64, false).moves;
-        for (method, choice) in [
-            ("kernel-upload", TableChoice::Upload),
-            ("kernel-inline", TableChoice::Inline),
-            ("kernel-zerocopy", TableChoice::ZeroCopy),
-        ] {
-            probe.copier.choose_tables(choice);
+        for (method, choice) in [("kernel-upload", 0), ("kernel-inline", usize::MAX)] {
+            probe.copier.set_inline_limit(choice);
             let mut prepares = Vec::new();
             for _ in 0..MAP_WARMUPS + args.iters.max(1) {
                 let t = Instant::now();
@@ -1724,7 +1720,7 @@ fn mapping_probe(args: &Args) -> Result<(), String> {
             rows.push(row);
         }
     }
-    probe.copier.choose_tables(TableChoice::Auto);
+    probe.copier.set_inline_limit(usize::MAX);
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "command": std::env::args().collect::<Vec<_>>(),

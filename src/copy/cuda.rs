@@ -48,12 +48,10 @@ pub const KERNEL_NAME: &str = "bounce_copy";
 pub const ZERO_COPY_KERNEL_NAME: &str = "bounce_copy_zero_copy";
 /// The kernel over a pair table (every copy one length; [`pairs_shape`]).
 pub const PAIRS_KERNEL_NAME: &str = "bounce_copy_pairs";
-/// The pair kernel reading its table from mapped pinned host memory.
-pub const ZERO_COPY_PAIRS_KERNEL_NAME: &str = "bounce_copy_pairs_zero_copy";
 /// The sizes (in copies) of the pair kernels that take their table as a
 /// launch parameter (`bounce_copy_pairs_inline<N>`), smallest first: a
 /// table of at most the largest needs no device memory and no upload.
-pub const INLINE_PAIRS: [usize; 2] = [256, 2040];
+pub const INLINE_PAIRS: [usize; 4] = [256, 512, 1024, 2040];
 /// Threads per block (matches `BOUNCE_THREADS` / `__launch_bounds__` in the source).
 pub const BLOCK_THREADS: u32 = 256;
 /// Warps per block: the kernel's unit of work is one warp.
@@ -811,9 +809,6 @@ pub struct CopyKernel {
     func_zero_copy: CudaFunction,
     /// `bounce_copy_pairs`: reads an uploaded pair table.
     func_pairs: CudaFunction,
-    /// `bounce_copy_pairs_zero_copy`: reads a pair table in mapped pinned
-    /// host memory.
-    func_pairs_zero_copy: CudaFunction,
     /// `bounce_copy_pairs_inline<N>` for each N of [`INLINE_PAIRS`] (none
     /// when NVRTC is older than CUDA 12.1 and compiled them out).
     func_pairs_inline: Vec<(usize, CudaFunction)>,
@@ -946,12 +941,6 @@ impl CopyKernel {
         &self.func_pairs
     }
 
-    /// The pair kernel over a table in mapped pinned host memory (launched
-    /// as [`launch_pairs`], with the table's device address).
-    pub(crate) fn zero_copy_pairs_function(&self) -> &CudaFunction {
-        &self.func_pairs_zero_copy
-    }
-
     /// The smallest pair kernel taking its table as a parameter that holds
     /// `n` copies, with its capacity ([`launch_pairs_inline`]).
     pub(crate) fn inline_pairs_function(&self, n: usize) -> Option<(usize, &CudaFunction)> {
@@ -989,9 +978,6 @@ impl CopyKernel {
         let func_pairs = module
             .load_function(PAIRS_KERNEL_NAME)
             .map_err(|e| format!("cuModuleGetFunction({PAIRS_KERNEL_NAME}): {e}"))?;
-        let func_pairs_zero_copy = module
-            .load_function(ZERO_COPY_PAIRS_KERNEL_NAME)
-            .map_err(|e| format!("cuModuleGetFunction({ZERO_COPY_PAIRS_KERNEL_NAME}): {e}"))?;
         // Absent from the module when NVRTC compiled them out (see the source).
         let func_pairs_inline = INLINE_PAIRS
             .iter()
@@ -1015,7 +1001,6 @@ impl CopyKernel {
             func,
             func_zero_copy,
             func_pairs,
-            func_pairs_zero_copy,
             func_pairs_inline,
             _module: module,
             target,
@@ -1035,21 +1020,15 @@ impl CopyKernel {
 // ---------------------------------------------------------------------------
 
 /// Page-locked, device-mapped host memory holding a run table.
-pub(crate) struct PinnedTable {
+struct PinnedTable {
     ctx: Arc<CudaContext>,
     host: *mut u8,
     dev: u64,
     cap: usize,
 }
 
-// SAFETY: an owned pinned allocation (freed once, on drop); whoever holds
-// the table is the only one writing it, and the driver handles are
-// thread-safe.
-unsafe impl Send for PinnedTable {}
-
 impl PinnedTable {
-    /// At least `cap` bytes (4 KiB or more). Leaves `ctx` current.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, String> {
+    fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, String> {
         let cap = cap.max(4096);
         ctx.bind_to_thread()
             .map_err(|e| format!("binding the CUDA context: {e}"))?;
@@ -1077,21 +1056,6 @@ impl PinnedTable {
             dev,
             cap,
         })
-    }
-
-    /// The host's address of the memory.
-    pub(crate) fn host(&self) -> *mut u8 {
-        self.host
-    }
-
-    /// The device's address of the same memory.
-    pub(crate) fn device_address(&self) -> u64 {
-        self.dev
-    }
-
-    /// Its size in bytes.
-    pub(crate) fn capacity(&self) -> usize {
-        self.cap
     }
 
     /// Makes room for `need` bytes (the old contents are not kept). Only

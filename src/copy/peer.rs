@@ -23,7 +23,7 @@
 use std::ffi::c_void;
 use std::io::Read;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -31,8 +31,8 @@ use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::cuda::{
     fill_table, launch_copy, launch_pairs, launch_pairs_inline, pairs_shape, pairs_table_bytes,
-    table_parts, CopyKernel, CudaDevice, CudaRuntime, LaunchShape, PinnedTable, TableLayout,
-    DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
+    table_parts, CopyKernel, CudaDevice, CudaRuntime, LaunchShape, TableLayout, DEFAULT_TILE_BYTES,
+    WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
 use crate::proto::plan::add_piece;
@@ -208,26 +208,10 @@ pub struct PeerCopier {
     /// preparations; a preparation that finds it in use builds in a
     /// pageable buffer instead.
     staging: Mutex<Staging>,
-    /// Mapped pinned buffers of zero-copy pair tables, each with the last
-    /// launch that read it (reused once that ended).
-    pinned: Mutex<Vec<(PinnedTable, Option<Arc<PeerLaunch>>)>>,
-    /// Which form pair tables take ([`TableChoice`]).
-    choice: AtomicU8,
-}
-
-/// Where a pair table lives, for comparing the forms (`bounce-vram
-/// mapping`); the engine always uses `Auto`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum TableChoice {
-    /// The launch's parameter when it fits (`INLINE_PAIRS`), else uploaded.
-    Auto = 0,
-    /// Uploaded to device memory.
-    Upload = 1,
-    /// The launch's parameter (uploaded when it does not fit).
-    Inline = 2,
-    /// Mapped pinned host memory, read by the kernel over PCIe.
-    ZeroCopy = 3,
+    /// Pair tables of at most this many copies are the launch's parameter
+    /// (when the kernel has a variant that holds them); larger ones are
+    /// uploaded.
+    inline_limit: AtomicUsize,
 }
 
 /// A pinned host buffer (`cuMemHostAlloc`), zeroed when allocated, and
@@ -259,16 +243,6 @@ impl Drop for PeerCopier {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .release_all();
-        for (table, last) in self
-            .pinned
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
-            if last.is_some_and(|l| l.running()) {
-                std::mem::forget(table); // a kernel may still read it: leaked
-            }
-        }
         let staging = self.staging.get_mut().unwrap_or_else(|p| p.into_inner());
         if staging.wait().is_ok() && !staging.ptr.is_null() {
             // SAFETY: allocated by cuMemHostAlloc in `reserve`; its last
@@ -325,23 +299,15 @@ impl PeerCopier {
                 event: std::ptr::null_mut(),
                 pending: false,
             }),
-            pinned: Mutex::new(Vec::new()),
-            choice: AtomicU8::new(TableChoice::Auto as u8),
+            inline_limit: AtomicUsize::new(usize::MAX),
         }))
     }
 
-    /// Makes later pair tables take `choice`'s form (for comparisons).
-    pub fn choose_tables(&self, choice: TableChoice) {
-        self.choice.store(choice as u8, Ordering::Relaxed);
-    }
-
-    fn table_choice(&self) -> TableChoice {
-        match self.choice.load(Ordering::Relaxed) {
-            1 => TableChoice::Upload,
-            2 => TableChoice::Inline,
-            3 => TableChoice::ZeroCopy,
-            _ => TableChoice::Auto,
-        }
+    /// Pair tables of at most `n` copies are passed to the kernel as its
+    /// parameter from now on (`peer_map_inline_table_max_descriptors`; the
+    /// kernel's largest variant bounds it); 0: every table is uploaded.
+    pub fn set_inline_limit(&self, n: usize) {
+        self.inline_limit.store(n, Ordering::Relaxed);
     }
 
     pub fn device(&self) -> &Arc<CudaDevice> {
@@ -395,14 +361,9 @@ impl PeerCopier {
         fill: impl FnOnce(&mut [u64]) -> Result<bool, String>,
     ) -> Result<Option<PeerTable>, String> {
         let shape = pairs_shape(n, len, DEFAULT_TILE_BYTES, self.max_warps())?;
-        let choice = self.table_choice();
-        if choice == TableChoice::ZeroCopy {
-            return self.build_zero_copy(n, len, shape, started, fill);
-        }
-        let inline = match choice {
-            TableChoice::Auto | TableChoice::Inline => self.kernel.inline_pairs_function(n),
-            _ => None,
-        };
+        let inline = (n <= self.inline_limit.load(Ordering::Relaxed))
+            .then(|| self.kernel.inline_pairs_function(n))
+            .flatten();
         if let Some((capacity, _)) = inline {
             // Small enough to be the launch's parameter: built in memory of
             // its own, no driver call.
@@ -414,8 +375,6 @@ impl PeerCopier {
             return Ok(Some(PeerTable {
                 copier: self.clone(),
                 device_table: None,
-                pinned: None,
-                last: None,
                 form: TableForm::InlinePairs { len, words },
                 shape,
                 stream: self.next_stream(),
@@ -429,70 +388,6 @@ impl PeerCopier {
         self.build(bytes, started, |host| {
             Ok(fill(&mut host[..2 * n])?.then_some((TableForm::Pairs { len }, shape, bytes)))
         })
-    }
-
-    /// A pair table (as `prepare_pairs`) in mapped pinned host memory from
-    /// the copier's pool: no upload, no device memory; driver calls only
-    /// when the pool has no free buffer large enough.
-    fn build_zero_copy(
-        self: &Arc<Self>,
-        n: usize,
-        len: u64,
-        shape: LaunchShape,
-        started: Instant,
-        fill: impl FnOnce(&mut [u64]) -> Result<bool, String>,
-    ) -> Result<Option<PeerTable>, String> {
-        let bytes = pairs_table_bytes(n);
-        let buf = self.take_pinned(bytes)?;
-        let t_setup = Instant::now();
-        // SAFETY: the buffer holds at least `bytes` = 16n bytes, page-aligned,
-        // and no kernel reads it any more (`take_pinned`); it is ours alone.
-        let words = unsafe { std::slice::from_raw_parts_mut(buf.host() as *mut u64, 2 * n) };
-        if !fill(words)? {
-            self.pinned
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((buf, None));
-            return Ok(None);
-        }
-        let end = Instant::now();
-        let ns = |a: Instant, b: Instant| b.saturating_duration_since(a).as_nanos() as u64;
-        Ok(Some(PeerTable {
-            copier: self.clone(),
-            device_table: None,
-            form: TableForm::ZeroCopyPairs {
-                len,
-                table: buf.device_address(),
-            },
-            pinned: Some(buf),
-            last: None,
-            shape,
-            stream: self.next_stream(),
-            times: TableTimes {
-                fill: ns(started, end),
-                setup: ns(started, t_setup),
-                ..TableTimes::default()
-            },
-        }))
-    }
-
-    /// A pooled mapped pinned buffer of at least `bytes` that no kernel
-    /// reads any more, else a new one.
-    fn take_pinned(&self, bytes: usize) -> Result<PinnedTable, String> {
-        {
-            let mut pool = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-            let free = pool.iter().position(|(t, last)| {
-                t.capacity() >= bytes && !last.as_ref().is_some_and(|l| l.running())
-            });
-            if let Some(i) = free {
-                return Ok(pool.swap_remove(i).0);
-            }
-        }
-        let _ctx = ContextScope::enter(&self.device)?;
-        PinnedTable::new(
-            self.device.context(),
-            bytes.next_power_of_two().max(64 << 10),
-        )
     }
 
     /// The stream the next table's copies run on (round robin).
@@ -591,8 +486,6 @@ impl PeerCopier {
         Ok(Some(PeerTable {
             copier: self.clone(),
             device_table: Some(device_table),
-            pinned: None,
-            last: None,
             form,
             shape,
             stream: on,
@@ -776,12 +669,6 @@ enum TableForm {
         len: u64,
         words: Box<[u64]>,
     },
-    /// Pairs in mapped pinned host memory (`PeerTable::pinned`), at the
-    /// device address `table`.
-    ZeroCopyPairs {
-        len: u64,
-        table: u64,
-    },
 }
 
 /// A transfer's uploaded table. Its copies all run on one stream of the
@@ -791,10 +678,7 @@ pub struct PeerTable {
     copier: Arc<PeerCopier>,
     /// Taken back by the cache on drop.
     device_table: Option<CachedTable>,
-    /// A zero-copy table's buffer, back to the copier's pool on drop.
-    pinned: Option<PinnedTable>,
-    /// The last launch (a zero-copy buffer is reused once it ended).
-    last: Option<Arc<PeerLaunch>>,
+
     form: TableForm,
     shape: LaunchShape,
     stream: usize,
@@ -865,13 +749,6 @@ impl PeerTable {
                     &self.shape,
                     stream.cu_stream(),
                 ),
-                TableForm::ZeroCopyPairs { len, table } => launch_pairs(
-                    c.kernel.zero_copy_pairs_function(),
-                    *table,
-                    *len,
-                    &self.shape,
-                    stream.cu_stream(),
-                ),
                 TableForm::InlinePairs { len, words } => {
                     match c.kernel.inline_pairs_function(words.len() / 2) {
                         Some((_, func)) => {
@@ -907,7 +784,6 @@ impl PeerTable {
         for m in mappings {
             m.note(&launch);
         }
-        self.last = Some(launch.clone());
         Ok(launch)
     }
 }
@@ -915,12 +791,6 @@ impl PeerTable {
 impl Drop for PeerTable {
     fn drop(&mut self) {
         let c = &self.copier;
-        if let Some(p) = self.pinned.take() {
-            c.pinned
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((p, self.last.take()));
-        }
         let Some(mut t) = self.device_table.take() else {
             return;
         };

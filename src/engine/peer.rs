@@ -127,6 +127,8 @@ pub struct PeerMaps {
     /// megabytes would otherwise be page-faulted in anew every time); one
     /// that finds it in use builds its own.
     runs: Mutex<Vec<Run>>,
+    /// `peer_map_inline_table_max_descriptors`, given to every copier.
+    inline_limit: usize,
 }
 
 impl std::fmt::Debug for PeerMaps {
@@ -150,6 +152,7 @@ impl PeerMaps {
             allocs: Mutex::new(HashMap::new()),
             notifier: Mutex::new(None),
             runs: Mutex::new(Vec::new()),
+            inline_limit: cfg.peer_map_inline_table_max_descriptors as usize,
         }
     }
 
@@ -212,7 +215,11 @@ impl PeerMaps {
     fn copier(&self, device: usize) -> Result<Arc<PeerCopier>, String> {
         let mut map = self.copiers.lock().expect("copiers lock");
         map.entry(device)
-            .or_insert_with(|| PeerCopier::for_device(device, STREAMS_PER_DEVICE))
+            .or_insert_with(|| {
+                let c = PeerCopier::for_device(device, STREAMS_PER_DEVICE)?;
+                c.set_inline_limit(self.inline_limit);
+                Ok(c)
+            })
             .clone()
     }
 
