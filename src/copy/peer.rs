@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys, CudaEvent, CudaStream};
+use cudarc::driver::{result, sys, CudaStream};
 
 use super::cuda::{
     fill_table, launch_copy, launch_pairs, launch_pairs_inline, pairs_shape, pairs_table_bytes,
@@ -208,6 +208,8 @@ pub struct PeerCopier {
     /// preparations; a preparation that finds it in use builds in a
     /// pageable buffer instead.
     staging: Mutex<Staging>,
+    /// Completion events of launches, reused.
+    events: Arc<EventPool>,
     /// Pair tables of at most this many copies are the launch's parameter
     /// (when the kernel has a variant that holds them); larger ones are
     /// uploaded.
@@ -286,6 +288,7 @@ impl PeerCopier {
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Arc::new(PeerCopier {
+            events: EventPool::new(device.clone()),
             device,
             kernel,
             launching: streams.iter().map(|_| Mutex::new(())).collect(),
@@ -718,11 +721,7 @@ impl PeerTable {
         let i = self.stream;
         let stream = &c.streams[i];
         let _ctx = ContextScope::enter(&c.device)?;
-        let event = c
-            .device
-            .context()
-            .new_event(None)
-            .map_err(|e| format!("cuEventCreate: {e}"))?;
+        let event = c.events.take()?;
         let ptr = self.device_table.as_ref().map_or(0, |t| t.ptr);
         let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: this device's copy kernel (of the table's form) over the
@@ -759,21 +758,25 @@ impl PeerTable {
                 }
             }
         };
-        launched.map_err(|e| {
-            format!(
+        if let Err(e) = launched {
+            c.events.put(event);
+            return Err(format!(
                 "launching the peer-mapped copy ({} runs, {} blocks): {e}",
                 self.shape.nruns, self.shape.grid
-            )
-        })?;
-        if let Err(e) = event.record(stream) {
+            ));
+        }
+        // SAFETY: an event of this context (the pool's) and a live stream of it.
+        if let Err(e) = unsafe { sys::cuEventRecord(event, stream.cu_stream()) }.result() {
             // The copy runs untracked: wait for it before reporting.
             let waited = stream.synchronize();
+            c.events.put(event);
             return Err(format!(
                 "cuEventRecord after the peer-mapped copy: {e} (waiting for the copy: {waited:?})"
             ));
         }
         let launch = Arc::new(PeerLaunch {
-            event: ManuallyDrop::new(event),
+            event,
+            events: c.events.clone(),
             device: c.device.clone(),
             stream: i,
             posted: Instant::now(),
@@ -912,9 +915,9 @@ impl TableCache {
 /// and the notifier (which sends the transfer's notification once it ended).
 #[derive(Debug)]
 pub struct PeerLaunch {
-    /// Dropped by hand, inside a [`ContextScope`] (cudarc's drop of an
-    /// event makes its context current and leaves it so).
-    event: ManuallyDrop<CudaEvent>,
+    /// Recorded after the kernel; back to `events` on drop.
+    event: sys::CUevent,
+    events: Arc<EventPool>,
     device: Arc<CudaDevice>,
     /// The copier stream it runs on.
     stream: usize,
@@ -926,12 +929,82 @@ pub struct PeerLaunch {
     ended: AtomicBool,
 }
 
+// SAFETY: the event is a driver handle usable from any thread; nothing
+// else in a launch is thread-bound.
+unsafe impl Send for PeerLaunch {}
+// SAFETY: as above; the event is only queried (and recorded before the
+// launch is shared).
+unsafe impl Sync for PeerLaunch {}
+
 impl Drop for PeerLaunch {
     fn drop(&mut self) {
-        // A PeerLaunch exists only once the driver is loaded.
-        let _ctx = ContextScope::save();
-        // SAFETY: dropped once, here, and never used again.
-        unsafe { ManuallyDrop::drop(&mut self.event) };
+        // Recorded again by a later launch: nothing tracks this one's
+        // kernel any more (mappings keep their launches until they ended).
+        self.events.put(self.event);
+    }
+}
+
+/// Completion events of a copier's launches, kept for the next ones (an
+/// event created and destroyed per post were two more driver calls).
+#[derive(Debug)]
+pub(crate) struct EventPool {
+    device: Arc<CudaDevice>,
+    free: Mutex<Vec<sys::CUevent>>,
+}
+
+// SAFETY: raw event handles, usable from any thread, only under the mutex.
+unsafe impl Send for EventPool {}
+// SAFETY: as above.
+unsafe impl Sync for EventPool {}
+
+impl EventPool {
+    fn new(device: Arc<CudaDevice>) -> Arc<Self> {
+        Arc::new(EventPool {
+            device,
+            free: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A free event, or a new one. Needs the device's context current.
+    fn take(&self) -> Result<sys::CUevent, String> {
+        if let Some(e) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(e);
+        }
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: one out pointer; a plain event without timing.
+        unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuEventCreate for a peer-mapped copy: {e}"))?;
+        Ok(event)
+    }
+
+    fn put(&self, event: sys::CUevent) {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(event);
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let Ok(_ctx) = ContextScope::enter(&self.device) else {
+            return; // leaked: they cannot be destroyed without the context
+        };
+        for e in self
+            .free
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            // SAFETY: our event; every launch that used it is gone.
+            let _ = unsafe { sys::cuEventDestroy_v2(e) };
+        }
     }
 }
 
@@ -980,7 +1053,12 @@ impl PeerLaunch {
             return Ok(true);
         }
         let _ctx = ContextScope::enter(&self.device)?;
-        let ended = self.event.try_is_complete().map_err(|e| e.to_string())?;
+        // SAFETY: this launch's event (recorded after its kernel).
+        let ended = match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => true,
+            sys::CUresult::CUDA_ERROR_NOT_READY => false,
+            e => return Err(format!("cuEventQuery: {e:?}")),
+        };
         if ended {
             self.ended.store(true, Ordering::Release);
         }

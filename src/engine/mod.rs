@@ -194,6 +194,9 @@ pub enum MdOwner {
         /// The peer's allocation holding the region, when it is on this
         /// host and exported it for mapping (the peer-mapped path).
         peer: Option<Arc<peer::RemoteAlloc>>,
+        /// The region as this process addresses it, once a preparation
+        /// found it (see [`peer::MappedRegion`]).
+        mapped: std::sync::OnceLock<peer::MappedRegion>,
     },
     /// This agent's own registered memory as the target of a local transfer.
     LocalTarget,
@@ -209,6 +212,14 @@ impl Md {
     pub fn peer_alloc(&self) -> Option<&Arc<peer::RemoteAlloc>> {
         match &self.owner {
             MdOwner::Remote { peer: Some(a), .. } => Some(a),
+            _ => None,
+        }
+    }
+
+    /// Where a remote region kept its mapping ([`peer::MappedRegion`]).
+    pub fn mapped(&self) -> Option<&std::sync::OnceLock<peer::MappedRegion>> {
+        match &self.owner {
+            MdOwner::Remote { mapped, .. } => Some(mapped),
             _ => None,
         }
     }
@@ -973,6 +984,7 @@ impl Engine {
                     }
                     _ => None,
                 },
+                mapped: std::sync::OnceLock::new(),
             },
         });
         Ok((md, public.region_md))
