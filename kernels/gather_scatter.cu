@@ -310,10 +310,12 @@ bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 
 // small transfer's preparation makes no driver call. The driver copies the
 // parameter into the launch; `__grid_constant__` lets every warp read it in
 // place (constant bank, one broadcast per load). Kernel parameters may be
-// up to 32,764 bytes from CUDA 12.1 on (Volta and later); older NVRTCs
-// compile these kernels out, and the host then uploads every table.
-#if defined(__CUDACC_VER_MAJOR__) && \
-    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+// up to 32,764 bytes from CUDA 12.1 on (Volta and later); older NVRTCs and
+// older GPUs compile these kernels out, and the host then uploads every
+// table (as it does when the driver is older than 12.1).
+#if defined(__CUDACC_VER_MAJOR__) &&                                                              \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)) && \
+    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700)
 template <u32 N>
 struct InlinePairs {
     u64 pairs[2 * N];
@@ -328,9 +330,9 @@ struct InlinePairs {
         copy_pairs(table.pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);        \
     }
 
-// The sizes are `INLINE_PAIRS` in src/copy/cuda.rs: 4, 8 and 16 KiB and
-// 32,640 bytes of table (the largest that leaves room for the other
-// parameters). A launch's cost grows with its parameter's size (1.5 us
+// The sizes are `INLINE_PAIRS` in src/copy/cuda.rs: 4, 8, 16 and 31.9 KiB
+// of table (2040 pairs: the table and the other parameters, 32,664 bytes,
+// stay under the limit). A launch's cost grows with its parameter's size (1.5 us
 // more than an uploaded table's at 4 KiB, 7 us at 32 KiB on the H200), so
 // each table takes the smallest that holds it.
 BOUNCE_INLINE_PAIRS_KERNEL(256)

@@ -600,14 +600,18 @@ fn pair_tables_match_the_host_reference() {
         .iter()
         .enumerate()
     {
-        for misalign in [0usize, 1, 8, 13] {
+        for (m, misalign) in [0usize, 1, 8, 13].into_iter().enumerate() {
             dst.fill(0xAB).unwrap();
             let mut want = vec![0xABu8; buf];
             // Destination slots of `len` rounded up to 16, shuffled; sources anywhere.
             let slot = len.next_multiple_of(16) + 16;
-            // Counts on both sides of the inline tables' sizes (256, 2040).
-            let counts = [1usize, 256, 257, 2040, 2041, 6000];
-            let n = counts[(case + misalign) % counts.len()].min(buf / slot);
+            // Counts on both sides of each inline table size (256, 512,
+            // 1024, 2040), each count in both forms: the 40 cases go
+            // through the counts four times, inline on rounds 0 and 2.
+            let counts = [1usize, 256, 257, 512, 513, 1024, 1025, 2040, 2041, 6000];
+            let k = case * 4 + m;
+            let n = counts[k % counts.len()].min(buf / slot);
+            let inline_limit = [usize::MAX, 0][(k / counts.len()) % 2];
             let mut slots: Vec<usize> = (0..n).collect();
             for i in (1..n).rev() {
                 slots.swap(i, rng.below(i as u64 + 1) as usize);
@@ -622,9 +626,6 @@ fn pair_tables_match_the_host_reference() {
             for &(from, to) in &copies {
                 want[to..to + len].copy_from_slice(&src_h[from..from + len]);
             }
-            // Every table form in turn.
-            // Both table forms in turn: inline where it fits, or uploaded.
-            let inline_limit = [usize::MAX, 0][(case + misalign) % 2];
             copier.set_inline_limit(inline_limit);
             let table = copier
                 .prepare_pairs(n, len as u64, Instant::now(), |out| {

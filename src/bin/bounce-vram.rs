@@ -1297,7 +1297,9 @@ fn print_row(r: &Row) {
 /// One measured (case, direction) of `mapping`.
 #[derive(serde::Serialize)]
 struct MapRow {
-    /// `memcpy` (one cuMemcpyDtoDAsync) or `kernel` (the pair kernel).
+    /// `memcpy` (one cuMemcpyDtoDAsync), `kernel` (the pair kernel, its
+    /// table as the engine would make it), or `kernel-upload` /
+    /// `kernel-inline` (the table uploaded / the launch's parameter).
     method: &'static str,
     descriptors: usize,
     size: usize,
@@ -1688,21 +1690,36 @@ fn mapping_probe(args: &Args) -> Result<(), String> {
             rows.push(row?);
         }
     }
-    // (d) Where a small table goes: uploaded, the launch's parameter, or
-    // mapped pinned host memory; 4 KiB blocks written into the peer.
+    // (d) Where a small table goes: uploaded or the launch's parameter;
+    // 4 KiB blocks written into the peer.
     let (_, src, dst) = probe.directions()[1];
     for n in [64usize, 256, 512, 1024, 2040, 4096] {
+        if n * 4096 > len {
+            eprintln!("mapping: skip {n}x4KiB: --buffer {len} too small");
+            continue;
+        }
         let moves = plan(n, 4096, len / 4096, 0, 0x7ab1 + n as u64, false).moves;
-        for (method, choice) in [("kernel-upload", 0), ("kernel-inline", usize::MAX)] {
-            probe.copier.set_inline_limit(choice);
+        for limit in [0, usize::MAX] {
+            probe.copier.set_inline_limit(limit);
+            // Each preparation timed up to its table, not its drop (an
+            // uploaded table's drop records an event).
             let mut prepares = Vec::new();
-            for _ in 0..MAP_WARMUPS + args.iters.max(1) {
+            for i in 0..MAP_WARMUPS + args.iters.max(1) {
                 let t = Instant::now();
-                drop(probe.table(&moves, 4096, src, dst)?);
-                prepares.push(t.elapsed().as_secs_f64() * 1e6);
+                let table = probe.table(&moves, 4096, src, dst)?;
+                let us = t.elapsed().as_secs_f64() * 1e6;
+                drop(table);
+                if i >= MAP_WARMUPS {
+                    prepares.push(us);
+                }
             }
             prepares.sort_by(f64::total_cmp);
             let mut table = probe.table(&moves, 4096, src, dst)?;
+            let method = if table.inline() {
+                "kernel-inline"
+            } else {
+                "kernel-upload"
+            };
             let maps = probe.maps(src, dst);
             let mut row = probe.case(
                 method,

@@ -517,7 +517,7 @@ pub fn inline_pairs_kernel_name(n: usize) -> String {
 /// or write (destinations) until it ended.
 pub(crate) unsafe fn launch_pairs_inline(
     func: &CudaFunction,
-    table: &mut [u64],
+    table: &[u64],
     len: u64,
     shape: &LaunchShape,
     stream: sys::CUstream,
@@ -528,7 +528,8 @@ pub(crate) unsafe fn launch_pairs_inline(
     let mut a_tpw: u32 = shape.tiles_per_warp;
     let mut a_shift: u32 = shape.tile_shift();
     let mut params: [*mut c_void; 6] = [
-        table.as_mut_ptr() as *mut c_void,
+        // The driver only reads the parameters.
+        table.as_ptr() as *mut c_void,
         &mut a_len as *mut u64 as *mut c_void,
         &mut a_per_copy as *mut u32 as *mut c_void,
         &mut a_total as *mut u32 as *mut c_void,
@@ -978,14 +979,28 @@ impl CopyKernel {
         let func_pairs = module
             .load_function(PAIRS_KERNEL_NAME)
             .map_err(|e| format!("cuModuleGetFunction({PAIRS_KERNEL_NAME}): {e}"))?;
-        // Absent from the module when NVRTC compiled them out (see the source).
-        let func_pairs_inline = INLINE_PAIRS
+        // Absent from the module when NVRTC compiled them out (see the
+        // source); unused when the driver predates large kernel parameters.
+        let mut driver: std::ffi::c_int = 0;
+        // SAFETY: one out pointer.
+        let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) }
+            .result()
+            .is_ok()
+            && driver >= 12010;
+        let func_pairs_inline: Vec<(usize, CudaFunction)> = INLINE_PAIRS
             .iter()
+            .filter(|_| driver_ok)
             .filter_map(|&n| {
                 let f = module.load_function(&inline_pairs_kernel_name(n)).ok()?;
                 Some((n, f))
             })
             .collect();
+        if func_pairs_inline.is_empty() {
+            tracing::info!(
+                driver,
+                "no inline pair kernels (NVRTC or driver older than CUDA 12.1, or a GPU before Volta): every peer-mapped table is uploaded"
+            );
+        }
         let compile_time = started.elapsed();
         // SAFETY: func is a live kernel of a loaded module.
         let occ = unsafe {
@@ -2539,10 +2554,18 @@ mod tests {
             match compile_copy_kernel(target) {
                 Ok((image, t)) => {
                     assert!(!image.is_empty());
-                    // NVRTC of CUDA 12.1 or later keeps the inline kernels.
+                    // NVRTC of CUDA 12.1 or later keeps the inline kernels
+                    // (for Volta and later: both targets here are).
+                    let (mut major, mut minor) = (0, 0);
+                    // SAFETY: two out pointers.
+                    let _ = unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
                     let has = |name: &str| image.windows(name.len()).any(|w| w == name.as_bytes());
                     for n in INLINE_PAIRS {
-                        assert!(has(&inline_pairs_kernel_name(n)), "{n}");
+                        assert_eq!(
+                            has(&inline_pairs_kernel_name(n)),
+                            (major, minor) >= (12, 1),
+                            "{n}: NVRTC {major}.{minor}"
+                        );
                     }
                     println!("{target:?}: {} bytes in {t:?}", image.len());
                 }

@@ -733,7 +733,7 @@ impl PeerTable {
         // translated into mappings that stay open until the copies through
         // them ended (noted below).
         let launched = unsafe {
-            match &mut self.form {
+            match &self.form {
                 TableForm::Runs(layout) => launch_copy(
                     c.kernel.function(),
                     ptr,
@@ -749,11 +749,13 @@ impl PeerTable {
                     stream.cu_stream(),
                 ),
                 TableForm::InlinePairs { len, words } => {
+                    // The variant whose parameter is exactly `words` (it
+                    // was sized from this look-up when prepared).
                     match c.kernel.inline_pairs_function(words.len() / 2) {
-                        Some((_, func)) => {
+                        Some((cap, func)) if 2 * cap == words.len() => {
                             launch_pairs_inline(func, words, *len, &self.shape, stream.cu_stream())
                         }
-                        None => Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)),
+                        _ => Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)),
                     }
                 }
             }
@@ -767,8 +769,14 @@ impl PeerTable {
         }
         // SAFETY: an event of this context (the pool's) and a live stream of it.
         if let Err(e) = unsafe { sys::cuEventRecord(event, stream.cu_stream()) }.result() {
-            // The copy runs untracked: wait for it before reporting.
+            // The copy runs untracked: wait for it before reporting; when
+            // even that fails, its mappings are never closed (fail closed).
             let waited = stream.synchronize();
+            if waited.is_err() {
+                for m in mappings {
+                    std::mem::forget(m.clone());
+                }
+            }
             c.events.put(event);
             return Err(format!(
                 "cuEventRecord after the peer-mapped copy: {e} (waiting for the copy: {waited:?})"
@@ -952,7 +960,8 @@ pub(crate) struct EventPool {
     free: Mutex<Vec<sys::CUevent>>,
 }
 
-// SAFETY: raw event handles, usable from any thread, only under the mutex.
+// SAFETY: raw event handles, usable from any thread; the free ones are
+// touched only under the mutex, a taken one only by its launch.
 unsafe impl Send for EventPool {}
 // SAFETY: as above.
 unsafe impl Sync for EventPool {}
