@@ -60,6 +60,8 @@ pub struct Config {
     pub max_chunk_size_bytes: u64,
     /// Per-flow in-flight cap W (pipeline depth).
     pub max_inflight_chunks_per_request: u32,
+    pub min_chunks_per_request: u32,
+    pub min_chunk_size_bytes: u64,
     /// Copy execution contexts (GPU kernel concurrency cap).
     pub copy_stream_count: u32,
     /// Scatter worker thread count.
@@ -131,6 +133,8 @@ impl Default for Config {
             arena_allocation_granularity_bytes: MIB,
             max_chunk_size_bytes: 32 * MIB,
             max_inflight_chunks_per_request: 8,
+            min_chunks_per_request: 4,
+            min_chunk_size_bytes: 4 * MIB,
             copy_stream_count: 8,
             scatter_worker_count: 4,
             min_descriptor_count: 1024,
@@ -304,6 +308,8 @@ static SETTINGS: &[Setting] = &[
     setting!(arena_allocation_granularity_bytes, "arena_allocation_granularity_bytes", "ARENA_ALLOCATION_GRANULARITY_BYTES", Bytes, false, "Buddy minimum block (allocation granularity); power of two, >= 32."),
     setting!(max_chunk_size_bytes, "max_chunk_size_bytes", "MAX_CHUNK_SIZE_BYTES", Bytes, false, "Per-chunk byte cap (plan bin-pack cap); clamped to the arena's usable capacity; must match the peer's (handshake-checked)."),
     setting!(max_inflight_chunks_per_request, "max_inflight_chunks_per_request", "MAX_INFLIGHT_CHUNKS_PER_REQUEST", Count, false, "Per-flow in-flight cap W (pipeline depth)."),
+    setting!(min_chunks_per_request, "min_chunks_per_request", "MIN_CHUNKS_PER_REQUEST", Count, false, "Bounce arena: a request is cut into at least this many chunks (none below min_chunk_size_bytes), so that its gather, write and scatter overlap; 1 = chunks of max_chunk_size_bytes only."),
+    setting!(min_chunk_size_bytes, "min_chunk_size_bytes", "MIN_CHUNK_SIZE_BYTES", Bytes, true, "Bounce arena: the smallest chunk a request is cut into for overlap (min_chunks_per_request); smaller requests are one chunk."),
     setting!(copy_stream_count, "copy_stream_count", "COPY_STREAM_COUNT", Count, false, "Copy execution contexts (GPU kernel concurrency cap)."),
     setting!(scatter_worker_count, "scatter_worker_count", "SCATTER_WORKER_COUNT", Count, false, "Scatter worker thread count."),
     setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides: minimum descriptor count (fewer go to UCX)."),
@@ -664,7 +670,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 28);
+        assert_eq!(keys.len(), 30);
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));

@@ -300,6 +300,14 @@ impl Sim {
             local_endpoint: Vec::new(),
             request_id_base: 0,
             access_key: 0,
+            // Drawn last, so the fields above keep their earlier draws.
+            // Half the scenarios cut requests for overlap.
+            min_chunks: if rng.chance(0.5) {
+                rng.range(2, 5) as u32
+            } else {
+                1
+            },
+            min_chunk: granularity << rng.range(0, 3),
         };
         let mut faults = Faults::default();
         let mut extra_rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x005E_ED0F_F417);

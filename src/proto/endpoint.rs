@@ -46,6 +46,10 @@ pub struct EndpointConfig {
     pub granularity: u64,
     /// Chunk cap.
     pub max_chunk: u64,
+    /// A request is cut into at least this many chunks, none below
+    /// `min_chunk` bytes ([`plan::chunk_cap`]); 1: by the cap alone.
+    pub min_chunks: u32,
+    pub min_chunk: u64,
     /// Per-flow in-flight cap W.
     pub window: u32,
     /// No-progress timeout per request.
@@ -83,6 +87,8 @@ impl EndpointConfig {
             arena_capacity: config.arena_usable_capacity(),
             granularity: config.arena_allocation_granularity_bytes,
             max_chunk: config.max_chunk_size_bytes,
+            min_chunks: config.min_chunks_per_request.max(1),
+            min_chunk: config.min_chunk_size_bytes,
             window: config.max_inflight_chunks_per_request,
             request_timeout: timeout,
             request_deadline: (config.request_deadline_ms > 0)
@@ -400,6 +406,8 @@ impl Endpoint {
         let plan_options = PlanOptions {
             max_chunk_bytes: cfg.max_chunk,
             merge_runs: cfg.merge_runs,
+            min_chunks: u64::from(cfg.min_chunks.max(1)),
+            min_chunk_bytes: cfg.min_chunk,
         };
         let sender = Sender::new(cfg.request_id_base);
         Ok(Endpoint {
@@ -1103,6 +1111,9 @@ mod tests {
             arena_capacity: 4096,
             granularity: 64,
             max_chunk: 1024,
+            // These tests count chunks: cut by the cap alone.
+            min_chunks: 1,
+            min_chunk: 0,
             window: 2,
             request_timeout: Duration::from_millis(10),
             request_deadline: None,

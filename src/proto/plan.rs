@@ -11,7 +11,10 @@
 //!   first piece fills the current chunk (when at least one aligned byte is
 //!   left), then whole chunks, then the remainder starts a new chunk;
 //! - a chunk's size is the end offset of its last piece (alignment padding
-//!   between pieces included, no trailing padding).
+//!   between pieces included, no trailing padding);
+//! - the cap is the request's own ([`chunk_cap`]): `max_chunk_bytes`, or
+//!   less, so that a request of several `min_chunk_bytes` is cut into at
+//!   least `min_chunks` chunks whose gather, write and scatter overlap.
 
 use thiserror::Error;
 
@@ -113,10 +116,46 @@ impl Plan {
 /// Plan options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlanOptions {
-    /// Chunk byte cap.
+    /// Chunk byte cap (the receiver refuses larger chunks).
     pub max_chunk_bytes: u64,
     /// Coalesce runs (false = one run per piece, for debugging).
     pub merge_runs: bool,
+    /// A request is cut into at least this many chunks (1: only by the
+    /// cap), so that its stages overlap ...
+    pub min_chunks: u64,
+    /// ... but no chunk is made smaller than this for it.
+    pub min_chunk_bytes: u64,
+}
+
+impl PlanOptions {
+    /// Options that cut chunks by `max_chunk_bytes` alone.
+    pub fn capped(max_chunk_bytes: u64, merge_runs: bool) -> PlanOptions {
+        PlanOptions {
+            max_chunk_bytes,
+            merge_runs,
+            min_chunks: 1,
+            min_chunk_bytes: 0,
+        }
+    }
+}
+
+/// The chunk cap of a request of `payload` bytes: `max_chunk_bytes`, or
+/// `payload / min_chunks` (aligned up) when that is smaller, but never below
+/// `min_chunk_bytes`. One chunk is gathered, written and scattered one
+/// stage after another; several overlap (the sender gathers chunk k + 1
+/// while chunk k is written, the receiver scatters chunk k while k + 1
+/// arrives), so a request no longer waits for its whole gather before its
+/// first write.
+pub fn chunk_cap(options: &PlanOptions, payload: u64) -> u64 {
+    let cap = options.max_chunk_bytes;
+    if options.min_chunks <= 1 {
+        return cap;
+    }
+    let share = align_up(payload.div_ceil(options.min_chunks));
+    share
+        .max(options.min_chunk_bytes)
+        .min(cap)
+        .max(REGION_ALIGN)
 }
 
 fn align_up(x: u64) -> u64 {
@@ -126,10 +165,13 @@ fn align_up(x: u64) -> u64 {
 
 /// Builds the plan for `descriptors`.
 pub fn build(descriptors: &[Descriptor], options: PlanOptions) -> Result<Plan, PlanError> {
-    let cap = options.max_chunk_bytes;
-    if cap < REGION_ALIGN {
-        return Err(PlanError::ChunkTooSmall(cap));
+    if options.max_chunk_bytes < REGION_ALIGN {
+        return Err(PlanError::ChunkTooSmall(options.max_chunk_bytes));
     }
+    let payload = descriptors
+        .iter()
+        .fold(0u64, |sum, d| sum.saturating_add(d.len));
+    let cap = chunk_cap(&options, payload);
     let mut plan = Plan::default();
     if let Some(first) = descriptors.first() {
         plan.src_dev = first.src_dev;
@@ -293,10 +335,7 @@ mod tests {
     }
 
     fn opts(cap: u64) -> PlanOptions {
-        PlanOptions {
-            max_chunk_bytes: cap,
-            merge_runs: true,
-        }
+        PlanOptions::capped(cap, true)
     }
 
     /// Expands runs into (region_offset, addr, len) triples.
@@ -396,14 +435,7 @@ mod tests {
         );
         assert_eq!(p.chunks[0].gather_runs.len(), 1);
         // Debug option: no merging.
-        let p = build(
-            &descs,
-            PlanOptions {
-                max_chunk_bytes: 1 << 20,
-                merge_runs: false,
-            },
-        )
-        .unwrap();
+        let p = build(&descs, PlanOptions::capped(1 << 20, false)).unwrap();
         assert_eq!(p.chunks[0].scatter_runs.len(), 100);
     }
 
@@ -438,7 +470,7 @@ mod tests {
                 src += len + gaps[i] * 7;
                 dst += len + gaps[(i + 1) % 60] * 16;
             }
-            let p = build(&descs, PlanOptions { max_chunk_bytes: cap, merge_runs: merge }).unwrap();
+            let p = build(&descs, PlanOptions::capped(cap, merge)).unwrap();
             let mut moved_src = Vec::new();
             let mut moved_dst = Vec::new();
             for c in &p.chunks {
@@ -478,5 +510,32 @@ mod tests {
             let planned: u64 = p.chunks.iter().flat_map(|c| c.scatter_runs.iter()).map(|r| r.total_bytes().unwrap()).sum();
             prop_assert_eq!(total, planned);
         }
+    }
+
+    #[test]
+    fn a_request_is_cut_into_at_least_min_chunks() {
+        let o = PlanOptions {
+            max_chunk_bytes: 32 << 20,
+            merge_runs: true,
+            min_chunks: 4,
+            min_chunk_bytes: 1 << 20,
+        };
+        // 16 MiB: four chunks of 4 MiB, not one of 16.
+        let descs: Vec<_> = (0..4096).map(|i| d(i * 8192, i * 4096, 4096)).collect();
+        assert_eq!(chunk_cap(&o, 16 << 20), 4 << 20);
+        assert_eq!(build(&descs, o).unwrap().chunk_sizes(), vec![4 << 20; 4]);
+        // 2 MiB: 1 MiB chunks at the least, so two.
+        assert_eq!(chunk_cap(&o, 2 << 20), 1 << 20);
+        assert_eq!(build(&descs[..512], o).unwrap().chunks.len(), 2);
+        // Small requests stay one chunk; large ones keep the cap.
+        assert_eq!(build(&descs[..64], o).unwrap().chunks.len(), 1);
+        assert_eq!(chunk_cap(&o, 1 << 30), 32 << 20);
+        // An odd share is aligned up (every piece starts 32-byte aligned).
+        assert_eq!(chunk_cap(&o, (16 << 20) + 4), (4 << 20) + 32);
+        // Off: the cap alone.
+        assert_eq!(
+            chunk_cap(&PlanOptions::capped(32 << 20, true), 16 << 20),
+            32 << 20
+        );
     }
 }
