@@ -6,7 +6,9 @@
 //!   UCX needs for a WRITE);
 //! - with a notification: the target checks its destination the moment the
 //!   notification shows up (the notification must mean "the data is there"),
-//!   with one big chunk and with many small chunks;
+//!   with the default chunks (four of 4 MiB) and with many small chunks;
+//! - the default split of a 16 MiB request into four chunks (and one chunk
+//!   with the split off);
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 #[path = "support/bounce.rs"]
@@ -262,4 +264,30 @@ fn notification_only_after_data_in_place_many_chunks() {
         (9, 10),
         b"op-notif-many-chunks",
     );
+}
+
+/// By default a 16 MiB request (4096 x 4 KiB) goes in four chunks of 4 MiB
+/// whose gather, write and scatter overlap (`min_chunks_per_request`,
+/// `min_chunk_size_bytes`); with the split off it is one chunk (the 32 MiB
+/// cap). Byte-exact either way.
+#[test]
+#[serial_test::serial]
+fn a_16_mib_request_is_pipelined_in_four_chunks() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let split_off = ("min_chunks_per_request", "1");
+    for (seed, ex, chunks) in [(51, vec![LOOPBACK], 4), (53, vec![LOOPBACK, split_off], 1)] {
+        let mut a = endpoint("pl-a", &ex, len(), seed, ThreadSync::Default);
+        let mut b = endpoint("pl-b", &ex, len(), seed + 1, ThreadSync::Default);
+        pair_up(&a.node, &b.node);
+        let before = stats(a.name());
+        let s = 100 * seed;
+        write_once(&mut a, &mut b, s + 11, (s + 101, s + 102));
+        assert_eq!(
+            stats(a.name()).since(&before, "chunks_written"),
+            chunks,
+            "{ex:?}"
+        );
+    }
 }
