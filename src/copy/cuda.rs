@@ -480,6 +480,30 @@ pub(crate) unsafe fn launch_pairs(
     stream: sys::CUstream,
 ) -> Result<(), result::DriverError> {
     let mut a_pairs: u64 = table;
+    // The kernel's first parameter is the table's address (u64).
+    pair_launch(
+        func,
+        &mut a_pairs as *mut u64 as *mut c_void,
+        len,
+        shape,
+        stream,
+    )
+}
+
+/// Launches a pair kernel whose first parameter is at `table` (the table's
+/// address, or the table itself), then (len u64, per_copy u32, total_tiles
+/// u32, tiles_per_warp u32, tile_shift u32).
+///
+/// # Safety
+/// As for [`launch_pairs`]; `table` points at the first parameter's value,
+/// as large as `func` declares it.
+unsafe fn pair_launch(
+    func: &CudaFunction,
+    table: *mut c_void,
+    len: u64,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+) -> Result<(), result::DriverError> {
     let mut a_len: u64 = len;
     // ceil(len / tile_bytes) * nruns == total_tiles < 2^32 (pairs_shape).
     let mut a_per_copy: u32 = len.div_ceil(shape.tile_bytes) as u32;
@@ -487,14 +511,14 @@ pub(crate) unsafe fn launch_pairs(
     let mut a_tpw: u32 = shape.tiles_per_warp;
     let mut a_shift: u32 = shape.tile_shift();
     let mut params: [*mut c_void; 6] = [
-        &mut a_pairs as *mut u64 as *mut c_void,
+        table,
         &mut a_len as *mut u64 as *mut c_void,
         &mut a_per_copy as *mut u32 as *mut c_void,
         &mut a_total as *mut u32 as *mut c_void,
         &mut a_tpw as *mut u32 as *mut c_void,
         &mut a_shift as *mut u32 as *mut c_void,
     ];
-    // The kernel's parameters are (u64, u64, u32, u32, u32, u32), matching
+    // The kernels' parameters are (table, u64, u32, u32, u32, u32), matching
     // `params`; the rest is the caller's promise.
     launch_grid(func, shape, stream, &mut params)
 }
@@ -522,24 +546,9 @@ pub(crate) unsafe fn launch_pairs_inline(
     shape: &LaunchShape,
     stream: sys::CUstream,
 ) -> Result<(), result::DriverError> {
-    let mut a_len: u64 = len;
-    let mut a_per_copy: u32 = len.div_ceil(shape.tile_bytes) as u32;
-    let mut a_total: u32 = shape.total_tiles;
-    let mut a_tpw: u32 = shape.tiles_per_warp;
-    let mut a_shift: u32 = shape.tile_shift();
-    let mut params: [*mut c_void; 6] = [
-        // The driver only reads the parameters.
-        table.as_ptr() as *mut c_void,
-        &mut a_len as *mut u64 as *mut c_void,
-        &mut a_per_copy as *mut u32 as *mut c_void,
-        &mut a_total as *mut u32 as *mut c_void,
-        &mut a_tpw as *mut u32 as *mut c_void,
-        &mut a_shift as *mut u32 as *mut c_void,
-    ];
-    // The kernel's parameters are (InlinePairs<N>, u64, u32, u32, u32, u32):
-    // the first read from `table` (2N words, the caller's promise), the rest
-    // matching `params`.
-    launch_grid(func, shape, stream, &mut params)
+    // The first parameter is InlinePairs<N> itself, read from `table` (2N
+    // words, the caller's promise); the driver only reads the parameters.
+    pair_launch(func, table.as_ptr() as *mut c_void, len, shape, stream)
 }
 
 /// What NVRTC should produce for a device of compute capability `cc`

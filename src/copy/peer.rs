@@ -549,15 +549,7 @@ impl Staging {
     /// device's context current.
     fn after_upload(&mut self, upload: sys::CUstream, copies: sys::CUstream) -> Result<(), String> {
         if self.event.is_null() {
-            // SAFETY: one out pointer; a plain event without timing.
-            unsafe {
-                sys::cuEventCreate(
-                    &mut self.event,
-                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                )
-            }
-            .result()
-            .map_err(|e| format!("cuEventCreate for table uploads: {e}"))?;
+            self.event = new_event("table uploads")?;
         }
         // SAFETY: our event and two live streams of the current context.
         unsafe { sys::cuEventRecord(self.event, upload) }
@@ -874,16 +866,7 @@ impl TableCache {
             }
         }
         let want = bytes.next_power_of_two().max(64 << 10);
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: one out pointer; a plain event without timing.
-        unsafe {
-            sys::cuEventCreate(
-                &mut event,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-            )
-        }
-        .result()
-        .map_err(|e| format!("cuEventCreate for a peer-copy table: {e}"))?;
+        let event = new_event("a peer-copy table")?;
         // SAFETY: a plain device allocation; released on failure below.
         match unsafe { result::malloc_sync(want) } {
             Ok(ptr) => Ok(CachedTable {
@@ -952,6 +935,21 @@ impl Drop for PeerLaunch {
     }
 }
 
+/// A plain event without timing, for `what`. Needs a context current.
+fn new_event(what: &str) -> Result<sys::CUevent, String> {
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: one out pointer; a plain event without timing.
+    unsafe {
+        sys::cuEventCreate(
+            &mut event,
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+        )
+    }
+    .result()
+    .map_err(|e| format!("cuEventCreate for {what}: {e}"))?;
+    Ok(event)
+}
+
 /// Completion events of a copier's launches, kept for the next ones (an
 /// event created and destroyed per post were two more driver calls).
 #[derive(Debug)]
@@ -979,17 +977,7 @@ impl EventPool {
         if let Some(e) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Ok(e);
         }
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: one out pointer; a plain event without timing.
-        unsafe {
-            sys::cuEventCreate(
-                &mut event,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-            )
-        }
-        .result()
-        .map_err(|e| format!("cuEventCreate for a peer-mapped copy: {e}"))?;
-        Ok(event)
+        new_event("a peer-mapped copy")
     }
 
     fn put(&self, event: sys::CUevent) {
