@@ -424,21 +424,21 @@ pub struct Shape<'a> {
 }
 
 /// The total length of a transfer's descriptors: known, or summed when a
-/// gate asks for it. Only gates with a size limit ask, and the peer-mapped
-/// path's default gate has none: the real clients' transfers it takes are
-/// then read once, by the table's pass, not twice (a sum over 32,768
-/// descriptors reads 1 MiB).
+/// gate first asks for it (and kept in the cell for the next). Only gates
+/// with a size limit ask, and the peer-mapped path's default gate has
+/// none: the real clients' transfers it takes are then read once, by the
+/// table's pass, not twice (a sum over 32,768 descriptors reads 1 MiB).
 #[derive(Debug, Clone, Copy)]
 pub enum TotalBytes<'a> {
     Known(u64),
-    Of(&'a [RawDesc]),
+    Of(&'a [RawDesc], &'a std::cell::OnceCell<u64>),
 }
 
 impl TotalBytes<'_> {
     pub fn get(self) -> u64 {
         match self {
             TotalBytes::Known(b) => b,
-            TotalBytes::Of(d) => d.iter().map(|d| d.len as u64).sum(),
+            TotalBytes::Of(d, sum) => *sum.get_or_init(|| d.iter().map(|d| d.len as u64).sum()),
         }
     }
 }

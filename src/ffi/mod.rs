@@ -726,11 +726,12 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
         let (lraw, lkind, lres) = unsafe { raw_descs(local, "local") }?;
         // SAFETY: caller contract.
         let (rraw, rkind, rres) = unsafe { raw_descs(remote, "remote") }?;
+        let total = std::cell::OnceCell::new();
         let shape = Shape {
             local: lkind,
             remote: rkind,
             descriptors: lraw.len() as u64,
-            bytes: TotalBytes::Of(as_raw(lraw)),
+            bytes: TotalBytes::Of(as_raw(lraw), &total),
             local_transfer: agent == e.local_name(),
         };
         // SAFETY: caller contract.
