@@ -77,10 +77,9 @@ if [[ "$mode" == peer ]]; then
     # What the IPC mapping allows (cuMemcpyDtoD and the pair kernel, local
     # against mapped), then the peer-mapped path post to completion.
     run mapping "$v" mapping --iters 20 --json "$out/mapping.json"
-    local_op=""
-    for local_op in write read; do
-        run "bench-peer-$local_op" "$v" bench --op $local_op --backend BOUNCE --label "BOUNCE-peer-$local_op" \
-            --sizes 4096,8192,16384 --counts 1024,4096,16384 --iters 30 --json "$out/bench-peer-$local_op.json"
+    for op in write read; do
+        run "bench-peer-$op" "$v" bench --op $op --backend BOUNCE --label "BOUNCE-peer-$op" \
+            --sizes 4096,8192,16384 --counts 1024,4096,16384 --iters 30 --json "$out/bench-peer-$op.json"
     done
     # Small tables: the launch's parameter (the default) against uploaded.
     for inline in 2040 0; do

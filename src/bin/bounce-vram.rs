@@ -1566,11 +1566,7 @@ fn launch_and_wait(table: &mut PeerTable, maps: &[Arc<PeerMapping>]) -> Result<(
 }
 
 fn human(bytes: usize) -> String {
-    if bytes % MIB == 0 {
-        format!("{}MiB", bytes / MIB)
-    } else {
-        format!("{}KiB", bytes / 1024)
-    }
+    nixl_bounce::config::format_bytes(bytes as u64)
 }
 
 fn run_mapping(args: &Args) -> bool {

@@ -820,7 +820,8 @@ pub struct CopyKernel {
     /// `bounce_copy_pairs`: reads an uploaded pair table.
     func_pairs: CudaFunction,
     /// `bounce_copy_pairs_inline<N>` for each N of [`INLINE_PAIRS`] (none
-    /// when NVRTC is older than CUDA 12.1 and compiled them out).
+    /// when NVRTC compiled them out, older than CUDA 12.1 or for a GPU
+    /// before Volta, or when the driver is older than 12.1).
     func_pairs_inline: Vec<(usize, CudaFunction)>,
     _module: Arc<CudaModule>,
     /// What NVRTC compiled for (e.g. `sm_90`).

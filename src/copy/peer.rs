@@ -11,8 +11,9 @@
 //! - [`PeerMapping`]: a peer's allocation opened in this process (closed on
 //!   drop, after every peer-mapped copy of the device has ended).
 //! - [`PeerCopier`]: one device's streams and its copy kernel.
-//! - [`PeerTable`]: a transfer's run table, built and uploaded once when the
-//!   request is prepared, so a post is one kernel launch.
+//! - [`PeerTable`]: a transfer's copy table (runs or pairs), built once when
+//!   the request is prepared, uploaded or kept to be passed as the launch's
+//!   parameter, so a post is one kernel launch.
 //! - [`PeerLaunch`]: one posted copy, polled through its event.
 //!
 //! The kernel is the gather/scatter kernel of `kernels/gather_scatter.cu`:
@@ -666,14 +667,14 @@ enum TableForm {
     },
 }
 
-/// A transfer's uploaded table. Its copies all run on one stream of the
-/// copier; on drop its device memory goes back to the copier's
+/// A transfer's table, uploaded or (a small pair table) kept to be the
+/// launch's parameter. Its copies all run on one stream of the copier; on
+/// drop an uploaded table's device memory goes back to the copier's
 /// [`TableCache`], reused only after every copy launched from it ended.
 pub struct PeerTable {
     copier: Arc<PeerCopier>,
     /// Taken back by the cache on drop.
     device_table: Option<CachedTable>,
-
     form: TableForm,
     shape: LaunchShape,
     stream: usize,
