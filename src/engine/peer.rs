@@ -261,11 +261,18 @@ impl PeerMaps {
             (r.dev == device).then_some(Window::of(r, 0))
         };
         let ordinal = copier.device().ordinal();
+        // Borrows what the region keeps (no reference count taken per
+        // region: an atomic read-modify-write also stalls the loads after it,
+        // and the look-ups' cache misses would no longer overlap).
         let remote_window = |p| {
             let md = remote.md(p)?;
             let kept = md.mapped()?;
-            let found = match kept.get() {
-                Some(r) if r.device == ordinal => r.clone(),
+            let mut window = |r: &MappedRegion| {
+                keep_mapping(&mut mappings, &r.mapping);
+                Some(Window::of(md.range, r.shift))
+            };
+            match kept.get() {
+                Some(r) if r.device == ordinal => window(r),
                 _ => {
                     let alloc = md.peer_alloc()?;
                     let m = alloc.mapping(&copier).ok()?;
@@ -278,13 +285,16 @@ impl PeerMaps {
                         shift: m.base().wrapping_sub(alloc.export.alloc_base),
                         mapping: m,
                     };
-                    let _ = kept.set(r.clone()); // the first device's stays
-                    r
+                    // The first device's stays kept; another's is used once.
+                    match kept.set(r) {
+                        Ok(()) => window(kept.get()?),
+                        Err(r) => window(&r),
+                    }
                 }
-            };
-            keep_mapping(&mut mappings, &found.mapping);
-            Some(Window::of(md.range, found.shift))
+            }
         };
+        local.prefetch_handles();
+        remote.prefetch_handles();
         let table = copier.prepare_pairs(local.len(), first.len as u64, started, |out| {
             Ok(walk_pairs(
                 op,
