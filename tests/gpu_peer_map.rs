@@ -55,13 +55,7 @@ impl Side {
         params.extend_from_slice(extra);
         let node = Node::new(&unique_name(prefix), "BOUNCE", &params).or_fail("agent");
         let buf = DeviceArena::new(dev, len).or_fail("device buffer");
-        let mut opt = OptArgs::new().expect("opt args");
-        opt.add_backend(&node.backend).expect("backend");
-        let reg = node
-            .agent
-            .register_memory(&buf, Some(&opt))
-            .map_err(|e| format!("{e}"))
-            .or_fail("register VRAM");
+        let reg = register_vram(&node, &buf);
         Side {
             node,
             buf,
@@ -81,6 +75,15 @@ impl Side {
         self.buf.read(0, &mut v).or_fail("read back");
         v
     }
+}
+
+fn register_vram(node: &Node, buf: &DeviceArena) -> RegistrationHandle {
+    let mut opt = OptArgs::new().expect("opt args");
+    opt.add_backend(&node.backend).expect("backend");
+    node.agent
+        .register_memory(buf, Some(&opt))
+        .map_err(|e| format!("{e}"))
+        .or_fail("register VRAM")
 }
 
 /// A VRAM transfer request of `plan` from `a`'s buffer to `b`'s (WRITE) or
@@ -205,6 +208,49 @@ fn writes_and_reads_are_one_kernel_through_the_mapping() {
         }
         println!("{n} x 4 KiB: WRITE and READ peer-mapped, byte-exact");
     }
+}
+
+/// Regions registered anew between requests (the peer's agent and memory
+/// replaced, this agent's memory registered again) are copied where they
+/// are now, byte-exact. The windows kept from one request for the next
+/// (`WindowCache`) are emptied by every release, by construction; in one
+/// process a stale window could only be declined (a peer's memory is not
+/// shifted there), so this guards the path rather than provoking one.
+#[test]
+#[serial_test::serial]
+fn regions_registered_anew_between_requests_are_copied_where_they_are_now() {
+    let Some(dev) = gpu_and_plugin() else { return };
+    let n = 512;
+    let len = blocks_for(n) * BLOCK;
+    let mut a = Side::new(&dev, "pm-anew-init", len, &[]);
+    for round in 0..3u64 {
+        if round > 0 {
+            // A new buffer registered, then the old registration and buffer
+            // released (in that order: fields assigned in turn).
+            let buf = DeviceArena::new(&dev, len).or_fail("device buffer");
+            a._reg = register_vram(&a.node, &buf);
+            a.buf = buf;
+        }
+        let b = Side::new(&dev, "pm-anew-target", len, &[]);
+        a.node
+            .load_md(&b.node.local_md().or_fail("target md"))
+            .or_fail("load target md");
+        b.node
+            .load_md(&a.node.local_md().or_fail("initiator md"))
+            .or_fail("load initiator md");
+        for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
+            let seed = 90 + 2 * round + i as u64;
+            let plan = Plan::standard(n, BLOCK, seed);
+            let path = checked(op, &a, &b, &plan, 7 * seed);
+            assert_eq!(path, "peer", "round {round}: {op:?}");
+        }
+        a.node
+            .agent
+            .invalidate_remote_md(b.name())
+            .map_err(|e| format!("{e}"))
+            .or_fail("unload the target's metadata");
+    }
+    println!("3 rounds of new regions: WRITE and READ peer-mapped, byte-exact");
 }
 
 /// Descriptors of two lengths are not a pair table: they take the merged

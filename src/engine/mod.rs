@@ -244,31 +244,6 @@ pub struct RawDesc {
     pub md: *const std::ffi::c_void,
 }
 
-/// How many distinct handles [`Descs::prefetch_handles`] warms at most
-/// (vLLM's caches have two per layer: 64 for Llama-3.1-8B).
-pub const PREFETCH_HANDLES: usize = 256;
-
-/// How many descriptors [`Descs::prefetch_handles`] reads at most.
-pub const PREFETCH_SAMPLES: usize = 512;
-
-/// Hints the CPU to bring the `len` bytes at `p` into its cache.
-#[inline(always)]
-fn prefetch(p: *const u8, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for line in (0..len.max(1)).step_by(64).chain([len.saturating_sub(1)]) {
-        // SAFETY: a prefetch is only a hint: it never faults and changes no
-        // memory, whatever the address (wrapping_add: no pointer arithmetic
-        // is asserted to stay in bounds).
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(line) as *const i8,
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len);
-}
-
 /// The [`Md`] inside a descriptor's (non-null) backend metadata.
 pub type MdResolver<'a> = &'a dyn Fn(*const std::ffi::c_void) -> *const Md;
 
@@ -315,42 +290,6 @@ impl<'a> Descs<'a> {
         // SAFETY: `new`'s contract; the magic is read before the rest.
         let md = unsafe { &*(self.resolve)(p) };
         md.is_valid().then_some(md)
-    }
-
-    /// Starts loading the metadata of the distinct handles (up to
-    /// [`PREFETCH_HANDLES`], in order of first appearance) into the cache, so
-    /// that a pass which then looks them up one region after another finds
-    /// them there. Between two requests of an inference process these few
-    /// lines per region are cold, and looked up one after another each
-    /// waits for memory in turn (vLLM's 512-descriptor request: 128
-    /// look-ups, ~27 us); prefetched, the loads overlap.
-    ///
-    /// Looks at [`PREFETCH_SAMPLES`] descriptors at most, evenly spaced: a
-    /// long list's array is itself cold, and reading all of it twice cost
-    /// more than the look-ups (32,768 descriptors: ~150 us on the H200). A
-    /// region shorter than the spacing may be missed; it is then looked up
-    /// cold, nothing else. Reads only the handles and what the resolver
-    /// reads; touches no [`Md`].
-    pub fn prefetch_handles(&self) {
-        let mut handles = [std::ptr::null(); PREFETCH_HANDLES];
-        let mut n = 0;
-        let mut last = std::ptr::null();
-        let step = self.raw.len().div_ceil(PREFETCH_SAMPLES).max(1);
-        for d in self.raw.iter().step_by(step) {
-            if d.md != last && !d.md.is_null() {
-                if n == handles.len() {
-                    break;
-                }
-                last = d.md;
-                handles[n] = d.md;
-                n += 1;
-                // The shim's wrapper: a few words; its `md` field is read next.
-                prefetch(d.md as *const u8, 48);
-            }
-        }
-        for &p in &handles[..n] {
-            prefetch((self.resolve)(p) as *const u8, std::mem::size_of::<Md>());
-        }
     }
 
     /// Checks every descriptor in one pass: its metadata is a live BOUNCE
@@ -874,6 +813,8 @@ impl Engine {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }
         md.magic = 0;
+        // No preparation may find this region's window from now on.
+        self.peer.forget_windows();
         if let MdOwner::Registered { bounce, .. } = &md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
             if let Some(b) = bounce {

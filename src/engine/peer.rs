@@ -125,6 +125,59 @@ impl PeerXfer {
     }
 }
 
+/// The windows of the regions the last one-pass preparation met, per side
+/// in the order it met them (`PeerMaps::prepare_pairs`), for copies on GPU
+/// `device`. Real clients prepare the same regions in the same order for
+/// every request (vLLM: its whole cache, region-major), and a region's
+/// look-up from its handle touches several cache lines that are cold
+/// between requests (the shim's wrapper, the `Md`, its kept mapping); here
+/// the next request finds them in two short arrays read in order.
+///
+/// Keyed by NIXL's handle (the shim's wrapper of an `Md`): a handle lives
+/// as long as its region is registered or loaded, and every release
+/// empties the cache first (`forget_windows`), so a handle found here is
+/// the live region its window was made from.
+#[derive(Default)]
+struct WindowCache {
+    device: usize,
+    local: Vec<(usize, Window)>,
+    remote: Vec<(usize, (Window, Arc<PeerMapping>))>,
+}
+
+/// How many regions per side [`WindowCache`] keeps at most.
+const CACHED_WINDOWS: usize = 4096;
+
+/// One preparation's walk through a [`WindowCache`] side: the `i`-th
+/// region it looks up is found when it is the `i`-th of the last
+/// preparation; any other is looked up and replaces what followed.
+struct Cursor<'c, T> {
+    kept: &'c mut Vec<(usize, T)>,
+    next: usize,
+}
+
+impl<'c, T> Cursor<'c, T> {
+    fn new(kept: &'c mut Vec<(usize, T)>) -> Self {
+        Cursor { kept, next: 0 }
+    }
+
+    fn hit(&mut self, handle: *const std::ffi::c_void) -> Option<&T> {
+        let (h, value) = self.kept.get(self.next)?;
+        if *h != handle as usize {
+            return None;
+        }
+        self.next += 1;
+        Some(value)
+    }
+
+    fn keep(&mut self, handle: *const std::ffi::c_void, value: T) {
+        self.kept.truncate(self.next);
+        if self.next < CACHED_WINDOWS {
+            self.kept.push((handle as usize, value));
+            self.next += 1;
+        }
+    }
+}
+
 /// Adds `m` to the mappings a table's addresses point into, once.
 fn keep_mapping(mappings: &mut Vec<Arc<PeerMapping>>, m: &Arc<PeerMapping>) {
     if !mappings.iter().any(|x| Arc::ptr_eq(x, m)) {
@@ -142,6 +195,7 @@ pub struct PeerMaps {
     /// megabytes would otherwise be page-faulted in anew every time); one
     /// that finds it in use builds its own.
     runs: Mutex<Vec<Run>>,
+    windows: Mutex<WindowCache>,
     /// `peer_map_inline_table_max_descriptors`, given to every copier.
     inline_limit: usize,
 }
@@ -167,6 +221,7 @@ impl PeerMaps {
             allocs: Mutex::new(HashMap::new()),
             notifier: Mutex::new(None),
             runs: Mutex::new(Vec::new()),
+            windows: Mutex::new(WindowCache::default()),
             inline_limit: cfg.peer_map_inline_table_max_descriptors as usize,
         }
     }
@@ -238,6 +293,12 @@ impl PeerMaps {
             .clone()
     }
 
+    /// Empties the windows kept from the last preparation: called before
+    /// any region is released, so that none is found after it.
+    pub fn forget_windows(&self) {
+        *self.windows.lock().unwrap_or_else(|p| p.into_inner()) = WindowCache::default();
+    }
+
     /// Prepares a peer-mapped transfer whose descriptors are all one length
     /// as a pair table, in one pass over NIXL's descriptors
     /// ([`walk_pairs`]). `None`: this way declines it (descriptors of
@@ -256,20 +317,56 @@ impl PeerMaps {
         let device = first.dev;
         let copier = self.copier(usize::try_from(device).ok()?).ok()?;
         let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
-        let local_window = |p| {
-            let r = local.md(p)?.range;
-            (r.dev == device).then_some(Window::of(r, 0))
-        };
         let ordinal = copier.device().ordinal();
+        // The last preparation's windows, when no other preparation holds
+        // them (that one keeps them; this one looks every region up).
+        let mut kept_windows = self.windows.try_lock().ok();
+        let (mut lcache, mut rcache) = match kept_windows.as_deref_mut() {
+            Some(w) => {
+                if w.device != ordinal {
+                    *w = WindowCache {
+                        device: ordinal,
+                        ..WindowCache::default()
+                    };
+                }
+                (
+                    Some(Cursor::new(&mut w.local)),
+                    Some(Cursor::new(&mut w.remote)),
+                )
+            }
+            None => (None, None),
+        };
+        let local_window = |p| {
+            let found = lcache.as_mut().and_then(|c| c.hit(p).copied());
+            let w = match found {
+                Some(w) => w,
+                None => {
+                    let w = Window::of(local.md(p)?.range, 0);
+                    if let Some(c) = lcache.as_mut() {
+                        c.keep(p, w);
+                    }
+                    w
+                }
+            };
+            (w.dev == device).then_some(w)
+        };
         // Borrows what the region keeps (no reference count taken per
         // region: an atomic read-modify-write also stalls the loads after it,
         // and the look-ups' cache misses would no longer overlap).
         let remote_window = |p| {
+            if let Some((w, m)) = rcache.as_mut().and_then(|c| c.hit(p)) {
+                keep_mapping(&mut mappings, m);
+                return Some(*w);
+            }
             let md = remote.md(p)?;
             let kept = md.mapped()?;
             let mut window = |r: &MappedRegion| {
                 keep_mapping(&mut mappings, &r.mapping);
-                Some(Window::of(md.range, r.shift))
+                let w = Window::of(md.range, r.shift);
+                if let Some(c) = rcache.as_mut() {
+                    c.keep(p, (w, r.mapping.clone()));
+                }
+                Some(w)
             };
             match kept.get() {
                 Some(r) if r.device == ordinal => window(r),
@@ -293,8 +390,6 @@ impl PeerMaps {
                 }
             }
         };
-        local.prefetch_handles();
-        remote.prefetch_handles();
         let table = copier.prepare_pairs(local.len(), first.len as u64, started, |out| {
             Ok(walk_pairs(
                 op,
@@ -923,6 +1018,39 @@ mod tests {
 
     fn prop_len() -> impl proptest::strategy::Strategy<Value = usize> {
         proptest::prop_oneof![proptest::strategy::Just(4096usize), 1usize..5000]
+    }
+
+    #[test]
+    fn kept_windows_are_found_in_the_order_they_were_met() {
+        let h = |i: usize| i as *const std::ffi::c_void;
+        let mut kept = Vec::new();
+        // First preparation: everything is looked up and kept.
+        let mut c = Cursor::new(&mut kept);
+        for i in 1..=3 {
+            assert!(c.hit(h(i)).is_none());
+            c.keep(h(i), i * 10);
+        }
+        // The same regions in the same order: all found.
+        let mut c = Cursor::new(&mut kept);
+        for i in 1..=3 {
+            assert_eq!(c.hit(h(i)), Some(&(i * 10)));
+        }
+        // Another order: the first differing region replaces what followed.
+        let mut c = Cursor::new(&mut kept);
+        assert_eq!(c.hit(h(1)), Some(&10));
+        assert!(c.hit(h(3)).is_none());
+        c.keep(h(3), 30);
+        assert!(c.hit(h(2)).is_none());
+        c.keep(h(2), 20);
+        assert_eq!(kept, vec![(1, 10), (3, 30), (2, 20)]);
+        // At most CACHED_WINDOWS are kept.
+        let mut c = Cursor::new(&mut kept);
+        for i in 0..CACHED_WINDOWS + 5 {
+            if c.hit(h(i + 100)).is_none() {
+                c.keep(h(i + 100), i);
+            }
+        }
+        assert_eq!(kept.len(), CACHED_WINDOWS);
     }
 
     /// Not a benchmark (the vLLM-pattern benchmark measures preparation end
