@@ -123,6 +123,9 @@ pub struct Config {
     /// Above 0 the thread sleeps in poll() until UCX has events (at most
     /// 1 ms), instead of spinning a core as NIXL's default (0) does.
     pub ucx_progress_delay_us: u64,
+    /// NIXL-notification control: how often (us) the channel polls for a
+    /// reply while an exchange is under way; 0 = always back off.
+    pub notif_poll_us: u64,
 }
 
 impl Default for Config {
@@ -158,6 +161,7 @@ impl Default for Config {
             busy_poll_us: 0,
             enable_peer_map: true,
             ucx_progress_delay_us: 1000,
+            notif_poll_us: 10,
         }
     }
 }
@@ -332,6 +336,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the ZMQ control socket to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
+    setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
     setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),
 ];
 
@@ -670,7 +675,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 30);
+        assert_eq!(keys.len(), 31);
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));

@@ -294,7 +294,15 @@ pub struct NotifChannel {
     /// Agents whose metadata this channel loaded into the inner agent.
     loaded: HashSet<String>,
     next_peer: u64,
+    /// The pause between polls while an exchange is under way (zero: the
+    /// idle back-off always), and when one last was.
+    active_poll: Duration,
+    last_active: Option<Instant>,
 }
+
+/// How long after the last control message sent or received an exchange
+/// counts as under way (the channel then polls every `active_poll`).
+const ACTIVE_WINDOW: Duration = Duration::from_millis(5);
 
 impl std::fmt::Debug for NotifChannel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -326,7 +334,33 @@ impl NotifChannel {
             by_agent: HashMap::new(),
             loaded: HashSet::new(),
             next_peer: 1,
+            active_poll: Duration::ZERO,
+            last_active: None,
         })
+    }
+
+    /// Polls every `pause` (instead of backing off) while a control exchange
+    /// is under way: within [`ACTIVE_WINDOW`] of the last message sent or
+    /// received. A reply then waits for at most `pause` plus one drain,
+    /// where the back-off left it up to 1 ms late (`notif_poll_us`).
+    pub fn with_active_poll(mut self, pause: Duration) -> Self {
+        self.active_poll = pause;
+        self
+    }
+
+    fn active(&self) -> bool {
+        !self.active_poll.is_zero()
+            && self
+                .last_active
+                .is_some_and(|t| t.elapsed() < ACTIVE_WINDOW)
+    }
+
+    fn received(&mut self, (from, payload): (String, Vec<u8>)) -> Incoming {
+        self.last_active = Some(Instant::now());
+        Incoming {
+            from: notif_endpoint(&from, None),
+            payload,
+        }
     }
 
     /// The agent this channel sends from.
@@ -401,6 +435,7 @@ impl ControlChannel for NotifChannel {
         let mut framed = Vec::with_capacity(CONTROL_PREFIX.len() + msg.len());
         framed.extend_from_slice(&CONTROL_PREFIX);
         framed.extend_from_slice(msg);
+        self.last_active = Some(Instant::now());
         self.hub.source().send(agent, &framed).map_err(|e| {
             tracing::warn!(agent = %agent, error = %e, "notification control channel: send failed; message dropped");
             SendError::Failed {
@@ -412,33 +447,32 @@ impl ControlChannel for NotifChannel {
 
     fn recv(&mut self, timeout: Duration) -> Result<Option<Incoming>, ControlError> {
         let deadline = super::deadline_after(timeout);
-        // NIXL has no blocking wait for notifications: poll the agent, backing
-        // off from 50 us to 1 ms, and wake early when another thread's drain
-        // files a control message.
+        // NIXL has no blocking wait for notifications: poll the agent, every
+        // `active_poll` while an exchange is under way, else backing off from
+        // 50 us to 1 ms, and wake early when another thread's drain files a
+        // control message.
         let mut pause = Duration::from_micros(50);
         loop {
-            if let Some((from, payload)) = self.hub.take_control() {
-                return Ok(Some(Incoming {
-                    from: notif_endpoint(&from, None),
-                    payload,
-                }));
+            if let Some(m) = self.hub.take_control() {
+                return Ok(Some(self.received(m)));
             }
             self.hub.drain().map_err(|e| ControlError::Nixl {
                 context: "reading notifications".into(),
                 reason: e.to_string(),
             })?;
-            if let Some((from, payload)) = self.hub.take_control() {
-                return Ok(Some(Incoming {
-                    from: notif_endpoint(&from, None),
-                    payload,
-                }));
+            if let Some(m) = self.hub.take_control() {
+                return Ok(Some(self.received(m)));
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() || self.hub.take_wake() {
                 return Ok(None);
             }
-            self.hub.wait_for_control(pause.min(remaining));
-            pause = (pause * 2).min(Duration::from_millis(1));
+            if self.active() {
+                self.hub.wait_for_control(self.active_poll.min(remaining));
+            } else {
+                self.hub.wait_for_control(pause.min(remaining));
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
         }
     }
 

@@ -96,7 +96,9 @@ impl Bounce {
         let arena_metadata = data.arena_metadata()?;
         let (channel, control): (Box<dyn ControlChannel>, ControlKind) =
             if config.use_nixl_notifications {
-                let ch = NotifChannel::new(shared.hub.clone()).map_err(|e| e.to_string())?;
+                let ch = NotifChannel::new(shared.hub.clone())
+                    .map_err(|e| e.to_string())?
+                    .with_active_poll(std::time::Duration::from_micros(config.notif_poll_us));
                 (Box::new(ch), ControlKind::NixlNotif)
             } else {
                 let bind = if config.control_bind_loopback {
