@@ -339,10 +339,12 @@ impl NotifChannel {
         })
     }
 
-    /// Polls every `pause` (instead of backing off) while a control exchange
-    /// is under way: within [`ACTIVE_WINDOW`] of the last message sent or
-    /// received. A reply then waits for at most `pause` plus one drain,
-    /// where the back-off left it up to 1 ms late (`notif_poll_us`).
+    /// Polls every `pause` (at most 1 ms; instead of backing off) while a
+    /// control exchange is under way: within [`ACTIVE_WINDOW`] of the last
+    /// message sent or received. A reply then waits for at most `pause` plus
+    /// one drain, where the back-off left it up to 1 ms late
+    /// (`notif_poll_us`). Under steady traffic the reactor thus polls the
+    /// inner agent every `pause` all the time.
     pub fn with_active_poll(mut self, pause: Duration) -> Self {
         self.active_poll = pause;
         self
@@ -468,7 +470,9 @@ impl ControlChannel for NotifChannel {
                 return Ok(None);
             }
             if self.active() {
-                self.hub.wait_for_control(self.active_poll.min(remaining));
+                // Never slower than the idle back-off's longest pause.
+                let poll = self.active_poll.min(Duration::from_millis(1));
+                self.hub.wait_for_control(poll.min(remaining));
             } else {
                 self.hub.wait_for_control(pause.min(remaining));
                 pause = (pause * 2).min(Duration::from_millis(1));

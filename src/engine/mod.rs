@@ -809,12 +809,13 @@ impl Engine {
     // presented later fails `is_valid` rather than passing it.
     #[allow(clippy::boxed_local)]
     pub fn release_md(&self, mut md: Box<Md>) -> Result<()> {
+        // No preparation may find this region's window from now on (first:
+        // the handle is freed even when it is refused below).
+        self.peer.forget_windows();
         if !md.is_valid() {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }
         md.magic = 0;
-        // No preparation may find this region's window from now on.
-        self.peer.forget_windows();
         if let MdOwner::Registered { bounce, .. } = &md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
             if let Some(b) = bounce {

@@ -299,6 +299,30 @@ impl PeerMaps {
         *self.windows.lock().unwrap_or_else(|p| p.into_inner()) = WindowCache::default();
     }
 
+    /// The windows kept for copies on GPU `ordinal` (emptied when they were
+    /// another GPU's, or when a preparation panicked holding them), unless
+    /// another preparation holds them: that one keeps them, and this one
+    /// looks every region up.
+    fn kept_windows(&self, ordinal: usize) -> Option<std::sync::MutexGuard<'_, WindowCache>> {
+        let mut w = match self.windows.try_lock() {
+            Ok(w) => w,
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                let mut w = p.into_inner();
+                *w = WindowCache::default();
+                self.windows.clear_poison();
+                w
+            }
+        };
+        if w.device != ordinal {
+            *w = WindowCache {
+                device: ordinal,
+                ..WindowCache::default()
+            };
+        }
+        Some(w)
+    }
+
     /// Prepares a peer-mapped transfer whose descriptors are all one length
     /// as a pair table, in one pass over NIXL's descriptors
     /// ([`walk_pairs`]). `None`: this way declines it (descriptors of
@@ -318,79 +342,74 @@ impl PeerMaps {
         let copier = self.copier(usize::try_from(device).ok()?).ok()?;
         let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
         let ordinal = copier.device().ordinal();
-        // The last preparation's windows, when no other preparation holds
-        // them (that one keeps them; this one looks every region up).
-        let mut kept_windows = self.windows.try_lock().ok();
-        let (mut lcache, mut rcache) = match kept_windows.as_deref_mut() {
-            Some(w) => {
-                if w.device != ordinal {
-                    *w = WindowCache {
-                        device: ordinal,
-                        ..WindowCache::default()
-                    };
-                }
-                (
+        // The walk, and with it the windows kept from the last preparation
+        // (held only while it runs).
+        let walk = |out: &mut [u64]| {
+            let mut kept_windows = self.kept_windows(ordinal);
+            let (mut lcache, mut rcache) = match kept_windows.as_deref_mut() {
+                Some(w) => (
                     Some(Cursor::new(&mut w.local)),
                     Some(Cursor::new(&mut w.remote)),
-                )
-            }
-            None => (None, None),
-        };
-        let local_window = |p| {
-            let found = lcache.as_mut().and_then(|c| c.hit(p).copied());
-            let w = match found {
-                Some(w) => w,
-                None => {
-                    let w = Window::of(local.md(p)?.range, 0);
-                    if let Some(c) = lcache.as_mut() {
-                        c.keep(p, w);
+                ),
+                None => (None, None),
+            };
+            let local_window = |p| {
+                let found = lcache.as_mut().and_then(|c| c.hit(p).copied());
+                let w = match found {
+                    Some(w) => w,
+                    None => {
+                        let w = Window::of(local.md(p)?.range, 0);
+                        if let Some(c) = lcache.as_mut() {
+                            c.keep(p, w);
+                        }
+                        w
                     }
-                    w
+                };
+                (w.dev == device).then_some(w)
+            };
+            // Borrows what the region keeps (no reference count taken per
+            // region: an atomic read-modify-write also stalls the loads
+            // after it, and the look-ups' cache misses would no longer
+            // overlap).
+            let remote_window = |p| {
+                if let Some((w, m)) = rcache.as_mut().and_then(|c| c.hit(p)) {
+                    keep_mapping(&mut mappings, m);
+                    return Some(*w);
+                }
+                let md = remote.md(p)?;
+                let kept = md.mapped()?;
+                let mut window = |r: &MappedRegion| {
+                    keep_mapping(&mut mappings, &r.mapping);
+                    let w = Window::of(md.range, r.shift);
+                    if let Some(c) = rcache.as_mut() {
+                        c.keep(p, (w, r.mapping.clone()));
+                    }
+                    Some(w)
+                };
+                match kept.get() {
+                    Some(r) if r.device == ordinal => window(r),
+                    _ => {
+                        let alloc = md.peer_alloc()?;
+                        let m = alloc.mapping(&copier).ok()?;
+                        // The region must lie in the mapped allocation: then
+                        // so does every descriptor inside the region.
+                        let offset = (md.range.addr as u64).checked_sub(alloc.export.alloc_base)?;
+                        m.address(offset, md.range.len as u64)?;
+                        let r = MappedRegion {
+                            device: ordinal,
+                            shift: m.base().wrapping_sub(alloc.export.alloc_base),
+                            mapping: m,
+                        };
+                        // The Md keeps the first one set (another device's,
+                        // or a concurrent preparation's); this one is used
+                        // here, and kept in the window cache.
+                        match kept.set(r) {
+                            Ok(()) => window(kept.get()?),
+                            Err(r) => window(&r),
+                        }
+                    }
                 }
             };
-            (w.dev == device).then_some(w)
-        };
-        // Borrows what the region keeps (no reference count taken per
-        // region: an atomic read-modify-write also stalls the loads after it,
-        // and the look-ups' cache misses would no longer overlap).
-        let remote_window = |p| {
-            if let Some((w, m)) = rcache.as_mut().and_then(|c| c.hit(p)) {
-                keep_mapping(&mut mappings, m);
-                return Some(*w);
-            }
-            let md = remote.md(p)?;
-            let kept = md.mapped()?;
-            let mut window = |r: &MappedRegion| {
-                keep_mapping(&mut mappings, &r.mapping);
-                let w = Window::of(md.range, r.shift);
-                if let Some(c) = rcache.as_mut() {
-                    c.keep(p, (w, r.mapping.clone()));
-                }
-                Some(w)
-            };
-            match kept.get() {
-                Some(r) if r.device == ordinal => window(r),
-                _ => {
-                    let alloc = md.peer_alloc()?;
-                    let m = alloc.mapping(&copier).ok()?;
-                    // The region must lie in the mapped allocation: then so
-                    // does every descriptor inside the region.
-                    let offset = (md.range.addr as u64).checked_sub(alloc.export.alloc_base)?;
-                    m.address(offset, md.range.len as u64)?;
-                    let r = MappedRegion {
-                        device: ordinal,
-                        shift: m.base().wrapping_sub(alloc.export.alloc_base),
-                        mapping: m,
-                    };
-                    // The first device's stays kept; another's is used once.
-                    match kept.set(r) {
-                        Ok(()) => window(kept.get()?),
-                        Err(r) => window(&r),
-                    }
-                }
-            }
-        };
-        let table = copier.prepare_pairs(local.len(), first.len as u64, started, |out| {
             Ok(walk_pairs(
                 op,
                 local.raw(),
@@ -399,7 +418,8 @@ impl PeerMaps {
                 local_window,
                 remote_window,
             ))
-        });
+        };
+        let table = copier.prepare_pairs(local.len(), first.len as u64, started, walk);
         match table {
             Ok(Some(table)) => Some(PeerXfer::new(table, mappings, peer_inner)),
             Ok(None) => None,

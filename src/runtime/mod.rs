@@ -863,13 +863,10 @@ enum WriteOutcome {
     Failed(ChunkRef, String),
 }
 
-/// Posts chunk writes and polls them to completion, off the IO thread: for
-/// UCX over TCP the send happens inside the post call, which would otherwise
-/// stall the reactor (and with it the next gather and every control
-/// message) for the whole write. Wakes the reactor with each outcome.
 /// Makes this thread's timed waits end when asked: its polling pauses
 /// (the writer's 20 us, the notification channel's 10 us) would otherwise
 /// be stretched by Linux's default timer slack of 50 us, to 60-70 us.
+/// Threads it spawns later inherit the setting.
 fn precise_timers() {
     #[cfg(target_os = "linux")]
     // SAFETY: PR_SET_TIMERSLACK takes one integer (nanoseconds) and changes
@@ -880,6 +877,10 @@ fn precise_timers() {
     }
 }
 
+/// Posts chunk writes and polls them to completion, off the IO thread: for
+/// UCX over TCP the send happens inside the post call, which would otherwise
+/// stall the reactor (and with it the next gather and every control
+/// message) for the whole write. Wakes the reactor with each outcome.
 fn write_worker(
     data: DataPlane,
     jobs: Receiver<WriteJob>,
