@@ -138,13 +138,18 @@ fn pair(dev: &CudaDevice, n: usize, target_extra: &[(&str, &str)]) -> (Side, Sid
     let len = blocks_for(n) * BLOCK;
     let a = Side::new(dev, "pm-init", len, &[]);
     let b = Side::new(dev, "pm-target", len, target_extra);
+    introduce(&a, &b);
+    (a, b)
+}
+
+/// Each side loads the other's metadata.
+fn introduce(a: &Side, b: &Side) {
     a.node
         .load_md(&b.node.local_md().or_fail("target md"))
         .or_fail("load target md");
     b.node
         .load_md(&a.node.local_md().or_fail("initiator md"))
         .or_fail("load initiator md");
-    (a, b)
 }
 
 /// One byte-exact transfer of `plan` between the two buffers; returns the
@@ -232,12 +237,7 @@ fn regions_registered_anew_between_requests_are_copied_where_they_are_now() {
             a.buf = buf;
         }
         let b = Side::new(&dev, "pm-anew-target", len, &[]);
-        a.node
-            .load_md(&b.node.local_md().or_fail("target md"))
-            .or_fail("load target md");
-        b.node
-            .load_md(&a.node.local_md().or_fail("initiator md"))
-            .or_fail("load initiator md");
+        introduce(&a, &b);
         for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
             let seed = 90 + 2 * round + i as u64;
             let plan = Plan::standard(n, BLOCK, seed);
