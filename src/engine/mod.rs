@@ -1352,8 +1352,10 @@ impl Engine {
                     runtime.submit(peer, plan, notif, deadline)
                 });
                 b.reported = false;
-                self.stats.bump_named("bounce_submitted");
-                self.stats.add_named("bounce_bytes", b.plan.payload_bytes);
+                self.stats.add_named_all([
+                    ("bounce_submitted", 1),
+                    ("bounce_bytes", b.plan.payload_bytes),
+                ]);
                 Ok(Status::InProgress)
             }
             Route::PeerMapped(x) => {
@@ -1393,8 +1395,10 @@ impl Engine {
                         std::time::Duration::from_millis,
                     );
                 x.reported = false;
-                self.stats.bump_named("peer_map_submitted");
-                self.stats.add_named("peer_map_bytes", x.table.bytes());
+                self.stats.add_named_all([
+                    ("peer_map_submitted", 1),
+                    ("peer_map_bytes", x.table.bytes()),
+                ]);
                 if let (Some(notify), Some(message)) = (notify, req.args.notif.clone()) {
                     notify.after(launch, x.limit, x.peer_inner.clone(), message);
                 }
