@@ -252,6 +252,8 @@ def main():
         routes = {b: "/".join(r) for b, r in routes.items()}
         row = dict(count=count, size=size, bytes=count * size, op=op, routes=routes,
                    total_s={b: spread(times[b]) for b in backends},
+                   ratio_ci95=(ratio_ci(times["UCX"], times["BOUNCE"], o.seed)
+                               if "UCX" in times and "BOUNCE" in times else None),
                    prepare_s={b: spread([s["prepare_s"] for s in samples if s["backend"] == b and s["count"] == count
                                          and s["size"] == size and not s["warmup"]]) for b in backends},
                    xfer_s={b: spread([s["xfer_s"] for s in samples if s["backend"] == b and s["count"] == count
@@ -270,6 +272,16 @@ def main():
     print(f"ok: every checked transfer byte-exact ({sum(s['verified'] for s in samples)} checked)", flush=True)
 
 
+def ratio_ci(ucx, bounce, seed, n=2000):
+    """A 95% bootstrap interval of UCX's median time over BOUNCE's, the
+    iterations of each resampled (not the rounds: agent-pair effects make
+    the true spread somewhat wider)."""
+    rng = np.random.default_rng(seed)
+    u, b = np.asarray(ucx), np.asarray(bounce)
+    r = [np.median(rng.choice(u, u.size)) / np.median(rng.choice(b, b.size)) for _ in range(n)]
+    return [float(x) for x in np.percentile(r, [2.5, 97.5])]
+
+
 def print_row(row, backends, header, op, o):
     if header:
         print(f"\nNIXL Python API, default settings, DRAM, two agents in one process, scattered {op}; "
@@ -280,14 +292,17 @@ def print_row(row, backends, header, op, o):
                   "rounds": f"backends alternating in {o.rounds} rounds each, a fresh agent pair per round, "
                             f"the only one alive"}[o.order])
         cols = "".join(f" {b + ' ms':>25}" for b in backends)
-        print(f"{'shape':>12} {'MiB':>8}{cols} {'UCX/BOUNCE':>10} {'GB/s B':>7} {'GB/s U':>7}  BOUNCE route")
+        print(f"{'shape':>12} {'MiB':>8}{cols} {'UCX/BOUNCE':>10} {'95% CI':>11} {'GB/s B':>7} {'GB/s U':>7}  "
+              "BOUNCE route")
     t = row["total_s"]
     cells = "".join(f" {t[b]['p50'] * 1e3:9.3f} [{t[b]['p10'] * 1e3:.3f}-{t[b]['p90'] * 1e3:.3f}]".rjust(26)
                     for b in backends)
     ratio = (f"{t['UCX']['p50'] / t['BOUNCE']['p50']:10.2f}" if "UCX" in t and "BOUNCE" in t else f"{'-':>10}")
+    ci = row.get("ratio_ci95")
+    ci = f"{ci[0]:.2f}-{ci[1]:.2f}".rjust(11) if ci else f"{'-':>11}"
     gb = lambda b: f"{row['bytes'] / t[b]['p50'] / 1e9:7.2f}" if b in t else f"{'-':>7}"  # noqa: E731
     shape = f"{row['count']}x{fmt_size(row['size'])}"
-    print(f"{shape:>12} {row['bytes'] / 2**20:8.2f}{cells} {ratio} {gb('BOUNCE')} {gb('UCX')}  "
+    print(f"{shape:>12} {row['bytes'] / 2**20:8.2f}{cells} {ratio} {ci} {gb('BOUNCE')} {gb('UCX')}  "
           f"{row['routes'].get('BOUNCE', '-')}", flush=True)
 
 
