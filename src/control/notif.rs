@@ -509,6 +509,7 @@ mod tests {
         fabric: Arc<Fabric>,
         known: Mutex<HashSet<String>>,
         fail_fetch: std::sync::atomic::AtomicBool,
+        fetches: std::sync::atomic::AtomicUsize,
     }
 
     impl FakeAgent {
@@ -523,6 +524,7 @@ mod tests {
                 fabric: fabric.clone(),
                 known: Mutex::new(HashSet::new()),
                 fail_fetch: Default::default(),
+                fetches: Default::default(),
             })
         }
 
@@ -546,6 +548,8 @@ mod tests {
             Ok(format!("md-of:{}", self.name).into_bytes())
         }
         fn fetch(&self) -> Result<Vec<(String, Vec<u8>)>, NotifError> {
+            self.fetches
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if self.fail_fetch.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(NotifError::new("getNotifs", "injected failure"));
             }
@@ -789,6 +793,43 @@ mod tests {
         assert_eq!(
             a.local_endpoint().display_name(),
             "nixl:a (+8 bytes of metadata)"
+        );
+    }
+
+    /// Within the active window after a message, `recv` polls every
+    /// `active_poll`; an idle channel (or `active_poll` zero) backs off from
+    /// 50 us to 1 ms. Counted as the source's fetches during one 8 ms wait
+    /// (the back-off makes 13 at most; the tight poll many more, even on a
+    /// loaded machine).
+    #[test]
+    fn an_exchange_under_way_is_polled_tightly_and_an_idle_channel_backs_off() {
+        // As on the IO thread, where the channel runs.
+        crate::runtime::precise_timers();
+        let fabric = Arc::new(Fabric::default());
+        let fetches_in_one_wait = |name: &str, active: Duration, recent: bool| {
+            let agent = FakeAgent::new(&fabric, name);
+            let mut ch = NotifChannel::new(Arc::new(NotifHub::new(agent.clone())))
+                .unwrap()
+                .with_active_poll(active);
+            if recent {
+                ch.last_active = Some(Instant::now());
+            }
+            let before = agent.fetches.load(std::sync::atomic::Ordering::Relaxed);
+            assert!(ch.recv(Duration::from_millis(8)).unwrap().is_none());
+            agent.fetches.load(std::sync::atomic::Ordering::Relaxed) - before
+        };
+        let tight = fetches_in_one_wait("tight", Duration::from_micros(10), true);
+        let off = fetches_in_one_wait("off", Duration::ZERO, true);
+        let idle = fetches_in_one_wait("idle", Duration::from_micros(10), false);
+        for (what, n) in [("notif_poll_us=0", off), ("idle", idle)] {
+            assert!(
+                n <= 14,
+                "{what}: {n} fetches in 8 ms; the back-off makes 13 at most"
+            );
+        }
+        assert!(
+            tight > 2 * off.max(idle),
+            "under way: {tight} fetches in 8 ms, against {off} / {idle} backing off"
         );
     }
 }

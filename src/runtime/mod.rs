@@ -867,7 +867,7 @@ enum WriteOutcome {
 /// (the writer's 20 us, the notification channel's 10 us) would otherwise
 /// be stretched by Linux's default timer slack of 50 us, to 60-70 us.
 /// Threads it spawns later inherit the setting.
-fn precise_timers() {
+pub(crate) fn precise_timers() {
     #[cfg(target_os = "linux")]
     // SAFETY: PR_SET_TIMERSLACK takes one integer (nanoseconds) and changes
     // only the calling thread's timer slack; nothing is read or written
