@@ -367,10 +367,10 @@ impl PeerMaps {
                 };
                 (w.dev == device).then_some(w)
             };
-            // Borrows what the region keeps (no reference count taken per
-            // region: an atomic read-modify-write also stalls the loads
-            // after it, and the look-ups' cache misses would no longer
-            // overlap).
+            // Borrows what the region keeps: no reference count is taken
+            // per region (each would be an atomic read-modify-write on the
+            // mapping's shared count), only per mapping the table uses and
+            // for a window the cache keeps.
             let remote_window = |p| {
                 if let Some((w, m)) = rcache.as_mut().and_then(|c| c.hit(p)) {
                     keep_mapping(&mut mappings, m);
