@@ -86,12 +86,7 @@ impl EngineStats {
     }
 
     pub fn add_named(&self, name: &'static str, n: u64) {
-        *self
-            .named
-            .lock()
-            .expect("named counters")
-            .entry(name)
-            .or_default() += n;
+        self.add_named_all([(name, n)]);
     }
 
     /// Adds to several named counters under one lock (a preparation's
