@@ -1255,10 +1255,10 @@ impl Engine {
         self.stats.add_named_all(
             [
                 ("peer_map_prepared", 1),
-                ("peer_map_inline_tables", u64::from(x.table.inline())),
                 ("peer_map_prepare_ns", t.fill + t.upload),
             ]
             .into_iter()
+            .chain(x.table.inline().then_some(("peer_map_inline_tables", 1)))
             .chain(t.named()),
         );
     }
