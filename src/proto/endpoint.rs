@@ -47,7 +47,7 @@ pub struct EndpointConfig {
     /// Chunk cap.
     pub max_chunk: u64,
     /// A request is cut into at least this many chunks, none below
-    /// `min_chunk` bytes ([`plan::chunk_cap`]); 1: by the cap alone.
+    /// `min_chunk` bytes ([`plan::chunk_cap`]); 0 or 1: by the cap alone.
     pub min_chunks: u32,
     pub min_chunk: u64,
     /// Per-flow in-flight cap W.
@@ -87,7 +87,7 @@ impl EndpointConfig {
             arena_capacity: config.arena_usable_capacity(),
             granularity: config.arena_allocation_granularity_bytes,
             max_chunk: config.max_chunk_size_bytes,
-            min_chunks: config.min_chunks_per_request.max(1),
+            min_chunks: config.min_chunks_per_request,
             min_chunk: config.min_chunk_size_bytes,
             window: config.max_inflight_chunks_per_request,
             request_timeout: timeout,
@@ -406,7 +406,7 @@ impl Endpoint {
         let plan_options = PlanOptions {
             max_chunk_bytes: cfg.max_chunk,
             merge_runs: cfg.merge_runs,
-            min_chunks: u64::from(cfg.min_chunks.max(1)),
+            min_chunks: u64::from(cfg.min_chunks),
             min_chunk_bytes: cfg.min_chunk,
         };
         let sender = Sender::new(cfg.request_id_base);
