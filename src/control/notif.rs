@@ -304,6 +304,10 @@ pub struct NotifChannel {
 /// counts as under way (the channel then polls every `active_poll`).
 const ACTIVE_WINDOW: Duration = Duration::from_millis(5);
 
+/// The idle back-off's first and longest pause between polls.
+const FIRST_PAUSE: Duration = Duration::from_micros(50);
+const LONGEST_PAUSE: Duration = Duration::from_millis(1);
+
 impl std::fmt::Debug for NotifChannel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NotifChannel")
@@ -346,7 +350,8 @@ impl NotifChannel {
     /// (`notif_poll_us`). Under steady traffic the reactor thus polls the
     /// inner agent every `pause` all the time.
     pub fn with_active_poll(mut self, pause: Duration) -> Self {
-        self.active_poll = pause;
+        // Never slower than the idle back-off's longest pause.
+        self.active_poll = pause.min(LONGEST_PAUSE);
         self
     }
 
@@ -453,7 +458,7 @@ impl ControlChannel for NotifChannel {
         // `active_poll` while an exchange is under way, else backing off from
         // 50 us to 1 ms, and wake early when another thread's drain files a
         // control message.
-        let mut pause = Duration::from_micros(50);
+        let mut pause = FIRST_PAUSE;
         loop {
             if let Some(m) = self.hub.take_control() {
                 return Ok(Some(self.received(m)));
@@ -470,12 +475,10 @@ impl ControlChannel for NotifChannel {
                 return Ok(None);
             }
             if self.active() {
-                // Never slower than the idle back-off's longest pause.
-                let poll = self.active_poll.min(Duration::from_millis(1));
-                self.hub.wait_for_control(poll.min(remaining));
+                self.hub.wait_for_control(self.active_poll.min(remaining));
             } else {
                 self.hub.wait_for_control(pause.min(remaining));
-                pause = (pause * 2).min(Duration::from_millis(1));
+                pause = (pause * 2).min(LONGEST_PAUSE);
             }
         }
     }
