@@ -95,34 +95,36 @@ nixlBackendMD *ucx_md(const nixlBackendMD *md) {
     return md ? static_cast<const BounceMD *>(md)->ucx : nullptr;
 }
 
-// A copy of a NIXL descriptor list with every descriptor's metadata replaced
-// by the UCX delegate's metadata of the same memory: the list UCX's engine
-// expects. One pass, 32 bytes a descriptor.
-std::unique_ptr<nixl_meta_dlist_t> ucx_list(const nixl_meta_dlist_t &list) {
-    auto out = std::make_unique<nixl_meta_dlist_t>(list.getType());
+// Fills `out` with a copy of a NIXL descriptor list, every descriptor's
+// metadata replaced by the UCX delegate's metadata of the same memory: the
+// list UCX's engine expects. One pass, 32 bytes a descriptor.
+void to_ucx_list(const nixl_meta_dlist_t &list, nixl_meta_dlist_t &out) {
     const int n = list.descCount();
-    out->reserve(static_cast<size_t>(n));
+    out.reserve(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
         nixlMetaDesc d = list[static_cast<size_t>(i)];
         d.metadataP = ucx_md(d.metadataP);
-        out->emplace(d);
+        out.emplace(d);
     }
-    return out;
 }
 
 // NIXL-owned request handle: a Rust bounce_req_t (owned), or a request of
-// the UCX delegate (owned) with the lists it was prepared with (kept for its
+// the UCX delegate (owned) with the lists it is prepared with (kept for its
 // posts: NIXL posts a prepared request with the lists it prepared it with).
+// The lists live in the handle itself: a one-descriptor transfer's handle is
+// three allocations, not five.
 class BounceReqH final : public nixlBackendReqH {
 public:
     explicit BounceReqH(bounce_req_t *req) : req(req) {}
-    BounceReqH(nixlBackendReqH *ucx,
-               std::unique_ptr<nixl_meta_dlist_t> local,
-               std::unique_ptr<nixl_meta_dlist_t> remote)
-        : ucx(ucx), ucx_local(std::move(local)), ucx_remote(std::move(remote)) {}
+    BounceReqH(const nixl_meta_dlist_t &local, const nixl_meta_dlist_t &remote)
+        : ucx_local(local.getType()), ucx_remote(remote.getType()) {
+        to_ucx_list(local, ucx_local);
+        to_ucx_list(remote, ucx_remote);
+    }
     bounce_req_t *const req = nullptr;
+    // Set by the delegate's prepXfer.
     nixlBackendReqH *ucx = nullptr;
-    const std::unique_ptr<nixl_meta_dlist_t> ucx_local, ucx_remote;
+    nixl_meta_dlist_t ucx_local{DRAM_SEG}, ucx_remote{DRAM_SEG};
 };
 
 // NIXL's UCX engine, created from the UCX plugin installed beside this one.
@@ -359,22 +361,16 @@ public:
                 handle = wrap_req(req);
                 return NIXL_SUCCESS;
             }
-            auto ul = ucx_list(local);
-            auto ur = ucx_list(remote);
-            nixlBackendReqH *u = nullptr;
-            const nixl_status_t ust = ucx->engine->prepXfer(op, *ul, *ur, remote_agent, u, opt_args);
+            auto h = std::make_unique<BounceReqH>(local, remote);
+            const nixl_status_t ust =
+                ucx->engine->prepXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
             if (ust != NIXL_SUCCESS) {
-                if (u) {
-                    ucx->engine->releaseReqH(u);
+                if (h->ucx) {
+                    ucx->engine->releaseReqH(h->ucx);
                 }
                 return ust;
             }
-            try {
-                handle = new BounceReqH(u, std::move(ul), std::move(ur));
-            } catch (...) {
-                ucx->engine->releaseReqH(u);
-                throw;
-            }
+            handle = h.release();
             return NIXL_SUCCESS;
         });
     }
@@ -395,7 +391,7 @@ public:
             }
             auto *h = static_cast<BounceReqH *>(handle);
             if (h->ucx) {
-                return ucx->engine->postXfer(op, *h->ucx_local, *h->ucx_remote, remote_agent, h->ucx, opt_args);
+                return ucx->engine->postXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
             }
             const bounce_xfer_args_t args = xfer_args(opt_args);
             return static_cast<nixl_status_t>(bounce_engine_post_xfer(engine, &args, h->req));

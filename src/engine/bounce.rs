@@ -459,6 +459,19 @@ pub enum Fallback {
 }
 
 impl Fallback {
+    /// Every reason, in declaration order (`reason as usize` indexes it).
+    pub const ALL: [Fallback; 9] = [
+        Self::BounceDisabled,
+        Self::Poisoned,
+        Self::PeerNotBounceCapable,
+        Self::PeerLacksRead,
+        Self::LocalTransfer,
+        Self::NoLocalArena,
+        Self::TooFewDescriptors,
+        Self::DescriptorsTooLarge,
+        Self::Unplannable,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Self::BounceDisabled => "fallback_bounce_disabled",

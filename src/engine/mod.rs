@@ -1090,7 +1090,7 @@ impl Engine {
         };
         if let Some(r) = reason {
             EngineStats::bump(&self.stats.counters.transfers_prepared);
-            self.stats.bump_named(r.name());
+            self.stats.fell_back(r);
         }
         Ok(reason)
     }
@@ -1194,11 +1194,11 @@ impl Engine {
                     }
                     Err(e) => {
                         tracing::info!(agent = %self.local_name, "bounce path cannot plan this transfer ({e}); using UCX");
-                        self.stats.bump_named(Fallback::Unplannable.name());
+                        self.stats.fell_back(Fallback::Unplannable);
                     }
                 }
             }
-            Err(reason) => self.stats.bump_named(reason.name()),
+            Err(reason) => self.stats.fell_back(reason),
         }
 
         Ok(None)

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 
 use crate::engine::{
     Descs, Engine, Error, Md, MemKind, Op, Range, Request, Shape, Status, TotalBytes, XferArgs,
@@ -214,9 +215,12 @@ struct PrepTimer<'a>(&'a Engine, std::time::Instant);
 
 impl Drop for PrepTimer<'_> {
     fn drop(&mut self) {
+        let ns = self.1.elapsed().as_nanos() as u64;
         self.0
             .stats
-            .add_named("prepare_ns", self.1.elapsed().as_nanos() as u64);
+            .counters
+            .prepare_ns
+            .fetch_add(ns, Ordering::Relaxed);
     }
 }
 
