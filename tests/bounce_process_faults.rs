@@ -57,8 +57,23 @@ fn peer_helper() {
     peer_main();
 }
 
+/// [`EX`] with the control messages over NIXL notifications: liveness is
+/// then the channel's own heartbeats.
+const EX_NOTIF: [(&str, &str); 6] = [
+    EX[0],
+    EX[1],
+    EX[2],
+    EX[3],
+    EX[4],
+    ("use_nixl_notifications", "true"),
+];
+
 fn spawn(label: &str) -> Peer {
-    Peer::spawn(label, peer_command(&[], len(), &EX, "pf-peer")).unwrap_or_else(|e| panic!("{e}"))
+    spawn_with(label, &EX)
+}
+
+fn spawn_with(label: &str, ex: &[(&str, &str)]) -> Peer {
+    Peer::spawn(label, peer_command(&[], len(), ex, "pf-peer")).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Loads each other's metadata.
@@ -231,11 +246,23 @@ fn sender_killed_mid_transfer() {
 #[test]
 #[serial_test::serial]
 fn receiver_stopped_then_resumed() {
+    receiver_stopped(&EX);
+}
+
+/// The same over NIXL notifications: the receiver stops answering the
+/// channel's heartbeats, and that (not the request timeout) ends the WRITE.
+#[test]
+#[serial_test::serial]
+fn receiver_stopped_then_resumed_over_notifications() {
+    receiver_stopped(&EX_NOTIF);
+}
+
+fn receiver_stopped(ex: &[(&str, &str)]) {
     if !ready("BOUNCE") {
         return;
     }
-    let mut me = endpoint("pf-me", &EX, len(), 1, ThreadSync::Default);
-    let mut p = spawn("receiver");
+    let mut me = endpoint("pf-me", ex, len(), 1, ThreadSync::Default);
+    let mut p = spawn_with("receiver", ex);
     pair(&me, &mut p);
     me.buf.fill_pattern(30);
     p.cmd("FILL 31");
@@ -267,6 +294,10 @@ fn receiver_stopped_then_resumed() {
         s1.diff(&s0)
     );
     assert!(outcome.is_err(), "a WRITE to a stopped receiver succeeded");
+    assert!(
+        s1.since(&s0, "peers_unreachable") >= 1,
+        "the request ended, but not because the receiver was found unreachable"
+    );
     assert!(s1.poisoned.is_none());
     // Whatever the resumed receiver did with what was in flight, nothing
     // outside the destinations changed.

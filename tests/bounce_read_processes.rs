@@ -395,15 +395,28 @@ fn reader_survives_an_owner_killed_mid_read() {
 #[test]
 #[serial_test::serial]
 fn owner_survives_a_reader_killed_mid_read() {
+    reader_killed(&fault_config("30000"));
+}
+
+/// The same over NIXL notifications: the owner learns from the reader's
+/// heartbeats that it answers them, and its silence ends the serve.
+#[test]
+#[serial_test::serial]
+fn owner_survives_a_reader_killed_mid_read_over_notifications() {
+    let mut ex = fault_config("30000").to_vec();
+    ex.push(("use_nixl_notifications", "true"));
+    reader_killed(&ex);
+}
+
+fn reader_killed(ex: &[(&str, &str)]) {
     if !ready("BOUNCE") {
         return;
     }
     let len = len();
-    let ex = fault_config("30000");
     let owner_seed = 31;
-    let me = endpoint("rk-owner", &ex, len, owner_seed, ThreadSync::Default);
+    let me = endpoint("rk-owner", ex, len, owner_seed, ThreadSync::Default);
     let md = hex(&me.node.local_md().or_fail("md"));
-    let mut p = Peer::spawn("reader", peer_command(&[], len, &ex, "rk-reader"))
+    let mut p = Peer::spawn("reader", peer_command(&[], len, ex, "rk-reader"))
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.cmd(&format!("PEER {md}")), me.name());
     let sm = reader_mid_read(&me, &mut p, 32);
@@ -447,7 +460,7 @@ fn owner_survives_a_reader_killed_mid_read() {
     assert_owner_untouched(&me, owner_seed);
     me.buf.check_guards().or_fail("guards");
     // The next reader is served.
-    let mut q = Peer::spawn("reader-2", peer_command(&[], len, &ex, "rk-reader2"))
+    let mut q = Peer::spawn("reader-2", peer_command(&[], len, ex, "rk-reader2"))
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(q.cmd(&format!("PEER {md}")), me.name());
     q.cmd("FILL 33");

@@ -111,3 +111,56 @@ fn notification_channels_exchange_over_the_reverse_path_and_keep_user_notificati
     b.send(again, b"ACK").expect("B sends after re-adding");
     assert_eq!(recv_within(&mut a, limit).payload, b"ACK");
 }
+
+/// Runs the live channels for `span`; heartbeats never surface as messages.
+fn run_for(span: Duration, live: &mut [&mut NotifChannel]) {
+    let end = Instant::now() + span;
+    while Instant::now() < end {
+        for ch in live.iter_mut() {
+            assert!(ch.recv(Duration::from_millis(2)).expect("recv").is_none());
+        }
+    }
+}
+
+/// Liveness over real notifications (issue 15 item 2): A loaded B (B's
+/// handshake); B never loaded A and answers A's PINGs all the same (each
+/// carries A's metadata); a B that stops reading is unreachable for A after
+/// the timeout, and reachable again once it reads; B, having learned from
+/// the PINGs that A answers them, finds A unreachable when A stops.
+#[test]
+#[serial]
+fn heartbeats_over_real_notifications_find_a_stopped_peer() {
+    if !common::ready("UCX") {
+        return;
+    }
+    const T: Duration = Duration::from_millis(400);
+    let a_agent = inner_agent("pinger");
+    let b_agent = inner_agent("answerer");
+    let b_hub = Arc::new(NotifHub::new(Arc::new(b_agent.clone())));
+    let mut a = NotifChannel::new(Arc::new(NotifHub::new(Arc::new(a_agent.clone()))))
+        .expect("channel A")
+        .with_liveness(T);
+    let mut b = NotifChannel::new(b_hub.clone())
+        .expect("channel B")
+        .with_liveness(T);
+    let to_b = a.add_peer(b.local_endpoint()).expect("A adds B");
+    a.watch_liveness(to_b);
+    run_for(T * 2, &mut [&mut a, &mut b]);
+    assert!(a.unreachable_peers().is_empty(), "B answers A's PINGs");
+    let to_a = b
+        .add_peer(&notif_endpoint(&a_agent.name(), None))
+        .expect("B registers A (loaded by the first PING)");
+
+    run_for(T + T / 2, &mut [&mut a]);
+    assert_eq!(a.unreachable_peers(), vec![to_b], "B stopped reading");
+    run_for(T, &mut [&mut a, &mut b]);
+    assert!(a.unreachable_peers().is_empty(), "B reads again");
+    assert!(b.unreachable_peers().is_empty());
+
+    run_for(T + T / 2, &mut [&mut b]);
+    assert_eq!(b.unreachable_peers(), vec![to_a], "A stopped reading");
+    assert!(
+        b_hub.take_user().expect("take_user").is_empty(),
+        "a heartbeat reached the user queue"
+    );
+}

@@ -23,6 +23,7 @@
 use std::fmt;
 use std::time::Duration;
 
+pub mod heartbeat;
 pub mod notif;
 pub mod zmq;
 
@@ -259,6 +260,12 @@ pub trait ControlChannel: Send {
     fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
         Vec::new()
     }
+
+    /// The peer's handshake says it answers this channel's heartbeats:
+    /// track its liveness (reported by [`ControlChannel::unreachable_peers`]).
+    /// A channel whose transport tracks its connections itself (ZMQ) needs
+    /// no such word and ignores it.
+    fn watch_liveness(&mut self, _peer: PeerHandle) {}
 
     /// A handle any thread may call to make a `recv` that is waiting (or the
     /// next one) return early, e.g. when the application submitted work.

@@ -17,11 +17,25 @@
 //! form is what [`Incoming::from`] carries (a notification only names its
 //! sender); `add_peer` with it works once the agent's metadata has been
 //! loaded, by this channel or by the engine.
+//!
+//! Liveness ([`NotifChannel::with_liveness`]): a notification to a dead
+//! agent is never answered and nothing says so, so the channel keeps its
+//! own heartbeats ([`super::heartbeat`]). It PINGs every peer it watches
+//! every quarter of the timeout, answers every PING with a PONG, and counts
+//! anything that arrives from a peer as heard. It watches the peers whose
+//! handshake advertises `HEARTBEATS` ([`ControlChannel::watch_liveness`]) and
+//! the peers that PING it (they answer heartbeats, by definition: that is
+//! how an owner learns of readers it never loaded). A heartbeat is a control
+//! notification that starts with [`HEARTBEAT_MAGIC`], which no protocol
+//! message does; it never reaches the protocol or the user queue. A PING
+//! carries the sender's full endpoint, so a peer that never loaded the
+//! sender can answer it (the same bootstrap as a WANT's).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::heartbeat::Heartbeats;
 use super::{ControlChannel, ControlError, ControlKind, Endpoint, Incoming, PeerHandle, SendError};
 
 /// The first bytes of every control message sent as a NIXL notification. A
@@ -29,6 +43,16 @@ use super::{ControlChannel, ControlError, ControlKind, Endpoint, Incoming, PeerH
 /// message; they are chosen to make that practically impossible
 /// (non-ASCII, non-UTF-8 first byte).
 pub const CONTROL_PREFIX: [u8; 8] = *b"\xb0\x0bBNCctl";
+
+/// The first bytes, after [`CONTROL_PREFIX`], of the channel's own
+/// heartbeats (a protocol message starts with the wire magic, `NXBM`). Only
+/// a peer whose handshake advertises `HEARTBEATS`, or that PINGed us, is
+/// sent one: a build without heartbeats would drop it as malformed.
+pub const HEARTBEAT_MAGIC: [u8; 4] = *b"NXHB";
+/// A heartbeat's kind, the byte after [`HEARTBEAT_MAGIC`]. A PING carries
+/// the sender's full endpoint after it; a PONG nothing.
+const PING: u8 = 1;
+const PONG: u8 = 2;
 
 /// The endpoint scheme of this channel.
 const SCHEME: &str = "nixl:";
@@ -298,6 +322,15 @@ pub struct NotifChannel {
     /// idle back-off always), and when one last was.
     active_poll: Duration,
     last_active: Option<Instant>,
+    /// The liveness of the peers that answer heartbeats (`None`: off).
+    heartbeats: Option<Heartbeats>,
+    /// When the next PING is due (a check per `recv`, not a scan).
+    next_beat: Option<Instant>,
+    /// Agents that PINGed this channel: they answer heartbeats, so a peer
+    /// registered under one of these names is watched.
+    beating: HashSet<String>,
+    /// This channel's PING: the framed heartbeat with its full endpoint.
+    ping: Vec<u8>,
 }
 
 /// How long after the last control message sent or received an exchange
@@ -330,6 +363,13 @@ impl NotifChannel {
                 reason: e.to_string(),
             })?;
         let local = notif_endpoint(&local_name, Some(&metadata));
+        let ping = [
+            &CONTROL_PREFIX[..],
+            &HEARTBEAT_MAGIC,
+            &[PING],
+            local.as_bytes(),
+        ]
+        .concat();
         Ok(Self {
             hub,
             local,
@@ -340,7 +380,128 @@ impl NotifChannel {
             next_peer: 1,
             active_poll: Duration::ZERO,
             last_active: None,
+            heartbeats: None,
+            next_beat: None,
+            beating: HashSet::new(),
+            ping,
         })
+    }
+
+    /// Tracks the liveness of the peers that answer heartbeats against
+    /// `timeout` (zero: off; PINGs are answered either way), as
+    /// `peer_liveness_timeout_ms` does for ZMQ: see the module docs.
+    pub fn with_liveness(mut self, timeout: Duration) -> Self {
+        self.heartbeats = (!timeout.is_zero()).then(|| Heartbeats::new(timeout));
+        self
+    }
+
+    /// Watches `peer` if liveness is on (idempotent).
+    fn watch(&mut self, peer: PeerHandle) {
+        if let Some(hb) = &mut self.heartbeats {
+            if !hb.is_watched(peer) {
+                let now = Instant::now();
+                hb.watch(peer, now);
+                self.next_beat = Some(now);
+            }
+        }
+    }
+
+    /// Sends the PINGs that are due.
+    fn beat(&mut self, now: Instant) {
+        let Some(hb) = &mut self.heartbeats else {
+            return;
+        };
+        if !self.next_beat.is_some_and(|t| t <= now) {
+            return;
+        }
+        for peer in hb.due(now) {
+            if let Some(agent) = self.peers.get(&peer) {
+                if let Err(e) = self.hub.source().send(agent, &self.ping) {
+                    // Its silence will tell; no warning every interval.
+                    tracing::debug!(agent = %agent, error = %e, "notification control channel: PING not sent");
+                }
+            }
+        }
+        self.next_beat = hb.next_due();
+    }
+
+    /// Something arrived from `agent`.
+    fn heard(&mut self, agent: &str) {
+        let (Some(hb), Some(peer)) = (&mut self.heartbeats, self.by_agent.get(agent)) else {
+            return;
+        };
+        if hb.heard(*peer, Instant::now()) {
+            tracing::info!(
+                agent,
+                "notification control channel: the peer answers again; it is reachable"
+            );
+        }
+    }
+
+    /// Answers or counts one heartbeat (`msg` after [`CONTROL_PREFIX`],
+    /// starting with [`HEARTBEAT_MAGIC`]) from `from`.
+    fn on_heartbeat(&mut self, from: String, msg: &[u8]) {
+        match msg.get(HEARTBEAT_MAGIC.len()) {
+            Some(&PING) => {
+                // It carries the sender's own endpoint, so that a peer that
+                // never loaded the sender (an owner, of a reader) can answer.
+                let endpoint = Endpoint::from_bytes(&msg[HEARTBEAT_MAGIC.len() + 1..]);
+                let metadata = match parse_notif_endpoint(&endpoint) {
+                    Ok((agent, metadata)) if agent == from => metadata,
+                    Ok((agent, _)) => {
+                        tracing::warn!(from = %from, agent, "notification control channel: a PING names another agent than its sender; dropped");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(from = %from, error = %e, "notification control channel: malformed PING dropped");
+                        return;
+                    }
+                };
+                let pong = [&CONTROL_PREFIX[..], &HEARTBEAT_MAGIC, &[PONG]].concat();
+                // Loaded only when the answer needs it.
+                let answered = self
+                    .hub
+                    .source()
+                    .send(&from, &pong)
+                    .or_else(|e| match metadata {
+                        Some(md) if !self.loaded.contains(&from) => self
+                            .load_metadata(&from, md)
+                            .map_err(|e| e.to_string())
+                            .and_then(|()| {
+                                self.hub
+                                    .source()
+                                    .send(&from, &pong)
+                                    .map_err(|e| e.to_string())
+                            }),
+                        _ => Err(e.to_string()),
+                    });
+                if let Err(e) = answered {
+                    tracing::debug!(agent = %from, error = %e, "notification control channel: cannot answer a PING");
+                    return;
+                }
+                if let Some(peer) = self.by_agent.get(&from).copied() {
+                    self.watch(peer);
+                }
+                self.beating.insert(from.clone());
+                self.heard(&from);
+            }
+            Some(&PONG) => self.heard(&from),
+            _ => {
+                tracing::debug!(from = %from, "notification control channel: heartbeat of an unknown kind dropped")
+            }
+        }
+    }
+
+    /// The next protocol message queued, answering the heartbeats before it.
+    fn next_message(&mut self) -> Option<Incoming> {
+        while let Some((from, msg)) = self.hub.take_control() {
+            if msg.starts_with(&HEARTBEAT_MAGIC) {
+                self.on_heartbeat(from, &msg);
+                continue;
+            }
+            return Some(self.received((from, msg)));
+        }
+        None
     }
 
     /// Polls every `pause` (at most 1 ms; instead of backing off) while a
@@ -364,6 +525,7 @@ impl NotifChannel {
 
     fn received(&mut self, (from, payload): (String, Vec<u8>)) -> Incoming {
         self.last_active = Some(Instant::now());
+        self.heard(&from);
         Incoming {
             from: notif_endpoint(&from, None),
             payload,
@@ -422,6 +584,9 @@ impl ControlChannel for NotifChannel {
         tracing::debug!(%handle, agent, "notification control channel: peer added");
         self.by_agent.insert(agent.to_string(), handle);
         self.peers.insert(handle, agent.to_string());
+        if self.beating.contains(agent) {
+            self.watch(handle);
+        }
         Ok(handle)
     }
 
@@ -433,6 +598,10 @@ impl ControlChannel for NotifChannel {
         };
         self.by_agent.remove(&agent);
         self.loaded.remove(&agent);
+        self.beating.remove(&agent);
+        if let Some(hb) = &mut self.heartbeats {
+            hb.unwatch(peer);
+        }
         tracing::debug!(handle = %peer, agent = %agent, "notification control channel: peer removed");
         true
     }
@@ -460,15 +629,16 @@ impl ControlChannel for NotifChannel {
         // control message.
         let mut pause = FIRST_PAUSE;
         loop {
-            if let Some(m) = self.hub.take_control() {
-                return Ok(Some(self.received(m)));
+            self.beat(Instant::now());
+            if let Some(m) = self.next_message() {
+                return Ok(Some(m));
             }
             self.hub.drain().map_err(|e| ControlError::Nixl {
                 context: "reading notifications".into(),
                 reason: e.to_string(),
             })?;
-            if let Some(m) = self.hub.take_control() {
-                return Ok(Some(self.received(m)));
+            if let Some(m) = self.next_message() {
+                return Ok(Some(m));
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() || self.hub.take_wake() {
@@ -485,6 +655,28 @@ impl ControlChannel for NotifChannel {
 
     fn kind(&self) -> ControlKind {
         ControlKind::NixlNotif
+    }
+
+    fn watch_liveness(&mut self, peer: PeerHandle) {
+        if self.peers.contains_key(&peer) {
+            self.watch(peer);
+        }
+    }
+
+    fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
+        let now = Instant::now();
+        self.beat(now);
+        let Some(hb) = &mut self.heartbeats else {
+            return Vec::new();
+        };
+        let mut down = Vec::new();
+        for (peer, first) in hb.unreachable(now) {
+            if let (Some(silent), Some(agent)) = (first, self.peers.get(&peer)) {
+                tracing::warn!(agent = %agent, "notification control channel: no answer from the peer for {silent:?}; it is unreachable");
+            }
+            down.push(peer);
+        }
+        down
     }
 
     fn waker(&self) -> super::Waker {
@@ -745,6 +937,132 @@ mod tests {
 
         assert!(b.remove_peer(full));
         assert!(matches!(b.send(full, b"x"), Err(SendError::UnknownPeer(_))));
+    }
+
+    /// Two channels over the fake fabric with liveness against `timeout`;
+    /// A has loaded B (B's handshake), B knows nothing of A.
+    fn beating_pair(timeout: Duration) -> (NotifChannel, NotifChannel, Arc<NotifHub>) {
+        // (Each pair has a fabric of its own.)
+        let fabric = Arc::new(Fabric::default());
+        let hub = |name| Arc::new(NotifHub::new(FakeAgent::new(&fabric, name)));
+        let b_hub = hub("b/bounce");
+        let a = NotifChannel::new(hub("a/bounce"))
+            .unwrap()
+            .with_liveness(timeout);
+        let b = NotifChannel::new(b_hub.clone())
+            .unwrap()
+            .with_liveness(timeout);
+        (a, b, b_hub)
+    }
+
+    /// Runs the channels that are alive for `span`; no protocol message may
+    /// surface meanwhile (heartbeats are the channel's own).
+    fn run_for(span: Duration, live: &mut [&mut NotifChannel]) {
+        let end = Instant::now() + span;
+        while Instant::now() < end {
+            for ch in live.iter_mut() {
+                assert!(ch.recv(Duration::from_millis(2)).unwrap().is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn heartbeats_find_a_silent_peer_unreachable_both_ways_and_see_it_come_back() {
+        const T: Duration = Duration::from_millis(200);
+        let (mut a, mut b, b_hub) = beating_pair(T);
+        let to_b = a.add_peer(b.local_endpoint()).unwrap();
+        a.watch_liveness(to_b); // B's handshake advertises HEARTBEATS
+        run_for(T * 2, &mut [&mut a, &mut b]);
+        assert!(a.unreachable_peers().is_empty(), "B answers");
+        assert!(
+            b_hub.take_user().unwrap().is_empty(),
+            "heartbeats are not user notifications"
+        );
+
+        // B learned from A's PINGs that A answers them: once B registers A
+        // (the reverse path of a WANT or a READ), B watches A too.
+        let to_a = b.add_peer(&notif_endpoint("a/bounce", None)).unwrap();
+        run_for(T * 2, &mut [&mut a, &mut b]);
+        assert!(a.unreachable_peers().is_empty() && b.unreachable_peers().is_empty());
+
+        // B stops (its channel is not polled): A finds it unreachable after
+        // the timeout, and keeps saying so.
+        run_for(T + T / 2, &mut [&mut a]);
+        assert_eq!(a.unreachable_peers(), vec![to_b]);
+        assert_eq!(a.unreachable_peers(), vec![to_b]);
+        // B resumes: A hears it again. A was silent for B all along (B did
+        // not read), so B reports A until A's next PING is read.
+        assert_eq!(b.unreachable_peers(), vec![to_a]);
+        run_for(T, &mut [&mut a, &mut b]);
+        assert!(a.unreachable_peers().is_empty() && b.unreachable_peers().is_empty());
+
+        // Now A stops: B, which never loaded A, finds it unreachable.
+        run_for(T + T / 2, &mut [&mut b]);
+        assert_eq!(b.unreachable_peers(), vec![to_a]);
+        // A removed peer is forgotten, its liveness with it.
+        assert!(b.remove_peer(to_a));
+        assert!(b.unreachable_peers().is_empty());
+    }
+
+    #[test]
+    fn a_peer_not_known_to_answer_heartbeats_is_never_pinged_nor_found_unreachable() {
+        const T: Duration = Duration::from_millis(100);
+        let (mut a, b, b_hub) = beating_pair(T);
+        // B's handshake lacks HEARTBEATS (an older build): no watch.
+        let to_b = a.add_peer(b.local_endpoint()).unwrap();
+        run_for(T * 4, &mut [&mut a]);
+        assert!(a.unreachable_peers().is_empty());
+        b_hub.drain().unwrap();
+        assert!(b_hub.take_control().is_none(), "B was sent a heartbeat");
+        // Liveness off: a watched peer is not pinged either.
+        let (a2, b2, b2_hub) = beating_pair(Duration::ZERO);
+        let mut a2 = a2;
+        let to_b2 = a2.add_peer(b2.local_endpoint()).unwrap();
+        a2.watch_liveness(to_b2);
+        run_for(T * 2, &mut [&mut a2]);
+        assert!(a2.unreachable_peers().is_empty());
+        b2_hub.drain().unwrap();
+        assert!(b2_hub.take_control().is_none());
+        assert!(a.remove_peer(to_b));
+    }
+
+    #[test]
+    fn forged_and_malformed_heartbeats_are_dropped_unanswered_and_a_ping_loads_its_sender() {
+        let fabric = Arc::new(Fabric::default());
+        let a_agent = FakeAgent::new(&fabric, "a/bounce");
+        let b_agent = FakeAgent::new(&fabric, "b/bounce");
+        let b_hub = Arc::new(NotifHub::new(b_agent.clone()));
+        let mut b = NotifChannel::new(b_hub.clone())
+            .unwrap()
+            .with_liveness(Duration::from_secs(10));
+        let beat = |rest: &[u8]| [&CONTROL_PREFIX[..], &HEARTBEAT_MAGIC, rest].concat();
+        let ping_of = |agent: &str| {
+            let md = format!("md-of:{agent}");
+            [
+                &[PING][..],
+                notif_endpoint(agent, Some(md.as_bytes())).as_bytes(),
+            ]
+            .concat()
+        };
+        // As if A sent them: a PING naming another agent, a PING without an
+        // endpoint, a heartbeat of an unknown kind.
+        for rest in [ping_of("c/bounce"), vec![PING], vec![9]] {
+            b_agent.deliver("a/bounce", &beat(&rest));
+        }
+        assert!(b.recv(Duration::from_millis(20)).unwrap().is_none());
+        assert!(
+            a_agent.fetch().unwrap().is_empty(),
+            "something was answered"
+        );
+        assert!(!b_agent.known.lock().unwrap().contains("c/bounce"));
+        // A real PING from an agent B never loaded: B loads it and answers.
+        b_agent.deliver("a/bounce", &beat(&ping_of("a/bounce")));
+        assert!(b.recv(Duration::from_millis(20)).unwrap().is_none());
+        assert_eq!(
+            a_agent.fetch().unwrap(),
+            vec![("b/bounce".to_string(), beat(&[PONG]))]
+        );
+        assert!(b_hub.take_user().unwrap().is_empty());
     }
 
     #[test]

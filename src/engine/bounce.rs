@@ -98,7 +98,8 @@ impl Bounce {
             if config.use_nixl_notifications {
                 let ch = NotifChannel::new(shared.hub.clone())
                     .map_err(|e| e.to_string())?
-                    .with_active_poll(std::time::Duration::from_micros(config.notif_poll_us));
+                    .with_active_poll(std::time::Duration::from_micros(config.notif_poll_us))
+                    .with_liveness(Duration::from_millis(config.peer_liveness_timeout_ms));
                 (Box::new(ch), ControlKind::NixlNotif)
             } else {
                 let bind = if config.control_bind_loopback {
@@ -199,8 +200,12 @@ impl Bounce {
             .expect("known peers")
             .insert(peer.id.clone())
         {
-            self.runtime
-                .add_peer(peer.id.clone(), peer.arena.clone(), peer.key);
+            self.runtime.add_peer(
+                peer.id.clone(),
+                peer.arena.clone(),
+                peer.key,
+                peer.heartbeats,
+            );
         }
     }
 
@@ -338,7 +343,9 @@ pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
     Handshake {
         wire_version: WIRE_VERSION,
         control,
-        capabilities: Capabilities::CANCEL.with(Capabilities::READ),
+        capabilities: Capabilities::CANCEL
+            .with(Capabilities::READ)
+            .with(Capabilities::HEARTBEATS),
         arena_usable_capacity: config.arena_usable_capacity(),
         max_chunk_size: config.max_chunk_size_bytes,
         arena_base: 0,
@@ -357,6 +364,8 @@ pub struct PeerBounce {
     pub key: u64,
     /// The peer serves READs over the bounce path.
     pub read: bool,
+    /// The peer answers the notification channel's heartbeats.
+    pub heartbeats: bool,
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
@@ -383,6 +392,7 @@ pub fn admit(
         id,
         key: peer.access_key,
         read: peer.capabilities.contains(Capabilities::READ),
+        heartbeats: peer.capabilities.contains(Capabilities::HEARTBEATS),
         arena: PeerArena {
             inner_agent: inner_agent.to_string(),
             base: peer.arena_base,
@@ -595,6 +605,23 @@ mod tests {
             local_transfer: false,
             local_arena: true,
         }
+    }
+
+    #[test]
+    fn a_peer_is_watched_over_notifications_only_if_its_handshake_says_it_answers_heartbeats() {
+        let cfg = Config {
+            use_nixl_notifications: true,
+            ..Config::default()
+        };
+        let mut ours = local_handshake(&cfg, ControlKind::NixlNotif);
+        assert!(ours.capabilities.contains(Capabilities::HEARTBEATS));
+        ours.endpoint = b"nixl:peer/bounce".to_vec();
+        let admitted = admit(&cfg, MemKind::Dram, "peer/bounce", &ours).unwrap();
+        assert!(admitted.heartbeats && admitted.read);
+        // A build before heartbeats: admitted all the same, never PINGed.
+        ours.capabilities = Capabilities::CANCEL.with(Capabilities::READ);
+        let older = admit(&cfg, MemKind::Dram, "peer/bounce", &ours).unwrap();
+        assert!(!older.heartbeats && older.read);
     }
 
     #[test]

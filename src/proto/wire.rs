@@ -949,6 +949,10 @@ impl Capabilities {
     pub const CANCEL: Capabilities = Capabilities(1 << 0);
     /// Serves and issues READs over the bounce path (types 16-21).
     pub const READ: Capabilities = Capabilities(1 << 1);
+    /// Answers the NIXL-notification control channel's heartbeats (a PING
+    /// with a PONG; `control::notif`): only such a peer is sent them, and
+    /// only such a peer can be found unreachable over that channel.
+    pub const HEARTBEATS: Capabilities = Capabilities(1 << 2);
 
     /// Whether every flag of `other` is set.
     pub fn contains(self, other: Capabilities) -> bool {

@@ -103,6 +103,7 @@ enum Command {
         peer: PeerId,
         arena: PeerArena,
         key: u64,
+        heartbeats: bool,
     },
     ForgetPeer {
         peer: PeerId,
@@ -643,10 +644,16 @@ impl Runtime {
         }
     }
 
-    /// Makes `peer` a write target: its arena, and the access key its
-    /// WANTs must carry.
-    pub fn add_peer(&self, peer: PeerId, arena: PeerArena, key: u64) {
-        self.push(Command::AddPeer { peer, arena, key });
+    /// Makes `peer` a write target: its arena, the access key its WANTs
+    /// must carry, and whether it answers the control channel's heartbeats
+    /// (its handshake's `HEARTBEATS` capability).
+    pub fn add_peer(&self, peer: PeerId, arena: PeerArena, key: u64, heartbeats: bool) {
+        self.push(Command::AddPeer {
+            peer,
+            arena,
+            key,
+            heartbeats,
+        });
     }
 
     pub fn forget_peer(&self, peer: PeerId) {
@@ -986,6 +993,8 @@ struct PeerState {
     /// not from a data path one of its READs described: a READ never
     /// replaces it.
     known: bool,
+    /// Its handshake says it answers the control channel's heartbeats.
+    heartbeats: bool,
 }
 
 struct Reactor {
@@ -1174,9 +1183,24 @@ impl Reactor {
                         self.endpoint.cancel(now, id);
                     }
                 }
-                Command::AddPeer { peer, arena, key } => {
+                Command::AddPeer {
+                    peer,
+                    arena,
+                    key,
+                    heartbeats,
+                } => {
                     self.endpoint.set_peer_key(&peer, key);
-                    self.peers.insert(peer, PeerState { arena, known: true });
+                    if let (true, Some(h)) = (heartbeats, self.handles.get(&peer)) {
+                        self.channel.watch_liveness(*h);
+                    }
+                    self.peers.insert(
+                        peer,
+                        PeerState {
+                            arena,
+                            known: true,
+                            heartbeats,
+                        },
+                    );
                 }
                 Command::ForgetPeer { peer } => self.forget_peer(&peer),
             }
@@ -1446,6 +1470,9 @@ impl Reactor {
         match self.channel.add_peer(&ControlEndpoint::from(peer.as_str())) {
             Ok(h) => {
                 self.handles.insert(peer.clone(), h);
+                if self.peers.get(peer).is_some_and(|p| p.heartbeats) {
+                    self.channel.watch_liveness(h);
+                }
                 Some(h)
             }
             Err(e) => {
@@ -1604,6 +1631,7 @@ impl Reactor {
                                     PeerState {
                                         arena,
                                         known: false,
+                                        heartbeats: false,
                                     },
                                 );
                                 // The endpoint takes another data path only
