@@ -362,13 +362,21 @@ public:
                 return NIXL_SUCCESS;
             }
             auto h = std::make_unique<BounceReqH>(local, remote);
-            const nixl_status_t ust =
-                ucx->engine->prepXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
-            if (ust != NIXL_SUCCESS) {
+            nixl_status_t ust;
+            try {
+                ust = ucx->engine->prepXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
+            } catch (...) {
                 if (h->ucx) {
                     ucx->engine->releaseReqH(h->ucx);
                 }
-                return ust;
+                throw;
+            }
+            if (ust != NIXL_SUCCESS || !h->ucx) {
+                if (h->ucx) {
+                    ucx->engine->releaseReqH(h->ucx);
+                }
+                // A success without a request would be posted as BOUNCE's own.
+                return ust != NIXL_SUCCESS ? ust : NIXL_ERR_BACKEND;
             }
             handle = h.release();
             return NIXL_SUCCESS;

@@ -29,7 +29,7 @@ pub struct Counters {
     /// The plugin's own time in preparations (`prepare_ns`).
     pub prepare_ns: AtomicU64,
     /// Transfers the UCX delegate carries, by reason (`fallback_*`,
-    /// indexed by [`Fallback`]).
+    /// indexed by [`Fallback::index`]).
     pub fallbacks: [AtomicU64; Fallback::ALL.len()],
 }
 
@@ -93,7 +93,7 @@ impl EngineStats {
 
     /// Counts a transfer the UCX delegate carries, and why.
     pub fn fell_back(&self, reason: Fallback) {
-        Self::bump(&self.counters.fallbacks[reason as usize]);
+        Self::bump(&self.counters.fallbacks[reason.index()]);
     }
 
     pub fn bump_named(&self, name: &'static str) {
@@ -140,7 +140,7 @@ impl EngineStats {
         // Like the named ones, these appear once they count something.
         let fallbacks = Fallback::ALL
             .iter()
-            .map(|r| (r.name(), &c.fallbacks[*r as usize]));
+            .map(|r| (r.name(), &c.fallbacks[r.index()]));
         for (k, v) in std::iter::once(("prepare_ns", &c.prepare_ns)).chain(fallbacks) {
             match v.load(Ordering::Relaxed) {
                 0 => {}
@@ -326,7 +326,7 @@ mod tests {
     #[test]
     fn fallback_reasons_are_counted_by_name_once_they_occur() {
         for (i, r) in Fallback::ALL.iter().enumerate() {
-            assert_eq!(*r as usize, i, "{r:?} is not at its index in Fallback::ALL");
+            assert_eq!(r.index(), i, "{r:?} is not at its index in Fallback::ALL");
         }
         let s = EngineStats::new("stats-fallback-agent", BTreeMap::new());
         let before = s.snapshot().counters;

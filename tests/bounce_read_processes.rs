@@ -480,14 +480,34 @@ fn reader_killed(ex: &[(&str, &str)]) {
 #[test]
 #[serial_test::serial]
 fn a_forgotten_reader_that_comes_back_is_served_again() {
+    forgotten_reader_comes_back(false);
+}
+
+/// The same over NIXL notifications: the owner forgets the reader whose
+/// heartbeats stopped, and on SIGCONT answers its PINGs again (loading
+/// the metadata they carry, which the forget gave up) and serves it.
+#[test]
+#[serial_test::serial]
+fn a_forgotten_reader_that_comes_back_is_served_again_over_notifications() {
+    forgotten_reader_comes_back(true);
+}
+
+fn forgotten_reader_comes_back(notifications: bool) {
     if !ready("BOUNCE") {
         return;
     }
+    let config = |timeout| {
+        let mut ex = fault_config(timeout).to_vec();
+        if notifications {
+            ex.push(("use_nixl_notifications", "true"));
+        }
+        ex
+    };
     let len = len();
     let owner_seed = 41;
     let me = endpoint(
         "rc-owner",
-        &fault_config("30000"),
+        &config("30000"),
         len,
         owner_seed,
         ThreadSync::Default,
@@ -495,7 +515,7 @@ fn a_forgotten_reader_that_comes_back_is_served_again() {
     let md = hex(&me.node.local_md().or_fail("md"));
     let mut p = Peer::spawn(
         "reader",
-        peer_command(&[], len, &fault_config("3000"), "rc-reader"),
+        peer_command(&[], len, &config("3000"), "rc-reader"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.cmd(&format!("PEER {md}")), me.name());

@@ -93,6 +93,18 @@ impl Heartbeats {
         }
     }
 
+    /// Starts every watched peer's silence again at `now`: the channel
+    /// could hear nothing for a while (it was not polled), so a peer's
+    /// silence until now proves nothing.
+    pub fn excuse_all(&mut self, now: Instant) {
+        for w in self.watched.values_mut() {
+            match &mut w.heard {
+                Some(t) => *t = (*t).max(now),
+                None => w.since = w.since.max(now),
+            }
+        }
+    }
+
     /// The peers to PING now; each is next due an interval later.
     pub fn due(&mut self, now: Instant) -> Vec<PeerHandle> {
         let interval = self.interval();
@@ -179,6 +191,21 @@ mod tests {
         assert!(h.heard(p, t0 + ms(1600)), "it was reported: it is back");
         assert!(h.unreachable(t0 + ms(2599)).is_empty());
         assert_eq!(handles(h.unreachable(t0 + ms(2600))), vec![p]);
+    }
+
+    #[test]
+    fn a_channel_that_could_not_listen_gives_every_peer_a_new_timeout() {
+        let t0 = Instant::now();
+        let (heard, never) = (PeerHandle::new(1), PeerHandle::new(2));
+        let mut h = Heartbeats::new(T);
+        h.watch(heard, t0);
+        h.watch(never, t0);
+        h.heard(heard, t0 + ms(100));
+        // Deaf from 200 ms to 5 s: nothing they sent could be read.
+        h.excuse_all(t0 + ms(5000));
+        assert!(h.unreachable(t0 + ms(5999)).is_empty());
+        assert_eq!(handles(h.unreachable(t0 + ms(6000))), vec![heard]);
+        assert_eq!(handles(h.unreachable(t0 + ms(8000))), vec![heard, never]);
     }
 
     #[test]

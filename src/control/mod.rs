@@ -267,6 +267,12 @@ pub trait ControlChannel: Send {
     /// no such word and ignores it.
     fn watch_liveness(&mut self, _peer: PeerHandle) {}
 
+    /// Keeps the channel's own liveness going while the caller cannot
+    /// `recv` for a while (answers heartbeats, leaving protocol messages
+    /// queued). A channel whose transport does that on its own threads (ZMQ)
+    /// has nothing to do.
+    fn keep_alive(&mut self) {}
+
     /// A handle any thread may call to make a `recv` that is waiting (or the
     /// next one) return early, e.g. when the application submitted work.
     fn waker(&self) -> Waker;

@@ -246,6 +246,16 @@ impl NotifHub {
         self.lock().control.pop_front()
     }
 
+    /// Takes the queued control messages (prefix removed) that `pick`
+    /// chooses, in order, leaving the others queued in theirs.
+    pub fn take_control_where(&self, pick: impl Fn(&[u8]) -> bool) -> Vec<(String, Vec<u8>)> {
+        let mut q = self.lock();
+        let (taken, kept): (VecDeque<_>, VecDeque<_>) =
+            q.control.drain(..).partition(|(_, m)| pick(m));
+        q.control = kept;
+        taken.into()
+    }
+
     /// Waits up to `max` for a control message to be queued by any drainer.
     /// Wakes a `recv` waiting on this hub.
     pub fn wake(&self) {
@@ -326,9 +336,9 @@ pub struct NotifChannel {
     heartbeats: Option<Heartbeats>,
     /// When the next PING is due (a check per `recv`, not a scan).
     next_beat: Option<Instant>,
-    /// Agents that PINGed this channel: they answer heartbeats, so a peer
-    /// registered under one of these names is watched.
-    beating: HashSet<String>,
+    /// When this channel last read the inner agent: after a longer gap the
+    /// silence was ours, not the peers' (see [`NotifChannel::note_poll`]).
+    last_poll: Option<Instant>,
     /// This channel's PING: the framed heartbeat with its full endpoint.
     ping: Vec<u8>,
 }
@@ -382,7 +392,7 @@ impl NotifChannel {
             last_active: None,
             heartbeats: None,
             next_beat: None,
-            beating: HashSet::new(),
+            last_poll: None,
             ping,
         })
     }
@@ -404,6 +414,20 @@ impl NotifChannel {
                 self.next_beat = Some(now);
             }
         }
+    }
+
+    /// Records that the channel reads the inner agent now. A gap longer
+    /// than a PING interval since the last read (the reactor was held, or
+    /// the process descheduled or stopped) means nothing could be heard
+    /// meanwhile: every watched peer's silence starts again now, so that our
+    /// own deafness is not taken for theirs.
+    fn note_poll(&mut self, now: Instant) {
+        if let (Some(hb), Some(last)) = (&mut self.heartbeats, self.last_poll) {
+            if now.saturating_duration_since(last) > hb.interval() {
+                hb.excuse_all(now);
+            }
+        }
+        self.last_poll = Some(now);
     }
 
     /// Sends the PINGs that are due.
@@ -457,39 +481,52 @@ impl NotifChannel {
                         return;
                     }
                 };
-                let pong = [&CONTROL_PREFIX[..], &HEARTBEAT_MAGIC, &[PONG]].concat();
-                // Loaded only when the answer needs it.
-                let answered = self
-                    .hub
-                    .source()
-                    .send(&from, &pong)
-                    .or_else(|e| match metadata {
-                        Some(md) if !self.loaded.contains(&from) => self
-                            .load_metadata(&from, md)
-                            .map_err(|e| e.to_string())
-                            .and_then(|()| {
-                                self.hub
-                                    .source()
-                                    .send(&from, &pong)
-                                    .map_err(|e| e.to_string())
-                            }),
-                        _ => Err(e.to_string()),
-                    });
-                if let Err(e) = answered {
-                    tracing::debug!(agent = %from, error = %e, "notification control channel: cannot answer a PING");
-                    return;
-                }
+                // A peer that PINGs answers PINGs: a registered sender is
+                // watched from now on, and heard, answered or not.
                 if let Some(peer) = self.by_agent.get(&from).copied() {
                     self.watch(peer);
                 }
-                self.beating.insert(from.clone());
                 self.heard(&from);
+                let pong = [&CONTROL_PREFIX[..], &HEARTBEAT_MAGIC, &[PONG]].concat();
+                let source = self.hub.source();
+                // The metadata is loaded only when the answer needs it, and
+                // then whatever this channel loaded before (the inner agent
+                // may have forgotten the sender since). It is not recorded
+                // as this channel's: no handle holds it.
+                let answered = source.send(&from, &pong).or_else(|e| match metadata {
+                    Some(md) => source
+                        .load_peer(md)
+                        .and_then(|_| source.send(&from, &pong))
+                        .map_err(|e| e.to_string()),
+                    None => Err(e.to_string()),
+                });
+                if let Err(e) = answered {
+                    tracing::debug!(agent = %from, error = %e, "notification control channel: cannot answer a PING");
+                }
             }
             Some(&PONG) => self.heard(&from),
             _ => {
                 tracing::debug!(from = %from, "notification control channel: heartbeat of an unknown kind dropped")
             }
         }
+    }
+
+    /// Answers the heartbeats queued for this channel now, leaving its
+    /// protocol messages queued in order: for a reactor held away from
+    /// `recv` (a forgotten peer's writes draining), so that its peers still
+    /// hear it.
+    fn service_heartbeats(&mut self) {
+        if self.hub.drain().is_err() {
+            return;
+        }
+        self.note_poll(Instant::now());
+        for (from, msg) in self
+            .hub
+            .take_control_where(|m| m.starts_with(&HEARTBEAT_MAGIC))
+        {
+            self.on_heartbeat(from, &msg);
+        }
+        self.beat(Instant::now());
     }
 
     /// The next protocol message queued, answering the heartbeats before it.
@@ -584,9 +621,6 @@ impl ControlChannel for NotifChannel {
         tracing::debug!(%handle, agent, "notification control channel: peer added");
         self.by_agent.insert(agent.to_string(), handle);
         self.peers.insert(handle, agent.to_string());
-        if self.beating.contains(agent) {
-            self.watch(handle);
-        }
         Ok(handle)
     }
 
@@ -598,7 +632,6 @@ impl ControlChannel for NotifChannel {
         };
         self.by_agent.remove(&agent);
         self.loaded.remove(&agent);
-        self.beating.remove(&agent);
         if let Some(hb) = &mut self.heartbeats {
             hb.unwatch(peer);
         }
@@ -629,7 +662,9 @@ impl ControlChannel for NotifChannel {
         // control message.
         let mut pause = FIRST_PAUSE;
         loop {
-            self.beat(Instant::now());
+            let now = Instant::now();
+            self.note_poll(now);
+            self.beat(now);
             if let Some(m) = self.next_message() {
                 return Ok(Some(m));
             }
@@ -663,8 +698,13 @@ impl ControlChannel for NotifChannel {
         }
     }
 
+    fn keep_alive(&mut self) {
+        self.service_heartbeats();
+    }
+
     fn unreachable_peers(&mut self) -> Vec<PeerHandle> {
         let now = Instant::now();
+        self.note_poll(now);
         self.beat(now);
         let Some(hb) = &mut self.heartbeats else {
             return Vec::new();
@@ -979,8 +1019,8 @@ mod tests {
             "heartbeats are not user notifications"
         );
 
-        // B learned from A's PINGs that A answers them: once B registers A
-        // (the reverse path of a WANT or a READ), B watches A too.
+        // A PINGs, so it answers PINGs: once B registers A (the reverse path
+        // of a WANT or a READ), A's next PING makes B watch it too.
         let to_a = b.add_peer(&notif_endpoint("a/bounce", None)).unwrap();
         run_for(T * 2, &mut [&mut a, &mut b]);
         assert!(a.unreachable_peers().is_empty() && b.unreachable_peers().is_empty());
@@ -990,9 +1030,9 @@ mod tests {
         run_for(T + T / 2, &mut [&mut a]);
         assert_eq!(a.unreachable_peers(), vec![to_b]);
         assert_eq!(a.unreachable_peers(), vec![to_b]);
-        // B resumes: A hears it again. A was silent for B all along (B did
-        // not read), so B reports A until A's next PING is read.
-        assert_eq!(b.unreachable_peers(), vec![to_a]);
+        // B resumes: A hears it again. B, which could hear nothing while it
+        // did not read, does not take its own deafness for A's silence.
+        assert!(b.unreachable_peers().is_empty());
         run_for(T, &mut [&mut a, &mut b]);
         assert!(a.unreachable_peers().is_empty() && b.unreachable_peers().is_empty());
 
@@ -1035,6 +1075,8 @@ mod tests {
         let mut b = NotifChannel::new(b_hub.clone())
             .unwrap()
             .with_liveness(Duration::from_secs(10));
+        // B could answer A: a wrong answer would show in A's inbox.
+        b_agent.load_peer(b"md-of:a/bounce").unwrap();
         let beat = |rest: &[u8]| [&CONTROL_PREFIX[..], &HEARTBEAT_MAGIC, rest].concat();
         let ping_of = |agent: &str| {
             let md = format!("md-of:{agent}");
@@ -1055,7 +1097,9 @@ mod tests {
             "something was answered"
         );
         assert!(!b_agent.known.lock().unwrap().contains("c/bounce"));
-        // A real PING from an agent B never loaded: B loads it and answers.
+        // A real PING from an agent the inner agent forgot (or never
+        // loaded): B loads the metadata it carries and answers.
+        b_agent.known.lock().unwrap().clear();
         b_agent.deliver("a/bounce", &beat(&ping_of("a/bounce")));
         assert!(b.recv(Duration::from_millis(20)).unwrap().is_none());
         assert_eq!(
@@ -1063,6 +1107,39 @@ mod tests {
             vec![("b/bounce".to_string(), beat(&[PONG]))]
         );
         assert!(b_hub.take_user().unwrap().is_empty());
+    }
+
+    #[test]
+    fn keep_alive_answers_heartbeats_and_leaves_protocol_messages_queued_in_order() {
+        let fabric = Arc::new(Fabric::default());
+        let a_agent = FakeAgent::new(&fabric, "a/bounce");
+        let b_agent = FakeAgent::new(&fabric, "b/bounce");
+        let mut b = NotifChannel::new(Arc::new(NotifHub::new(b_agent.clone())))
+            .unwrap()
+            .with_liveness(Duration::from_secs(10));
+        let a_endpoint = notif_endpoint("a/bounce", Some(b"md-of:a/bounce"));
+        let ping = [
+            &CONTROL_PREFIX[..],
+            &HEARTBEAT_MAGIC,
+            &[PING],
+            a_endpoint.as_bytes(),
+        ]
+        .concat();
+        b_agent.deliver("a/bounce", &control(b"WANT 1"));
+        b_agent.deliver("a/bounce", &ping);
+        b_agent.deliver("a/bounce", &control(b"WANT 2"));
+        // A reactor held away from recv (a forgotten peer's writes draining).
+        b.keep_alive();
+        let pong = [&CONTROL_PREFIX[..], &HEARTBEAT_MAGIC, &[PONG]].concat();
+        assert_eq!(
+            a_agent.fetch().unwrap(),
+            vec![("b/bounce".to_string(), pong)]
+        );
+        let got: Vec<Vec<u8>> = (0..2)
+            .map(|_| b.recv(Duration::from_millis(20)).unwrap().unwrap().payload)
+            .collect();
+        assert_eq!(got, vec![b"WANT 1".to_vec(), b"WANT 2".to_vec()]);
+        assert!(b.recv(Duration::from_millis(5)).unwrap().is_none());
     }
 
     #[test]

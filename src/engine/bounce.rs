@@ -249,6 +249,9 @@ pub struct ReaderAgents {
     /// unloading hold this lock, so one instance cannot invalidate an agent
     /// another is loading.
     loads: Mutex<HashMap<String, usize>>,
+    /// Control rides the inner agent's notifications: a reader's agent is
+    /// then never invalidated (see [`ReaderAgents::unload`]).
+    keep_loaded: bool,
 }
 
 impl std::fmt::Debug for ReaderAgents {
@@ -264,12 +267,14 @@ impl ReaderAgents {
         inner: Agent,
         inner_name: String,
         remotes: Arc<Mutex<HashMap<String, super::Remote>>>,
+        keep_loaded: bool,
     ) -> Self {
         Self {
             inner,
             inner_name,
             remotes,
             loads: Mutex::new(HashMap::new()),
+            keep_loaded,
         }
     }
 
@@ -316,6 +321,15 @@ impl ReaderAgents {
         }
         loads.remove(&dp.inner_agent);
         if dp.inner_agent == self.inner_name {
+            return Ok(());
+        }
+        if self.keep_loaded {
+            // Over NIXL notifications the reader's messages come through
+            // this very agent entry: invalidating it breaks the UCX
+            // connection the reader sends on, so a reader forgotten while
+            // stopped could never reach us again (its READs would time
+            // out). The entry stays, as for a sender known by its WANTs.
+            tracing::debug!(reader = %dp.inner_agent, "reader's data path given up; its agent stays loaded (notification control)");
             return Ok(());
         }
         // Held while invalidating: the application's loads take this lock
@@ -469,7 +483,7 @@ pub enum Fallback {
 }
 
 impl Fallback {
-    /// Every reason, in declaration order (`reason as usize` indexes it).
+    /// Every reason, in [`Fallback::index`] order.
     pub const ALL: [Fallback; 9] = [
         Self::BounceDisabled,
         Self::Poisoned,
@@ -481,6 +495,22 @@ impl Fallback {
         Self::DescriptorsTooLarge,
         Self::Unplannable,
     ];
+
+    /// The reason's place in [`Fallback::ALL`] (a new reason must be given
+    /// one here before it compiles).
+    pub const fn index(self) -> usize {
+        match self {
+            Self::BounceDisabled => 0,
+            Self::Poisoned => 1,
+            Self::PeerNotBounceCapable => 2,
+            Self::PeerLacksRead => 3,
+            Self::LocalTransfer => 4,
+            Self::NoLocalArena => 5,
+            Self::TooFewDescriptors => 6,
+            Self::DescriptorsTooLarge => 7,
+            Self::Unplannable => 8,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -608,7 +638,7 @@ mod tests {
     }
 
     #[test]
-    fn a_peer_is_watched_over_notifications_only_if_its_handshake_says_it_answers_heartbeats() {
+    fn admit_reads_the_heartbeats_capability() {
         let cfg = Config {
             use_nixl_notifications: true,
             ..Config::default()

@@ -666,6 +666,7 @@ impl Engine {
             inner.clone(),
             inner_name.clone(),
             remotes.clone(),
+            config.use_nixl_notifications,
         ));
         let stats = EngineStats::new(local_name, params);
         stats.set_source(instances_stats(instances.clone(), readers.clone()));

@@ -1221,6 +1221,8 @@ impl Reactor {
         let deadline = Instant::now() + QUIESCE_BOUND;
         while self.writes.iter().any(|w| &w.1 == peer) && Instant::now() < deadline {
             if !self.poll_writes() {
+                // Held away from `recv`: the other peers must still hear us.
+                self.channel.keep_alive();
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
@@ -1463,16 +1465,22 @@ impl Reactor {
         }
     }
 
+    /// Keeps `peer`'s channel handle; a peer whose handshake says it answers
+    /// heartbeats is watched from now on.
+    fn register_handle(&mut self, peer: PeerId, h: PeerHandle) {
+        if self.peers.get(&peer).is_some_and(|p| p.heartbeats) {
+            self.channel.watch_liveness(h);
+        }
+        self.handles.insert(peer, h);
+    }
+
     fn handle(&mut self, peer: &PeerId) -> Option<PeerHandle> {
         if let Some(h) = self.handles.get(peer) {
             return Some(*h);
         }
         match self.channel.add_peer(&ControlEndpoint::from(peer.as_str())) {
             Ok(h) => {
-                self.handles.insert(peer.clone(), h);
-                if self.peers.get(peer).is_some_and(|p| p.heartbeats) {
-                    self.channel.watch_liveness(h);
-                }
+                self.register_handle(peer.clone(), h);
                 Some(h)
             }
             Err(e) => {
@@ -1494,9 +1502,7 @@ impl Reactor {
                         .channel
                         .add_peer(&ControlEndpoint::from_bytes(endpoint))
                     {
-                        Ok(h) => {
-                            self.handles.insert(peer, h);
-                        }
+                        Ok(h) => self.register_handle(peer, h),
                         Err(e) => {
                             tracing::warn!(agent = %self.name, %peer, "peer's advertised endpoint is unusable ({e}); forgetting it");
                             self.endpoint.forget_peer(now, &peer);
