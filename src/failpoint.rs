@@ -17,6 +17,7 @@
 //! | `delay_write_ms=N` | each chunk write waits N ms before it is posted |
 //! | `delay_scatter_ms=N` | each scatter waits N ms before it copies |
 //! | `no_cancel_capability` | the handshake does not advertise CANCEL (a peer without it) |
+//! | `advertise_no_heartbeats` | the handshake omits the HEARTBEATS capability (a peer built before the notification channel's heartbeats) |
 //! | `control_send_hwm=N` | ZMQ control sends queue at most N messages per peer (saturation drills) |
 
 use std::collections::BTreeMap;
@@ -37,6 +38,7 @@ pub const KNOWN: &[&str] = &[
     "delay_write_ms",
     "delay_scatter_ms",
     "no_cancel_capability",
+    "advertise_no_heartbeats",
     "control_send_hwm",
 ];
 

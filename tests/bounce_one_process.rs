@@ -110,6 +110,56 @@ fn write_4096_one_way_pairing_over_nixl_notifications() {
     write_once(&mut a, &mut b, 34, (127, 128));
 }
 
+/// A peer built before the notification channel's heartbeats: its
+/// handshake lacks HEARTBEATS (`advertise_no_heartbeats`) and it PINGs
+/// nobody (liveness off). It is never sent a heartbeat (one would reach it
+/// as a malformed control message), and transfers both ways work.
+#[test]
+#[serial_test::serial]
+fn a_peer_without_heartbeats_is_never_sent_one() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = endpoint("hb-a", &[NOTIF_CONTROL], len(), 51, ThreadSync::Default);
+    std::env::set_var("NIXL_BOUNCE_FAILPOINTS", "advertise_no_heartbeats");
+    let mut b = endpoint(
+        "hb-b",
+        &[NOTIF_CONTROL, ("peer_liveness_timeout_ms", "0")],
+        len(),
+        52,
+        ThreadSync::Default,
+    );
+    std::env::remove_var("NIXL_BOUNCE_FAILPOINTS");
+    pair_up(&a.node, &b.node);
+    write_once(&mut a, &mut b, 53, (131, 132));
+    write_once(&mut b, &mut a, 54, (133, 134));
+    // More than two PING intervals (250 ms by default) with both connected.
+    std::thread::sleep(Duration::from_millis(700));
+    write_once(&mut a, &mut b, 55, (135, 136));
+    assert_eq!(
+        stats(a.name()).get("control_pings_sent"),
+        0,
+        "A PINGed a peer without heartbeats"
+    );
+    assert_eq!(
+        stats(b.name()).get("control_pings_sent"),
+        0,
+        "liveness off, yet B PINGed"
+    );
+
+    // The same pair with heartbeats on both sides does PING.
+    drop((a, b));
+    let mut a = endpoint("hb-a2", &[NOTIF_CONTROL], len(), 56, ThreadSync::Default);
+    let mut b = endpoint("hb-b2", &[NOTIF_CONTROL], len(), 57, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    write_once(&mut a, &mut b, 58, (137, 138));
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(
+        stats(a.name()).get("control_pings_sent") >= 2,
+        "A did not PING B"
+    );
+}
+
 #[test]
 #[serial_test::serial]
 fn write_4096_metadata_loaded_target_first() {

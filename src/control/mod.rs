@@ -273,6 +273,12 @@ pub trait ControlChannel: Send {
     /// has nothing to do.
     fn keep_alive(&mut self) {}
 
+    /// The heartbeats this channel sent so far (`control_pings_sent`; 0 for
+    /// a channel whose transport keeps them).
+    fn pings_sent(&self) -> u64 {
+        0
+    }
+
     /// A handle any thread may call to make a `recv` that is waiting (or the
     /// next one) return early, e.g. when the application submitted work.
     fn waker(&self) -> Waker;

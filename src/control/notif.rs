@@ -341,6 +341,7 @@ pub struct NotifChannel {
     last_poll: Option<Instant>,
     /// This channel's PING: the framed heartbeat with its full endpoint.
     ping: Vec<u8>,
+    pings_sent: u64,
 }
 
 /// How long after the last control message sent or received an exchange
@@ -394,6 +395,7 @@ impl NotifChannel {
             next_beat: None,
             last_poll: None,
             ping,
+            pings_sent: 0,
         })
     }
 
@@ -440,6 +442,7 @@ impl NotifChannel {
         }
         for peer in hb.due(now) {
             if let Some(agent) = self.peers.get(&peer) {
+                self.pings_sent += 1;
                 if let Err(e) = self.hub.source().send(agent, &self.ping) {
                     // Its silence will tell; no warning every interval.
                     tracing::debug!(agent = %agent, error = %e, "notification control channel: PING not sent");
@@ -700,6 +703,10 @@ impl ControlChannel for NotifChannel {
 
     fn keep_alive(&mut self) {
         self.service_heartbeats();
+    }
+
+    fn pings_sent(&self) -> u64 {
+        self.pings_sent
     }
 
     fn unreachable_peers(&mut self) -> Vec<PeerHandle> {

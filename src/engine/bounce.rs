@@ -152,6 +152,10 @@ impl Bounce {
         if shared.failpoints.is_set("advertise_no_read") {
             handshake.capabilities = Capabilities(handshake.capabilities.0 & !Capabilities::READ.0);
         }
+        if shared.failpoints.is_set("advertise_no_heartbeats") {
+            handshake.capabilities =
+                Capabilities(handshake.capabilities.0 & !Capabilities::HEARTBEATS.0);
+        }
         if shared.failpoints.is_set("no_cancel_capability") {
             handshake.capabilities =
                 Capabilities(handshake.capabilities.0 & !Capabilities::CANCEL.0);

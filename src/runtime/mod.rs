@@ -145,6 +145,8 @@ pub struct RuntimeCounters {
     /// Gauges: peers the control channel holds a connection for, and
     /// readers' data paths loaded for served READs.
     pub control_peers: AtomicU64,
+    /// Heartbeats the control channel sent (NIXL notifications only).
+    pub control_pings_sent: AtomicU64,
     pub reader_data_paths: AtomicU64,
     /// Time spent, summed over operations (for the benchmark's breakdown):
     /// gathers and scatters running, copy jobs waiting for a worker, chunk
@@ -698,6 +700,7 @@ impl Runtime {
                 ("peers_unreachable", &c.peers_unreachable),
                 ("peers_forgotten", &c.peers_forgotten),
                 ("control_peers", &c.control_peers),
+                ("control_pings_sent", &c.control_pings_sent),
                 ("reader_data_paths", &c.reader_data_paths),
                 ("arena_free_bytes", &c.arena.free),
                 ("arena_reserve_bytes", &c.arena.reserve),
@@ -1678,6 +1681,8 @@ impl Reactor {
         a.quarantine.store(held.quarantine, Ordering::Relaxed);
         c.control_peers
             .store(self.handles.len() as u64, Ordering::Relaxed);
+        c.control_pings_sent
+            .store(self.channel.pings_sent(), Ordering::Relaxed);
         c.reader_data_paths
             .store(self.data_paths.len() as u64, Ordering::Relaxed);
     }
