@@ -1223,18 +1223,27 @@ mod tests {
             assert!(ch.recv(Duration::from_millis(8)).unwrap().is_none());
             agent.fetches.load(std::sync::atomic::Ordering::Relaxed) - before
         };
-        let tight = fetches_in_one_wait("tight", Duration::from_micros(10), true);
-        let off = fetches_in_one_wait("off", Duration::ZERO, true);
-        let idle = fetches_in_one_wait("idle", Duration::from_micros(10), false);
-        for (what, n) in [("notif_poll_us=0", off), ("idle", idle)] {
-            assert!(
-                n <= 14,
-                "{what}: {n} fetches in 8 ms; the back-off makes 13 at most"
-            );
+        // A machine loaded by other tests can hold this thread for whole
+        // 8 ms waits: the comparison gets three tries (a back-off that polled
+        // too often would fail every one).
+        let mut seen = Vec::new();
+        for attempt in 0..3 {
+            let tight =
+                fetches_in_one_wait(&format!("tight{attempt}"), Duration::from_micros(10), true);
+            let off = fetches_in_one_wait(&format!("off{attempt}"), Duration::ZERO, true);
+            let idle =
+                fetches_in_one_wait(&format!("idle{attempt}"), Duration::from_micros(10), false);
+            for (what, n) in [("notif_poll_us=0", off), ("idle", idle)] {
+                assert!(
+                    n <= 14,
+                    "{what}: {n} fetches in 8 ms; the back-off makes 13 at most"
+                );
+            }
+            if tight > 2 * off.max(idle) {
+                return;
+            }
+            seen.push((tight, off, idle));
         }
-        assert!(
-            tight > 2 * off.max(idle),
-            "under way: {tight} fetches in 8 ms, against {off} / {idle} backing off"
-        );
+        panic!("under way, (fetches in 8 ms, against backing off with notif_poll_us=0 / idle): {seen:?}");
     }
 }
