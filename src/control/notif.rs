@@ -24,8 +24,10 @@
 //! every quarter of the timeout, answers every PING with a PONG, and counts
 //! anything that arrives from a peer as heard. It watches the peers whose
 //! handshake advertises `HEARTBEATS` ([`ControlChannel::watch_liveness`]) and
-//! the peers that PING it (they answer heartbeats, by definition: that is
-//! how an owner learns of readers it never loaded). A heartbeat is a control
+//! the registered peers that PING it (they answer heartbeats, by definition:
+//! that is how an owner learns of readers it never loaded). A channel that
+//! could not read for longer than a PING interval gives every peer a new
+//! timeout ([`NotifChannel::note_poll`]). A heartbeat is a control
 //! notification that starts with [`HEARTBEAT_MAGIC`], which no protocol
 //! message does; it never reaches the protocol or the user queue. A PING
 //! carries the sender's full endpoint, so a peer that never loaded the
