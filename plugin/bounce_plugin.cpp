@@ -362,19 +362,20 @@ public:
                 return NIXL_SUCCESS;
             }
             auto h = std::make_unique<BounceReqH>(local, remote);
+            const auto release_delegate = [&] {
+                if (h->ucx) {
+                    ucx->engine->releaseReqH(h->ucx);
+                }
+            };
             nixl_status_t ust;
             try {
                 ust = ucx->engine->prepXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
             } catch (...) {
-                if (h->ucx) {
-                    ucx->engine->releaseReqH(h->ucx);
-                }
+                release_delegate();
                 throw;
             }
             if (ust != NIXL_SUCCESS || !h->ucx) {
-                if (h->ucx) {
-                    ucx->engine->releaseReqH(h->ucx);
-                }
+                release_delegate();
                 // A success without a request would be posted as BOUNCE's own.
                 return ust != NIXL_SUCCESS ? ust : NIXL_ERR_BACKEND;
             }

@@ -142,11 +142,9 @@ impl EngineStats {
             .iter()
             .map(|r| (r.name(), &c.fallbacks[r.index()]));
         for (k, v) in std::iter::once(("prepare_ns", &c.prepare_ns)).chain(fallbacks) {
-            match v.load(Ordering::Relaxed) {
-                0 => {}
-                n => {
-                    counters.insert(k.to_string(), n);
-                }
+            let n = v.load(Ordering::Relaxed);
+            if n > 0 {
+                counters.insert(k.to_string(), n);
             }
         }
         let mut poisoned = None;

@@ -279,6 +279,19 @@ fn fault_config(request_timeout_ms: &'static str) -> [(&'static str, &'static st
     ]
 }
 
+/// [`fault_config`], with the control messages over NIXL notifications
+/// when `notifications`.
+fn fault_config_over(
+    request_timeout_ms: &'static str,
+    notifications: bool,
+) -> Vec<(&'static str, &'static str)> {
+    let mut ex = fault_config(request_timeout_ms).to_vec();
+    if notifications {
+        ex.push(("use_nixl_notifications", "true"));
+    }
+    ex
+}
+
 /// The arena size of [`fault_config`].
 const FAULT_ARENA: u64 = 1 << 20;
 
@@ -403,9 +416,7 @@ fn owner_survives_a_reader_killed_mid_read() {
 #[test]
 #[serial_test::serial]
 fn owner_survives_a_reader_killed_mid_read_over_notifications() {
-    let mut ex = fault_config("30000").to_vec();
-    ex.push(("use_nixl_notifications", "true"));
-    reader_killed(&ex);
+    reader_killed(&fault_config_over("30000", true));
 }
 
 fn reader_killed(ex: &[(&str, &str)]) {
@@ -496,13 +507,7 @@ fn forgotten_reader_comes_back(notifications: bool) {
     if !ready("BOUNCE") {
         return;
     }
-    let config = |timeout| {
-        let mut ex = fault_config(timeout).to_vec();
-        if notifications {
-            ex.push(("use_nixl_notifications", "true"));
-        }
-        ex
-    };
+    let config = |timeout| fault_config_over(timeout, notifications);
     let len = len();
     let owner_seed = 41;
     let me = endpoint(

@@ -149,16 +149,14 @@ impl Bounce {
             ..local_handshake(config, control)
         };
         // Play peers built without a capability (tests of the negotiation).
-        if shared.failpoints.is_set("advertise_no_read") {
-            handshake.capabilities = Capabilities(handshake.capabilities.0 & !Capabilities::READ.0);
-        }
-        if shared.failpoints.is_set("advertise_no_heartbeats") {
-            handshake.capabilities =
-                Capabilities(handshake.capabilities.0 & !Capabilities::HEARTBEATS.0);
-        }
-        if shared.failpoints.is_set("no_cancel_capability") {
-            handshake.capabilities =
-                Capabilities(handshake.capabilities.0 & !Capabilities::CANCEL.0);
+        for (failpoint, capability) in [
+            ("advertise_no_read", Capabilities::READ),
+            ("advertise_no_heartbeats", Capabilities::HEARTBEATS),
+            ("no_cancel_capability", Capabilities::CANCEL),
+        ] {
+            if shared.failpoints.is_set(failpoint) {
+                handshake.capabilities = handshake.capabilities.without(capability);
+            }
         }
         let notifier = shared.inner.clone();
         let (loader, unloader) = (shared.readers.clone(), shared.readers.clone());

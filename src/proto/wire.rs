@@ -963,6 +963,11 @@ impl Capabilities {
     pub fn with(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)
     }
+
+    /// Every flag of `self` but those of `other`.
+    pub fn without(self, other: Capabilities) -> Capabilities {
+        Capabilities(self.0 & !other.0)
+    }
 }
 
 /// The per-agent capability blob carried in the agent metadata.

@@ -1193,17 +1193,17 @@ impl Reactor {
                     heartbeats,
                 } => {
                     self.endpoint.set_peer_key(&peer, key);
-                    if let (true, Some(h)) = (heartbeats, self.handles.get(&peer)) {
-                        self.channel.watch_liveness(*h);
-                    }
                     self.peers.insert(
-                        peer,
+                        peer.clone(),
                         PeerState {
                             arena,
                             known: true,
                             heartbeats,
                         },
                     );
+                    if let Some(h) = self.handles.get(&peer).copied() {
+                        self.watch_if_it_answers(&peer, h);
+                    }
                 }
                 Command::ForgetPeer { peer } => self.forget_peer(&peer),
             }
@@ -1468,13 +1468,18 @@ impl Reactor {
         }
     }
 
-    /// Keeps `peer`'s channel handle; a peer whose handshake says it answers
-    /// heartbeats is watched from now on.
+    /// Keeps `peer`'s channel handle, watched if it answers heartbeats.
     fn register_handle(&mut self, peer: PeerId, h: PeerHandle) {
-        if self.peers.get(&peer).is_some_and(|p| p.heartbeats) {
+        self.watch_if_it_answers(&peer, h);
+        self.handles.insert(peer, h);
+    }
+
+    /// A peer whose handshake says it answers heartbeats is watched from
+    /// now on (its handshake or its handle may come first).
+    fn watch_if_it_answers(&mut self, peer: &PeerId, h: PeerHandle) {
+        if self.peers.get(peer).is_some_and(|p| p.heartbeats) {
             self.channel.watch_liveness(h);
         }
-        self.handles.insert(peer, h);
     }
 
     fn handle(&mut self, peer: &PeerId) -> Option<PeerHandle> {
