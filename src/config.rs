@@ -119,6 +119,9 @@ pub struct Config {
     /// between this process's memory and the peer's, mapped with CUDA IPC
     /// (the peer-mapped path); off: such transfers take the bounce path.
     pub enable_peer_map: bool,
+    /// Peer-mapped path: threads that fill a large request's copy table
+    /// together (the calling thread among them); 0 = auto.
+    pub peer_map_prepare_threads: usize,
     /// The UCX delegate's progress-thread delay (us); 0: the application's.
     /// Above 0 the thread sleeps in poll() until UCX has events (at most
     /// 1 ms), instead of spinning a core as NIXL's default (0) does.
@@ -147,6 +150,7 @@ impl Default for Config {
             peer_map_min_descriptor_count: 1,
             peer_map_max_average_descriptor_size_bytes: 0,
             peer_map_inline_table_max_descriptors: 2040,
+            peer_map_prepare_threads: 0,
             request_timeout_ms: 30_000,
             disable_fabric_memory: false,
             enable_eager_gather: true,
@@ -323,6 +327,7 @@ static SETTINGS: &[Setting] = &[
     setting!(peer_map_min_descriptor_count, "peer_map_min_descriptor_count", "PEER_MAP_MIN_DESCRIPTOR_COUNT", Count, false, "Peer-mapped path: minimum descriptor count."),
     setting!(peer_map_max_average_descriptor_size_bytes, "peer_map_max_average_descriptor_size_bytes", "PEER_MAP_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "Peer-mapped path: maximum average descriptor bytes; 0 = no limit."),
     setting!(peer_map_inline_table_max_descriptors, "peer_map_inline_table_max_descriptors", "PEER_MAP_INLINE_TABLE_MAX_DESCRIPTORS", Count, true, "Peer-mapped path: a copy table of at most this many equal-length descriptors is the kernel's launch parameter (no driver call when a request is prepared; its launch takes 1.5 us longer at 256 descriptors, 7 us at 2040); larger tables are uploaded; 0 = always upload; at most 2040."),
+    setting!(peer_map_prepare_threads, "peer_map_prepare_threads", "PEER_MAP_PREPARE_THREADS", Count, true, "Peer-mapped path: threads that fill the copy table of a request of 4,096 descriptors or more together, the preparing thread among them (the fill is bound by one core's memory bandwidth: 7-10 ns a descriptor alone); 1 = the preparing thread alone; 0 = auto: a quarter of the cores, at most 4."),
     setting!(request_timeout_ms, "request_timeout_ms", "REQUEST_TIMEOUT_MS", Millis, false, "Per-request no-progress timeout."),
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
     setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),
@@ -675,7 +680,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 31);
+        assert_eq!(keys.len(), 32);
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));

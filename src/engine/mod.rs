@@ -244,8 +244,18 @@ pub struct RawDesc {
     pub md: *const std::ffi::c_void,
 }
 
-/// The [`Md`] inside a descriptor's (non-null) backend metadata.
-pub type MdResolver<'a> = &'a dyn Fn(*const std::ffi::c_void) -> *const Md;
+// SAFETY: a descriptor is plain values; `md` is only an address here, read
+// through a resolver under `Descs::new`'s contract (which holds on any
+// thread: the metadata live for the call, and are only read), so a
+// descriptor array may be read by several threads at once (a large table's
+// parts, engine::peer).
+unsafe impl Send for RawDesc {}
+// SAFETY: as above.
+unsafe impl Sync for RawDesc {}
+
+/// The [`Md`] inside a descriptor's (non-null) backend metadata (callable
+/// from any thread: the shim's resolver is pointer arithmetic).
+pub type MdResolver<'a> = &'a (dyn Fn(*const std::ffi::c_void) -> *const Md + Sync);
 
 /// One side of a transfer as NIXL hands it over: its descriptor array, read
 /// in place (no copy per descriptor), its memory kind and the way to its
