@@ -10,7 +10,7 @@
 //! path or UCX, exactly as before. See docs/design.md §3.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
@@ -29,10 +29,21 @@ use crate::proto::Run;
 const STREAMS_PER_DEVICE: usize = 4;
 
 /// The fewest descriptors whose table is filled in parts on several threads
-/// (`peer_map_prepare_threads`): 1,024 or more a part, so that waking the
-/// workers (a few us) is a small share of what each does (7-10 ns a
-/// descriptor).
-const PARALLEL_FILL_MIN_DESCRIPTORS: usize = 4096;
+/// (`peer_map_prepare_threads`): a walk long enough (7-10 ns a descriptor
+/// alone, so 110 us or more) for workers woken at its start to join it
+/// (waking one took 60-70 us on the H200 host).
+const PARALLEL_FILL_MIN_DESCRIPTORS: usize = 16_384;
+
+/// Descriptors in one part of a table filled on several threads: 7-10 us
+/// of walk, against one uncontended lock and one atomic to take it.
+const FILL_PART_DESCRIPTORS: usize = 1024;
+
+/// Threads that fill a large table beside the preparing thread
+/// ([`walk_pairs_in_parts`]), and the descriptors of one part.
+pub struct FillPool {
+    pub pool: rayon::ThreadPool,
+    pub part_len: usize,
+}
 
 /// Threads that fill one large table: `configured`, or with 0 a quarter of
 /// this machine's cores, at most 4 (the preparing thread among them).
@@ -218,7 +229,7 @@ pub struct PeerMaps {
     fill_threads: usize,
     /// The threads that fill a large table's parts beside the preparing
     /// thread, started with the first such table.
-    fill_pool: OnceLock<Option<rayon::ThreadPool>>,
+    fill_pool: OnceLock<Option<FillPool>>,
 }
 
 impl std::fmt::Debug for PeerMaps {
@@ -251,7 +262,7 @@ impl PeerMaps {
 
     /// The pool that fills a table of `n` descriptors in parts beside the
     /// preparing thread, if it is large enough to gain from it.
-    fn fill_pool(&self, n: usize) -> Option<&rayon::ThreadPool> {
+    fn fill_pool(&self, n: usize) -> Option<&FillPool> {
         if self.fill_threads < 2 || n < PARALLEL_FILL_MIN_DESCRIPTORS {
             return None;
         }
@@ -265,6 +276,10 @@ impl PeerMaps {
                         tracing::warn!("peer-mapped table fill threads: {e}; one thread fills")
                     })
                     .ok()
+                    .map(|pool| FillPool {
+                        pool,
+                        part_len: FILL_PART_DESCRIPTORS,
+                    })
             })
             .as_ref()
     }
@@ -714,13 +729,16 @@ impl Window {
     }
 }
 
-/// [`walk_pairs`] on `pool`'s threads and the calling thread at once, one
-/// contiguous part each, with the same result: the table written and true,
-/// or a decline (`None`). Every part looks its own regions up, so the
-/// look-ups are only reads: `remote_window` records in its part's list what
-/// the table will use (the parts' lists are returned, one after the other).
+/// [`walk_pairs`] in parts of `fill.part_len` descriptors, taken in turn by
+/// the calling thread and `fill`'s threads, with the same result: the table
+/// written, or a decline (`None`). The calling thread starts at once and
+/// the workers join as they wake (tens of us on a busy host), so a table
+/// is never much slower than one thread's walk, however late they come.
+/// Every part looks its own regions up, so the look-ups are only reads:
+/// `remote_window` records in its part's list what the table will use (the
+/// parts' lists are returned, one after the other).
 pub fn walk_pairs_in_parts<T: Send>(
-    pool: &rayon::ThreadPool,
+    fill: &FillPool,
     op: Op,
     local: &[RawDesc],
     remote: &[RawDesc],
@@ -729,11 +747,25 @@ pub fn walk_pairs_in_parts<T: Send>(
     remote_window: impl Fn(*const std::ffi::c_void, &mut Vec<T>) -> Option<Window> + Sync,
 ) -> Option<Vec<T>> {
     let (n, len) = (local.len(), local.first()?.len);
-    if remote.len() != n || out.len() != 2 * n {
+    let FillPool { pool, part_len } = fill;
+    let part_len = *part_len;
+    if remote.len() != n || out.len() != 2 * n || part_len == 0 {
         return None;
     }
-    let per = n.div_ceil(pool.current_num_threads() + 1);
-    let part = |l: &[RawDesc], r: &[RawDesc], out: &mut [u64]| {
+    /// One part: what it walks (taken by the thread that walks it), then
+    /// what it found (`None` inside: declined).
+    type Part<'a, T> = (
+        Option<(&'a [RawDesc], &'a [RawDesc], &'a mut [u64])>,
+        Option<Option<Vec<T>>>,
+    );
+    let parts: Vec<Mutex<Part<'_, T>>> = local
+        .chunks(part_len)
+        .zip(remote.chunks(part_len))
+        .zip(out.chunks_mut(2 * part_len))
+        .map(|((l, r), o)| Mutex::new((Some((l, r, o)), None)))
+        .collect();
+    let (next, declined) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let walk = |(l, r, out): (&[RawDesc], &[RawDesc], &mut [u64])| {
         // Each part checks that its descriptors are as long as its own
         // first, and that one as long as the whole transfer's first.
         if l.first()?.len != len {
@@ -743,22 +775,33 @@ pub fn walk_pairs_in_parts<T: Send>(
         let remote_window = |p| remote_window(p, &mut used);
         walk_pairs(op, l, r, out, &local_window, remote_window).then_some(used)
     };
-    let mut done: Vec<Option<Vec<T>>> = (0..n.div_ceil(per)).map(|_| None).collect();
-    let mut parts = local
-        .chunks(per)
-        .zip(remote.chunks(per))
-        .zip(out.chunks_mut(2 * per))
-        .zip(done.iter_mut());
-    let (((first, first_remote), first_out), first_done) = parts.next()?;
-    pool.in_place_scope(|s| {
-        for (((l, r), out), done) in parts {
-            s.spawn(|_| *done = part(l, r, out));
+    let take_parts = || {
+        while !declined.load(Ordering::Relaxed) {
+            let Some(part) = parts.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
+            };
+            let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
+            let found = part.0.take().and_then(walk);
+            if found.is_none() {
+                declined.store(true, Ordering::Relaxed);
+            }
+            part.1 = Some(found);
         }
-        *first_done = part(first, first_remote, first_out);
+    };
+    pool.in_place_scope(|s| {
+        for _ in 0..pool.current_num_threads().min(parts.len() - 1) {
+            s.spawn(|_| take_parts());
+        }
+        take_parts();
     });
     let mut used = Vec::new();
-    for part in done {
-        used.extend(part?);
+    for part in parts {
+        used.extend(
+            part.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .1
+                .flatten()?,
+        );
     }
     Some(used)
 }
@@ -1150,12 +1193,13 @@ mod tests {
             lens in proptest::collection::vec(prop_len(), 1..3),
             write in proptest::prelude::any::<bool>(),
             threads in 1usize..5,
+            part_len in 1usize..12,
         ) {
             let (l, r, lw, rw) = random_transfer(seed, n, &lens);
             let op = if write { Op::Write } else { Op::Read };
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let fill = fill_pool(threads, part_len);
             let one = walk(op, &l, &r, &lw, &rw);
-            let (parts, used) = walk_in_parts(&pool, op, &l, &r, &lw, &rw);
+            let (parts, used) = walk_in_parts(&fill, op, &l, &r, &lw, &rw);
             proptest::prop_assert_eq!(&parts, &one);
             if parts.is_some() {
                 let mut want: Vec<usize> = r.iter().map(|d| d.md as usize).collect();
@@ -1212,8 +1256,18 @@ mod tests {
 
     /// [`walk_pairs_in_parts`] over the test windows: the table (or a
     /// decline) and the remote handles the parts reported.
+    fn fill_pool(threads: usize, part_len: usize) -> FillPool {
+        FillPool {
+            pool: rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap(),
+            part_len,
+        }
+    }
+
     fn walk_in_parts(
-        pool: &rayon::ThreadPool,
+        fill: &FillPool,
         op: Op,
         l: &[RawDesc],
         r: &[RawDesc],
@@ -1227,17 +1281,15 @@ mod tests {
             used.push(p as usize);
             Some(w)
         };
-        let used = walk_pairs_in_parts(pool, op, l, r, &mut out, local, remote);
+        let used = walk_pairs_in_parts(fill, op, l, r, &mut out, local, remote);
         (used.is_some().then_some(out), used)
     }
 
     #[test]
     fn parts_of_different_lengths_are_declined() {
-        // Uniform inside each part, not across them: 4 parts of 2.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
+        // Uniform inside each part, not across them: 4 parts of 2 (the
+        // first of another length than the rest).
+        let fill = fill_pool(3, 2);
         let lw = [win(0x10000, 0x10000, 0, 0)];
         let rw = [win(0x90000, 0x10000, 3, 0)];
         let side = |base: usize, dev: u64, second_len: usize| -> Vec<RawDesc> {
@@ -1253,12 +1305,12 @@ mod tests {
                 .collect()
         };
         let (l, r) = (side(0x10000, 0, 4096), side(0x90000, 3, 4096));
-        assert!(walk_in_parts(&pool, Op::Write, &l, &r, &lw, &rw)
+        assert!(walk_in_parts(&fill, Op::Write, &l, &r, &lw, &rw)
             .0
             .is_some());
         let (l, r) = (side(0x10000, 0, 2048), side(0x90000, 3, 2048));
         assert_eq!(
-            walk_in_parts(&pool, Op::Write, &l, &r, &lw, &rw),
+            walk_in_parts(&fill, Op::Write, &l, &r, &lw, &rw),
             (None, None)
         );
     }
@@ -1348,10 +1400,7 @@ mod tests {
             best as f64 / l.len() as f64
         );
         for threads in [2, 4] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads - 1)
-                .build()
-                .unwrap();
+            let fill = fill_pool(threads - 1, FILL_PART_DESCRIPTORS);
             let mut best = u128::MAX;
             for _ in 0..50 {
                 let t = std::time::Instant::now();
@@ -1359,7 +1408,7 @@ mod tests {
                 let remote =
                     |p: *const std::ffi::c_void, _: &mut Vec<()>| rw.get(p as usize - 1).copied();
                 assert!(
-                    walk_pairs_in_parts(&pool, Op::Read, &l, &r, &mut out, local, remote).is_some()
+                    walk_pairs_in_parts(&fill, Op::Read, &l, &r, &mut out, local, remote).is_some()
                 );
                 best = best.min(t.elapsed().as_nanos());
             }
