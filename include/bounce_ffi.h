@@ -143,6 +143,14 @@ bounce_status_t bounce_engine_ucx_params(bounce_engine_t *engine, bounce_sink_t 
 /* The UCX delegate's progress-thread delay in us, or UINT64_MAX for the
  * application's own. */
 uint64_t bounce_engine_ucx_progress_delay_us(const bounce_engine_t *engine);
+/* The fewest descriptors any of BOUNCE's own paths takes between memory of
+ * kinds local and remote (UINT64_MAX: none): a transfer with fewer goes to
+ * the UCX delegate whatever else it is; the shim reads these once. */
+uint64_t bounce_engine_route_floor(const bounce_engine_t *engine, bounce_mem_t local, bounce_mem_t remote);
+/* Counts a transfer the shim prepared on the UCX delegate because it had
+ * fewer descriptors than its floor (local_transfer: non-zero when it is to
+ * this agent itself), as the engine counts its own such decisions. */
+void bounce_engine_count_below_floor(const bounce_engine_t *engine, int32_t local_transfer);
 /* Records that the UCX delegate could not be created (reason borrowed for the
  * call): the engine logs it once. */
 void bounce_engine_report(bounce_engine_t *engine, bounce_bytes_t message);

@@ -267,6 +267,11 @@ public:
             bounce_engine_report(engine, bytes(error));
             initErr = true;
         }
+        for (int l = 0; l < 2; ++l) {
+            for (int r = 0; r < 2; ++r) {
+                floor_[l][r] = bounce_engine_route_floor(engine, l, r);
+            }
+        }
     }
 
     ~BounceEngine() override {
@@ -348,18 +353,24 @@ public:
             if (!ucx) {
                 return NIXL_ERR_BACKEND;
             }
-            const bounce_desc_list_t l = desc_list(local), r = desc_list(remote);
-            const bounce_xfer_args_t args = xfer_args(opt_args);
-            int32_t delegate = 0;
-            bounce_req_t *req = nullptr;
-            const bounce_status_t st = bounce_engine_prep_xfer(
-                engine, static_cast<bounce_op_t>(op), &l, &r, bytes(remote_agent), &args, &delegate, &req);
-            if (st != BOUNCE_SUCCESS) {
-                return static_cast<nixl_status_t>(st);
-            }
-            if (!delegate) {
-                handle = wrap_req(req);
-                return NIXL_SUCCESS;
+            if (below_floor(local, remote, opt_args)) {
+                // UCX's whatever else it is (the engine's own rule, read
+                // once): the commonest UCX-routed transfers skip the engine.
+                bounce_engine_count_below_floor(engine, remote_agent == localAgent ? 1 : 0);
+            } else {
+                const bounce_desc_list_t l = desc_list(local), r = desc_list(remote);
+                const bounce_xfer_args_t args = xfer_args(opt_args);
+                int32_t delegate = 0;
+                bounce_req_t *req = nullptr;
+                const bounce_status_t st = bounce_engine_prep_xfer(
+                    engine, static_cast<bounce_op_t>(op), &l, &r, bytes(remote_agent), &args, &delegate, &req);
+                if (st != BOUNCE_SUCCESS) {
+                    return static_cast<nixl_status_t>(st);
+                }
+                if (!delegate) {
+                    handle = wrap_req(req);
+                    return NIXL_SUCCESS;
+                }
             }
             auto h = std::make_unique<BounceReqH>(local, remote);
             const auto release_delegate = [&] {
@@ -382,6 +393,21 @@ public:
             handle = h.release();
             return NIXL_SUCCESS;
         });
+    }
+
+    // Fewer descriptors than any of BOUNCE's paths takes between these
+    // kinds (bounce_engine_route_floor), as many on both sides, and no
+    // custom parameter (the engine words the errors about those, whichever
+    // path a transfer would take).
+    bool below_floor(const nixl_meta_dlist_t &local,
+                     const nixl_meta_dlist_t &remote,
+                     const nixl_opt_b_args_t *opt_args) const {
+        const int l = local.getType(), r = remote.getType();
+        if (l < 0 || l > 1 || r < 0 || r > 1 || (opt_args && !opt_args->customParam.empty())) {
+            return false;
+        }
+        return local.descCount() == remote.descCount() &&
+            static_cast<uint64_t>(local.descCount()) < floor_[l][r];
     }
 
     nixl_status_t postXfer(const nixl_xfer_op_t &op,
@@ -590,6 +616,9 @@ private:
 
     bounce_engine_t *engine = nullptr;
     std::unique_ptr<UcxDelegate> ucx;
+    // bounce_engine_route_floor per (local, remote) kind, DRAM and VRAM;
+    // 0 (nothing is below it) until read.
+    uint64_t floor_[2][2] = {{0, 0}, {0, 0}};
 };
 
 nixlBackendEngine *create_engine(const nixlBackendInitParams *init) noexcept {

@@ -160,3 +160,59 @@ fn transfer_custom_param_reaches_the_engine() {
         "an unknown custom parameter must be refused"
     );
 }
+
+/// Transfers with fewer descriptors than any of BOUNCE's paths takes are
+/// handed to the UCX delegate by the shim without entering the engine (the
+/// floors it read once): they still arrive byte-exact and are counted as
+/// the engine counts them, prepared and by reason (to the peer: too few
+/// descriptors; within the agent itself: a local transfer).
+#[test]
+#[serial]
+fn transfers_below_the_route_floor_are_counted_by_reason() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut pair = LocalPair::new("BOUNCE", &[], 1 << 16).or_fail("pair");
+    let agent = pair.init.name().to_string();
+    // (A counter still at zero is left out.)
+    let counter = |key: &str| {
+        let stats = nixl_bounce::stats::plugin_stats(&agent).expect("stats");
+        stats.counters.get(key).copied().unwrap_or(0)
+    };
+    for (to_self, reason) in [
+        (false, "fallback_too_few_descriptors"),
+        (true, "fallback_local_transfer"),
+    ] {
+        pair.init.buf.fill_pattern(21);
+        pair.target.buf.fill_pattern(22);
+        let (prepared, fell_back) = (counter("transfers_prepared"), counter(reason));
+        let src = pair.init.buf.addr();
+        let (dst, name) = if to_self {
+            (src + 8192, pair.init.node.name.clone())
+        } else {
+            (pair.target.buf.addr(), pair.target.node.name.clone())
+        };
+        let mut l = XferDescList::new(MemType::Dram).unwrap();
+        let mut r = XferDescList::new(MemType::Dram).unwrap();
+        l.add_desc(src, 4096, 0);
+        r.add_desc(dst, 4096, 0);
+        let req = pair
+            .init
+            .node
+            .agent
+            .create_xfer_req(XferOp::Write, &l, &r, &name, None)
+            .expect("create");
+        pair.init
+            .node
+            .post_and_wait(&req, wait_timeout())
+            .or_fail("transfer");
+        let moved = if to_self {
+            &pair.init.buf.as_slice()[8192..8192 + 4096]
+        } else {
+            &pair.target.buf.as_slice()[..4096]
+        };
+        assert_eq!(moved, &pair.init.buf.as_slice()[..4096], "{reason}: bytes");
+        assert_eq!(counter("transfers_prepared"), prepared + 1, "{reason}");
+        assert_eq!(counter(reason), fell_back + 1, "{reason}");
+    }
+}

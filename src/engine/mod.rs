@@ -600,6 +600,54 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// Why a transfer of this shape goes to the UCX delegate before anything
+/// per descriptor is looked at; `None`: one of BOUNCE's paths may take it.
+pub fn early_reason(cfg: &Config, shape: &Shape) -> Option<Fallback> {
+    if !cfg.enabled {
+        Some(Fallback::BounceDisabled)
+    } else if shape.local_transfer {
+        Some(Fallback::LocalTransfer)
+    } else if peer::gate(cfg, shape).is_ok() {
+        None
+    } else {
+        bounce::arena_gate(cfg, shape.local, shape.remote)
+            .admit(shape.descriptors, shape.bytes)
+            .err()
+    }
+}
+
+/// The fewest descriptors that any of BOUNCE's own paths takes between
+/// memory of kinds `local` and `remote` (`u64::MAX`: none takes any). A
+/// transfer with fewer goes to UCX whatever else it is, for the reason
+/// [`below_floor_reason`] gives, as [`early_reason`] would decide: the shim
+/// reads the floors once, so that the commonest UCX-routed transfers (a few
+/// descriptors) are handed to the delegate without entering this engine.
+pub fn route_floor(cfg: &Config, local: MemKind, remote: MemKind) -> u64 {
+    if !cfg.enabled {
+        return u64::MAX;
+    }
+    let arena = bounce::arena_gate(cfg, local, remote)
+        .min_descriptors
+        .max(1);
+    if cfg.enable_peer_map && local == MemKind::Vram && remote == MemKind::Vram {
+        arena.min(bounce::peer_map_gate(cfg).min_descriptors.max(1))
+    } else {
+        arena
+    }
+}
+
+/// Why a transfer with fewer descriptors than its [`route_floor`] goes to
+/// UCX: what [`early_reason`] says of it.
+pub fn below_floor_reason(cfg: &Config, local_transfer: bool) -> Fallback {
+    if !cfg.enabled {
+        Fallback::BounceDisabled
+    } else if local_transfer {
+        Fallback::LocalTransfer
+    } else {
+        Fallback::TooFewDescriptors
+    }
+}
+
 impl Engine {
     /// Creates the engine for agent `local_name` with the backend parameters
     /// given to `createBackend("BOUNCE", params)`.
@@ -1088,22 +1136,30 @@ impl Engine {
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
         }
-        let reason = if !self.config.enabled {
-            Some(Fallback::BounceDisabled)
-        } else if shape.local_transfer {
-            Some(Fallback::LocalTransfer)
-        } else if peer::gate(&self.config, shape).is_ok() {
-            None
-        } else {
-            bounce::arena_gate(&self.config, shape.local, shape.remote)
-                .admit(shape.descriptors, shape.bytes)
-                .err()
-        };
+        let reason = early_reason(&self.config, shape);
         if let Some(r) = reason {
-            EngineStats::bump(&self.stats.counters.transfers_prepared);
-            self.stats.fell_back(r);
+            self.count_ucx_routed(r);
         }
         Ok(reason)
+    }
+
+    /// Counts a transfer that the UCX delegate carries, prepared and by
+    /// reason.
+    pub fn count_ucx_routed(&self, reason: Fallback) {
+        EngineStats::bump(&self.stats.counters.transfers_prepared);
+        self.stats.fell_back(reason);
+    }
+
+    /// The fewest descriptors any of BOUNCE's own paths takes between
+    /// memory of kinds `local` and `remote` (see [`route_floor`]).
+    pub fn route_floor(&self, local: MemKind, remote: MemKind) -> u64 {
+        route_floor(&self.config, local, remote)
+    }
+
+    /// Why a transfer with fewer descriptors than [`Engine::route_floor`]
+    /// goes to UCX ([`below_floor_reason`]).
+    pub fn below_floor_reason(&self, local_transfer: bool) -> Fallback {
+        below_floor_reason(&self.config, local_transfer)
     }
 
     /// Checks a transfer's descriptors and prepares it on one of BOUNCE's own
@@ -1640,6 +1696,53 @@ mod tests {
             .contains("\"bogus\""));
         assert!(TransferParams::parse(b"novalue").is_err());
         assert!(TransferParams::parse(&[0xff]).is_err());
+    }
+
+    proptest::proptest! {
+        /// The shim's short cut agrees with the engine: below a pair of
+        /// kinds' floor, every shape goes to UCX for the reason
+        /// `below_floor_reason` gives; at the floor, some shape does not.
+        #[test]
+        fn the_route_floor_agrees_with_the_early_decision(
+            enabled in proptest::prelude::any::<bool>(),
+            peer_map in proptest::prelude::any::<bool>(),
+            mins in proptest::collection::vec(0u64..3000, 3),
+            local_vram in proptest::prelude::any::<bool>(),
+            remote_vram in proptest::prelude::any::<bool>(),
+            local_transfer in proptest::prelude::any::<bool>(),
+            descriptors in 0u64..3000,
+            average in 1u64..(1 << 20),
+        ) {
+            let cfg = Config {
+                enabled,
+                enable_peer_map: peer_map,
+                min_descriptor_count: mins[0],
+                vram_min_descriptor_count: mins[1],
+                peer_map_min_descriptor_count: mins[2],
+                ..Config::default()
+            };
+            let kind = |vram| if vram { MemKind::Vram } else { MemKind::Dram };
+            let (local, remote) = (kind(local_vram), kind(remote_vram));
+            let shape = |descriptors: u64, local_transfer| Shape {
+                local,
+                remote,
+                descriptors,
+                bytes: TotalBytes::Known(descriptors * average),
+                local_transfer,
+            };
+            let floor = route_floor(&cfg, local, remote);
+            if descriptors < floor {
+                proptest::prop_assert_eq!(
+                    early_reason(&cfg, &shape(descriptors, local_transfer)),
+                    Some(below_floor_reason(&cfg, local_transfer))
+                );
+            }
+            if floor != u64::MAX {
+                // The smallest shape at the floor is let through.
+                let small = Shape { bytes: TotalBytes::Known(floor), ..shape(floor, false) };
+                proptest::prop_assert_eq!(early_reason(&cfg, &small), None);
+            }
+        }
     }
 
     #[test]

@@ -451,6 +451,55 @@ pub unsafe extern "C" fn bounce_engine_ucx_progress_delay_us(engine: *const Engi
     .unwrap_or(u64::MAX)
 }
 
+/// The fewest descriptors any of BOUNCE's own paths takes from memory of
+/// kind `local` to memory of kind `remote` (`u64::MAX`: none, or a kind
+/// BOUNCE does not take). The shim hands a transfer with fewer straight to
+/// the UCX delegate and counts it with [`bounce_engine_count_below_floor`].
+///
+/// # Safety
+/// `engine` is null or a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_route_floor(
+    engine: *const Engine,
+    local: i32,
+    remote: i32,
+) -> u64 {
+    if engine.is_null() {
+        return u64::MAX;
+    }
+    // SAFETY: a live engine (header contract).
+    let e = unsafe { &*engine };
+    catch_unwind(AssertUnwindSafe(|| {
+        match (MemKind::from_nixl(local), MemKind::from_nixl(remote)) {
+            (Ok(l), Ok(r)) => e.route_floor(l, r),
+            _ => u64::MAX,
+        }
+    }))
+    .unwrap_or(u64::MAX)
+}
+
+/// Counts a transfer prepared on the UCX delegate because it has fewer
+/// descriptors than its [`bounce_engine_route_floor`] (`local_transfer`:
+/// non-zero when it is to this agent itself), as if the engine had decided.
+///
+/// # Safety
+/// `engine` is null or a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_count_below_floor(
+    engine: *const Engine,
+    local_transfer: i32,
+) {
+    if engine.is_null() {
+        return;
+    }
+    // SAFETY: a live engine (header contract).
+    let e = unsafe { &*engine };
+    // Two atomic additions; nothing here unwinds, but nothing may cross.
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        e.count_ucx_routed(e.below_floor_reason(local_transfer != 0));
+    }));
+}
+
 /// Logs why the shim could not create the UCX delegate.
 ///
 /// # Safety
