@@ -62,6 +62,9 @@ whatever shares a small machine with it.
 Memory: --device cuda puts the caches in VRAM as torch tensors (both
 processes on --gpu / --owner-gpu); --device cpu in DRAM as numpy arrays (a
 uint16 array stands in for bf16); --device torch-cpu in DRAM as torch tensors.
+--reader-device puts the reader's cache alone elsewhere: --device cuda
+--reader-device torch-cpu READs from the owner's VRAM into the reader's DRAM
+(mixed memory).
 
 Examples:
   source scripts/setup.sh release
@@ -455,7 +458,7 @@ class _Owner:
             t2 = clock()
             self.agents[b], self.caches[b], self.regs[b], self.arrivals[b] = agent, cache, reg, {}
             info[b] = dict(metadata=agent.get_agent_metadata(), name=agent.name, bases=cache.region_bases(),
-                           num_blocks=cache.nb, block_len=cache.block_len, dev_id=cache.dev_id,
+                           num_blocks=cache.nb, block_len=cache.block_len, dev_id=cache.dev_id, mem=cache.mem,
                            create_s=t1 - t0, register_s=t2 - t1)
         return ("ready", info)
 
@@ -558,7 +561,7 @@ class Reader:
             t0 = clock()
             agent = make_agent(b, self.o.ucx_threads, self.o.bounce_params)
             t1 = clock()
-            cache = KVCache(geom, self.o.device, self.o.gpu)
+            cache = KVCache(geom, self.o.reader_device, self.o.gpu)
             reg = agent.get_reg_descs(cache.reg_list(), cache.mem)
             agent.register_memory(reg)
             t2 = clock()
@@ -580,7 +583,7 @@ class Reader:
             t2 = clock()
             rem = agent.prep_xfer_dlist(
                 name, KVCache.block_descs(remote["bases"], remote["num_blocks"], remote["block_len"],
-                                          remote["dev_id"]), cache.mem)
+                                          remote["dev_id"]), remote["mem"])
             t3 = clock()
             s.update(remote_name=name, local_dlist=local, remote_dlist=rem)
             rec = dict(case=geom["name"], backend=b, dlist_descs=cache.regions * cache.nb,
@@ -750,7 +753,8 @@ def fmt_ms(sp):
 
 
 def print_table(summary, cases, opts):
-    print(f"\nvLLM NIXL pattern: {MODEL['name']}-shaped KV cache, READ by the decode side, device={opts.device}, "
+    print(f"\nvLLM NIXL pattern: {MODEL['name']}-shaped KV cache, READ by the decode side, device={opts.device}"
+          f"{'' if opts.reader_device == opts.device else f' (reader: {opts.reader_device})'}, "
           f"{opts.iters} timed iterations (+{opts.warmup} warm-up) per backend, "
           + (f"alternating {','.join(opts.backends)}" if opts.order == "alternate"
              else f"one backend at a time ({','.join(opts.backends)})"))
@@ -847,6 +851,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["cuda", "cpu", "torch-cpu"], default=None,
                     help="cuda: torch tensors, VRAM; cpu: numpy arrays, DRAM; torch-cpu: torch tensors, DRAM "
                          "(default: cuda if torch sees a GPU, else cpu)")
+    ap.add_argument("--reader-device", choices=["cuda", "cpu", "torch-cpu"], default=None,
+                    help="the reader's (decode side's) cache alone, e.g. torch-cpu with --device cuda: a READ from "
+                         "the owner's VRAM into the reader's DRAM (default: --device)")
     ap.add_argument("--backends", default="BOUNCE,UCX", help="alternated iteration by iteration (default BOUNCE,UCX)")
     ap.add_argument("--order", choices=["alternate", "blocked"], default="alternate",
                     help="alternate (default): all backends' agents alive, backends take turns iteration by "
@@ -875,6 +882,7 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write every sample to this file")
     o = ap.parse_args(argv)
     o.device = o.device or default_device()
+    o.reader_device = o.reader_device or o.device
     o.backends = [b.strip() for b in o.backends.split(",") if b.strip()]
     o.bounce_params = {}
     for kv in o.bounce_param:

@@ -598,11 +598,16 @@ impl ShapeGate {
     }
 }
 
-/// The bounce arena's gate: DRAM on both sides, or VRAM on either.
+/// The bounce arena's gate: DRAM on both sides, VRAM on both, or mixed
+/// (the size limit is VRAM's whenever VRAM is on either side).
 pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> ShapeGate {
     if local == MemKind::Vram || remote == MemKind::Vram {
         ShapeGate {
-            min_descriptors: cfg.vram_min_descriptor_count,
+            min_descriptors: if local == remote {
+                cfg.vram_min_descriptor_count
+            } else {
+                cfg.mixed_min_descriptor_count
+            },
             max_average_bytes: cfg.vram_max_average_descriptor_size_bytes,
         }
     } else {

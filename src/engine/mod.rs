@@ -1706,7 +1706,7 @@ mod tests {
         fn the_route_floor_agrees_with_the_early_decision(
             enabled in proptest::prelude::any::<bool>(),
             peer_map in proptest::prelude::any::<bool>(),
-            mins in proptest::collection::vec(0u64..3000, 3),
+            mins in proptest::collection::vec(0u64..3000, 4),
             local_vram in proptest::prelude::any::<bool>(),
             remote_vram in proptest::prelude::any::<bool>(),
             local_transfer in proptest::prelude::any::<bool>(),
@@ -1719,6 +1719,7 @@ mod tests {
                 min_descriptor_count: mins[0],
                 vram_min_descriptor_count: mins[1],
                 peer_map_min_descriptor_count: mins[2],
+                mixed_min_descriptor_count: mins[3],
                 ..Config::default()
             };
             let kind = |vram| if vram { MemKind::Vram } else { MemKind::Dram };
