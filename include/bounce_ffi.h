@@ -97,7 +97,9 @@ typedef struct bounce_desc {
     const void *md;
 } bounce_desc_t;
 
-/* The bounce_md_t inside a descriptor's backend metadata (non-NULL). */
+/* The bounce_md_t inside a descriptor's backend metadata (non-NULL). The
+ * engine may call it from several threads at once during one call (a large
+ * table is filled in parts): it must only read. */
 typedef const bounce_md_t *(*bounce_md_resolver_t)(const void *backend_md);
 
 typedef struct bounce_desc_list {
@@ -144,13 +146,16 @@ bounce_status_t bounce_engine_ucx_params(bounce_engine_t *engine, bounce_sink_t 
  * application's own. */
 uint64_t bounce_engine_ucx_progress_delay_us(const bounce_engine_t *engine);
 /* The fewest descriptors any of BOUNCE's own paths takes between memory of
- * kinds local and remote (UINT64_MAX: none): a transfer with fewer goes to
- * the UCX delegate whatever else it is; the shim reads these once. */
+ * kinds local and remote (UINT64_MAX: none; 0 for a kind BOUNCE does not
+ * take): a transfer with fewer goes to the UCX delegate whatever else it
+ * is; the shim reads these once. */
 uint64_t bounce_engine_route_floor(const bounce_engine_t *engine, bounce_mem_t local, bounce_mem_t remote);
-/* Counts a transfer the shim prepared on the UCX delegate because it had
- * fewer descriptors than its floor (local_transfer: non-zero when it is to
- * this agent itself), as the engine counts its own such decisions. */
-void bounce_engine_count_below_floor(const bounce_engine_t *engine, int32_t local_transfer);
+/* Counts a transfer to remote_agent with fewer descriptors than its floor as
+ * prepared on the UCX delegate, as the engine counts its own such decisions.
+ * 1: counted, prepare it on the delegate; 0: call bounce_engine_prep_xfer
+ * (the engine stopped after an internal error, or the name is not UTF-8:
+ * it refuses the call in its own words). */
+int32_t bounce_engine_count_below_floor(const bounce_engine_t *engine, bounce_bytes_t remote_agent);
 /* Records that the UCX delegate could not be created (reason borrowed for the
  * call): the engine logs it once. */
 void bounce_engine_report(bounce_engine_t *engine, bounce_bytes_t message);

@@ -72,7 +72,7 @@ pub struct Config {
     /// Routing gate of the bounce arena for DRAM: maximum average descriptor
     /// size (bytes).
     pub max_average_descriptor_size_bytes: u64,
-    /// Routing gate of the bounce arena when either side is VRAM: minimum
+    /// Routing gate of the bounce arena when both sides are VRAM: minimum
     /// descriptor count.
     pub vram_min_descriptor_count: u64,
     /// Bounce arena, VRAM on one side and DRAM on the other: minimum
@@ -332,7 +332,7 @@ static SETTINGS: &[Setting] = &[
     setting!(peer_map_min_descriptor_count, "peer_map_min_descriptor_count", "PEER_MAP_MIN_DESCRIPTOR_COUNT", Count, false, "Peer-mapped path: minimum descriptor count."),
     setting!(peer_map_max_average_descriptor_size_bytes, "peer_map_max_average_descriptor_size_bytes", "PEER_MAP_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "Peer-mapped path: maximum average descriptor bytes; 0 = no limit."),
     setting!(peer_map_inline_table_max_descriptors, "peer_map_inline_table_max_descriptors", "PEER_MAP_INLINE_TABLE_MAX_DESCRIPTORS", Count, true, "Peer-mapped path: a copy table of at most this many equal-length descriptors is the kernel's launch parameter (no driver call when a request is prepared; its launch takes 1.5 us longer at 256 descriptors, 7 us at 2040); larger tables are uploaded; 0 = always upload; at most 2040."),
-    setting!(peer_map_prepare_threads, "peer_map_prepare_threads", "PEER_MAP_PREPARE_THREADS", Count, true, "Peer-mapped path: threads that fill the copy table of a request of 4,096 descriptors or more together, the preparing thread among them (the fill is bound by one core's memory bandwidth: 7-10 ns a descriptor alone); 1 = the preparing thread alone; 0 = auto: a quarter of the cores, at most 4."),
+    setting!(peer_map_prepare_threads, "peer_map_prepare_threads", "PEER_MAP_PREPARE_THREADS", Count, true, "Peer-mapped path: threads that fill the copy table of a request of 16,384 descriptors or more together, the preparing thread among them (the fill is bound by one core's memory bandwidth: 7-10 ns a descriptor alone); 1 = the preparing thread alone; 0 = auto: a quarter of the cores, at most 4; never more than the cores."),
     setting!(request_timeout_ms, "request_timeout_ms", "REQUEST_TIMEOUT_MS", Millis, false, "Per-request no-progress timeout."),
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
     setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),

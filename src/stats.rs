@@ -26,7 +26,9 @@ pub struct Counters {
     pub notifs_received: AtomicU64,
     pub rejected_calls: AtomicU64,
     pub panics: AtomicU64,
-    /// The plugin's own time in preparations (`prepare_ns`).
+    /// The plugin's own time in preparations (`prepare_ns`). Transfers
+    /// the shim hands to UCX below the route floor are counted as prepared
+    /// but not timed (their share is a few comparisons in the shim).
     pub prepare_ns: AtomicU64,
     /// Transfers the UCX delegate carries, by reason (`fallback_*`,
     /// indexed by [`Fallback::index`]).

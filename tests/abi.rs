@@ -162,10 +162,10 @@ fn transfer_custom_param_reaches_the_engine() {
 }
 
 /// Transfers with fewer descriptors than any of BOUNCE's paths takes are
-/// handed to the UCX delegate by the shim without entering the engine (the
-/// floors it read once): they still arrive byte-exact and are counted as
-/// the engine counts them, prepared and by reason (to the peer: too few
-/// descriptors; within the agent itself: a local transfer).
+/// handed to the UCX delegate by the shim without entering the engine's
+/// preparation (the floors it read once): they still arrive byte-exact and
+/// are counted as the engine counts them, prepared and by reason (to the
+/// peer: too few descriptors; within the agent itself: a local transfer).
 #[test]
 #[serial]
 fn transfers_below_the_route_floor_are_counted_by_reason() {
@@ -185,7 +185,11 @@ fn transfers_below_the_route_floor_are_counted_by_reason() {
     ] {
         pair.init.buf.fill_pattern(21);
         pair.target.buf.fill_pattern(22);
-        let (prepared, fell_back) = (counter("transfers_prepared"), counter(reason));
+        let (prepared, fell_back, timed) = (
+            counter("transfers_prepared"),
+            counter(reason),
+            counter("prepare_ns"),
+        );
         let src = pair.init.buf.addr();
         let (dst, name) = if to_self {
             (src + 8192, pair.init.node.name.clone())
@@ -214,5 +218,11 @@ fn transfers_below_the_route_floor_are_counted_by_reason() {
         assert_eq!(moved, &pair.init.buf.as_slice()[..4096], "{reason}: bytes");
         assert_eq!(counter("transfers_prepared"), prepared + 1, "{reason}");
         assert_eq!(counter(reason), fell_back + 1, "{reason}");
+        // Decided in the shim: the engine's preparation timer never ran.
+        assert_eq!(
+            counter("prepare_ns"),
+            timed,
+            "{reason}: the engine prepared it"
+        );
     }
 }

@@ -21,7 +21,7 @@ fn a_panic_becomes_an_error_and_disables_the_engine() {
     let init = Endpoint::new(
         "panic-init",
         "BOUNCE",
-        &[("min_descriptor_count", "1")],
+        &[("min_descriptor_count", "4")],
         1 << 16,
         1,
     );
@@ -50,19 +50,23 @@ fn a_panic_becomes_an_error_and_disables_the_engine() {
         "a panicking postXfer must report an error, got {posted:?}"
     );
 
-    // The engine is now disabled: further work is refused, the process lives.
-    let again = init.node.create_xfer(
-        XferOp::Write,
-        &plan,
-        init.buf.addr(),
-        target.buf.addr(),
-        target.name(),
-        None,
-    );
-    assert!(
-        again.is_err(),
-        "a disabled engine must refuse new transfers"
-    );
+    // The engine is now disabled: further work is refused, the process
+    // lives. So is a transfer below the route floor, which the shim would
+    // otherwise hand to the UCX delegate without asking the engine.
+    for n in [4, 1] {
+        let again = init.node.create_xfer(
+            XferOp::Write,
+            &Plan::standard(n, 4096, 3),
+            init.buf.addr(),
+            target.buf.addr(),
+            target.name(),
+            None,
+        );
+        assert!(
+            again.is_err(),
+            "a disabled engine must refuse new transfers ({n} descriptors)"
+        );
+    }
     let snap = nixl_bounce::stats::plugin_stats(init.name()).expect("stats still readable");
     assert_eq!(snap.counters["panics"], 1, "{snap:?}");
     drop(req);

@@ -645,6 +645,19 @@ mod tests {
     }
 
     #[test]
+    fn each_pair_of_memory_kinds_has_its_arena_gate() {
+        let cfg = Config::default();
+        let (d, v) = (MemKind::Dram, MemKind::Vram);
+        let admits = |l, r, n: u64| arena_gate(&cfg, l, r).admit(n, (n * 4096).into()).is_ok();
+        // DRAM on both sides: 1024; VRAM on both: 256; mixed: 512.
+        assert!(!admits(d, d, 1023) && admits(d, d, 1024));
+        assert!(!admits(v, v, 255) && admits(v, v, 256));
+        for (l, r) in [(d, v), (v, d)] {
+            assert!(!admits(l, r, 511) && admits(l, r, 512), "{l:?} -> {r:?}");
+        }
+    }
+
+    #[test]
     fn admit_reads_the_heartbeats_capability() {
         let cfg = Config {
             use_nixl_notifications: true,

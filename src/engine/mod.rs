@@ -253,8 +253,16 @@ unsafe impl Send for RawDesc {}
 // SAFETY: as above.
 unsafe impl Sync for RawDesc {}
 
+// A table's parts read `Md`s from several threads through `&Md` made from
+// raw pointers, which the compiler does not check: it must be Sync.
+const _: () = {
+    const fn sync<T: Sync>() {}
+    sync::<Md>()
+};
+
 /// The [`Md`] inside a descriptor's (non-null) backend metadata (callable
-/// from any thread: the shim's resolver is pointer arithmetic).
+/// from several threads at once: the shim's resolver reads one constant
+/// field of its wrapper; bounce_ffi.h says so).
 pub type MdResolver<'a> = &'a (dyn Fn(*const std::ffi::c_void) -> *const Md + Sync);
 
 /// One side of a transfer as NIXL hands it over: its descriptor array, read
@@ -603,10 +611,8 @@ impl std::fmt::Debug for Engine {
 /// Why a transfer of this shape goes to the UCX delegate before anything
 /// per descriptor is looked at; `None`: one of BOUNCE's paths may take it.
 pub fn early_reason(cfg: &Config, shape: &Shape) -> Option<Fallback> {
-    if !cfg.enabled {
-        Some(Fallback::BounceDisabled)
-    } else if shape.local_transfer {
-        Some(Fallback::LocalTransfer)
+    if !cfg.enabled || shape.local_transfer {
+        Some(below_floor_reason(cfg, shape.local_transfer))
     } else if peer::gate(cfg, shape).is_ok() {
         None
     } else {
@@ -637,7 +643,8 @@ pub fn route_floor(cfg: &Config, local: MemKind, remote: MemKind) -> u64 {
 }
 
 /// Why a transfer with fewer descriptors than its [`route_floor`] goes to
-/// UCX: what [`early_reason`] says of it.
+/// UCX: what [`early_reason`] says of it (and, with bounce off or within
+/// the agent, of any transfer).
 pub fn below_floor_reason(cfg: &Config, local_transfer: bool) -> Fallback {
     if !cfg.enabled {
         Fallback::BounceDisabled

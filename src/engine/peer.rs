@@ -43,15 +43,20 @@ const FILL_PART_DESCRIPTORS: usize = 1024;
 pub struct FillPool {
     pub pool: rayon::ThreadPool,
     pub part_len: usize,
+    /// Held by the one table the pool fills at a time (a scope waits for
+    /// every job it spawned to start, so a second table would wait behind
+    /// the first one's parts); the others are walked by their own thread.
+    pub busy: Mutex<()>,
 }
 
-/// Threads that fill one large table: `configured`, or with 0 a quarter of
-/// this machine's cores, at most 4 (the preparing thread among them).
+/// Threads that fill one large table (the preparing thread among them):
+/// `configured`, or with 0 a quarter of this machine's cores, at most 4;
+/// never more than the cores.
 fn fill_threads(configured: usize) -> usize {
-    if configured > 0 {
-        return configured;
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if configured > 0 {
+        return configured.min(cores);
+    }
     (cores / 4).clamp(1, 4)
 }
 
@@ -279,6 +284,7 @@ impl PeerMaps {
                     .map(|pool| FillPool {
                         pool,
                         part_len: FILL_PART_DESCRIPTORS,
+                        busy: Mutex::new(()),
                     })
             })
             .as_ref()
@@ -383,7 +389,8 @@ impl PeerMaps {
 
     /// Prepares a peer-mapped transfer whose descriptors are all one length
     /// as a pair table, in one pass over NIXL's descriptors
-    /// ([`walk_pairs`]). `None`: this way declines it (descriptors of
+    /// ([`walk_pairs`]; from 16,384 descriptors in parts on several threads,
+    /// [`walk_pairs_in_parts`]). `None`: this way declines it (descriptors of
     /// several lengths, memory not mapped or not mappable, anything a check
     /// would refuse, or a CUDA failure); the checked path then decides, and
     /// words any error. Counts and logs nothing.
@@ -731,7 +738,7 @@ impl Window {
 
 /// [`walk_pairs`] in parts of `fill.part_len` descriptors, taken in turn by
 /// the calling thread and `fill`'s threads, with the same result: the table
-/// written, or a decline (`None`). The calling thread starts at once and
+/// written, or a decline (`None`; also when another table holds the pool). The calling thread starts at once and
 /// the workers join as they wake (tens of us on a busy host), so a table
 /// is never much slower than one thread's walk, however late they come.
 /// Every part looks its own regions up, so the look-ups are only reads:
@@ -747,11 +754,17 @@ pub fn walk_pairs_in_parts<T: Send>(
     remote_window: impl Fn(*const std::ffi::c_void, &mut Vec<T>) -> Option<Window> + Sync,
 ) -> Option<Vec<T>> {
     let (n, len) = (local.len(), local.first()?.len);
-    let FillPool { pool, part_len } = fill;
+    let FillPool {
+        pool,
+        part_len,
+        busy,
+    } = fill;
     let part_len = *part_len;
     if remote.len() != n || out.len() != 2 * n || part_len == 0 {
         return None;
     }
+    // Another table holds the pool: this one is walked alone.
+    let _busy = busy.try_lock().ok()?;
     /// One part: what it walks (taken by the thread that walks it), then
     /// what it found (`None` inside: declined).
     type Part<'a, T> = (
@@ -1254,8 +1267,7 @@ mod tests {
         (l, r, lw, rw)
     }
 
-    /// [`walk_pairs_in_parts`] over the test windows: the table (or a
-    /// decline) and the remote handles the parts reported.
+    /// A pool of `threads` workers and parts of `part_len` descriptors.
     fn fill_pool(threads: usize, part_len: usize) -> FillPool {
         FillPool {
             pool: rayon::ThreadPoolBuilder::new()
@@ -1263,9 +1275,12 @@ mod tests {
                 .build()
                 .unwrap(),
             part_len,
+            busy: Mutex::new(()),
         }
     }
 
+    /// [`walk_pairs_in_parts`] over the test windows: the table (or a
+    /// decline) and the remote handles the parts reported.
     fn walk_in_parts(
         fill: &FillPool,
         op: Op,
@@ -1283,6 +1298,21 @@ mod tests {
         };
         let used = walk_pairs_in_parts(fill, op, l, r, &mut out, local, remote);
         (used.is_some().then_some(out), used)
+    }
+
+    #[test]
+    fn a_pool_filling_another_table_is_not_waited_for() {
+        let fill = fill_pool(2, 2);
+        let w = [win(0x10000, 0x10000, 0, 0)];
+        let l: Vec<RawDesc> = (0..8)
+            .map(|i| raw(0x10000 + i * 0x1000, 4096, 0, 0))
+            .collect();
+        assert!(walk_in_parts(&fill, Op::Write, &l, &l, &w, &w).0.is_some());
+        let _other = fill.busy.lock().unwrap();
+        assert_eq!(
+            walk_in_parts(&fill, Op::Write, &l, &l, &w, &w),
+            (None, None)
+        );
     }
 
     #[test]

@@ -452,9 +452,10 @@ pub unsafe extern "C" fn bounce_engine_ucx_progress_delay_us(engine: *const Engi
 }
 
 /// The fewest descriptors any of BOUNCE's own paths takes from memory of
-/// kind `local` to memory of kind `remote` (`u64::MAX`: none, or a kind
-/// BOUNCE does not take). The shim hands a transfer with fewer straight to
-/// the UCX delegate and counts it with [`bounce_engine_count_below_floor`].
+/// kind `local` to memory of kind `remote` (`u64::MAX`: none; 0 for a kind
+/// BOUNCE does not take, so that the engine words the error). The shim
+/// hands a transfer with fewer to the UCX delegate once
+/// [`bounce_engine_count_below_floor`] has counted it.
 ///
 /// # Safety
 /// `engine` is null or a live engine.
@@ -465,39 +466,52 @@ pub unsafe extern "C" fn bounce_engine_route_floor(
     remote: i32,
 ) -> u64 {
     if engine.is_null() {
-        return u64::MAX;
+        return 0;
     }
     // SAFETY: a live engine (header contract).
     let e = unsafe { &*engine };
     catch_unwind(AssertUnwindSafe(|| {
         match (MemKind::from_nixl(local), MemKind::from_nixl(remote)) {
             (Ok(l), Ok(r)) => e.route_floor(l, r),
-            _ => u64::MAX,
+            _ => 0,
         }
     }))
-    .unwrap_or(u64::MAX)
+    .unwrap_or(0)
 }
 
-/// Counts a transfer prepared on the UCX delegate because it has fewer
-/// descriptors than its [`bounce_engine_route_floor`] (`local_transfer`:
-/// non-zero when it is to this agent itself), as if the engine had decided.
+/// Counts a transfer to `remote_agent` that has fewer descriptors than its
+/// [`bounce_engine_route_floor`] as prepared on the UCX delegate, for the
+/// reason the engine would have given. 1: counted, the shim prepares it on
+/// the delegate; 0: the engine must decide (`bounce_engine_prep_xfer`),
+/// because it stopped after an internal error or the name is not UTF-8, so
+/// that such calls are refused with the engine's own words.
 ///
 /// # Safety
-/// `engine` is null or a live engine.
+/// `engine` is null or a live engine; `remote_agent` is valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_count_below_floor(
     engine: *const Engine,
-    local_transfer: i32,
-) {
+    remote_agent: bounce_bytes_t,
+) -> i32 {
     if engine.is_null() {
-        return;
+        return 0;
     }
     // SAFETY: a live engine (header contract).
     let e = unsafe { &*engine };
-    // Two atomic additions; nothing here unwinds, but nothing may cross.
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        e.count_ucx_routed(e.below_floor_reason(local_transfer != 0));
-    }));
+    // SAFETY: caller contract.
+    let Ok(agent) = (unsafe { borrow_str(remote_agent, "the remote agent name") }) else {
+        return 0;
+    };
+    if e.is_broken() {
+        return 0;
+    }
+    // A comparison and two atomic additions; nothing unwinds, but nothing
+    // may cross.
+    catch_unwind(AssertUnwindSafe(|| {
+        e.count_ucx_routed(e.below_floor_reason(agent == e.local_name()));
+        1
+    }))
+    .unwrap_or(0)
 }
 
 /// Logs why the shim could not create the UCX delegate.
