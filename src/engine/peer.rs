@@ -47,6 +47,10 @@ pub struct FillPool {
     /// every job it spawned to start, so a second table would wait behind
     /// the first one's parts); the others are walked by their own thread.
     pub busy: Mutex<()>,
+    /// The process that started the workers: a child forked after that has
+    /// none (a fork copies only the forking thread), and a scope there
+    /// would wait for ever, so a child walks alone.
+    pub pid: u32,
 }
 
 /// Threads that fill one large table (the preparing thread among them):
@@ -285,6 +289,7 @@ impl PeerMaps {
                         pool,
                         part_len: FILL_PART_DESCRIPTORS,
                         busy: Mutex::new(()),
+                        pid: std::process::id(),
                     })
             })
             .as_ref()
@@ -738,7 +743,8 @@ impl Window {
 
 /// [`walk_pairs`] in parts of `fill.part_len` descriptors, taken in turn by
 /// the calling thread and `fill`'s threads, with the same result: the table
-/// written, or a decline (`None`; also when another table holds the pool). The calling thread starts at once and
+/// written, or a decline (`None`; also when another table holds the pool,
+/// or in a child forked after the workers started). The calling thread starts at once and
 /// the workers join as they wake (tens of us on a busy host), so a table
 /// is never much slower than one thread's walk, however late they come.
 /// Every part looks its own regions up, so the look-ups are only reads:
@@ -758,9 +764,10 @@ pub fn walk_pairs_in_parts<T: Send>(
         pool,
         part_len,
         busy,
+        pid,
     } = fill;
     let part_len = *part_len;
-    if remote.len() != n || out.len() != 2 * n || part_len == 0 {
+    if remote.len() != n || out.len() != 2 * n || part_len == 0 || *pid != std::process::id() {
         return None;
     }
     // Another table holds the pool: this one is walked alone.
@@ -1276,6 +1283,7 @@ mod tests {
                 .unwrap(),
             part_len,
             busy: Mutex::new(()),
+            pid: std::process::id(),
         }
     }
 
@@ -1301,16 +1309,26 @@ mod tests {
     }
 
     #[test]
-    fn a_pool_filling_another_table_is_not_waited_for() {
+    fn a_busy_or_forked_pool_is_not_waited_for() {
         let fill = fill_pool(2, 2);
         let w = [win(0x10000, 0x10000, 0, 0)];
         let l: Vec<RawDesc> = (0..8)
             .map(|i| raw(0x10000 + i * 0x1000, 4096, 0, 0))
             .collect();
         assert!(walk_in_parts(&fill, Op::Write, &l, &l, &w, &w).0.is_some());
-        let _other = fill.busy.lock().unwrap();
+        let other = fill.busy.lock().unwrap();
         assert_eq!(
             walk_in_parts(&fill, Op::Write, &l, &l, &w, &w),
+            (None, None)
+        );
+        drop(other);
+        // Nor is a pool whose workers a fork left behind.
+        let forked = FillPool {
+            pid: std::process::id().wrapping_add(1),
+            ..fill_pool(2, 2)
+        };
+        assert_eq!(
+            walk_in_parts(&forked, Op::Write, &l, &l, &w, &w),
             (None, None)
         );
     }
