@@ -353,12 +353,13 @@ public:
             if (!ucx) {
                 return NIXL_ERR_BACKEND;
             }
-            if (below_floor(local, remote, opt_args) &&
-                bounce_engine_count_below_floor(engine, bytes(remote_agent)) == 1) {
-                // Too few descriptors for any of BOUNCE's paths (the engine's
-                // rule, read once): the commonest UCX-routed transfers skip
-                // the engine, which only counted this one.
-            } else {
+            // Too few descriptors for any of BOUNCE's paths (the engine's
+            // rule, read once): the commonest UCX-routed transfers skip the
+            // engine's preparation, which only counts them.
+            const bool ucx_route =
+                below_floor(local, remote, opt_args) &&
+                bounce_engine_count_below_floor(engine, bytes(remote_agent)) == 1;
+            if (!ucx_route) {
                 const bounce_desc_list_t l = desc_list(local), r = desc_list(remote);
                 const bounce_xfer_args_t args = xfer_args(opt_args);
                 int32_t delegate = 0;

@@ -196,10 +196,8 @@ fn transfers_below_the_route_floor_are_counted_by_reason() {
         } else {
             (pair.target.buf.addr(), pair.target.node.name.clone())
         };
-        let mut l = XferDescList::new(MemType::Dram).unwrap();
-        let mut r = XferDescList::new(MemType::Dram).unwrap();
-        l.add_desc(src, 4096, 0);
-        r.add_desc(dst, 4096, 0);
+        let l = xfer_list(src, &[0], 4096).unwrap();
+        let r = xfer_list(dst, &[0], 4096).unwrap();
         let req = pair
             .init
             .node

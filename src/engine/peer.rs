@@ -415,35 +415,13 @@ impl PeerMaps {
         // The walk, and with it the windows kept from the last preparation
         // (held only while it runs).
         let walk = |out: &mut [u64]| {
-            // A large table in parts on several threads, if every region
-            // is mapped already (the parts only read them); otherwise, and
-            // for anything the parts decline, alone.
-            if let Some(pool) = self.fill_pool(local.len()) {
-                let local_window = |p| {
-                    let w = Window::of(local.md(p)?.range, 0);
-                    (w.dev == device).then_some(w)
-                };
-                let remote_window = |p, used: &mut Vec<Arc<PeerMapping>>| {
-                    let md = remote.md(p)?;
-                    let r = md.mapped()?.get().filter(|r| r.device == ordinal)?;
-                    keep_mapping(used, &r.mapping);
-                    Some(Window::of(md.range, r.shift))
-                };
-                let parts = walk_pairs_in_parts(
-                    pool,
-                    op,
-                    local.raw(),
-                    remote.raw(),
-                    out,
-                    local_window,
-                    remote_window,
-                );
-                if let Some(used) = parts {
-                    for m in &used {
-                        keep_mapping(&mut mappings, m);
-                    }
-                    return Ok(true);
+            // A large table in parts on several threads; otherwise, and for
+            // anything the parts decline, alone.
+            if let Some(used) = self.walk_mapped_in_parts(op, local, remote, out, device, ordinal) {
+                for m in &used {
+                    keep_mapping(&mut mappings, m);
                 }
+                return Ok(true);
             }
             let mut kept_windows = self.kept_windows(ordinal);
             let (mut lcache, mut rcache) = match kept_windows.as_deref_mut() {
@@ -528,6 +506,43 @@ impl PeerMaps {
                 None
             }
         }
+    }
+
+    /// A large transfer's pair table filled in parts on several threads
+    /// ([`walk_pairs_in_parts`]), local regions on `device`, remote ones
+    /// already mapped for `ordinal` (the parts only read them: an unmapped
+    /// one declines, and the single walk maps it). `None`: too small, no
+    /// pool free, or declined. The mappings the table's addresses point
+    /// into.
+    fn walk_mapped_in_parts(
+        &self,
+        op: Op,
+        local: &Descs<'_>,
+        remote: &Descs<'_>,
+        out: &mut [u64],
+        device: u64,
+        ordinal: usize,
+    ) -> Option<Vec<Arc<PeerMapping>>> {
+        let pool = self.fill_pool(local.len())?;
+        let local_window = |p| {
+            let w = Window::of(local.md(p)?.range, 0);
+            (w.dev == device).then_some(w)
+        };
+        let remote_window = |p, used: &mut Vec<Arc<PeerMapping>>| {
+            let md = remote.md(p)?;
+            let r = md.mapped()?.get().filter(|r| r.device == ordinal)?;
+            keep_mapping(used, &r.mapping);
+            Some(Window::of(md.range, r.shift))
+        };
+        walk_pairs_in_parts(
+            pool,
+            op,
+            local.raw(),
+            remote.raw(),
+            out,
+            local_window,
+            remote_window,
+        )
     }
 
     /// Plans a peer-mapped transfer of `n` descriptors: `pairs` yields, per
@@ -744,9 +759,10 @@ impl Window {
 /// [`walk_pairs`] in parts of `fill.part_len` descriptors, taken in turn by
 /// the calling thread and `fill`'s threads, with the same result: the table
 /// written, or a decline (`None`; also when another table holds the pool,
-/// or in a child forked after the workers started). The calling thread starts at once and
-/// the workers join as they wake (tens of us on a busy host), so a table
-/// is never much slower than one thread's walk, however late they come.
+/// or in a child forked after the workers started). The calling thread
+/// starts at once and the workers join as they wake (tens of us on a busy
+/// host), so a table is never much slower than one thread's walk, however
+/// late they come.
 /// Every part looks its own regions up, so the look-ups are only reads:
 /// `remote_window` records in its part's list what the table will use (the
 /// parts' lists are returned, one after the other).
