@@ -684,15 +684,33 @@ class Reader:
         plugin = {k: after.get(k, 0) - before.get(k, 0)
                   for k in ("prepare_ns", "peer_map_prepare_ns", "peer_map_fill_ns", "peer_map_setup_ns",
                             "peer_map_upload_ns", "peer_map_upload_alloc_ns", "peer_map_upload_copy_ns",
-                            "peer_map_upload_order_ns")
+                            "peer_map_upload_order_ns", "prepare_before_table_ns", "peer_map_fill_parts",
+                            "peer_map_fill_parts_helped", "peer_map_fill_first_help_ns")
                   } if after is not None else {}
+
+        # Diagnostic (--hot-prepares K): the first request prepared again K
+        # times back to back and released untransferred, so every cache is
+        # warm; against the timed prepare it shows what cold caches cost.
+        hot, hot_share = [], None
+        if o.hot_prepares > 0:
+            h0 = self.stats.counters(agent.name) if before is not None else None
+            for _ in range(o.hot_prepares):
+                t0 = clock()
+                h = agent.make_prepped_xfer("READ", s["local_dlist"], lids[0], s["remote_dlist"], rids[0],
+                                            notif_msg=msgs[0])
+                hot.append(clock() - t0)
+                agent.release_xfer_handle(h)
+            if h0 is not None:
+                h1 = self.stats.counters(agent.name)
+                hot_share = (h1.get("prepare_ns", 0) - h0.get("prepare_ns", 0)) / o.hot_prepares
 
         bytes_total = n * geom["bytes_per_req"]
         span = max(t_done) - t_prep0[0]
         self.iterations.append(dict(
             case=geom["name"], backend=b, iter=it, warmup=warm, requests=n, bytes=bytes_total,
             span_s=span, post_span_s=max(t_done) - t_post[0], agg_gbps=bytes_total / span / 1e9, route=route,
-            plugin_prepare_ns_per_req={k: v / n for k, v in plugin.items()}))
+            plugin_prepare_ns_per_req={k: v / n for k, v in plugin.items()},
+            hot_prepare_s=float(np.median(hot)) if hot else None, hot_plugin_prepare_ns=hot_share))
         for k in range(n):
             t_arr, sender = arrived[msgs[k]]
             self.samples.append(dict(
@@ -734,6 +752,11 @@ def summarize(reader, cases, backends):
             row["agg_gbps"] = spread([i["agg_gbps"] for i in its])
             row["span_s"] = spread([i["span_s"] for i in its])
             row["gbps"] = g["bytes_per_req"] / row["transfer_s"]["p50"] / 1e9
+            hots = [i["hot_prepare_s"] for i in its if i.get("hot_prepare_s") is not None]
+            if hots:
+                row["hot_prepare_s"] = spread(hots)
+                hs = [i["hot_plugin_prepare_ns"] for i in its if i.get("hot_plugin_prepare_ns") is not None]
+                row["hot_plugin_prepare_ns"] = spread(hs) if hs else None
             shares = [i["plugin_prepare_ns_per_req"] for i in its if i.get("plugin_prepare_ns_per_req")]
             if shares:
                 row["plugin_prepare_ns"] = {k: spread([x.get(k, 0) for x in shares]) for k in shares[0]}
@@ -777,6 +800,11 @@ def print_table(summary, cases, opts):
             if g["inflight"] > 1:
                 line += f" {r['agg_gbps']['p50']:9.2f}"
             print(line + "  " + ",".join(r["routes"]))
+            if r.get("hot_prepare_s"):
+                hp = r.get("hot_plugin_prepare_ns")
+                print(f"        warm caches (the request prepared again back to back): prepare"
+                      f" {fmt_ms(r['hot_prepare_s'])}"
+                      + (f", plugin's share {hp['p50'] / 1e3:.1f} us" if hp else ""))
             pp = r.get("plugin_prepare_ns")
             if pp and pp.get("prepare_ns") and pp["prepare_ns"]["p50"] > 0:
                 us = {k: v["p50"] / 1e3 for k, v in pp.items()}
@@ -786,7 +814,14 @@ def print_table(summary, cases, opts):
                       f" {us.get('peer_map_setup_ns', 0):.0f}; upload {us['peer_map_upload_ns']:.0f}: device"
                       f" allocation {us.get('peer_map_upload_alloc_ns', 0):.0f}, copy call"
                       f" {us.get('peer_map_upload_copy_ns', 0):.0f}, ordering"
-                      f" {us.get('peer_map_upload_order_ns', 0):.0f})")
+                      f" {us.get('peer_map_upload_order_ns', 0):.0f}); before the table"
+                      f" {us.get('prepare_before_table_ns', 0):.0f}, after it"
+                      f" {us['prepare_ns'] - us.get('prepare_before_table_ns', 0) - us['peer_map_prepare_ns']:.0f}")
+                parts = pp.get("peer_map_fill_parts", {}).get("p50", 0)
+                if parts:
+                    print(f"        table in parts: {parts:.0f} parts, the workers walked"
+                          f" {pp['peer_map_fill_parts_helped']['p50']:.0f}, the first of them"
+                          f" {us['peer_map_fill_first_help_ns']:.0f} us after the walk began (medians)")
         by = {r["backend"]: r for r in rows}
         if "BOUNCE" in by and "UCX" in by:
             u, bo = by["UCX"], by["BOUNCE"]
@@ -879,6 +914,9 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=float(os.environ.get("NIXL_BOUNCE_TEST_TIMEOUT_S", "60")),
                     help="bound on every wait, seconds (default NIXL_BOUNCE_TEST_TIMEOUT_S or 60)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hot-prepares", type=int, default=0, metavar="K",
+                    help="diagnostic: also prepare each iteration's first request K more times back to back "
+                         "(warm caches; released untransferred) and report their median")
     ap.add_argument("--json", default=None, help="write every sample to this file")
     o = ap.parse_args(argv)
     o.device = o.device or default_device()

@@ -234,7 +234,8 @@ pub struct XferArgs {
 
 /// One descriptor as the shim passes it (`bounce_desc_t`, which is NIXL's
 /// own descriptor): a range and the backend metadata NIXL resolved it to
-/// (the shim's wrapper of an [`Md`]), or null.
+/// (the handle of its region, which the shim resolves to an [`Md`]), or
+/// null.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RawDesc {
@@ -260,9 +261,9 @@ const _: () = {
     sync::<Md>()
 };
 
-/// The [`Md`] inside a descriptor's (non-null) backend metadata (callable
-/// from several threads at once: the shim's resolver reads one constant
-/// field of its wrapper; bounce_ffi.h says so).
+/// The [`Md`] of a descriptor's (non-null) backend metadata, or null
+/// (callable from several threads at once: the shim's resolver only reads
+/// its metadata table; bounce_ffi.h says so).
 pub type MdResolver<'a> = &'a (dyn Fn(*const std::ffi::c_void) -> *const Md + Sync);
 
 /// One side of a transfer as NIXL hands it over: its descriptor array, read
@@ -279,10 +280,9 @@ pub struct Descs<'a> {
 
 impl<'a> Descs<'a> {
     /// # Safety
-    /// `resolve` of every non-null `md` in `raw` points to an [`Md`] that
-    /// lives for `'a` or to memory that can be read as one (NIXL hands back
-    /// the handles this engine created; the magic is checked before
-    /// anything else).
+    /// `resolve` of every non-null `md` in `raw` is null or points to an
+    /// [`Md`] that lives for `'a` (or to memory that can be read as one: the
+    /// magic is checked before anything else).
     pub unsafe fn new(kind: MemKind, raw: &'a [RawDesc], resolve: MdResolver<'a>) -> Self {
         Self { kind, raw, resolve }
     }
@@ -305,8 +305,9 @@ impl<'a> Descs<'a> {
         if p.is_null() {
             return None;
         }
-        // SAFETY: `new`'s contract; the magic is read before the rest.
-        let md = unsafe { &*(self.resolve)(p) };
+        // SAFETY: `new`'s contract: null or an `Md`; the magic is read
+        // before the rest.
+        let md = unsafe { (self.resolve)(p).as_ref() }?;
         md.is_valid().then_some(md)
     }
 
@@ -1172,7 +1173,9 @@ impl Engine {
     /// Checks a transfer's descriptors and prepares it on one of BOUNCE's own
     /// paths; `None`: the UCX delegate carries it (the reason is counted).
     /// Called after [`Engine::early_fallback`] let it through (which checked
-    /// the custom parameter).
+    /// the custom parameter); `entered`: when the plugin's share of the
+    /// preparation began (`prepare_ns` counts from there).
+    #[allow(clippy::too_many_arguments)]
     pub fn prep_xfer(
         &self,
         op: Op,
@@ -1181,6 +1184,7 @@ impl Engine {
         agent: &str,
         args: XferArgs,
         shape: &Shape,
+        entered: std::time::Instant,
     ) -> Result<Option<Request>> {
         if local.len() != remote.len() {
             return Err(Error::invalid(format!(
@@ -1196,11 +1200,12 @@ impl Engine {
         // regions): one pass from NIXL's descriptors to the uploaded table.
         // Anything it declines is decided by the checked path below.
         if peer_gate {
+            let before_table = entered.elapsed().as_nanos() as u64;
             if let Some(x) = self
                 .peer
                 .prepare_pairs(op, &local, &remote, inner_remote.clone())
             {
-                self.count_peer_prepared(&x);
+                self.count_peer_prepared(&x, Some(before_table));
                 return Ok(Some(Request {
                     route: Route::PeerMapped(x),
                     args,
@@ -1311,7 +1316,7 @@ impl Engine {
             inner_remote.to_string(),
         ) {
             Ok(x) => {
-                self.count_peer_prepared(&x);
+                self.count_peer_prepared(&x, None);
                 Some(x)
             }
             Err(e) => {
@@ -1323,8 +1328,9 @@ impl Engine {
     }
 
     /// Counts a transfer prepared on the peer-mapped path, with the time
-    /// its table took (built, uploaded).
-    fn count_peer_prepared(&self, x: &peer::PeerXfer) {
+    /// its table took (built, uploaded) and, for the one-pass table, the
+    /// time the preparation spent before it (`before_table` ns).
+    fn count_peer_prepared(&self, x: &peer::PeerXfer, before_table: Option<u64>) {
         let t = &x.table.times;
         self.stats.add_named_all(
             [
@@ -1333,7 +1339,9 @@ impl Engine {
             ]
             .into_iter()
             .chain(x.table.inline().then_some(("peer_map_inline_tables", 1)))
-            .chain(t.named()),
+            .chain(t.named())
+            .chain(x.help.iter().flat_map(peer::FillHelp::named))
+            .chain(before_table.map(|ns| ("prepare_before_table_ns", ns))),
         );
     }
 

@@ -10,7 +10,7 @@
 //! path or UCX, exactly as before. See docs/design.md §3.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
@@ -145,6 +145,8 @@ pub struct PeerXfer {
     pub limit: Duration,
     pub reported: bool,
     pub peer_inner: String,
+    /// How the table's parts were shared out, when it was filled in parts.
+    pub help: Option<FillHelp>,
 }
 
 impl PeerXfer {
@@ -157,6 +159,7 @@ impl PeerXfer {
             limit: Duration::MAX,
             reported: false,
             peer_inner,
+            help: None,
         }
     }
 }
@@ -166,10 +169,10 @@ impl PeerXfer {
 /// `device`. Real clients prepare the same regions in the same order for
 /// every request (vLLM: its whole cache, region-major), and a region's
 /// look-up from its handle touches several cache lines that are cold
-/// between requests (the shim's wrapper, the `Md`, its kept mapping); here
+/// between requests (the shim's table, the `Md`, its kept mapping); here
 /// the next request finds them in two short arrays read in order.
 ///
-/// Keyed by NIXL's handle (the shim's wrapper of an `Md`): a handle lives
+/// Keyed by NIXL's handle (which the shim resolves to an `Md`): a handle lives
 /// as long as its region is registered or loaded, and every release
 /// empties the cache first (`forget_windows`), so a handle found here is
 /// the live region its window was made from.
@@ -411,16 +414,19 @@ impl PeerMaps {
         let device = first.dev;
         let copier = self.copier(usize::try_from(device).ok()?).ok()?;
         let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
+        let mut help = None;
         let ordinal = copier.device().ordinal();
         // The walk, and with it the windows kept from the last preparation
         // (held only while it runs).
         let walk = |out: &mut [u64]| {
             // A large table in parts on several threads; otherwise, and for
             // anything the parts decline, alone.
-            if let Some(used) = self.walk_mapped_in_parts(op, local, remote, out, device, ordinal) {
-                for m in &used {
+            if let Some(walked) = self.walk_mapped_in_parts(op, local, remote, out, device, ordinal)
+            {
+                for m in &walked.used {
                     keep_mapping(&mut mappings, m);
                 }
+                help = Some(walked.help);
                 return Ok(true);
             }
             let mut kept_windows = self.kept_windows(ordinal);
@@ -499,7 +505,10 @@ impl PeerMaps {
         };
         let table = copier.prepare_pairs(local.len(), first.len as u64, started, walk);
         match table {
-            Ok(Some(table)) => Some(PeerXfer::new(table, mappings, peer_inner)),
+            Ok(Some(table)) => Some(PeerXfer {
+                help,
+                ..PeerXfer::new(table, mappings, peer_inner)
+            }),
             Ok(None) => None,
             Err(e) => {
                 tracing::debug!("one-pass peer-mapped table: {e}; trying the checked path");
@@ -513,7 +522,7 @@ impl PeerMaps {
     /// already mapped for `ordinal` (the parts only read them: an unmapped
     /// one declines, and the single walk maps it). `None`: too small, no
     /// pool free, or declined. The mappings the table's addresses point
-    /// into.
+    /// into, and how the parts were shared out.
     fn walk_mapped_in_parts(
         &self,
         op: Op,
@@ -522,7 +531,7 @@ impl PeerMaps {
         out: &mut [u64],
         device: u64,
         ordinal: usize,
-    ) -> Option<Vec<Arc<PeerMapping>>> {
+    ) -> Option<PartsWalked<Arc<PeerMapping>>> {
         let pool = self.fill_pool(local.len())?;
         let local_window = |p| {
             let w = Window::of(local.md(p)?.range, 0);
@@ -765,7 +774,7 @@ impl Window {
 /// late they come.
 /// Every part looks its own regions up, so the look-ups are only reads:
 /// `remote_window` records in its part's list what the table will use (the
-/// parts' lists are returned, one after the other).
+/// parts' lists are returned, one after the other, in [`PartsWalked`]).
 pub fn walk_pairs_in_parts<T: Send>(
     fill: &FillPool,
     op: Op,
@@ -774,7 +783,8 @@ pub fn walk_pairs_in_parts<T: Send>(
     out: &mut [u64],
     local_window: impl Fn(*const std::ffi::c_void) -> Option<Window> + Sync,
     remote_window: impl Fn(*const std::ffi::c_void, &mut Vec<T>) -> Option<Window> + Sync,
-) -> Option<Vec<T>> {
+) -> Option<PartsWalked<T>> {
+    let started = std::time::Instant::now();
     let (n, len) = (local.len(), local.first()?.len);
     let FillPool {
         pool,
@@ -801,6 +811,8 @@ pub fn walk_pairs_in_parts<T: Send>(
         .map(|((l, r), o)| Mutex::new((Some((l, r, o)), None)))
         .collect();
     let (next, declined) = (AtomicUsize::new(0), AtomicBool::new(false));
+    // What the workers did: parts walked, and when the first one began.
+    let (helped, first_help) = (AtomicUsize::new(0), AtomicU64::new(u64::MAX));
     let walk = |(l, r, out): (&[RawDesc], &[RawDesc], &mut [u64])| {
         // Each part checks that its descriptors are as long as its own
         // first, and that one as long as the whole transfer's first.
@@ -811,11 +823,15 @@ pub fn walk_pairs_in_parts<T: Send>(
         let remote_window = |p| remote_window(p, &mut used);
         walk_pairs(op, l, r, out, &local_window, remote_window).then_some(used)
     };
-    let take_parts = || {
+    let take_parts = |worker: bool| {
         while !declined.load(Ordering::Relaxed) {
             let Some(part) = parts.get(next.fetch_add(1, Ordering::Relaxed)) else {
                 return;
             };
+            if worker {
+                helped.fetch_add(1, Ordering::Relaxed);
+                first_help.fetch_min(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
             let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
             let found = part.0.take().and_then(walk);
             if found.is_none() {
@@ -826,10 +842,11 @@ pub fn walk_pairs_in_parts<T: Send>(
     };
     pool.in_place_scope(|s| {
         for _ in 0..pool.current_num_threads().min(parts.len() - 1) {
-            s.spawn(|_| take_parts());
+            s.spawn(|_| take_parts(true));
         }
-        take_parts();
+        take_parts(false);
     });
+    let count = parts.len();
     let mut used = Vec::new();
     for part in parts {
         used.extend(
@@ -839,7 +856,48 @@ pub fn walk_pairs_in_parts<T: Send>(
                 .flatten()?,
         );
     }
-    Some(used)
+    let helped = helped.into_inner();
+    Some(PartsWalked {
+        used,
+        help: FillHelp {
+            parts: count as u64,
+            helped: helped as u64,
+            first_help_ns: if helped > 0 {
+                first_help.into_inner()
+            } else {
+                0
+            },
+        },
+    })
+}
+
+/// A table [`walk_pairs_in_parts`] wrote: what its parts' look-ups
+/// recorded, and how much the workers helped.
+pub struct PartsWalked<T> {
+    pub used: Vec<T>,
+    pub help: FillHelp,
+}
+
+/// How a table filled in parts was shared out: the parts, those the
+/// workers walked, and how long after the walk's start the first worker
+/// began one (0 when none did). Counted per preparation, it shows whether
+/// waking the workers, not the walk, bounds the fill.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FillHelp {
+    pub parts: u64,
+    pub helped: u64,
+    pub first_help_ns: u64,
+}
+
+impl FillHelp {
+    /// Each figure with its statistics counter's name.
+    pub fn named(&self) -> [(&'static str, u64); 3] {
+        [
+            ("peer_map_fill_parts", self.parts),
+            ("peer_map_fill_parts_helped", self.helped),
+            ("peer_map_fill_first_help_ns", self.first_help_ns),
+        ]
+    }
 }
 
 /// The pair table of a transfer whose descriptors are all one length, in
@@ -1320,7 +1378,11 @@ mod tests {
             used.push(p as usize);
             Some(w)
         };
-        let used = walk_pairs_in_parts(fill, op, l, r, &mut out, local, remote);
+        let used = walk_pairs_in_parts(fill, op, l, r, &mut out, local, remote).map(|w| {
+            assert_eq!(w.help.parts as usize, l.len().div_ceil(fill.part_len));
+            assert!(w.help.helped <= w.help.parts);
+            w.used
+        });
         (used.is_some().then_some(out), used)
     }
 
