@@ -18,9 +18,11 @@
  * - bounce_engine_t: created by bounce_engine_new, OWNED by the C++ engine
  *   object, destroyed exactly once by bounce_engine_free.
  * - bounce_md_t: created by bounce_engine_register_mem / _load_remote_md /
- *   _load_local_md, OWNED by the C++ metadata wrapper NIXL holds; returned
- *   exactly once to Rust by bounce_engine_deregister_mem (for registered
- *   memory) or bounce_engine_unload_md (for loaded metadata), which free it.
+ *   _load_local_md, OWNED by the shim's metadata table, under the handle
+ *   NIXL holds for the region (the UCX delegate's own metadata of it);
+ *   returned exactly once to Rust by bounce_engine_deregister_mem (for
+ *   registered memory) or bounce_engine_unload_md (for loaded metadata),
+ *   which free it.
  * - bounce_req_t: created by bounce_engine_prep_xfer, OWNED by the C++
  *   request wrapper; freed exactly once by bounce_engine_release_req, which
  *   also aborts it if still running.
@@ -88,8 +90,9 @@ typedef struct bounce_param {
 
 /* One transfer descriptor, laid out as NIXL's own (nixlMetaDesc), so that the
  * shim passes NIXL's descriptor array in place: md is the backend metadata
- * NIXL resolved the descriptor to (the shim's wrapper object), or NULL;
- * the list's resolve() gives its bounce_md_t. */
+ * NIXL resolved the descriptor to (the handle of its region: the UCX
+ * delegate's metadata object), or NULL; the list's resolve() gives its
+ * bounce_md_t. */
 typedef struct bounce_desc {
     uintptr_t addr;
     size_t len;
@@ -97,16 +100,19 @@ typedef struct bounce_desc {
     const void *md;
 } bounce_desc_t;
 
-/* The bounce_md_t inside a descriptor's backend metadata (non-NULL). The
- * engine may call it from several threads at once during one call (a large
- * table is filled in parts): it must only read. */
-typedef const bounce_md_t *(*bounce_md_resolver_t)(const void *backend_md);
+/* The bounce_md_t of a descriptor's backend metadata (non-NULL), or NULL
+ * when the handle is not one of this engine's; ctx is the list's
+ * resolve_ctx. Called only during the call the list is given to, and maybe
+ * from several threads at once (a large table is filled in parts): it must
+ * only read (the shim holds its metadata table's lock for the call). */
+typedef const bounce_md_t *(*bounce_md_resolver_t)(const void *ctx, const void *backend_md);
 
 typedef struct bounce_desc_list {
     const bounce_desc_t *descs;
     size_t count;
     bounce_mem_t mem;
     bounce_md_resolver_t resolve;
+    const void *resolve_ctx;
 } bounce_desc_list_t;
 
 /* The backend's optional per-transfer arguments. */

@@ -20,8 +20,11 @@
 #include <cstdlib>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <shared_mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 // ABI pin: the data members of nixlBackendEngine as NIXL 1.5.1 lays them out
@@ -75,56 +78,35 @@ template <class F> nixl_status_t guarded(const char *what, F &&f) noexcept {
     return NIXL_ERR_BACKEND;
 }
 
-// NIXL-owned metadata object wrapping a Rust bounce_md_t (owned, see
-// bounce_ffi.h) and the UCX delegate's metadata of the same memory (owned).
-// `loaded` tells which calls release them.
-class BounceMD final : public nixlBackendMD {
-public:
-    BounceMD(bounce_md_t *md, nixlBackendMD *ucx, bool loaded)
-        : nixlBackendMD(!loaded), md(md), ucx(ucx), loaded(loaded) {}
-    bounce_md_t *const md;
-    nixlBackendMD *const ucx;
-    const bool loaded;
+// BOUNCE's metadata of the regions an engine registered or loaded, under
+// the handle NIXL holds for each: the UCX delegate's own metadata object of
+// the region. NIXL's descriptor lists are then UCX's as they stand, and the
+// UCX route passes them on untouched, with no copy per descriptor. `loaded`
+// tells which calls release an entry's parts.
+struct MdEntry {
+    bounce_md_t *md;
+    bool loaded;
 };
+using md_table_t = std::unordered_map<const nixlBackendMD *, MdEntry>;
 
-const bounce_md_t *rust_md(const nixlBackendMD *md) {
-    return md ? static_cast<const BounceMD *>(md)->md : nullptr;
-}
-
-nixlBackendMD *ucx_md(const nixlBackendMD *md) {
-    return md ? static_cast<const BounceMD *>(md)->ucx : nullptr;
-}
-
-// Fills `out` with a copy of a NIXL descriptor list, every descriptor's
-// metadata replaced by the UCX delegate's metadata of the same memory: the
-// list UCX's engine expects. One pass, 32 bytes a descriptor.
-void to_ucx_list(const nixl_meta_dlist_t &list, nixl_meta_dlist_t &out) {
-    const int n = list.descCount();
-    out.reserve(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-        nixlMetaDesc d = list[static_cast<size_t>(i)];
-        d.metadataP = ucx_md(d.metadataP);
-        out.emplace(d);
-    }
+// The engine's resolver (bounce_md_resolver_t): ctx is the engine's table,
+// which prepXfer holds the reader lock of for the engine's whole call (the
+// engine may call this from several threads then; none of them locks).
+const bounce_md_t *resolve_md(const void *ctx, const void *md) {
+    const auto &table = *static_cast<const md_table_t *>(ctx);
+    const auto it = table.find(static_cast<const nixlBackendMD *>(md));
+    return it == table.end() ? nullptr : it->second.md;
 }
 
 // NIXL-owned request handle: a Rust bounce_req_t (owned), or a request of
-// the UCX delegate (owned) with the lists it is prepared with (kept for its
-// posts: NIXL posts a prepared request with the lists it prepared it with).
-// The lists live in the handle itself: a one-descriptor transfer's handle is
-// three allocations, not five.
+// the UCX delegate (owned), prepared and posted with NIXL's own lists.
 class BounceReqH final : public nixlBackendReqH {
 public:
     explicit BounceReqH(bounce_req_t *req) : req(req) {}
-    BounceReqH(const nixl_meta_dlist_t &local, const nixl_meta_dlist_t &remote)
-        : ucx_local(local.getType()), ucx_remote(remote.getType()) {
-        to_ucx_list(local, ucx_local);
-        to_ucx_list(remote, ucx_remote);
-    }
+    BounceReqH() = default;
     bounce_req_t *const req = nullptr;
     // Set by the delegate's prepXfer.
     nixlBackendReqH *ucx = nullptr;
-    nixl_meta_dlist_t ucx_local{DRAM_SEG}, ucx_remote{DRAM_SEG};
 };
 
 // NIXL's UCX engine, created from the UCX plugin installed beside this one.
@@ -208,10 +190,6 @@ private:
     nixlBackendPlugin *plugin_;
 };
 
-const bounce_md_t *resolve_md(const void *md) {
-    return rust_md(static_cast<const nixlBackendMD *>(md));
-}
-
 // NIXL's descriptor array as the C boundary's (bounce_desc_t has nixlMetaDesc's
 // layout): passed in place, no copy per descriptor.
 static_assert(sizeof(bounce_desc_t) == sizeof(nixlMetaDesc), "bounce_desc_t is nixlMetaDesc");
@@ -224,10 +202,10 @@ static_assert(offsetof(nixlMetaDesc, addr) == offsetof(bounce_desc_t, addr) &&
               "bounce_desc_t is nixlMetaDesc");
 #pragma GCC diagnostic pop
 
-bounce_desc_list_t desc_list(const nixl_meta_dlist_t &list) {
+bounce_desc_list_t desc_list(const nixl_meta_dlist_t &list, const md_table_t &mds) {
     const size_t n = static_cast<size_t>(list.descCount());
     return bounce_desc_list_t{n ? reinterpret_cast<const bounce_desc_t *>(&list[0]) : nullptr, n,
-                              static_cast<bounce_mem_t>(list.getType()), resolve_md};
+                              static_cast<bounce_mem_t>(list.getType()), resolve_md, &mds};
 }
 
 bounce_xfer_args_t xfer_args(const nixl_opt_b_args_t *opt) {
@@ -309,17 +287,16 @@ public:
                 ucx->engine->deregisterMem(u);
                 return st;
             }
-            out = wrap_md(md, u, false);
-            return NIXL_SUCCESS;
+            return keep(md, u, false, out);
         });
     }
 
     nixl_status_t deregisterMem(nixlBackendMD *meta) override {
-        return guarded("deregisterMem", [&] { return release_md(meta); });
+        return guarded("deregisterMem", [&] { return release_md(meta, false); });
     }
 
     nixl_status_t unloadMD(nixlBackendMD *input) override {
-        return guarded("unloadMD", [&] { return release_md(input); });
+        return guarded("unloadMD", [&] { return release_md(input, true); });
     }
 
     nixl_status_t connect(const std::string &remote_agent) override {
@@ -360,7 +337,10 @@ public:
                 below_floor(local, remote, opt_args) &&
                 bounce_engine_count_below_floor(engine, bytes(remote_agent)) == 1;
             if (!ucx_route) {
-                const bounce_desc_list_t l = desc_list(local), r = desc_list(remote);
+                // The engine resolves the descriptors' metadata in the table
+                // while it runs: no registration may change it meanwhile.
+                std::shared_lock lock(mds_lock_);
+                const bounce_desc_list_t l = desc_list(local, mds_), r = desc_list(remote, mds_);
                 const bounce_xfer_args_t args = xfer_args(opt_args);
                 int32_t delegate = 0;
                 bounce_req_t *req = nullptr;
@@ -374,7 +354,7 @@ public:
                     return NIXL_SUCCESS;
                 }
             }
-            auto h = std::make_unique<BounceReqH>(local, remote);
+            auto h = std::make_unique<BounceReqH>();
             const auto release_delegate = [&] {
                 if (h->ucx) {
                     ucx->engine->releaseReqH(h->ucx);
@@ -382,7 +362,7 @@ public:
             };
             nixl_status_t ust;
             try {
-                ust = ucx->engine->prepXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
+                ust = ucx->engine->prepXfer(op, local, remote, remote_agent, h->ucx, opt_args);
             } catch (...) {
                 release_delegate();
                 throw;
@@ -428,7 +408,7 @@ public:
             }
             auto *h = static_cast<BounceReqH *>(handle);
             if (h->ucx) {
-                return ucx->engine->postXfer(op, h->ucx_local, h->ucx_remote, remote_agent, h->ucx, opt_args);
+                return ucx->engine->postXfer(op, local, remote, remote_agent, h->ucx, opt_args);
             }
             const bounce_xfer_args_t args = xfer_args(opt_args);
             return static_cast<nixl_status_t>(bounce_engine_post_xfer(engine, &args, h->req));
@@ -462,7 +442,8 @@ public:
     nixl_status_t getPublicData(const nixlBackendMD *meta, std::string &str) const override {
         return guarded("getPublicData", [&] {
             str.clear();
-            return bounce_engine_public_data(engine, rust_md(meta), append_to_string, &str);
+            std::shared_lock lock(mds_lock_);
+            return bounce_engine_public_data(engine, bounce_md(meta), append_to_string, &str);
         });
     }
 
@@ -530,8 +511,7 @@ public:
                 bounce_engine_unload_md(engine, md);
                 return ust;
             }
-            out = wrap_md(md, u, true);
-            return NIXL_SUCCESS;
+            return keep(md, u, true, out);
         });
     }
 
@@ -541,18 +521,21 @@ public:
                 return NIXL_ERR_BACKEND;
             }
             bounce_md_t *md = nullptr;
-            const bounce_status_t st = bounce_engine_load_local_md(engine, rust_md(input), &md);
+            bounce_status_t st;
+            {
+                std::shared_lock lock(mds_lock_);
+                st = bounce_engine_load_local_md(engine, bounce_md(input), &md);
+            }
             if (st != BOUNCE_SUCCESS) {
                 return static_cast<nixl_status_t>(st);
             }
             nixlBackendMD *u = nullptr;
-            const nixl_status_t ust = ucx->engine->loadLocalMD(ucx_md(input), u);
+            const nixl_status_t ust = ucx->engine->loadLocalMD(input, u);
             if (ust != NIXL_SUCCESS) {
                 bounce_engine_unload_md(engine, md);
                 return ust;
             }
-            out = wrap_md(md, u, true);
-            return NIXL_SUCCESS;
+            return keep(md, u, true, out);
         });
     }
 
@@ -573,16 +556,32 @@ public:
     }
 
 private:
-    // Takes ownership of a Rust handle and the delegate's metadata; releases
-    // both again if the wrapper cannot be allocated, so nothing leaks on
-    // bad_alloc.
-    BounceMD *wrap_md(bounce_md_t *md, nixlBackendMD *u, bool loaded) {
+    // Keeps a Rust handle under the delegate's metadata of the same memory,
+    // which becomes NIXL's handle (`out`); releases both again if the table
+    // cannot hold it, so nothing leaks on bad_alloc.
+    nixl_status_t keep(bounce_md_t *md, nixlBackendMD *u, bool loaded, nixlBackendMD *&out) {
+        bool kept = false;
         try {
-            return new BounceMD(md, u, loaded);
+            std::unique_lock lock(mds_lock_);
+            kept = mds_.emplace(u, MdEntry{md, loaded}).second;
         } catch (...) {
             release_parts(md, u, loaded);
             throw;
         }
+        if (!kept) {
+            // The delegate handed out a handle that is still in use.
+            std::fprintf(stderr, "nixl-bounce: NIXL's UCX engine returned a metadata handle already in use\n");
+            release_parts(md, u, loaded);
+            return NIXL_ERR_BACKEND;
+        }
+        out = u;
+        return NIXL_SUCCESS;
+    }
+
+    // BOUNCE's metadata under a handle NIXL holds (nullptr: not this
+    // engine's). Needs mds_lock_.
+    const bounce_md_t *bounce_md(const nixlBackendMD *meta) const {
+        return meta ? resolve_md(&mds_, meta) : nullptr;
     }
 
     BounceReqH *wrap_req(bounce_req_t *req) const {
@@ -606,18 +605,27 @@ private:
         return st != BOUNCE_SUCCESS ? static_cast<nixl_status_t>(st) : ust;
     }
 
-    nixl_status_t release_md(nixlBackendMD *meta) {
-        if (!meta) {
-            return NIXL_ERR_INVALID_PARAM;
+    // Deregisters (`loaded` false) or unloads a handle NIXL holds: out of
+    // the table first, so that no preparation finds it any more.
+    nixl_status_t release_md(nixlBackendMD *meta, bool loaded) {
+        MdEntry entry{};
+        {
+            std::unique_lock lock(mds_lock_);
+            const auto it = mds_.find(meta);
+            if (!meta || it == mds_.end() || it->second.loaded != loaded) {
+                return NIXL_ERR_INVALID_PARAM;
+            }
+            entry = it->second;
+            mds_.erase(it);
         }
-        auto *m = static_cast<BounceMD *>(meta);
-        const nixl_status_t st = release_parts(m->md, m->ucx, m->loaded);
-        delete m;
-        return st;
+        return release_parts(entry.md, meta, entry.loaded);
     }
 
     bounce_engine_t *engine = nullptr;
     std::unique_ptr<UcxDelegate> ucx;
+    // Changed under the writer lock; read under the reader lock.
+    mutable std::shared_mutex mds_lock_;
+    md_table_t mds_;
     // bounce_engine_route_floor per (local, remote) kind, DRAM and VRAM;
     // 0 (nothing is below it) until read.
     uint64_t floor_[2][2] = {{0, 0}, {0, 0}};

@@ -304,11 +304,40 @@ unsafe fn raw_descs<'a>(
         // SAFETY: the shim passes a vector's data pointer and its length.
         unsafe { std::slice::from_raw_parts(list.descs, list.count) }
     };
-    Ok((raw, kind, resolve))
+    Ok((
+        raw,
+        kind,
+        Resolver {
+            resolve,
+            ctx: list.resolve_ctx,
+        },
+    ))
 }
 
-/// The shim's `bounce_md_resolver_t`.
-type Resolver = unsafe extern "C" fn(*const c_void) -> *const sys::bounce_md_t;
+/// The shim's `bounce_md_resolver_t` with its context.
+#[derive(Clone, Copy)]
+struct Resolver {
+    resolve: unsafe extern "C" fn(*const c_void, *const c_void) -> *const sys::bounce_md_t,
+    ctx: *const c_void,
+}
+
+// SAFETY: the shim's resolver only reads its table, which nothing changes
+// during the call it is given to (bounce_ffi.h), so it may be called from
+// the threads that fill a table in parts.
+unsafe impl Send for Resolver {}
+// SAFETY: as above.
+unsafe impl Sync for Resolver {}
+
+impl Resolver {
+    /// The `Md` of a descriptor's non-null backend metadata, or null.
+    ///
+    /// # Safety
+    /// Called during the call the resolver came with.
+    unsafe fn md(&self, p: *const c_void) -> *const Md {
+        // SAFETY: the shim's function with its own context (caller contract).
+        unsafe { (self.resolve)(self.ctx, p) as *const Md }
+    }
+}
 
 /// # Safety
 /// `args` is null or points to a valid bounce_xfer_args_t for the call.
@@ -810,20 +839,20 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
         let (lres, rres) = (
             // SAFETY: the shim's resolver, valid for the call, given the
             // non-null backend metadata of a descriptor.
-            move |p| unsafe { lres(p) } as *const Md,
+            move |p| unsafe { lres.md(p) },
             // SAFETY: as above.
-            move |p| unsafe { rres(p) } as *const Md,
+            move |p| unsafe { rres.md(p) },
         );
-        // SAFETY: the metadata are the handles NIXL hands back (this
-        // engine's, through the shim's wrappers); every look-up reads the
-        // magic first (`Descs::md`).
+        // SAFETY: the metadata are the handles NIXL hands back, which the
+        // shim's table resolves to this engine's `Md`s (or null); every
+        // look-up reads the magic first (`Descs::md`).
         let (l, r) = unsafe {
             (
                 Descs::new(lkind, as_raw(lraw), &lres),
                 Descs::new(rkind, as_raw(rraw), &rres),
             )
         };
-        match e.prep_xfer(Op::from_nixl(op)?, l, r, agent, args, &shape)? {
+        match e.prep_xfer(Op::from_nixl(op)?, l, r, agent, args, &shape, started)? {
             Some(request) => {
                 to_ucx.set(0);
                 slot.put(Box::new(request));
