@@ -188,9 +188,9 @@ pub fn export_allocation(
 // The copier of one device
 // ---------------------------------------------------------------------------
 
-/// Streams of one device for peer-mapped copies, round-robin, plus one
-/// stream for table uploads (so preparing a request never waits behind a
-/// running copy), and the device memory of tables, kept for the next ones
+/// Streams of one device for peer-mapped copies, round-robin, and the
+/// memory of tables (pinned host memory they are built in, device memory
+/// they are uploaded to on their copies' stream), kept for the next ones
 /// ([`TableCache`]).
 pub struct PeerCopier {
     device: Arc<CudaDevice>,
@@ -198,17 +198,11 @@ pub struct PeerCopier {
     /// Dropped by hand, inside a [`ContextScope`]: cudarc's drop of a
     /// stream makes its context current and leaves it so.
     streams: ManuallyDrop<Vec<Arc<CudaStream>>>,
-    upload: ManuallyDrop<Arc<CudaStream>>,
     /// Held while a copy is launched on stream i and noted by its mappings,
     /// so a mapping's "last copy on stream i" is really the last one.
     launching: Vec<Mutex<()>>,
     tables: Mutex<TableCache>,
     next: AtomicUsize,
-    /// Pinned host memory the tables are built in and uploaded from (one
-    /// DMA, no staging by the driver, no page faults), kept between
-    /// preparations; a preparation that finds it in use builds in a
-    /// pageable buffer instead.
-    staging: Mutex<Staging>,
     /// Completion events of launches, reused.
     events: Arc<EventPool>,
     /// Pair tables of at most this many copies are the launch's parameter
@@ -217,20 +211,8 @@ pub struct PeerCopier {
     inline_limit: AtomicUsize,
 }
 
-/// A pinned host buffer (`cuMemHostAlloc`), zeroed when allocated, and
-/// the event of the last upload from it.
-struct Staging {
-    ptr: *mut u64,
-    bytes: usize,
-    /// Created at the first upload; recorded after each one.
-    event: sys::CUevent,
-    /// An upload from the buffer may still run (wait for `event`).
-    pending: bool,
-}
-
-// SAFETY: the cached tables and `staging.ptr` are driver handles and memory
-// usable from any thread (only under their mutexes); everything else is
-// Send + Sync already.
+// SAFETY: the cached tables are driver handles and memory usable from any
+// thread (only under their mutex); everything else is Send + Sync already.
 unsafe impl Send for PeerCopier {}
 // SAFETY: as above.
 unsafe impl Sync for PeerCopier {}
@@ -246,21 +228,8 @@ impl Drop for PeerCopier {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .release_all();
-        let staging = self.staging.get_mut().unwrap_or_else(|p| p.into_inner());
-        if staging.wait().is_ok() && !staging.ptr.is_null() {
-            // SAFETY: allocated by cuMemHostAlloc in `reserve`; its last
-            // upload ended (waited for just above). Leaked if that failed.
-            let _ = unsafe { result::free_host(staging.ptr as *mut c_void) };
-        }
-        if !staging.event.is_null() {
-            // SAFETY: our event; nothing records or waits on it any more.
-            let _ = unsafe { sys::cuEventDestroy_v2(staging.event) };
-        }
         // SAFETY: dropped once, here, and never used again.
-        unsafe {
-            ManuallyDrop::drop(&mut self.streams);
-            ManuallyDrop::drop(&mut self.upload);
-        }
+        unsafe { ManuallyDrop::drop(&mut self.streams) };
     }
 }
 
@@ -284,7 +253,6 @@ impl PeerCopier {
         let _ctx = ContextScope::enter(&device)?;
         let ctx = device.context();
         let make = || ctx.new_stream().map_err(|e| format!("cuStreamCreate: {e}"));
-        let upload = make()?;
         let streams = (0..streams.max(1))
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
@@ -294,15 +262,8 @@ impl PeerCopier {
             kernel,
             launching: streams.iter().map(|_| Mutex::new(())).collect(),
             streams: ManuallyDrop::new(streams),
-            upload: ManuallyDrop::new(upload),
             tables: Mutex::new(TableCache::default()),
             next: AtomicUsize::new(0),
-            staging: Mutex::new(Staging {
-                ptr: std::ptr::null_mut(),
-                bytes: 0,
-                event: std::ptr::null_mut(),
-                pending: false,
-            }),
             inline_limit: AtomicUsize::new(usize::MAX),
         }))
     }
@@ -382,6 +343,7 @@ impl PeerCopier {
                 form: TableForm::InlinePairs { len, words },
                 shape,
                 stream: self.next_stream(),
+                last_launch: None,
                 times: TableTimes {
                     fill,
                     ..TableTimes::default()
@@ -406,10 +368,12 @@ impl PeerCopier {
 
     /// Builds a table of at most `capacity` bytes with `fill` (given the
     /// buffer as 8-byte words; it returns the table's form, launch and the
-    /// bytes it used, or `None` to decline) in pinned staging memory, and
-    /// uploads it on the upload stream. The upload is not waited for: the
-    /// stream the table's copies will run on waits for it (an event), and
-    /// so does the next table built in the staging buffer.
+    /// bytes it used, or `None` to decline) in the pinned host memory of a
+    /// kept table, and uploads it to that table's device memory on the
+    /// stream its copies will run on: the stream orders the copies after
+    /// the upload, and nothing is waited for. A preparation makes two
+    /// driver calls (the context, the copy), none when the memory it reuses
+    /// was last read by a copy already seen to end ([`TableCache`]).
     fn build(
         self: &Arc<Self>,
         capacity: usize,
@@ -419,148 +383,85 @@ impl PeerCopier {
         let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
         let t0 = started;
         let _ctx = ContextScope::enter(&self.device)?;
-        // Pinned staging when free, else a pageable buffer of this call's
-        // own (uploaded synchronously).
-        let mut staging = self.staging.try_lock().ok();
-        let mut pageable = Vec::new();
-        let pinned = match staging.as_deref_mut() {
-            Some(st) => Self::reserve(st, capacity)?.then_some(st.ptr),
-            None => None,
-        };
+        let t_ctx = Instant::now();
+        let table = self
+            .tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(capacity)?;
         let t_setup = Instant::now();
+        // Pinned memory of the table's own, else (none to be had) a
+        // pageable buffer of this call's, uploaded synchronously.
         let words = capacity.div_ceil(8);
-        let host: &mut [u64] = match pinned {
-            // SAFETY: the staging buffer holds at least `capacity` bytes,
-            // 8-aligned, and no upload from it is in flight (`reserve`
-            // waited for the last one); it is ours while `staging` is held.
-            Some(p) => unsafe { std::slice::from_raw_parts_mut(p, words) },
-            None => {
-                staging = None;
-                pageable = vec![0u64; words];
-                &mut pageable
+        let mut pageable = Vec::new();
+        let host: &mut [u64] = if table.host.is_null() {
+            pageable = vec![0u64; words];
+            &mut pageable
+        } else {
+            // SAFETY: the table's pinned memory holds `table.bytes >=
+            // capacity` bytes, 8-aligned, and nothing reads it: the cache
+            // hands a table out only once its last upload and copies ended.
+            unsafe { std::slice::from_raw_parts_mut(table.host, words) }
+        };
+        let filled = match fill(host) {
+            Ok(Some(f)) => f,
+            other => {
+                // Declined or failed: nothing was queued, the memory is free.
+                self.tables
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .free
+                    .push(table);
+                return other.map(|_| None);
             }
         };
-        let Some((form, shape, used)) = fill(host)? else {
-            return Ok(None);
-        };
+        let (form, shape, used) = filled;
         let t1 = Instant::now();
         // SAFETY: `host` holds at least `used` initialised bytes (`fill`'s
         // promise; it is `capacity` bytes, zeroed when allocated).
         let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, used) };
-        let stream = self.upload.cu_stream();
-        let device_table = self
-            .tables
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take(used)?;
-        let ptr = device_table.ptr;
-        let t2 = Instant::now();
         // Every launch of this table goes to one stream, and so does its
-        // free: the free is then ordered after every launch that reads it.
+        // upload and its return to the cache: each is ordered after the one
+        // before.
         let on = self.next_stream();
-        // SAFETY: `ptr` holds `used` bytes; `bytes` stays alive and unchanged
-        // until the upload completed: the staging buffer is reused only after
-        // its event (recorded below), a pageable buffer only after the
-        // stream is synchronised below.
-        let copied = unsafe { result::memcpy_htod_async(ptr, bytes, stream) }
+        let stream = &self.streams[on];
+        // SAFETY: the table's device memory holds `used` bytes; `bytes`
+        // stays unchanged until the upload completed: pinned memory goes
+        // back to the cache only behind everything queued on this stream
+        // (`PeerTable`'s drop), a pageable buffer only after the stream is
+        // synchronised below.
+        let copied = unsafe { result::memcpy_htod_async(table.ptr, bytes, stream.cu_stream()) }
             .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"));
-        let t3 = Instant::now();
-        let uploaded = copied.and_then(|()| match staging.as_deref_mut() {
-            Some(st) => st.after_upload(stream, self.streams[on].cu_stream()),
-            None => self
-                .upload
+        let t2 = Instant::now();
+        let uploaded = copied.and_then(|()| match pageable.is_empty() {
+            true => Ok(()),
+            false => stream
                 .synchronize()
                 .map_err(|e| format!("waiting for a peer-copy table upload: {e}")),
         });
         if let Err(e) = uploaded {
             // Nothing may read the buffers any more: wait for the stream,
-            // then the device table goes back unused (leaked if the wait
-            // failed: its upload may still run).
-            if self.upload.synchronize().is_ok() {
+            // then the table goes back unused (leaked if the wait failed:
+            // its upload may still run).
+            if stream.synchronize().is_ok() {
                 self.tables
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .free
-                    .push(device_table);
+                    .push(table);
             }
             return Err(e);
         }
-        drop(staging);
         drop(pageable);
         Ok(Some(PeerTable {
             copier: self.clone(),
-            device_table: Some(device_table),
+            device_table: Some(table),
             form,
             shape,
             stream: on,
-            times: TableTimes::from_marks(t0, t_setup, t1, t2, t3, Instant::now()),
+            last_launch: None,
+            times: TableTimes::from_marks(t0, t_ctx, t_setup, t1, t2, Instant::now()),
         }))
-    }
-}
-
-impl PeerCopier {
-    /// Makes `st` hold at least `bytes` (a power of two, at least 64 KiB),
-    /// zeroed when (re)allocated; false when pinned memory is not to be had.
-    /// Needs the device's context current.
-    fn reserve(st: &mut Staging, bytes: usize) -> Result<bool, String> {
-        st.wait()?;
-        if st.bytes >= bytes {
-            return Ok(true);
-        }
-        let want = bytes.next_power_of_two().max(64 << 10);
-        if !st.ptr.is_null() {
-            // SAFETY: ours, from cuMemHostAlloc; no upload from it is in
-            // flight (waited for above, under the lock we hold).
-            let _ = unsafe { result::free_host(st.ptr as *mut c_void) };
-            st.ptr = std::ptr::null_mut();
-            st.bytes = 0;
-        }
-        // SAFETY: a plain pinned allocation; the pointer is checked below.
-        Ok(match unsafe { result::malloc_host(want, 0) } {
-            Ok(p) if !p.is_null() => {
-                // SAFETY: `want` writable bytes just allocated.
-                unsafe { std::ptr::write_bytes(p as *mut u8, 0, want) };
-                st.ptr = p as *mut u64;
-                st.bytes = want;
-                true
-            }
-            _ => false,
-        })
-    }
-}
-
-impl Staging {
-    /// Waits for the last upload from the buffer (if one may still run).
-    /// Needs the device's context current.
-    fn wait(&mut self) -> Result<(), String> {
-        if self.pending {
-            // SAFETY: our event, recorded after the last upload.
-            unsafe { sys::cuEventSynchronize(self.event) }
-                .result()
-                .map_err(|e| format!("waiting for a peer-copy table upload: {e}"))?;
-            self.pending = false;
-        }
-        Ok(())
-    }
-
-    /// After an upload from the buffer was queued on `upload`: marks its
-    /// end with the buffer's event, which stream `copies` (where the
-    /// table's copies will run) waits for before anything queued on it
-    /// later, and which the next use of the buffer waits for. Needs the
-    /// device's context current.
-    fn after_upload(&mut self, upload: sys::CUstream, copies: sys::CUstream) -> Result<(), String> {
-        if self.event.is_null() {
-            self.event = new_event("table uploads")?;
-        }
-        // SAFETY: our event and two live streams of the current context.
-        unsafe { sys::cuEventRecord(self.event, upload) }
-            .result()
-            .map_err(|e| format!("cuEventRecord after a peer-copy table upload: {e}"))?;
-        self.pending = true;
-        // SAFETY: as above; the wait takes the event's state now.
-        unsafe { sys::cuStreamWaitEvent(copies, self.event, 0) }
-            .result()
-            .map_err(|e| format!("cuStreamWaitEvent for a peer-copy table upload: {e}"))
     }
 }
 
@@ -604,9 +505,10 @@ fn merge(copies: &[PeerCopy]) -> Vec<Run> {
 
 /// Host time a table took, in nanoseconds: `fill` from the start of the
 /// preparation to the table written (of it, `setup`: the device's context
-/// and the staging buffer, waiting for its previous upload), `upload` from
-/// then to the upload queued (of it: the device allocation, the copy call,
-/// the event that orders the copies after it).
+/// and the table's memory, of that `alloc`: taking the memory from the
+/// cache), `upload` from then to the upload queued (of it `copy`, the copy
+/// call; `order` is what follows it, nothing since the upload runs on the
+/// copies' own stream).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TableTimes {
     pub fill: u64,
@@ -620,9 +522,9 @@ pub struct TableTimes {
 impl TableTimes {
     fn from_marks(
         start: Instant,
+        context: Instant,
         setup: Instant,
         filled: Instant,
-        allocated: Instant,
         copied: Instant,
         end: Instant,
     ) -> Self {
@@ -631,8 +533,8 @@ impl TableTimes {
             fill: ns(start, filled),
             setup: ns(start, setup),
             upload: ns(filled, end),
-            alloc: ns(filled, allocated),
-            copy: ns(allocated, copied),
+            alloc: ns(context, setup),
+            copy: ns(filled, copied),
             order: ns(copied, end),
         }
     }
@@ -678,6 +580,9 @@ pub struct PeerTable {
     form: TableForm,
     shape: LaunchShape,
     stream: usize,
+    /// The last launch of the table: when it was seen to end, the table's
+    /// memory is free as soon as the table is dropped.
+    last_launch: Option<Arc<PeerLaunch>>,
     /// Where the preparation's host time went.
     pub times: TableTimes,
 }
@@ -718,7 +623,7 @@ impl PeerTable {
         let ptr = self.device_table.as_ref().map_or(0, |t| t.ptr);
         let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: this device's copy kernel (of the table's form) over the
-        // table uploaded in `build` (this stream waits for the upload), reused
+        // table uploaded in `build` (on this stream, before), reused
         // only after this launch ended (the event its drop records), or over
         // the table passed as the parameter (copied by the launch). Every
         // address in it was checked by the engine: sources and destinations
@@ -788,6 +693,7 @@ impl PeerTable {
         for m in mappings {
             m.note(&launch);
         }
+        self.last_launch = Some(launch.clone());
         Ok(launch)
     }
 }
@@ -798,12 +704,28 @@ impl Drop for PeerTable {
         let Some(mut t) = self.device_table.take() else {
             return;
         };
+        // Launched last by a copy seen to end: its upload and every copy
+        // that read it ended (one stream, in order), and it is free now.
+        if self
+            .last_launch
+            .as_ref()
+            .is_some_and(|l| l.ended.load(Ordering::Acquire))
+        {
+            t.queued = false;
+            c.tables
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .free
+                .push(t);
+            return;
+        }
         let Ok(_ctx) = ContextScope::enter(&c.device) else {
             tracing::warn!("cannot bind the CUDA context to return a peer-copy table; leaked");
             return;
         };
-        // The table's memory is reused once everything queued on its stream
-        // so far (every launch that reads it) ended: its event says when.
+        // Otherwise the table's memory is reused once everything queued on
+        // its stream so far (its upload, every launch that reads it) ended:
+        // its event says when.
         // SAFETY: the table's own event and a live stream of this context.
         match unsafe { sys::cuEventRecord(t.event, c.streams[self.stream].cu_stream()) }.result() {
             Ok(()) => {
@@ -820,26 +742,32 @@ impl Drop for PeerTable {
     }
 }
 
-/// The device memory of peer-copy tables, kept for reuse instead of being
-/// freed: a table's memory comes back when the table is dropped, with an
-/// event recorded on the table's stream after the last launch that reads
-/// it, and is handed out again only once that event completed (a query:
-/// nothing waits, and no stream waits for another). Allocating afresh, or
-/// from a stream-ordered pool, cost 30-40 us per preparation on the H200
-/// (docs/benchmarks.md). It holds at most as many tables as were ever live
-/// or still being read at once; all are freed with the copier.
+/// The memory of peer-copy tables, kept for reuse instead of being freed:
+/// a table's memory comes back when the table is dropped, free at once when
+/// its last launch was seen to end, else with an event recorded on the
+/// table's stream behind its upload and every launch that reads it, and is
+/// handed out again only once that event completed (a query: nothing
+/// waits, and no stream waits for another). Allocating afresh, or from a
+/// stream-ordered pool, cost 30-40 us per preparation on the H200
+/// (docs/benchmarks.md), and every driver call a preparation makes costs
+/// 3-15 us inside an inference process. It holds at most as many tables as
+/// were ever live or still being read at once; all are freed with the
+/// copier.
 #[derive(Default)]
 struct TableCache {
     free: Vec<CachedTable>,
 }
 
-/// Device memory for one table and the event of its last use.
+/// The memory of one table: pinned host memory it is built in (null when
+/// none was to be had), device memory as large it is uploaded to, and the
+/// event of its last use.
 struct CachedTable {
     ptr: sys::CUdeviceptr,
+    host: *mut u64,
     bytes: usize,
     event: sys::CUevent,
     /// The event was recorded (after the last use) and may not have
-    /// completed.
+    /// completed; false: nothing reads the memory.
     queued: bool,
 }
 
@@ -848,42 +776,54 @@ impl TableCache {
     /// enough and no longer read, else a new allocation (a power of two, at
     /// least 64 KiB). Needs the device's context current.
     fn take(&mut self, bytes: usize) -> Result<CachedTable, String> {
-        // Smallest first; one event query per table looked at, stopping at
-        // the first whose last use ended.
+        // Smallest first; a table known free needs no query, the others one
+        // each, stopping at the first whose last use ended.
         let mut fitting: Vec<usize> = (0..self.free.len())
             .filter(|&i| self.free[i].bytes >= bytes)
             .collect();
-        fitting.sort_by_key(|&i| self.free[i].bytes);
+        fitting.sort_by_key(|&i| (self.free[i].queued, self.free[i].bytes));
         for i in fitting {
-            // SAFETY: the table's own event.
-            match unsafe { sys::cuEventQuery(self.free[i].event) } {
-                sys::CUresult::CUDA_SUCCESS => {
-                    let mut t = self.free.swap_remove(i);
-                    t.queued = false;
-                    return Ok(t);
+            if self.free[i].queued {
+                // SAFETY: the table's own event.
+                match unsafe { sys::cuEventQuery(self.free[i].event) } {
+                    sys::CUresult::CUDA_SUCCESS => {}
+                    sys::CUresult::CUDA_ERROR_NOT_READY => continue,
+                    e => return Err(format!("cuEventQuery on a peer-copy table: {e:?}")),
                 }
-                sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                e => return Err(format!("cuEventQuery on a peer-copy table: {e:?}")),
             }
+            let mut t = self.free.swap_remove(i);
+            t.queued = false;
+            return Ok(t);
         }
         let want = bytes.next_power_of_two().max(64 << 10);
         let event = new_event("a peer-copy table")?;
         // SAFETY: a plain device allocation; released on failure below.
-        match unsafe { result::malloc_sync(want) } {
-            Ok(ptr) => Ok(CachedTable {
-                ptr,
-                bytes: want,
-                event,
-                queued: false,
-            }),
+        let ptr = match unsafe { result::malloc_sync(want) } {
+            Ok(ptr) => ptr,
             Err(e) => {
                 // SAFETY: created above, never recorded.
                 let _ = unsafe { sys::cuEventDestroy_v2(event) };
-                Err(format!(
+                return Err(format!(
                     "cuMemAlloc({want} bytes) for a peer-copy table: {e}"
-                ))
+                ));
             }
-        }
+        };
+        // SAFETY: a plain pinned allocation; the pointer is checked below.
+        let host = match unsafe { result::malloc_host(want, 0) } {
+            Ok(p) if !p.is_null() => {
+                // SAFETY: `want` writable bytes just allocated.
+                unsafe { std::ptr::write_bytes(p as *mut u8, 0, want) };
+                p as *mut u64
+            }
+            _ => std::ptr::null_mut(),
+        };
+        Ok(CachedTable {
+            ptr,
+            host,
+            bytes: want,
+            event,
+            queued: false,
+        })
     }
 
     /// Frees every kept table once its last use ended (a table whose end
@@ -894,8 +834,14 @@ impl TableCache {
             // never recorded, when `queued` is false).
             let ended = !t.queued || unsafe { sys::cuEventSynchronize(t.event) }.result().is_ok();
             if ended {
-                // SAFETY: nothing reads the memory any more.
-                let _ = unsafe { result::free_sync(t.ptr) };
+                // SAFETY: nothing reads the memory any more; `host` came
+                // from cuMemHostAlloc (or is null).
+                unsafe {
+                    let _ = result::free_sync(t.ptr);
+                    if !t.host.is_null() {
+                        let _ = result::free_host(t.host as *mut c_void);
+                    }
+                }
             }
             // SAFETY: nothing records or waits on the event any more.
             let _ = unsafe { sys::cuEventDestroy_v2(t.event) };
