@@ -623,6 +623,11 @@ class Reader:
         remote = self.rng.choice(nb, n * bpr, replace=False).reshape(n, bpr)
         local = self.rng.choice(nb, n * bpr, replace=False).reshape(n, bpr)
         seeds = [self.next_seed() for _ in range(n)]
+        # The plugin's counters before the iteration, read before anything
+        # else happens in it: the read (a JSON snapshot, parsed) allocates,
+        # and right before a preparation it would leave that preparation,
+        # and only BOUNCE's, the garbage and the cold caches.
+        before = self.stats.counters(agent.name) if (self.stats and b == "BOUNCE") else None
         self.ask(("fill", b, [(seeds[k], remote[k]) for k in range(n)]), "filled")
         cache.zero(local.reshape(-1))
         cache.sync()
@@ -631,7 +636,6 @@ class Reader:
         lids = [(region_off + local[k][None, :]).reshape(-1) for k in range(n)]
         rids = [(region_off + remote[k][None, :]).reshape(-1) for k in range(n)]
         msgs = [f"req-{geom['name']}-{b}-{it}-{k}:{geom['tp']}".encode() for k in range(n)]
-        before = self.stats.counters(agent.name) if (self.stats and b == "BOUNCE") else None
 
         t_prep0, t_prep1, t_post, t_posted = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         t_done, handles = [None] * n, []
