@@ -560,6 +560,12 @@ private:
     // which becomes NIXL's handle (`out`); releases both again if the table
     // cannot hold it, so nothing leaks on bad_alloc.
     nixl_status_t keep(bounce_md_t *md, nixlBackendMD *u, bool loaded, nixlBackendMD *&out) {
+        if (!u) {
+            // A success without a handle: nothing could find this region.
+            std::fprintf(stderr, "nixl-bounce: NIXL's UCX engine returned no metadata handle\n");
+            release_parts(md, nullptr, loaded);
+            return NIXL_ERR_BACKEND;
+        }
         bool kept = false;
         try {
             std::unique_lock lock(mds_lock_);
@@ -569,9 +575,10 @@ private:
             throw;
         }
         if (!kept) {
-            // The delegate handed out a handle that is still in use.
+            // The delegate handed out a handle that is still in use: it is
+            // the live entry's, so only BOUNCE's part of this one goes.
             std::fprintf(stderr, "nixl-bounce: NIXL's UCX engine returned a metadata handle already in use\n");
-            release_parts(md, u, loaded);
+            release_parts(md, nullptr, loaded);
             return NIXL_ERR_BACKEND;
         }
         out = u;

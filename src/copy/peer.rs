@@ -372,8 +372,9 @@ impl PeerCopier {
     /// kept table, and uploads it to that table's device memory on the
     /// stream its copies will run on: the stream orders the copies after
     /// the upload, and nothing is waited for. A preparation makes two
-    /// driver calls (the context, the copy), none when the memory it reuses
-    /// was last read by a copy already seen to end ([`TableCache`]).
+    /// driver calls, the context check and the copy, and queries no event
+    /// when the memory it reuses was last read by a copy already seen to
+    /// end ([`TableCache`]).
     fn build(
         self: &Arc<Self>,
         capacity: usize,
@@ -407,11 +408,7 @@ impl PeerCopier {
             Ok(Some(f)) => f,
             other => {
                 // Declined or failed: nothing was queued, the memory is free.
-                self.tables
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .free
-                    .push(table);
+                self.keep_table(table);
                 return other.map(|_| None);
             }
         };
@@ -425,31 +422,26 @@ impl PeerCopier {
         // before.
         let on = self.next_stream();
         let stream = &self.streams[on];
-        // SAFETY: the table's device memory holds `used` bytes; `bytes`
-        // stays unchanged until the upload completed: pinned memory goes
-        // back to the cache only behind everything queued on this stream
-        // (`PeerTable`'s drop), a pageable buffer only after the stream is
-        // synchronised below.
-        let copied = unsafe { result::memcpy_htod_async(table.ptr, bytes, stream.cu_stream()) }
-            .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoDAsync): {e}"));
-        let t2 = Instant::now();
-        let uploaded = copied.and_then(|()| match pageable.is_empty() {
-            true => Ok(()),
-            false => stream
-                .synchronize()
-                .map_err(|e| format!("waiting for a peer-copy table upload: {e}")),
-        });
-        if let Err(e) = uploaded {
-            // Nothing may read the buffers any more: wait for the stream,
-            // then the table goes back unused (leaked if the wait failed:
-            // its upload may still run).
-            if stream.synchronize().is_ok() {
-                self.tables
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .free
-                    .push(table);
+        // SAFETY: the table's device memory holds `used` bytes. Pinned
+        // `bytes` stay unchanged until the upload completed: they go back
+        // to the cache only behind everything queued on this stream
+        // (`PeerTable`'s drop). A pageable buffer is copied synchronously
+        // (`cuMemcpyHtoD` returns once it was read, and does not wait for
+        // the copy streams, which do not block on the legacy stream); the
+        // launch, queued later, reads the finished table.
+        let copied = unsafe {
+            if pageable.is_empty() {
+                result::memcpy_htod_async(table.ptr, bytes, stream.cu_stream())
+            } else {
+                result::memcpy_htod_sync(table.ptr, bytes)
             }
+        }
+        .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoD): {e}"));
+        let t2 = Instant::now();
+        if let Err(e) = copied {
+            // The upload may have been queued: the memory goes back behind
+            // the stream, never waited for here.
+            self.keep_table_behind(table, on);
             return Err(e);
         }
         drop(pageable);
@@ -570,9 +562,10 @@ enum TableForm {
 }
 
 /// A transfer's table, uploaded or (a small pair table) kept to be the
-/// launch's parameter. Its copies all run on one stream of the copier; on
-/// drop an uploaded table's device memory goes back to the copier's
-/// [`TableCache`], reused only after every copy launched from it ended.
+/// launch's parameter. Its upload and copies all run on one stream of the
+/// copier; on drop an uploaded table's memory (pinned and device) goes
+/// back to the copier's [`TableCache`], reused only after its upload and
+/// every copy launched from it ended.
 pub struct PeerTable {
     copier: Arc<PeerCopier>,
     /// Taken back by the cache on drop.
@@ -621,6 +614,9 @@ impl PeerTable {
         let _ctx = ContextScope::enter(&c.device)?;
         let event = c.events.take()?;
         let ptr = self.device_table.as_ref().map_or(0, |t| t.ptr);
+        // Until this launch is tracked, no earlier one vouches for the
+        // table: on any failure below its drop waits behind the stream.
+        self.last_launch = None;
         let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: this device's copy kernel (of the table's form) over the
         // table uploaded in `build` (on this stream, before), reused
@@ -712,31 +708,40 @@ impl Drop for PeerTable {
             .is_some_and(|l| l.ended.load(Ordering::Acquire))
         {
             t.queued = false;
-            c.tables
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .free
-                .push(t);
+            c.keep_table(t);
             return;
         }
         let Ok(_ctx) = ContextScope::enter(&c.device) else {
             tracing::warn!("cannot bind the CUDA context to return a peer-copy table; leaked");
             return;
         };
-        // Otherwise the table's memory is reused once everything queued on
-        // its stream so far (its upload, every launch that reads it) ended:
-        // its event says when.
+        c.keep_table_behind(t, self.stream);
+    }
+}
+
+impl PeerCopier {
+    /// Puts a table's memory back in the cache (`t.queued` says whether
+    /// its event must be queried before reuse).
+    fn keep_table(&self, t: CachedTable) {
+        self.tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .free
+            .push(t);
+    }
+
+    /// Puts a table's memory back in the cache behind everything queued on
+    /// stream `on` so far (its upload, every launch that reads it): its
+    /// event, recorded there, says when it is free. Memory whose last use
+    /// cannot be waited for is never reused (fail closed). Needs the
+    /// device's context current.
+    fn keep_table_behind(&self, mut t: CachedTable, on: usize) {
         // SAFETY: the table's own event and a live stream of this context.
-        match unsafe { sys::cuEventRecord(t.event, c.streams[self.stream].cu_stream()) }.result() {
+        match unsafe { sys::cuEventRecord(t.event, self.streams[on].cu_stream()) }.result() {
             Ok(()) => {
                 t.queued = true;
-                c.tables
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .free
-                    .push(t);
+                self.keep_table(t);
             }
-            // Its last copy cannot be waited for: never reused (fail closed).
             Err(e) => tracing::warn!("returning a peer-copy table: {e}; leaked"),
         }
     }
@@ -793,6 +798,10 @@ impl TableCache {
             }
             let mut t = self.free.swap_remove(i);
             t.queued = false;
+            if t.host.is_null() {
+                // Pinned memory was not to be had when it was allocated.
+                t.host = pinned_zeroed(t.bytes);
+            }
             return Ok(t);
         }
         let want = bytes.next_power_of_two().max(64 << 10);
@@ -808,18 +817,9 @@ impl TableCache {
                 ));
             }
         };
-        // SAFETY: a plain pinned allocation; the pointer is checked below.
-        let host = match unsafe { result::malloc_host(want, 0) } {
-            Ok(p) if !p.is_null() => {
-                // SAFETY: `want` writable bytes just allocated.
-                unsafe { std::ptr::write_bytes(p as *mut u8, 0, want) };
-                p as *mut u64
-            }
-            _ => std::ptr::null_mut(),
-        };
         Ok(CachedTable {
             ptr,
-            host,
+            host: pinned_zeroed(want),
             bytes: want,
             event,
             queued: false,
@@ -846,6 +846,20 @@ impl TableCache {
             // SAFETY: nothing records or waits on the event any more.
             let _ = unsafe { sys::cuEventDestroy_v2(t.event) };
         }
+    }
+}
+
+/// `bytes` of zeroed pinned host memory, or null when none is to be had.
+/// Needs a context current.
+fn pinned_zeroed(bytes: usize) -> *mut u64 {
+    // SAFETY: a plain pinned allocation; the pointer is checked below.
+    match unsafe { result::malloc_host(bytes, 0) } {
+        Ok(p) if !p.is_null() => {
+            // SAFETY: `bytes` writable bytes just allocated.
+            unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };
+            p as *mut u64
+        }
+        _ => std::ptr::null_mut(),
     }
 }
 

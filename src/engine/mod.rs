@@ -172,8 +172,8 @@ pub struct Md {
     pub owner: MdOwner,
 }
 
-/// Tags live [`Md`] objects so that a descriptor's metadata pointer that NIXL
-/// hands back can be checked (a wrong pointer means an ABI mismatch).
+/// Tags live [`Md`] objects, so that what the shim's table resolves a
+/// descriptor's metadata to can be checked before it is used.
 const MD_MAGIC: u64 = 0x4e58_424d_445f_4f4b; // "NXBMD_OK"
 
 #[derive(Debug)]
@@ -281,8 +281,8 @@ pub struct Descs<'a> {
 impl<'a> Descs<'a> {
     /// # Safety
     /// `resolve` of every non-null `md` in `raw` is null or points to an
-    /// [`Md`] that lives for `'a` (or to memory that can be read as one: the
-    /// magic is checked before anything else).
+    /// [`Md`] that lives for `'a` (its magic is checked before anything
+    /// else).
     pub unsafe fn new(kind: MemKind, raw: &'a [RawDesc], resolve: MdResolver<'a>) -> Self {
         Self { kind, raw, resolve }
     }
@@ -337,7 +337,7 @@ impl<'a> Descs<'a> {
                 let Some(md) = self.md(d.md) else {
                     return Err(Error::new(
                         Status::Mismatch,
-                        format!("{which} descriptor {i} carries a metadata pointer that is not BOUNCE's (NIXL ABI mismatch?)"),
+                        format!("{which} descriptor {i} carries metadata that is not one of this BOUNCE engine's registrations or loaded regions"),
                     ));
                 };
                 last = d.md;
@@ -871,9 +871,9 @@ impl Engine {
     }
 
     /// Releases registered memory or loaded metadata.
-    // Boxed on purpose: the handle NIXL held is this allocation, and its
-    // magic is cleared in place before it is freed, so a stale handle
-    // presented later fails `is_valid` rather than passing it.
+    // Boxed on purpose: the shim's table held this allocation, and its
+    // magic is cleared in place before it is freed, so a stale pointer
+    // read later fails `is_valid` rather than passing it.
     #[allow(clippy::boxed_local)]
     pub fn release_md(&self, mut md: Box<Md>) -> Result<()> {
         // No preparation may find this region's window from now on (first:
