@@ -880,7 +880,8 @@ pub struct PartsWalked<T> {
 
 /// How a table filled in parts was shared out: the parts, those the
 /// workers walked, and how long after the walk's start the first worker
-/// began one (0 when none did). Counted per preparation, it shows whether
+/// began one (0 when none did). Counted per preparation (with the tables
+/// that any worker helped, so that the last has a mean), it shows whether
 /// waking the workers, not the walk, bounds the fill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FillHelp {
@@ -891,10 +892,11 @@ pub struct FillHelp {
 
 impl FillHelp {
     /// Each figure with its statistics counter's name.
-    pub fn named(&self) -> [(&'static str, u64); 3] {
+    pub fn named(&self) -> [(&'static str, u64); 4] {
         [
             ("peer_map_fill_parts", self.parts),
             ("peer_map_fill_parts_helped", self.helped),
+            ("peer_map_fill_tables_helped", u64::from(self.helped > 0)),
             ("peer_map_fill_first_help_ns", self.first_help_ns),
         ]
     }
