@@ -527,18 +527,35 @@ fn forgotten_reader_comes_back(notifications: bool) {
     let sp = p.stats();
     let sm = reader_mid_read(&me, &mut p, 42);
     p.signal(libc::SIGSTOP);
-    let forgotten_in = wait_for(
-        Duration::from_secs(6),
-        || {
-            format!(
-                "the stopped reader is not forgotten: {}",
-                stats(me.name()).diff(&sm)
-            )
-        },
-        || stats(me.name()).since(&sm, "peers_forgotten") >= 1,
-    );
-    wait_arena_idle(me.name(), FAULT_ARENA, Duration::from_secs(1));
-    assert_no_reader_left(&stats(me.name()));
+    // Over notifications a chunk write to the stopped reader can stay
+    // unfinished while it is stopped (its put waits behind control
+    // messages the stopped reader does not take in, on the same UCX
+    // endpoint): the owner then keeps the chunk's region and the reader
+    // (fail closed) until the write ends, after SIGCONT.
+    let t0 = std::time::Instant::now();
+    let forgotten = loop {
+        let now = stats(me.name());
+        if now.since(&sm, "peers_forgotten") >= 1 {
+            break true;
+        }
+        if t0.elapsed() > Duration::from_secs(6) {
+            let held = now.since(&sm, "peers_unreachable") >= 1
+                && now.since(&sm, "arena_local_bytes") > 0;
+            assert!(
+                notifications && held,
+                "not within 6 s: the stopped reader is not forgotten: {}",
+                now.diff(&sm)
+            );
+            assert!(now.poisoned.is_none(), "poisoned: {:?}", now.poisoned);
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let forgotten_in = t0.elapsed();
+    if forgotten {
+        wait_arena_idle(me.name(), FAULT_ARENA, Duration::from_secs(1));
+        assert_no_reader_left(&stats(me.name()));
+    }
     p.signal(libc::SIGCONT);
     let failed_in = wait_for(
         Duration::from_secs(10),
@@ -552,12 +569,18 @@ fn forgotten_reader_comes_back(notifications: bool) {
     p.cmd(&format!("CHECK_WRITE - {MANY} 44 {owner_seed} 43 -"));
     let em2 = stats(me.name());
     eprintln!(
-        "stopped reader forgotten after {forgotten_in:?}; its READ failed {failed_in:?} after \
+        "stopped reader {} after {forgotten_in:?}; its READ failed {failed_in:?} after \
          SIGCONT; READ again in {us} us; owner: {}",
+        if forgotten { "forgotten" } else { "kept (a write to it unfinished)" },
         em2.diff(&sm)
     );
     assert_eq!(em2.since(&sm2, "reads_served"), 1, "{}", em2.diff(&sm2));
-    assert_eq!(em2.since(&sm, "peers_forgotten"), 1, "{}", em2.diff(&sm));
+    assert_eq!(
+        em2.since(&sm, "peers_forgotten"),
+        u64::from(forgotten),
+        "{}",
+        em2.diff(&sm)
+    );
     assert_eq!(em2.get("control_peers"), 1, "{:?}", em2.map);
     assert_eq!(em2.get("reader_data_paths"), 1, "{:?}", em2.map);
     assert!(em2.poisoned.is_none(), "poisoned: {:?}", em2.poisoned);
