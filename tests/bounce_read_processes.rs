@@ -539,8 +539,8 @@ fn forgotten_reader_comes_back(notifications: bool) {
             break true;
         }
         if t0.elapsed() > Duration::from_secs(6) {
-            let held = now.since(&sm, "peers_unreachable") >= 1
-                && now.since(&sm, "arena_local_bytes") > 0;
+            let held =
+                now.since(&sm, "peers_unreachable") >= 1 && now.since(&sm, "arena_local_bytes") > 0;
             assert!(
                 notifications && held,
                 "not within 6 s: the stopped reader is not forgotten: {}",
@@ -571,7 +571,11 @@ fn forgotten_reader_comes_back(notifications: bool) {
     eprintln!(
         "stopped reader {} after {forgotten_in:?}; its READ failed {failed_in:?} after \
          SIGCONT; READ again in {us} us; owner: {}",
-        if forgotten { "forgotten" } else { "kept (a write to it unfinished)" },
+        if forgotten {
+            "forgotten"
+        } else {
+            "kept (a write to it unfinished)"
+        },
         em2.diff(&sm)
     );
     assert_eq!(em2.since(&sm2, "reads_served"), 1, "{}", em2.diff(&sm2));
