@@ -394,17 +394,18 @@ impl PeerCopier {
         // Pinned memory of the table's own, else (none to be had) a
         // pageable buffer of this call's, uploaded synchronously.
         let words = capacity.div_ceil(8);
+        let pinned = !table.host.is_null();
         let mut pageable = Vec::new();
-        let host: &mut [u64] = if table.host.is_null() {
-            pageable = vec![0u64; words];
-            &mut pageable
-        } else {
+        let host: &mut [u64] = if pinned {
             // SAFETY: the table's pinned memory holds `table.bytes >=
             // capacity` bytes, 8-aligned, and nothing reads it: the cache
             // hands a table out only once its last upload and copies ended.
             unsafe { std::slice::from_raw_parts_mut(table.host, words) }
+        } else {
+            pageable = vec![0u64; words];
+            &mut pageable
         };
-        let filled = match fill(host) {
+        let (form, shape, used) = match fill(host) {
             Ok(Some(f)) => f,
             other => {
                 // Declined or failed: nothing was queued, the memory is free.
@@ -412,7 +413,6 @@ impl PeerCopier {
                 return other.map(|_| None);
             }
         };
-        let (form, shape, used) = filled;
         let t1 = Instant::now();
         // SAFETY: `host` holds at least `used` initialised bytes (`fill`'s
         // promise; it is `capacity` bytes, zeroed when allocated).
@@ -430,7 +430,7 @@ impl PeerCopier {
         // the copy streams, which do not block on the legacy stream); the
         // launch, queued later, reads the finished table.
         let copied = unsafe {
-            if pageable.is_empty() {
+            if pinned {
                 result::memcpy_htod_async(table.ptr, bytes, stream.cu_stream())
             } else {
                 result::memcpy_htod_sync(table.ptr, bytes)
