@@ -530,18 +530,6 @@ impl TableTimes {
             order: ns(copied, end),
         }
     }
-
-    /// Each part with its statistics counter's name.
-    pub fn named(&self) -> [(&'static str, u64); 6] {
-        [
-            ("peer_map_fill_ns", self.fill),
-            ("peer_map_setup_ns", self.setup),
-            ("peer_map_upload_ns", self.upload),
-            ("peer_map_upload_alloc_ns", self.alloc),
-            ("peer_map_upload_copy_ns", self.copy),
-            ("peer_map_upload_order_ns", self.order),
-        ]
-    }
 }
 
 /// What a table holds: runs (`fill_table`), or (source, destination)

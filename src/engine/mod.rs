@@ -1331,18 +1331,26 @@ impl Engine {
     /// its table took (built, uploaded) and, for the one-pass table, the
     /// time the preparation spent before it (`before_table` ns).
     fn count_peer_prepared(&self, x: &peer::PeerXfer, before_table: Option<u64>) {
-        let t = &x.table.times;
-        self.stats.add_named_all(
-            [
-                ("peer_map_prepared", 1),
-                ("peer_map_prepare_ns", t.fill + t.upload),
-            ]
-            .into_iter()
-            .chain(x.table.inline().then_some(("peer_map_inline_tables", 1)))
-            .chain(t.named())
-            .chain(x.help.iter().flat_map(peer::FillHelp::named))
-            .chain(before_table.map(|ns| ("prepare_before_table_ns", ns))),
-        );
+        let (t, c) = (&x.table.times, &self.stats.counters.hot);
+        let add = EngineStats::add;
+        add(&c.peer_prepared, 1);
+        add(&c.peer_prepare_ns, t.fill + t.upload);
+        add(&c.peer_inline_tables, u64::from(x.table.inline()));
+        add(&c.peer_fill_ns, t.fill);
+        add(&c.peer_setup_ns, t.setup);
+        add(&c.peer_upload_ns, t.upload);
+        add(&c.peer_upload_alloc_ns, t.alloc);
+        add(&c.peer_upload_copy_ns, t.copy);
+        add(&c.peer_upload_order_ns, t.order);
+        if let Some(h) = &x.help {
+            add(&c.peer_fill_parts, h.parts);
+            add(&c.peer_fill_parts_helped, h.helped);
+            add(&c.peer_fill_tables_helped, u64::from(h.helped > 0));
+            add(&c.peer_fill_first_help_ns, h.first_help_ns);
+        }
+        if let Some(ns) = before_table {
+            add(&c.prepare_before_table_ns, ns);
+        }
     }
 
     /// Decides the path of a transfer: the local instance and the peer's for
@@ -1434,10 +1442,9 @@ impl Engine {
                     runtime.submit(peer, plan, notif, deadline)
                 });
                 b.reported = false;
-                self.stats.add_named_all([
-                    ("bounce_submitted", 1),
-                    ("bounce_bytes", b.plan.payload_bytes),
-                ]);
+                let c = &self.stats.counters.hot;
+                EngineStats::bump(&c.bounce_submitted);
+                EngineStats::add(&c.bounce_bytes, b.plan.payload_bytes);
                 Ok(Status::InProgress)
             }
             Route::PeerMapped(x) => {
@@ -1477,10 +1484,9 @@ impl Engine {
                         std::time::Duration::from_millis,
                     );
                 x.reported = false;
-                self.stats.add_named_all([
-                    ("peer_map_submitted", 1),
-                    ("peer_map_bytes", x.table.bytes()),
-                ]);
+                let c = &self.stats.counters.hot;
+                EngineStats::bump(&c.peer_submitted);
+                EngineStats::add(&c.peer_bytes, x.table.bytes());
                 if let (Some(notify), Some(message)) = (notify, req.args.notif.clone()) {
                     notify.after(launch, x.limit, x.peer_inner.clone(), message);
                 }

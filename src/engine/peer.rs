@@ -890,18 +890,6 @@ pub struct FillHelp {
     pub first_help_ns: u64,
 }
 
-impl FillHelp {
-    /// Each figure with its statistics counter's name.
-    pub fn named(&self) -> [(&'static str, u64); 4] {
-        [
-            ("peer_map_fill_parts", self.parts),
-            ("peer_map_fill_parts_helped", self.helped),
-            ("peer_map_fill_tables_helped", u64::from(self.helped > 0)),
-            ("peer_map_fill_first_help_ns", self.first_help_ns),
-        ]
-    }
-}
-
 /// The pair table of a transfer whose descriptors are all one length, in
 /// one pass over NIXL's two descriptor arrays: writes copy i's (source,
 /// destination) into `out[2i]`, `out[2i + 1]` (`out` holds 2n words), local
