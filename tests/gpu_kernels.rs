@@ -657,6 +657,54 @@ fn pair_tables_match_the_host_reference() {
     assert!(matches!(declined, Ok(None)));
 }
 
+/// An inline table reuses the words of one dropped before it (the copier
+/// keeps them): a smaller table after a larger one of the same capacity
+/// finds the larger one's pairs beyond its own, and the kernel must copy
+/// only its own.
+#[test]
+fn a_reused_inline_table_copies_only_its_own_pairs() {
+    use nixl_bounce::copy::peer::PeerCopier;
+    let Some(dev) = device() else { return };
+    let copier = PeerCopier::for_device(dev.ordinal(), 1).expect("copier");
+    let len = 4096usize;
+    let buf = 1024 * len;
+    let src = DeviceArena::new(&dev, buf).unwrap();
+    let dst = DeviceArena::new(&dev, buf).unwrap();
+    let src_h = Rng(0x1a11e).bytes(buf);
+    src.write(0, &src_h).unwrap();
+    // 512 copies (every slot), then 300 (the first 300 slots, reversed):
+    // both take the 512-pair inline kernel.
+    for n in [512usize, 300] {
+        dst.fill(0xAB).unwrap();
+        let mut want = vec![0xABu8; buf];
+        let copies: Vec<(usize, usize)> = (0..n).map(|i| (i * len, (n - 1 - i) * len)).collect();
+        for &(from, to) in &copies {
+            want[to..to + len].copy_from_slice(&src_h[from..from + len]);
+        }
+        let mut table = copier
+            .prepare_pairs(n, len as u64, Instant::now(), |out| {
+                for (pair, &(from, to)) in out.chunks_exact_mut(2).zip(&copies) {
+                    pair[0] = src.base() + from as u64;
+                    pair[1] = dst.base() + to as u64;
+                }
+                Ok(true)
+            })
+            .expect("table")
+            .expect("not declined");
+        assert!(table.inline(), "{n} copies are inline");
+        let launch = table.launch(&[]).expect("launch");
+        poll_until_done("pair copy", || launch.poll()).expect("copy succeeds");
+        drop(table);
+        let mut got = vec![0u8; buf];
+        dst.read(0, &mut got).unwrap();
+        assert_same(
+            &format!("{n} copies after a dropped inline table"),
+            &got,
+            &want,
+        );
+    }
+}
+
 /// Not a test: what each driver call of a table upload costs on this
 /// machine (pinned host -> device, async), idle between uploads or back to
 /// back, for the breakdown in docs/benchmarks.md.

@@ -209,7 +209,14 @@ pub struct PeerCopier {
     /// (when the kernel has a variant that holds them); larger ones are
     /// uploaded.
     inline_limit: AtomicUsize,
+    /// Inline tables' words, back from dropped tables (the driver copies a
+    /// launch's parameter when the launch is queued, so they are free):
+    /// a preparation reuses them instead of allocating and zeroing anew.
+    inline_words: Mutex<Vec<Box<[u64]>>>,
 }
+
+/// How many inline tables' words [`PeerCopier`] keeps for reuse.
+const KEPT_INLINE_WORDS: usize = 8;
 
 // SAFETY: the cached tables are driver handles and memory usable from any
 // thread (only under their mutex); everything else is Send + Sync already.
@@ -265,6 +272,7 @@ impl PeerCopier {
             tables: Mutex::new(TableCache::default()),
             next: AtomicUsize::new(0),
             inline_limit: AtomicUsize::new(usize::MAX),
+            inline_words: Mutex::new(Vec::new()),
         }))
     }
 
@@ -332,9 +340,13 @@ impl PeerCopier {
         if let Some((capacity, _)) = inline {
             // Small enough to be the launch's parameter: built in memory of
             // its own, no driver call.
-            let mut words = vec![0u64; 2 * capacity].into_boxed_slice();
-            if !fill(&mut words[..2 * n])? {
-                return Ok(None);
+            let mut words = self.take_inline_words(2 * capacity);
+            match fill(&mut words[..2 * n]) {
+                Ok(true) => {}
+                other => {
+                    self.keep_inline_words(words);
+                    return other.map(|_| None);
+                }
             }
             let fill = started.elapsed().as_nanos() as u64;
             return Ok(Some(PeerTable {
@@ -685,6 +697,9 @@ impl PeerTable {
 impl Drop for PeerTable {
     fn drop(&mut self) {
         let c = &self.copier;
+        if let TableForm::InlinePairs { words, .. } = &mut self.form {
+            c.keep_inline_words(std::mem::take(words));
+        }
         let Some(mut t) = self.device_table.take() else {
             return;
         };
@@ -708,6 +723,24 @@ impl Drop for PeerTable {
 }
 
 impl PeerCopier {
+    /// Words for an inline table: kept ones of that length (holding an
+    /// earlier table's pairs, which the kernel does not read beyond the
+    /// table's own), else new ones.
+    fn take_inline_words(&self, len: usize) -> Box<[u64]> {
+        let mut kept = self.inline_words.lock().unwrap_or_else(|p| p.into_inner());
+        match kept.iter().position(|w| w.len() == len) {
+            Some(i) => kept.swap_remove(i),
+            None => vec![0u64; len].into_boxed_slice(),
+        }
+    }
+
+    fn keep_inline_words(&self, words: Box<[u64]>) {
+        let mut kept = self.inline_words.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < KEPT_INLINE_WORDS {
+            kept.push(words);
+        }
+    }
+
     /// Puts a table's memory back in the cache (`t.queued` says whether
     /// its event must be queried before reuse).
     fn keep_table(&self, t: CachedTable) {

@@ -337,7 +337,7 @@ impl ReaderAgents {
         // Held while invalidating: the application's loads take this lock
         // before they load into the inner agent.
         let remotes = self.remotes.lock().expect("remotes lock");
-        if remotes.values().any(|r| r.inner == dp.inner_agent) {
+        if remotes.values().any(|r| *r.inner == *dp.inner_agent) {
             return Ok(());
         }
         self.inner

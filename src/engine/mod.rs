@@ -490,7 +490,7 @@ struct BounceXfer {
     peer: PeerId,
     peer_arena: PeerBounce,
     /// The peer's inner agent (target of the completion notification).
-    peer_inner: String,
+    peer_inner: Arc<str>,
     /// Made when the request is prepared; every post submits it.
     plan: Arc<Plan>,
     ticket: Option<Arc<Ticket>>,
@@ -521,7 +521,8 @@ impl std::fmt::Debug for Request {
 /// What this engine knows about a remote agent.
 #[derive(Debug, Clone)]
 struct Remote {
-    inner: String,
+    /// Its inner agent's name: shared, since every preparation takes it.
+    inner: Arc<str>,
     /// The peer's bounce instances whose arena metadata we loaded.
     bounce_peers: HashSet<PeerId>,
 }
@@ -575,7 +576,7 @@ impl TransferParams {
 /// The backend engine. Thread-safe: NIXL may call it from many threads.
 pub struct Engine {
     local_name: String,
-    inner_name: String,
+    inner_name: Arc<str>,
     inner: Agent,
     /// The backend parameters that are UCX's: the UCX delegate's (and the
     /// inner agent's UCX backend's).
@@ -730,7 +731,7 @@ impl Engine {
         let remotes = Arc::new(Mutex::new(HashMap::new()));
         let readers = Arc::new(bounce::ReaderAgents::new(
             inner.clone(),
-            inner_name.clone(),
+            inner_name.to_string(),
             remotes.clone(),
             config.use_nixl_notifications,
         ));
@@ -741,7 +742,7 @@ impl Engine {
         Ok(Self {
             peer,
             local_name: local_name.to_string(),
-            inner_name,
+            inner_name: inner_name.into(),
             inner,
             ucx_params: split.ucx.clone().into_iter().collect(),
             inner_md,
@@ -962,7 +963,7 @@ impl Engine {
         remotes.insert(
             remote.to_string(),
             Remote {
-                inner: inner_remote,
+                inner: inner_remote.into(),
                 bounce_peers: HashSet::new(),
             },
         );
@@ -1116,7 +1117,7 @@ impl Engine {
         Ok(())
     }
 
-    fn inner_remote(&self, remote: &str) -> Result<String> {
+    fn inner_remote(&self, remote: &str) -> Result<Arc<str>> {
         if remote == self.local_name {
             return Ok(self.inner_name.clone());
         }
@@ -1291,7 +1292,7 @@ impl Engine {
         op: Op,
         local: &Side<'a>,
         remote: &Side<'a>,
-        inner_remote: &str,
+        inner_remote: &Arc<str>,
     ) -> Option<peer::PeerXfer> {
         let device = local.ranges().next()?.dev;
         let peer_alloc = |md: Option<&'a Md>| md.and_then(Md::peer_alloc);
@@ -1313,7 +1314,7 @@ impl Engine {
             device as usize,
             local.len(),
             pairs,
-            inner_remote.to_string(),
+            inner_remote.clone(),
         ) {
             Ok(x) => {
                 self.count_peer_prepared(&x, None);
@@ -1429,7 +1430,7 @@ impl Engine {
                 b.instance.ensure_peer(&b.peer_arena);
                 let runtime = &b.instance.runtime;
                 let notif = req.args.notif.clone().map(|message| DeferredNotif {
-                    inner_agent: b.peer_inner.clone(),
+                    inner_agent: b.peer_inner.to_string(),
                     message,
                 });
                 let deadline = per_transfer

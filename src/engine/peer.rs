@@ -28,6 +28,9 @@ use crate::proto::Run;
 /// Streams per device for peer-mapped copies.
 const STREAMS_PER_DEVICE: usize = 4;
 
+/// GPU ordinals a process's peer-mapped copies can use (a copier each).
+const MAX_GPUS: usize = 64;
+
 /// The fewest descriptors whose table is filled in parts on several threads
 /// (`peer_map_prepare_threads`): a walk long enough (7-10 ns a descriptor
 /// alone, so 110 us or more) for workers woken at its start to join it
@@ -144,14 +147,14 @@ pub struct PeerXfer {
     /// transfer's deadline, else the configured deadline or timeout).
     pub limit: Duration,
     pub reported: bool,
-    pub peer_inner: String,
+    pub peer_inner: Arc<str>,
     /// How the table's parts were shared out, when it was filled in parts.
     pub help: Option<FillHelp>,
 }
 
 impl PeerXfer {
     /// A prepared, not yet posted transfer of `table` through `mappings`.
-    fn new(table: peer::PeerTable, mappings: Vec<Arc<PeerMapping>>, peer_inner: String) -> Self {
+    fn new(table: peer::PeerTable, mappings: Vec<Arc<PeerMapping>>, peer_inner: Arc<str>) -> Self {
         PeerXfer {
             table,
             mappings,
@@ -224,10 +227,15 @@ fn keep_mapping(mappings: &mut Vec<Arc<PeerMapping>>, m: &Arc<PeerMapping>) {
     }
 }
 
+/// A GPU's copier, or why it has none.
+type CopierOrWhyNot = Result<Arc<PeerCopier>, String>;
+
 /// The engine's peer-mapping state.
 pub struct PeerMaps {
     identity: Option<Identity>,
-    copiers: Mutex<HashMap<usize, Result<Arc<PeerCopier>, String>>>,
+    /// Per GPU ordinal, made at first use (a failure is kept, not retried):
+    /// found by indexing, without a lock, by every preparation.
+    copiers: Box<[OnceLock<CopierOrWhyNot>]>,
     allocs: Mutex<HashMap<PeerExport, Weak<RemoteAlloc>>>,
     notifier: Mutex<Option<Notifier>>,
     /// The run list a preparation builds, kept between preparations (its
@@ -261,7 +269,7 @@ impl PeerMaps {
         };
         PeerMaps {
             identity,
-            copiers: Mutex::new(HashMap::new()),
+            copiers: (0..MAX_GPUS).map(|_| OnceLock::new()).collect(),
             allocs: Mutex::new(HashMap::new()),
             notifier: Mutex::new(None),
             runs: Mutex::new(Vec::new()),
@@ -354,15 +362,17 @@ impl PeerMaps {
         Some(a)
     }
 
-    fn copier(&self, device: usize) -> Result<Arc<PeerCopier>, String> {
-        let mut map = self.copiers.lock().expect("copiers lock");
-        map.entry(device)
-            .or_insert_with(|| {
-                let c = PeerCopier::for_device(device, STREAMS_PER_DEVICE)?;
-                c.set_inline_limit(self.inline_limit);
-                Ok(c)
-            })
-            .clone()
+    fn copier(&self, device: usize) -> Result<&Arc<PeerCopier>, String> {
+        let slot = self.copiers.get(device).ok_or_else(|| {
+            format!("GPU {device}: peer-mapped copies support GPU ordinals below {MAX_GPUS}")
+        })?;
+        slot.get_or_init(|| {
+            let c = PeerCopier::for_device(device, STREAMS_PER_DEVICE)?;
+            c.set_inline_limit(self.inline_limit);
+            Ok(c)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
     }
 
     /// Empties the windows kept from the last preparation: called before
@@ -407,7 +417,7 @@ impl PeerMaps {
         op: Op,
         local: &Descs<'_>,
         remote: &Descs<'_>,
-        peer_inner: String,
+        peer_inner: Arc<str>,
     ) -> Option<PeerXfer> {
         let started = std::time::Instant::now();
         let first = *local.raw().first()?;
@@ -474,7 +484,7 @@ impl PeerMaps {
                     Some(r) if r.device == ordinal => window(r),
                     _ => {
                         let alloc = md.peer_alloc()?;
-                        let m = alloc.mapping(&copier).ok()?;
+                        let m = alloc.mapping(copier).ok()?;
                         // The region must lie in the mapped allocation: then
                         // so does every descriptor inside the region.
                         let offset = (md.range.addr as u64).checked_sub(alloc.export.alloc_base)?;
@@ -564,7 +574,7 @@ impl PeerMaps {
         device: usize,
         n: usize,
         pairs: impl Iterator<Item = Result<(u64, u64, u64, &'a Arc<RemoteAlloc>), &'static str>>,
-        peer_inner: String,
+        peer_inner: Arc<str>,
     ) -> Result<PeerXfer, String> {
         let started = std::time::Instant::now();
         let copier = self.copier(device)?;
@@ -576,7 +586,7 @@ impl PeerMaps {
             // Consecutive descriptors usually share an allocation: no
             // look-up and no reference count per descriptor then.
             if !matches!(&last, Some((p, _)) if std::ptr::eq(*p, Arc::as_ptr(alloc))) {
-                let m = alloc.mapping(&copier)?;
+                let m = alloc.mapping(copier)?;
                 keep_mapping(&mut mappings, &m);
                 last = Some((Arc::as_ptr(alloc), m));
             }
@@ -639,7 +649,7 @@ impl Notify {
         self,
         launch: Arc<PeerLaunch>,
         limit: Duration,
-        peer_inner: String,
+        peer_inner: Arc<str>,
         message: Vec<u8>,
     ) {
         // The thread ends only with the engine, after every sender is gone.
@@ -666,7 +676,7 @@ struct Pending {
     /// so a copy that never ends cannot hold the thread (or the engine's
     /// teardown, which waits for it) longer.
     limit: Duration,
-    peer_inner: String,
+    peer_inner: Arc<str>,
     message: Vec<u8>,
 }
 
