@@ -1429,7 +1429,7 @@ impl Engine {
                 }
                 b.instance.ensure_peer(&b.peer_arena);
                 let runtime = &b.instance.runtime;
-                let notif = req.args.notif.clone().map(|message| DeferredNotif {
+                let notif = req.args.notif.take().map(|message| DeferredNotif {
                     inner_agent: b.peer_inner.to_string(),
                     message,
                 });
@@ -1488,7 +1488,7 @@ impl Engine {
                 let c = &self.stats.counters.hot;
                 EngineStats::bump(&c.peer_submitted);
                 EngineStats::add(&c.peer_bytes, x.table.bytes());
-                if let (Some(notify), Some(message)) = (notify, req.args.notif.clone()) {
+                if let (Some(notify), Some(message)) = (notify, req.args.notif.take()) {
                     notify.after(launch, x.limit, x.peer_inner.clone(), message);
                 }
                 Ok(Status::InProgress)

@@ -339,9 +339,12 @@ impl Resolver {
     }
 }
 
+/// The transfer's arguments, the notification's message copied only when
+/// `with_notif`.
+///
 /// # Safety
 /// `args` is null or points to a valid bounce_xfer_args_t for the call.
-unsafe fn xfer_args(args: *const bounce_xfer_args_t) -> XferArgs {
+unsafe fn xfer_args(args: *const bounce_xfer_args_t, with_notif: bool) -> XferArgs {
     if args.is_null() {
         return XferArgs::default();
     }
@@ -349,7 +352,7 @@ unsafe fn xfer_args(args: *const bounce_xfer_args_t) -> XferArgs {
     let a = unsafe { &*args };
     XferArgs {
         // SAFETY: borrowed for the call (header contract).
-        notif: (a.has_notif != 0).then(|| unsafe { borrow(a.notif_msg) }.to_vec()),
+        notif: (with_notif && a.has_notif != 0).then(|| unsafe { borrow(a.notif_msg) }.to_vec()),
         // SAFETY: as above.
         custom_param: unsafe { borrow(a.custom_param) }.to_vec(),
     }
@@ -830,8 +833,11 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
             bytes: TotalBytes::Of(as_raw(lraw), &total),
             local_transfer: agent == e.local_name(),
         };
+        // The notification is not copied: NIXL passes it again to every
+        // postXfer (the request's own, or a re-post's new one), which
+        // takes it from there.
         // SAFETY: caller contract.
-        let args = unsafe { xfer_args(args) };
+        let args = unsafe { xfer_args(args, false) };
         if e.early_fallback(&shape, &args)?.is_some() {
             to_ucx.set(1);
             return Ok(Status::Success);
@@ -878,7 +884,7 @@ pub unsafe extern "C" fn bounce_engine_post_xfer(
             return Err(Error::new(Status::InvalidParam, "null request handle"));
         }
         // SAFETY: caller contract.
-        let args = unsafe { xfer_args(args) };
+        let args = unsafe { xfer_args(args, true) };
         // SAFETY: a live request owned by the caller, not aliased during the call.
         e.post_xfer(unsafe { &mut *req }, args)
     })
