@@ -115,7 +115,9 @@ typedef struct bounce_desc_list {
     const void *resolve_ctx;
 } bounce_desc_list_t;
 
-/* The backend's optional per-transfer arguments. */
+/* The backend's optional per-transfer arguments. The notification is read
+ * by bounce_engine_post_xfer only (NIXL passes it to every postXfer);
+ * bounce_engine_prep_xfer reads the custom parameter. */
 typedef struct bounce_xfer_args {
     int32_t has_notif;
     bounce_bytes_t notif_msg;

@@ -160,8 +160,7 @@ impl EngineStats {
         self.add_named_all([(name, n)]);
     }
 
-    /// Adds to several named counters under one lock (a preparation's
-    /// breakdown: one look-up each, not one lock each).
+    /// Adds to several named counters under one lock.
     pub fn add_named_all(&self, items: impl IntoIterator<Item = (&'static str, u64)>) {
         let mut named = self.named.lock().expect("named counters");
         for (name, n) in items {
@@ -193,7 +192,8 @@ impl EngineStats {
         for (k, v) in self.named.lock().expect("named counters").iter() {
             counters.insert(k.to_string(), *v);
         }
-        // Like the named ones, these appear once they count something.
+        // These appear once they count something (the named ones once
+        // anything was added to them).
         let fallbacks = Fallback::ALL
             .iter()
             .map(|r| (r.name(), &c.fallbacks[r.index()]));

@@ -672,12 +672,16 @@ fn a_reused_inline_table_copies_only_its_own_pairs() {
     let dst = DeviceArena::new(&dev, buf).unwrap();
     let src_h = Rng(0x1a11e).bytes(buf);
     src.write(0, &src_h).unwrap();
-    // 512 copies (every slot), then 300 (the first 300 slots, reversed):
-    // both take the 512-pair inline kernel.
-    for n in [512usize, 300] {
+    // 512 copies into the upper half of the slots, then 300 into the lower
+    // half: both take the 512-pair inline kernel, and the second's words
+    // still hold the first's pairs 300..511, whose slots (512..723) must
+    // keep their fill.
+    for (n, first_slot) in [(512usize, 512usize), (300, 0)] {
         dst.fill(0xAB).unwrap();
         let mut want = vec![0xABu8; buf];
-        let copies: Vec<(usize, usize)> = (0..n).map(|i| (i * len, (n - 1 - i) * len)).collect();
+        let copies: Vec<(usize, usize)> = (0..n)
+            .map(|i| (i * len, (first_slot + n - 1 - i) * len))
+            .collect();
         for &(from, to) in &copies {
             want[to..to + len].copy_from_slice(&src_h[from..from + len]);
         }

@@ -736,9 +736,11 @@ impl PeerCopier {
 
     fn keep_inline_words(&self, words: Box<[u64]>) {
         let mut kept = self.inline_words.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.len() < KEPT_INLINE_WORDS {
-            kept.push(words);
+        // Full: the oldest goes, so that the sizes in use stay.
+        if kept.len() == KEPT_INLINE_WORDS {
+            kept.remove(0);
         }
+        kept.push(words);
     }
 
     /// Puts a table's memory back in the cache (`t.queued` says whether

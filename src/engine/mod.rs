@@ -731,7 +731,7 @@ impl Engine {
         let remotes = Arc::new(Mutex::new(HashMap::new()));
         let readers = Arc::new(bounce::ReaderAgents::new(
             inner.clone(),
-            inner_name.to_string(),
+            inner_name.clone(),
             remotes.clone(),
             config.use_nixl_notifications,
         ));
@@ -1336,7 +1336,9 @@ impl Engine {
         let add = EngineStats::add;
         add(&c.peer_prepared, 1);
         add(&c.peer_prepare_ns, t.fill + t.upload);
-        add(&c.peer_inline_tables, u64::from(x.table.inline()));
+        if x.table.inline() {
+            add(&c.peer_inline_tables, 1);
+        }
         add(&c.peer_fill_ns, t.fill);
         add(&c.peer_setup_ns, t.setup);
         add(&c.peer_upload_ns, t.upload);
@@ -1345,9 +1347,11 @@ impl Engine {
         add(&c.peer_upload_order_ns, t.order);
         if let Some(h) = &x.help {
             add(&c.peer_fill_parts, h.parts);
-            add(&c.peer_fill_parts_helped, h.helped);
-            add(&c.peer_fill_tables_helped, u64::from(h.helped > 0));
-            add(&c.peer_fill_first_help_ns, h.first_help_ns);
+            if h.helped > 0 {
+                add(&c.peer_fill_parts_helped, h.helped);
+                add(&c.peer_fill_tables_helped, 1);
+                add(&c.peer_fill_first_help_ns, h.first_help_ns);
+            }
         }
         if let Some(ns) = before_table {
             add(&c.prepare_before_table_ns, ns);
@@ -1430,7 +1434,7 @@ impl Engine {
                 b.instance.ensure_peer(&b.peer_arena);
                 let runtime = &b.instance.runtime;
                 let notif = req.args.notif.take().map(|message| DeferredNotif {
-                    inner_agent: b.peer_inner.to_string(),
+                    inner_agent: b.peer_inner.clone(),
                     message,
                 });
                 let deadline = per_transfer

@@ -28,7 +28,9 @@ use crate::proto::Run;
 /// Streams per device for peer-mapped copies.
 const STREAMS_PER_DEVICE: usize = 4;
 
-/// GPU ordinals a process's peer-mapped copies can use (a copier each).
+/// GPU ordinals a process's peer-mapped copies can use (a copier each);
+/// a transfer on a GPU numbered beyond them takes another path
+/// (`peer_map_unavailable`).
 const MAX_GPUS: usize = 64;
 
 /// The fewest descriptors whose table is filled in parts on several threads

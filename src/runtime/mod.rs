@@ -82,7 +82,7 @@ impl Ticket {
 #[derive(Debug, Clone)]
 pub struct DeferredNotif {
     /// The peer's inner agent name.
-    pub inner_agent: String,
+    pub inner_agent: std::sync::Arc<str>,
     pub message: Vec<u8>,
 }
 
