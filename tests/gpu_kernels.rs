@@ -627,16 +627,7 @@ fn pair_tables_match_the_host_reference() {
                 want[to..to + len].copy_from_slice(&src_h[from..from + len]);
             }
             copier.set_inline_limit(inline_limit);
-            let table = copier
-                .prepare_pairs(n, len as u64, Instant::now(), |out| {
-                    for (pair, &(from, to)) in out.chunks_exact_mut(2).zip(&copies) {
-                        pair[0] = src.base() + from as u64;
-                        pair[1] = dst.base() + to as u64;
-                    }
-                    Ok(true)
-                })
-                .expect("table")
-                .expect("not declined");
+            let table = pair_table(&copier, len, &copies, &src, &dst);
             assert_eq!(table.bytes(), (n * len) as u64);
             // This machine's NVRTC (CUDA 13) has the inline pair kernels.
             assert_eq!(table.inline(), n <= 2040 && inline_limit > 0, "{n} copies");
@@ -655,6 +646,27 @@ fn pair_tables_match_the_host_reference() {
     // A declined table uploads nothing and is no error.
     let declined = copier.prepare_pairs(4, 4096, Instant::now(), |_| Ok(false));
     assert!(matches!(declined, Ok(None)));
+}
+
+/// The pair table of `copies` (source, destination offsets) of `len`
+/// bytes each from `src` into `dst`.
+fn pair_table(
+    copier: &std::sync::Arc<nixl_bounce::copy::peer::PeerCopier>,
+    len: usize,
+    copies: &[(usize, usize)],
+    src: &DeviceArena,
+    dst: &DeviceArena,
+) -> nixl_bounce::copy::peer::PeerTable {
+    copier
+        .prepare_pairs(copies.len(), len as u64, Instant::now(), |out| {
+            for (pair, &(from, to)) in out.chunks_exact_mut(2).zip(copies) {
+                pair[0] = src.base() + from as u64;
+                pair[1] = dst.base() + to as u64;
+            }
+            Ok(true)
+        })
+        .expect("table")
+        .expect("not declined")
 }
 
 /// An inline table reuses the words of one dropped before it (the copier
@@ -685,16 +697,7 @@ fn a_reused_inline_table_copies_only_its_own_pairs() {
         for &(from, to) in &copies {
             want[to..to + len].copy_from_slice(&src_h[from..from + len]);
         }
-        let mut table = copier
-            .prepare_pairs(n, len as u64, Instant::now(), |out| {
-                for (pair, &(from, to)) in out.chunks_exact_mut(2).zip(&copies) {
-                    pair[0] = src.base() + from as u64;
-                    pair[1] = dst.base() + to as u64;
-                }
-                Ok(true)
-            })
-            .expect("table")
-            .expect("not declined");
+        let mut table = pair_table(&copier, len, &copies, &src, &dst);
         assert!(table.inline(), "{n} copies are inline");
         let launch = table.launch(&[]).expect("launch");
         poll_until_done("pair copy", || launch.poll()).expect("copy succeeds");
