@@ -729,7 +729,7 @@ impl PeerCopier {
     fn take_inline_words(&self, len: usize) -> Box<[u64]> {
         let mut kept = self.inline_words.lock().unwrap_or_else(|p| p.into_inner());
         match kept.iter().position(|w| w.len() == len) {
-            Some(i) => kept.swap_remove(i),
+            Some(i) => kept.remove(i),
             None => vec![0u64; len].into_boxed_slice(),
         }
     }
