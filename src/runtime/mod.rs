@@ -164,19 +164,35 @@ pub struct RuntimeCounters {
     pub ack_wait_ns: AtomicU64,
 }
 
-/// Where the arena's bytes are, updated after every protocol event.
+/// Where the arena's bytes are, set after every protocol event and read
+/// whole, under one lock: read gauge by gauge, a region that moved between
+/// two reads (quarantined to free, say) was counted twice or not at all.
 #[derive(Debug, Default)]
-pub struct ArenaGauges {
-    pub free: AtomicU64,
-    pub reserve: AtomicU64,
+pub struct ArenaGauges(Mutex<ArenaBytes>);
+
+/// The arena's bytes by owner; they sum to its capacity.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ArenaBytes {
+    pub free: u64,
+    pub reserve: u64,
     /// Granted to remote flows.
-    pub flows: AtomicU64,
+    pub flows: u64,
     /// Local gather staging.
-    pub local: AtomicU64,
+    pub local: u64,
     /// Reclaimed, waiting for an operation still running on them.
-    pub orphan: AtomicU64,
+    pub orphan: u64,
     /// Kept from a sender that may still write.
-    pub quarantine: AtomicU64,
+    pub quarantine: u64,
+}
+
+impl ArenaGauges {
+    pub fn set(&self, bytes: ArenaBytes) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+    }
+
+    pub fn get(&self) -> ArenaBytes {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// Application memory the copies may touch, and what they touch now.
@@ -702,12 +718,6 @@ impl Runtime {
                 ("control_peers", &c.control_peers),
                 ("control_pings_sent", &c.control_pings_sent),
                 ("reader_data_paths", &c.reader_data_paths),
-                ("arena_free_bytes", &c.arena.free),
-                ("arena_reserve_bytes", &c.arena.reserve),
-                ("arena_flow_bytes", &c.arena.flows),
-                ("arena_local_bytes", &c.arena.local),
-                ("arena_orphan_bytes", &c.arena.orphan),
-                ("arena_quarantine_bytes", &c.arena.quarantine),
                 ("gather_ns", &c.gather_ns),
                 ("scatter_ns", &c.scatter_ns),
                 ("copy_queue_ns", &c.copy_queue_ns),
@@ -717,9 +727,20 @@ impl Runtime {
                 ("grant_wait_ns", &c.grant_wait_ns),
                 ("ack_wait_ns", &c.ack_wait_ns),
             ];
+            let a = c.arena.get();
+            let arena = [
+                ("arena_free_bytes", a.free),
+                ("arena_reserve_bytes", a.reserve),
+                ("arena_flow_bytes", a.flows),
+                ("arena_local_bytes", a.local),
+                ("arena_orphan_bytes", a.orphan),
+                ("arena_quarantine_bytes", a.quarantine),
+            ];
             let mut map: std::collections::BTreeMap<String, u64> = rows
                 .into_iter()
-                .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
+                .map(|(k, v)| (k, v.load(Ordering::Relaxed)))
+                .chain(arena)
+                .map(|(k, v)| (k.to_string(), v))
                 .collect();
             map.extend(
                 copier
@@ -1677,13 +1698,14 @@ impl Reactor {
         c.reads_served.store(s.reads_served, Ordering::Relaxed);
         c.reads_refused.store(s.reads_refused, Ordering::Relaxed);
         let held = self.endpoint.arena_usage();
-        let a = &c.arena;
-        a.free.store(self.endpoint.arena_free(), Ordering::Relaxed);
-        a.reserve.store(held.reserve, Ordering::Relaxed);
-        a.flows.store(held.flows, Ordering::Relaxed);
-        a.local.store(held.local, Ordering::Relaxed);
-        a.orphan.store(held.orphan, Ordering::Relaxed);
-        a.quarantine.store(held.quarantine, Ordering::Relaxed);
+        c.arena.set(ArenaBytes {
+            free: self.endpoint.arena_free(),
+            reserve: held.reserve,
+            flows: held.flows,
+            local: held.local,
+            orphan: held.orphan,
+            quarantine: held.quarantine,
+        });
         c.control_peers
             .store(self.handles.len() as u64, Ordering::Relaxed);
         c.control_pings_sent
