@@ -157,15 +157,12 @@ impl EngineStats {
     }
 
     pub fn add_named(&self, name: &'static str, n: u64) {
-        self.add_named_all([(name, n)]);
-    }
-
-    /// Adds to several named counters under one lock.
-    pub fn add_named_all(&self, items: impl IntoIterator<Item = (&'static str, u64)>) {
-        let mut named = self.named.lock().expect("named counters");
-        for (name, n) in items {
-            *named.entry(name).or_default() += n;
-        }
+        *self
+            .named
+            .lock()
+            .expect("named counters")
+            .entry(name)
+            .or_default() += n;
     }
 
     /// Installs the source of live runtime counters and poison state.
