@@ -97,7 +97,8 @@ def route_of(before, after, iterations):
         return "?"
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     parts = []
-    for key, label in (("peer_map_submitted", "peer-map"), ("bounce_submitted", "bounce")):
+    for key, label in (("peer_map_submitted", "peer-map"), ("cma_submitted", "cma"),
+                       ("bounce_submitted", "bounce")):
         if d.get(key, 0) > 0:
             parts.append(label if d[key] == iterations else f"{label} {d[key]}/{iterations}")
     fb = sorted(f"{k[len('fallback_'):]}" for k, v in d.items() if k.startswith("fallback_") and v > 0)

@@ -251,6 +251,8 @@ def route_of(before, after) -> str:
     parts = []
     if d.get("peer_map_submitted", 0) > 0:
         parts.append("peer-map")
+    if d.get("cma_submitted", 0) > 0:
+        parts.append("cma")
     if d.get("bounce_submitted", 0) > 0:
         parts.append("bounce")
     fb = sorted(k[len("fallback_"):] for k, v in d.items() if k.startswith("fallback_") and v > 0)
@@ -258,7 +260,7 @@ def route_of(before, after) -> str:
         parts.append("UCX(" + ",".join(fb) + ")")
     if not parts:
         parts.append("UCX")
-    failed = d.get("bounce_failed", 0) + d.get("peer_map_failed", 0)
+    failed = d.get("bounce_failed", 0) + d.get("peer_map_failed", 0) + d.get("cma_failed", 0)
     if failed:
         parts.append(f"FAILED={failed}")
     return "+".join(parts)

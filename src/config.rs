@@ -125,6 +125,17 @@ pub struct Config {
     /// Peer-mapped path: threads that fill a large request's copy table
     /// together (the calling thread among them); 0 = auto.
     pub peer_map_prepare_threads: usize,
+    /// DRAM peers on the same host: one copy by cross-memory attach straight
+    /// between this process's memory and the peer's (the CMA path); off:
+    /// such transfers take the bounce arena or UCX.
+    pub enable_cma: bool,
+    /// CMA path: minimum descriptor count.
+    pub cma_min_descriptor_count: u64,
+    /// CMA path between two processes: maximum average descriptor size
+    /// (bytes); 0 = no limit. Within one process there is none.
+    pub cma_max_average_descriptor_size_bytes: u64,
+    /// CMA path: threads that copy one large transfer; 0 = auto.
+    pub cma_threads: u64,
     /// The UCX delegate's progress-thread delay (us); 0: the application's.
     /// Above 0 the thread sleeps in poll() until UCX has events (at most
     /// 1 ms), instead of spinning a core as NIXL's default (0) does.
@@ -155,6 +166,10 @@ impl Default for Config {
             peer_map_max_average_descriptor_size_bytes: 0,
             peer_map_inline_table_max_descriptors: 2040,
             peer_map_prepare_threads: 0,
+            enable_cma: true,
+            cma_min_descriptor_count: 64,
+            cma_max_average_descriptor_size_bytes: 8 * KIB,
+            cma_threads: 0,
             request_timeout_ms: 30_000,
             disable_fabric_memory: false,
             enable_eager_gather: true,
@@ -348,6 +363,10 @@ static SETTINGS: &[Setting] = &[
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
     setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),
+    setting!(enable_cma, "enable_cma", "ENABLE_CMA", Bool, true, "DRAM peers on the same host (proven by reading a token in the peer's memory): one copy moves an eligible transfer straight between this process's memory and the peer's by cross-memory attach, 1024 descriptors a system call (a memory copy between two agents of one process); off: such transfers take the bounce arena or UCX."),
+    setting!(cma_min_descriptor_count, "cma_min_descriptor_count", "CMA_MIN_DESCRIPTOR_COUNT", Count, false, "CMA path: minimum descriptor count (fewer go to UCX)."),
+    setting!(cma_max_average_descriptor_size_bytes, "cma_max_average_descriptor_size_bytes", "CMA_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "CMA path between two processes: maximum average descriptor bytes (larger go to UCX: the kernel's per-page cost of cross-memory attach bounds both, and UCX's threads spread it; on the CPU machine CMA ran at 1.2x UCX at 4 KiB, about 1x at 16 KiB, 0.9x at 32 KiB); within one process no limit; 0 = no limit."),
+    setting!(cma_threads, "cma_threads", "CMA_THREADS", Count, true, "CMA path: threads that copy one transfer of more than 256 KiB together, in parts of at least 1 MiB (smaller transfers are copied in the post); 1 = in the post always; 0 = auto: the cores, at most 4."),
 ];
 
 /// Renders a byte count with the largest exact binary suffix.
@@ -685,8 +704,9 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 33);
+        assert_eq!(keys.len(), 37);
         assert!(keys.contains(&"enable_peer_map"));
+        assert!(keys.contains(&"enable_cma"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));
         assert!(keys.contains(&"control_bind_loopback"));

@@ -82,6 +82,9 @@ typed_counters! {
         peer_bytes => "peer_map_bytes",
         bounce_submitted => "bounce_submitted",
         bounce_bytes => "bounce_bytes",
+        cma_prepared => "cma_prepared",
+        cma_submitted => "cma_submitted",
+        cma_bytes => "cma_bytes",
     }
 }
 

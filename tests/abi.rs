@@ -23,7 +23,11 @@ fn init_params_and_mem_types_round_trip_through_nixl() {
     let node = Node::new(
         &name,
         "BOUNCE",
-        &[("num_threads", "2"), ("ucx_error_handling_mode", "peer")],
+        &[
+            ("num_threads", "2"),
+            ("ucx_error_handling_mode", "peer"),
+            ("enable_cma", "true"),
+        ],
     )
     .or_fail("create");
     let (mems, params) = node

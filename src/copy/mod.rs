@@ -2,6 +2,7 @@
 //! and scatter a region back out. One trait, so the DRAM (memcpy) engine and
 //! the CUDA engine slot into the same runtime.
 
+pub mod cma;
 pub mod cuda;
 pub mod host;
 pub mod peer;

@@ -618,6 +618,14 @@ pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> ShapeGate {
     }
 }
 
+/// The CMA path's gate (DRAM on both sides).
+pub fn cma_gate(cfg: &Config) -> ShapeGate {
+    ShapeGate {
+        min_descriptors: cfg.cma_min_descriptor_count,
+        max_average_bytes: 0,
+    }
+}
+
 /// The peer-mapped path's gate.
 pub fn peer_map_gate(cfg: &Config) -> ShapeGate {
     ShapeGate {

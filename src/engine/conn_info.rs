@@ -22,8 +22,10 @@ use crate::proto::wire::{Reader, WireError, Writer};
 pub const MAGIC: &[u8; 8] = b"NXBOUNCE";
 pub const CONN_INFO_VERSION: u16 = 2;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
-/// Version 2 added the peer-map block; version 1 (no block) is still read.
-pub const PUBLIC_VERSION: u16 = 2;
+/// Version 2 added the peer-map block, version 3 the CMA block; each
+/// region is written in the lowest version that carries its blocks, and
+/// every earlier version is still read.
+pub const PUBLIC_VERSION: u16 = 3;
 pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
 pub const DATA_PATH_VERSION: u16 = 1;
 
@@ -85,6 +87,8 @@ impl ConnInfo {
 ///   handshake rest    the bounce handshake of the region's location
 /// pm_len u32      (version 2) 0 when the region is not exported for
 ///                 peer mapping, else PEER_EXPORT_LEN bytes of [`PeerExport`]
+/// cm_len u32      (version 3) 0 when the region is not offered to the CMA
+///                 path, else CMA_EXPORT_LEN bytes of [`CmaExport`]
 /// ```
 /// The bounce handshake travels with the memory it serves because an arena
 /// (one per memory location) is created when memory at that location is
@@ -97,6 +101,57 @@ pub struct PublicData {
     /// How a peer on the same host may map the region's allocation (the
     /// peer-mapped path, docs/design.md §3).
     pub peer_map: Option<PeerExport>,
+    /// How a peer on the same host may copy to and from the region by
+    /// cross-memory attach (the CMA path, docs/design.md §3).
+    pub cma: Option<CmaExport>,
+}
+
+/// Bytes of an encoded [`CmaExport`].
+pub const CMA_EXPORT_LEN: usize = 16 + 16 + 4 + 8;
+
+/// A DRAM region's owner as a peer on the same host reaches it by
+/// cross-memory attach:
+///
+/// ```text
+/// host        16 bytes  the kernel's boot id (same boot id: same host)
+/// process     16 bytes  a random token of the exporting process
+/// pid         u32       its process id, as it sees itself
+/// token_addr  u64       where the token lies in its memory
+/// ```
+/// A peer believes the pid only once it read the token at `token_addr`
+/// of that pid (`engine::cma`): that proves the same host, the same PID
+/// namespace and the permission to reach the process, in one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CmaExport {
+    pub host: [u8; 16],
+    pub process: [u8; 16],
+    pub pid: u32,
+    pub token_addr: u64,
+}
+
+impl CmaExport {
+    fn encode_into(&self, w: &mut Writer) {
+        w.bytes(&self.host);
+        w.bytes(&self.process);
+        w.u32(self.pid);
+        w.u64(self.token_addr);
+    }
+
+    fn decode(block: &[u8]) -> Result<Self, String> {
+        if block.len() != CMA_EXPORT_LEN {
+            return Err(format!(
+                "CMA block of {} bytes (expected {CMA_EXPORT_LEN})",
+                block.len()
+            ));
+        }
+        let mut r = Reader::new(block);
+        Ok(CmaExport {
+            host: r.array("host id").map_err(truncated)?,
+            process: r.array("process token").map_err(truncated)?,
+            pid: r.u32("pid").map_err(truncated)?,
+            token_addr: r.u64("token address").map_err(truncated)?,
+        })
+    }
 }
 
 /// Bytes of an encoded [`PeerExport`].
@@ -178,13 +233,16 @@ impl PublicData {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         w.bytes(PUBLIC_MAGIC);
-        // Without a peer-map block, version 1: plugins that know only
-        // version 1 still read the region.
-        w.u16(if self.peer_map.is_some() {
-            PUBLIC_VERSION
+        // The lowest version that carries the region's blocks: plugins
+        // that know only an earlier one still read what they can.
+        let version = if self.cma.is_some() {
+            3
+        } else if self.peer_map.is_some() {
+            2
         } else {
             1
-        });
+        };
+        w.u16(version);
         w.len_prefixed(&self.region_md);
         let mut block = Writer::new();
         if let Some(b) = &self.bounce {
@@ -193,10 +251,17 @@ impl PublicData {
             block.bytes(&b.handshake);
         }
         w.len_prefixed(&block.into_bytes());
-        if let Some(p) = &self.peer_map {
+        if version >= 2 {
             let mut pm = Writer::new();
-            p.encode_into(&mut pm);
+            if let Some(p) = &self.peer_map {
+                p.encode_into(&mut pm);
+            }
             w.len_prefixed(&pm.into_bytes());
+        }
+        if let Some(c) = &self.cma {
+            let mut cm = Writer::new();
+            c.encode_into(&mut cm);
+            w.len_prefixed(&cm.into_bytes());
         }
         w.into_bytes()
     }
@@ -220,7 +285,17 @@ impl PublicData {
         } else {
             &[]
         };
+        let cma_block = if version >= 3 {
+            len_prefixed(&mut r, "CMA block")?
+        } else {
+            &[]
+        };
         r.finish("region metadata").map_err(|e| e.to_string())?;
+        let cma = if cma_block.is_empty() {
+            None
+        } else {
+            Some(CmaExport::decode(cma_block)?)
+        };
         let peer_map = if peer_block.is_empty() {
             None
         } else {
@@ -249,6 +324,7 @@ impl PublicData {
             region_md,
             bounce,
             peer_map,
+            cma,
         })
     }
 }
@@ -403,14 +479,17 @@ mod tests {
                 handshake: vec![6; 30],
             }),
         ];
-        for (bounce, peer_map) in bounces
+        let cmas = [None, Some(cma_export())];
+        for ((bounce, peer_map), cma) in bounces
             .iter()
             .flat_map(|b| [(b.clone(), None), (b.clone(), Some(export()))])
+            .flat_map(|bp| cmas.map(|c| (bp.clone(), c)))
         {
             let p = PublicData {
                 region_md: vec![1, 2, 3],
                 bounce,
                 peer_map,
+                cma,
             };
             let bytes = p.encode();
             assert_eq!(PublicData::decode(&bytes).unwrap(), p);
@@ -442,6 +521,7 @@ mod tests {
             region_md: vec![1],
             bounce: None,
             peer_map: None,
+            cma: None,
         };
         assert_eq!(
             u16::from_le_bytes([plain.encode()[8], plain.encode()[9]]),
@@ -449,13 +529,30 @@ mod tests {
         );
         let mut future = PublicData {
             peer_map: Some(export()),
-            ..plain
+            ..plain.clone()
         }
         .encode();
         assert_eq!(u16::from_le_bytes([future[8], future[9]]), 2);
-        future[8] = 3;
+        // Only data with a CMA block needs version 3.
+        let dram = PublicData {
+            cma: Some(cma_export()),
+            ..plain
+        };
+        let bytes = dram.encode();
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), 3);
+        assert_eq!(PublicData::decode(&bytes).unwrap(), dram);
+        future[8] = 4;
         let e = PublicData::decode(&future).unwrap_err();
-        assert!(e.contains("version 3"), "{e}");
+        assert!(e.contains("version 4"), "{e}");
+    }
+
+    fn cma_export() -> CmaExport {
+        CmaExport {
+            host: [1; 16],
+            process: [2; 16],
+            pid: 4242,
+            token_addr: 0x5555_0000_1000,
+        }
     }
 
     #[test]
@@ -463,6 +560,7 @@ mod tests {
         let p = PublicData {
             region_md: vec![1],
             bounce: None,
+            cma: None,
             peer_map: Some(PeerExport {
                 alloc_len: 0,
                 ..export()

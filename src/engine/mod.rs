@@ -13,6 +13,7 @@
 //! notifications of BOUNCE's own paths.
 
 pub mod bounce;
+pub mod cma;
 pub mod conn_info;
 pub mod params;
 pub mod peer;
@@ -197,6 +198,9 @@ pub enum MdOwner {
         /// The region as this process addresses it, once a preparation
         /// found it (see [`peer::MappedRegion`]).
         mapped: std::sync::OnceLock<peer::MappedRegion>,
+        /// The peer process, when it is on this host and proven reachable
+        /// by cross-memory attach (the CMA path, DRAM only).
+        cma: Option<Arc<cma::CmaPeer>>,
     },
     /// This agent's own registered memory as the target of a local transfer.
     LocalTarget,
@@ -480,6 +484,16 @@ enum Route {
     /// The peer-mapped path: one kernel through a mapping of the peer's
     /// memory.
     PeerMapped(peer::PeerXfer),
+    /// The CMA path: DRAM copied straight to or from the peer process.
+    Cma(CmaRequest),
+}
+
+struct CmaRequest {
+    xfer: cma::CmaXfer,
+    /// The peer's inner agent (target of the completion notification).
+    peer_inner: Arc<str>,
+    limit: std::time::Duration,
+    reported: bool,
 }
 
 struct BounceXfer {
@@ -506,6 +520,10 @@ impl Request {
     pub fn is_peer_mapped(&self) -> bool {
         matches!(self.route, Route::PeerMapped(_))
     }
+    /// Whether this request took the CMA path.
+    pub fn is_cma(&self) -> bool {
+        matches!(self.route, Route::Cma(_))
+    }
 }
 
 impl std::fmt::Debug for Request {
@@ -513,6 +531,7 @@ impl std::fmt::Debug for Request {
         f.debug_struct("Request")
             .field("bounce", &self.is_bounce())
             .field("peer_mapped", &self.is_peer_mapped())
+            .field("cma", &self.is_cma())
             .field("args", &self.args)
             .finish_non_exhaustive()
     }
@@ -597,6 +616,8 @@ pub struct Engine {
     instances: Instances,
     /// The peer-mapped path: exports, mappings, copiers.
     peer: peer::PeerMaps,
+    /// The CMA path: its export, proven peers, copy threads.
+    cma: cma::Cma,
     /// Counters and identity, published for `nixl_bounce_stats`.
     pub stats: Arc<EngineStats>,
 }
@@ -615,13 +636,26 @@ impl std::fmt::Debug for Engine {
 pub fn early_reason(cfg: &Config, shape: &Shape) -> Option<Fallback> {
     if !cfg.enabled || shape.local_transfer {
         Some(below_floor_reason(cfg, shape.local_transfer))
-    } else if peer::gate(cfg, shape).is_ok() {
+    } else if peer::gate(cfg, shape).is_ok() || cma_shape(cfg, shape) {
         None
     } else {
         bounce::arena_gate(cfg, shape.local, shape.remote)
             .admit(shape.descriptors, shape.bytes)
             .err()
     }
+}
+
+/// Whether the CMA path's gate takes a transfer of this shape (DRAM on
+/// both sides, enough descriptors); its peer is checked later.
+fn cma_shape(cfg: &Config, shape: &Shape) -> bool {
+    cfg.enabled
+        && cfg.enable_cma
+        && !shape.local_transfer
+        && shape.local == MemKind::Dram
+        && shape.remote == MemKind::Dram
+        && bounce::cma_gate(cfg)
+            .admit(shape.descriptors, shape.bytes)
+            .is_ok()
 }
 
 /// The fewest descriptors that any of BOUNCE's own paths takes between
@@ -639,6 +673,8 @@ pub fn route_floor(cfg: &Config, local: MemKind, remote: MemKind) -> u64 {
         .max(1);
     if cfg.enable_peer_map && local == MemKind::Vram && remote == MemKind::Vram {
         arena.min(bounce::peer_map_gate(cfg).min_descriptors.max(1))
+    } else if cfg.enable_cma && local == MemKind::Dram && remote == MemKind::Dram {
+        arena.min(bounce::cma_gate(cfg).min_descriptors.max(1))
     } else {
         arena
     }
@@ -741,6 +777,7 @@ impl Engine {
         let peer = peer::PeerMaps::new(&config);
         Ok(Self {
             peer,
+            cma: cma::Cma::new(&config),
             local_name: local_name.to_string(),
             inner_name: inner_name.into(),
             inner,
@@ -858,6 +895,10 @@ impl Engine {
                 handshake: b.handshake.encode(),
             }),
             peer_map,
+            cma: match kind {
+                MemKind::Dram => self.cma.export(),
+                MemKind::Vram => None,
+            },
         }
         .encode();
         Ok(Box::new(Md {
@@ -886,6 +927,15 @@ impl Engine {
         md.magic = 0;
         if let MdOwner::Registered { bounce, .. } = &md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
+            if md.kind == MemKind::Dram
+                && !self.cma.quiesce(md.range, crate::runtime::QUIESCE_BOUND)
+            {
+                tracing::error!(
+                    addr = md.range.addr,
+                    len = md.range.len,
+                    "deregistered memory is still used by a CMA copy"
+                );
+            }
             if let Some(b) = bounce {
                 // The user may free the memory once we return: wait until no
                 // gather or scatter still touches it.
@@ -1056,6 +1106,10 @@ impl Engine {
                     _ => None,
                 },
                 mapped: std::sync::OnceLock::new(),
+                cma: match (kind, &public.cma) {
+                    (MemKind::Dram, Some(e)) if remote != self.local_name => self.cma.peer(e),
+                    _ => None,
+                },
             },
         });
         Ok((md, public.region_md))
@@ -1209,6 +1263,20 @@ impl Engine {
                 self.count_peer_prepared(&x, Some(before_table));
                 return Ok(Some(Request {
                     route: Route::PeerMapped(x),
+                    args,
+                }));
+            }
+        }
+        if cma_shape(&self.config, shape) {
+            if let Some(xfer) = self.cma.prepare(op, &local, &remote) {
+                EngineStats::bump(&self.stats.counters.hot.cma_prepared);
+                return Ok(Some(Request {
+                    route: Route::Cma(CmaRequest {
+                        xfer,
+                        peer_inner: inner_remote,
+                        limit: std::time::Duration::ZERO,
+                        reported: false,
+                    }),
                     args,
                 }));
             }
@@ -1480,14 +1548,7 @@ impl Engine {
                     }
                 };
                 x.launch = Some(launch.clone());
-                x.limit = per_transfer
-                    .deadline_ms
-                    .or((self.config.request_deadline_ms > 0)
-                        .then_some(self.config.request_deadline_ms))
-                    .map_or(
-                        std::time::Duration::from_millis(self.config.request_timeout_ms),
-                        std::time::Duration::from_millis,
-                    );
+                x.limit = self.request_limit(&per_transfer);
                 x.reported = false;
                 let c = &self.stats.counters.hot;
                 EngineStats::bump(&c.peer_submitted);
@@ -1496,6 +1557,68 @@ impl Engine {
                     notify.after(launch, x.limit, x.peer_inner.clone(), message);
                 }
                 Ok(Status::InProgress)
+            }
+            Route::Cma(c) => {
+                if c.xfer.running() {
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the CMA transfer is still running",
+                    ));
+                }
+                c.limit = self.request_limit(&per_transfer);
+                c.reported = false;
+                let hot = &self.stats.counters.hot;
+                EngineStats::bump(&hot.cma_submitted);
+                EngineStats::add(&hot.cma_bytes, c.xfer.bytes);
+                let notify = req
+                    .args
+                    .notif
+                    .take()
+                    .map(|m| (self.inner.clone(), c.peer_inner.clone(), m));
+                match self.cma.post(&mut c.xfer, notify) {
+                    None => Ok(Status::InProgress),
+                    Some(r) => self.cma_outcome(c, r),
+                }
+            }
+        }
+    }
+
+    /// How long a posted copy of BOUNCE's own paths may run: the
+    /// transfer's deadline, else the configured one, else the no-progress
+    /// timeout.
+    fn request_limit(&self, per_transfer: &TransferParams) -> std::time::Duration {
+        per_transfer
+            .deadline_ms
+            .or((self.config.request_deadline_ms > 0).then_some(self.config.request_deadline_ms))
+            .map_or(
+                std::time::Duration::from_millis(self.config.request_timeout_ms),
+                std::time::Duration::from_millis,
+            )
+    }
+
+    /// A CMA copy's result as NIXL's status, counted once per post.
+    fn cma_outcome(
+        &self,
+        c: &mut CmaRequest,
+        r: std::result::Result<(), String>,
+    ) -> Result<Status> {
+        let first = !std::mem::replace(&mut c.reported, true);
+        match r {
+            Ok(()) => {
+                if first {
+                    self.stats.bump_named("cma_succeeded");
+                }
+                Ok(Status::Success)
+            }
+            Err(e) => {
+                if first {
+                    EngineStats::bump(&self.stats.counters.transfers_failed);
+                    self.stats.bump_named("cma_failed");
+                }
+                Err(Error::new(
+                    Status::Backend,
+                    format!("CMA transfer failed: {e}"),
+                ))
             }
         }
     }
@@ -1554,6 +1677,18 @@ impl Engine {
                     }
                 }
             }
+            Route::Cma(c) => {
+                if !c.xfer.posted() {
+                    return Err(Error::new(
+                        Status::NotPosted,
+                        "the CMA transfer was not posted",
+                    ));
+                }
+                match c.xfer.outcome(c.limit) {
+                    None => Ok(Status::InProgress),
+                    Some(r) => self.cma_outcome(c, r),
+                }
+            }
         }
     }
 
@@ -1577,6 +1712,13 @@ impl Engine {
                 if let Some(l) = x.launch.as_ref().filter(|l| l.running()) {
                     l.cancelled.store(true, Ordering::SeqCst);
                     self.stats.bump_named("peer_map_cancelled");
+                }
+            }
+            // Stops at the copy's next system call; a deregistration of its
+            // memory waits for that.
+            Route::Cma(c) => {
+                if c.xfer.cancel() {
+                    self.stats.bump_named("cma_cancelled");
                 }
             }
         }

@@ -434,6 +434,19 @@ pub fn backend_params(
         .get_plugin_params(backend)
         .map_err(|e| err(&format!("get_plugin_params({backend})"), e))?;
     let mut p = defaults.clone().map_err(|e| err("Params::clone", e))?;
+    // The test suites' two agents (or two processes) share one host, where
+    // the CMA path would carry every DRAM transfer the bounce arena's tests
+    // are about: there it is off unless a test asks for it (tests/bounce_cma.rs)
+    // or the environment sets it. The binaries (demo, bench) keep the
+    // product's default.
+    if cfg!(test)
+        && backend == "BOUNCE"
+        && !extra.iter().any(|(k, _)| *k == "enable_cma")
+        && std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none()
+    {
+        p.set("enable_cma", "false")
+            .map_err(|e| err("Params::set", e))?;
+    }
     for (k, v) in extra {
         p.set(k, v).map_err(|e| err("Params::set", e))?;
     }

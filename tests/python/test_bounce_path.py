@@ -11,7 +11,9 @@ and must show that the bounce path carried it (for a READ: the reader
 submitted and scattered, the owner served and wrote).
 
 Single host: run with NIXL_BOUNCE_CONTROL_BIND_LOOPBACK=1 (tests/bounce_python.rs
-sets it). Exit status 0 = pass; the last line is "PASS ..." or "FAIL: <reason>".
+sets it). With BOUNCE_TEST_PATH=cma the transfers must take the CMA path
+instead (BOUNCE's default for two agents of one host; the arena check runs
+with NIXL_BOUNCE_ENABLE_CMA=0). Exit status 0 = pass; the last line is "PASS ..." or "FAIL: <reason>".
 """
 
 import ctypes
@@ -21,6 +23,7 @@ import time
 
 COUNT = 4096
 BACKEND = "BOUNCE"
+PATH = os.environ.get("BOUNCE_TEST_PATH", "arena")
 
 from nixl_test_util import (  # noqa: E402  (the tests' own folder)
     BLOCK,
@@ -140,7 +143,15 @@ def main():
         print(f"ok: {what} byte-exact ({dt * 1e3:.2f} ms); initiator {changed}; target {changed_y}", flush=True)
         if px or py:
             fail(f"{what}: arena poisoned: {px or py}")
-        if op == "WRITE":
+        if PATH == "cma":
+            for key, want in (("cma_submitted", 1), ("cma_succeeded", 1), ("cma_failed", 0),
+                              ("bounce_submitted", 0)):
+                if delta(sx1, sx0, key) != want:
+                    fail(f"{what}: initiator {key} rose by {delta(sx1, sx0, key)}, expected {want}: {changed}")
+            fallbacks = {k: v for k, v in changed.items() if k.startswith("fallback_")}
+            if fallbacks:
+                fail(f"{what}: fell back: {fallbacks}")
+        elif op == "WRITE":
             for key, want in (("bounce_submitted", 1), ("bounce_succeeded", 1), ("bounce_failed", 0)):
                 if delta(sx1, sx0, key) != want:
                     fail(f"{what}: initiator {key} rose by {delta(sx1, sx0, key)}, expected {want}: {changed}")
@@ -170,7 +181,7 @@ def main():
         x.remove_remote_agent(names[(x.name, y.name)])
     for x in (a, b):
         x.deregister_memory(regs[x.name], backends=[BACKEND])
-    print(f"PASS backend={BACKEND} bounce path used through the official Python API", flush=True)
+    print(f"PASS backend={BACKEND} {PATH} path used through the official Python API", flush=True)
 
 
 if __name__ == "__main__":

@@ -431,13 +431,22 @@ pub fn try_handshake_of(agent_md: &[u8]) -> Result<nixl_bounce::proto::wire::Han
         let Some(bb_len) = le_u32(rest, 14 + md_len) else {
             continue;
         };
-        // Version 2 adds a length-prefixed peer-map block.
+        // Version 2 adds a length-prefixed peer-map block, version 3 a
+        // CMA block.
         let mut end = 18 + md_len + bb_len;
-        if rest.get(8..10).is_some_and(|v| v != [1, 0]) {
-            let Some(pm_len) = le_u32(rest, end) else {
-                continue;
+        let version = rest
+            .get(8..10)
+            .map_or(0, |v| u16::from_le_bytes([v[0], v[1]]));
+        let mut truncated = false;
+        for _ in 2..=version {
+            let Some(block_len) = le_u32(rest, end) else {
+                truncated = true;
+                break;
             };
-            end += 4 + pm_len;
+            end += 4 + block_len;
+        }
+        if truncated {
+            continue;
         }
         let Some(blob) = rest.get(..end) else {
             continue;

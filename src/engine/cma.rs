@@ -1,0 +1,572 @@
+//! The CMA path in the engine: DRAM on both sides, peers on one host. One
+//! copy straight between the application's memory and the peer's, by
+//! cross-memory attach (`copy::cma`), with no arena and nothing run in the
+//! peer; between two agents of one process, a memory copy.
+//!
+//! - **Export.** Every DRAM registration carries this process's CMA block
+//!   (`conn_info::CmaExport`: boot id, random token, pid and the token's
+//!   address).
+//! - **Proof.** A peer's block is believed once per peer process: same boot
+//!   id, and its token read at its address in its pid
+//!   ([`copy::cma::read_remote`]) is the token it published. That one read
+//!   proves the same host, the same PID namespace and the permission to
+//!   reach the process; anything else (another host, a container with its
+//!   own PID namespace, ptrace rules that refuse) leaves the peer to the
+//!   other paths.
+//! - **Route.** DRAM on both sides, every local descriptor in memory this
+//!   agent registered, every remote one in memory of one proven peer, and
+//!   the gate (`cma_min_descriptor_count`).
+//! - **Post.** Small transfers are copied in the post itself (as UCX's CMA
+//!   transport does); larger ones are cut into parts copied by the path's
+//!   threads, the last part's thread sending the notification.
+//! - **Safety.** A deregistration waits until no copy of this path still
+//!   touches the memory ([`Cma::quiesce`]); a released request stops at the
+//!   next system call.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use nixl_sys::Agent;
+
+use super::conn_info::CmaExport;
+use super::{Descs, MdOwner, MemKind, Op, Range, RawDesc};
+use crate::config::Config;
+use crate::copy::cma::{self, CmaError, Pair, Target};
+use crate::copy::peer::identity;
+
+/// The bytes of a copy below which the post copies it itself: a hand-off
+/// to a thread costs more than it saves there.
+pub const INLINE_MAX_BYTES: u64 = 256 << 10;
+
+/// The fewest bytes a part of a copy split over the path's threads holds.
+const MIN_PART_BYTES: u64 = 1 << 20;
+
+/// Where this process's token lies: peers read it there to prove who we
+/// are. A static, so its address lives as long as the process.
+static TOKEN: OnceLock<[u8; 16]> = OnceLock::new();
+
+/// A completion notification to send: the inner agent, the peer's inner
+/// agent, the message.
+pub type Notification = (Agent, Arc<str>, Vec<u8>);
+
+/// A peer process proven reachable (see the module's "Proof").
+#[derive(Debug, PartialEq, Eq)]
+pub struct CmaPeer {
+    pub target: Target,
+    process: [u8; 16],
+}
+
+/// The CMA path of one engine.
+pub struct Cma {
+    export: Option<CmaExport>,
+    /// Peers by process token: proven (`Some`) or not (`None`), once each.
+    peers: Mutex<HashMap<[u8; 16], Option<Arc<CmaPeer>>>>,
+    threads: usize,
+    /// `cma_max_average_descriptor_size_bytes`, for peers in another
+    /// process (0: no limit).
+    process_max_average: u64,
+    pool: OnceLock<Option<(rayon::ThreadPool, u32)>>,
+    /// Copies that may still touch memory.
+    running: Arc<Mutex<Vec<Arc<Job>>>>,
+    spare: SparePairs,
+}
+
+/// Pair lists kept for the next preparations: a fresh list of 32,768
+/// pairs is 768 KiB of pages never touched, and on a VM each page's first
+/// touch costs microseconds (4096 pairs took 140 us to write fresh, and as
+/// much again to copy into a shared slice).
+#[derive(Clone, Default)]
+struct SparePairs(Arc<Mutex<Vec<Vec<Pair>>>>);
+
+/// Lists kept at most.
+const SPARE_LISTS: usize = 8;
+
+impl SparePairs {
+    fn take(&self, n: usize) -> Pairs {
+        let mut v = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
+        v.reserve(n);
+        Pairs {
+            v,
+            spare: self.clone(),
+        }
+    }
+}
+
+/// A transfer's pairs; given back to the spare lists when the last user
+/// (the request, its running copy) lets go.
+pub struct Pairs {
+    v: Vec<Pair>,
+    spare: SparePairs,
+}
+
+impl std::ops::Deref for Pairs {
+    type Target = [Pair];
+    fn deref(&self) -> &[Pair] {
+        &self.v
+    }
+}
+
+impl Drop for Pairs {
+    fn drop(&mut self) {
+        let mut v = std::mem::take(&mut self.v);
+        v.clear();
+        let mut spare = self.spare.0.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < SPARE_LISTS {
+            spare.push(v);
+        }
+    }
+}
+
+impl std::fmt::Debug for Cma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cma")
+            .field("exported", &self.export.is_some())
+            .field("threads", &self.threads)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Threads that copy one large transfer: `configured`, or with 0 the
+/// cores, at most 4.
+fn copy_threads(configured: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if configured > 0 {
+        configured.min(cores)
+    } else {
+        cores.min(4)
+    }
+}
+
+impl Cma {
+    pub fn new(cfg: &Config) -> Self {
+        let export = (cfg.enabled && cfg.enable_cma)
+            .then(identity)
+            .flatten()
+            .map(|id| {
+                let token = TOKEN.get_or_init(|| id.process);
+                CmaExport {
+                    host: id.host,
+                    process: *token,
+                    pid: std::process::id(),
+                    token_addr: token.as_ptr() as u64,
+                }
+            });
+        Self {
+            export,
+            peers: Mutex::new(HashMap::new()),
+            threads: copy_threads(cfg.cma_threads as usize),
+            process_max_average: cfg.cma_max_average_descriptor_size_bytes,
+            pool: OnceLock::new(),
+            running: Arc::new(Mutex::new(Vec::new())),
+            spare: SparePairs::default(),
+        }
+    }
+
+    /// The block this process's DRAM regions carry; `None` with the path
+    /// off or the host unidentifiable.
+    pub fn export(&self) -> Option<CmaExport> {
+        self.export
+    }
+
+    /// The peer behind a region's CMA block, when it is proven reachable;
+    /// each peer process is tried once.
+    pub fn peer(&self, e: &CmaExport) -> Option<Arc<CmaPeer>> {
+        let ours = self.export?;
+        if e.host != ours.host {
+            return None;
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers
+            .entry(e.process)
+            .or_insert_with(|| {
+                let target = if e.process == ours.process {
+                    Target::ThisProcess
+                } else {
+                    let pid = libc::pid_t::try_from(e.pid).ok()?;
+                    match cma::read_remote::<16>(pid, e.token_addr) {
+                        Ok(t) if t == e.process => Target::Process(pid),
+                        Ok(_) => {
+                            tracing::info!(pid, "CMA path off for a peer: its pid here is another process (another PID namespace?)");
+                            return None;
+                        }
+                        Err(err) => {
+                            tracing::info!(pid, "CMA path off for a peer: {err}");
+                            return None;
+                        }
+                    }
+                };
+                Some(Arc::new(CmaPeer {
+                    target,
+                    process: e.process,
+                }))
+            })
+            .clone()
+    }
+
+    /// The copies of a transfer when it can take this path, in one pass
+    /// over NIXL's two descriptor arrays: DRAM on both sides (checked by
+    /// the caller), every local descriptor in memory this agent registered,
+    /// every remote one in memory of one proven peer, each pair of one
+    /// length and inside its regions. Each distinct metadata handle is
+    /// looked up once. Declines (`None`) at the first descriptor that is
+    /// not plainly so; the caller's checked path then words any error.
+    /// Why one pass: on cold caches (a new request every step) each pass
+    /// over 32,768 descriptors reads 2 MiB, and four separate checks made
+    /// the preparation 2.5x UCX's (docs/benchmarks.md, "The CMA path").
+    pub fn prepare(&self, op: Op, local: &Descs<'_>, remote: &Descs<'_>) -> Option<CmaXfer> {
+        self.export?;
+        if local.len() != remote.len() {
+            return None;
+        }
+        let none = Range {
+            addr: 0,
+            len: 0,
+            dev: 0,
+        };
+        let (mut lp, mut rp) = (std::ptr::null(), std::ptr::null());
+        let (mut lw, mut rw) = (none, none);
+        let mut peer: Option<&Arc<CmaPeer>> = None;
+        // Inside: no wrap, and within the region on its device.
+        let inside = |d: &RawDesc, w: &Range| {
+            d.dev == w.dev && d.len <= w.len && d.addr.wrapping_sub(w.addr) <= w.len - d.len
+        };
+        let mut pairs = self.spare.take(local.len());
+        let (mut span, mut bytes) = ((u64::MAX, 0u64), 0u64);
+        // Between two processes, the most bytes in all (the average size
+        // limit); the running sum passes it as soon as the average must.
+        let mut limit = u64::MAX;
+        for (l, r) in local.raw().iter().zip(remote.raw()) {
+            if l.md != lp || lp.is_null() {
+                let m = local.md(l.md)?;
+                if m.kind != MemKind::Dram || !matches!(m.owner, MdOwner::Registered { .. }) {
+                    return None;
+                }
+                (lp, lw) = (l.md, m.range);
+            }
+            if r.md != rp || rp.is_null() {
+                let m = remote.md(r.md)?;
+                let MdOwner::Remote { cma: Some(p), .. } = &m.owner else {
+                    return None;
+                };
+                match peer {
+                    Some(q) if !Arc::ptr_eq(q, p) => return None,
+                    Some(_) => {}
+                    None => {
+                        if matches!(p.target, Target::Process(_)) && self.process_max_average > 0 {
+                            limit = self.process_max_average.saturating_mul(local.len() as u64);
+                        }
+                        peer = Some(p);
+                    }
+                }
+                (rp, rw) = (r.md, m.range);
+            }
+            if l.len != r.len || !inside(l, &lw) || !inside(r, &rw) {
+                return None;
+            }
+            if l.len == 0 {
+                continue;
+            }
+            span = (
+                span.0.min(l.addr as u64),
+                span.1.max((l.addr + l.len) as u64),
+            );
+            bytes += l.len as u64;
+            if bytes > limit {
+                return None;
+            }
+            cma::push_merged(
+                &mut pairs.v,
+                Pair {
+                    local: l.addr as u64,
+                    remote: r.addr as u64,
+                    len: l.len as u64,
+                },
+            );
+        }
+        Some(CmaXfer {
+            read: op == Op::Read,
+            peer: peer?.clone(),
+            pairs: Arc::new(pairs),
+            bytes,
+            span,
+            job: None,
+        })
+    }
+
+    /// Starts a prepared copy. Returns whether it already ended (copied in
+    /// the post: `Some(result)`), else it runs on the path's threads and
+    /// [`CmaXfer::outcome`] tells when it ends. `notify` is sent to the
+    /// peer after the bytes are in place, unless the request was released
+    /// or timed out first.
+    pub fn post(
+        &self,
+        x: &mut CmaXfer,
+        notify: Option<Notification>,
+    ) -> Option<Result<(), String>> {
+        let pool = (x.bytes > INLINE_MAX_BYTES).then(|| self.pool()).flatten();
+        let parts = match pool {
+            Some(_) => cma::split(&x.pairs, self.threads, MIN_PART_BYTES),
+            None => std::iter::once(0..x.pairs.len()).collect(),
+        };
+        let job = Arc::new(Job {
+            read: x.read,
+            target: x.peer.target,
+            pairs: x.pairs.clone(),
+            span: x.span,
+            left: AtomicUsize::new(parts.len()),
+            cancelled: AtomicBool::new(false),
+            outcome: OnceLock::new(),
+            failure: Mutex::new(None),
+            notify: Mutex::new(notify),
+            started: Instant::now(),
+        });
+        x.job = Some(job.clone());
+        self.running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(job.clone());
+        match pool {
+            None => {
+                job.run(0..job.pairs.len(), &self.running);
+                job.outcome.get().cloned()
+            }
+            Some(pool) => {
+                for part in parts {
+                    let (job, running) = (job.clone(), self.running.clone());
+                    pool.spawn(move || job.run(part, &running));
+                }
+                None
+            }
+        }
+    }
+
+    /// The path's threads, started at the first copy that needs them; none
+    /// in a child forked after they started (a fork copies only the
+    /// forking thread): there the post copies alone.
+    fn pool(&self) -> Option<&rayon::ThreadPool> {
+        let (pool, pid) = self
+            .pool
+            .get_or_init(|| {
+                if self.threads < 2 {
+                    return None;
+                }
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(self.threads)
+                    .thread_name(|i| format!("bounce-cma-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        tracing::warn!("CMA copy threads not started ({e}); copies run in the post")
+                    })
+                    .ok()
+                    .map(|p| (p, std::process::id()))
+            })
+            .as_ref()?;
+        (*pid == std::process::id()).then_some(pool)
+    }
+
+    /// Waits until no copy of this path touches `range` of this process,
+    /// for at most `bound` (released copies stop at their next system
+    /// call); whether none does.
+    pub fn quiesce(&self, range: Range, bound: Duration) -> bool {
+        let (lo, hi) = (range.addr as u64, (range.addr + range.len) as u64);
+        let deadline = Instant::now() + bound;
+        loop {
+            let busy = self
+                .running
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|j| j.span.0 < hi && lo < j.span.1);
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// A transfer prepared on the CMA path.
+pub struct CmaXfer {
+    read: bool,
+    peer: Arc<CmaPeer>,
+    pairs: Arc<Pairs>,
+    pub bytes: u64,
+    /// The lowest and highest local address the copies touch.
+    span: (u64, u64),
+    job: Option<Arc<Job>>,
+}
+
+impl CmaXfer {
+    /// Whether a posted copy still runs.
+    pub fn running(&self) -> bool {
+        self.job.as_ref().is_some_and(|j| j.outcome.get().is_none())
+    }
+
+    /// Whether it was posted.
+    pub fn posted(&self) -> bool {
+        self.job.is_some()
+    }
+
+    /// The posted copy's result once it ended; a copy that runs longer
+    /// than `limit` is stopped and fails.
+    pub fn outcome(&self, limit: Duration) -> Option<Result<(), String>> {
+        let job = self.job.as_ref()?;
+        if job.outcome.get().is_none() && job.started.elapsed() > limit {
+            job.fail(format!(
+                "the CMA copy did not end within {} ms",
+                limit.as_millis()
+            ));
+        }
+        job.outcome.get().cloned()
+    }
+
+    /// Stops a copy still running (at its next system call; no
+    /// notification is sent).
+    pub fn cancel(&self) -> bool {
+        match &self.job {
+            Some(j) if j.outcome.get().is_none() => {
+                j.cancelled.store(true, Ordering::SeqCst);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The copies, merged (for tests and counters).
+    pub fn pairs(&self) -> &[Pair] {
+        &self.pairs
+    }
+}
+
+/// One posted copy, in one or more parts.
+struct Job {
+    read: bool,
+    target: Target,
+    pairs: Arc<Pairs>,
+    span: (u64, u64),
+    /// Parts not ended yet.
+    left: AtomicUsize,
+    cancelled: AtomicBool,
+    /// Set once: when every part ended, or when it failed or timed out.
+    outcome: OnceLock<Result<(), String>>,
+    failure: Mutex<Option<String>>,
+    notify: Mutex<Option<Notification>>,
+    started: Instant,
+}
+
+impl Job {
+    fn run(self: &Arc<Self>, part: std::ops::Range<usize>, running: &Mutex<Vec<Arc<Job>>>) {
+        // SAFETY: the local ranges are memory this agent registered, checked
+        // against their registrations when the request was prepared, and a
+        // deregistration waits for this copy to end (`Cma::quiesce`); for a
+        // copy within this process, the peer agent's memory likewise (NIXL
+        // keeps a loaded region's owner registered while it is used).
+        let r = unsafe { cma::copy(self.target, self.read, &self.pairs[part], &self.cancelled) };
+        if let Err(e) = r {
+            // The other parts stop too.
+            self.cancelled.store(true, Ordering::SeqCst);
+            let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            f.get_or_insert_with(|| e.to_string());
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        // The last part: the whole copy ended.
+        let failure = self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let notify = self.notify.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match failure {
+            None if !self.cancelled.load(Ordering::SeqCst) => {
+                if let Some((inner, peer, message)) = notify {
+                    if let Err(e) = inner.send_notification(&peer, &message, None) {
+                        tracing::warn!(%peer, "sending a CMA transfer's notification: {e}");
+                    }
+                }
+                let _ = self.outcome.set(Ok(()));
+            }
+            failure => self.fail(failure.unwrap_or_else(|| CmaError::Cancelled.to_string())),
+        }
+        running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|j| !Arc::ptr_eq(j, self));
+    }
+
+    /// Ends the copy as failed (a part still running stops at its next
+    /// system call; nothing is notified).
+    fn fail(&self, why: String) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.notify.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let _ = self.outcome.set(Err(why));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cma() -> Cma {
+        Cma::new(&Config::default())
+    }
+
+    #[test]
+    fn a_peer_is_believed_only_where_its_token_lies() {
+        let c = cma();
+        let Some(ours) = c.export() else {
+            eprintln!("SKIP: no boot id here, so no CMA export");
+            return;
+        };
+        // This process: a memory copy.
+        let me = c.peer(&ours).expect("this process");
+        assert_eq!(me.target, Target::ThisProcess);
+        // Another host: not tried.
+        let elsewhere = CmaExport {
+            host: [0xee; 16],
+            process: [1; 16],
+            ..ours
+        };
+        assert!(c.peer(&elsewhere).is_none());
+        // A process whose token is not where it says (here: our own pid,
+        // whose token differs): refused, and remembered.
+        let forged = CmaExport {
+            process: [0x5a; 16],
+            ..ours
+        };
+        assert!(c.peer(&forged).is_none());
+        assert!(c.peer(&forged).is_none());
+        // A pid with no process behind it.
+        let gone = CmaExport {
+            process: [0x5b; 16],
+            pid: i32::MAX as u32,
+            ..ours
+        };
+        assert!(c.peer(&gone).is_none());
+    }
+
+    #[test]
+    fn nothing_is_exported_with_the_path_off() {
+        let off = Config {
+            enable_cma: false,
+            ..Config::default()
+        };
+        assert!(Cma::new(&off).export().is_none());
+        let disabled = Config {
+            enabled: false,
+            ..Config::default()
+        };
+        assert!(Cma::new(&disabled).export().is_none());
+    }
+}
