@@ -41,6 +41,14 @@ use conn_info::{ConnInfo, PublicBounce, PublicData};
 /// outer agent's file must not have to be a folder.
 pub const INNER_SUFFIX: &str = ".bounce";
 
+/// The UCX delegate's `num_threads` when neither the backend parameters nor
+/// `NIXL_BOUNCE_UCX_NUM_THREADS` give one: what vLLM gives UCX (its NIXL
+/// connector passes parameters to no other backend). A user who switches
+/// vLLM from UCX to BOUNCE keeps UCX's threads on the transfers BOUNCE
+/// leaves to UCX; with none, DRAM transfers of 16-32 KiB blocks between two
+/// processes ran at 0.47x UCX's speed (docs/benchmarks.md "The CMA path").
+pub const DELEGATE_NUM_THREADS: &str = "4";
+
 /// How long the inner agent's progress thread sleeps between rounds.
 pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
 
@@ -781,7 +789,13 @@ impl Engine {
             local_name: local_name.to_string(),
             inner_name: inner_name.into(),
             inner,
-            ucx_params: split.ucx.clone().into_iter().collect(),
+            ucx_params: {
+                let mut delegate = split.ucx.clone();
+                delegate
+                    .entry("num_threads".to_string())
+                    .or_insert_with(|| DELEGATE_NUM_THREADS.to_string());
+                delegate.into_iter().collect()
+            },
             inner_md,
             remotes,
             readers,
@@ -1279,6 +1293,19 @@ impl Engine {
                     }),
                     args,
                 }));
+            }
+        }
+        // What the CMA path declined (a peer elsewhere, or between two
+        // processes blocks too large for it) goes to the arena's routing;
+        // when the arena's gate already refuses the shape, it is UCX's with
+        // no further pass over the descriptors (as `early_fallback` would
+        // have decided without the CMA path).
+        if !peer_gate && cma_shape(&self.config, shape) {
+            if let Err(reason) = bounce::arena_gate(&self.config, shape.local, shape.remote)
+                .admit(shape.descriptors, shape.bytes)
+            {
+                self.stats.fell_back(reason);
+                return Ok(None);
             }
         }
         let (local, remote) = (&local.check("local")?, &remote.check("remote")?);
