@@ -41,14 +41,6 @@ use conn_info::{ConnInfo, PublicBounce, PublicData};
 /// outer agent's file must not have to be a folder.
 pub const INNER_SUFFIX: &str = ".bounce";
 
-/// The UCX delegate's `num_threads` when neither the backend parameters nor
-/// `NIXL_BOUNCE_UCX_NUM_THREADS` give one: what vLLM gives UCX (its NIXL
-/// connector passes parameters to no other backend). A user who switches
-/// vLLM from UCX to BOUNCE keeps UCX's threads on the transfers BOUNCE
-/// leaves to UCX; with none, DRAM transfers of 16-32 KiB blocks between two
-/// processes ran at 0.47x UCX's speed (docs/benchmarks.md "The CMA path").
-pub const DELEGATE_NUM_THREADS: &str = "4";
-
 /// How long the inner agent's progress thread sleeps between rounds.
 pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
 
@@ -789,13 +781,7 @@ impl Engine {
             local_name: local_name.to_string(),
             inner_name: inner_name.into(),
             inner,
-            ucx_params: {
-                let mut delegate = split.ucx.clone();
-                delegate
-                    .entry("num_threads".to_string())
-                    .or_insert_with(|| DELEGATE_NUM_THREADS.to_string());
-                delegate.into_iter().collect()
-            },
+            ucx_params: split.ucx.clone().into_iter().collect(),
             inner_md,
             remotes,
             readers,
