@@ -7,7 +7,8 @@
 //!   target checking its buffer the moment the WRITE's notification shows up;
 //! - two processes (this test binary re-executed, tests/support/peer.rs):
 //!   WRITE and READ both ways, with notifications;
-//! - the gate: fewer than 64 descriptors go to UCX, and between two
+//! - the gate: fewer than 64 descriptors go to UCX (64, copied in the post
+//!   itself, do not), and between two
 //!   processes so do blocks of more than 8 KiB on average (within one
 //!   process they do not);
 //! - a released copy stops and its memory can be deregistered; the next
@@ -318,6 +319,34 @@ fn the_gate_holds_and_a_released_copy_lets_go() {
         "{}",
         after.diff(&before)
     );
+
+    // 64 descriptors (256 KiB): copied in the post itself, which NIXL
+    // sees complete at once; the notification is there when it returns.
+    let inline = Plan::standard(64, BLOCK, 12);
+    let (a_before, b_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
+    let before = stats(a.name());
+    let req = a
+        .node
+        .create_xfer(
+            XferOp::Write,
+            &inline,
+            a.buf.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            Some(b"cma-inline"),
+        )
+        .or_fail("create_xfer_req");
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("WRITE of 64 descriptors");
+    drop(req);
+    b.node
+        .wait_notif(a.name(), b"cma-inline", wait_timeout())
+        .or_fail("notification");
+    inline
+        .verify(b.buf.as_slice(), &b_before, &a_before)
+        .or_fail("WRITE of 64 descriptors");
+    assert_cma(&before, &stats(a.name()), 1);
 
     // Within one process no size limit: 32 KiB blocks take the path too.
     let wide = Plan::scattered(256, 32 * KIB, len / (32 * KIB), len / (32 * KIB), 11);

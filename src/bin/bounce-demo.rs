@@ -195,18 +195,28 @@ fn bounce_path(agent: &str) -> String {
     match nixl_bounce::stats::plugin_stats(agent) {
         Err(e) => format!("? ({e})"),
         Ok(s) => {
-            let bounced = s.counters.get("bounce_submitted").copied().unwrap_or(0);
+            let get = |k: &str| s.counters.get(k).copied().unwrap_or(0);
+            let (arena, cma) = (get("bounce_submitted"), get("cma_submitted"));
             let fallbacks: Vec<String> = s
                 .counters
                 .iter()
                 .filter(|(k, v)| k.starts_with("fallback_") && **v > 0)
                 .map(|(k, v)| format!("{}={v}", k.trim_start_matches("fallback_")))
                 .collect();
-            match (bounced, fallbacks.is_empty()) {
-                (0, true) => "UCX (no transfer routed)".into(),
-                (n, true) => format!("bounce ({n} requests)"),
-                (0, false) => format!("UCX fallback: {}", fallbacks.join(",")),
-                (n, false) => format!("bounce ({n}) + UCX fallback: {}", fallbacks.join(",")),
+            let mut paths = Vec::new();
+            if cma > 0 {
+                paths.push(format!("CMA ({cma} requests)"));
+            }
+            if arena > 0 {
+                paths.push(format!("bounce arena ({arena} requests)"));
+            }
+            if !fallbacks.is_empty() {
+                paths.push(format!("UCX fallback: {}", fallbacks.join(",")));
+            }
+            if paths.is_empty() {
+                "UCX (no transfer routed)".into()
+            } else {
+                paths.join(" + ")
             }
         }
     }

@@ -430,7 +430,11 @@ fn bounce_check(
         .iter()
         .filter(|(k, _)| k.starts_with("fallback_"))
         .max_by_key(|(_, v)| **v);
-    let (submitted, succeeded) = (get("bounce_submitted"), get("bounce_succeeded"));
+    // BOUNCE's own paths, whichever took it (the arena, CMA, peer-mapped).
+    let (submitted, succeeded) = (
+        get("bounce_submitted") + get("cma_submitted") + get("peer_map_submitted"),
+        get("bounce_succeeded") + get("cma_succeeded") + get("peer_map_succeeded"),
+    );
     let (used, ok) = if submitted == posted && succeeded == posted && fallback.is_none() {
         ("yes".to_string(), true)
     } else if submitted == 0 {
