@@ -17,9 +17,10 @@ mod python;
 use common::*;
 use python::*;
 
-#[test]
-#[serial_test::serial]
-fn python_api_takes_the_bounce_path() {
+/// Runs the script expecting `path` ("arena" or "cma") to carry every
+/// transfer; `cma` says whether the CMA path is left at its default (on)
+/// or turned off.
+fn expect_path(path: &str, cma: bool) {
     if !ready("BOUNCE") {
         return;
     }
@@ -29,31 +30,27 @@ fn python_api_takes_the_bounce_path() {
     let mut cmd = python_cmd();
     cmd.arg(repo_root().join("tests/python/test_bounce_path.py"))
         .env("NIXL_BOUNCE_CONTROL_BIND_LOOPBACK", "1")
-        .env("NIXL_BOUNCE_ENABLE_CMA", "0");
+        .env("BOUNCE_TEST_PATH", path);
+    if cma {
+        cmd.env_remove("NIXL_BOUNCE_ENABLE_CMA");
+    } else {
+        cmd.env("NIXL_BOUNCE_ENABLE_CMA", "0");
+    }
     run_passing(
         cmd,
         "tests/python/test_bounce_path.py",
-        "PASS backend=BOUNCE arena path used",
+        &format!("PASS backend=BOUNCE {path} path used"),
     );
 }
 
 #[test]
 #[serial_test::serial]
+fn python_api_takes_the_bounce_path() {
+    expect_path("arena", false);
+}
+
+#[test]
+#[serial_test::serial]
 fn python_api_takes_the_cma_path_by_default() {
-    if !ready("BOUNCE") {
-        return;
-    }
-    if !python_usable("nixl_cu13._api, numpy") {
-        return;
-    }
-    let mut cmd = python_cmd();
-    cmd.arg(repo_root().join("tests/python/test_bounce_path.py"))
-        .env("NIXL_BOUNCE_CONTROL_BIND_LOOPBACK", "1")
-        .env_remove("NIXL_BOUNCE_ENABLE_CMA")
-        .env("BOUNCE_TEST_PATH", "cma");
-    run_passing(
-        cmd,
-        "tests/python/test_bounce_path.py",
-        "PASS backend=BOUNCE cma path used",
-    );
+    expect_path("cma", true);
 }
