@@ -13,6 +13,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// The most iovecs one `process_vm_*` call takes (Linux's `IOV_MAX`).
 pub const IOV_BATCH: usize = 1024;
 
+/// The most bytes of one pair that one system call or memory copy moves,
+/// so that a stop (a release, a deregistration) is seen within one piece.
+pub const MAX_PIECE_BYTES: u64 = 64 << 20;
+
 /// One copy of `len` bytes between `local` (this process's address) and
 /// `remote` (the peer's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,18 +115,23 @@ pub unsafe fn copy(
     match target {
         Target::ThisProcess => {
             for p in pairs {
-                if cancelled.load(Ordering::Relaxed) {
-                    return Err(CmaError::Cancelled);
-                }
                 let (src, dst) = if read {
                     (p.remote, p.local)
                 } else {
                     (p.local, p.remote)
                 };
-                // SAFETY: the caller's contract: both ranges are live
-                // memory of this process; `copy` allows them to overlap.
-                unsafe {
-                    std::ptr::copy(src as *const u8, dst as *mut u8, p.len as usize);
+                let mut at = 0;
+                while at < p.len {
+                    if cancelled.load(Ordering::Relaxed) {
+                        return Err(CmaError::Cancelled);
+                    }
+                    let n = (p.len - at).min(MAX_PIECE_BYTES);
+                    // SAFETY: the caller's contract: both ranges are live
+                    // memory of this process; `copy` allows them to overlap.
+                    unsafe {
+                        std::ptr::copy((src + at) as *const u8, (dst + at) as *mut u8, n as usize);
+                    }
+                    at += n;
                 }
             }
             Ok(())
@@ -150,16 +159,26 @@ unsafe fn copy_process(
         }
         local.clear();
         remote.clear();
+        // Whole pairs, except that a pair longer than a piece goes alone
+        // and in pieces (the resume below continues it).
         for (k, p) in pairs[next..].iter().take(IOV_BATCH).enumerate() {
             let skip = if k == 0 { moved } else { 0 };
+            let rest = p.len - skip;
+            if rest > MAX_PIECE_BYTES && k > 0 {
+                break;
+            }
+            let n = rest.min(MAX_PIECE_BYTES) as usize;
             local.push(libc::iovec {
-                iov_base: (p.local + skip) as *mut libc::c_void,
-                iov_len: (p.len - skip) as usize,
+                iov_base: p.local.wrapping_add(skip) as *mut libc::c_void,
+                iov_len: n,
             });
             remote.push(libc::iovec {
-                iov_base: (p.remote + skip) as *mut libc::c_void,
-                iov_len: (p.len - skip) as usize,
+                iov_base: p.remote.wrapping_add(skip) as *mut libc::c_void,
+                iov_len: n,
             });
+            if rest > MAX_PIECE_BYTES {
+                break;
+            }
         }
         let n = local.len() as libc::c_ulong;
         // SAFETY: the iovecs are valid arrays of `n` entries; the local

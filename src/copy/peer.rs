@@ -25,7 +25,7 @@ use std::ffi::c_void;
 use std::io::Read;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaStream};
@@ -55,10 +55,19 @@ pub struct Identity {
 }
 
 /// This process's identity; `None` when the host cannot be identified (no
-/// readable boot id), in which case nothing is exported or mapped.
+/// readable boot id), in which case nothing is exported or mapped. A child
+/// forked from this process gets a token of its own at its first call: it
+/// must not pass for its parent (whose memory is not its own).
 pub fn identity() -> Option<Identity> {
-    static ID: OnceLock<Option<Identity>> = OnceLock::new();
-    *ID.get_or_init(|| {
+    static ID: Mutex<Option<(u32, Option<Identity>)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut known = ID.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((p, id)) = *known {
+        if p == pid {
+            return id;
+        }
+    }
+    let id = (|| {
         let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
         let host = parse_uuid(&text)?;
         let mut process = [0u8; 16];
@@ -66,7 +75,9 @@ pub fn identity() -> Option<Identity> {
             .and_then(|mut f| f.read_exact(&mut process))
             .ok()?;
         Some(Identity { host, process })
-    })
+    })();
+    *known = Some((pid, id));
+    id
 }
 
 /// Parses a textual UUID (`8-4-4-4-12` hex digits, surrounding whitespace

@@ -43,9 +43,44 @@ pub const INLINE_MAX_BYTES: u64 = 256 << 10;
 /// The fewest bytes a part of a copy split over the path's threads holds.
 const MIN_PART_BYTES: u64 = 1 << 20;
 
-/// Where this process's token lies: peers read it there to prove who we
-/// are. A static, so its address lives as long as the process.
-static TOKEN: OnceLock<[u8; 16]> = OnceLock::new();
+/// This process's pid and token, where peers read the token to prove who
+/// we are: a static, so its address lives as long as the process. A child
+/// forked from this process writes its own there at its first export.
+static TOKEN: Mutex<(u32, [u8; 16])> = Mutex::new((0, [0; 16]));
+
+/// The CMA block of this process as it is now (a forked child is another
+/// process, with a token of its own).
+fn current_export() -> Option<CmaExport> {
+    let id = identity()?;
+    let pid = std::process::id();
+    let mut token = TOKEN.lock().unwrap_or_else(|p| p.into_inner());
+    if *token != (pid, id.process) {
+        *token = (pid, id.process);
+    }
+    Some(CmaExport {
+        host: id.host,
+        process: token.1,
+        pid,
+        token_addr: token.1.as_ptr() as u64,
+    })
+}
+
+/// Every copy of this path in the process that may still touch memory, of
+/// every engine: a deregistration waits for those touching its memory,
+/// whether it is their local side or, between two agents of this process,
+/// their remote side. With the pid that started them (a forked child has
+/// none running).
+static RUNNING: Mutex<(u32, Vec<Arc<Job>>)> = Mutex::new((0, Vec::new()));
+
+/// The running copies, emptied in a child forked after some started.
+fn running() -> std::sync::MutexGuard<'static, (u32, Vec<Arc<Job>>)> {
+    let mut r = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if r.0 != pid {
+        *r = (pid, Vec::new());
+    }
+    r
+}
 
 /// A completion notification to send: the inner agent, the peer's inner
 /// agent, the message.
@@ -58,18 +93,21 @@ pub struct CmaPeer {
     process: [u8; 16],
 }
 
+/// Peers by process token: proven reachable, or not.
+type Proven = HashMap<[u8; 16], Option<Arc<CmaPeer>>>;
+
 /// The CMA path of one engine.
 pub struct Cma {
-    export: Option<CmaExport>,
-    /// Peers by process token: proven (`Some`) or not (`None`), once each.
-    peers: Mutex<HashMap<[u8; 16], Option<Arc<CmaPeer>>>>,
+    enabled: bool,
+    /// Peers by process token: proven (`Some`) or not (`None`), once each,
+    /// with the pid that proved them (a forked child starts afresh: its
+    /// parent is another process to it).
+    peers: Mutex<(u32, Proven)>,
     threads: usize,
     /// `cma_max_average_descriptor_size_bytes`, for peers in another
     /// process (0: no limit).
     process_max_average: u64,
     pool: OnceLock<Option<(rayon::ThreadPool, u32)>>,
-    /// Copies that may still touch memory.
-    running: Arc<Mutex<Vec<Arc<Job>>>>,
     spare: SparePairs,
 }
 
@@ -127,7 +165,7 @@ impl Drop for Pairs {
 impl std::fmt::Debug for Cma {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cma")
-            .field("exported", &self.export.is_some())
+            .field("enabled", &self.enabled)
             .field("threads", &self.threads)
             .finish_non_exhaustive()
     }
@@ -146,25 +184,12 @@ fn copy_threads(configured: usize) -> usize {
 
 impl Cma {
     pub fn new(cfg: &Config) -> Self {
-        let export = (cfg.enabled && cfg.enable_cma)
-            .then(identity)
-            .flatten()
-            .map(|id| {
-                let token = TOKEN.get_or_init(|| id.process);
-                CmaExport {
-                    host: id.host,
-                    process: *token,
-                    pid: std::process::id(),
-                    token_addr: token.as_ptr() as u64,
-                }
-            });
         Self {
-            export,
-            peers: Mutex::new(HashMap::new()),
+            enabled: cfg.enabled && cfg.enable_cma,
+            peers: Mutex::new((0, HashMap::new())),
             threads: copy_threads(cfg.cma_threads as usize),
             process_max_average: cfg.cma_max_average_descriptor_size_bytes,
             pool: OnceLock::new(),
-            running: Arc::new(Mutex::new(Vec::new())),
             spare: SparePairs::default(),
         }
     }
@@ -172,21 +197,25 @@ impl Cma {
     /// The block this process's DRAM regions carry; `None` with the path
     /// off or the host unidentifiable.
     pub fn export(&self) -> Option<CmaExport> {
-        self.export
+        self.enabled.then(current_export).flatten()
     }
 
     /// The peer behind a region's CMA block, when it is proven reachable;
     /// each peer process is tried once.
     pub fn peer(&self, e: &CmaExport) -> Option<Arc<CmaPeer>> {
-        let ours = self.export?;
+        let ours = self.export()?;
         if e.host != ours.host {
             return None;
         }
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.0 != ours.pid {
+            *peers = (ours.pid, HashMap::new());
+        }
         peers
+            .1
             .entry(e.process)
             .or_insert_with(|| {
-                let target = if e.process == ours.process {
+                let target = if e.process == ours.process && e.pid == ours.pid {
                     Target::ThisProcess
                 } else {
                     let pid = libc::pid_t::try_from(e.pid).ok()?;
@@ -221,7 +250,9 @@ impl Cma {
     /// over 32,768 descriptors reads 2 MiB, and four separate checks made
     /// the preparation 2.5x UCX's (docs/benchmarks.md, "The CMA path").
     pub fn prepare(&self, op: Op, local: &Descs<'_>, remote: &Descs<'_>) -> Option<CmaXfer> {
-        self.export?;
+        if !self.enabled {
+            return None;
+        }
         if local.len() != remote.len() {
             return None;
         }
@@ -238,7 +269,7 @@ impl Cma {
             d.dev == w.dev && d.len <= w.len && d.addr.wrapping_sub(w.addr) <= w.len - d.len
         };
         let mut pairs = self.spare.take(local.len());
-        let (mut span, mut bytes) = ((u64::MAX, 0u64), 0u64);
+        let (mut span, mut remote_span, mut bytes) = ((u64::MAX, 0u64), (u64::MAX, 0u64), 0u64);
         // Between two processes, the most bytes in all (the average size
         // limit); the running sum passes it as soon as the average must.
         let mut limit = u64::MAX;
@@ -277,6 +308,10 @@ impl Cma {
                 span.0.min(l.addr as u64),
                 span.1.max((l.addr + l.len) as u64),
             );
+            remote_span = (
+                remote_span.0.min(r.addr as u64),
+                remote_span.1.max(r.addr.wrapping_add(r.len) as u64),
+            );
             bytes += l.len as u64;
             if bytes > limit {
                 return None;
@@ -296,6 +331,7 @@ impl Cma {
             pairs: Arc::new(pairs),
             bytes,
             span,
+            remote_span,
             job: None,
         })
     }
@@ -320,6 +356,7 @@ impl Cma {
             target: x.peer.target,
             pairs: x.pairs.clone(),
             span: x.span,
+            remote_span: x.remote_span,
             left: AtomicUsize::new(parts.len()),
             cancelled: AtomicBool::new(false),
             outcome: OnceLock::new(),
@@ -328,19 +365,16 @@ impl Cma {
             started: Instant::now(),
         });
         x.job = Some(job.clone());
-        self.running
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(job.clone());
+        running().1.push(job.clone());
         match pool {
             None => {
-                job.run(0..job.pairs.len(), &self.running);
+                job.run(0..job.pairs.len());
                 job.outcome.get().cloned()
             }
             Some(pool) => {
                 for part in parts {
-                    let (job, running) = (job.clone(), self.running.clone());
-                    pool.spawn(move || job.run(part, &running));
+                    let job = job.clone();
+                    pool.spawn(move || job.run(part));
                 }
                 None
             }
@@ -371,21 +405,33 @@ impl Cma {
         (*pid == std::process::id()).then_some(pool)
     }
 
-    /// Waits until no copy of this path touches `range` of this process,
-    /// for at most `bound` (released copies stop at their next system
-    /// call); whether none does.
+    /// Stops every copy of this path in this process that touches `range`
+    /// of this process's memory (as its local side, or as the remote side
+    /// of a copy between two agents of this process), and waits until none
+    /// does, for at most `bound`; whether none does. A deregistration calls
+    /// it: the memory may be freed once it returns, so a copy still using
+    /// it fails instead.
     pub fn quiesce(&self, range: Range, bound: Duration) -> bool {
-        let (lo, hi) = (range.addr as u64, (range.addr + range.len) as u64);
+        let (lo, hi) = (
+            range.addr as u64,
+            range.addr.saturating_add(range.len) as u64,
+        );
+        let touches = |j: &Job| {
+            let overlaps = |(a, b): (u64, u64)| a < hi && lo < b;
+            overlaps(j.span) || (j.target == Target::ThisProcess && overlaps(j.remote_span))
+        };
         let deadline = Instant::now() + bound;
+        let mut stopped = false;
         loop {
-            let busy = self
-                .running
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .any(|j| j.span.0 < hi && lo < j.span.1);
-            if !busy {
+            let busy: Vec<Arc<Job>> = running().1.iter().filter(|j| touches(j)).cloned().collect();
+            if busy.is_empty() {
                 return true;
+            }
+            if !stopped {
+                for j in &busy {
+                    j.fail("memory it copies was deregistered while it ran".into());
+                }
+                stopped = true;
             }
             if Instant::now() >= deadline {
                 return false;
@@ -401,15 +447,19 @@ pub struct CmaXfer {
     peer: Arc<CmaPeer>,
     pairs: Arc<Pairs>,
     pub bytes: u64,
-    /// The lowest and highest local address the copies touch.
+    /// The lowest and highest local address the copies touch, and remote.
     span: (u64, u64),
+    remote_span: (u64, u64),
     job: Option<Arc<Job>>,
 }
 
 impl CmaXfer {
-    /// Whether a posted copy still runs.
+    /// Whether a posted copy still runs: a part may still be copying even
+    /// after the request failed (a timeout), so a new post waits for it.
     pub fn running(&self) -> bool {
-        self.job.as_ref().is_some_and(|j| j.outcome.get().is_none())
+        self.job
+            .as_ref()
+            .is_some_and(|j| j.left.load(Ordering::Acquire) > 0)
     }
 
     /// Whether it was posted.
@@ -435,7 +485,7 @@ impl CmaXfer {
     pub fn cancel(&self) -> bool {
         match &self.job {
             Some(j) if j.outcome.get().is_none() => {
-                j.cancelled.store(true, Ordering::SeqCst);
+                j.fail(CmaError::Cancelled.to_string());
                 true
             }
             _ => false,
@@ -454,18 +504,22 @@ struct Job {
     target: Target,
     pairs: Arc<Pairs>,
     span: (u64, u64),
+    remote_span: (u64, u64),
     /// Parts not ended yet.
     left: AtomicUsize,
     cancelled: AtomicBool,
     /// Set once: when every part ended, or when it failed or timed out.
     outcome: OnceLock<Result<(), String>>,
     failure: Mutex<Option<String>>,
+    /// The notification to send; its lock also orders the end against a
+    /// failure, a release or a timeout ([`Job::fail`]): whichever takes it
+    /// first decides, so none is sent after any of those.
     notify: Mutex<Option<Notification>>,
     started: Instant,
 }
 
 impl Job {
-    fn run(self: &Arc<Self>, part: std::ops::Range<usize>, running: &Mutex<Vec<Arc<Job>>>) {
+    fn run(self: &Arc<Self>, part: std::ops::Range<usize>) {
         // SAFETY: the local ranges are memory this agent registered, checked
         // against their registrations when the request was prepared, and a
         // deregistration waits for this copy to end (`Cma::quiesce`); for a
@@ -487,29 +541,37 @@ impl Job {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        let notify = self.notify.lock().unwrap_or_else(|p| p.into_inner()).take();
         match failure {
-            None if !self.cancelled.load(Ordering::SeqCst) => {
-                if let Some((inner, peer, message)) = notify {
-                    if let Err(e) = inner.send_notification(&peer, &message, None) {
-                        tracing::warn!(%peer, "sending a CMA transfer's notification: {e}");
+            None => {
+                let mut notify = self.notify.lock().unwrap_or_else(|p| p.into_inner());
+                if !self.cancelled.load(Ordering::SeqCst) {
+                    if let Some((inner, peer, message)) = notify.take() {
+                        if let Err(e) = inner.send_notification(&peer, &message, None) {
+                            tracing::warn!(%peer, "sending a CMA transfer's notification: {e}");
+                        }
                     }
+                    let _ = self.outcome.set(Ok(()));
                 }
-                let _ = self.outcome.set(Ok(()));
             }
-            failure => self.fail(failure.unwrap_or_else(|| CmaError::Cancelled.to_string())),
+            Some(why) => self.fail(why),
         }
-        running
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|j| !Arc::ptr_eq(j, self));
+        // A failure set the outcome before (`fail`); a cancel that found no
+        // failure here means a release or a timeout did.
+        if self.outcome.get().is_none() {
+            self.fail(CmaError::Cancelled.to_string());
+        }
+        running().1.retain(|j| !Arc::ptr_eq(j, self));
     }
 
-    /// Ends the copy as failed (a part still running stops at its next
-    /// system call; nothing is notified).
+    /// Ends the copy as failed, unless it ended first: a part still running
+    /// stops at its next piece, and nothing is notified.
     fn fail(&self, why: String) {
+        let mut notify = self.notify.lock().unwrap_or_else(|p| p.into_inner());
+        if self.outcome.get().is_some() {
+            return;
+        }
         self.cancelled.store(true, Ordering::SeqCst);
-        self.notify.lock().unwrap_or_else(|p| p.into_inner()).take();
+        notify.take();
         let _ = self.outcome.set(Err(why));
     }
 }
@@ -554,6 +616,109 @@ mod tests {
             ..ours
         };
         assert!(c.peer(&gone).is_none());
+    }
+
+    /// A copy between two buffers of this process, prepared by hand.
+    fn xfer(c: &Cma, from: &[u8], to: &mut [u8]) -> CmaXfer {
+        let mut pairs = c.spare.take(1);
+        pairs.v.push(Pair {
+            local: from.as_ptr() as u64,
+            remote: to.as_mut_ptr() as u64,
+            len: from.len() as u64,
+        });
+        let span = |b: &[u8]| (b.as_ptr() as u64, b.as_ptr() as u64 + b.len() as u64);
+        CmaXfer {
+            read: false,
+            peer: Arc::new(CmaPeer {
+                target: Target::ThisProcess,
+                process: [0; 16],
+            }),
+            pairs: Arc::new(pairs),
+            bytes: from.len() as u64,
+            span: span(from),
+            remote_span: span(to),
+            job: None,
+        }
+    }
+
+    #[test]
+    fn a_deregistration_stops_a_copy_into_its_memory_and_waits_for_it() {
+        let c = Cma::new(&Config {
+            cma_threads: 2,
+            ..Config::default()
+        });
+        if c.threads < 2 {
+            eprintln!("SKIP: one core, no copy threads");
+            return;
+        }
+        let from = vec![7u8; 512 << 20];
+        let mut to = vec![0u8; 512 << 20];
+        let range = Range {
+            addr: to.as_ptr() as usize,
+            len: to.len(),
+            dev: 0,
+        };
+        let mut x = xfer(&c, &from, &mut to);
+        assert!(c.post(&mut x, None).is_none(), "copied on the threads");
+        // The peer agent of this process deregisters the destination.
+        let t = Instant::now();
+        assert!(c.quiesce(range, Duration::from_secs(5)));
+        assert!(!x.running(), "no part still copies");
+        let waited = t.elapsed();
+        match x.outcome(Duration::from_secs(60)) {
+            Some(Err(e)) => assert!(e.contains("deregistered"), "{e}"),
+            // It may have ended before the stop.
+            Some(Ok(())) => assert!(to.iter().all(|&b| b == 7)),
+            None => panic!("no outcome after the wait"),
+        }
+        eprintln!("stopped and quiet after {waited:?}");
+        drop(x);
+        drop(to);
+    }
+
+    #[test]
+    fn a_forked_child_is_not_its_parent() {
+        let c = cma();
+        let Some(parent) = c.export() else {
+            return;
+        };
+        // SAFETY: the child only reads files, takes locks no other thread
+        // of this test holds for long, and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            let ok = match c.export() {
+                Some(child) => {
+                    child.process != parent.process
+                        && child.pid != parent.pid
+                        && c.peer(&parent)
+                            .is_some_and(|p| p.target != Target::ThisProcess)
+                }
+                None => false,
+            };
+            // SAFETY: ends the child without running the parent's exit
+            // handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut status = 0;
+        loop {
+            // SAFETY: waits for our own child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break;
+            }
+            if Instant::now() > deadline {
+                // SAFETY: our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("the forked child did not end");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child passed for its parent (status {status})"
+        );
     }
 
     #[test]

@@ -24,7 +24,9 @@ pub const CONN_INFO_VERSION: u16 = 2;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
 /// Version 2 added the peer-map block, version 3 the CMA block; each
 /// region is written in the lowest version that carries its blocks, and
-/// every earlier version is still read.
+/// every earlier version is still read. A plugin that knows only an
+/// earlier version refuses a region written in a later one (naming the
+/// version): DRAM regions are version 3 while the CMA path is on.
 pub const PUBLIC_VERSION: u16 = 3;
 pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
 pub const DATA_PATH_VERSION: u16 = 1;
@@ -233,8 +235,9 @@ impl PublicData {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         w.bytes(PUBLIC_MAGIC);
-        // The lowest version that carries the region's blocks: plugins
-        // that know only an earlier one still read what they can.
+        // The lowest version that carries the region's blocks, so that
+        // plugins of an earlier version still read every region without
+        // the later blocks.
         let version = if self.cma.is_some() {
             3
         } else if self.peer_map.is_some() {

@@ -1082,6 +1082,12 @@ impl Engine {
         kind: MemKind,
         public_data: &[u8],
     ) -> Result<(Box<Md>, Vec<u8>)> {
+        if range.end().is_none() {
+            return Err(Error::invalid(format!(
+                "agent {remote:?}'s region of {} bytes at {:#x} wraps around the address space",
+                range.len, range.addr
+            )));
+        }
         let inner_remote = self.inner_remote(remote)?;
         let public = PublicData::decode(public_data).map_err(|e| {
             Error::new(
