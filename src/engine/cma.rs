@@ -19,9 +19,10 @@
 //! - **Post.** Small transfers are copied in the post itself (as UCX's CMA
 //!   transport does); larger ones are cut into parts copied by the path's
 //!   threads, the last part's thread sending the notification.
-//! - **Safety.** A deregistration waits until no copy of this path still
-//!   touches the memory ([`Cma::quiesce`]); a released request stops at the
-//!   next system call.
+//! - **Safety.** A deregistration fails and stops every copy of the process
+//!   that touches its memory, on either side, and waits until none does
+//!   ([`Cma::quiesce`]); a copy stops between pieces of at most
+//!   `copy::cma::MAX_PIECE_BYTES`, and so does a released one.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -90,7 +91,6 @@ pub type Notification = (Agent, Arc<str>, Vec<u8>);
 #[derive(Debug, PartialEq, Eq)]
 pub struct CmaPeer {
     pub target: Target,
-    process: [u8; 16],
 }
 
 /// Peers by process token: proven reachable, or not.
@@ -231,10 +231,7 @@ impl Cma {
                         }
                     }
                 };
-                Some(Arc::new(CmaPeer {
-                    target,
-                    process: e.process,
-                }))
+                Some(Arc::new(CmaPeer { target }))
             })
             .clone()
     }
@@ -491,11 +488,6 @@ impl CmaXfer {
             _ => false,
         }
     }
-
-    /// The copies, merged (for tests and counters).
-    pub fn pairs(&self) -> &[Pair] {
-        &self.pairs
-    }
 }
 
 /// One posted copy, in one or more parts.
@@ -521,10 +513,10 @@ struct Job {
 impl Job {
     fn run(self: &Arc<Self>, part: std::ops::Range<usize>) {
         // SAFETY: the local ranges are memory this agent registered, checked
-        // against their registrations when the request was prepared, and a
-        // deregistration waits for this copy to end (`Cma::quiesce`); for a
-        // copy within this process, the peer agent's memory likewise (NIXL
-        // keeps a loaded region's owner registered while it is used).
+        // against their registrations when the request was prepared; a
+        // deregistration of them stops this copy and waits for it to end
+        // (`Cma::quiesce`, over every copy of the process), and so does one
+        // of the remote ranges when the peer is an agent of this process.
         let r = unsafe { cma::copy(self.target, self.read, &self.pairs[part], &self.cancelled) };
         if let Err(e) = r {
             // The other parts stop too.
@@ -631,7 +623,6 @@ mod tests {
             read: false,
             peer: Arc::new(CmaPeer {
                 target: Target::ThisProcess,
-                process: [0; 16],
             }),
             pairs: Arc::new(pairs),
             bytes: from.len() as u64,

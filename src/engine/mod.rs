@@ -1286,13 +1286,11 @@ impl Engine {
                     args,
                 }));
             }
-        }
-        // What the CMA path declined (a peer elsewhere, or between two
-        // processes blocks too large for it) goes to the arena's routing;
-        // when the arena's gate already refuses the shape, it is UCX's with
-        // no further pass over the descriptors (as `early_fallback` would
-        // have decided without the CMA path).
-        if !peer_gate && cma_shape(&self.config, shape) {
+            // What the CMA path declined (a peer elsewhere, or between two
+            // processes blocks too large for it) goes to the arena's
+            // routing; when the arena's gate already refuses the shape, it
+            // is UCX's with no further pass over the descriptors (as
+            // `early_fallback` would have decided without the CMA path).
             if let Err(reason) = bounce::arena_gate(&self.config, shape.local, shape.remote)
                 .admit(shape.descriptors, shape.bytes)
             {
