@@ -27,6 +27,7 @@ use bounce::*;
 use common::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
+use std::time::Duration;
 
 const MANY: usize = 4096;
 const CMA_ON: (&str, &str) = ("enable_cma", "true");
@@ -368,6 +369,14 @@ fn the_gate_holds_and_a_released_copy_lets_go() {
     post(&a.node, &req).or_fail("post the large READ");
     drop(req);
     drop(a.reg.take());
+    // Once deregistered, nothing writes into the memory any more: it could
+    // be freed here.
+    let settled = a.buf.as_slice().to_vec();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        a.buf.as_slice() == settled.as_slice(),
+        "a released READ wrote into memory after its deregistration returned"
+    );
     a.reg = Some(a.node.register(&a.buf).or_fail("register again"));
     pair_up(&a.node, &b.node);
 

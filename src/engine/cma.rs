@@ -91,6 +91,30 @@ pub type Notification = (Agent, Arc<str>, Vec<u8>);
 #[derive(Debug, PartialEq, Eq)]
 pub struct CmaPeer {
     pub target: Target,
+    /// For another process: where its token lies and what it is, read
+    /// again before every copy (see [`CmaPeer::check`]).
+    proof: Option<(u64, [u8; 16])>,
+}
+
+impl CmaPeer {
+    /// Whether the pid still belongs to the process proven: after that
+    /// process exits, the kernel may give its pid to another one, and a copy
+    /// would then reach a stranger's memory. One 16-byte read of the token,
+    /// a microsecond or two, before each part of a copy; the pid would have
+    /// to be freed and given out again within the part's own copy to slip
+    /// past it.
+    fn check(&self) -> Result<(), CmaError> {
+        let (Target::Process(pid), Some((addr, token))) = (self.target, self.proof) else {
+            return Ok(());
+        };
+        match cma::read_remote::<16>(pid, addr) {
+            Ok(t) if t == token => Ok(()),
+            Ok(_) | Err(CmaError::PeerGone(_)) | Err(CmaError::Unmapped { .. }) => {
+                Err(CmaError::PeerGone(pid))
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 /// Peers by process token: proven reachable, or not.
@@ -215,12 +239,14 @@ impl Cma {
             .1
             .entry(e.process)
             .or_insert_with(|| {
-                let target = if e.process == ours.process && e.pid == ours.pid {
-                    Target::ThisProcess
+                let (target, proof) = if e.process == ours.process && e.pid == ours.pid {
+                    (Target::ThisProcess, None)
                 } else {
                     let pid = libc::pid_t::try_from(e.pid).ok()?;
                     match cma::read_remote::<16>(pid, e.token_addr) {
-                        Ok(t) if t == e.process => Target::Process(pid),
+                        Ok(t) if t == e.process => {
+                            (Target::Process(pid), Some((e.token_addr, e.process)))
+                        }
                         Ok(_) => {
                             tracing::info!(pid, "CMA path off for a peer: its pid here is another process (another PID namespace?)");
                             return None;
@@ -231,7 +257,7 @@ impl Cma {
                         }
                     }
                 };
-                Some(Arc::new(CmaPeer { target }))
+                Some(Arc::new(CmaPeer { target, proof }))
             })
             .clone()
     }
@@ -350,7 +376,7 @@ impl Cma {
         };
         let job = Arc::new(Job {
             read: x.read,
-            target: x.peer.target,
+            peer: x.peer.clone(),
             pairs: x.pairs.clone(),
             span: x.span,
             remote_span: x.remote_span,
@@ -415,7 +441,7 @@ impl Cma {
         );
         let touches = |j: &Job| {
             let overlaps = |(a, b): (u64, u64)| a < hi && lo < b;
-            overlaps(j.span) || (j.target == Target::ThisProcess && overlaps(j.remote_span))
+            overlaps(j.span) || (j.peer.target == Target::ThisProcess && overlaps(j.remote_span))
         };
         let deadline = Instant::now() + bound;
         let mut stopped = false;
@@ -493,7 +519,7 @@ impl CmaXfer {
 /// One posted copy, in one or more parts.
 struct Job {
     read: bool,
-    target: Target,
+    peer: Arc<CmaPeer>,
     pairs: Arc<Pairs>,
     span: (u64, u64),
     remote_span: (u64, u64),
@@ -517,7 +543,15 @@ impl Job {
         // deregistration of them stops this copy and waits for it to end
         // (`Cma::quiesce`, over every copy of the process), and so does one
         // of the remote ranges when the peer is an agent of this process.
-        let r = unsafe { cma::copy(self.target, self.read, &self.pairs[part], &self.cancelled) };
+        // The peer's pid is checked to be still the process proven first.
+        let r = self.peer.check().and_then(|()| unsafe {
+            cma::copy(
+                self.peer.target,
+                self.read,
+                &self.pairs[part],
+                &self.cancelled,
+            )
+        });
         if let Err(e) = r {
             // The other parts stop too.
             self.cancelled.store(true, Ordering::SeqCst);
@@ -623,6 +657,7 @@ mod tests {
             read: false,
             peer: Arc::new(CmaPeer {
                 target: Target::ThisProcess,
+                proof: None,
             }),
             pairs: Arc::new(pairs),
             bytes: from.len() as u64,
@@ -630,6 +665,40 @@ mod tests {
             remote_span: span(to),
             job: None,
         }
+    }
+
+    #[test]
+    fn a_copy_stops_once_the_peer_pid_is_another_process() {
+        // This process stands for the peer, through its pid; the token
+        // changing stands for the pid passing to another process.
+        let c = cma();
+        let token = Box::new(std::sync::Mutex::new([7u8; 16]));
+        let addr = token.lock().unwrap().as_ptr() as u64;
+        let me = libc::pid_t::try_from(std::process::id()).unwrap();
+        let from = vec![1u8; 4096];
+        let mut to = vec![0u8; 4096];
+        let mut x = xfer(&c, &from, &mut to);
+        x.peer = Arc::new(CmaPeer {
+            target: Target::Process(me),
+            proof: Some((addr, [7; 16])),
+        });
+        match c.post(&mut x, None) {
+            Some(Ok(())) => assert_eq!(to, from),
+            Some(Err(e)) if e.contains("not permitted") => {
+                eprintln!("SKIP: {e}");
+                return;
+            }
+            other => panic!("{other:?}"),
+        }
+        to.fill(0);
+        *token.lock().unwrap() = [8; 16];
+        let mut x = CmaXfer {
+            peer: x.peer.clone(),
+            ..xfer(&c, &from, &mut to)
+        };
+        let r = c.post(&mut x, None).expect("copied in the post");
+        assert_eq!(r, Err(CmaError::PeerGone(me).to_string()));
+        assert!(to.iter().all(|&b| b == 0), "nothing reached the stranger");
     }
 
     #[test]
