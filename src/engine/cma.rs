@@ -195,23 +195,13 @@ impl std::fmt::Debug for Cma {
     }
 }
 
-/// Threads that copy one large transfer: `configured`, or with 0 the
-/// cores, at most 4.
-fn copy_threads(configured: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if configured > 0 {
-        configured.min(cores)
-    } else {
-        cores.min(4)
-    }
-}
-
 impl Cma {
     pub fn new(cfg: &Config) -> Self {
         Self {
             enabled: cfg.enabled && cfg.enable_cma,
             peers: Mutex::new((0, HashMap::new())),
-            threads: copy_threads(cfg.cma_threads as usize),
+            // The cores by default, at most 4.
+            threads: super::threads(cfg.cma_threads as usize, |cores| cores.min(4)),
             process_max_average: cfg.cma_max_average_descriptor_size_bytes,
             pool: OnceLock::new(),
             spare: SparePairs::default(),

@@ -1849,6 +1849,17 @@ pub fn advertised_options() -> Vec<(String, String)> {
         .collect()
 }
 
+/// Threads for a path's parallel work: `configured`, or with 0 what `auto`
+/// makes of this machine's cores; never more than the cores.
+fn threads(configured: usize, auto: impl Fn(usize) -> usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if configured > 0 {
+        configured.min(cores)
+    } else {
+        auto(cores).min(cores)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,17 +58,6 @@ pub struct FillPool {
     pub pid: u32,
 }
 
-/// Threads that fill one large table (the preparing thread among them):
-/// `configured`, or with 0 a quarter of this machine's cores, at most 4;
-/// never more than the cores.
-fn fill_threads(configured: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if configured > 0 {
-        return configured.min(cores);
-    }
-    (cores / 4).clamp(1, 4)
-}
-
 /// Why a transfer does not take the peer-mapped path (before any mapping is
 /// looked at).
 pub fn gate(cfg: &Config, g: &Shape) -> Result<(), &'static str> {
@@ -277,7 +266,11 @@ impl PeerMaps {
             runs: Mutex::new(Vec::new()),
             windows: Mutex::new(WindowCache::default()),
             inline_limit: cfg.peer_map_inline_table_max_descriptors as usize,
-            fill_threads: fill_threads(cfg.peer_map_prepare_threads),
+            // A quarter of the cores by default, at most 4 (the preparing
+            // thread among them).
+            fill_threads: super::threads(cfg.peer_map_prepare_threads, |cores| {
+                (cores / 4).clamp(1, 4)
+            }),
             fill_pool: OnceLock::new(),
         }
     }
