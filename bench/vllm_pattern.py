@@ -50,7 +50,7 @@ Cases (--cases, comma separated, grammar tp<T>-<tokens>[k][x<in flight>]):
   tp4-2kx8   eight 2048-token requests in flight (prepared and posted one after
              another, then all waited for; aggregate GB/s reported)
   tp4-128    a 128-token prompt (8 blocks x 64 regions = 512 descriptors)
-Model: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128), block_size 16.
+Model: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128), block_size 16 (--block-size).
 --scale F shrinks layers and tokens for CPU runs (--layers overrides layers).
 
 Backends alternate iteration by iteration (--order alternate, the default),
@@ -118,7 +118,7 @@ def log(msg: str) -> None:
     print(f"[vllm_pattern {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_case(spec: str, layers: int, token_scale: float, spare: float) -> dict:
+def parse_case(spec: str, layers: int, token_scale: float, spare: float, block_size: int) -> dict:
     """Geometry of one case from its name (see the module docstring)."""
     m = re.fullmatch(r"tp(\d+)-(\d+)(k?)(?:x(\d+))?", spec.strip().lower())
     if not m:
@@ -128,7 +128,7 @@ def parse_case(spec: str, layers: int, token_scale: float, spare: float) -> dict
     inflight = int(m[4] or 1)
     if tp < 1 or MODEL["kv_heads"] % tp:
         raise SystemExit(f"case {spec}: TP={tp} does not divide {MODEL['kv_heads']} KV heads")
-    bs = MODEL["block_size"]
+    bs = block_size
     kvh = MODEL["kv_heads"] // tp
     scaled = max(bs, int(round(tokens * token_scale / bs)) * bs)
     blocks_per_req = math.ceil(scaled / bs)
@@ -842,7 +842,8 @@ def run(opts) -> dict:
     """Run every case; returns everything measured. Raises BenchError on a
     failed transfer, a wrong byte or a missing notification."""
     layers = opts.layers or max(1, int(round(MODEL["layers"] * opts.scale)))
-    cases = [parse_case(c, layers, opts.scale if opts.token_scale is None else opts.token_scale, opts.spare)
+    cases = [parse_case(c, layers, opts.scale if opts.token_scale is None else opts.token_scale, opts.spare,
+                        opts.block_size)
              for c in opts.cases.split(",") if c.strip()]
     reader = Reader(opts)
     try:
@@ -906,6 +907,9 @@ def parse_args(argv=None):
     ap.add_argument("--scale", type=float, default=1.0, help="shrink layers and tokens by this factor (default 1)")
     ap.add_argument("--layers", type=int, default=None, help="layers (default 32 x scale)")
     ap.add_argument("--token-scale", type=float, default=None, help="tokens factor (default: --scale)")
+    ap.add_argument("--block-size", type=int, default=MODEL["block_size"],
+                    help=f"tokens per KV block, vLLM's --block-size (default {MODEL['block_size']}); "
+                         "a block is block_size x 2 KiB / TP, e.g. 512 at TP=1 for 1 MiB blocks")
     ap.add_argument("--spare", type=float, default=2.0,
                     help="cache blocks per region = spare x blocks of all requests in flight (default 2)")
     ap.add_argument("--ucx-threads", type=int, default=4, help="UCX num_threads as vLLM sets it (default 4; 0 = none)")
