@@ -148,7 +148,12 @@ public:
         ucx_init.enableTelemetry_ = init->enableTelemetry_;
         nixlBackendEngine *engine = plugin->create_engine(&ucx_init);
         if (!engine || engine->getInitErr()) {
-            error = "NIXL's UCX engine (" + path + ") failed to initialise with the parameters given";
+            std::string given;
+            for (const auto &[k, v] : ucx_params) {
+                given += (given.empty() ? "" : ", ") + k + "=\"" + v + "\"";
+            }
+            error = "NIXL's UCX engine (" + path + ") failed to initialise with the parameters {" + given +
+                "}; check their values";
             if (engine) {
                 plugin->destroy_engine(engine);
             }

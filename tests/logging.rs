@@ -21,12 +21,20 @@ fn nixl_bounce_log_file_receives_the_engine_log() {
     // An unknown parameter is rejected, and the reason is logged.
     let bad = Node::new(&unique_name("log-bad"), "BOUNCE", &[("no_such_param", "1")]);
     assert!(bad.is_err());
+    // So is a UCX parameter NIXL's UCX engine cannot use, naming it.
+    let bad_ucx = Node::new(
+        &unique_name("log-bad-ucx"),
+        "BOUNCE",
+        &[("num_threads", "abc")],
+    );
+    assert!(bad_ucx.is_err());
     drop(node);
     // The file writer is non-blocking: give it a moment to flush.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let text = loop {
         let text = std::fs::read_to_string(&path).unwrap_or_default();
-        if text.contains("no_such_param") || std::time::Instant::now() > deadline {
+        let both = text.contains("no_such_param") && text.contains("num_threads=");
+        if both || std::time::Instant::now() > deadline {
             break text;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -39,5 +47,9 @@ fn nixl_bounce_log_file_receives_the_engine_log() {
     assert!(
         text.contains("unknown BOUNCE backend parameter \"no_such_param\""),
         "rejection not logged:\n{text}"
+    );
+    assert!(
+        text.contains("UCX engine") && text.contains("{num_threads=\"abc\"}; check their values"),
+        "UCX parameter rejection not logged with the parameter:\n{text}"
     );
 }

@@ -597,8 +597,9 @@ pub struct Engine {
     local_name: String,
     inner_name: Arc<str>,
     inner: Agent,
-    /// The backend parameters that are UCX's: the UCX delegate's (and the
-    /// inner agent's UCX backend's).
+    /// The UCX delegate's parameters: the backend parameters that are UCX's
+    /// (the inner agent's UCX backend gets them less
+    /// [`params::INNER_OMITTED_KEYS`]).
     ucx_params: Vec<(String, String)>,
     /// The inner agent's metadata from its creation (its connection only):
     /// part of the data path a READ describes.
@@ -743,14 +744,15 @@ impl Engine {
             return Err(Error::invalid(format!("bad BOUNCE backend parameter: {w}")));
         }
 
-        let ucx_params = Params::from(split.ucx.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .map_err(|e| Error::nixl("building the UCX parameters", e))?;
-        inner.create_backend("UCX", &ucx_params).map_err(|e| {
+        let inner_ucx = params::inner_params(&split.ucx);
+        let inner_ucx_params =
+            Params::from(inner_ucx.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+                .map_err(|e| Error::nixl("building the UCX parameters", e))?;
+        inner.create_backend("UCX", &inner_ucx_params).map_err(|e| {
             Error::new(
                 Status::InvalidParam,
                 format!(
-                    "the inner UCX backend rejected its parameters {:?} ({e}); check their values",
-                    split.ucx
+                    "the inner UCX backend rejected its parameters {inner_ucx:?} ({e}); check their values"
                 ),
             )
         })?;

@@ -93,6 +93,22 @@ pub fn add_ucx_from_env(
     }
 }
 
+/// UCX parameters the inner agent's UCX backend never gets: the ones that
+/// make NIXL's UCX engine split large transfers over dedicated worker
+/// threads. The inner agent posts one write per chunk and notifications,
+/// never a split batch, so such workers would only sit there, and a
+/// dedicated worker that carries no transfer never progresses, so it keeps
+/// the sockets of peers that went away open (docs/design.md §2).
+pub const INNER_OMITTED_KEYS: &[&str] = &["num_threads", "split_batch_size"];
+
+/// The inner agent's UCX parameters: `ucx` less [`INNER_OMITTED_KEYS`].
+pub fn inner_params(ucx: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    ucx.iter()
+        .filter(|(k, _)| !INNER_OMITTED_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +123,18 @@ mod tests {
         let mut ucx = map(&[("num_workers", "3")]);
         add_ucx_from_env(&mut ucx, &["num_workers".to_string()], &env);
         assert_eq!(ucx, map(&[("num_threads", "4"), ("num_workers", "3")]));
+    }
+
+    #[test]
+    fn the_inner_agent_gets_no_dedicated_threads() {
+        let told = map(&[
+            ("num_threads", "4"),
+            ("split_batch_size", "512"),
+            ("num_workers", "2"),
+        ]);
+        assert_eq!(inner_params(&told), map(&[("num_workers", "2")]));
+        let none = map(&[("num_workers", "2")]);
+        assert_eq!(inner_params(&none), none);
     }
 
     fn map(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
