@@ -168,7 +168,7 @@ impl Default for Config {
             peer_map_prepare_threads: 0,
             enable_cma: true,
             cma_min_descriptor_count: 64,
-            cma_max_average_descriptor_size_bytes: 8 * KIB,
+            cma_max_average_descriptor_size_bytes: 0,
             cma_threads: 0,
             request_timeout_ms: 30_000,
             disable_fabric_memory: false,
@@ -365,7 +365,7 @@ static SETTINGS: &[Setting] = &[
     setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),
     setting!(enable_cma, "enable_cma", "ENABLE_CMA", Bool, true, "DRAM peers on the same host (proven by reading a token in the peer's memory): one copy moves an eligible transfer straight between this process's memory and the peer's by cross-memory attach, 1024 descriptors a system call (a memory copy between two agents of one process); off: such transfers take the bounce arena or UCX."),
     setting!(cma_min_descriptor_count, "cma_min_descriptor_count", "CMA_MIN_DESCRIPTOR_COUNT", Count, false, "CMA path: minimum descriptor count (fewer go to UCX)."),
-    setting!(cma_max_average_descriptor_size_bytes, "cma_max_average_descriptor_size_bytes", "CMA_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "CMA path between two processes: maximum average descriptor bytes (larger go to UCX: the kernel's per-page cost of cross-memory attach bounds both, and UCX's threads spread it; on the CPU machine CMA ran at 1.2x UCX at 4 KiB, about 1x at 16 KiB, 0.9x at 32 KiB); within one process no limit; 0 = no limit."),
+    setting!(cma_max_average_descriptor_size_bytes, "cma_max_average_descriptor_size_bytes", "CMA_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "CMA path between two processes: maximum average descriptor bytes (larger go to UCX); 0 = no limit, the default (on the CPU machine, one backend alive at a time, CMA ran at 1.0-1.9x UCX with vLLM's num_threads=4 and 1.5-2.1x UCX without, from 16 KiB to 1 MiB blocks); within one process there is no limit."),
     setting!(cma_threads, "cma_threads", "CMA_THREADS", Count, true, "CMA path: threads that copy one transfer of more than 256 KiB together, in parts of at least 1 MiB (smaller transfers are copied in the post); 1 = in the post always; 0 = auto: the cores, at most 4."),
 ];
 

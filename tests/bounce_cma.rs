@@ -8,9 +8,8 @@
 //! - two processes (this test binary re-executed, tests/support/peer.rs):
 //!   WRITE and READ both ways, with notifications;
 //! - the gate: fewer than 64 descriptors go to UCX (64, copied in the post
-//!   itself, do not), and between two
-//!   processes so do blocks of more than 8 KiB on average (within one
-//!   process they do not);
+//!   itself, do not); between two processes 32 KiB blocks take the CMA
+//!   path, and go to UCX under `cma_max_average_descriptor_size_bytes=8KiB`;
 //! - a released copy stops and its memory can be deregistered; the next
 //!   transfer works.
 //!
@@ -205,47 +204,67 @@ fn two_processes_write_and_read_both_ways() {
         assert_cma(&before, &after, 1);
     }
 
-    // Between two processes the average size limit (8 KiB) holds: a READ
-    // of 32 KiB blocks goes to UCX, byte-exact.
+    // Large blocks between two processes are the CMA path's too (by
+    // default there is no average-size limit); with
+    // `cma_max_average_descriptor_size_bytes` set, a READ of blocks above
+    // it goes to UCX. Both byte-exact.
     let big_block = 32 * KIB;
     let blocks = len / big_block;
-    let (my_seed, peer_seed) = (301, 302);
-    me.buf.fill_pattern(my_seed);
-    p.cmd(&format!("FILL {peer_seed}"));
-    let wide = Plan::scattered(blocks / 2, big_block, blocks, blocks, 303);
-    let before = stats(me.name());
-    let req = me
-        .node
-        .create_xfer(XferOp::Read, &wide, me.buf.addr(), p.addr, &p.name, None)
-        .or_fail("create_xfer_req");
-    me.node
-        .post_and_wait(&req, wait_timeout())
-        .or_fail("READ of 32 KiB blocks");
-    drop(req);
-    wide.verify(
-        me.buf.as_slice(),
-        &pattern(len, my_seed),
-        &pattern(len, peer_seed),
-    )
-    .or_fail("READ of 32 KiB blocks");
-    let after = stats(me.name());
+    let limited = [
+        LOOPBACK,
+        CMA_ON,
+        ("cma_max_average_descriptor_size_bytes", "8KiB"),
+    ];
+    let mut lim = endpoint("cma-me-8k", &limited, len, 6, ThreadSync::Default);
     assert_eq!(
-        after.since(&before, "cma_submitted"),
-        0,
-        "{}",
-        after.diff(&before)
+        lim.node.load_md(&p.md).or_fail("load the peer's metadata"),
+        p.name
     );
-    // (The arena's gate then says why it is UCX's: 256 descriptors are
-    // too few for it.)
-    assert_fell_back_any(
-        &before,
-        &after,
-        1,
-        &[
-            "fallback_too_few_descriptors",
-            "fallback_descriptors_too_large",
-        ],
-    );
+    for (i, who) in [&mut me, &mut lim].into_iter().enumerate() {
+        let s = 300 + 10 * i as u64;
+        let (my_seed, peer_seed) = (s + 1, s + 2);
+        who.buf.fill_pattern(my_seed);
+        p.cmd(&format!("FILL {peer_seed}"));
+        let wide = Plan::scattered(blocks / 2, big_block, blocks, blocks, s + 3);
+        let before = stats(who.name());
+        let req = who
+            .node
+            .create_xfer(XferOp::Read, &wide, who.buf.addr(), p.addr, &p.name, None)
+            .or_fail("create_xfer_req");
+        who.node
+            .post_and_wait(&req, wait_timeout())
+            .or_fail("READ of 32 KiB blocks");
+        drop(req);
+        wide.verify(
+            who.buf.as_slice(),
+            &pattern(len, my_seed),
+            &pattern(len, peer_seed),
+        )
+        .or_fail("READ of 32 KiB blocks");
+        let after = stats(who.name());
+        if i == 0 {
+            assert_cma(&before, &after, 1);
+            continue;
+        }
+        assert_eq!(
+            after.since(&before, "cma_submitted"),
+            0,
+            "{}",
+            after.diff(&before)
+        );
+        // (The arena's gate then says why it is UCX's: 256 descriptors are
+        // too few for it.)
+        assert_fell_back_any(
+            &before,
+            &after,
+            1,
+            &[
+                "fallback_too_few_descriptors",
+                "fallback_descriptors_too_large",
+            ],
+        );
+    }
+    drop(lim);
 
     // The peer initiates: a WRITE into this process, then a READ from it.
     for (i, verb) in ["WRITE", "READ"].into_iter().enumerate() {
