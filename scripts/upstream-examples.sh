@@ -1,11 +1,12 @@
 #!/bin/bash
-# NIXL's own examples/python, each run with UCX and with BOUNCE, on the GPU
-# machine (docs/reliability.md "NIXL's own tests with BOUNCE").
+# NIXL's own Python tests (test/python, `--backend B`) and examples/python,
+# each run with UCX and with BOUNCE, on the GPU machine (docs/reliability.md
+# "NIXL's own tests with BOUNCE").
 #
 # The examples are NIXL's, not this project's: export them from a checkout
 # of ai-dynamo/nixl into the ignored folder .upstream, then carry it with
 # the pack and the Python module (docs/gpu.md):
-#   git -C <nixl checkout> archive 12038023d examples/python | tar -x -C .upstream
+#   git -C <nixl checkout> archive 12038023d examples/python test/python | tar -x -C .upstream
 #   run: bash scripts/upstream-examples.sh   (carry .gpu, .py312, .upstream)
 #
 # Each example gets the backend in place of UCX: its "UCX" literals and its
@@ -45,6 +46,11 @@ pair() {  # name backend script [args...]: target and initiator, two processes
     echo "$name $b: target rc=$? initiator rc=$ri"
 }
 for b in UCX BOUNCE; do
+    if [[ -d "$root/.upstream/test/python" ]]; then
+        (cd "$root/.upstream/test/python" && timeout 300 python3 -m pytest -q -p no:cacheprovider . --backend "$b" \
+            >"$out/pytest-$b.log" 2>&1)
+        echo "test/python $b: $(grep -E "passed|failed" "$out/pytest-$b.log" | tail -n 1)"
+    fi
     d=$out/src-$b
     mkdir -p "$d"
     for f in basic_two_peers.py expanded_two_peers.py partial_md_example.py query_mem_example.py; do
