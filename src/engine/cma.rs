@@ -89,14 +89,27 @@ pub type Notification = (Agent, Arc<str>, Vec<u8>);
 
 /// A peer process proven reachable (see the module's "Proof").
 #[derive(Debug, PartialEq, Eq)]
-pub struct CmaPeer {
-    pub target: Target,
-    /// For another process: where its token lies and what it is, read
+pub enum CmaPeer {
+    /// An agent of this process: a memory copy.
+    ThisProcess,
+    /// Another process, with where its token lies and what it is, read
     /// again before every copy (see [`CmaPeer::check`]).
-    proof: Option<(u64, [u8; 16])>,
+    Process {
+        pid: libc::pid_t,
+        token_addr: u64,
+        token: [u8; 16],
+    },
 }
 
 impl CmaPeer {
+    /// Where a copy to or from this peer goes.
+    pub fn target(&self) -> Target {
+        match *self {
+            Self::ThisProcess => Target::ThisProcess,
+            Self::Process { pid, .. } => Target::Process(pid),
+        }
+    }
+
     /// Whether the pid still belongs to the process proven: after that
     /// process exits, the kernel may give its pid to another one, and a copy
     /// would then reach a stranger's memory. One 16-byte read of the token,
@@ -104,10 +117,15 @@ impl CmaPeer {
     /// to be freed and given out again within the part's own copy to slip
     /// past it.
     fn check(&self) -> Result<(), CmaError> {
-        let (Target::Process(pid), Some((addr, token))) = (self.target, self.proof) else {
+        let Self::Process {
+            pid,
+            token_addr,
+            token,
+        } = *self
+        else {
             return Ok(());
         };
-        match cma::read_remote::<16>(pid, addr) {
+        match cma::read_remote::<16>(pid, token_addr) {
             Ok(t) if t == token => Ok(()),
             Ok(_) | Err(CmaError::PeerGone(_)) | Err(CmaError::Unmapped { .. }) => {
                 Err(CmaError::PeerGone(pid))
@@ -229,14 +247,16 @@ impl Cma {
             .1
             .entry(e.process)
             .or_insert_with(|| {
-                let (target, proof) = if e.process == ours.process && e.pid == ours.pid {
-                    (Target::ThisProcess, None)
+                let peer = if e.process == ours.process && e.pid == ours.pid {
+                    CmaPeer::ThisProcess
                 } else {
                     let pid = libc::pid_t::try_from(e.pid).ok()?;
                     match cma::read_remote::<16>(pid, e.token_addr) {
-                        Ok(t) if t == e.process => {
-                            (Target::Process(pid), Some((e.token_addr, e.process)))
-                        }
+                        Ok(t) if t == e.process => CmaPeer::Process {
+                            pid,
+                            token_addr: e.token_addr,
+                            token: e.process,
+                        },
                         Ok(_) => {
                             tracing::info!(pid, "CMA path off for a peer: its pid here is another process (another PID namespace?)");
                             return None;
@@ -247,7 +267,7 @@ impl Cma {
                         }
                     }
                 };
-                Some(Arc::new(CmaPeer { target, proof }))
+                Some(Arc::new(peer))
             })
             .clone()
     }
@@ -303,7 +323,7 @@ impl Cma {
                     Some(q) if !Arc::ptr_eq(q, p) => return None,
                     Some(_) => {}
                     None => {
-                        if matches!(p.target, Target::Process(_)) && self.process_max_average > 0 {
+                        if matches!(**p, CmaPeer::Process { .. }) && self.process_max_average > 0 {
                             limit = self.process_max_average.saturating_mul(local.len() as u64);
                         }
                         peer = Some(p);
@@ -431,7 +451,7 @@ impl Cma {
         );
         let touches = |j: &Job| {
             let overlaps = |(a, b): (u64, u64)| a < hi && lo < b;
-            overlaps(j.span) || (j.peer.target == Target::ThisProcess && overlaps(j.remote_span))
+            overlaps(j.span) || (*j.peer == CmaPeer::ThisProcess && overlaps(j.remote_span))
         };
         let deadline = Instant::now() + bound;
         let mut stopped = false;
@@ -536,7 +556,7 @@ impl Job {
         // The peer's pid is checked to be still the process proven first.
         let r = self.peer.check().and_then(|()| unsafe {
             cma::copy(
-                self.peer.target,
+                self.peer.target(),
                 self.read,
                 &self.pairs[part],
                 &self.cancelled,
@@ -609,7 +629,7 @@ mod tests {
         };
         // This process: a memory copy.
         let me = c.peer(&ours).expect("this process");
-        assert_eq!(me.target, Target::ThisProcess);
+        assert_eq!(*me, CmaPeer::ThisProcess);
         // Another host: not tried.
         let elsewhere = CmaExport {
             host: [0xee; 16],
@@ -645,10 +665,7 @@ mod tests {
         let span = |b: &[u8]| (b.as_ptr() as u64, b.as_ptr() as u64 + b.len() as u64);
         CmaXfer {
             read: false,
-            peer: Arc::new(CmaPeer {
-                target: Target::ThisProcess,
-                proof: None,
-            }),
+            peer: Arc::new(CmaPeer::ThisProcess),
             pairs: Arc::new(pairs),
             bytes: from.len() as u64,
             span: span(from),
@@ -668,9 +685,10 @@ mod tests {
         let from = vec![1u8; 4096];
         let mut to = vec![0u8; 4096];
         let mut x = xfer(&c, &from, &mut to);
-        x.peer = Arc::new(CmaPeer {
-            target: Target::Process(me),
-            proof: Some((addr, [7; 16])),
+        x.peer = Arc::new(CmaPeer::Process {
+            pid: me,
+            token_addr: addr,
+            token: [7; 16],
         });
         match c.post(&mut x, None) {
             Some(Ok(())) => assert_eq!(to, from),
@@ -741,8 +759,7 @@ mod tests {
                 Some(child) => {
                     child.process != parent.process
                         && child.pid != parent.pid
-                        && c.peer(&parent)
-                            .is_some_and(|p| p.target != Target::ThisProcess)
+                        && c.peer(&parent).is_some_and(|p| *p != CmaPeer::ThisProcess)
                 }
                 None => false,
             };
