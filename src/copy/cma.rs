@@ -26,21 +26,18 @@ pub struct Pair {
     pub len: u64,
 }
 
-/// Appends `p`, merged into the last pair when it continues it on both
-/// sides (vLLM's blocks of one request are often adjacent).
-pub fn push_merged(pairs: &mut Vec<Pair>, p: Pair) {
-    if p.len == 0 {
-        return;
+impl Pair {
+    /// `self` and `next` as one pair, when `next` continues `self` on both
+    /// sides (vLLM's blocks of one request are often adjacent).
+    #[inline]
+    pub fn merged(&self, next: &Pair) -> Option<Pair> {
+        (self.local.checked_add(self.len)? == next.local
+            && self.remote.checked_add(self.len)? == next.remote)
+            .then(|| Pair {
+                len: self.len + next.len,
+                ..*self
+            })
     }
-    if let Some(last) = pairs.last_mut() {
-        if last.local.checked_add(last.len) == Some(p.local)
-            && last.remote.checked_add(last.len) == Some(p.remote)
-        {
-            last.len += p.len;
-            return;
-        }
-    }
-    pairs.push(p);
 }
 
 /// Cuts `pairs` into at most `parts` consecutive slices of about equal
@@ -282,6 +279,18 @@ mod tests {
                 &to[j * block..(j + 1) * block],
                 "block {i}"
             );
+        }
+    }
+
+    /// Appends `p` as the CMA path's preparation does: merged into the
+    /// last pair when it continues it, and never when it is empty.
+    fn push_merged(pairs: &mut Vec<Pair>, p: Pair) {
+        if p.len == 0 {
+            return;
+        }
+        match pairs.last().and_then(|last| last.merged(&p)) {
+            Some(m) => *pairs.last_mut().unwrap() = m,
+            None => pairs.push(p),
         }
     }
 
