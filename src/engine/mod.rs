@@ -405,7 +405,7 @@ impl<'a> Side<'a> {
     }
 
     /// Each descriptor's range.
-    pub fn ranges(&self) -> impl Iterator<Item = Range> + 'a {
+    pub fn ranges(&self) -> impl Iterator<Item = Range> + Clone + 'a {
         self.0.raw.iter().map(RawDesc::range)
     }
 
@@ -1324,26 +1324,22 @@ impl Engine {
         match self.choose_route(op, local, remote, shape) {
             Ok((instance, peer)) => {
                 // Descriptors go from source to destination: local to remote
-                // for a WRITE, remote to local for a READ.
-                let descriptors: Vec<Descriptor> = local
-                    .ranges()
-                    .zip(remote.ranges())
-                    .map(|(l, r)| {
-                        let (src, dst) = match op {
-                            Op::Write => (l, r),
-                            Op::Read => (r, l),
-                        };
-                        Descriptor {
-                            src_addr: src.addr as u64,
-                            src_dev: src.dev as u32,
-                            dst_addr: dst.addr as u64,
-                            dst_dev: dst.dev as u32,
-                            len: l.len as u64,
-                        }
-                    })
-                    .collect();
-                // Planned once here, reused by every post of the request.
-                match instance.runtime.plan(&descriptors) {
+                // for a WRITE, remote to local for a READ. Planned straight
+                // from NIXL's lists, once here, reused by every post.
+                let descriptors = local.ranges().zip(remote.ranges()).map(|(l, r)| {
+                    let (src, dst) = match op {
+                        Op::Write => (l, r),
+                        Op::Read => (r, l),
+                    };
+                    Descriptor {
+                        src_addr: src.addr as u64,
+                        src_dev: src.dev as u32,
+                        dst_addr: dst.addr as u64,
+                        dst_dev: dst.dev as u32,
+                        len: l.len as u64,
+                    }
+                });
+                match instance.runtime.plan(descriptors) {
                     Ok(plan) => {
                         return Ok(Some(Request {
                             route: Route::Bounce(BounceXfer {

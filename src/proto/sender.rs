@@ -188,7 +188,7 @@ impl Sender {
                         .map(|r| r.count)
                         .fold(0u32, u32::saturating_add),
                     gather_runs: c.runs,
-                    scatter_runs: Runs::from([]),
+                    scatter_runs: Runs::default(),
                 })
                 .collect(),
             src_dev: 0,

@@ -25,7 +25,7 @@ use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
 use crate::proto::wire::{Message, MessageType};
-use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
+use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, RunPool, Runs, Time};
 
 /// Longest the idle reactor sleeps in the control channel.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);
@@ -445,6 +445,8 @@ struct Shared {
 pub struct Runtime {
     shared: Arc<Shared>,
     plan_options: PlanOptions,
+    /// Storage of the plans' run lists, reused from plan to plan.
+    run_pool: RunPool,
     copier: Arc<dyn CopyEngine>,
     thread: Option<JoinHandle<()>>,
     pub targets: Arc<ScatterTargets>,
@@ -587,6 +589,7 @@ impl Runtime {
         Ok(Self {
             shared,
             plan_options,
+            run_pool: RunPool::default(),
             copier: parts.copier.clone(),
             thread: Some(thread),
             targets,
@@ -598,11 +601,15 @@ impl Runtime {
         (self.shared.waker)();
     }
 
-    /// Plans a transfer of `descriptors` for [`Runtime::submit`]. A plan
-    /// depends only on the descriptors: make it once when the transfer is
-    /// prepared and submit it on every post.
-    pub fn plan(&self, descriptors: &[Descriptor]) -> Result<Arc<Plan>, PlanError> {
-        plan::build(descriptors, self.plan_options).map(Arc::new)
+    /// Plans a transfer of the descriptors `descriptors` yields (walked
+    /// twice) for [`Runtime::submit`]. A plan depends only on the
+    /// descriptors: make it once when the transfer is prepared and submit it
+    /// on every post.
+    pub fn plan<I>(&self, descriptors: I) -> Result<Arc<Plan>, PlanError>
+    where
+        I: Iterator<Item = Descriptor> + Clone,
+    {
+        plan::build_from(descriptors, self.plan_options, &self.run_pool).map(Arc::new)
     }
 
     /// Starts a bounce transfer of a plan made by [`Runtime::plan`]. Never
