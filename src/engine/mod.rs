@@ -27,7 +27,7 @@ use nixl_sys::{Agent, AgentConfig, NixlError, Params, ThreadSync};
 use crate::config::{Config, ConfigSource};
 use crate::control::notif::NotifHub;
 use crate::failpoint::Failpoints;
-use crate::proto::plan::{Descriptor, Plan};
+use crate::proto::plan::{Descriptor, Plan, PlanError, Survey};
 use crate::proto::wire::Handshake;
 use crate::proto::PeerId;
 use crate::runtime::{DeferredNotif, Ticket};
@@ -314,47 +314,224 @@ impl<'a> Descs<'a> {
         let md = unsafe { (self.resolve)(p).as_ref() }?;
         md.is_valid().then_some(md)
     }
+}
 
-    /// Checks every descriptor in one pass: its metadata is a live BOUNCE
-    /// handle (checked once per distinct handle: consecutive descriptors
-    /// mostly share one), it does not wrap around the address space, and it
-    /// lies inside the memory NIXL resolved it to (NIXL checks this too; a
-    /// failure means NIXL and this plugin disagree about the layout).
-    pub fn check(self, which: &str) -> Result<Side<'a>> {
-        let mut last: *const std::ffi::c_void = std::ptr::null();
-        let mut last_range = Range {
-            addr: 0,
-            len: 0,
-            dev: 0,
-        };
-        for (i, d) in self.raw.iter().enumerate() {
-            let range = d.range();
-            if range.end().is_none() {
-                return Err(Error::invalid(format!(
-                    "{which} descriptor {i} wraps around the address space"
-                )));
-            }
-            if d.md.is_null() {
-                continue;
-            }
-            if d.md != last {
-                let Some(md) = self.md(d.md) else {
-                    return Err(Error::new(
+/// One side's checks, one descriptor at a time: its metadata is a live
+/// BOUNCE handle (checked once per run of equal handles: consecutive
+/// descriptors mostly share one), it does not wrap around the address
+/// space, and it lies inside the memory NIXL resolved it to (NIXL checks
+/// this too; a failure means NIXL and this plugin disagree about the
+/// layout).
+struct SideCheck<'a> {
+    which: &'static str,
+    descs: Descs<'a>,
+    /// The handle of the run under way (`None` before the first).
+    handle: Option<*const std::ffi::c_void>,
+    /// Its metadata (`None`: a null handle).
+    md: Option<&'a Md>,
+}
+
+impl<'a> SideCheck<'a> {
+    fn new(which: &'static str, descs: Descs<'a>) -> Self {
+        SideCheck {
+            which,
+            descs,
+            handle: None,
+            md: None,
+        }
+    }
+
+    /// Checks descriptor `i`; at the first of a run of equal handles, the
+    /// run's metadata (inner `None`: a null handle).
+    fn step(&mut self, i: usize, d: &RawDesc) -> Result<Option<Option<&'a Md>>> {
+        let which = self.which;
+        let range = d.range();
+        if range.end().is_none() {
+            return Err(Error::invalid(format!(
+                "{which} descriptor {i} wraps around the address space"
+            )));
+        }
+        let mut run = None;
+        if self.handle != Some(d.md) {
+            self.md = match d.md.is_null() {
+                true => None,
+                false => Some(self.descs.md(d.md).ok_or_else(|| {
+                    Error::new(
                         Status::Mismatch,
                         format!("{which} descriptor {i} carries metadata that is not one of this BOUNCE engine's registrations or loaded regions"),
-                    ));
-                };
-                last = d.md;
-                last_range = md.range;
-            }
-            if range.len > 0 && !last_range.covers(&range) {
+                    )
+                })?),
+            };
+            self.handle = Some(d.md);
+            run = Some(self.md);
+        }
+        if let Some(md) = self.md {
+            let region = md.range;
+            if range.len > 0 && !region.covers(&range) {
                 return Err(Error::invalid(format!(
                     "{which} descriptor {i} ({} bytes at {:#x}, device {}) lies outside its registered region ({} bytes at {:#x}, device {})",
-                    range.len, range.addr, range.dev, last_range.len, last_range.addr, last_range.dev
+                    range.len, range.addr, range.dev, region.len, region.addr, region.dev
                 )));
             }
         }
-        Ok(Side(self))
+        Ok(run)
+    }
+}
+
+/// Whether every item seen is the same one.
+enum Same<'a, T> {
+    Unseen,
+    All(&'a T),
+    Not,
+}
+
+impl<'a, T> Same<'a, T> {
+    fn see(&mut self, item: Option<&'a T>, same: impl Fn(&T, &T) -> bool) {
+        *self = match (&*self, item) {
+            (Same::Unseen, Some(t)) => Same::All(t),
+            (Same::All(a), Some(t)) if same(a, t) => Same::All(a),
+            _ => Same::Not,
+        };
+    }
+
+    fn get(&self) -> Option<&'a T> {
+        match self {
+            Same::All(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// Both sides of a transfer for the checked paths, every descriptor
+/// checked ([`SideCheck`]; the two lengths of each pair must agree) in one
+/// pass over NIXL's two lists, which also gathers what the bounce arena's
+/// routing and plan read of every descriptor. A 32,768-descriptor list is
+/// read once, where separate checks, comparisons, region scans, sums and
+/// the plan's own checks read it seven times (2 MiB each).
+pub struct Checked<'a> {
+    pub local: Side<'a>,
+    pub remote: Side<'a>,
+    /// The bounce instance of every local region, when they share one.
+    local_instance: Option<&'a Arc<Bounce>>,
+    /// The peer's bounce arena of every remote region, when they share one.
+    peer: Option<&'a PeerBounce>,
+    /// The plan's survey of the descriptors, source to destination, or why
+    /// they cannot be planned.
+    survey: std::result::Result<Survey, PlanError>,
+}
+
+impl<'a> Checked<'a> {
+    /// Checks `local` and `remote` (of equal lengths) for a transfer `op`.
+    pub fn new(op: Op, local: Descs<'a>, remote: Descs<'a>) -> Result<Self> {
+        let (mut lc, mut rc) = (
+            SideCheck::new("local", local),
+            SideCheck::new("remote", remote),
+        );
+        let (mut instance, mut peer) = (Same::Unseen, Same::Unseen);
+        let mut survey = Ok(Survey::default());
+        let mut add = |l: &RawDesc, r: &RawDesc| {
+            if let Ok(s) = &mut survey {
+                if let Err(e) = s.add(&pair_descriptor(op, l.range(), r.range())) {
+                    survey = Err(e);
+                }
+            }
+        };
+        // Every check of pair `i`, naming the first that fails; at the
+        // first of a run of handles it resolves the run's regions. The two
+        // sides' regions (`None`: a null handle).
+        let mut full =
+            |i: usize, l: &RawDesc, r: &RawDesc| -> Result<(Option<Range>, Option<Range>)> {
+                if let Some(md) = lc.step(i, l)? {
+                    instance.see(
+                        match md.map(|m| &m.owner) {
+                            Some(MdOwner::Registered {
+                                bounce: Some(b), ..
+                            }) => Some(b),
+                            _ => None,
+                        },
+                        Arc::ptr_eq,
+                    );
+                }
+                if let Some(md) = rc.step(i, r)? {
+                    peer.see(
+                        match md.map(|m| &m.owner) {
+                            Some(MdOwner::Remote {
+                                bounce: Some(p), ..
+                            }) => Some(p),
+                            _ => None,
+                        },
+                        |a, b| a == b,
+                    );
+                }
+                if l.len != r.len {
+                    return Err(Error::invalid(format!(
+                        "descriptor {i}: local length {} differs from remote length {}",
+                        l.len, r.len
+                    )));
+                }
+                Ok((lc.md.map(|m| m.range), rc.md.map(|m| m.range)))
+            };
+        // One run at a time (the descriptors that share both handles, a
+        // region's blocks in vLLM's lists): its first pair checked in full,
+        // the rest against the run's two regions inline, and in full only
+        // to name what is wrong.
+        let (lraw, rraw) = (local.raw, remote.raw);
+        let mut i = 0;
+        while let (Some(l0), Some(r0)) = (lraw.get(i), rraw.get(i)) {
+            let (lw, rw) = full(i, l0, r0)?;
+            add(l0, r0);
+            i += 1;
+            while let (Some(l), Some(r)) = (lraw.get(i), rraw.get(i)) {
+                if l.md != l0.md || r.md != r0.md {
+                    break;
+                }
+                if !(l.len == r.len && plainly_inside(l, lw) && plainly_inside(r, rw)) {
+                    full(i, l, r)?;
+                }
+                add(l, r);
+                i += 1;
+            }
+        }
+        Ok(Checked {
+            local: Side(local),
+            remote: Side(remote),
+            local_instance: instance.get(),
+            peer: peer.get(),
+            survey,
+        })
+    }
+
+    /// The transfer's descriptors, source to destination (what was
+    /// surveyed).
+    fn descriptors(&self, op: Op) -> impl Iterator<Item = Descriptor> + 'a {
+        self.local
+            .ranges()
+            .zip(self.remote.ranges())
+            .map(move |(l, r)| pair_descriptor(op, l, r))
+    }
+}
+
+/// Whether a descriptor passes [`SideCheck::step`] in a run whose region
+/// is `region` (`None`: a null handle), without building its error.
+#[inline]
+fn plainly_inside(d: &RawDesc, region: Option<Range>) -> bool {
+    let range = d.range();
+    range.end().is_some() && region.map_or(true, |w| range.len == 0 || w.covers(&range))
+}
+
+/// A pair of descriptors as the plan's source -> destination: local to
+/// remote for a WRITE, remote to local for a READ.
+fn pair_descriptor(op: Op, l: Range, r: Range) -> Descriptor {
+    let (src, dst) = match op {
+        Op::Write => (l, r),
+        Op::Read => (r, l),
+    };
+    Descriptor {
+        src_addr: src.addr as u64,
+        src_dev: src.dev as u32,
+        dst_addr: dst.addr as u64,
+        dst_dev: dst.dev as u32,
+        len: l.len as u64,
     }
 }
 
@@ -1300,18 +1477,8 @@ impl Engine {
                 return Ok(None);
             }
         }
-        let (local, remote) = (&local.check("local")?, &remote.check("remote")?);
-        if let Some(i) = local
-            .ranges()
-            .zip(remote.ranges())
-            .position(|(l, r)| l.len != r.len)
-        {
-            return Err(Error::invalid(format!(
-                "descriptor {i}: local length {} differs from remote length {}",
-                local.range(i).len,
-                remote.range(i).len
-            )));
-        }
+        let checked = Checked::new(op, local, remote)?;
+        let (local, remote) = (&checked.local, &checked.remote);
         if peer_gate {
             if let Some(x) = self.peer_mapped_route(op, local, remote, &inner_remote) {
                 return Ok(Some(Request {
@@ -1321,25 +1488,15 @@ impl Engine {
             }
         }
 
-        match self.choose_route(op, local, remote, shape) {
+        match self.choose_route(op, &checked, shape) {
             Ok((instance, peer)) => {
-                // Descriptors go from source to destination: local to remote
-                // for a WRITE, remote to local for a READ. Planned straight
-                // from NIXL's lists, once here, reused by every post.
-                let descriptors = local.ranges().zip(remote.ranges()).map(|(l, r)| {
-                    let (src, dst) = match op {
-                        Op::Write => (l, r),
-                        Op::Read => (r, l),
-                    };
-                    Descriptor {
-                        src_addr: src.addr as u64,
-                        src_dev: src.dev as u32,
-                        dst_addr: dst.addr as u64,
-                        dst_dev: dst.dev as u32,
-                        len: l.len as u64,
-                    }
-                });
-                match instance.runtime.plan(descriptors) {
+                // Planned straight from NIXL's lists, once here, reused by
+                // every post.
+                let plan = checked
+                    .survey
+                    .clone()
+                    .and_then(|survey| instance.runtime.plan(checked.descriptors(op), survey));
+                match plan {
                     Ok(plan) => {
                         return Ok(Some(Request {
                             route: Route::Bounce(BounceXfer {
@@ -1448,31 +1605,13 @@ impl Engine {
     fn choose_route(
         &self,
         op: Op,
-        local: &Side<'_>,
-        remote: &Side<'_>,
+        checked: &Checked<'_>,
         shape: &Shape,
     ) -> std::result::Result<(Arc<Bounce>, PeerBounce), Fallback> {
         if !self.config.enabled {
             return Err(Fallback::BounceDisabled);
         }
-        let local_instance = uniform(
-            local.distinct_mds().map(|md| match md.map(|m| &m.owner) {
-                Some(MdOwner::Registered {
-                    bounce: Some(b), ..
-                }) => Some(b),
-                _ => None,
-            }),
-            Arc::ptr_eq,
-        );
-        let peer = uniform(
-            remote.distinct_mds().map(|md| match md.map(|m| &m.owner) {
-                Some(MdOwner::Remote {
-                    bounce: Some(p), ..
-                }) => Some(p),
-                _ => None,
-            }),
-            |a, b| a == b,
-        );
+        let (local_instance, peer) = (checked.local_instance, checked.peer);
         let input = RouteInput {
             op,
             local: shape.local,
@@ -1784,21 +1923,6 @@ impl Drop for Engine {
     }
 }
 
-/// The common value of an iterator of optional references, if every item is
-/// `Some` and all are equal under `same`.
-fn uniform<'a, T: 'a>(
-    mut items: impl Iterator<Item = Option<&'a T>>,
-    same: impl Fn(&T, &T) -> bool,
-) -> Option<&'a T> {
-    let first = items.next()??;
-    for item in items {
-        if !same(first, item?) {
-            return None;
-        }
-    }
-    Some(first)
-}
-
 /// Sums the counters of every bounce instance (for the stats snapshot).
 fn instances_stats(
     instances: Instances,
@@ -1972,5 +2096,209 @@ mod tests {
             len: 2,
             dev: 0
         }));
+    }
+
+    mod checked {
+        use super::*;
+        use crate::dataplane::PeerArena;
+        use nixl_sys::MemType;
+
+        const REGION: usize = 1 << 20;
+
+        fn md(base: usize, owner: MdOwner) -> Md {
+            Md {
+                magic: MD_MAGIC,
+                range: Range {
+                    addr: base,
+                    len: REGION,
+                    dev: 0,
+                },
+                kind: MemKind::Dram,
+                owner,
+            }
+        }
+
+        fn registered() -> MdOwner {
+            MdOwner::Registered {
+                public_data: Vec::new(),
+                bounce: None,
+            }
+        }
+
+        fn remote(peer: &str) -> MdOwner {
+            MdOwner::Remote {
+                agent: peer.into(),
+                bounce: Some(PeerBounce {
+                    id: PeerId::new(peer),
+                    arena: PeerArena {
+                        inner_agent: format!("{peer}/bounce"),
+                        base: 0,
+                        device: 0,
+                        mem: MemType::Dram,
+                    },
+                    key: 7,
+                    read: true,
+                    heartbeats: true,
+                }),
+                peer: None,
+                mapped: std::sync::OnceLock::new(),
+                cma: None,
+            }
+        }
+
+        fn at(m: &Md, off: usize, len: usize) -> RawDesc {
+            RawDesc {
+                addr: m.range.addr + off,
+                len,
+                dev: 0,
+                md: m as *const Md as *const std::ffi::c_void,
+            }
+        }
+
+        /// `f` of the check of a WRITE from `l` to `r`.
+        fn check<T>(l: &[RawDesc], r: &[RawDesc], f: impl FnOnce(Result<Checked<'_>>) -> T) -> T {
+            let resolve = |p: *const std::ffi::c_void| p as *const Md;
+            // SAFETY: every handle is one of the test's leaked `Md`s or
+            // null.
+            let (ld, rd) = unsafe {
+                (
+                    Descs::new(MemKind::Dram, l, &resolve),
+                    Descs::new(MemKind::Dram, r, &resolve),
+                )
+            };
+            f(Checked::new(Op::Write, ld, rd))
+        }
+
+        /// Two local and two remote regions, alive for the test.
+        fn regions() -> &'static [Md; 4] {
+            Box::leak(Box::new([
+                md(1 << 32, registered()),
+                md((1 << 32) + REGION, registered()),
+                md(1 << 40, remote("peer")),
+                md((1 << 40) + REGION, remote("peer")),
+            ]))
+        }
+
+        #[test]
+        fn a_plain_transfer_passes_with_its_peer_and_survey() {
+            let [l0, l1, r0, r1] = regions();
+            let l = [at(l0, 0, 4096), at(l0, 8192, 4096), at(l1, 0, 4096)];
+            let r = [at(r0, 4096, 4096), at(r0, 0, 4096), at(r1, 64, 4096)];
+            let plan = check(&l, &r, |c| {
+                let c = c.expect("checked");
+                assert_eq!(c.peer.map(|p| p.id.as_str()), Some("peer"));
+                assert!(c.local_instance.is_none(), "no local arena here");
+                crate::proto::plan::build_surveyed(
+                    c.descriptors(Op::Write),
+                    c.survey.clone().expect("plannable"),
+                    crate::proto::plan::PlanOptions::capped(1 << 20, true),
+                    &crate::proto::RunPool::default(),
+                )
+                .expect("planned")
+            });
+            assert_eq!(plan.payload_bytes, 3 * 4096);
+            let src: Vec<u64> = plan.chunks[0]
+                .gather_runs
+                .iter()
+                .flat_map(|r| r.copies())
+                .map(|c| c.1)
+                .collect();
+            assert_eq!(src, l.iter().map(|d| d.addr as u64).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn two_peers_share_no_arena() {
+            let [l0, _, r0, _] = regions();
+            let other: &'static Md = Box::leak(Box::new(md(1 << 44, remote("other"))));
+            let (l, r) = (
+                [at(l0, 0, 64), at(l0, 64, 64)],
+                [at(r0, 0, 64), at(other, 0, 64)],
+            );
+            check(&l, &r, |c| assert!(c.expect("checked").peer.is_none()));
+        }
+
+        #[test]
+        fn each_fault_is_named_wherever_it_lies_in_a_run() {
+            let [l0, _, r0, _] = regions();
+            let good = || (vec![at(l0, 0, 64); 4], vec![at(r0, 0, 64); 4]);
+            assert!(check(&good().0, &good().1, |c| c.is_ok()));
+            // At the run's first pair (checked in full) and inside the run
+            // (checked inline, then in full to name it).
+            for i in [0, 2] {
+                let msg = |l: &[RawDesc], r: &[RawDesc]| {
+                    check(l, r, |c| match c {
+                        Err(e) => e.to_string(),
+                        Ok(_) => panic!("descriptor {i}: passed"),
+                    })
+                };
+                let (mut l, r) = good();
+                l[i] = at(l0, 64, REGION);
+                let m = msg(&l, &r);
+                assert!(
+                    m.contains(&format!("local descriptor {i} ("))
+                        && m.contains("outside its registered region"),
+                    "{m}"
+                );
+                let (l, mut r) = good();
+                r[i].addr = usize::MAX - 8;
+                let m = msg(&l, &r);
+                assert!(
+                    m.contains(&format!("remote descriptor {i} wraps around")),
+                    "{m}"
+                );
+                let (mut l, r) = good();
+                l[i].dev = 1;
+                let m = msg(&l, &r);
+                assert!(m.contains(&format!("local descriptor {i} (")), "{m}");
+                let (l, mut r) = good();
+                r[i].len = 32;
+                let m = msg(&l, &r);
+                assert!(
+                    m.contains(&format!(
+                        "descriptor {i}: local length 64 differs from remote length 32"
+                    )),
+                    "{m}"
+                );
+                let stray = Md {
+                    magic: 0,
+                    ..md(0, registered())
+                };
+                let stray: &'static Md = Box::leak(Box::new(stray));
+                let (mut l, r) = good();
+                l[i].md = stray as *const Md as *const std::ffi::c_void;
+                let m = msg(&l, &r);
+                assert!(
+                    m.contains(&format!("local descriptor {i} carries metadata")),
+                    "{m}"
+                );
+            }
+        }
+
+        #[test]
+        fn what_planning_refuses_is_not_an_error_but_no_survey() {
+            let [l0, _, r0, _] = regions();
+            let mut l = vec![at(l0, 0, 64); 3];
+            let r = vec![at(r0, 0, 64); 3];
+            // A null handle is not checked against a region (NIXL's own
+            // lists always carry one): planning still sees its device.
+            l[1] = RawDesc {
+                addr: 4096,
+                len: 64,
+                dev: 3,
+                md: std::ptr::null(),
+            };
+            check(&l, &r, |c| {
+                let c = c.expect("checked");
+                assert_eq!(
+                    c.survey.clone().unwrap_err(),
+                    PlanError::MixedSourceDevices {
+                        index: 1,
+                        expected: 0,
+                        found: 3
+                    }
+                );
+                assert!(c.local_instance.is_none());
+            });
+        }
     }
 }

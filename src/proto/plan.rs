@@ -169,9 +169,9 @@ pub fn build(descriptors: &[Descriptor], options: PlanOptions) -> Result<Plan, P
 }
 
 /// Builds the plan for the descriptors `descriptors` yields, in two passes
-/// over them (the checks and the payload, then the chunks), so that a
-/// caller can plan straight from its own lists without collecting them;
-/// the run lists' storage comes from `pool` and goes back to it.
+/// over them ([`Survey`], then [`build_surveyed`]), so that a caller can
+/// plan straight from its own lists without collecting them; the run
+/// lists' storage comes from `pool` and goes back to it.
 pub fn build_from<I>(
     descriptors: I,
     options: PlanOptions,
@@ -183,32 +183,77 @@ where
     if options.max_chunk_bytes < REGION_ALIGN {
         return Err(PlanError::ChunkTooSmall(options.max_chunk_bytes));
     }
-    let mut plan = Plan::default();
-    let (mut payload, mut pieces) = (0u64, 0usize);
-    for (index, d) in descriptors.clone().enumerate() {
-        if index == 0 {
-            plan.src_dev = d.src_dev;
-            plan.dst_dev = d.dst_dev;
-        }
-        if d.src_dev != plan.src_dev {
+    let mut survey = Survey::default();
+    for d in descriptors.clone() {
+        survey.add(&d)?;
+    }
+    build_surveyed(descriptors, survey, options, pool)
+}
+
+/// What planning must know of every descriptor before it packs any: they
+/// are all checked (one source device, one destination device, no range
+/// that wraps) and their bytes counted. Fed one descriptor at a time, so
+/// that a caller that walks the descriptors anyway (the engine checks them
+/// against their regions) surveys them in the same pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Survey {
+    devices: Option<(u32, u32)>,
+    descriptors: usize,
+    pieces: usize,
+    payload: u64,
+}
+
+impl Survey {
+    /// Adds the next descriptor; the first that planning refuses is named
+    /// by its index.
+    pub fn add(&mut self, d: &Descriptor) -> Result<(), PlanError> {
+        let index = self.descriptors;
+        let (src_dev, dst_dev) = *self.devices.get_or_insert((d.src_dev, d.dst_dev));
+        if d.src_dev != src_dev {
             return Err(PlanError::MixedSourceDevices {
                 index,
-                expected: plan.src_dev,
+                expected: src_dev,
                 found: d.src_dev,
             });
         }
-        if d.dst_dev != plan.dst_dev {
+        if d.dst_dev != dst_dev {
             return Err(PlanError::MixedDestinationDevices {
                 index,
-                expected: plan.dst_dev,
+                expected: dst_dev,
                 found: d.dst_dev,
             });
         }
         if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
             return Err(PlanError::AddressOverflow { index });
         }
-        payload = payload.saturating_add(d.len);
-        pieces += usize::from(d.len > 0);
+        self.descriptors += 1;
+        self.pieces += usize::from(d.len > 0);
+        self.payload = self.payload.saturating_add(d.len);
+        Ok(())
+    }
+}
+
+/// Builds the plan of descriptors that `survey` was fed, in the same
+/// order (one pass).
+pub fn build_surveyed(
+    descriptors: impl Iterator<Item = Descriptor>,
+    survey: Survey,
+    options: PlanOptions,
+    pool: &RunPool,
+) -> Result<Plan, PlanError> {
+    if options.max_chunk_bytes < REGION_ALIGN {
+        return Err(PlanError::ChunkTooSmall(options.max_chunk_bytes));
+    }
+    let Survey {
+        devices,
+        pieces,
+        payload,
+        ..
+    } = survey;
+    let mut plan = Plan::default();
+    if let Some((src_dev, dst_dev)) = devices {
+        plan.src_dev = src_dev;
+        plan.dst_dev = dst_dev;
     }
     let cap = chunk_cap(&options, payload);
     // A chunk holds about cap / (the average piece) pieces: room for that
@@ -226,7 +271,12 @@ where
         gather: Vec::new(),
         scatter: Vec::new(),
     };
-    for d in descriptors.filter(|d| d.len > 0) {
+    for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
+        // The survey checked these: a caller that fed it others is refused
+        // here rather than packing a range that wraps.
+        if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
+            return Err(PlanError::AddressOverflow { index });
+        }
         plan.payload_bytes = plan.payload_bytes.saturating_add(d.len);
         let mut done = 0u64;
         while done < d.len {
@@ -263,6 +313,7 @@ struct ChunkBuilder<'p> {
 }
 
 impl ChunkBuilder<'_> {
+    #[inline]
     fn push(&mut self, at: u64, src: u64, dst: u64, len: u64) {
         if self.pieces == 0 {
             self.gather = self.pool.take(self.per_chunk);
@@ -296,6 +347,7 @@ impl ChunkBuilder<'_> {
 /// Appends the piece `(region_offset, addr, len)` to `runs`, merging it into
 /// the last run when the two are contiguous on both sides (the run grows) or
 /// continue a uniform stride on both sides (the run's count grows).
+#[inline]
 pub fn add_piece(runs: &mut Vec<Run>, region_offset: u64, addr: u64, len: u64, merge: bool) {
     if merge {
         if let Some(last) = runs.last_mut() {
@@ -307,6 +359,7 @@ pub fn add_piece(runs: &mut Vec<Run>, region_offset: u64, addr: u64, len: u64, m
     runs.push(Run::single(region_offset, addr, len));
 }
 
+#[inline]
 fn try_merge(run: &mut Run, region_offset: u64, addr: u64, len: u64) -> bool {
     if run.count == 1 {
         // Contiguous on both sides: extend.

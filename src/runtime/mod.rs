@@ -23,7 +23,7 @@ use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
 use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
-use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
+use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions, Survey};
 use crate::proto::wire::{Message, MessageType};
 use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, RunPool, Runs, Time};
 
@@ -601,20 +601,18 @@ impl Runtime {
         (self.shared.waker)();
     }
 
-    /// Plans a transfer of the descriptors `descriptors` yields (walked
-    /// twice) for [`Runtime::submit`]. A plan depends only on the
-    /// descriptors: make it once when the transfer is prepared and submit it
-    /// on every post.
-    pub fn plan<I>(&self, descriptors: I) -> Result<Arc<Plan>, PlanError>
-    where
-        I: Iterator<Item = Descriptor> + Clone,
-    {
-        plan::build_from(descriptors, self.plan_options, &self.run_pool).map(Arc::new)
+    /// Plans a transfer of the descriptors `descriptors` yields, which
+    /// `survey` was fed ([`plan::build_surveyed`]), for [`Runtime::submit`].
+    /// A plan depends only on the descriptors: make it once when the
+    /// transfer is prepared and submit it on every post.
+    pub fn plan(
+        &self,
+        descriptors: impl Iterator<Item = Descriptor>,
+        survey: Survey,
+    ) -> Result<Arc<Plan>, PlanError> {
+        plan::build_surveyed(descriptors, survey, self.plan_options, &self.run_pool).map(Arc::new)
     }
 
-    /// Starts a bounce transfer of a plan made by [`Runtime::plan`]. Never
-    /// blocks on the network. `deadline` overrides the configured
-    /// per-request deadline.
     pub fn submit(
         &self,
         peer: PeerId,
