@@ -36,7 +36,7 @@ use super::cuda::{
     WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
-use crate::proto::plan::add_piece;
+use crate::proto::plan::RunBuilder;
 use crate::proto::Run;
 
 /// How long closing a mapping waits for this device's copies to end.
@@ -496,22 +496,22 @@ pub struct PeerCopy {
 
 /// Appends copy `c` to `runs` as the kernel's runs: a gather into address
 /// 0, so `addr` is the source and `region_offset` the destination, merged
-/// with the planner's rule (`proto::plan::add_piece`: contiguous on both
-/// sides, or a uniform stride on both). Empty copies are skipped.
-pub fn push_copy(runs: &mut Vec<Run>, c: PeerCopy) {
+/// with the planner's rule ([`RunBuilder`]: contiguous on both sides, or a
+/// uniform stride on both). Empty copies are skipped.
+pub fn push_copy(runs: &mut RunBuilder, c: PeerCopy) {
     if c.len > 0 {
-        add_piece(runs, c.dst, c.src, c.len, true);
+        runs.add(c.dst, c.src, c.len);
     }
 }
 
 /// `copies` as runs (see [`push_copy`]).
 #[cfg(test)]
 fn merge(copies: &[PeerCopy]) -> Vec<Run> {
-    let mut runs = Vec::with_capacity(copies.len());
+    let mut runs = RunBuilder::new(Vec::with_capacity(copies.len()));
     for &c in copies {
         push_copy(&mut runs, c);
     }
-    runs
+    runs.take()
 }
 
 // ---------------------------------------------------------------------------

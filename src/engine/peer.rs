@@ -23,7 +23,7 @@ use super::conn_info::PeerExport;
 use super::{Descs, MemKind, Op, Range, RawDesc, Shape};
 use crate::config::Config;
 use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
-use crate::proto::Run;
+use crate::proto::plan::RunBuilder;
 
 /// Streams per device for peer-mapped copies.
 const STREAMS_PER_DEVICE: usize = 4;
@@ -232,7 +232,7 @@ pub struct PeerMaps {
     /// The run list a preparation builds, kept between preparations (its
     /// megabytes would otherwise be page-faulted in anew every time); one
     /// that finds it in use builds its own.
-    runs: Mutex<Vec<Run>>,
+    runs: Mutex<RunBuilder>,
     windows: Mutex<WindowCache>,
     /// `peer_map_inline_table_max_descriptors`, given to every copier.
     inline_limit: usize,
@@ -263,7 +263,7 @@ impl PeerMaps {
             copiers: (0..MAX_GPUS).map(|_| OnceLock::new()).collect(),
             allocs: Mutex::new(HashMap::new()),
             notifier: Mutex::new(None),
-            runs: Mutex::new(Vec::new()),
+            runs: Mutex::new(RunBuilder::default()),
             windows: Mutex::new(WindowCache::default()),
             inline_limit: cfg.peer_map_inline_table_max_descriptors as usize,
             // A quarter of the cores by default, at most 4 (the preparing
@@ -606,17 +606,17 @@ impl PeerMaps {
             })
         });
         let mut kept = self.runs.try_lock().ok();
-        let mut own = Vec::new();
-        let runs: &mut Vec<Run> = match kept.as_deref_mut() {
+        let mut own = RunBuilder::default();
+        let runs: &mut RunBuilder = match kept.as_deref_mut() {
             Some(v) => v,
             None => &mut own,
         };
         runs.clear();
-        runs.reserve(n);
+        runs.runs_mut().reserve(n);
         for c in copies {
             peer::push_copy(runs, c?);
         }
-        let table = copier.prepare(runs, started)?;
+        let table = copier.prepare(runs.runs(), started)?;
         Ok(PeerXfer::new(table, mappings, peer_inner))
     }
 
