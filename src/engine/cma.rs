@@ -867,7 +867,8 @@ mod tests {
 #[cfg(test)]
 mod prepare_tests {
     use super::*;
-    use crate::engine::{Md, MD_MAGIC};
+    use crate::engine::testing::{at, md, registered, REGION};
+    use crate::engine::Md;
 
     /// Regions of this agent and of a peer (this very process), made by
     /// hand: the `Md`s NIXL's handles resolve to.
@@ -876,30 +877,11 @@ mod prepare_tests {
         remote: Vec<Md>,
     }
 
-    const REGION: usize = 1 << 20;
-
-    fn md(base: usize, owner: MdOwner) -> Md {
-        Md {
-            magic: MD_MAGIC,
-            range: Range {
-                addr: base,
-                len: REGION,
-                dev: 0,
-            },
-            kind: MemKind::Dram,
-            owner,
-        }
-    }
-
     /// `n` regions a side, each side's one right after the other (so that
     /// runs can merge), the local ones from 1 << 32, the remote ones from
     /// 1 << 40.
     fn regions(n: usize) -> Regions {
         let peer = Arc::new(CmaPeer::ThisProcess);
-        let registered = || MdOwner::Registered {
-            public_data: Vec::new(),
-            bounce: None,
-        };
         let remote = || MdOwner::Remote {
             agent: String::new(),
             bounce: None,
@@ -914,16 +896,6 @@ mod prepare_tests {
             remote: (0..n)
                 .map(|i| md((1 << 40) + i * REGION, remote()))
                 .collect(),
-        }
-    }
-
-    /// A descriptor `off` bytes into `m`.
-    fn at(m: &Md, off: usize, len: usize) -> RawDesc {
-        RawDesc {
-            addr: m.range.addr + off,
-            len,
-            dev: 0,
-            md: m as *const Md as *const std::ffi::c_void,
         }
     }
 

@@ -1982,6 +1982,48 @@ fn threads(configured: usize, auto: impl Fn(usize) -> usize) -> usize {
     }
 }
 
+/// Regions made by hand for unit tests of the paths' preparations: the
+/// `Md`s NIXL's handles resolve to, and descriptors in them.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Every test region's length.
+    pub const REGION: usize = 1 << 20;
+
+    /// A DRAM region of `REGION` bytes at `base`.
+    pub fn md(base: usize, owner: MdOwner) -> Md {
+        Md {
+            magic: MD_MAGIC,
+            range: Range {
+                addr: base,
+                len: REGION,
+                dev: 0,
+            },
+            kind: MemKind::Dram,
+            owner,
+        }
+    }
+
+    /// Memory this agent registered, with no bounce instance.
+    pub fn registered() -> MdOwner {
+        MdOwner::Registered {
+            public_data: Vec::new(),
+            bounce: None,
+        }
+    }
+
+    /// A descriptor `off` bytes into `m`.
+    pub fn at(m: &Md, off: usize, len: usize) -> RawDesc {
+        RawDesc {
+            addr: m.range.addr + off,
+            len,
+            dev: 0,
+            md: m as *const Md as *const std::ffi::c_void,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2101,29 +2143,8 @@ mod tests {
     mod checked {
         use super::*;
         use crate::dataplane::PeerArena;
+        use crate::engine::testing::{at, md, registered, REGION};
         use nixl_sys::MemType;
-
-        const REGION: usize = 1 << 20;
-
-        fn md(base: usize, owner: MdOwner) -> Md {
-            Md {
-                magic: MD_MAGIC,
-                range: Range {
-                    addr: base,
-                    len: REGION,
-                    dev: 0,
-                },
-                kind: MemKind::Dram,
-                owner,
-            }
-        }
-
-        fn registered() -> MdOwner {
-            MdOwner::Registered {
-                public_data: Vec::new(),
-                bounce: None,
-            }
-        }
 
         fn remote(peer: &str) -> MdOwner {
             MdOwner::Remote {
@@ -2143,15 +2164,6 @@ mod tests {
                 peer: None,
                 mapped: std::sync::OnceLock::new(),
                 cma: None,
-            }
-        }
-
-        fn at(m: &Md, off: usize, len: usize) -> RawDesc {
-            RawDesc {
-                addr: m.range.addr + off,
-                len,
-                dev: 0,
-                md: m as *const Md as *const std::ffi::c_void,
             }
         }
 
