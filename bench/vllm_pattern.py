@@ -254,7 +254,8 @@ def route_of(before, after) -> str:
     if d.get("cma_submitted", 0) > 0:
         parts.append("cma")
     if d.get("bounce_submitted", 0) > 0:
-        parts.append("bounce")
+        # The arena's plan packed in parts on several threads (Engine::plan).
+        parts.append("bounce/plan-in-parts" if d.get("arena_plans_in_parts", 0) > 0 else "bounce")
     fb = sorted(k[len("fallback_"):] for k, v in d.items() if k.startswith("fallback_") and v > 0)
     if fb:
         parts.append("UCX(" + ",".join(fb) + ")")

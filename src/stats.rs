@@ -82,6 +82,11 @@ typed_counters! {
         peer_bytes => "peer_map_bytes",
         bounce_submitted => "bounce_submitted",
         bounce_bytes => "bounce_bytes",
+        /// Arena plans packed in parts on several threads, their parts,
+        /// and the parts the pool's workers packed.
+        arena_plans_in_parts => "arena_plans_in_parts",
+        arena_plan_parts => "arena_plan_parts",
+        arena_plan_parts_helped => "arena_plan_parts_helped",
         cma_prepared => "cma_prepared",
         cma_submitted => "cma_submitted",
         cma_bytes => "cma_bytes",

@@ -27,7 +27,7 @@ use nixl_sys::{Agent, AgentConfig, NixlError, Params, ThreadSync};
 use crate::config::{Config, ConfigSource};
 use crate::control::notif::NotifHub;
 use crate::failpoint::Failpoints;
-use crate::proto::plan::{Descriptor, Plan, PlanError, Survey};
+use crate::proto::plan::{self, Descriptor, Plan, PlanError, Survey};
 use crate::proto::wire::Handshake;
 use crate::proto::PeerId;
 use crate::runtime::{DeferredNotif, Ticket};
@@ -172,6 +172,12 @@ pub struct Md {
     pub kind: MemKind,
     pub owner: MdOwner,
 }
+
+/// The fewest descriptors whose arena plan is packed in parts on several
+/// threads (`Engine::plan`): 30-40 ns a descriptor cold on one thread (a
+/// vLLM-pattern preparation on the H200 host), so 0.25 ms or more, against
+/// 45-70 us for a worker to wake.
+const PARALLEL_PLAN_MIN_DESCRIPTORS: usize = 8192;
 
 /// Tags live [`Md`] objects, so that what the shim's table resolves a
 /// descriptor's metadata to can be checked before it is used.
@@ -504,10 +510,20 @@ impl<'a> Checked<'a> {
     /// The transfer's descriptors, source to destination (what was
     /// surveyed).
     fn descriptors(&self, op: Op) -> impl Iterator<Item = Descriptor> + 'a {
-        self.local
-            .ranges()
-            .zip(self.remote.ranges())
-            .map(move |(l, r)| pair_descriptor(op, l, r))
+        self.descriptors_in(op, 0..self.local.len())
+    }
+
+    /// Descriptors `range` of [`Checked::descriptors`].
+    fn descriptors_in(
+        &self,
+        op: Op,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = Descriptor> + 'a {
+        let (l, r) = (self.local.0.raw, self.remote.0.raw);
+        l[range.clone()]
+            .iter()
+            .zip(&r[range])
+            .map(move |(l, r)| pair_descriptor(op, l.range(), r.range()))
     }
 }
 
@@ -1495,7 +1511,7 @@ impl Engine {
                 let plan = checked
                     .survey
                     .clone()
-                    .and_then(|survey| instance.runtime.plan(checked.descriptors(op), survey));
+                    .and_then(|survey| self.plan(&instance, op, &checked, survey));
                 match plan {
                     Ok(plan) => {
                         return Ok(Some(Request {
@@ -1596,6 +1612,53 @@ impl Engine {
         if let Some(ns) = before_table {
             add(&c.prepare_before_table_ns, ns);
         }
+    }
+
+    /// A bounce transfer's plan. A large one whose descriptors are all one
+    /// length is packed in parts of whole chunks on the preparation pool's
+    /// threads beside this one ([`peer::FillPool::share`]) and assembled;
+    /// anything else, or what the pool declines, in one pass.
+    fn plan(
+        &self,
+        instance: &Bounce,
+        op: Op,
+        checked: &Checked<'_>,
+        survey: Survey,
+    ) -> std::result::Result<Arc<Plan>, PlanError> {
+        let runtime = &instance.runtime;
+        let options = runtime.plan_options();
+        let cut = plan::cut(&survey, &options);
+        let n = survey.descriptors();
+        let fill = self.peer.fill_pool(n, PARALLEL_PLAN_MIN_DESCRIPTORS);
+        if let (Some(k), Some(fill)) = (cut.per_chunk, fill) {
+            // Parts of whole chunks, of about the pool's part length.
+            let step = k * fill.part_len.div_ceil(k);
+            let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
+            let pack = |range: std::ops::Range<usize>| {
+                let first = range.start;
+                let descriptors = checked.descriptors_in(op, range);
+                plan::pack(
+                    descriptors,
+                    first,
+                    &survey,
+                    cut.cap,
+                    options.merge_runs,
+                    runtime.run_pool(),
+                )
+                .ok()
+            };
+            if parts.len() > 1 {
+                if let Some((packed, help)) = fill.share(parts, pack) {
+                    let c = &self.stats.counters.hot;
+                    EngineStats::add(&c.arena_plans_in_parts, 1);
+                    EngineStats::add(&c.arena_plan_parts, help.parts);
+                    EngineStats::add(&c.arena_plan_parts_helped, help.helped);
+                    let chunks = packed.into_iter().flatten().collect();
+                    return plan::assemble(&survey, chunks).map(Arc::new);
+                }
+            }
+        }
+        runtime.plan(checked.descriptors(op), survey)
     }
 
     /// Decides the path of a transfer: the local instance and the peer's for

@@ -275,10 +275,11 @@ impl PeerMaps {
         }
     }
 
-    /// The pool that fills a table of `n` descriptors in parts beside the
-    /// preparing thread, if it is large enough to gain from it.
-    fn fill_pool(&self, n: usize) -> Option<&FillPool> {
-        if self.fill_threads < 2 || n < PARALLEL_FILL_MIN_DESCRIPTORS {
+    /// The pool that does a preparation's work on `n` descriptors in parts
+    /// beside the preparing thread (a peer-mapped table's fill, an arena
+    /// plan's packing), if `n` is at least `min`: enough to gain from it.
+    pub fn fill_pool(&self, n: usize, min: usize) -> Option<&FillPool> {
+        if self.fill_threads < 2 || n < min {
             return None;
         }
         self.fill_pool
@@ -537,7 +538,7 @@ impl PeerMaps {
         device: u64,
         ordinal: usize,
     ) -> Option<PartsWalked<Arc<PeerMapping>>> {
-        let pool = self.fill_pool(local.len())?;
+        let pool = self.fill_pool(local.len(), PARALLEL_FILL_MIN_DESCRIPTORS)?;
         let local_window = |p| {
             let w = Window::of(local.md(p)?.range, 0);
             (w.dev == device).then_some(w)
@@ -789,35 +790,17 @@ pub fn walk_pairs_in_parts<T: Send>(
     local_window: impl Fn(*const std::ffi::c_void) -> Option<Window> + Sync,
     remote_window: impl Fn(*const std::ffi::c_void, &mut Vec<T>) -> Option<Window> + Sync,
 ) -> Option<PartsWalked<T>> {
-    let started = std::time::Instant::now();
     let (n, len) = (local.len(), local.first()?.len);
-    let FillPool {
-        pool,
-        part_len,
-        busy,
-        pid,
-    } = fill;
-    let part_len = *part_len;
-    if remote.len() != n || out.len() != 2 * n || part_len == 0 || *pid != std::process::id() {
+    let part_len = fill.part_len;
+    if remote.len() != n || out.len() != 2 * n || part_len == 0 {
         return None;
     }
-    // Another table holds the pool: this one is walked alone.
-    let _busy = busy.try_lock().ok()?;
-    /// One part: what it walks (taken by the thread that walks it), then
-    /// what it found (`None` inside: declined).
-    type Part<'a, T> = (
-        Option<(&'a [RawDesc], &'a [RawDesc], &'a mut [u64])>,
-        Option<Option<Vec<T>>>,
-    );
-    let parts: Vec<Mutex<Part<'_, T>>> = local
+    let parts: Vec<_> = local
         .chunks(part_len)
         .zip(remote.chunks(part_len))
         .zip(out.chunks_mut(2 * part_len))
-        .map(|((l, r), o)| Mutex::new((Some((l, r, o)), None)))
+        .map(|((l, r), o)| (l, r, o))
         .collect();
-    let (next, declined) = (AtomicUsize::new(0), AtomicBool::new(false));
-    // What the workers did: parts walked, and when the first one began.
-    let (helped, first_help) = (AtomicUsize::new(0), AtomicU64::new(u64::MAX));
     let walk = |(l, r, out): (&[RawDesc], &[RawDesc], &mut [u64])| {
         // Each part checks that its descriptors are as long as its own
         // first, and that one as long as the whole transfer's first.
@@ -828,52 +811,92 @@ pub fn walk_pairs_in_parts<T: Send>(
         let remote_window = |p| remote_window(p, &mut used);
         walk_pairs(op, l, r, out, &local_window, remote_window).then_some(used)
     };
-    let take_parts = |worker: bool| {
-        while !declined.load(Ordering::Relaxed) {
-            let Some(part) = parts.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                return;
-            };
-            if worker {
-                helped.fetch_add(1, Ordering::Relaxed);
-                first_help.fetch_min(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            }
-            let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
-            let found = part.0.take().and_then(walk);
-            if found.is_none() {
-                declined.store(true, Ordering::Relaxed);
-            }
-            part.1 = Some(found);
-        }
-    };
-    pool.in_place_scope(|s| {
-        for _ in 0..pool.current_num_threads().min(parts.len() - 1) {
-            s.spawn(|_| take_parts(true));
-        }
-        take_parts(false);
-    });
-    let count = parts.len();
-    let mut used = Vec::new();
-    for part in parts {
-        used.extend(
-            part.into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .1
-                .flatten()?,
-        );
-    }
-    let helped = helped.into_inner();
+    let (used, help) = fill.share(parts, walk)?;
     Some(PartsWalked {
-        used,
-        help: FillHelp {
-            parts: count as u64,
-            helped: helped as u64,
-            first_help_ns: if helped > 0 {
-                first_help.into_inner()
-            } else {
-                0
-            },
-        },
+        used: used.into_iter().flatten().collect(),
+        help,
     })
+}
+
+impl FillPool {
+    /// Runs `work` on every part, the calling thread and the workers taking
+    /// parts in turn; what each part gave, in the parts' order, and how the
+    /// workers helped. `None`: a part declined (the rest are skipped),
+    /// another caller holds the pool, or this is a child forked after the
+    /// workers started. The calling thread starts at once and the workers
+    /// join as they wake (tens of us on a busy host), so the whole is never
+    /// much slower than one thread's, however late they come.
+    pub fn share<P: Send, T: Send>(
+        &self,
+        parts: Vec<P>,
+        work: impl Fn(P) -> Option<T> + Sync,
+    ) -> Option<(Vec<T>, FillHelp)> {
+        let started = std::time::Instant::now();
+        if self.pid != std::process::id() {
+            return None;
+        }
+        let _busy = self.busy.try_lock().ok()?;
+        /// One part: what to do (taken by the thread that does it), then
+        /// what it gave (`None` inside: declined).
+        type Part<P, T> = (Option<P>, Option<Option<T>>);
+        let parts: Vec<Mutex<Part<P, T>>> = parts
+            .into_iter()
+            .map(|p| Mutex::new((Some(p), None)))
+            .collect();
+        let (next, declined) = (AtomicUsize::new(0), AtomicBool::new(false));
+        // What the workers did: parts done, and when the first one began.
+        let (helped, first_help) = (AtomicUsize::new(0), AtomicU64::new(u64::MAX));
+        let take_parts = |worker: bool| {
+            while !declined.load(Ordering::Relaxed) {
+                let Some(part) = parts.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    return;
+                };
+                if worker {
+                    helped.fetch_add(1, Ordering::Relaxed);
+                    first_help.fetch_min(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                }
+                let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
+                let found = part.0.take().and_then(&work);
+                if found.is_none() {
+                    declined.store(true, Ordering::Relaxed);
+                }
+                part.1 = Some(found);
+            }
+        };
+        self.pool.in_place_scope(|s| {
+            for _ in 0..self
+                .pool
+                .current_num_threads()
+                .min(parts.len().saturating_sub(1))
+            {
+                s.spawn(|_| take_parts(true));
+            }
+            take_parts(false);
+        });
+        let count = parts.len();
+        let done = parts
+            .into_iter()
+            .map(|p| {
+                p.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .1
+                    .flatten()
+            })
+            .collect::<Option<Vec<T>>>()?;
+        let helped = helped.into_inner();
+        Some((
+            done,
+            FillHelp {
+                parts: count as u64,
+                helped: helped as u64,
+                first_help_ns: if helped > 0 {
+                    first_help.into_inner()
+                } else {
+                    0
+                },
+            },
+        ))
+    }
 }
 
 /// A table [`walk_pairs_in_parts`] wrote: what its parts' look-ups

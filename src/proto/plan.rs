@@ -201,6 +201,9 @@ pub struct Survey {
     descriptors: usize,
     pieces: usize,
     payload: u64,
+    /// The first descriptor's length, and whether every one so far has it.
+    first_len: u64,
+    one_len: bool,
 }
 
 impl Survey {
@@ -226,11 +229,41 @@ impl Survey {
         if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
             return Err(PlanError::AddressOverflow { index });
         }
+        if index == 0 {
+            (self.first_len, self.one_len) = (d.len, true);
+        }
+        self.one_len &= d.len == self.first_len;
         self.descriptors += 1;
         self.pieces += usize::from(d.len > 0);
         self.payload = self.payload.saturating_add(d.len);
         Ok(())
     }
+
+    /// The descriptors surveyed.
+    pub fn descriptors(&self) -> usize {
+        self.descriptors
+    }
+}
+
+/// How a surveyed transfer is cut into chunks ([`cut`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    /// The request's chunk cap ([`chunk_cap`]).
+    pub cap: u64,
+    /// When every descriptor is one non-zero length that fits a chunk,
+    /// how many each chunk holds (the last may hold fewer): chunk `c` is
+    /// then descriptors `c * k ..`, so that runs of whole chunks can be
+    /// packed apart ([`pack`]) and put together ([`assemble`]).
+    pub per_chunk: Option<usize>,
+}
+
+/// How the descriptors `survey` was fed are cut into chunks.
+pub fn cut(survey: &Survey, options: &PlanOptions) -> Cut {
+    let cap = chunk_cap(options, survey.payload);
+    let len = survey.first_len;
+    let per_chunk = (survey.one_len && len > 0 && len <= cap)
+        .then(|| ((cap - len) / align_up(len) + 1) as usize);
+    Cut { cap, per_chunk }
 }
 
 /// Builds the plan of descriptors that `survey` was fed, in the same
@@ -244,26 +277,30 @@ pub fn build_surveyed(
     if options.max_chunk_bytes < REGION_ALIGN {
         return Err(PlanError::ChunkTooSmall(options.max_chunk_bytes));
     }
-    let Survey {
-        devices,
-        pieces,
-        payload,
-        ..
-    } = survey;
-    let mut plan = Plan::default();
-    if let Some((src_dev, dst_dev)) = devices {
-        plan.src_dev = src_dev;
-        plan.dst_dev = dst_dev;
-    }
-    let cap = chunk_cap(&options, payload);
+    let cap = cut(&survey, &options).cap;
+    let chunks = pack(descriptors, 0, &survey, cap, options.merge_runs, pool)?;
+    assemble(&survey, chunks)
+}
+
+/// Packs descriptors into chunks of at most `cap` bytes: all that
+/// `survey` was fed, or (when its [`Cut`] has `per_chunk`) a run of them
+/// that starts a chunk, the first of them numbered `first` among all.
+pub fn pack(
+    descriptors: impl Iterator<Item = Descriptor>,
+    first: usize,
+    survey: &Survey,
+    cap: u64,
+    merge: bool,
+    pool: &RunPool,
+) -> Result<Vec<Chunk>, PlanError> {
     // A chunk holds about cap / (the average piece) pieces: room for that
     // many runs is taken for each.
-    let per_chunk = match payload.checked_div(pieces as u64) {
-        Some(average) if average > 0 => (cap / average + 1).min(pieces as u64) as usize,
+    let per_chunk = match survey.payload.checked_div(survey.pieces as u64) {
+        Some(average) if average > 0 => (cap / average + 1).min(survey.pieces as u64) as usize,
         _ => 0,
     };
     let mut builder = ChunkBuilder {
-        merge: options.merge_runs,
+        merge,
         pool,
         per_chunk,
         used: 0,
@@ -271,13 +308,15 @@ pub fn build_surveyed(
         gather: RunBuilder::default(),
         scatter: RunBuilder::default(),
     };
+    let mut chunks = Vec::new();
     for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
         // The survey checked these: a caller that fed it others is refused
         // here rather than packing a range that wraps.
         if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
-            return Err(PlanError::AddressOverflow { index });
+            return Err(PlanError::AddressOverflow {
+                index: first + index,
+            });
         }
-        plan.payload_bytes = plan.payload_bytes.saturating_add(d.len);
         let mut done = 0u64;
         while done < d.len {
             let left = d.len - done;
@@ -286,7 +325,7 @@ pub fn build_surveyed(
             // Whole descriptors that fit a fresh chunk are never split.
             let fits_fresh = d.len <= cap && done == 0;
             if (fits_fresh && left > room) || room == 0 {
-                builder.finish_into(&mut plan.chunks)?;
+                builder.finish_into(&mut chunks)?;
                 at = 0;
             }
             let room = cap - at;
@@ -295,8 +334,23 @@ pub fn build_surveyed(
             done += piece;
         }
     }
-    builder.finish_into(&mut plan.chunks)?;
-    Ok(plan)
+    builder.finish_into(&mut chunks)?;
+    Ok(chunks)
+}
+
+/// The plan of the descriptors `survey` was fed, from their chunks (packed
+/// whole or in runs of whole chunks, in order).
+pub fn assemble(survey: &Survey, chunks: Vec<Chunk>) -> Result<Plan, PlanError> {
+    if chunks.len() > MAX_CHUNKS {
+        return Err(PlanError::TooManyChunks);
+    }
+    let (src_dev, dst_dev) = survey.devices.unwrap_or_default();
+    Ok(Plan {
+        chunks,
+        src_dev,
+        dst_dev,
+        payload_bytes: survey.payload,
+    })
 }
 
 /// The chunk being packed.
@@ -676,6 +730,42 @@ mod tests {
     }
 
     proptest! {
+        /// Descriptors of one length packed in runs of whole chunks (as the
+        /// engine packs them on several threads) and assembled make the
+        /// plan that one pass makes.
+        #[test]
+        fn runs_of_whole_chunks_assemble_into_the_same_plan(
+            n in 1usize..300,
+            len in 1u64..200,
+            cap in 32u64..1024,
+            min_chunks in 1u64..6,
+            gaps in proptest::collection::vec(0u64..3, 300),
+            cuts in proptest::collection::vec(1usize..5, 1..8),
+        ) {
+            let descs: Vec<_> = (0..n)
+                .map(|i| d(1 << 20 | (i as u64 * 300 + gaps[i] * 64), 1 << 32 | (i as u64 * 256 + gaps[(i * 7) % 300] * 8), len))
+                .collect();
+            let options = PlanOptions { max_chunk_bytes: cap, merge_runs: true, min_chunks, min_chunk_bytes: 64 };
+            let whole = build(&descs, options).unwrap();
+            let mut survey = Survey::default();
+            for x in &descs {
+                survey.add(x).unwrap();
+            }
+            let c = cut(&survey, &options);
+            let Some(k) = c.per_chunk else {
+                prop_assert!(len > c.cap);
+                return Ok(());
+            };
+            let pool = RunPool::default();
+            let (mut chunks, mut at, mut i) = (Vec::new(), 0, 0);
+            while at < n {
+                let end = (at + cuts[i % cuts.len()] * k).min(n);
+                chunks.extend(pack(descs[at..end].iter().copied(), at, &survey, c.cap, true, &pool).unwrap());
+                (at, i) = (end, i + 1);
+            }
+            prop_assert_eq!(assemble(&survey, chunks).unwrap(), whole);
+        }
+
         /// [`RunBuilder`] (the next copy kept at hand) and the rule as
         /// first written make the same runs.
         #[test]

@@ -601,6 +601,16 @@ impl Runtime {
         (self.shared.waker)();
     }
 
+    /// The options its plans are made with.
+    pub fn plan_options(&self) -> PlanOptions {
+        self.plan_options
+    }
+
+    /// The storage its plans' run lists come from.
+    pub fn run_pool(&self) -> &RunPool {
+        &self.run_pool
+    }
+
     /// Plans a transfer of the descriptors `descriptors` yields, which
     /// `survey` was fed ([`plan::build_surveyed`]), for [`Runtime::submit`].
     /// A plan depends only on the descriptors: make it once when the

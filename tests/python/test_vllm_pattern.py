@@ -17,6 +17,7 @@ pattern, destinations zeroed before each transfer) and every notification
 received by the owner, from the reader's agent.
 
 Usage: python3 tests/python/test_vllm_pattern.py [--backend BOUNCE] [--iters 3]
+       [--cases LIST] [--layers N] [--expect-route SUBSTRING]
 Needs PYTHONPATH=.nixl/site (scripts/setup.sh sets it). Exit status 0 = pass;
 the last line is "PASS backend=<B> ..." or "FAIL: <reason>".
 """
@@ -43,9 +44,13 @@ def main():
     ap.add_argument("--backend", default="BOUNCE")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--expect-route", default=None,
+                    help="every case's route must contain this, e.g. plan-in-parts")
     args = ap.parse_args()
     b = args.backend
-    opts = vp.parse_args(["--device", "cpu", "--backends", b, "--cases", CASES, "--layers", "4",
+    opts = vp.parse_args(["--device", "cpu", "--backends", b, "--cases", args.cases, "--layers", str(args.layers),
                           "--token-scale", "1", "--iters", str(args.iters), "--warmup", str(args.warmup)])
     try:
         res = vp.run(opts)
@@ -68,6 +73,8 @@ def main():
                 print(f"note: {g['name']}: telemetry descCount {tel['descCount']}, request had "
                       f"{g['descs_per_req']} descriptors", flush=True)
         row = next(r for r in res["summary"] if r["case"] == g["name"])
+        if args.expect_route and not all(args.expect_route in r for r in row["routes"]):
+            fail(f"{g['name']}: route {row['routes']}, expected every one to contain {args.expect_route!r}")
         print(f"ok: {g['name']}: {want} READs of {g['descs_per_req']} x {g['block_len']} B "
               f"({g['inflight']} in flight) byte-exact, notifications at the owner; transfer p50 "
               f"{row['transfer_s']['p50'] * 1e3:.2f} ms, notification p50 {row['notif_s']['p50'] * 1e3:.2f} ms; "
