@@ -69,7 +69,8 @@ fn healthy(r: &mut Endpoint, o: &mut Endpoint, seed: u64) {
     drop(req);
     plan.verify(r.buf.as_slice(), &dst_before, &src)
         .or_fail("healthy READ destination");
-    assert_eq!(stats(o.name()).since(&so, "reads_served"), 1);
+    let eo = stats_once(o.name(), &so, "reads_served", 1, wait_timeout());
+    assert_eq!(eo.since(&so, "reads_served"), 1);
 }
 
 #[test]

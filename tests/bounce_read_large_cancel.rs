@@ -34,7 +34,8 @@ fn read(r: &mut Endpoint, o: &mut Endpoint, plan: &Plan, seeds: (u64, u64)) -> u
         .or_fail("destination");
     verify_bytes(o.buf.as_slice(), &src, |_| "source".into()).or_fail("source changed");
     r.buf.check_guards().or_fail("guards");
-    let (er, eo) = (stats(r.name()), stats(o.name()));
+    let er = stats(r.name());
+    let eo = stats_once(o.name(), &so, "reads_served", 1, wait_timeout());
     let chunks = eo.since(&so, "chunks_written");
     eprintln!(
         "{} <- {}: {} B in {dt:?} ({:.2} GB/s), {chunks} chunks; {} ; {}",

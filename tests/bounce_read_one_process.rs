@@ -81,7 +81,8 @@ fn read_once(
     verify_bytes(owner.buf.as_slice(), &src, |_| "source".into()).or_fail("source changed");
     reader.buf.check_guards().or_fail("destination guards");
     owner.buf.check_guards().or_fail("source guards");
-    let (er, eo) = (stats(reader.name()), stats(owner.name()));
+    let er = stats(reader.name());
+    let eo = stats_once(owner.name(), &so, "reads_served", 1, wait_timeout());
     eprintln!(
         "{} <- {}: {dt:?}; {} ; {}",
         reader.name(),
@@ -179,7 +180,8 @@ fn read_notification_reaches_the_owner_after_the_data_is_in_place() {
         pause(&mut spins);
     }
     drop(req);
-    let (er, eo) = (stats(r.name()), stats(o.name()));
+    let er = stats(r.name());
+    let eo = stats_once(o.name(), &so, "reads_served", 1, wait_timeout());
     assert_read_bounced((&sr, &er), (&so, &eo), 1, (MANY * BLOCK) as u64);
 }
 

@@ -69,6 +69,23 @@ pub fn stats(agent: &str) -> Counters {
     }
 }
 
+/// The counters of `agent`'s engine once `key` has grown by `n` since
+/// `before`, or as they are when `wait` runs out. A READ's owner ends its
+/// serve at the reader's last ACK, which crosses the control channel a
+/// moment after the reader completed (and after the notification, which
+/// takes NIXL's own path), so its counters may lag the reader's.
+#[track_caller]
+pub fn stats_once(agent: &str, before: &Counters, key: &str, n: u64, wait: Duration) -> Counters {
+    let t0 = Instant::now();
+    loop {
+        let now = stats(agent);
+        if now.since(before, key) >= n || t0.elapsed() > wait {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Counters as one JSON object line (for child processes to print).
 pub fn stats_json(agent: &str) -> String {
     let c = stats(agent);
