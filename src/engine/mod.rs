@@ -598,7 +598,7 @@ impl<'a> Side<'a> {
     }
 
     /// Each descriptor's range.
-    pub fn ranges(&self) -> impl Iterator<Item = Range> + Clone + 'a {
+    pub fn ranges(&self) -> impl Iterator<Item = Range> + 'a {
         self.0.raw.iter().map(RawDesc::range)
     }
 
