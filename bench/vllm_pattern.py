@@ -692,7 +692,9 @@ class Reader:
                   for k in ("prepare_ns", "peer_map_prepare_ns", "peer_map_fill_ns", "peer_map_setup_ns",
                             "peer_map_upload_ns", "peer_map_upload_alloc_ns", "peer_map_upload_copy_ns",
                             "peer_map_upload_order_ns", "prepare_before_table_ns", "peer_map_fill_parts",
-                            "peer_map_fill_parts_helped", "peer_map_fill_first_help_ns")
+                            "peer_map_fill_parts_helped", "peer_map_fill_first_help_ns", "arena_prepared",
+                            "arena_check_ns", "arena_plan_ns", "arena_plan_parts", "arena_plan_parts_helped",
+                            "arena_plan_first_help_ns")
                   } if after is not None else {}
 
         # Diagnostic (--hot-prepares K): the first request prepared again K
@@ -829,6 +831,14 @@ def print_table(summary, cases, opts):
                     print(f"        table in parts: {parts:.0f} parts, the workers walked"
                           f" {pp['peer_map_fill_parts_helped']['p50']:.0f}, the first of them"
                           f" {us['peer_map_fill_first_help_ns']:.0f} us after the walk began (medians)")
+                if pp.get("arena_prepared", {}).get("p50", 0):
+                    line = (f"        of it on the arena path: the check of both lists {us['arena_check_ns']:.0f},"
+                            f" the plan {us['arena_plan_ns']:.0f}")
+                    if pp.get("arena_plan_parts", {}).get("p50", 0):
+                        line += (f" (in {pp['arena_plan_parts']['p50']:.0f} parts, the workers packed"
+                                 f" {pp['arena_plan_parts_helped']['p50']:.0f}, the first of them"
+                                 f" {us['arena_plan_first_help_ns']:.0f} us after the packing began)")
+                    print(line + " (medians)")
         by = {r["backend"]: r for r in rows}
         if "BOUNCE" in by and "UCX" in by:
             u, bo = by["UCX"], by["BOUNCE"]

@@ -87,6 +87,15 @@ typed_counters! {
         arena_plans_in_parts => "arena_plans_in_parts",
         arena_plan_parts => "arena_plan_parts",
         arena_plan_parts_helped => "arena_plan_parts_helped",
+        /// When the first worker began a part, summed over the plans in
+        /// parts it helped (ns after the packing began).
+        arena_plan_first_help_ns => "arena_plan_first_help_ns",
+        /// Arena-path preparations, and the plugin's time in their checks
+        /// of NIXL's two lists (with routing's facts and the plan's
+        /// survey) and in their plans.
+        arena_prepared => "arena_prepared",
+        arena_check_ns => "arena_check_ns",
+        arena_plan_ns => "arena_plan_ns",
         cma_prepared => "cma_prepared",
         cma_submitted => "cma_submitted",
         cma_bytes => "cma_bytes",

@@ -406,35 +406,45 @@ impl<'a, T> Same<'a, T> {
             _ => None,
         }
     }
+
+    /// What seeing these items and then `next`'s gives.
+    fn and(self, next: Same<'a, T>, same: impl Fn(&T, &T) -> bool) -> Same<'a, T> {
+        match (self, next) {
+            (Same::Unseen, x) | (x, Same::Unseen) => x,
+            (Same::All(a), Same::All(b)) if same(a, b) => Same::All(a),
+            _ => Same::Not,
+        }
+    }
 }
 
-/// Both sides of a transfer for the checked paths, every descriptor
-/// checked ([`SideCheck`]; the two lengths of each pair must agree) in one
-/// pass over NIXL's two lists, which also gathers what the bounce arena's
-/// routing and plan read of every descriptor. A 32,768-descriptor list is
-/// read once, where separate checks, comparisons, region scans, sums and
-/// the plan's own checks read it seven times (2 MiB each).
-pub struct Checked<'a> {
-    pub local: Side<'a>,
-    pub remote: Side<'a>,
-    /// The bounce instance of every local region, when they share one.
-    local_instance: Option<&'a Arc<Bounce>>,
-    /// The peer's bounce arena of every remote region, when they share one.
-    peer: Option<&'a PeerBounce>,
-    /// The plan's survey of the descriptors, source to destination, or why
-    /// they cannot be planned.
+/// What a pass over pairs of both lists found beside its checks: whether
+/// every local region has one bounce instance and every remote one one
+/// peer arena, and the plan's survey.
+struct Facts<'a> {
+    instance: Same<'a, Arc<Bounce>>,
+    peer: Same<'a, PeerBounce>,
     survey: std::result::Result<Survey, PlanError>,
 }
 
-impl<'a> Checked<'a> {
-    /// Checks `local` and `remote` (of equal lengths) for a transfer `op`.
-    pub fn new(op: Op, local: Descs<'a>, remote: Descs<'a>) -> Result<Self> {
+impl<'a> Facts<'a> {
+    /// Checks pairs `range` of `local` and `remote` for a transfer `op`
+    /// ([`SideCheck`]; the two lengths of each pair must agree), one run
+    /// of equal handles at a time, and surveys them into `survey`. The
+    /// first check that fails is named; planning's refusal is kept in
+    /// the facts, not an error.
+    fn of(
+        op: Op,
+        local: Descs<'a>,
+        remote: Descs<'a>,
+        range: std::ops::Range<usize>,
+        survey: Survey,
+    ) -> Result<Self> {
         let (mut lc, mut rc) = (
             SideCheck::new("local", local),
             SideCheck::new("remote", remote),
         );
         let (mut instance, mut peer) = (Same::Unseen, Same::Unseen);
-        let mut survey = Ok(Survey::default());
+        let mut survey = Ok(survey);
         let mut add = |l: &RawDesc, r: &RawDesc| {
             if let Ok(s) = &mut survey {
                 if let Err(e) = s.add(&pair_descriptor(op, l.range(), r.range())) {
@@ -481,8 +491,9 @@ impl<'a> Checked<'a> {
         // region's blocks in vLLM's lists): its first pair checked in full,
         // the rest against the run's two regions inline, and in full only
         // to name what is wrong.
-        let (lraw, rraw) = (local.raw, remote.raw);
-        let mut i = 0;
+        let end = range.end.min(local.raw.len()).min(remote.raw.len());
+        let (lraw, rraw) = (&local.raw[..end], &remote.raw[..end]);
+        let mut i = range.start;
         while let (Some(l0), Some(r0)) = (lraw.get(i), rraw.get(i)) {
             let (lw, rw) = full(i, l0, r0)?;
             add(l0, r0);
@@ -498,13 +509,91 @@ impl<'a> Checked<'a> {
                 i += 1;
             }
         }
-        Ok(Checked {
-            local: Side(local),
-            remote: Side(remote),
-            local_instance: instance.get(),
-            peer: peer.get(),
+        Ok(Facts {
+            instance,
+            peer,
             survey,
         })
+    }
+
+    /// These facts followed by `next`'s, of the pairs right after.
+    fn then(self, next: Facts<'a>) -> Facts<'a> {
+        Facts {
+            instance: self.instance.and(next.instance, Arc::ptr_eq),
+            peer: self.peer.and(next.peer, |a, b| a == b),
+            survey: match (self.survey, next.survey) {
+                (Ok(a), Ok(b)) => Ok(a.then(&b)),
+                (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+            },
+        }
+    }
+}
+
+/// Both sides of a transfer for the checked paths, every descriptor
+/// checked ([`SideCheck`]; the two lengths of each pair must agree) in one
+/// pass over NIXL's two lists, which also gathers what the bounce arena's
+/// routing and plan read of every descriptor. A 32,768-descriptor list is
+/// read once, where separate checks, comparisons, region scans, sums and
+/// the plan's own checks read it seven times (2 MiB each).
+pub struct Checked<'a> {
+    pub local: Side<'a>,
+    pub remote: Side<'a>,
+    /// The bounce instance of every local region, when they share one.
+    local_instance: Option<&'a Arc<Bounce>>,
+    /// The peer's bounce arena of every remote region, when they share one.
+    peer: Option<&'a PeerBounce>,
+    /// The plan's survey of the descriptors, source to destination, or why
+    /// they cannot be planned.
+    survey: std::result::Result<Survey, PlanError>,
+}
+
+impl<'a> Checked<'a> {
+    /// Checks `local` and `remote` (of equal lengths) for a transfer `op`.
+    pub fn new(op: Op, local: Descs<'a>, remote: Descs<'a>) -> Result<Self> {
+        let facts = Facts::of(op, local, remote, 0..local.len(), Survey::default())?;
+        Ok(Checked::from_facts(local, remote, facts))
+    }
+
+    /// [`Checked::new`] in parts on `fill`'s threads beside this one, each
+    /// part checked and surveyed apart ([`Survey::part`]) and the facts put
+    /// together in order, so the first error is the one a single pass
+    /// names. `None`: the pool declined (held by another preparation).
+    pub fn in_parts(
+        op: Op,
+        local: Descs<'a>,
+        remote: Descs<'a>,
+        fill: &peer::FillPool,
+    ) -> Option<Result<Self>> {
+        let n = local.len().min(remote.len());
+        let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
+        let step = fill.part_len.max(1);
+        let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
+        let (parts, _) = fill.share(parts, |range| {
+            let survey = Survey::part(&first, range.start);
+            Some(Facts::of(op, local, remote, range, survey))
+        })?;
+        let mut facts: Option<Facts<'a>> = None;
+        for part in parts {
+            let part = match part {
+                Ok(part) => part,
+                Err(e) => return Some(Err(e)),
+            };
+            facts = Some(match facts {
+                Some(f) => f.then(part),
+                None => part,
+            });
+        }
+        Some(Ok(Checked::from_facts(local, remote, facts?)))
+    }
+
+    fn from_facts(local: Descs<'a>, remote: Descs<'a>, facts: Facts<'a>) -> Self {
+        Checked {
+            local: Side(local),
+            remote: Side(remote),
+            local_instance: facts.instance.get(),
+            peer: facts.peer.get(),
+            survey: facts.survey,
+        }
     }
 
     /// The transfer's descriptors, source to destination (what was
@@ -1493,7 +1582,9 @@ impl Engine {
                 return Ok(None);
             }
         }
-        let checked = Checked::new(op, local, remote)?;
+        let check_began = std::time::Instant::now();
+        let checked = self.check(op, local, remote)?;
+        let check_ns = check_began.elapsed().as_nanos() as u64;
         let (local, remote) = (&checked.local, &checked.remote);
         if peer_gate {
             if let Some(x) = self.peer_mapped_route(op, local, remote, &inner_remote) {
@@ -1508,12 +1599,17 @@ impl Engine {
             Ok((instance, peer)) => {
                 // Planned straight from NIXL's lists, once here, reused by
                 // every post.
+                let plan_began = std::time::Instant::now();
                 let plan = checked
                     .survey
                     .clone()
                     .and_then(|survey| self.plan(&instance, op, &checked, survey));
                 match plan {
                     Ok(plan) => {
+                        let c = &self.stats.counters.hot;
+                        EngineStats::add(&c.arena_prepared, 1);
+                        EngineStats::add(&c.arena_check_ns, check_ns);
+                        EngineStats::add(&c.arena_plan_ns, plan_began.elapsed().as_nanos() as u64);
                         return Ok(Some(Request {
                             route: Route::Bounce(BounceXfer {
                                 read: op == Op::Read,
@@ -1614,6 +1710,22 @@ impl Engine {
         }
     }
 
+    /// Checks both lists ([`Checked`]): from
+    /// [`PARALLEL_PLAN_MIN_DESCRIPTORS`] on, in parts on the preparation
+    /// pool (a cold list is read at several threads' pace, and the workers
+    /// are awake when the plan's parts follow).
+    fn check<'a>(&self, op: Op, local: Descs<'a>, remote: Descs<'a>) -> Result<Checked<'a>> {
+        if let Some(fill) = self
+            .peer
+            .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)
+        {
+            if let Some(checked) = Checked::in_parts(op, local, remote, fill) {
+                return checked;
+            }
+        }
+        Checked::new(op, local, remote)
+    }
+
     /// A bounce transfer's plan. A large one whose descriptors are all one
     /// length is packed in parts of whole chunks on the preparation pool's
     /// threads beside this one ([`peer::FillPool::share`]) and assembled;
@@ -1653,6 +1765,7 @@ impl Engine {
                     EngineStats::add(&c.arena_plans_in_parts, 1);
                     EngineStats::add(&c.arena_plan_parts, help.parts);
                     EngineStats::add(&c.arena_plan_parts_helped, help.helped);
+                    EngineStats::add(&c.arena_plan_first_help_ns, help.first_help_ns);
                     let chunks = packed.into_iter().flatten().collect();
                     return plan::assemble(&survey, chunks).map(Arc::new);
                 }
@@ -2230,7 +2343,8 @@ mod tests {
             }
         }
 
-        /// `f` of the check of a WRITE from `l` to `r`.
+        /// `f` of the check of a WRITE from `l` to `r`, after checking
+        /// that the check in parts of every length finds the same.
         fn check<T>(l: &[RawDesc], r: &[RawDesc], f: impl FnOnce(Result<Checked<'_>>) -> T) -> T {
             let resolve = |p: *const std::ffi::c_void| p as *const Md;
             // SAFETY: every handle is one of the test's leaked `Md`s or
@@ -2241,7 +2355,34 @@ mod tests {
                     Descs::new(MemKind::Dram, r, &resolve),
                 )
             };
-            f(Checked::new(Op::Write, ld, rd))
+            let one_pass = Checked::new(Op::Write, ld, rd);
+            for part_len in 1..=l.len() {
+                let fill = peer::FillPool {
+                    pool: rayon::ThreadPoolBuilder::new()
+                        .num_threads(2)
+                        .build()
+                        .unwrap(),
+                    part_len,
+                    busy: Mutex::new(()),
+                    pid: std::process::id(),
+                };
+                let parts = Checked::in_parts(Op::Write, ld, rd, &fill).expect("the pool is free");
+                assert_eq!(facts(&parts), facts(&one_pass), "in parts of {part_len}");
+            }
+            f(one_pass)
+        }
+
+        /// What a check found, to compare.
+        fn facts(c: &Result<Checked<'_>>) -> std::result::Result<String, String> {
+            match c {
+                Ok(c) => Ok(format!(
+                    "peer {:?}, instance {:?}, survey {:?}",
+                    c.peer.map(|p| p.id.as_str()),
+                    c.local_instance.map(Arc::as_ptr),
+                    c.survey
+                )),
+                Err(e) => Err(e.to_string()),
+            }
         }
 
         /// Two local and two remote regions, alive for the test.
@@ -2374,6 +2515,39 @@ mod tests {
                 );
                 assert!(c.local_instance.is_none());
             });
+        }
+
+        proptest::proptest! {
+            /// Whatever is wrong, and wherever: the check in parts names
+            /// what the one pass names and finds the same facts (`check`
+            /// compares them at every part length).
+            #[test]
+            fn in_parts_the_check_finds_what_one_pass_finds(
+                faults in proptest::collection::vec((0usize..24, 0u8..9), 0..4),
+                n in 1usize..24,
+            ) {
+                let [l0, l1, r0, r1] = regions();
+                let other: &'static Md = Box::leak(Box::new(md(1 << 44, remote("other"))));
+                let mut l: Vec<_> = (0..n).map(|i| at(l0, 64 * i, 64)).collect();
+                let mut r: Vec<_> = (0..n).map(|i| at(r0, 128 * i, 64)).collect();
+                for (i, fault) in faults {
+                    let i = i % n;
+                    match fault {
+                        0 => l[i] = at(l0, 64, REGION),
+                        1 => r[i].addr = usize::MAX - 8,
+                        2 => r[i].len = 32,
+                        3 => {
+                            l[i] = RawDesc { addr: 4096, len: 64, dev: 3, md: std::ptr::null() }
+                        }
+                        4 => r[i] = at(other, 0, 64),
+                        5 => l[i] = at(l1, 0, 64),
+                        6 => r[i] = at(r1, 0, 64),
+                        7 => (l[i].len, r[i].len) = (32, 32),
+                        _ => (l[i].len, r[i].len) = (0, 0),
+                    }
+                }
+                check(&l, &r, |_| ());
+            }
         }
     }
 }

@@ -195,7 +195,7 @@ where
 /// that wraps) and their bytes counted. Fed one descriptor at a time, so
 /// that a caller that walks the descriptors anyway (the engine checks them
 /// against their regions) surveys them in the same pass.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Survey {
     devices: Option<(u32, u32)>,
     descriptors: usize,
@@ -239,9 +239,43 @@ impl Survey {
         Ok(())
     }
 
-    /// The descriptors surveyed.
+    /// The descriptors surveyed (for a [`Survey::part`], the index after
+    /// the last).
     pub fn descriptors(&self) -> usize {
         self.descriptors
+    }
+
+    /// A survey of the descriptors from index `start` on, of a transfer
+    /// whose descriptor 0 is `first`: it refuses what a survey of all of
+    /// them would at the same indices (every device is held to `first`'s,
+    /// as there), so that parts can be surveyed apart and put together
+    /// ([`Survey::then`]).
+    pub fn part(first: &Descriptor, start: usize) -> Survey {
+        Survey {
+            devices: Some((first.src_dev, first.dst_dev)),
+            descriptors: start,
+            pieces: 0,
+            payload: 0,
+            first_len: first.len,
+            one_len: true,
+        }
+    }
+
+    /// This survey followed by `next`, a [`Survey::part`] of the same
+    /// transfer that starts where this one ends.
+    pub fn then(self, next: &Survey) -> Survey {
+        if self.devices.is_none() {
+            // Nothing surveyed yet.
+            return *next;
+        }
+        debug_assert_eq!(self.devices, next.devices);
+        Survey {
+            descriptors: next.descriptors,
+            pieces: self.pieces + next.pieces,
+            payload: self.payload.saturating_add(next.payload),
+            one_len: self.one_len && next.one_len && self.first_len == next.first_len,
+            ..self
+        }
     }
 }
 
