@@ -694,7 +694,8 @@ class Reader:
                             "peer_map_upload_order_ns", "prepare_before_table_ns", "peer_map_fill_parts",
                             "peer_map_fill_parts_helped", "peer_map_fill_first_help_ns", "arena_prepared",
                             "arena_check_ns", "arena_plan_ns", "arena_plan_parts", "arena_plan_parts_helped",
-                            "arena_plan_first_help_ns")
+                            "arena_plan_first_help_ns", "arena_check_parts", "arena_check_parts_helped",
+                            "arena_check_first_help_ns")
                   } if after is not None else {}
 
         # Diagnostic (--hot-prepares K): the first request prepared again K
@@ -832,8 +833,12 @@ def print_table(summary, cases, opts):
                           f" {pp['peer_map_fill_parts_helped']['p50']:.0f}, the first of them"
                           f" {us['peer_map_fill_first_help_ns']:.0f} us after the walk began (medians)")
                 if pp.get("arena_prepared", {}).get("p50", 0):
-                    line = (f"        of it on the arena path: the check of both lists {us['arena_check_ns']:.0f},"
-                            f" the plan {us['arena_plan_ns']:.0f}")
+                    line = f"        of it on the arena path: the check of both lists {us['arena_check_ns']:.0f}"
+                    if pp.get("arena_check_parts", {}).get("p50", 0):
+                        line += (f" (in {pp['arena_check_parts']['p50']:.0f} parts, the workers checked"
+                                 f" {pp['arena_check_parts_helped']['p50']:.0f}, the first of them"
+                                 f" {us['arena_check_first_help_ns']:.0f} us after the check began)")
+                    line += f", the plan {us['arena_plan_ns']:.0f}"
                     if pp.get("arena_plan_parts", {}).get("p50", 0):
                         line += (f" (in {pp['arena_plan_parts']['p50']:.0f} parts, the workers packed"
                                  f" {pp['arena_plan_parts_helped']['p50']:.0f}, the first of them"

@@ -90,6 +90,11 @@ typed_counters! {
         /// When the first worker began a part, summed over the plans in
         /// parts it helped (ns after the packing began).
         arena_plan_first_help_ns => "arena_plan_first_help_ns",
+        /// Checks of both lists in parts: their parts, the parts the
+        /// workers checked, and when the first began one (summed).
+        arena_check_parts => "arena_check_parts",
+        arena_check_parts_helped => "arena_check_parts_helped",
+        arena_check_first_help_ns => "arena_check_first_help_ns",
         /// Arena-path preparations, and the plugin's time in their checks
         /// of NIXL's two lists (with routing's facts and the plan's
         /// survey) and in their plans.

@@ -557,18 +557,19 @@ impl<'a> Checked<'a> {
     /// [`Checked::new`] in parts on `fill`'s threads beside this one, each
     /// part checked and surveyed apart ([`Survey::part`]) and the facts put
     /// together in order, so the first error is the one a single pass
-    /// names. `None`: the pool declined (held by another preparation).
+    /// names; and how the pool's workers helped. `None`: the pool declined
+    /// (held by another preparation).
     pub fn in_parts(
         op: Op,
         local: Descs<'a>,
         remote: Descs<'a>,
         fill: &peer::FillPool,
-    ) -> Option<Result<Self>> {
+    ) -> Option<(Result<Self>, peer::FillHelp)> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
         let step = fill.part_len.max(1);
         let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
-        let (parts, _) = fill.share(parts, |range| {
+        let (parts, help) = fill.share(parts, |range| {
             let survey = Survey::part(&first, range.start);
             Some(Facts::of(op, local, remote, range, survey))
         })?;
@@ -576,14 +577,14 @@ impl<'a> Checked<'a> {
         for part in parts {
             let part = match part {
                 Ok(part) => part,
-                Err(e) => return Some(Err(e)),
+                Err(e) => return Some((Err(e), help)),
             };
             facts = Some(match facts {
                 Some(f) => f.then(part),
                 None => part,
             });
         }
-        Some(Ok(Checked::from_facts(local, remote, facts?)))
+        Some((Ok(Checked::from_facts(local, remote, facts?)), help))
     }
 
     fn from_facts(local: Descs<'a>, remote: Descs<'a>, facts: Facts<'a>) -> Self {
@@ -1719,7 +1720,11 @@ impl Engine {
             .peer
             .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)
         {
-            if let Some(checked) = Checked::in_parts(op, local, remote, fill) {
+            if let Some((checked, help)) = Checked::in_parts(op, local, remote, fill) {
+                let c = &self.stats.counters.hot;
+                EngineStats::add(&c.arena_check_parts, help.parts);
+                EngineStats::add(&c.arena_check_parts_helped, help.helped);
+                EngineStats::add(&c.arena_check_first_help_ns, help.first_help_ns);
                 return checked;
             }
         }
@@ -2366,7 +2371,8 @@ mod tests {
                     busy: Mutex::new(()),
                     pid: std::process::id(),
                 };
-                let parts = Checked::in_parts(Op::Write, ld, rd, &fill).expect("the pool is free");
+                let (parts, _) =
+                    Checked::in_parts(Op::Write, ld, rd, &fill).expect("the pool is free");
                 assert_eq!(facts(&parts), facts(&one_pass), "in parts of {part_len}");
             }
             f(one_pass)
