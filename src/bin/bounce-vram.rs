@@ -12,6 +12,9 @@
 //!   bounce-vram bench [--backend BOUNCE|UCX] [--label L] [--param K=V]...
 //!                     [--counts 1024,4096,16384] [--sizes 4096] [--iters N]
 //!                     [--concurrent 128] [--json PATH] [--op write|read]
+//!                     [--gap-us N]
+//!                     (--gap-us: an idle pause before each request, outside
+//!                     the timing, as between a real client's requests)
 //!                     (--op read: the initiator READs the target's buffer; the
 //!                     target is the data owner)
 //!   bounce-vram faults [--device N] [--target-device N] [--param K=V]...
@@ -1057,6 +1060,9 @@ fn run_bench(args: &Args) -> bool {
             let mut times = Vec::new();
             let mut preps = Vec::new();
             for _ in 0..args.iters {
+                if args.gap_us > 0 {
+                    std::thread::sleep(Duration::from_micros(args.gap_us));
+                }
                 let t0 = Instant::now();
                 let req = init
                     .request_op(args.op, &p, None)
@@ -1772,6 +1778,8 @@ struct Args {
     target_params: Vec<(String, String)>,
     /// What `bench` measures: WRITEs to the target, or READs from it.
     op: XferOp,
+    /// `bench`: idle microseconds before each request (outside the timing).
+    gap_us: u64,
 }
 
 impl Args {
@@ -1793,6 +1801,7 @@ impl Args {
             expect_fallback: false,
             op: XferOp::Write,
             target_params: Vec::new(),
+            gap_us: 0,
         };
         let list = |s: String| {
             s.split(',')
@@ -1824,6 +1833,7 @@ impl Args {
                 "--concurrent" => a.concurrent = val().parse().unwrap_or(0),
                 "--json" => a.json = Some(val()),
                 "--expect-fallback" => a.expect_fallback = true,
+                "--gap-us" => a.gap_us = val().parse().unwrap_or(0),
                 "--op" => {
                     a.op = match val().as_str() {
                         "write" => XferOp::Write,
