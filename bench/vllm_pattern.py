@@ -254,8 +254,11 @@ def route_of(before, after) -> str:
     if d.get("cma_submitted", 0) > 0:
         parts.append("cma")
     if d.get("bounce_submitted", 0) > 0:
-        # The arena's plan packed in parts on several threads (Engine::plan).
-        parts.append("bounce/plan-in-parts" if d.get("arena_plans_in_parts", 0) > 0 else "bounce")
+        # The arena's lists checked (Engine::check) and its plan packed
+        # (Engine::plan) in parts on several threads.
+        in_parts = [what for what, key in (("check", "arena_check_parts"), ("plan", "arena_plans_in_parts"))
+                    if d.get(key, 0) > 0]
+        parts.append("bounce/" + "+".join(in_parts) + "-in-parts" if in_parts else "bounce")
     fb = sorted(k[len("fallback_"):] for k, v in d.items() if k.startswith("fallback_") and v > 0)
     if fb:
         parts.append("UCX(" + ",".join(fb) + ")")

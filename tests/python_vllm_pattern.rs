@@ -36,9 +36,10 @@ backend_tests! {
 }
 
 /// The same pattern with BOUNCE over the arena (the CMA path off) at 8192
-/// descriptors a request (32 layers, 2048 tokens, TP=4), the plan packed in
-/// parts on two threads (`Engine::plan`): every READ byte-exact and every
-/// route the arena with its plan in parts.
+/// descriptors a request (32 layers, 2048 tokens, TP=4), both lists checked
+/// (`Engine::check`) and the plan packed (`Engine::plan`) in parts on two
+/// threads: every READ byte-exact and every route the arena with its check
+/// and its plan in parts.
 #[test]
 fn python_vllm_pattern_arena_plan_in_parts() {
     if !ready("BOUNCE") || !python_usable("nixl_cu13._api, numpy") {
@@ -47,13 +48,18 @@ fn python_vllm_pattern_arena_plan_in_parts() {
     let mut cmd = python_cmd();
     cmd.arg(repo_root().join("tests/python/test_vllm_pattern.py"))
         .args(["--backend", "BOUNCE", "--cases", "tp4-2k", "--layers", "32"])
-        .args(["--iters", "2", "--expect-route", "bounce/plan-in-parts"])
+        .args([
+            "--iters",
+            "2",
+            "--expect-route",
+            "bounce/check+plan-in-parts",
+        ])
         .env("NIXL_BOUNCE_CONTROL_BIND_LOOPBACK", "1")
         .env("NIXL_BOUNCE_ENABLE_CMA", "0")
         .env("NIXL_BOUNCE_PEER_MAP_PREPARE_THREADS", "2");
     run_passing(
         cmd,
-        "tests/python/test_vllm_pattern.py (arena, plan in parts)",
+        "tests/python/test_vllm_pattern.py (arena, check and plan in parts)",
         "PASS backend=BOUNCE",
     );
 }
