@@ -698,7 +698,7 @@ class Reader:
                             "peer_map_fill_parts_helped", "peer_map_fill_first_help_ns", "arena_prepared",
                             "arena_check_ns", "arena_plan_ns", "arena_plan_parts", "arena_plan_parts_helped",
                             "arena_plan_first_help_ns", "arena_check_parts", "arena_check_parts_helped",
-                            "arena_check_first_help_ns")
+                            "arena_check_first_help_ns", "arena_plans_with_check")
                   } if after is not None else {}
 
         # Diagnostic (--hot-prepares K): the first request prepared again K
@@ -836,13 +836,15 @@ def print_table(summary, cases, opts):
                           f" {pp['peer_map_fill_parts_helped']['p50']:.0f}, the first of them"
                           f" {us['peer_map_fill_first_help_ns']:.0f} us after the walk began (medians)")
                 if pp.get("arena_prepared", {}).get("p50", 0):
-                    line = f"        of it on the arena path: the check of both lists {us['arena_check_ns']:.0f}"
+                    fused = pp.get("arena_plans_with_check", {}).get("p50", 0) > 0
+                    line = (f"        of it on the arena path: the check of both lists"
+                            f"{' with the plan packed in its pass' if fused else ''} {us['arena_check_ns']:.0f}")
                     if pp.get("arena_check_parts", {}).get("p50", 0):
-                        line += (f" (in {pp['arena_check_parts']['p50']:.0f} parts, the workers checked"
+                        line += (f" (in {pp['arena_check_parts']['p50']:.0f} parts, the workers did"
                                  f" {pp['arena_check_parts_helped']['p50']:.0f}, the first of them"
                                  f" {us['arena_check_first_help_ns']:.0f} us after the check began)")
-                    line += f", the plan {us['arena_plan_ns']:.0f}"
-                    if pp.get("arena_plan_parts", {}).get("p50", 0):
+                    line += f", {'assembling ' if fused else ''}the plan {us['arena_plan_ns']:.0f}"
+                    if pp.get("arena_plan_parts", {}).get("p50", 0) and not fused:
                         line += (f" (in {pp['arena_plan_parts']['p50']:.0f} parts, the workers packed"
                                  f" {pp['arena_plan_parts_helped']['p50']:.0f}, the first of them"
                                  f" {us['arena_plan_first_help_ns']:.0f} us after the packing began)")

@@ -87,6 +87,9 @@ typed_counters! {
         arena_plans_in_parts => "arena_plans_in_parts",
         arena_plan_parts => "arena_plan_parts",
         arena_plan_parts_helped => "arena_plan_parts_helped",
+        /// Arena plans packed in the check's own pass over the lists
+        /// (counted in `arena_plans_in_parts` too).
+        arena_plans_with_check => "arena_plans_with_check",
         /// When the first worker began a part, summed over the plans in
         /// parts it helped (ns after the packing began).
         arena_plan_first_help_ns => "arena_plan_first_help_ns",

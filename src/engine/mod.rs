@@ -529,6 +529,82 @@ impl<'a> Facts<'a> {
     }
 }
 
+/// A plan packed in the check's own pass over NIXL's lists, before its
+/// survey is known ([`Checked::in_parts`]): from the first pair, assuming
+/// every descriptor is of its length and devices ([`Survey::uniform`]) and
+/// that the arena path of the local regions' bounce instance takes it.
+/// What the pass finds otherwise is dropped (the run lists go back to
+/// their pool) and the plan is made the usual way, after routing.
+pub struct Packing {
+    /// The local regions' bounce instance the plan is for.
+    instance: Arc<Bounce>,
+    spec: PackSpec,
+}
+
+impl Packing {
+    /// The packing of `local` to `remote` for a transfer `op`, when their
+    /// first pair names a local bounce instance and a peer arena and the
+    /// plan would be cut by whole chunks.
+    fn of(op: Op, local: &Descs<'_>, remote: &Descs<'_>) -> Option<Packing> {
+        let (l0, r0) = (local.raw.first()?, remote.raw.first()?);
+        let instance = match &local.md(l0.md)?.owner {
+            MdOwner::Registered {
+                bounce: Some(b), ..
+            } => b.clone(),
+            _ => return None,
+        };
+        if !matches!(
+            &remote.md(r0.md)?.owner,
+            MdOwner::Remote {
+                bounce: Some(_),
+                ..
+            }
+        ) {
+            return None;
+        }
+        let first = pair_descriptor(op, l0.range(), r0.range());
+        let runtime = &instance.runtime;
+        let spec = PackSpec::new(
+            Survey::uniform(&first, local.len()),
+            runtime.plan_options(),
+            runtime.run_pool().clone(),
+        )?;
+        Some(Packing { instance, spec })
+    }
+}
+
+/// What packing a plan's chunks before its survey is known assumes: the
+/// survey, and the cut it gives.
+pub struct PackSpec {
+    survey: Survey,
+    /// The chunk cap, and the descriptors a chunk holds.
+    cap: u64,
+    per_chunk: usize,
+    merge: bool,
+    pool: crate::proto::RunPool,
+}
+
+impl PackSpec {
+    /// `None` when the plan would not be cut by whole chunks.
+    fn new(
+        survey: Survey,
+        options: plan::PlanOptions,
+        pool: crate::proto::RunPool,
+    ) -> Option<Self> {
+        if options.max_chunk_bytes < plan::REGION_ALIGN {
+            return None;
+        }
+        let cut = plan::cut(&survey, &options);
+        Some(PackSpec {
+            survey,
+            cap: cut.cap,
+            per_chunk: cut.per_chunk?,
+            merge: options.merge_runs,
+            pool,
+        })
+    }
+}
+
 /// Both sides of a transfer for the checked paths, every descriptor
 /// checked ([`SideCheck`]; the two lengths of each pair must agree) in one
 /// pass over NIXL's two lists, which also gathers what the bounce arena's
@@ -557,34 +633,64 @@ impl<'a> Checked<'a> {
     /// [`Checked::new`] in parts on `fill`'s threads beside this one, each
     /// part checked and surveyed apart ([`Survey::part`]) and the facts put
     /// together in order, so the first error is the one a single pass
-    /// names; and how the pool's workers helped. `None`: the pool declined
-    /// (held by another preparation).
+    /// names; how the pool's workers helped; and, with `packing`, the
+    /// chunks each part packed right after checking them (while its
+    /// descriptors are in the cache), when every part could. `None`: the
+    /// pool declined (held by another preparation).
     pub fn in_parts(
         op: Op,
         local: Descs<'a>,
         remote: Descs<'a>,
         fill: &peer::FillPool,
-    ) -> Option<(Result<Self>, peer::FillHelp)> {
+        packing: Option<&PackSpec>,
+    ) -> Option<(Result<Self>, peer::FillHelp, Option<Vec<plan::Chunk>>)> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
-        let step = fill.part_len.max(1);
+        // Parts of whole chunks when packing (about the pool's part length).
+        let step = match packing {
+            Some(p) => p.per_chunk * fill.part_len.div_ceil(p.per_chunk),
+            None => fill.part_len,
+        }
+        .max(1);
         let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
         let (parts, help) = fill.share(parts, |range| {
             let survey = Survey::part(&first, range.start);
-            Some(Facts::of(op, local, remote, range, survey))
+            let facts = Facts::of(op, local, remote, range.clone(), survey);
+            let chunks = match (&facts, packing) {
+                // Every descriptor of the part is the first's length (the
+                // part's survey holds it to descriptor 0's).
+                (Ok(Facts { survey: Ok(s), .. }), Some(p)) if s.one_len() => {
+                    let pairs = local.raw[range.clone()]
+                        .iter()
+                        .zip(&remote.raw[range.clone()]);
+                    let descriptors = pairs.map(|(l, r)| pair_descriptor(op, l.range(), r.range()));
+                    plan::pack(descriptors, range.start, &p.survey, p.cap, p.merge, &p.pool).ok()
+                }
+                _ => None,
+            };
+            Some((facts, chunks))
         })?;
-        let mut facts: Option<Facts<'a>> = None;
-        for part in parts {
+        let (mut facts, mut chunks): (Option<Facts<'a>>, Option<Vec<_>>) =
+            (None, packing.map(|_| Vec::new()));
+        for (part, packed) in parts {
             let part = match part {
                 Ok(part) => part,
-                Err(e) => return Some((Err(e), help)),
+                Err(e) => return Some((Err(e), help, None)),
             };
             facts = Some(match facts {
                 Some(f) => f.then(part),
                 None => part,
             });
+            chunks = chunks.zip(packed).map(|(mut all, part)| {
+                all.extend(part);
+                all
+            });
         }
-        Some((Ok(Checked::from_facts(local, remote, facts?)), help))
+        let checked = Checked::from_facts(local, remote, facts?);
+        // The chunks are the plan's only if the survey is the one assumed.
+        let chunks = chunks
+            .filter(|_| matches!((&checked.survey, packing), (Ok(s), Some(p)) if *s == p.survey));
+        Some((Ok(checked), help, chunks))
     }
 
     fn from_facts(local: Descs<'a>, remote: Descs<'a>, facts: Facts<'a>) -> Self {
@@ -1584,7 +1690,10 @@ impl Engine {
             }
         }
         let check_began = std::time::Instant::now();
-        let checked = self.check(op, local, remote)?;
+        // The arena is the likely route of what comes this far when the
+        // peer-mapped path is not open to it: its plan may be packed in
+        // the check's pass.
+        let (checked, early) = self.check(op, local, remote, !peer_gate)?;
         let check_ns = check_began.elapsed().as_nanos() as u64;
         let (local, remote) = (&checked.local, &checked.remote);
         if peer_gate {
@@ -1601,10 +1710,18 @@ impl Engine {
                 // Planned straight from NIXL's lists, once here, reused by
                 // every post.
                 let plan_began = std::time::Instant::now();
-                let plan = checked
-                    .survey
-                    .clone()
-                    .and_then(|survey| self.plan(&instance, op, &checked, survey));
+                let plan = checked.survey.clone().and_then(|survey| match early {
+                    // Packed in the check's pass, for this instance and
+                    // these descriptors (the survey assumed is the one
+                    // found).
+                    Some((packing, chunks))
+                        if Arc::ptr_eq(&packing.instance, &instance)
+                            && packing.spec.survey == survey =>
+                    {
+                        plan::assemble(&survey, chunks).map(Arc::new)
+                    }
+                    _ => self.plan(&instance, op, &checked, survey),
+                });
                 match plan {
                     Ok(plan) => {
                         let c = &self.stats.counters.hot;
@@ -1713,22 +1830,41 @@ impl Engine {
 
     /// Checks both lists ([`Checked`]): from
     /// [`PARALLEL_PLAN_MIN_DESCRIPTORS`] on, in parts on the preparation
-    /// pool (a cold list is read at several threads' pace, and the workers
-    /// are awake when the plan's parts follow).
-    fn check<'a>(&self, op: Op, local: Descs<'a>, remote: Descs<'a>) -> Result<Checked<'a>> {
+    /// pool (a cold list is read at several threads' pace). With `pack`
+    /// (the arena is the likely route), each part also packs its chunks of
+    /// the plan while its descriptors are in the cache ([`Packing`]); those
+    /// come back with the packing they assumed.
+    #[allow(clippy::type_complexity)]
+    fn check<'a>(
+        &self,
+        op: Op,
+        local: Descs<'a>,
+        remote: Descs<'a>,
+        pack: bool,
+    ) -> Result<(Checked<'a>, Option<(Packing, Vec<plan::Chunk>)>)> {
         if let Some(fill) = self
             .peer
             .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)
         {
-            if let Some((checked, help)) = Checked::in_parts(op, local, remote, fill) {
+            let packing = pack.then(|| Packing::of(op, &local, &remote)).flatten();
+            if let Some((checked, help, chunks)) =
+                Checked::in_parts(op, local, remote, fill, packing.as_ref().map(|p| &p.spec))
+            {
                 let c = &self.stats.counters.hot;
                 EngineStats::add(&c.arena_check_parts, help.parts);
                 EngineStats::add(&c.arena_check_parts_helped, help.helped);
                 EngineStats::add(&c.arena_check_first_help_ns, help.first_help_ns);
-                return checked;
+                let early = packing.zip(chunks);
+                if early.is_some() {
+                    EngineStats::add(&c.arena_plans_in_parts, 1);
+                    EngineStats::add(&c.arena_plans_with_check, 1);
+                    EngineStats::add(&c.arena_plan_parts, help.parts);
+                    EngineStats::add(&c.arena_plan_parts_helped, help.helped);
+                }
+                return Ok((checked?, early));
             }
         }
-        Checked::new(op, local, remote)
+        Ok((Checked::new(op, local, remote)?, None))
     }
 
     /// A bounce transfer's plan. A large one whose descriptors are all one
@@ -2371,8 +2507,8 @@ mod tests {
                     busy: Mutex::new(()),
                     pid: std::process::id(),
                 };
-                let (parts, _) =
-                    Checked::in_parts(Op::Write, ld, rd, &fill).expect("the pool is free");
+                let (parts, _, _) =
+                    Checked::in_parts(Op::Write, ld, rd, &fill, None).expect("the pool is free");
                 assert_eq!(facts(&parts), facts(&one_pass), "in parts of {part_len}");
             }
             f(one_pass)
@@ -2524,6 +2660,56 @@ mod tests {
         }
 
         proptest::proptest! {
+            /// The plan packed in the check's pass is the plan made after
+            /// it, for every part length; a list that is not what the
+            /// packing assumed (one descriptor of another length) gives no
+            /// chunks.
+            #[test]
+            fn the_plan_packed_in_the_check_is_the_plan(
+                n in 1usize..40,
+                len in 1usize..100,
+                cap in 64u64..600,
+                min_chunks in 1u64..4,
+                part_len in 1usize..12,
+                odd in proptest::option::of(0usize..40),
+            ) {
+                let [l0, _, r0, _] = regions();
+                let mut l: Vec<_> = (0..n).map(|i| at(l0, 128 * i, len)).collect();
+                let mut r: Vec<_> = (0..n).map(|i| at(r0, 256 * i + 64, len)).collect();
+                if let Some(i) = odd {
+                    (l[i % n].len, r[i % n].len) = (len + 1, len + 1);
+                }
+                let resolve = |p: *const std::ffi::c_void| p as *const Md;
+                // SAFETY: every handle is one of the test's leaked `Md`s.
+                let (ld, rd) = unsafe {
+                    (Descs::new(MemKind::Dram, &l, &resolve), Descs::new(MemKind::Dram, &r, &resolve))
+                };
+                let options = plan::PlanOptions { max_chunk_bytes: cap, merge_runs: true, min_chunks, min_chunk_bytes: 64 };
+                let pool = crate::proto::RunPool::default();
+                let first = pair_descriptor(Op::Write, l[0].range(), r[0].range());
+                let Some(spec) = PackSpec::new(Survey::uniform(&first, n), options, pool.clone()) else {
+                    return Ok(());
+                };
+                let fill = peer::FillPool {
+                    pool: rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap(),
+                    part_len,
+                    busy: Mutex::new(()),
+                    pid: std::process::id(),
+                };
+                let (checked, _, chunks) =
+                    Checked::in_parts(Op::Write, ld, rd, &fill, Some(&spec)).expect("the pool is free");
+                let checked = checked.expect("checked");
+                let survey = checked.survey.clone().expect("plannable");
+                let made = plan::build_surveyed(checked.descriptors(Op::Write), survey, options, &pool).unwrap();
+                match chunks {
+                    Some(chunks) => {
+                        proptest::prop_assert_eq!(&survey, &spec.survey);
+                        proptest::prop_assert_eq!(plan::assemble(&survey, chunks).unwrap(), made);
+                    }
+                    None => proptest::prop_assert!(odd.is_some() && survey != spec.survey),
+                }
+            }
+
             /// Whatever is wrong, and wherever: the check in parts names
             /// what the one pass names and finds the same facts (`check`
             /// compares them at every part length).

@@ -245,6 +245,11 @@ impl Survey {
         self.descriptors
     }
 
+    /// Whether every descriptor surveyed has the first one's length.
+    pub fn one_len(&self) -> bool {
+        self.one_len
+    }
+
     /// A survey of the descriptors from index `start` on, of a transfer
     /// whose descriptor 0 is `first`: it refuses what a survey of all of
     /// them would at the same indices (every device is held to `first`'s,
@@ -256,6 +261,20 @@ impl Survey {
             descriptors: start,
             pieces: 0,
             payload: 0,
+            first_len: first.len,
+            one_len: true,
+        }
+    }
+
+    /// The survey `n` descriptors of `first`'s devices and length would
+    /// give (none refused): what a plan packed before its survey is known
+    /// assumes, to be compared with the survey once it is.
+    pub fn uniform(first: &Descriptor, n: usize) -> Survey {
+        Survey {
+            devices: Some((first.src_dev, first.dst_dev)),
+            descriptors: n,
+            pieces: if first.len > 0 { n } else { 0 },
+            payload: first.len.saturating_mul(n as u64),
             first_len: first.len,
             one_len: true,
         }
