@@ -90,20 +90,25 @@ typed_counters! {
         /// Arena plans packed in the check's own pass over the lists
         /// (counted in `arena_plans_in_parts` too).
         arena_plans_with_check => "arena_plans_with_check",
-        /// When the first worker began a part, summed over the plans in
-        /// parts it helped (ns after the packing began).
+        /// When the first worker began a part of a plan packed after the
+        /// check, summed (ns after the packing began; a plan packed in the
+        /// check's pass counts in `arena_check_first_help_ns`).
         arena_plan_first_help_ns => "arena_plan_first_help_ns",
-        /// Checks of both lists in parts: their parts, the parts the
-        /// workers checked, and when the first began one (summed).
-        arena_check_parts => "arena_check_parts",
-        arena_check_parts_helped => "arena_check_parts_helped",
-        arena_check_first_help_ns => "arena_check_first_help_ns",
         /// Arena-path preparations, and the plugin's time in their checks
         /// of NIXL's two lists (with routing's facts and the plan's
-        /// survey) and in their plans.
+        /// survey; with the plan's packing when it was done in the same
+        /// pass, `arena_plans_with_check`) and in their plans (only the
+        /// assembly then).
         arena_prepared => "arena_prepared",
         arena_check_ns => "arena_check_ns",
         arena_plan_ns => "arena_plan_ns",
+        /// Checks of both lists in parts (those of transfers the
+        /// peer-mapped path's checked route took too): their parts, the
+        /// parts the workers checked, and when the first began one
+        /// (summed).
+        arena_check_parts => "arena_check_parts",
+        arena_check_parts_helped => "arena_check_parts_helped",
+        arena_check_first_help_ns => "arena_check_first_help_ns",
         cma_prepared => "cma_prepared",
         cma_submitted => "cma_submitted",
         cma_bytes => "cma_bytes",

@@ -408,7 +408,7 @@ impl<'a, T> Same<'a, T> {
     }
 
     /// What seeing these items and then `next`'s gives.
-    fn and(self, next: Same<'a, T>, same: impl Fn(&T, &T) -> bool) -> Same<'a, T> {
+    fn then(self, next: Same<'a, T>, same: impl Fn(&T, &T) -> bool) -> Same<'a, T> {
         match (self, next) {
             (Same::Unseen, x) | (x, Same::Unseen) => x,
             (Same::All(a), Same::All(b)) if same(a, b) => Same::All(a),
@@ -519,8 +519,8 @@ impl<'a> Facts<'a> {
     /// These facts followed by `next`'s, of the pairs right after.
     fn then(self, next: Facts<'a>) -> Facts<'a> {
         Facts {
-            instance: self.instance.and(next.instance, Arc::ptr_eq),
-            peer: self.peer.and(next.peer, |a, b| a == b),
+            instance: self.instance.then(next.instance, Arc::ptr_eq),
+            peer: self.peer.then(next.peer, |a, b| a == b),
             survey: match (self.survey, next.survey) {
                 (Ok(a), Ok(b)) => Ok(a.then(&b)),
                 (Err(e), _) | (Ok(_), Err(e)) => Err(e),
@@ -571,6 +571,14 @@ impl Packing {
         )?;
         Some(Packing { instance, spec })
     }
+}
+
+/// The chunks a check packed, with the packing they assumed and how the
+/// pool's workers helped.
+struct EarlyPlan {
+    packing: Packing,
+    chunks: Vec<plan::Chunk>,
+    help: peer::FillHelp,
 }
 
 /// What packing a plan's chunks before its survey is known assumes: the
@@ -635,8 +643,10 @@ impl<'a> Checked<'a> {
     /// together in order, so the first error is the one a single pass
     /// names; how the pool's workers helped; and, with `packing`, the
     /// chunks each part packed right after checking them (while its
-    /// descriptors are in the cache), when every part could. `None`: the
-    /// pool declined (held by another preparation).
+    /// descriptors are in the cache), when every part could. A packing
+    /// whose parts of whole chunks would be fewer than the pool's threads
+    /// is not done (the check would lose its threads to it). `None`: the
+    /// lists are empty or the pool declined (held by another preparation).
     pub fn in_parts(
         op: Op,
         local: Descs<'a>,
@@ -647,11 +657,10 @@ impl<'a> Checked<'a> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
         // Parts of whole chunks when packing (about the pool's part length).
-        let step = match packing {
-            Some(p) => p.per_chunk * fill.part_len.div_ceil(p.per_chunk),
-            None => fill.part_len,
-        }
-        .max(1);
+        let threads = fill.pool.current_num_threads() + 1;
+        let chunked = |p: &PackSpec| p.per_chunk * fill.part_len.div_ceil(p.per_chunk).max(1);
+        let packing = packing.filter(|p| n.div_ceil(chunked(p).max(1)) >= threads);
+        let step = packing.map_or(fill.part_len, chunked).max(1);
         let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
         let (parts, help) = fill.share(parts, |range| {
             let survey = Survey::part(&first, range.start);
@@ -1714,11 +1723,17 @@ impl Engine {
                     // Packed in the check's pass, for this instance and
                     // these descriptors (the survey assumed is the one
                     // found).
-                    Some((packing, chunks))
-                        if Arc::ptr_eq(&packing.instance, &instance)
-                            && packing.spec.survey == survey =>
+                    Some(e)
+                        if Arc::ptr_eq(&e.packing.instance, &instance)
+                            && e.packing.spec.survey == survey =>
                     {
-                        plan::assemble(&survey, chunks).map(Arc::new)
+                        let plan = plan::assemble(&survey, e.chunks)?;
+                        let c = &self.stats.counters.hot;
+                        EngineStats::add(&c.arena_plans_in_parts, 1);
+                        EngineStats::add(&c.arena_plans_with_check, 1);
+                        EngineStats::add(&c.arena_plan_parts, e.help.parts);
+                        EngineStats::add(&c.arena_plan_parts_helped, e.help.helped);
+                        Ok(Arc::new(plan))
                     }
                     _ => self.plan(&instance, op, &checked, survey),
                 });
@@ -1834,14 +1849,13 @@ impl Engine {
     /// (the arena is the likely route), each part also packs its chunks of
     /// the plan while its descriptors are in the cache ([`Packing`]); those
     /// come back with the packing they assumed.
-    #[allow(clippy::type_complexity)]
     fn check<'a>(
         &self,
         op: Op,
         local: Descs<'a>,
         remote: Descs<'a>,
         pack: bool,
-    ) -> Result<(Checked<'a>, Option<(Packing, Vec<plan::Chunk>)>)> {
+    ) -> Result<(Checked<'a>, Option<EarlyPlan>)> {
         if let Some(fill) = self
             .peer
             .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)
@@ -1854,13 +1868,11 @@ impl Engine {
                 EngineStats::add(&c.arena_check_parts, help.parts);
                 EngineStats::add(&c.arena_check_parts_helped, help.helped);
                 EngineStats::add(&c.arena_check_first_help_ns, help.first_help_ns);
-                let early = packing.zip(chunks);
-                if early.is_some() {
-                    EngineStats::add(&c.arena_plans_in_parts, 1);
-                    EngineStats::add(&c.arena_plans_with_check, 1);
-                    EngineStats::add(&c.arena_plan_parts, help.parts);
-                    EngineStats::add(&c.arena_plan_parts_helped, help.helped);
-                }
+                let early = packing.zip(chunks).map(|(packing, chunks)| EarlyPlan {
+                    packing,
+                    chunks,
+                    help,
+                });
                 return Ok((checked?, early));
             }
         }
@@ -2497,21 +2509,27 @@ mod tests {
                 )
             };
             let one_pass = Checked::new(Op::Write, ld, rd);
+            let mut fill = fill_pool();
             for part_len in 1..=l.len() {
-                let fill = peer::FillPool {
-                    pool: rayon::ThreadPoolBuilder::new()
-                        .num_threads(2)
-                        .build()
-                        .unwrap(),
-                    part_len,
-                    busy: Mutex::new(()),
-                    pid: std::process::id(),
-                };
+                fill.part_len = part_len;
                 let (parts, _, _) =
                     Checked::in_parts(Op::Write, ld, rd, &fill, None).expect("the pool is free");
                 assert_eq!(facts(&parts), facts(&one_pass), "in parts of {part_len}");
             }
             f(one_pass)
+        }
+
+        /// A pool of two workers beside the calling thread.
+        fn fill_pool() -> peer::FillPool {
+            peer::FillPool {
+                pool: rayon::ThreadPoolBuilder::new()
+                    .num_threads(2)
+                    .build()
+                    .unwrap(),
+                part_len: 1,
+                busy: Mutex::new(()),
+                pid: std::process::id(),
+            }
         }
 
         /// What a check found, to compare.
@@ -2666,13 +2684,15 @@ mod tests {
             /// chunks.
             #[test]
             fn the_plan_packed_in_the_check_is_the_plan(
-                n in 1usize..40,
+                n in 1usize..80,
                 len in 1usize..100,
                 cap in 64u64..600,
                 min_chunks in 1u64..4,
                 part_len in 1usize..12,
                 odd in proptest::option::of(0usize..40),
+                read in proptest::bool::ANY,
             ) {
+                let op = if read { Op::Read } else { Op::Write };
                 let [l0, _, r0, _] = regions();
                 let mut l: Vec<_> = (0..n).map(|i| at(l0, 128 * i, len)).collect();
                 let mut r: Vec<_> = (0..n).map(|i| at(r0, 256 * i + 64, len)).collect();
@@ -2686,27 +2706,29 @@ mod tests {
                 };
                 let options = plan::PlanOptions { max_chunk_bytes: cap, merge_runs: true, min_chunks, min_chunk_bytes: 64 };
                 let pool = crate::proto::RunPool::default();
-                let first = pair_descriptor(Op::Write, l[0].range(), r[0].range());
+                let first = pair_descriptor(op, l[0].range(), r[0].range());
                 let Some(spec) = PackSpec::new(Survey::uniform(&first, n), options, pool.clone()) else {
                     return Ok(());
                 };
-                let fill = peer::FillPool {
-                    pool: rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap(),
-                    part_len,
-                    busy: Mutex::new(()),
-                    pid: std::process::id(),
-                };
+                let fill = peer::FillPool { part_len, ..fill_pool() };
                 let (checked, _, chunks) =
-                    Checked::in_parts(Op::Write, ld, rd, &fill, Some(&spec)).expect("the pool is free");
+                    Checked::in_parts(op, ld, rd, &fill, Some(&spec)).expect("the pool is free");
                 let checked = checked.expect("checked");
                 let survey = checked.survey.clone().expect("plannable");
-                let made = plan::build_surveyed(checked.descriptors(Op::Write), survey, options, &pool).unwrap();
+                let made = plan::build_surveyed(checked.descriptors(op), survey, options, &pool).unwrap();
                 match chunks {
                     Some(chunks) => {
                         proptest::prop_assert_eq!(&survey, &spec.survey);
                         proptest::prop_assert_eq!(plan::assemble(&survey, chunks).unwrap(), made);
                     }
-                    None => proptest::prop_assert!(odd.is_some() && survey != spec.survey),
+                    // Not packed: fewer parts of whole chunks than the
+                    // pool's three threads, or not the list assumed.
+                    None => {
+                        let step = spec.per_chunk * part_len.div_ceil(spec.per_chunk);
+                        proptest::prop_assert!(
+                            n.div_ceil(step) < 3 || (odd.is_some() && survey != spec.survey)
+                        )
+                    }
                 }
             }
 

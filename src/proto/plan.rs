@@ -281,13 +281,15 @@ impl Survey {
     }
 
     /// This survey followed by `next`, a [`Survey::part`] of the same
-    /// transfer that starts where this one ends.
+    /// transfer that starts where this one ends; `self` is that
+    /// transfer's survey so far (its first part, or an empty survey). The
+    /// parts hold every device to descriptor 0's, so their devices agree.
     pub fn then(self, next: &Survey) -> Survey {
         if self.devices.is_none() {
             // Nothing surveyed yet.
             return *next;
         }
-        debug_assert_eq!(self.devices, next.devices);
+        debug_assert_eq!(self.devices, next.devices, "parts of one transfer");
         Survey {
             descriptors: next.descriptors,
             pieces: self.pieces + next.pieces,
