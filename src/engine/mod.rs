@@ -656,12 +656,12 @@ impl<'a> Checked<'a> {
     ) -> Option<(Result<Self>, peer::FillHelp, Option<Vec<plan::Chunk>>)> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
-        // Parts of whole chunks when packing (about the pool's part length).
-        let threads = fill.pool.current_num_threads() + 1;
-        let chunked = |p: &PackSpec| p.per_chunk * fill.part_len.div_ceil(p.per_chunk).max(1);
-        let packing = packing.filter(|p| n.div_ceil(chunked(p).max(1)) >= threads);
-        let step = packing.map_or(fill.part_len, chunked).max(1);
-        let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
+        // Parts of whole chunks when packing, unless they would be fewer
+        // than the pool's threads.
+        let (mut packing, mut parts) = (packing, fill.parts(n, packing.map_or(1, |p| p.per_chunk)));
+        if packing.is_some() && parts.len() <= fill.pool.current_num_threads() {
+            (packing, parts) = (None, fill.parts(n, 1));
+        }
         let (parts, help) = fill.share(parts, |range| {
             let survey = Survey::part(&first, range.start);
             let facts = Facts::of(op, local, remote, range.clone(), survey);
@@ -669,10 +669,7 @@ impl<'a> Checked<'a> {
                 // Every descriptor of the part is the first's length (the
                 // part's survey holds it to descriptor 0's).
                 (Ok(Facts { survey: Ok(s), .. }), Some(p)) if s.one_len() => {
-                    let pairs = local.raw[range.clone()]
-                        .iter()
-                        .zip(&remote.raw[range.clone()]);
-                    let descriptors = pairs.map(|(l, r)| pair_descriptor(op, l.range(), r.range()));
+                    let descriptors = pair_descriptors(op, local, remote, range.clone());
                     plan::pack(descriptors, range.start, &p.survey, p.cap, p.merge, &p.pool).ok()
                 }
                 _ => None,
@@ -695,11 +692,7 @@ impl<'a> Checked<'a> {
                 all
             });
         }
-        let checked = Checked::from_facts(local, remote, facts?);
-        // The chunks are the plan's only if the survey is the one assumed.
-        let chunks = chunks
-            .filter(|_| matches!((&checked.survey, packing), (Ok(s), Some(p)) if *s == p.survey));
-        Some((Ok(checked), help, chunks))
+        Some((Ok(Checked::from_facts(local, remote, facts?)), help, chunks))
     }
 
     fn from_facts(local: Descs<'a>, remote: Descs<'a>, facts: Facts<'a>) -> Self {
@@ -724,12 +717,22 @@ impl<'a> Checked<'a> {
         op: Op,
         range: std::ops::Range<usize>,
     ) -> impl Iterator<Item = Descriptor> + 'a {
-        let (l, r) = (self.local.0.raw, self.remote.0.raw);
-        l[range.clone()]
-            .iter()
-            .zip(&r[range])
-            .map(move |(l, r)| pair_descriptor(op, l.range(), r.range()))
+        pair_descriptors(op, self.local.0, self.remote.0, range)
     }
+}
+
+/// Pairs `range` of `local` and `remote` as the plan's source ->
+/// destination descriptors ([`pair_descriptor`]).
+fn pair_descriptors<'a>(
+    op: Op,
+    local: Descs<'a>,
+    remote: Descs<'a>,
+    range: std::ops::Range<usize>,
+) -> impl Iterator<Item = Descriptor> + 'a {
+    local.raw[range.clone()]
+        .iter()
+        .zip(&remote.raw[range])
+        .map(move |(l, r)| pair_descriptor(op, l.range(), r.range()))
 }
 
 /// Whether a descriptor passes [`SideCheck::step`] in a run whose region
@@ -1897,8 +1900,7 @@ impl Engine {
         let fill = self.peer.fill_pool(n, PARALLEL_PLAN_MIN_DESCRIPTORS);
         if let (Some(k), Some(fill)) = (cut.per_chunk, fill) {
             // Parts of whole chunks, of about the pool's part length.
-            let step = k * fill.part_len.div_ceil(k);
-            let parts: Vec<_> = (0..n).step_by(step).map(|a| a..n.min(a + step)).collect();
+            let parts = fill.parts(n, k);
             let pack = |range: std::ops::Range<usize>| {
                 let first = range.start;
                 let descriptors = checked.descriptors_in(op, range);

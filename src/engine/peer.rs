@@ -819,6 +819,14 @@ pub fn walk_pairs_in_parts<T: Send>(
 }
 
 impl FillPool {
+    /// `0..n` cut into parts of about the pool's part length, each a
+    /// whole number of `unit`s (the last may be shorter).
+    pub fn parts(&self, n: usize, unit: usize) -> Vec<std::ops::Range<usize>> {
+        let unit = unit.max(1);
+        let step = unit * self.part_len.div_ceil(unit).max(1);
+        (0..n).step_by(step).map(|a| a..n.min(a + step)).collect()
+    }
+
     /// Runs `work` on every part, the calling thread and the workers taking
     /// parts in turn; what each part gave, in the parts' order, and how the
     /// workers helped. `None`: a part declined (the rest are skipped),
