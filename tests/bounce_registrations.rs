@@ -321,3 +321,50 @@ fn destinations_alternating_between_two_buffers() {
     drop(regs);
     tx.buf.check_guards().or_fail("guards");
 }
+
+/// The sender's registration released and its buffer registered again,
+/// now in two pieces, between two transfers: the second transfer's check
+/// reads the new regions, not the one the first check kept (the engine
+/// forgets its kept regions at every release; NIXL's handle of a new
+/// region may have the address of a released one).
+#[test]
+#[serial_test::serial]
+fn a_buffer_registered_again_is_checked_anew() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let len = blocks_for(MANY) * BLOCK;
+    let (mut tx, rx, rbuf, regs) = setup(len, 1, 31);
+    let plan = Plan::standard(MANY, BLOCK, 32);
+    transfer(&mut tx, &rx, &rbuf, &plan, (33, 34), "registered whole").or_fail("transfer");
+    drop(tx.reg.take());
+    let half = blocks_for(MANY) / 2 * BLOCK;
+    let pieces: Vec<_> = [(0, half), (half, len - half)]
+        .into_iter()
+        .map(|(off, len)| {
+            let p = Piece {
+                addr: tx.buf.addr() + off,
+                len,
+            };
+            let mut opt = nixl_sys::OptArgs::new().expect("OptArgs");
+            opt.add_backend(&tx.node.backend).expect("add_backend");
+            tx.node
+                .agent
+                .register_memory(&p, Some(&opt))
+                .unwrap_or_else(|e| panic!("register a piece again: {e:?}"))
+        })
+        .collect();
+    // Every source block lies in one piece (the cut is at a block's edge).
+    let again = Plan::standard(MANY, BLOCK, 35);
+    transfer(
+        &mut tx,
+        &rx,
+        &rbuf,
+        &again,
+        (36, 37),
+        "registered in two pieces",
+    )
+    .or_fail("transfer after registering again");
+    drop(pieces);
+    drop(regs);
+}

@@ -180,20 +180,22 @@ struct WindowCache {
 /// How many regions per side [`WindowCache`] keeps at most.
 const CACHED_WINDOWS: usize = 4096;
 
-/// One preparation's walk through a [`WindowCache`] side: the `i`-th
-/// region it looks up is found when it is the `i`-th of the last
-/// preparation; any other is looked up and replaces what followed.
-struct Cursor<'c, T> {
+/// One preparation's walk through what the last one kept of the regions
+/// it met (a [`WindowCache`] side, or the arena check's
+/// [`super::KeptRegions`]): the `i`-th region it looks up is found when it
+/// is the `i`-th of the last preparation; any other is looked up and
+/// replaces what followed.
+pub(crate) struct Cursor<'c, T> {
     kept: &'c mut Vec<(usize, T)>,
     next: usize,
 }
 
 impl<'c, T> Cursor<'c, T> {
-    fn new(kept: &'c mut Vec<(usize, T)>) -> Self {
+    pub(crate) fn new(kept: &'c mut Vec<(usize, T)>) -> Self {
         Cursor { kept, next: 0 }
     }
 
-    fn hit(&mut self, handle: *const std::ffi::c_void) -> Option<&T> {
+    pub(crate) fn hit(&mut self, handle: *const std::ffi::c_void) -> Option<&T> {
         let (h, value) = self.kept.get(self.next)?;
         if *h != handle as usize {
             return None;
@@ -202,7 +204,7 @@ impl<'c, T> Cursor<'c, T> {
         Some(value)
     }
 
-    fn keep(&mut self, handle: *const std::ffi::c_void, value: T) {
+    pub(crate) fn keep(&mut self, handle: *const std::ffi::c_void, value: T) {
         self.kept.truncate(self.next);
         if self.next < CACHED_WINDOWS {
             self.kept.push((handle as usize, value));
