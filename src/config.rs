@@ -118,6 +118,9 @@ pub struct Config {
     /// How long the IO thread, copy workers and writer keep polling after
     /// their last event while transfers are live (us); 0 = always block.
     pub busy_poll_us: u64,
+    /// How long the IO thread alone keeps polling after its last event
+    /// while transfers are live (us); 0 = as `busy_poll_us`.
+    pub reactor_busy_poll_us: u64,
     /// VRAM peers on the same host: one kernel moves a transfer straight
     /// between this process's memory and the peer's, mapped with CUDA IPC
     /// (the peer-mapped path); off: such transfers take the bounce path.
@@ -182,6 +185,7 @@ impl Default for Config {
             control_interface: String::new(),
             control_bind_loopback: false,
             busy_poll_us: 0,
+            reactor_busy_poll_us: 0,
             enable_peer_map: true,
             ucx_progress_delay_us: 1000,
             notif_poll_us: 10,
@@ -360,6 +364,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the ZMQ control socket; empty = auto-detect."),
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the ZMQ control socket to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
+    setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
     setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),

@@ -173,6 +173,9 @@ impl Bounce {
             copier,
             copy_workers: workers,
             busy_poll: std::time::Duration::from_micros(config.busy_poll_us),
+            reactor_busy_poll: std::time::Duration::from_micros(
+                config.busy_poll_us.max(config.reactor_busy_poll_us),
+            ),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

@@ -493,6 +493,8 @@ pub struct Parts {
     /// Poll this long after the last event before sleeping (see
     /// `Config::busy_poll_us`).
     pub busy_poll: Duration,
+    /// The IO thread's own (see `Config::reactor_busy_poll_us`).
+    pub reactor_busy_poll: Duration,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Notify,
@@ -561,7 +563,7 @@ impl Runtime {
             write_done: write_done_rx,
             writer: Some(writer),
             arena: parts.arena,
-            busy_poll: parts.busy_poll,
+            busy_poll: parts.reactor_busy_poll,
             notify: parts.notify,
             failpoints: parts.failpoints,
             shared: shared.clone(),
