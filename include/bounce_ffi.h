@@ -209,6 +209,9 @@ bounce_status_t bounce_engine_load_local_md(bounce_engine_t *engine,
                                             const bounce_md_t *input,
                                             bounce_md_t **out);
 bounce_status_t bounce_engine_unload_md(bounce_engine_t *engine, bounce_md_t *md);
+/* Forgets what preparations keep of the regions they met; called under the
+ * shim's table writer lock before a handle leaves the table. */
+bounce_status_t bounce_engine_forget_regions(bounce_engine_t *engine);
 
 /* ---- connections ---- */
 

@@ -628,6 +628,11 @@ private:
                 return NIXL_ERR_INVALID_PARAM;
             }
             entry = it->second;
+            // No preparation runs now (they hold the reader lock): none may
+            // find this region among those the engine kept from the last
+            // one, from here on. (It fails only without an engine, which
+            // keeps nothing.)
+            (void)bounce_engine_forget_regions(engine);
             mds_.erase(it);
         }
         return release_parts(entry.md, meta, entry.loaded);

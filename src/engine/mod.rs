@@ -379,10 +379,11 @@ impl<'a, 'k> SideCheck<'a, 'k> {
     /// point, else resolved (and kept).
     fn region(&mut self, i: usize, p: *const std::ffi::c_void) -> Result<Region<'a>> {
         if let Some(k) = self.kept.as_mut().and_then(|c| c.hit(p)) {
-            // SAFETY: kept regions are forgotten (`Engine::release_md`)
-            // before any `Md` is freed, and none is released while a
-            // preparation runs (the shim holds its table's reader lock for
-            // the engine's whole call), so a kept one is alive for `'a`.
+            // SAFETY: the shim forgets the kept regions under its table's
+            // writer lock before a handle leaves the table (and so before
+            // its `Md` is freed: `Engine::forget_regions`), and a
+            // preparation holds the reader lock for the engine's whole
+            // call: a kept region is one the table holds, alive for `'a`.
             let md = unsafe { &*(k.md as *const Md) };
             return Ok(Region {
                 md,
@@ -1444,6 +1445,15 @@ impl Engine {
         }))
     }
 
+    /// Forgets what preparations keep of the regions they met: the peer-mapped
+    /// path's windows and the arena check's kept regions. Called before any
+    /// region leaves the shim's table (while no preparation runs) and again
+    /// when it is released.
+    pub fn forget_regions(&self) {
+        self.peer.forget_windows();
+        *self.kept_regions.lock().unwrap_or_else(|p| p.into_inner()) = KeptRegions::default();
+    }
+
     /// Releases registered memory or loaded metadata.
     // Boxed on purpose: the shim's table held this allocation, and its
     // magic is cleared in place before it is freed, so a stale pointer
@@ -1451,9 +1461,9 @@ impl Engine {
     #[allow(clippy::boxed_local)]
     pub fn release_md(&self, mut md: Box<Md>) -> Result<()> {
         // No preparation may find this region's window from now on (first:
-        // the handle is freed even when it is refused below).
-        self.peer.forget_windows();
-        *self.kept_regions.lock().unwrap_or_else(|p| p.into_inner()) = KeptRegions::default();
+        // the handle is freed even when it is refused below). The shim has
+        // done so already, before the handle left its table.
+        self.forget_regions();
         if !md.is_valid() {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }

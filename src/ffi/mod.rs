@@ -618,6 +618,22 @@ pub unsafe extern "C" fn bounce_engine_unload_md(engine: *mut Engine, md: *mut M
     release(engine, md, "unloadMD")
 }
 
+/// Forgets what preparations keep of the regions they met (the arena
+/// check's kept regions, the peer-mapped path's windows). The shim calls
+/// it under its table's writer lock before a handle leaves the table, so
+/// that no preparation, which runs under the reader lock, finds a region
+/// the table no longer holds, nor one about to be freed.
+///
+/// # Safety
+/// `engine` is null or a live engine from `bounce_engine_new`.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_forget_regions(engine: *mut Engine) -> i32 {
+    with_engine_cleanup(engine, "forgetting kept regions", |e| {
+        e.forget_regions();
+        Ok(Status::Success)
+    })
+}
+
 fn release(engine: *mut Engine, md: *mut Md, what: &str) -> i32 {
     if md.is_null() {
         return fail(Error::new(
