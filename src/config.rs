@@ -709,13 +709,14 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 37);
+        assert_eq!(keys.len(), 38);
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable_cma"));
         assert!(keys.contains(&"enable"));
         assert!(keys.contains(&"arena_size_bytes"));
         assert!(keys.contains(&"control_bind_loopback"));
         assert!(keys.contains(&"busy_poll_us"));
+        assert!(keys.contains(&"reactor_busy_poll_us"));
         assert!(keys.contains(&"peer_liveness_timeout_ms"));
         let rows = Config::describe();
         assert_eq!(rows[0].env, "NIXL_BOUNCE_ENABLE");

@@ -323,10 +323,12 @@ fn destinations_alternating_between_two_buffers() {
 }
 
 /// The sender's registration released and its buffer registered again,
-/// now in two pieces, between two transfers: the second transfer's check
-/// reads the new regions, not the one the first check kept (the engine
-/// forgets its kept regions at every release; NIXL's handle of a new
-/// region may have the address of a released one).
+/// now in two pieces, between two transfers, both byte-exact. The first
+/// check kept the released region; the engine must have forgotten it (the
+/// shim has it forget them before a handle leaves its table). A stale one
+/// would not always show here: the old region covered both pieces, and
+/// whether a new handle reuses the old one's address is the allocator's
+/// choice; the unit tests of the check cover kept regions' contents.
 #[test]
 #[serial_test::serial]
 fn a_buffer_registered_again_is_checked_anew() {

@@ -174,7 +174,10 @@ impl Bounce {
             copy_workers: workers,
             busy_poll: std::time::Duration::from_micros(config.busy_poll_us),
             reactor_busy_poll: std::time::Duration::from_micros(
-                config.busy_poll_us.max(config.reactor_busy_poll_us),
+                match config.reactor_busy_poll_us {
+                    0 => config.busy_poll_us,
+                    us => us,
+                },
             ),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
