@@ -50,6 +50,15 @@ impl NixlDescriptor for Piece {
     }
 }
 
+/// Registers `len` bytes at `addr` with `node`'s backend, on their own.
+fn register_piece(node: &Node, addr: usize, len: usize) -> nixl_sys::RegistrationHandle {
+    let mut opt = nixl_sys::OptArgs::new().expect("OptArgs");
+    opt.add_backend(&node.backend).expect("add_backend");
+    node.agent
+        .register_memory(&Piece { addr, len }, Some(&opt))
+        .unwrap_or_else(|e| panic!("register a piece: {e:?}"))
+}
+
 /// A sender with one registered buffer; a receiver whose one buffer is
 /// registered in `pieces` equal adjacent pieces (not as a whole).
 fn setup(
@@ -82,19 +91,12 @@ fn setup_with(
     let step = len / pieces;
     let regs = (0..pieces)
         .map(|i| {
-            let p = Piece {
-                addr: buf.addr() + i * step,
-                len: if i + 1 == pieces {
-                    len - i * step
-                } else {
-                    step
-                },
+            let piece_len = if i + 1 == pieces {
+                len - i * step
+            } else {
+                step
             };
-            let mut opt = nixl_sys::OptArgs::new().expect("OptArgs");
-            opt.add_backend(&rx.backend).expect("add_backend");
-            rx.agent
-                .register_memory(&p, Some(&opt))
-                .unwrap_or_else(|e| panic!("register a piece: {e:?}"))
+            register_piece(&rx, buf.addr() + i * step, piece_len)
         })
         .collect();
     pair_up(&tx.node, &rx);
@@ -343,18 +345,7 @@ fn a_buffer_registered_again_is_checked_anew() {
     let half = blocks_for(MANY) / 2 * BLOCK;
     let pieces: Vec<_> = [(0, half), (half, len - half)]
         .into_iter()
-        .map(|(off, len)| {
-            let p = Piece {
-                addr: tx.buf.addr() + off,
-                len,
-            };
-            let mut opt = nixl_sys::OptArgs::new().expect("OptArgs");
-            opt.add_backend(&tx.node.backend).expect("add_backend");
-            tx.node
-                .agent
-                .register_memory(&p, Some(&opt))
-                .unwrap_or_else(|e| panic!("register a piece again: {e:?}"))
-        })
+        .map(|(off, len)| register_piece(&tx.node, tx.buf.addr() + off, len))
         .collect();
     // Every source block lies in one piece (the cut is at a block's edge).
     let again = Plan::standard(MANY, BLOCK, 35);

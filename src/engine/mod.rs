@@ -657,21 +657,8 @@ impl Packing {
     /// plan would be cut by whole chunks.
     fn of(op: Op, local: &Descs<'_>, remote: &Descs<'_>) -> Option<Packing> {
         let (l0, r0) = (local.raw.first()?, remote.raw.first()?);
-        let instance = match &local.md(l0.md)?.owner {
-            MdOwner::Registered {
-                bounce: Some(b), ..
-            } => b.clone(),
-            _ => return None,
-        };
-        if !matches!(
-            &remote.md(r0.md)?.owner,
-            MdOwner::Remote {
-                bounce: Some(_),
-                ..
-            }
-        ) {
-            return None;
-        }
+        let instance = local.md(l0.md)?.instance()?.clone();
+        remote.md(r0.md)?.arena()?;
         let first = pair_descriptor(op, l0.range(), r0.range());
         let runtime = &instance.runtime;
         let spec = PackSpec::new(
@@ -2027,17 +2014,8 @@ impl Engine {
             }
         }
         // The regions kept from the last check, unless another check
-        // holds them (or one panicked holding them: they are dropped).
-        let mut kept = match self.kept_regions.try_lock() {
-            Ok(k) => Some(k),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                let mut k = p.into_inner();
-                *k = KeptRegions::default();
-                self.kept_regions.clear_poison();
-                Some(k)
-            }
-        };
+        // holds them.
+        let mut kept = peer::take_kept(&self.kept_regions);
         Ok((
             Checked::with_kept(op, local, remote, kept.as_deref_mut())?,
             None,

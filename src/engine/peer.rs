@@ -213,6 +213,22 @@ impl<'c, T> Cursor<'c, T> {
     }
 }
 
+/// What the last preparation kept of the regions it met, for this one:
+/// `None` while another preparation holds it; emptied when one panicked
+/// holding it.
+pub(crate) fn take_kept<T: Default>(kept: &Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
+    match kept.try_lock() {
+        Ok(k) => Some(k),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+        Err(std::sync::TryLockError::Poisoned(p)) => {
+            let mut k = p.into_inner();
+            *k = T::default();
+            kept.clear_poison();
+            Some(k)
+        }
+    }
+}
+
 /// Adds `m` to the mappings a table's addresses point into, once.
 fn keep_mapping(mappings: &mut Vec<Arc<PeerMapping>>, m: &Arc<PeerMapping>) {
     if !mappings.iter().any(|x| Arc::ptr_eq(x, m)) {
@@ -384,16 +400,7 @@ impl PeerMaps {
     /// another preparation holds them: that one keeps them, and this one
     /// looks every region up.
     fn kept_windows(&self, ordinal: usize) -> Option<std::sync::MutexGuard<'_, WindowCache>> {
-        let mut w = match self.windows.try_lock() {
-            Ok(w) => w,
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                let mut w = p.into_inner();
-                *w = WindowCache::default();
-                self.windows.clear_poison();
-                w
-            }
-        };
+        let mut w = take_kept(&self.windows)?;
         if w.device != ordinal {
             *w = WindowCache {
                 device: ordinal,
