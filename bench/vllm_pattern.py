@@ -794,8 +794,8 @@ def print_table(summary, cases, opts):
           f"{opts.iters} timed iterations (+{opts.warmup} warm-up) per backend, "
           + (f"alternating {','.join(opts.backends)}" if opts.order == "alternate"
              else f"one backend at a time ({','.join(opts.backends)})"))
-    print("times in ms: median [p10-p90]; transfer = transfer() -> DONE; notif = notification seen by the owner "
-          "- reader's post; e2e = make_prepped_xfer start -> DONE")
+    print("times in ms: median [p10-p90]; post call = transfer()'s own call; transfer = transfer() -> DONE; "
+          "notif = notification seen by the owner - reader's post; e2e = make_prepped_xfer start -> DONE")
     for g in cases:
         rows = [r for r in summary if r["case"] == g["name"]]
         if not rows:
@@ -804,11 +804,13 @@ def print_table(summary, cases, opts):
               f"{g['blocks_per_req']} blocks x {g['block_len'] // 1024} KiB per region -> {g['descs_per_req']} "
               f"descriptors, {g['bytes_per_req'] / 2**20:.1f} MiB per request, {g['inflight']} in flight; "
               f"cache {g['num_blocks']} blocks/region")
-        hdr = (f"{'backend':<7} {'prepare':>26} {'transfer':>28} {'GB/s':>7} {'notif':>28} {'e2e':>28}"
+        hdr = (f"{'backend':<7} {'prepare':>26} {'post call':>26} {'transfer':>28} {'GB/s':>7} {'notif':>28}"
+               f" {'e2e':>28}"
                + (f" {'agg GB/s':>9}" if g["inflight"] > 1 else "") + "  route")
         print(hdr)
         for r in rows:
-            line = (f"{r['backend']:<7} {fmt_ms(r['prepare_s']):>26} {fmt_ms(r['transfer_s']):>28} "
+            line = (f"{r['backend']:<7} {fmt_ms(r['prepare_s']):>26} {fmt_ms(r['post_call_s']):>26}"
+                    f" {fmt_ms(r['transfer_s']):>28} "
                     f"{r['gbps']:7.2f} {fmt_ms(r['notif_s']):>28} {fmt_ms(r['e2e_s']):>28}")
             if g["inflight"] > 1:
                 line += f" {r['agg_gbps']['p50']:9.2f}"
@@ -821,7 +823,8 @@ def print_table(summary, cases, opts):
             pp = r.get("plugin_prepare_ns")
             if pp and pp.get("prepare_ns") and pp["prepare_ns"]["p50"] > 0:
                 us = {k: v["p50"] / 1e3 for k, v in pp.items()}
-                print(f"        plugin's share of prepare (median us per request): {us['prepare_ns']:.0f} in all"
+                print(f"        plugin's preparation of the request (median us per request; in transfer()'s call"
+                      f" with prepare_at_post, else in make_prepped_xfer): {us['prepare_ns']:.0f} in all"
                       f" ({us['prepare_ns'] * 1e3 / r['descs']:.1f} ns per descriptor), of it peer-mapped"
                       f" {us['peer_map_prepare_ns']:.0f} (fill {us['peer_map_fill_ns']:.0f}, of it set-up"
                       f" {us.get('peer_map_setup_ns', 0):.0f}; upload {us['peer_map_upload_ns']:.0f}: device"
@@ -852,8 +855,8 @@ def print_table(summary, cases, opts):
         by = {r["backend"]: r for r in rows}
         if "BOUNCE" in by and "UCX" in by:
             u, bo = by["UCX"], by["BOUNCE"]
-            ratios = [f"{k[:-2]} {u[k]['p50'] / bo[k]['p50']:.2f}x" for k in ("prepare_s", "transfer_s", "notif_s",
-                                                                              "e2e_s") if bo[k]["p50"] > 0]
+            ratios = [f"{k[:-2].replace('_', ' ')} {u[k]['p50'] / bo[k]['p50']:.2f}x"
+                      for k in ("prepare_s", "post_call_s", "transfer_s", "notif_s", "e2e_s") if bo[k]["p50"] > 0]
             if g["inflight"] > 1:
                 ratios.append(f"aggregate GB/s {bo['agg_gbps']['p50'] / u['agg_gbps']['p50']:.2f}x")
             print("BOUNCE speed-up over UCX (UCX median / BOUNCE median; >1 = BOUNCE faster): " + ", ".join(ratios))

@@ -220,6 +220,19 @@ bounce_status_t bounce_engine_disconnect(bounce_engine_t *engine, bounce_bytes_t
 
 /* ---- transfers ---- */
 
+/* What a preparation can refuse before any descriptor is looked at (the
+ * operation, the lists' counts, the remote agent, the custom parameter).
+ * On success *defer is 1 when the request's routing and per-descriptor work
+ * wait for its first post (setting prepare_at_post): the shim then calls
+ * prep_xfer there, with the post's lists, and keeps what it made for the
+ * request's re-posts; 0: call prep_xfer now. */
+bounce_status_t bounce_engine_admit_xfer(bounce_engine_t *engine,
+                                         bounce_op_t op,
+                                         size_t local_count,
+                                         size_t remote_count,
+                                         bounce_bytes_t remote_agent,
+                                         const bounce_xfer_args_t *args,
+                                         int32_t *defer);
 /* *req is NULL on entry to prep_xfer. On success either *delegate is 1 and
  * *req stays NULL (the transfer is the UCX delegate's to prepare and run), or
  * *delegate is 0 and *req holds a new request. */

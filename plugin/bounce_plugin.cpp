@@ -99,14 +99,18 @@ const bounce_md_t *resolve_md(const void *ctx, const void *md) {
 }
 
 // NIXL-owned request handle: a Rust bounce_req_t (owned), or a request of
-// the UCX delegate (owned), prepared and posted with NIXL's own lists.
+// the UCX delegate (owned), prepared and posted with NIXL's own lists; or
+// neither yet, while its routing waits for its first post
+// (bounce_engine_admit_xfer).
 class BounceReqH final : public nixlBackendReqH {
 public:
-    explicit BounceReqH(bounce_req_t *req) : req(req) {}
-    BounceReqH() = default;
-    bounce_req_t *const req = nullptr;
+    bool routed() const { return req || ucx; }
+    bounce_req_t *req = nullptr;
     // Set by the delegate's prepXfer.
     nixlBackendReqH *ucx = nullptr;
+    // The custom parameter prepXfer was given, for the routing at the
+    // first post (NIXL passes it to prepXfer only).
+    nixl_blob_t custom;
 };
 
 // NIXL's UCX engine, created from the UCX plugin installed beside this one.
@@ -335,6 +339,7 @@ public:
             if (!ucx) {
                 return NIXL_ERR_BACKEND;
             }
+            auto h = std::make_unique<BounceReqH>();
             // Too few descriptors for any of BOUNCE's paths (the engine's
             // rule, read once): the commonest UCX-routed transfers skip the
             // engine's preparation, which only counts them.
@@ -342,44 +347,81 @@ public:
                 below_floor(local, remote, opt_args) &&
                 bounce_engine_count_below_floor(engine, bytes(remote_agent)) == 1;
             if (!ucx_route) {
-                // The engine resolves the descriptors' metadata in the table
-                // while it runs: no registration may change it meanwhile.
-                std::shared_lock lock(mds_lock_);
-                const bounce_desc_list_t l = desc_list(local, mds_), r = desc_list(remote, mds_);
+                // What needs no descriptor is refused here; the rest waits
+                // for the first post when the engine says so.
                 const bounce_xfer_args_t args = xfer_args(opt_args);
-                int32_t delegate = 0;
-                bounce_req_t *req = nullptr;
-                const bounce_status_t st = bounce_engine_prep_xfer(
-                    engine, static_cast<bounce_op_t>(op), &l, &r, bytes(remote_agent), &args, &delegate, &req);
+                int32_t defer = 0;
+                const bounce_status_t st =
+                    bounce_engine_admit_xfer(engine, static_cast<bounce_op_t>(op), local.descCount(),
+                                             remote.descCount(), bytes(remote_agent), &args, &defer);
                 if (st != BOUNCE_SUCCESS) {
                     return static_cast<nixl_status_t>(st);
                 }
-                if (!delegate) {
-                    handle = wrap_req(req);
+                if (defer) {
+                    if (opt_args) {
+                        h->custom = opt_args->customParam;
+                    }
+                    handle = h.release();
                     return NIXL_SUCCESS;
                 }
             }
-            auto h = std::make_unique<BounceReqH>();
-            const auto release_delegate = [&] {
-                if (h->ucx) {
-                    ucx->engine->releaseReqH(h->ucx);
-                }
-            };
-            nixl_status_t ust;
-            try {
-                ust = ucx->engine->prepXfer(op, local, remote, remote_agent, h->ucx, opt_args);
-            } catch (...) {
-                release_delegate();
-                throw;
+            const nixl_status_t st = route(op, local, remote, remote_agent, opt_args, !ucx_route, *h);
+            if (st == NIXL_SUCCESS) {
+                handle = h.release();
             }
-            if (ust != NIXL_SUCCESS || !h->ucx) {
-                release_delegate();
-                // A success without a request would be posted as BOUNCE's own.
-                return ust != NIXL_SUCCESS ? ust : NIXL_ERR_BACKEND;
-            }
-            handle = h.release();
-            return NIXL_SUCCESS;
+            return st;
         });
+    }
+
+    // Prepares a request on its route: with `ask_engine`, the engine checks
+    // the descriptors and prepares it on one of BOUNCE's paths (h.req) or
+    // hands it to the delegate; otherwise, or then, the delegate prepares it
+    // (h.ucx). On failure h is left as it was.
+    nixl_status_t route(const nixl_xfer_op_t &op,
+                        const nixl_meta_dlist_t &local,
+                        const nixl_meta_dlist_t &remote,
+                        const std::string &remote_agent,
+                        const nixl_opt_b_args_t *opt_args,
+                        bool ask_engine,
+                        BounceReqH &h) const {
+        if (ask_engine) {
+            // The engine resolves the descriptors' metadata in the table
+            // while it runs: no registration may change it meanwhile.
+            std::shared_lock lock(mds_lock_);
+            const bounce_desc_list_t l = desc_list(local, mds_), r = desc_list(remote, mds_);
+            const bounce_xfer_args_t args = xfer_args(opt_args);
+            int32_t delegate = 0;
+            bounce_req_t *req = nullptr;
+            const bounce_status_t st = bounce_engine_prep_xfer(
+                engine, static_cast<bounce_op_t>(op), &l, &r, bytes(remote_agent), &args, &delegate, &req);
+            if (st != BOUNCE_SUCCESS) {
+                return static_cast<nixl_status_t>(st);
+            }
+            if (!delegate) {
+                h.req = req;
+                return NIXL_SUCCESS;
+            }
+        }
+        nixlBackendReqH *u = nullptr;
+        const auto release_delegate = [&] {
+            if (u) {
+                ucx->engine->releaseReqH(u);
+            }
+        };
+        nixl_status_t ust;
+        try {
+            ust = ucx->engine->prepXfer(op, local, remote, remote_agent, u, opt_args);
+        } catch (...) {
+            release_delegate();
+            throw;
+        }
+        if (ust != NIXL_SUCCESS || !u) {
+            release_delegate();
+            // A success without a request would be posted as BOUNCE's own.
+            return ust != NIXL_SUCCESS ? ust : NIXL_ERR_BACKEND;
+        }
+        h.ucx = u;
+        return NIXL_SUCCESS;
     }
 
     // Fewer descriptors than any of BOUNCE's paths takes between these
@@ -412,6 +454,19 @@ public:
                 }
             }
             auto *h = static_cast<BounceReqH *>(handle);
+            if (!h->routed()) {
+                // The first post of a request whose preparation waited for
+                // it: routed and prepared now, with NIXL's lists and the
+                // custom parameter prepXfer had, once.
+                nixl_opt_b_args_t args = opt_args ? *opt_args : nixl_opt_b_args_t{};
+                if (args.customParam.empty()) {
+                    args.customParam = h->custom;
+                }
+                const nixl_status_t st = route(op, local, remote, remote_agent, &args, true, *h);
+                if (st != NIXL_SUCCESS) {
+                    return st;
+                }
+            }
             if (h->ucx) {
                 return ucx->engine->postXfer(op, local, remote, remote_agent, h->ucx, opt_args);
             }
@@ -426,6 +481,9 @@ public:
                 return NIXL_ERR_INVALID_PARAM;
             }
             auto *h = static_cast<BounceReqH *>(handle);
+            if (!h->routed()) {
+                return NIXL_ERR_NOT_POSTED;
+            }
             return h->ucx ? ucx->engine->checkXfer(h->ucx)
                           : static_cast<nixl_status_t>(bounce_engine_check_xfer(engine, h->req));
         });
@@ -437,8 +495,12 @@ public:
                 return NIXL_ERR_INVALID_PARAM;
             }
             auto *h = static_cast<BounceReqH *>(handle);
-            const nixl_status_t st = h->ucx ? ucx->engine->releaseReqH(h->ucx)
-                                            : static_cast<nixl_status_t>(bounce_engine_release_req(engine, h->req));
+            nixl_status_t st = NIXL_SUCCESS;
+            if (h->ucx) {
+                st = ucx->engine->releaseReqH(h->ucx);
+            } else if (h->req) {
+                st = static_cast<nixl_status_t>(bounce_engine_release_req(engine, h->req));
+            }
             delete h;
             return st;
         });
@@ -594,15 +656,6 @@ private:
     // engine's). Needs mds_lock_.
     const bounce_md_t *bounce_md(const nixlBackendMD *meta) const {
         return meta ? resolve_md(&mds_, meta) : nullptr;
-    }
-
-    BounceReqH *wrap_req(bounce_req_t *req) const {
-        try {
-            return new BounceReqH(req);
-        } catch (...) {
-            bounce_engine_release_req(engine, req);
-            throw;
-        }
     }
 
     // The Rust side first: deregistration waits there until no copy of

@@ -128,6 +128,10 @@ pub struct Config {
     /// Peer-mapped path: threads that fill a large request's copy table
     /// together (the calling thread among them); 0 = auto.
     pub peer_map_prepare_threads: usize,
+    /// A request is routed and prepared (descriptors checked, plan or copy
+    /// table built) at its first post, as UCX does its per-descriptor work
+    /// at post; off: in prepXfer.
+    pub prepare_at_post: bool,
     /// DRAM peers on the same host: one copy by cross-memory attach straight
     /// between this process's memory and the peer's (the CMA path); off:
     /// such transfers take the bounce arena or UCX.
@@ -187,6 +191,7 @@ impl Default for Config {
             busy_poll_us: 0,
             reactor_busy_poll_us: 0,
             enable_peer_map: true,
+            prepare_at_post: true,
             ucx_progress_delay_us: 1000,
             notif_poll_us: 10,
         }
@@ -368,6 +373,7 @@ static SETTINGS: &[Setting] = &[
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
     setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),
+    setting!(prepare_at_post, "prepare_at_post", "PREPARE_AT_POST", Bool, true, "A request's per-descriptor work (its route, the check of both lists, the arena's plan or the peer-mapped copy table) is done at its first post and kept for its re-posts, as UCX does its own at post, so that prepXfer costs what UCX's does (a handle); errors of the descriptors are then reported by the post. Off: done in prepXfer."),
     setting!(enable_cma, "enable_cma", "ENABLE_CMA", Bool, true, "DRAM peers on the same host (proven by reading a token in the peer's memory): one copy moves an eligible transfer straight between this process's memory and the peer's by cross-memory attach, 1024 descriptors a system call (a memory copy between two agents of one process); off: such transfers take the bounce arena or UCX."),
     setting!(cma_min_descriptor_count, "cma_min_descriptor_count", "CMA_MIN_DESCRIPTOR_COUNT", Count, false, "CMA path: minimum descriptor count (fewer go to UCX)."),
     setting!(cma_max_average_descriptor_size_bytes, "cma_max_average_descriptor_size_bytes", "CMA_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "CMA path between two processes: maximum average descriptor bytes (larger go to UCX); 0 = no limit, the default (on the CPU machine, one backend alive at a time, CMA ran at 1.0-1.9x UCX with vLLM's num_threads=4 and 1.5-2.1x UCX without, from 16 KiB to 1 MiB blocks); within one process there is no limit."),
@@ -709,7 +715,8 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 38);
+        assert_eq!(keys.len(), 39);
+        assert!(keys.contains(&"prepare_at_post"));
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable_cma"));
         assert!(keys.contains(&"enable"));

@@ -1,5 +1,8 @@
 //! Lifecycles around bounce transfers, each byte-exact and counted:
 //! - one prepared request posted again and again (new data each time);
+//! - a request's routing and plan wait for its first post
+//!   (`prepare_at_post`), are kept for its re-posts, and a request never
+//!   posted costs nothing; with the setting off they are made in prepXfer;
 //! - a request released while it runs (cancelled), then the pair still
 //!   works;
 //! - the peer's metadata invalidated and loaded again;
@@ -78,6 +81,69 @@ fn repost_the_same_request() {
         let (ea, eb) = (stats(a.name()), stats(b.name()));
         assert_sender_bounced(&sa, &ea, 1);
         assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
+    }
+}
+
+/// With `prepare_at_post` (the default) NIXL's createXferReq costs the
+/// engine nothing per descriptor: the request is routed and planned at its
+/// first post, once, and a re-post uses that plan; a request released
+/// unposted was never prepared. Off, the preparation is createXferReq's.
+#[test]
+#[serial_test::serial]
+fn preparation_waits_for_the_first_post() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    for at_post in [true, false] {
+        let ex = [
+            LOOPBACK,
+            ("prepare_at_post", if at_post { "true" } else { "false" }),
+        ];
+        let mut a = endpoint("lc-a", &ex, len(), 11, ThreadSync::Default);
+        let mut b = endpoint("lc-b", &ex, len(), 12, ThreadSync::Default);
+        pair_up(&a.node, &b.node);
+        let plan = Plan::standard(MANY, BLOCK, 13);
+        let prepared =
+            |e: &Endpoint, before: &Counters| stats(e.name()).since(before, "transfers_prepared");
+
+        // Released without a post.
+        let sa = stats(a.name());
+        drop(write_request(&a, &b, &plan));
+        assert_eq!(
+            prepared(&a, &sa),
+            u64::from(!at_post),
+            "at_post={at_post}: an unposted request"
+        );
+
+        let sa = stats(a.name());
+        let req = write_request(&a, &b, &plan);
+        assert_eq!(
+            prepared(&a, &sa),
+            u64::from(!at_post),
+            "at_post={at_post}: after createXferReq"
+        );
+        b.buf.fill_pattern(14);
+        let dst_before = b.buf.as_slice().to_vec();
+        for i in 0..2u64 {
+            a.buf.fill_pattern(15 + i);
+            let src = a.buf.as_slice().to_vec();
+            let (s0, sb) = (stats(a.name()), stats(b.name()));
+            a.node
+                .post_and_wait(&req, wait_timeout())
+                .or_fail(&format!("at_post={at_post}: post #{i}"));
+            plan.verify(b.buf.as_slice(), &dst_before, &src)
+                .or_fail(&format!("at_post={at_post}: post #{i}"));
+            let (ea, eb) = (stats(a.name()), stats(b.name()));
+            assert_sender_bounced(&s0, &ea, 1);
+            assert_receiver_scattered(&sb, &eb, ea.since(&s0, "chunks_written"));
+        }
+        assert_eq!(
+            prepared(&a, &sa),
+            1,
+            "at_post={at_post}: prepared once for two posts"
+        );
+        drop(req);
+        write(&mut b, &mut a, 17);
     }
 }
 

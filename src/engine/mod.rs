@@ -1768,6 +1768,29 @@ impl Engine {
         below_floor_reason(&self.config, local_transfer)
     }
 
+    /// What a preparation refuses before any descriptor is looked at (the
+    /// lists' counts, an unknown remote agent, a malformed custom
+    /// parameter); `Ok(true)`: the rest of the preparation waits for the
+    /// request's first post ([`Config::prepare_at_post`]).
+    pub fn admit_xfer(
+        &self,
+        local: usize,
+        remote: usize,
+        agent: &str,
+        args: &XferArgs,
+    ) -> Result<bool> {
+        if local != remote {
+            return Err(Error::invalid(format!(
+                "{local} local descriptors but {remote} remote descriptors"
+            )));
+        }
+        self.inner_remote(agent)?;
+        if !args.custom_param.is_empty() {
+            TransferParams::parse(&args.custom_param)?;
+        }
+        Ok(self.config.prepare_at_post)
+    }
+
     /// Checks a transfer's descriptors and prepares it on one of BOUNCE's own
     /// paths; `None`: the UCX delegate carries it (the reason is counted).
     /// Called after [`Engine::early_fallback`] let it through (which checked

@@ -808,6 +808,39 @@ pub unsafe extern "C" fn bounce_engine_disconnect(
 
 // ---- transfers --------------------------------------------------------------------
 
+/// What a preparation can refuse without looking at a descriptor: the
+/// operation, the two lists' counts, the remote agent, the custom
+/// parameter. On success `*defer` says whether the request's routing and
+/// per-descriptor preparation wait for its first post
+/// (`Config::prepare_at_post`), where the shim calls
+/// `bounce_engine_prep_xfer` with the post's lists.
+///
+/// # Safety
+/// `remote_agent` and `args` are valid for the call; `defer` is valid for
+/// writing.
+#[no_mangle]
+pub unsafe extern "C" fn bounce_engine_admit_xfer(
+    engine: *mut Engine,
+    op: i32,
+    local_count: usize,
+    remote_count: usize,
+    remote_agent: bounce_bytes_t,
+    args: *const bounce_xfer_args_t,
+    defer: *mut i32,
+) -> i32 {
+    with_engine(engine, "prepXfer", |e| {
+        let defer = RouteSlot::new(defer)?;
+        // SAFETY: caller contract.
+        let agent = unsafe { borrow_str(remote_agent, "the remote agent name") }?;
+        // SAFETY: caller contract.
+        let args = unsafe { xfer_args(args, false) };
+        Op::from_nixl(op)?;
+        let later = e.admit_xfer(local_count, remote_count, agent, &args)?;
+        defer.set(i32::from(later));
+        Ok(Status::Success)
+    })
+}
+
 /// Prepares a transfer: on success either `*delegate` is 1 (the UCX
 /// delegate carries it; `*req` stays null) or `*req` is a new request owned
 /// by the caller, released by `bounce_engine_release_req`.
