@@ -1151,15 +1151,31 @@ impl std::fmt::Debug for Engine {
 
 /// Why a transfer of this shape goes to the UCX delegate before anything
 /// per descriptor is looked at; `None`: one of BOUNCE's paths may take it.
-pub fn early_reason(cfg: &Config, shape: &Shape) -> Option<Fallback> {
+/// With `sum_first` false the arena's gate counts descriptors only: its
+/// size limit is then applied by [`bounce::route`] with the byte total
+/// the check's pass finds (see [`Engine::sums_first`]).
+pub fn early_reason(cfg: &Config, shape: &Shape, sum_first: bool) -> Option<Fallback> {
     if !cfg.enabled || shape.local_transfer {
         Some(below_floor_reason(cfg, shape.local_transfer))
     } else if peer::gate(cfg, shape).is_ok() || cma_shape(cfg, shape) {
         None
     } else {
-        bounce::arena_gate(cfg, shape.local, shape.remote)
-            .admit(shape.descriptors, shape.bytes)
-            .err()
+        arena_early_gate(cfg, shape, sum_first).err()
+    }
+}
+
+/// The arena's gate before the check: in full with `sum_first`, else its
+/// descriptor count only.
+fn arena_early_gate(
+    cfg: &Config,
+    shape: &Shape,
+    sum_first: bool,
+) -> std::result::Result<(), Fallback> {
+    let gate = bounce::arena_gate(cfg, shape.local, shape.remote);
+    if sum_first {
+        gate.admit(shape.descriptors, shape.bytes)
+    } else {
+        gate.admit(shape.descriptors, TotalBytes::Known(0))
     }
 }
 
@@ -1742,11 +1758,24 @@ impl Engine {
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
         }
-        let reason = early_reason(&self.config, shape);
+        let reason = early_reason(&self.config, shape, self.sums_first(shape));
         if let Some(r) = reason {
             self.count_ucx_routed(r);
         }
         Ok(reason)
+    }
+
+    /// Whether the arena's size limit is tested before the check's pass,
+    /// with a sum of its own over the local list, or after it, with the
+    /// byte total the pass finds. After, when the pass runs in parts on
+    /// the preparation pool: a serial sum over a list that long (1 MiB
+    /// read cold for 32,768 descriptors, 50-60 us on the H200 host) costs
+    /// more than the parallel pass it could spare a transfer the limit
+    /// refuses, which then goes to UCX after the pass.
+    fn sums_first(&self, shape: &Shape) -> bool {
+        self.peer
+            .fill_pool(shape.descriptors as usize, PARALLEL_PLAN_MIN_DESCRIPTORS)
+            .is_none()
     }
 
     /// Counts a transfer that the UCX delegate carries, prepared and by
@@ -1851,9 +1880,7 @@ impl Engine {
             // routing; when the arena's gate already refuses the shape, it
             // is UCX's with no further pass over the descriptors (as
             // `early_fallback` would have decided without the CMA path).
-            if let Err(reason) = bounce::arena_gate(&self.config, shape.local, shape.remote)
-                .admit(shape.descriptors, shape.bytes)
-            {
+            if let Err(reason) = arena_early_gate(&self.config, shape, self.sums_first(shape)) {
                 self.stats.fell_back(reason);
                 return Ok(None);
             }
@@ -1864,6 +1891,10 @@ impl Engine {
         // the check's pass.
         let (checked, early) = self.check(op, local, remote, !peer_gate)?;
         let check_ns = check_began.elapsed().as_nanos() as u64;
+        // The byte total the routing's size limit needs, from the pass.
+        if let (Ok(survey), TotalBytes::Of(_, total)) = (&checked.survey, shape.bytes) {
+            let _ = total.set(survey.payload());
+        }
         let (local, remote) = (&checked.local, &checked.remote);
         if peer_gate {
             if let Some(x) = self.peer_mapped_route(op, local, remote, &inner_remote) {
@@ -2566,6 +2597,7 @@ mod tests {
             local_transfer in proptest::prelude::any::<bool>(),
             descriptors in 0u64..3000,
             average in 1u64..(1 << 20),
+            sum_first in proptest::prelude::any::<bool>(),
         ) {
             let cfg = Config {
                 enabled,
@@ -2588,14 +2620,14 @@ mod tests {
             let floor = route_floor(&cfg, local, remote);
             if descriptors < floor {
                 proptest::prop_assert_eq!(
-                    early_reason(&cfg, &shape(descriptors, local_transfer)),
+                    early_reason(&cfg, &shape(descriptors, local_transfer), sum_first),
                     Some(below_floor_reason(&cfg, local_transfer))
                 );
             }
             if floor != u64::MAX {
                 // The smallest shape at the floor is let through.
                 let small = Shape { bytes: TotalBytes::Known(floor), ..shape(floor, false) };
-                proptest::prop_assert_eq!(early_reason(&cfg, &small), None);
+                proptest::prop_assert_eq!(early_reason(&cfg, &small, sum_first), None);
             }
         }
     }

@@ -245,6 +245,11 @@ impl Survey {
         self.descriptors
     }
 
+    /// The bytes of the descriptors surveyed.
+    pub fn payload(&self) -> u64 {
+        self.payload
+    }
+
     /// Whether every descriptor surveyed has the first one's length.
     pub fn one_len(&self) -> bool {
         self.one_len
