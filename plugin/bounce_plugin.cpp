@@ -90,7 +90,7 @@ struct MdEntry {
 using md_table_t = std::unordered_map<const nixlBackendMD *, MdEntry>;
 
 // The engine's resolver (bounce_md_resolver_t): ctx is the engine's table,
-// which prepXfer holds the reader lock of for the engine's whole call (the
+// whose reader lock route() holds for the engine's whole preparation (the
 // engine may call this from several threads then; none of them locks).
 const bounce_md_t *resolve_md(const void *ctx, const void *md) {
     const auto &table = *static_cast<const md_table_t *>(ctx);
@@ -109,7 +109,8 @@ public:
     // Set by the delegate's prepXfer.
     nixlBackendReqH *ucx = nullptr;
     // The custom parameter prepXfer was given, for the routing at the
-    // first post (NIXL passes it to prepXfer only).
+    // first post (NIXL's createXferReq passes it to prepXfer, never to
+    // postXfer; makeXferReq passes none).
     nixl_blob_t custom;
 };
 
@@ -446,7 +447,8 @@ public:
                            nixlBackendReqH *&handle,
                            const nixl_opt_b_args_t *opt_args) const override {
         return guarded("postXfer", [&] {
-            if (!handle) {
+            const bool bare = !handle;
+            if (bare) {
                 // NIXL always prepares first; a bare post is prepared here.
                 const nixl_status_t st = prepXfer(op, local, remote, remote_agent, handle, opt_args);
                 if (st != NIXL_SUCCESS) {
@@ -464,6 +466,11 @@ public:
                 }
                 const nixl_status_t st = route(op, local, remote, remote_agent, &args, true, *h);
                 if (st != NIXL_SUCCESS) {
+                    if (bare) {
+                        // A failed bare post leaves no handle, as before.
+                        delete h;
+                        handle = nullptr;
+                    }
                     return st;
                 }
             }
@@ -495,14 +502,24 @@ public:
                 return NIXL_ERR_INVALID_PARAM;
             }
             auto *h = static_cast<BounceReqH *>(handle);
-            nixl_status_t st = NIXL_SUCCESS;
+            // On an error NIXL keeps the handle and may release it again:
+            // it must stay valid then.
             if (h->ucx) {
-                st = ucx->engine->releaseReqH(h->ucx);
+                const nixl_status_t st = ucx->engine->releaseReqH(h->ucx);
+                if (st != NIXL_SUCCESS) {
+                    // The delegate keeps its request.
+                    return st;
+                }
             } else if (h->req) {
-                st = static_cast<nixl_status_t>(bounce_engine_release_req(engine, h->req));
+                // The engine frees its request whatever it answers.
+                const nixl_status_t st = static_cast<nixl_status_t>(bounce_engine_release_req(engine, h->req));
+                h->req = nullptr;
+                if (st != NIXL_SUCCESS) {
+                    return st;
+                }
             }
             delete h;
-            return st;
+            return NIXL_SUCCESS;
         });
     }
 

@@ -106,6 +106,22 @@ fn preparation_waits_for_the_first_post() {
         let prepared =
             |e: &Endpoint, before: &Counters| stats(e.name()).since(before, "transfers_prepared");
 
+        // A malformed custom parameter needs no descriptor: refused by
+        // createXferReq whichever the setting.
+        let mut opt = a.node.opt_args(None).or_fail("opt");
+        opt.set_custom_param(b"deadline_ms=soon")
+            .expect("custom param");
+        let l = xfer_list(a.buf.addr(), &plan.src, plan.block).unwrap();
+        let r = xfer_list(b.buf.addr(), &plan.dst, plan.block).unwrap();
+        let refused =
+            a.node
+                .agent
+                .create_xfer_req(XferOp::Write, &l, &r, &b.node.name.clone(), Some(&opt));
+        assert!(
+            refused.is_err(),
+            "at_post={at_post}: a malformed custom parameter was accepted"
+        );
+
         // Released without a post.
         let sa = stats(a.name());
         drop(write_request(&a, &b, &plan));
