@@ -16,7 +16,7 @@ mod common;
 
 use bounce::*;
 use common::*;
-use nixl_sys::{ThreadSync, XferOp};
+use nixl_sys::{ThreadSync, XferOp, XferRequest};
 use std::time::{Duration, Instant};
 
 const MANY: usize = 4096;
@@ -38,6 +38,38 @@ fn write(a: &mut Endpoint, b: &mut Endpoint, seed: u64) {
     plan.verify(b.buf.as_slice(), &dst_before, &src)
         .or_fail("destination");
     b.buf.check_guards().or_fail("guards");
+    let (ea, eb) = (stats(a.name()), stats(b.name()));
+    assert_sender_bounced(&sa, &ea, 1);
+    assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
+}
+
+/// Posts the prepared `req` (a -> b, `plan`) once more with new source data
+/// (`seed`) and waits for `notif` when it carries one: byte-exact against
+/// `dst_before` outside the plan, one bounce transfer counted on each side.
+#[allow(clippy::too_many_arguments)]
+fn post_again(
+    a: &mut Endpoint,
+    b: &Endpoint,
+    req: &XferRequest,
+    plan: &Plan,
+    dst_before: &[u8],
+    seed: u64,
+    notif: Option<&[u8]>,
+    what: &str,
+) {
+    a.buf.fill_pattern(seed);
+    let src = a.buf.as_slice().to_vec();
+    let (sa, sb) = (stats(a.name()), stats(b.name()));
+    a.node
+        .post_and_wait(req, wait_timeout())
+        .or_fail(&format!("{what}: post"));
+    if let Some(msg) = notif {
+        b.node
+            .wait_notif(a.name(), msg, wait_timeout())
+            .or_fail(&format!("{what}: notification"));
+    }
+    plan.verify(b.buf.as_slice(), dst_before, &src)
+        .or_fail(what);
     let (ea, eb) = (stats(a.name()), stats(b.name()));
     assert_sender_bounced(&sa, &ea, 1);
     assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
@@ -67,20 +99,17 @@ fn repost_the_same_request() {
         )
         .or_fail("create_xfer_req");
     for i in 0..3u64 {
-        a.buf.fill_pattern(10 + i);
-        let src = a.buf.as_slice().to_vec();
-        let (sa, sb) = (stats(a.name()), stats(b.name()));
-        a.node
-            .post_and_wait(&req, wait_timeout())
-            .or_fail(&format!("post #{i}"));
-        b.node
-            .wait_notif(a.name(), b"lc-repost", wait_timeout())
-            .or_fail(&format!("notification #{i}"));
-        plan.verify(b.buf.as_slice(), &dst_before, &src)
-            .or_fail(&format!("repost #{i}"));
-        let (ea, eb) = (stats(a.name()), stats(b.name()));
-        assert_sender_bounced(&sa, &ea, 1);
-        assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
+        let what = format!("repost #{i}");
+        post_again(
+            &mut a,
+            &b,
+            &req,
+            &plan,
+            &dst_before,
+            10 + i,
+            Some(b"lc-repost"),
+            &what,
+        );
     }
 }
 
@@ -141,17 +170,8 @@ fn preparation_waits_for_the_first_post() {
         b.buf.fill_pattern(14);
         let dst_before = b.buf.as_slice().to_vec();
         for i in 0..2u64 {
-            a.buf.fill_pattern(15 + i);
-            let src = a.buf.as_slice().to_vec();
-            let (s0, sb) = (stats(a.name()), stats(b.name()));
-            a.node
-                .post_and_wait(&req, wait_timeout())
-                .or_fail(&format!("at_post={at_post}: post #{i}"));
-            plan.verify(b.buf.as_slice(), &dst_before, &src)
-                .or_fail(&format!("at_post={at_post}: post #{i}"));
-            let (ea, eb) = (stats(a.name()), stats(b.name()));
-            assert_sender_bounced(&s0, &ea, 1);
-            assert_receiver_scattered(&sb, &eb, ea.since(&s0, "chunks_written"));
+            let what = format!("at_post={at_post}: post #{i}");
+            post_again(&mut a, &b, &req, &plan, &dst_before, 15 + i, None, &what);
         }
         assert_eq!(
             prepared(&a, &sa),

@@ -1154,7 +1154,11 @@ impl std::fmt::Debug for Engine {
 /// With `sum_first` false the arena's gate counts descriptors only: its
 /// size limit is then applied by [`bounce::route`] with the byte total
 /// the check's pass finds (see [`Engine::sums_first`]).
-pub fn early_reason(cfg: &Config, shape: &Shape, sum_first: bool) -> Option<Fallback> {
+pub fn early_reason(
+    cfg: &Config,
+    shape: &Shape,
+    sum_first: impl FnOnce() -> bool,
+) -> Option<Fallback> {
     if !cfg.enabled || shape.local_transfer {
         Some(below_floor_reason(cfg, shape.local_transfer))
     } else if peer::gate(cfg, shape).is_ok() || cma_shape(cfg, shape) {
@@ -1164,18 +1168,34 @@ pub fn early_reason(cfg: &Config, shape: &Shape, sum_first: bool) -> Option<Fall
     }
 }
 
-/// The arena's gate before the check: in full with `sum_first`, else its
-/// descriptor count only.
+/// The arena's gate before the check: in full, or its descriptor count
+/// only when it has a size limit and `sum_first` (asked only then) says
+/// the limit waits for the check's byte total.
 fn arena_early_gate(
     cfg: &Config,
     shape: &Shape,
-    sum_first: bool,
+    sum_first: impl FnOnce() -> bool,
 ) -> std::result::Result<(), Fallback> {
     let gate = bounce::arena_gate(cfg, shape.local, shape.remote);
-    if sum_first {
+    if gate.max_average_bytes == 0 || sum_first() {
         gate.admit(shape.descriptors, shape.bytes)
     } else {
-        gate.admit(shape.descriptors, TotalBytes::Known(0))
+        bounce::ShapeGate {
+            max_average_bytes: 0,
+            ..gate
+        }
+        .admit(shape.descriptors, shape.bytes)
+    }
+}
+
+/// NIXL's two lists pair descriptor by descriptor.
+fn same_counts(local: usize, remote: usize) -> Result<()> {
+    if local == remote {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "{local} local descriptors but {remote} remote descriptors"
+        )))
     }
 }
 
@@ -1758,7 +1778,7 @@ impl Engine {
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
         }
-        let reason = early_reason(&self.config, shape, self.sums_first(shape));
+        let reason = early_reason(&self.config, shape, || self.sums_first(shape));
         if let Some(r) = reason {
             self.count_ucx_routed(r);
         }
@@ -1808,11 +1828,7 @@ impl Engine {
         agent: &str,
         args: &XferArgs,
     ) -> Result<bool> {
-        if local != remote {
-            return Err(Error::invalid(format!(
-                "{local} local descriptors but {remote} remote descriptors"
-            )));
-        }
+        same_counts(local, remote)?;
         self.inner_remote(agent)?;
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
@@ -1836,13 +1852,7 @@ impl Engine {
         shape: &Shape,
         entered: std::time::Instant,
     ) -> Result<Option<Request>> {
-        if local.len() != remote.len() {
-            return Err(Error::invalid(format!(
-                "{} local descriptors but {} remote descriptors",
-                local.len(),
-                remote.len()
-            )));
-        }
+        same_counts(local.len(), remote.len())?;
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
         let peer_gate = peer::gate(&self.config, shape).is_ok();
@@ -1880,7 +1890,7 @@ impl Engine {
             // routing; when the arena's gate already refuses the shape, it
             // is UCX's with no further pass over the descriptors (as
             // `early_fallback` would have decided without the CMA path).
-            if let Err(reason) = arena_early_gate(&self.config, shape, self.sums_first(shape)) {
+            if let Err(reason) = arena_early_gate(&self.config, shape, || self.sums_first(shape)) {
                 self.stats.fell_back(reason);
                 return Ok(None);
             }
@@ -2620,14 +2630,14 @@ mod tests {
             let floor = route_floor(&cfg, local, remote);
             if descriptors < floor {
                 proptest::prop_assert_eq!(
-                    early_reason(&cfg, &shape(descriptors, local_transfer), sum_first),
+                    early_reason(&cfg, &shape(descriptors, local_transfer), || sum_first),
                     Some(below_floor_reason(&cfg, local_transfer))
                 );
             }
             if floor != u64::MAX {
                 // The smallest shape at the floor is let through.
                 let small = Shape { bytes: TotalBytes::Known(floor), ..shape(floor, false) };
-                proptest::prop_assert_eq!(early_reason(&cfg, &small, sum_first), None);
+                proptest::prop_assert_eq!(early_reason(&cfg, &small, || sum_first), None);
             }
         }
     }
