@@ -3,6 +3,10 @@
 //! - a request's routing and plan wait for its first post
 //!   (`prepare_at_post`), are kept for its re-posts, and a request never
 //!   posted costs nothing; with the setting off they are made in prepXfer;
+//! - a request the engine hands to UCX at its first post keeps UCX's
+//!   request for its re-posts;
+//! - a first post from a region deregistered after createXferReq fails
+//!   with a clear error and writes nothing;
 //! - a request released while it runs (cancelled), then the pair still
 //!   works;
 //! - the peer's metadata invalidated and loaded again;
@@ -181,6 +185,112 @@ fn preparation_waits_for_the_first_post() {
         drop(req);
         write(&mut b, &mut a, 17);
     }
+}
+
+/// A request the engine hands to the UCX delegate at its first post (the
+/// peer has bounce off) keeps the delegate's request for its re-posts:
+/// routed (and counted) once, every post byte-exact through UCX.
+#[test]
+#[serial_test::serial]
+fn a_ucx_route_chosen_at_the_first_post_is_kept() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    for at_post in [true, false] {
+        let setting = ("prepare_at_post", if at_post { "true" } else { "false" });
+        let a = endpoint("lc-a", &[LOOPBACK, setting], len(), 21, ThreadSync::Default);
+        let mut b = endpoint(
+            "lc-b",
+            &[LOOPBACK, setting, ("enable", "false")],
+            len(),
+            22,
+            ThreadSync::Default,
+        );
+        pair_up(&a.node, &b.node);
+        let plan = Plan::standard(MANY, BLOCK, 23);
+        let sa = stats(a.name());
+        let req = write_request(&a, &b, &plan);
+        let routed = |e: &Endpoint, before: &Counters| {
+            stats(e.name()).since(before, "fallback_peer_not_bounce_capable")
+        };
+        assert_eq!(
+            routed(&a, &sa),
+            u64::from(!at_post),
+            "at_post={at_post}: routed by createXferReq"
+        );
+        b.buf.fill_pattern(24);
+        let dst_before = b.buf.as_slice().to_vec();
+        let mut a = a;
+        for i in 0..3u64 {
+            a.buf.fill_pattern(25 + i);
+            let src = a.buf.as_slice().to_vec();
+            a.node
+                .post_and_wait(&req, wait_timeout())
+                .or_fail(&format!("at_post={at_post}: post #{i}"));
+            plan.verify(b.buf.as_slice(), &dst_before, &src)
+                .or_fail(&format!("at_post={at_post}: post #{i}"));
+        }
+        let ea = stats(a.name());
+        assert_fell_back(&sa, &ea, 1, "fallback_peer_not_bounce_capable");
+        drop(req);
+        write_through_ucx_again(&a, &mut b);
+    }
+}
+
+/// After the delegate's request is released, a new one still works.
+fn write_through_ucx_again(a: &Endpoint, b: &mut Endpoint) {
+    let plan = Plan::standard(MANY, BLOCK, 29);
+    b.buf.fill_pattern(30);
+    let dst_before = b.buf.as_slice().to_vec();
+    let req = write_request(a, b, &plan);
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("a new request after the release");
+    plan.verify(b.buf.as_slice(), &dst_before, a.buf.as_slice())
+        .or_fail("a new request after the release");
+}
+
+/// A request whose source region is deregistered between createXferReq
+/// and its first post (a user error NIXL does not catch): the post fails
+/// with an error that names the unregistered region, nothing is written,
+/// the request releases cleanly, and the pair keeps working.
+#[test]
+#[serial_test::serial]
+fn a_first_post_after_the_region_is_deregistered_fails_cleanly() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = endpoint("lc-a", &[LOOPBACK], len(), 31, ThreadSync::Default);
+    let mut b = endpoint("lc-b", &[LOOPBACK], len(), 32, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let other = DramBuffer::with_pattern(len(), 33);
+    let reg = a.node.register(&other).or_fail("register a second source");
+    let plan = Plan::standard(MANY, BLOCK, 34);
+    let req = a
+        .node
+        .create_xfer(
+            XferOp::Write,
+            &plan,
+            other.addr(),
+            b.buf.addr(),
+            &b.node.name.clone(),
+            None,
+        )
+        .or_fail("create_xfer_req");
+    drop(reg);
+    let dst_before = b.buf.as_slice().to_vec();
+    let sa = stats(a.name());
+    let err = a
+        .node
+        .post_and_wait(&req, wait_timeout())
+        .expect_err("a post from a deregistered region succeeded");
+    eprintln!("the post failed as it should: {err}");
+    let ea = stats(a.name());
+    assert_eq!(ea.since(&sa, "bounce_submitted"), 0, "{}", ea.diff(&sa));
+    assert_eq!(b.buf.as_slice(), &dst_before[..], "the destination changed");
+    drop(req);
+    write(&mut a, &mut b, 35);
+    write(&mut b, &mut a, 36);
 }
 
 #[test]

@@ -7,6 +7,9 @@
 //! with fresh data and layouts; the whole target buffer is checked
 //! byte-exact after each round (no cross-talk, nothing outside the
 //! destinations touched) and every request must have taken the bounce path.
+//! Meanwhile another thread of the initiator registers and deregisters
+//! memory: the requests are routed and planned at their first posts
+//! (`prepare_at_post`), which read the registrations it changes.
 #[path = "support/bounce.rs"]
 mod bounce;
 mod common;
@@ -14,6 +17,7 @@ mod common;
 use bounce::*;
 use common::*;
 use nixl_sys::{ThreadSync, XferOp};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -78,6 +82,20 @@ fn eight_threads_submit_to_one_engine_small_arena() {
     ]);
 }
 
+/// Registers and deregisters a small buffer on `node` until `posting` is
+/// cleared, at least once; returns how many times.
+fn registrations_while(node: &Node, posting: &AtomicBool) -> usize {
+    let buf = DramBuffer::with_pattern(64 * 1024, 7);
+    let mut n = 0;
+    loop {
+        drop(node.register(&buf).or_fail("register beside the posts"));
+        n += 1;
+        if !posting.load(Ordering::Acquire) {
+            return n;
+        }
+    }
+}
+
 fn run(extra: &[(&str, &str)]) {
     let slice = PER_THREAD * req_blocks() * BLOCK;
     let init = node_with(&unique_name("mt-init"), extra, ThreadSync::Rw).or_fail("initiator");
@@ -122,38 +140,47 @@ fn run(extra: &[(&str, &str)]) {
             .collect();
         let (si, st) = (stats(&init.name), stats(target.name()));
         let barrier = Barrier::new(THREADS);
+        let posting = AtomicBool::new(true);
         let taddr = target.buf.addr();
-        let results: Vec<Result<Vec<Duration>, String>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..THREADS)
-                .map(|t| {
-                    let (init, plans, srcs, barrier, tname) =
-                        (&init, &plans, &srcs, &barrier, &tname);
-                    s.spawn(move || -> Result<Vec<Duration>, String> {
-                        // Prepared concurrently too.
-                        let reqs = plans[t]
-                            .iter()
-                            .map(|p| {
-                                init.create_xfer(
-                                    XferOp::Write,
-                                    p,
-                                    srcs[t].addr(),
-                                    taddr,
-                                    tname,
-                                    None,
-                                )
-                            })
-                            .collect::<Result<Vec<_>, _>>()
-                            .map_err(|e| format!("thread {t}: {e}"))?;
-                        barrier.wait();
-                        post_all_and_wait(init, &reqs).map_err(|e| format!("thread {t}: {e}"))
+        let (results, registered): (Vec<Result<Vec<Duration>, String>>, usize) =
+            std::thread::scope(|s| {
+                let registrar = s.spawn(|| registrations_while(&init, &posting));
+                let handles: Vec<_> = (0..THREADS)
+                    .map(|t| {
+                        let (init, plans, srcs, barrier, tname) =
+                            (&init, &plans, &srcs, &barrier, &tname);
+                        s.spawn(move || -> Result<Vec<Duration>, String> {
+                            // Prepared concurrently too.
+                            let reqs = plans[t]
+                                .iter()
+                                .map(|p| {
+                                    init.create_xfer(
+                                        XferOp::Write,
+                                        p,
+                                        srcs[t].addr(),
+                                        taddr,
+                                        tname,
+                                        None,
+                                    )
+                                })
+                                .collect::<Result<Vec<_>, _>>()
+                                .map_err(|e| format!("thread {t}: {e}"))?;
+                            barrier.wait();
+                            post_all_and_wait(init, &reqs).map_err(|e| format!("thread {t}: {e}"))
+                        })
                     })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
-                .collect()
-        });
+                    .collect();
+                let results = handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+                    .collect();
+                posting.store(false, Ordering::Release);
+                (
+                    results,
+                    registrar.join().expect("the registering thread panicked"),
+                )
+            });
+        eprintln!("round {round}: {registered} registrations beside the posts");
         for (t, r) in results.iter().enumerate() {
             match r {
                 Ok(times) => eprintln!("round {round} thread {t}: completed after {times:?}"),

@@ -1817,6 +1817,17 @@ impl Engine {
         below_floor_reason(&self.config, local_transfer)
     }
 
+    /// The NIXL call in which the engine's preparation of a request runs,
+    /// which its errors name: the request's first post with
+    /// [`Config::prepare_at_post`], else `prepXfer`.
+    pub fn preparing_call(&self) -> &'static str {
+        if self.config.prepare_at_post {
+            "postXfer (the request's first post prepares it)"
+        } else {
+            "prepXfer"
+        }
+    }
+
     /// What a preparation refuses before any descriptor is looked at (the
     /// lists' counts, an unknown remote agent, a malformed custom
     /// parameter); `Ok(true)`: the rest of the preparation waits for the

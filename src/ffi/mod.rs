@@ -860,7 +860,10 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
     req: *mut *mut Request,
 ) -> i32 {
     let started = std::time::Instant::now();
-    with_engine(engine, "prepXfer", |e| {
+    // SAFETY: as in `run_with_engine`: null, or an engine bounce_engine_new
+    // handed out and not yet freed.
+    let what = unsafe { engine.as_ref() }.map_or("prepXfer", Engine::preparing_call);
+    with_engine(engine, what, |e| {
         // The plugin's own share of a preparation, whichever path it takes.
         let _timed = PrepTimer(e, started);
         // SAFETY: `req` comes from the shim (see `out_slot`).
