@@ -97,6 +97,10 @@ pub struct Config {
     /// Control plane over NIXL notifications instead of ZMQ/TCP; must match
     /// the peer (handshake-checked).
     pub use_nixl_notifications: bool,
+    /// Control plane (when not over NIXL notifications) over TCP sockets
+    /// the IO thread owns, instead of ZMQ's (whose I/O thread every message
+    /// crosses on each side); must match the peer (handshake-checked).
+    pub direct_tcp_control: bool,
     /// Copy kernel reads its plan directly from pinned host memory
     /// (default false: the plan is uploaded with one async copy before the
     /// launch, which is faster; see `ExecPool::new`).
@@ -181,6 +185,7 @@ impl Default for Config {
             disable_fabric_memory: false,
             enable_eager_gather: true,
             use_nixl_notifications: false,
+            direct_tcp_control: false,
             use_zero_copy_arguments: false,
             use_cub_copy: false,
             disable_scatter_run_merging: false,
@@ -361,6 +366,7 @@ static SETTINGS: &[Setting] = &[
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
     setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),
     setting!(use_nixl_notifications, "use_nixl_notifications", "USE_NIXL_NOTIFICATIONS", Bool, true, "Control plane over NIXL notifications instead of ZMQ/TCP; must match the peer (handshake-checked)."),
+    setting!(direct_tcp_control, "direct_tcp_control", "DIRECT_TCP_CONTROL", Bool, true, "Control plane (unless use_nixl_notifications) over TCP sockets the IO thread owns, instead of ZMQ's sockets, whose own I/O thread every message crosses on both sides (six thread wake-ups a control round trip instead of two); the same addresses and liveness; must match the peer (handshake-checked)."),
     setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload); slower than the default upload (one async copy before the launch)."),
     setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
     setting!(disable_scatter_run_merging, "disable_scatter_run_merging", "DISABLE_SCATTER_RUN_MERGING", Bool, true, "DEBUG ONLY: one run per descriptor instead of coalesced runs."),
@@ -569,6 +575,18 @@ impl Config {
         Ok((config, warnings))
     }
 
+    /// The control transport the settings choose (the handshake's kind).
+    pub fn control_kind(&self) -> crate::proto::wire::ControlKind {
+        use crate::proto::wire::ControlKind;
+        if self.use_nixl_notifications {
+            ControlKind::NixlNotif
+        } else if self.direct_tcp_control {
+            ControlKind::Tcp
+        } else {
+            ControlKind::Zmq
+        }
+    }
+
     /// The arena's usable capacity: the largest power of two not above
     /// `arena_size_bytes` (0 when the arena size is 0).
     pub fn arena_usable_capacity(&self) -> u64 {
@@ -715,7 +733,8 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 39);
+        assert_eq!(keys.len(), 40);
+        assert!(keys.contains(&"direct_tcp_control"));
         assert!(keys.contains(&"prepare_at_post"));
         assert!(keys.contains(&"enable_peer_map"));
         assert!(keys.contains(&"enable_cma"));

@@ -182,6 +182,21 @@ fn peer_with_other_control_kind_falls_back_at_once() {
 
 #[test]
 #[serial_test::serial]
+fn peer_with_zmq_against_direct_tcp_falls_back_at_once() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    mismatched(
+        &[LOOPBACK, TIMEOUT],
+        &[LOOPBACK, TIMEOUT, TCP_CONTROL],
+        "fallback_peer_not_bounce_capable",
+        "fallback_peer_not_bounce_capable",
+        5,
+    );
+}
+
+#[test]
+#[serial_test::serial]
 fn routing_gates_at_their_edges() {
     if !ready("BOUNCE") {
         return;

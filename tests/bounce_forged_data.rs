@@ -112,7 +112,7 @@ fn forged_data_outside_registered_memory_is_refused() {
     assert!(rx_endpoint.starts_with("tcp://127.0.0.1:"), "{rx_endpoint}");
     // A client that loaded the receiver's metadata (it has the access key)
     // but forges its DATA.
-    let mut fake = FakeSender::new(&rx_endpoint, hs.access_key);
+    let mut fake = FakeSender::new(&rx_endpoint, hs.access_key, hs.control);
 
     // Memory the receiver's engine never registered.
     let stranger = DramBuffer::with_pattern(64 * KIB, 77);
@@ -276,6 +276,7 @@ fn unpaired_client_cannot_scatter_into_registered_memory() {
     let mut fake = FakeSender::new(
         &String::from_utf8(hs.endpoint).unwrap(),
         hs.access_key ^ 0x5a5a_5a5a,
+        hs.control,
     );
     let watched = Watched::new("the receiver's registered buffer", &r.buf);
     let before = stats(r.name());

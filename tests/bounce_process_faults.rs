@@ -68,6 +68,10 @@ const EX_NOTIF: [(&str, &str); 6] = [
     ("use_nixl_notifications", "true"),
 ];
 
+/// [`EX`] with the control messages over the direct TCP channel: liveness
+/// is then its listener's beats.
+const EX_TCP: [(&str, &str); 6] = [EX[0], EX[1], EX[2], EX[3], EX[4], TCP_CONTROL];
+
 fn spawn(label: &str) -> Peer {
     spawn_with(label, &EX)
 }
@@ -255,6 +259,14 @@ fn receiver_stopped_then_resumed() {
 #[serial_test::serial]
 fn receiver_stopped_then_resumed_over_notifications() {
     receiver_stopped(&EX_NOTIF);
+}
+
+/// The same over the direct TCP channel: the stopped receiver's reactor
+/// writes no beats, and that ends the WRITE.
+#[test]
+#[serial_test::serial]
+fn receiver_stopped_then_resumed_over_direct_tcp() {
+    receiver_stopped(&EX_TCP);
 }
 
 fn receiver_stopped(ex: &[(&str, &str)]) {

@@ -87,7 +87,7 @@ fn forged_reads_of_unregistered_memory_are_refused_before_anything_is_read() {
 
     let hs = handshake_of(&o.node.local_md().or_fail("owner md"));
     let endpoint = String::from_utf8(hs.endpoint.clone()).expect("ZMQ endpoint is text");
-    let fake = FakeSender::new(&endpoint, hs.access_key);
+    let fake = FakeSender::new(&endpoint, hs.access_key, hs.control);
     let stranger = DramBuffer::with_pattern(64 * KIB, 77);
     let gone = DramBuffer::with_pattern(64 * KIB, 78);
     drop(o.node.register(&gone).or_fail("register"));

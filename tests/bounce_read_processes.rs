@@ -158,6 +158,18 @@ fn two_processes_read_both_ways_over_nixl_notifications() {
     both_ways(&[NOTIF_CONTROL, ("max_chunk_size_bytes", "1MiB")], 2);
 }
 
+#[test]
+#[serial_test::serial]
+fn two_processes_read_both_ways_over_direct_tcp() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    both_ways(
+        &[LOOPBACK, TCP_CONTROL, ("max_chunk_size_bytes", "1MiB")],
+        3,
+    );
+}
+
 /// Three reader processes READ from this process at once while it WRITEs
 /// to a fourth process: the three served READs and the WRITE share this
 /// process's (small) arena.

@@ -46,7 +46,11 @@ fn receiver_shutdown_refuses_live_flows_of_unpaired_senders() {
         let r = endpoint("sd-rx", &[LOOPBACK], 1 << 20, round, ThreadSync::Default);
         let hs = handshake_of(&r.node.local_md().or_fail("md"));
         let fake = {
-            let mut f = FakeSender::new(&String::from_utf8(hs.endpoint).unwrap(), hs.access_key);
+            let mut f = FakeSender::new(
+                &String::from_utf8(hs.endpoint).unwrap(),
+                hs.access_key,
+                hs.control,
+            );
             // Two live flows, each holding a credit it never uses.
             let a = f.want(4096).0;
             let b = f.want(4096).0;

@@ -389,7 +389,7 @@ pub fn parse_tcp_endpoint(endpoint: &Endpoint) -> Result<SocketAddr, ControlErro
 }
 
 /// The canonical text of an endpoint (`tcp://1.2.3.4:5`, `tcp://[::1]:5`).
-fn canonical(addr: SocketAddr) -> String {
+pub(crate) fn canonical(addr: SocketAddr) -> String {
     format!("tcp://{addr}")
 }
 

@@ -10,6 +10,7 @@ use nixl_sys::{Agent, MemType};
 
 use crate::config::Config;
 use crate::control::notif::{NotifChannel, NotifHub};
+use crate::control::tcp::{TcpChannel, TcpConfig};
 use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
@@ -94,34 +95,49 @@ impl Bounce {
         };
         let data = DataPlane::new(shared.inner.clone(), &*arena)?;
         let arena_metadata = data.arena_metadata()?;
-        let (channel, control): (Box<dyn ControlChannel>, ControlKind) =
-            if config.use_nixl_notifications {
-                let ch = NotifChannel::new(shared.hub.clone())
+        let control = config.control_kind();
+        let liveness = (config.peer_liveness_timeout_ms > 0)
+            .then(|| Duration::from_millis(config.peer_liveness_timeout_ms));
+        let bind = || {
+            if config.control_bind_loopback {
+                BindSpec::loopback()
+            } else if !config.control_interface.is_empty() {
+                BindSpec::interface(config.control_interface.clone())
+            } else {
+                BindSpec::auto()
+            }
+        };
+        let channel: Box<dyn ControlChannel> = match control {
+            ControlKind::NixlNotif => Box::new(
+                NotifChannel::new(shared.hub.clone())
                     .map_err(|e| e.to_string())?
                     .with_active_poll(std::time::Duration::from_micros(config.notif_poll_us))
-                    .with_liveness(Duration::from_millis(config.peer_liveness_timeout_ms));
-                (Box::new(ch), ControlKind::NixlNotif)
-            } else {
-                let bind = if config.control_bind_loopback {
-                    BindSpec::loopback()
-                } else if !config.control_interface.is_empty() {
-                    BindSpec::interface(config.control_interface.clone())
-                } else {
-                    BindSpec::auto()
+                    .with_liveness(Duration::from_millis(config.peer_liveness_timeout_ms)),
+            ),
+            ControlKind::Tcp => {
+                let defaults = TcpConfig::default();
+                let tcp = TcpConfig {
+                    liveness_timeout: liveness,
+                    send_queue: shared
+                        .failpoints
+                        .value("control_send_hwm")
+                        .map_or(defaults.send_queue, |n| n.clamp(1, 1 << 20) as usize),
                 };
+                Box::new(TcpChannel::new(&bind(), tcp).map_err(|e| e.to_string())?)
+            }
+            ControlKind::Zmq => {
                 let defaults = ZmqConfig::default();
                 let zmq = ZmqConfig {
-                    liveness_timeout: (config.peer_liveness_timeout_ms > 0)
-                        .then(|| Duration::from_millis(config.peer_liveness_timeout_ms)),
+                    liveness_timeout: liveness,
                     send_hwm: shared
                         .failpoints
                         .value("control_send_hwm")
                         .map_or(defaults.send_hwm, |n| n.clamp(1, i32::MAX as u64) as i32),
                     ..defaults
                 };
-                let ch = ZmqChannel::new(&bind, zmq).map_err(|e| e.to_string())?;
-                (Box::new(ch), ControlKind::Zmq)
-            };
+                Box::new(ZmqChannel::new(&bind(), zmq).map_err(|e| e.to_string())?)
+            }
+        };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
         let access_key = random_u64()?;
         let mut endpoint = Endpoint::new(EndpointConfig {
@@ -398,12 +414,7 @@ pub fn admit(
     inner_agent: &str,
     peer: &Handshake,
 ) -> Result<PeerBounce, (&'static str, String)> {
-    let control = if config.use_nixl_notifications {
-        ControlKind::NixlNotif
-    } else {
-        ControlKind::Zmq
-    };
-    local_handshake(config, control)
+    local_handshake(config, config.control_kind())
         .check_compatible(peer)
         .map_err(|e: Incompatible| (incompatibility_counter(&e), e.to_string()))?;
     let id = peer_id_of(&peer.endpoint).ok_or((

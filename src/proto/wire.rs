@@ -938,6 +938,8 @@ pub enum ControlKind {
     Zmq = 1,
     /// NIXL notifications.
     NixlNotif = 2,
+    /// TCP sockets the reactor owns (`control::tcp`).
+    Tcp = 3,
 }
 
 /// Capability flags advertised in the handshake.
@@ -1075,6 +1077,7 @@ impl Handshake {
         let control = match r.u8("control kind")? {
             1 => ControlKind::Zmq,
             2 => ControlKind::NixlNotif,
+            3 => ControlKind::Tcp,
             other => {
                 return Err(WireError::Invalid {
                     what: "control kind",
@@ -1496,7 +1499,7 @@ mod tests {
             let usable = 1u64 << cap;
             let h = Handshake {
                 wire_version: WIRE_VERSION,
-                control: if flags & 1 == 0 { ControlKind::Zmq } else { ControlKind::NixlNotif },
+                control: [ControlKind::Zmq, ControlKind::NixlNotif, ControlKind::Tcp][(flags % 3) as usize],
                 capabilities: Capabilities(flags),
                 arena_usable_capacity: usable,
                 max_chunk_size: (1u64 << chunk_shift).min(usable),

@@ -23,6 +23,8 @@ pub const MIB: usize = 1024 * 1024;
 pub const LOOPBACK: (&str, &str) = ("control_bind_loopback", "true");
 /// The NIXL-notification control channel.
 pub const NOTIF_CONTROL: (&str, &str) = ("use_nixl_notifications", "true");
+/// Control messages over TCP sockets the IO thread owns (`control::tcp`).
+pub const TCP_CONTROL: (&str, &str) = ("direct_tcp_control", "true");
 
 // ---------------------------------------------------------------------------
 // Counters

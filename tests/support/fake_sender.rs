@@ -1,24 +1,28 @@
-//! A sender that is not a NIXL agent: raw ZMQ sockets speaking the bounce
-//! wire protocol (`nixl_bounce::proto::wire`) to a receiver's control
-//! endpoint (read it with `bounce::handshake_of`). For tests of the
-//! receiver's behaviour towards a misbehaving or silent peer.
+//! A sender that is not a NIXL agent: the library's own control channel of
+//! the receiver's kind (ZMQ or direct TCP) speaking the bounce wire
+//! protocol (`nixl_bounce::proto::wire`) to a receiver's control endpoint
+//! (read both with `bounce::handshake_of`). For tests of the receiver's
+//! behaviour towards a misbehaving or silent peer.
 //!
 //! Include after `common` and `bounce`:
 //! `#[path = "support/fake_sender.rs"] mod fake_sender;`
 #![allow(dead_code)]
 
-use nixl_bounce::proto::wire::Message;
+use nixl_bounce::control::{
+    BindSpec, ControlChannel, PeerHandle, TcpChannel, TcpConfig, ZmqChannel, ZmqConfig,
+};
+use nixl_bounce::proto::wire::{ControlKind, Message};
 use nixl_bounce::proto::{RegionHandle, RequestId, Run};
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 pub const WAIT: Duration = Duration::from_secs(10);
 
-/// A sender that is not a NIXL agent: a ROUTER to hear replies and a DEALER
-/// (routing id = our own endpoint, as the real channel does) to talk.
+/// A sender that is not a NIXL agent: a channel bound on loopback, which
+/// names its own endpoint on everything it sends (as the engine's does).
 pub struct FakeSender {
-    _ctx: zmq::Context,
-    router: zmq::Socket,
-    dealer: zmq::Socket,
+    channel: RefCell<Box<dyn ControlChannel>>,
+    receiver: PeerHandle,
     pub endpoint: String,
     /// The access key this client puts in its WANTs (the receiver's own for
     /// a client that loaded its metadata, anything else for a stranger).
@@ -27,22 +31,24 @@ pub struct FakeSender {
 }
 
 impl FakeSender {
-    pub fn new(receiver_endpoint: &str, key: u64) -> Self {
-        let ctx = zmq::Context::new();
-        let router = ctx.socket(zmq::ROUTER).unwrap();
-        router.set_linger(0).unwrap();
-        router
-            .bind("tcp://127.0.0.1:*")
-            .expect("bind the fake sender's ROUTER on loopback");
-        let endpoint = router.get_last_endpoint().unwrap().unwrap();
-        let dealer = ctx.socket(zmq::DEALER).unwrap();
-        dealer.set_linger(0).unwrap();
-        dealer.set_identity(endpoint.as_bytes()).unwrap();
-        dealer.connect(receiver_endpoint).unwrap();
+    /// A client of the receiver at `receiver_endpoint`, whose handshake says
+    /// it uses control `kind`.
+    pub fn new(receiver_endpoint: &str, key: u64, kind: ControlKind) -> Self {
+        let bind = BindSpec::loopback();
+        let mut channel: Box<dyn ControlChannel> = match kind {
+            ControlKind::Zmq => Box::new(ZmqChannel::new(&bind, ZmqConfig::default()).unwrap()),
+            ControlKind::Tcp => Box::new(TcpChannel::new(&bind, TcpConfig::default()).unwrap()),
+            ControlKind::NixlNotif => {
+                panic!("a fake sender over NIXL notifications is not built")
+            }
+        };
+        let endpoint = channel.local_endpoint().as_str().unwrap().to_string();
+        let receiver = channel
+            .add_peer(&receiver_endpoint.into())
+            .expect("the receiver's control endpoint");
         FakeSender {
-            _ctx: ctx,
-            router,
-            dealer,
+            channel: RefCell::new(channel),
+            receiver,
             endpoint,
             key,
             next_request: 0x00F0_0000_0000_0000 + std::process::id() as u64 * 1000,
@@ -50,8 +56,9 @@ impl FakeSender {
     }
 
     pub fn send(&self, m: &Message) {
-        self.dealer
-            .send(m.encode(), 0)
+        self.channel
+            .borrow_mut()
+            .send(self.receiver, &m.encode())
             .expect("send to the receiver");
     }
 
@@ -62,38 +69,30 @@ impl FakeSender {
 
     /// The next message from the receiver within `limit` (panics after).
     pub fn recv_within(&self, what: &str, limit: Duration) -> Message {
-        let t0 = Instant::now();
-        loop {
-            let left = limit.saturating_sub(t0.elapsed());
-            if left.is_zero() {
-                panic!("fake sender: no {what} from the receiver within {limit:?}");
-            }
-            if self
-                .router
-                .poll(zmq::POLLIN, left.as_millis() as i64)
-                .unwrap()
-                > 0
-            {
-                let frames = self.router.recv_multipart(0).unwrap();
-                assert_eq!(
-                    frames.len(),
-                    2,
-                    "expected [routing id, message], got {} frames",
-                    frames.len()
-                );
-                return Message::decode(&frames[1])
-                    .unwrap_or_else(|e| panic!("undecodable message from the receiver: {e}"));
-            }
-        }
+        self.quiet_for(limit)
+            .unwrap_or_else(|| panic!("fake sender: no {what} from the receiver within {limit:?}"))
     }
 
     /// The next message within `d`, if any.
     pub fn quiet_for(&self, d: Duration) -> Option<Message> {
-        if self.router.poll(zmq::POLLIN, d.as_millis() as i64).unwrap() > 0 {
-            let frames = self.router.recv_multipart(0).unwrap();
-            return Message::decode(&frames[1]).ok();
+        let t0 = Instant::now();
+        loop {
+            let left = d.saturating_sub(t0.elapsed());
+            if left.is_zero() {
+                return None;
+            }
+            let got = self
+                .channel
+                .borrow_mut()
+                .recv(left.min(Duration::from_millis(10)))
+                .expect("receive from the receiver");
+            if let Some(incoming) = got {
+                return Some(
+                    Message::decode(&incoming.payload)
+                        .unwrap_or_else(|e| panic!("undecodable message from the receiver: {e}")),
+                );
+            }
         }
-        None
     }
 
     /// Sends a WANT for one chunk of `len` bytes and returns its request id
