@@ -188,7 +188,7 @@ fn peer_with_zmq_against_direct_tcp_falls_back_at_once() {
     }
     mismatched(
         &[LOOPBACK, TIMEOUT],
-        &[LOOPBACK, TIMEOUT, TCP_CONTROL],
+        &[LOOPBACK, TIMEOUT, ZMQ_CONTROL],
         "fallback_peer_not_bounce_capable",
         "fallback_peer_not_bounce_capable",
         5,

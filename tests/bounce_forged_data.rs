@@ -1,6 +1,6 @@
 //! Receiver safety: the scatter destinations of a DATA arrive over the
 //! network, so the receiver must scatter only into memory registered with
-//! its own BOUNCE engine. A fake sender (raw ZMQ sockets in this test,
+//! its own BOUNCE engine. A fake sender (the library's control channel of the receiver's kind,
 //! speaking the wire protocol through `nixl_bounce::proto::wire`) reads
 //! the receiver's control endpoint from its published metadata, asks for a
 //! credit (WANT), receives the GRANT, and sends forged DATA messages whose
@@ -103,7 +103,7 @@ fn forged_data_outside_registered_memory_is_refused() {
     healthy(&mut s, &mut r, 10);
 
     let hs = handshake_of(&r.node.local_md().or_fail("receiver md"));
-    let rx_endpoint = String::from_utf8(hs.endpoint.clone()).expect("ZMQ endpoint is text");
+    let rx_endpoint = String::from_utf8(hs.endpoint.clone()).expect("a TCP endpoint is text");
     eprintln!(
         "receiver {} control endpoint {rx_endpoint}, arena at {:#x}",
         r.name(),

@@ -180,16 +180,16 @@ fn descriptors_larger_than_a_chunk_are_split() {
 
 #[test]
 #[serial_test::serial]
-fn request_16x_the_arena_streams_over_direct_tcp() {
+fn request_16x_the_arena_streams_over_zmq() {
     if !ready("BOUNCE") {
         return;
     }
     let c = Case {
-        what: "16384 x 4 KiB through a 4 MiB arena, direct TCP control",
+        what: "16384 x 4 KiB through a 4 MiB arena, ZMQ control",
         n: 16384,
         block: BLOCK,
         chunk: 512 * KIB,
-        extra: vec![LOOPBACK, TCP_CONTROL, ARENA, CHUNK, GRAN],
+        extra: vec![LOOPBACK, ZMQ_CONTROL, ARENA, CHUNK, GRAN],
     };
     let g = stream(&c, 4);
     assert_bounded(c.what, g, c.n * c.block);

@@ -1,4 +1,4 @@
-//! The bounce path in one process: two BOUNCE agents (ZMQ control on
+//! The bounce path in one process: two BOUNCE agents (direct TCP control on
 //! 127.0.0.1), 4096 scattered 4 KiB WRITEs, byte-exact, each asserting from
 //! the plugin's counters that the bounce path carried it:
 //! - both directions of one pair, and both orders of the metadata exchange;

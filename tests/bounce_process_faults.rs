@@ -1,5 +1,5 @@
 //! Real process faults between this test and a peer process (this binary
-//! re-executed, tests/support/peer.rs), ZMQ control on 127.0.0.1:
+//! re-executed, tests/support/peer.rs), control (direct TCP by default) on 127.0.0.1:
 //! - the receiver killed (`kill -9`) mid-transfer: the sender's request
 //!   fails within its bound, its arena drains, a new peer is then served;
 //! - the sender killed mid-transfer: the receiver aborts the dead sender's
@@ -68,9 +68,9 @@ const EX_NOTIF: [(&str, &str); 6] = [
     ("use_nixl_notifications", "true"),
 ];
 
-/// [`EX`] with the control messages over the direct TCP channel: liveness
-/// is then its listener's beats.
-const EX_TCP: [(&str, &str); 6] = [EX[0], EX[1], EX[2], EX[3], EX[4], TCP_CONTROL];
+/// [`EX`] with the control messages over ZMQ (the default is the direct
+/// TCP channel): liveness is then ZMTP's heartbeats.
+const EX_ZMQ: [(&str, &str); 6] = [EX[0], EX[1], EX[2], EX[3], EX[4], ZMQ_CONTROL];
 
 fn spawn(label: &str) -> Peer {
     spawn_with(label, &EX)
@@ -261,12 +261,12 @@ fn receiver_stopped_then_resumed_over_notifications() {
     receiver_stopped(&EX_NOTIF);
 }
 
-/// The same over the direct TCP channel: the stopped receiver's reactor
-/// writes no beats, and that ends the WRITE.
+/// The same over ZMQ: the stopped receiver's ZMQ I/O thread answers no
+/// ZMTP heartbeat, and that ends the WRITE.
 #[test]
 #[serial_test::serial]
-fn receiver_stopped_then_resumed_over_direct_tcp() {
-    receiver_stopped(&EX_TCP);
+fn receiver_stopped_then_resumed_over_zmq() {
+    receiver_stopped(&EX_ZMQ);
 }
 
 fn receiver_stopped(ex: &[(&str, &str)]) {

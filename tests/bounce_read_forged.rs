@@ -1,7 +1,7 @@
 //! Owner safety for READ: the source ranges of a READ arrive over the
 //! network, so the data owner must read only memory registered with its own
 //! BOUNCE engine (the check a remote key gives the UCX path's READ). A fake
-//! reader (raw ZMQ sockets speaking `nixl_bounce::proto::wire`, see
+//! reader (the library's control channel speaking `nixl_bounce::proto::wire`, see
 //! tests/support/fake_sender.rs) reads the owner's control endpoint and
 //! access key from its published metadata and sends READs whose sources
 //! point:
@@ -86,7 +86,7 @@ fn forged_reads_of_unregistered_memory_are_refused_before_anything_is_read() {
     healthy(&mut r, &mut o, 10);
 
     let hs = handshake_of(&o.node.local_md().or_fail("owner md"));
-    let endpoint = String::from_utf8(hs.endpoint.clone()).expect("ZMQ endpoint is text");
+    let endpoint = String::from_utf8(hs.endpoint.clone()).expect("a TCP endpoint is text");
     let fake = FakeSender::new(&endpoint, hs.access_key, hs.control);
     let stranger = DramBuffer::with_pattern(64 * KIB, 77);
     let gone = DramBuffer::with_pattern(64 * KIB, 78);

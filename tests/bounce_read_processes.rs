@@ -1,5 +1,5 @@
 //! READ over the bounce path across processes (this test binary re-executed
-//! as peers, see tests/support/peer.rs), ZMQ control on 127.0.0.1 and over
+//! as peers, see tests/support/peer.rs), control (direct TCP by default) on 127.0.0.1 and over
 //! NIXL notifications, 4096 scattered 4 KiB READs, byte-exact, counted on
 //! both sides:
 //! - this process reads from a peer that never loaded our metadata (the
@@ -160,12 +160,12 @@ fn two_processes_read_both_ways_over_nixl_notifications() {
 
 #[test]
 #[serial_test::serial]
-fn two_processes_read_both_ways_over_direct_tcp() {
+fn two_processes_read_both_ways_over_zmq() {
     if !ready("BOUNCE") {
         return;
     }
     both_ways(
-        &[LOOPBACK, TCP_CONTROL, ("max_chunk_size_bytes", "1MiB")],
+        &[LOOPBACK, ZMQ_CONTROL, ("max_chunk_size_bytes", "1MiB")],
         3,
     );
 }

@@ -3,7 +3,7 @@
 //! so that the sender's request ends at once instead of waiting for
 //! `request_timeout_ms` (30 s by default).
 //!
-//! - With a raw-ZMQ fake sender that the receiver never paired with
+//! - With a fake sender (not a NIXL agent) that the receiver never paired with
 //!   (holding granted credits it never uses, so no DATA races the
 //!   shutdown), REFUSE(ShuttingDown) arrives.
 //! - Found (fixed since in fc89f4d, the tests now pass): when the receiver forgets a sender whose

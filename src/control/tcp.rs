@@ -316,10 +316,12 @@ impl TcpChannel {
     }
 
     /// Ends `out`'s connection after a failure; it is tried again later.
-    fn fail(out: &mut Outgoing, now: Instant) {
+    /// A peer that was up is down from `since` (when it went silent, for a
+    /// silence; else now).
+    fn fail_since(out: &mut Outgoing, now: Instant, since: Instant) {
         out.stream = None;
         if out.up {
-            out.down_since = now;
+            out.down_since = since;
         }
         out.connected = false;
         out.up = false;
@@ -338,6 +340,10 @@ impl TcpChannel {
             out.queue.pop_front();
         }
         out.reconnect_at = Some(now + Duration::from_millis(RECONNECT_MS));
+    }
+
+    fn fail(out: &mut Outgoing, now: Instant) {
+        Self::fail_since(out, now, now);
     }
 
     /// Writes what `out` has queued, as far as the socket takes it.
@@ -579,7 +585,9 @@ impl TcpChannel {
                     if let Some(mut s) = out.stream.take() {
                         let _ = self.poll.registry().deregister(&mut s);
                     }
-                    Self::fail(out, now);
+                    // Unreachable at once: its silence is the timeout.
+                    let since = out.last_heard;
+                    Self::fail_since(out, now, since);
                 }
             }
         }

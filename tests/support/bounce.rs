@@ -19,12 +19,13 @@ pub const BLOCK: usize = 4096;
 pub const KIB: usize = 1024;
 pub const MIB: usize = 1024 * 1024;
 
-/// Single-host tests bind the ZMQ control socket to 127.0.0.1.
+/// Single-host tests bind the control socket to 127.0.0.1.
 pub const LOOPBACK: (&str, &str) = ("control_bind_loopback", "true");
 /// The NIXL-notification control channel.
 pub const NOTIF_CONTROL: (&str, &str) = ("use_nixl_notifications", "true");
-/// Control messages over TCP sockets the IO thread owns (`control::tcp`).
-pub const TCP_CONTROL: (&str, &str) = ("direct_tcp_control", "true");
+/// Control messages over ZMQ instead of the default TCP sockets the IO
+/// thread owns (`control::tcp`).
+pub const ZMQ_CONTROL: (&str, &str) = ("direct_tcp_control", "false");
 
 // ---------------------------------------------------------------------------
 // Counters
