@@ -304,6 +304,27 @@ pub trait ControlChannel: Send {
 /// [`ControlChannel::waker`]). Cheap and non-blocking.
 pub type Waker = std::sync::Arc<dyn Fn() + Send + Sync>;
 
+/// Whether a peer whose connection is down (`up` false) since `down_since`
+/// counts as unreachable at `now`: after `timeout` once a failure was seen
+/// (refused, closed, silent), after three timeouts when none was (perhaps
+/// only a slow machine's first connection). The rule of every channel that
+/// tracks connections (ZMQ, direct TCP).
+pub(crate) fn down_too_long(
+    up: bool,
+    failed: bool,
+    down_since: std::time::Instant,
+    now: std::time::Instant,
+    timeout: Duration,
+) -> bool {
+    const SLOW_GRACE: u32 = 3;
+    let grace = if failed {
+        timeout
+    } else {
+        timeout * SLOW_GRACE
+    };
+    !up && now.duration_since(down_since) >= grace
+}
+
 /// `now + timeout`, saturating far in the future for huge timeouts (such as
 /// `Duration::MAX`) instead of panicking on overflow.
 pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {

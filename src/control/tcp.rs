@@ -66,8 +66,6 @@ pub const BEAT: u8 = 2;
 pub const RECONNECT_MS: u64 = 100;
 /// How long a removed peer's connection stays open for what it queued.
 pub const LINGER_MS: u64 = 100;
-/// A connection that never came up gets this many liveness timeouts.
-const SLOW_GRACE: u32 = 3;
 
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
@@ -806,12 +804,7 @@ impl ControlChannel for TcpChannel {
         let now = Instant::now();
         let mut down = Vec::new();
         for (handle, out) in &mut self.peers {
-            let grace = if out.failed {
-                timeout
-            } else {
-                timeout * SLOW_GRACE
-            };
-            if !out.up && now.duration_since(out.down_since) >= grace {
+            if super::down_too_long(out.up, out.failed, out.down_since, now, timeout) {
                 if !out.reported {
                     out.reported = true;
                     tracing::warn!(

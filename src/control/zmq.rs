@@ -438,18 +438,9 @@ impl Link {
     const EVENTS: i32 = zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32
         | zmq::SocketEvent::DISCONNECTED as i32
         | zmq::SocketEvent::CONNECT_RETRIED as i32;
-    /// A link that never failed but is not up yet (a first connection on a
-    /// slow or loaded machine) gets this many timeouts.
-    const SLOW_GRACE: u32 = 3;
-
     /// Whether the peer counts as unreachable at `now`.
     fn unreachable(&self, now: Instant, timeout: Duration) -> bool {
-        let grace = if self.failed {
-            timeout
-        } else {
-            timeout * Self::SLOW_GRACE
-        };
-        !self.up && now.duration_since(self.down_since) >= grace
+        super::down_too_long(self.up, self.failed, self.down_since, now, timeout)
     }
 
     /// Applies the monitor's pending events.
