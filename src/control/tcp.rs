@@ -126,7 +126,9 @@ struct Accepted {
     from: Option<Endpoint>,
     beat_every: Option<Duration>,
     next_beat: Instant,
-    /// ACK and beats not yet written (each one byte).
+    /// The ACK was written.
+    acked: bool,
+    /// Beats due and not yet written (each one byte).
     owed: usize,
 }
 
@@ -458,7 +460,6 @@ impl TcpChannel {
                     conn.from = Some(from);
                     conn.beat_every = beat;
                     conn.next_beat = beat.map_or(now, |b| now + b);
-                    conn.owed += 1;
                 }
             }
         }
@@ -490,8 +491,20 @@ impl TcpChannel {
 
     /// Writes the ACK and the beats due on an accepted connection.
     fn answer(conn: &mut Accepted, now: Instant) -> Result<(), String> {
+        if conn.from.is_none() {
+            return Ok(());
+        }
+        while !conn.acked {
+            match conn.stream.write(&[ACK]) {
+                Ok(0) => return Ok(()),
+                Ok(_) => conn.acked = true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("writing the ACK failed: {e}")),
+            }
+        }
         if let Some(every) = conn.beat_every {
-            if conn.from.is_some() && now >= conn.next_beat {
+            if now >= conn.next_beat {
                 conn.owed += 1;
                 conn.next_beat = now + every;
             }
@@ -500,6 +513,7 @@ impl TcpChannel {
             let bytes = [BEAT; 8];
             let n = conn.owed.min(bytes.len());
             match conn.stream.write(&bytes[..n]) {
+                Ok(0) => break,
                 Ok(k) => conn.owed -= k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -533,6 +547,7 @@ impl TcpChannel {
                             from: None,
                             beat_every: None,
                             next_beat: Instant::now(),
+                            acked: false,
                             owed: 0,
                         },
                     );
