@@ -67,6 +67,12 @@ pub const RECONNECT_MS: u64 = 100;
 /// How long a removed peer's connection stays open for what it queued.
 pub const LINGER_MS: u64 = 100;
 
+/// Bytes read from one accepted connection per turn.
+const READ_BUDGET: usize = 4 << 20;
+/// Messages received and not yet taken by `recv` beyond which sockets are
+/// left unread for a turn.
+const INBOX_CAP: usize = 4096;
+
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
 
@@ -113,6 +119,8 @@ struct Outgoing {
     failed: bool,
     reported: bool,
     last_heard: Instant,
+    /// When the current connection was opened.
+    opened: Instant,
     reconnect_at: Option<Instant>,
     dropped: u64,
 }
@@ -146,6 +154,12 @@ pub struct TcpChannel {
     accepted: HashMap<Token, Accepted>,
     closing: Vec<(Instant, Outgoing)>,
     inbox: VecDeque<Incoming>,
+    /// Accepted connections with bytes left to read (their read budget ran
+    /// out, or the inbox was full): read again before waiting, as no new
+    /// edge-triggered event will say so.
+    unread: Vec<Token>,
+    /// An accept failed for lack of resources: try again at the next turn.
+    accept_again: bool,
     next_peer: u64,
     next_token: usize,
     last_service: Instant,
@@ -247,6 +261,8 @@ impl TcpChannel {
             accepted: HashMap::new(),
             closing: Vec::new(),
             inbox: VecDeque::new(),
+            unread: Vec::new(),
+            accept_again: false,
             next_peer: 1,
             next_token: 2,
             last_service: Instant::now(),
@@ -289,6 +305,7 @@ impl TcpChannel {
         out.connected = false;
         out.up = false;
         out.reconnect_at = None;
+        out.opened = Instant::now();
         self.by_token.remove(&out.token);
         out.token = token;
         match TcpStream::connect(out.addr) {
@@ -431,30 +448,56 @@ impl TcpChannel {
         Self::flush(out)
     }
 
-    /// Reads what an accepted connection brought; `Err`: close it.
+    /// Reads what an accepted connection brought, at most
+    /// [`READ_BUDGET`] bytes (so one busy sender cannot hold the reactor),
+    /// taking out whole messages as they complete. `Ok(true)`: the budget
+    /// ran out before the socket did (read it again without waiting for
+    /// an event); `Err`: close it (empty: the peer closed it).
     fn on_accepted(
         conn: &mut Accepted,
         inbox: &mut VecDeque<Incoming>,
         now: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let mut chunk = [0u8; 64 * 1024];
-        let mut closed = false;
-        loop {
-            match conn.stream.read(&mut chunk) {
-                Ok(0) => {
-                    closed = true;
-                    break;
-                }
-                Ok(n) => conn.buf.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("reading failed: {e}")),
+        let mut read = 0;
+        let ended = loop {
+            if read >= READ_BUDGET {
+                break None;
             }
+            match conn.stream.read(&mut chunk) {
+                Ok(0) => break Some(String::new()),
+                Ok(n) => {
+                    read += n;
+                    conn.buf.extend_from_slice(&chunk[..n]);
+                    // A bad hello or an oversized length is refused as soon
+                    // as its bytes are in, before more is read.
+                    Self::take_messages(conn, inbox, now)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break None,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Some(format!("reading failed: {e}")),
+            }
+        };
+        if let Some(why) = ended {
+            return Err(why);
         }
+        if conn.buf.is_empty() && conn.buf.capacity() > 1 << 20 {
+            conn.buf = Vec::new();
+        }
+        Self::answer(conn, now)?;
+        Ok(read >= READ_BUDGET)
+    }
+
+    /// Takes the hello and every whole message out of `conn.buf`.
+    fn take_messages(
+        conn: &mut Accepted,
+        inbox: &mut VecDeque<Incoming>,
+        now: Instant,
+    ) -> Result<(), String> {
         let mut at = 0;
         if conn.from.is_none() {
             match parse_hello(&conn.buf)? {
-                None => {}
+                None => return Ok(()),
                 Some((n, from, beat)) => {
                     at = n;
                     conn.from = Some(from);
@@ -483,10 +526,7 @@ impl TcpChannel {
             }
         }
         conn.buf.drain(..at);
-        if closed {
-            return Err(String::new());
-        }
-        Self::answer(conn, now)
+        Ok(())
     }
 
     /// Writes the ACK and the beats due on an accepted connection.
@@ -555,8 +595,18 @@ impl TcpChannel {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
+                    // Out of descriptors or memory: the backlog waits for
+                    // the next turn (no new event would come for it).
+                    // Anything else concerned one connection only.
+                    let scarce = matches!(
+                        e.raw_os_error(),
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                    );
                     tracing::warn!(error = %e, "control channel: accept failed");
-                    return;
+                    if scarce {
+                        self.accept_again = true;
+                        return;
+                    }
                 }
             }
         }
@@ -575,10 +625,34 @@ impl TcpChannel {
     /// Timers: reconnections due, beats due, silent connections, removed
     /// peers whose moment is over.
     fn service(&mut self, now: Instant) {
-        let deaf = self
-            .beat_every()
-            .is_some_and(|every| now.duration_since(self.last_service) > every);
+        let gap = now.duration_since(self.last_service);
+        let deaf = self.beat_every().is_some_and(|every| gap > 2 * every);
         self.last_service = now;
+        if std::mem::take(&mut self.accept_again) {
+            self.accept_all();
+        }
+        // A connection that never got its ACK (a connect stuck unanswered,
+        // a listener that never read the hello) is tried again after this.
+        let stuck_after = self
+            .config
+            .liveness_timeout
+            .unwrap_or(Duration::from_secs(1));
+        let stuck: Vec<PeerHandle> = self
+            .peers
+            .iter()
+            .filter(|(_, o)| {
+                o.stream.is_some() && !o.up && now.duration_since(o.opened) >= stuck_after
+            })
+            .map(|(h, _)| *h)
+            .collect();
+        for h in stuck {
+            if let Some(out) = self.peers.get_mut(&h) {
+                if let Some(mut s) = out.stream.take() {
+                    let _ = self.poll.registry().deregister(&mut s);
+                }
+                Self::fail(out, now);
+            }
+        }
         let due: Vec<PeerHandle> = self
             .peers
             .iter()
@@ -591,7 +665,12 @@ impl TcpChannel {
         if let Some(timeout) = self.config.liveness_timeout {
             for out in self.peers.values_mut() {
                 if deaf {
+                    // The reactor's own deafness is not the peers' silence,
+                    // nor their outage.
                     out.last_heard = now;
+                    if !out.up {
+                        out.down_since = (out.down_since + gap).min(now);
+                    }
                 }
                 if out.up && now.duration_since(out.last_heard) >= timeout {
                     tracing::warn!(endpoint = %out.endpoint, "control channel: nothing heard from the peer for {timeout:?}; reconnecting");
@@ -622,6 +701,11 @@ impl TcpChannel {
                 let keep = *due > now && !out.queue.is_empty();
                 if !keep {
                     if let Some(s) = out.stream.as_mut() {
+                        // Unread beats in the receive buffer would make the
+                        // close a reset, which discards what is still
+                        // unsent (the REFUSEs the linger is for).
+                        let mut sink = [0u8; 256];
+                        while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
                         let _ = registry.deregister(s);
                     }
                 }
@@ -632,6 +716,11 @@ impl TcpChannel {
 
     /// Polls once, up to `wait`; returns whether the waker fired.
     fn poll_once(&mut self, wait: Duration) -> Result<bool, ControlError> {
+        let wait = if self.unread.is_empty() {
+            wait
+        } else {
+            Duration::ZERO
+        };
         match self.poll.poll(&mut self.events, Some(wait)) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(false),
@@ -667,11 +756,8 @@ impl TcpChannel {
                         }
                     }
                     Some(Conn::In) => {
-                        let Some(conn) = self.accepted.get_mut(&t) else {
-                            continue;
-                        };
-                        if let Err(why) = Self::on_accepted(conn, &mut self.inbox, now) {
-                            self.close_accepted(t, &why);
+                        if !self.unread.contains(&t) {
+                            self.unread.push(t);
                         }
                     }
                     None => {
@@ -685,8 +771,29 @@ impl TcpChannel {
                 },
             }
         }
+        self.read_accepted(now);
         self.service(now);
         Ok(woken)
+    }
+
+    /// Reads the accepted connections that have bytes waiting, each up to
+    /// its budget, while the inbox has room.
+    fn read_accepted(&mut self, now: Instant) {
+        let tokens = std::mem::take(&mut self.unread);
+        for t in tokens {
+            if self.inbox.len() >= INBOX_CAP {
+                self.unread.push(t);
+                continue;
+            }
+            let Some(conn) = self.accepted.get_mut(&t) else {
+                continue;
+            };
+            match Self::on_accepted(conn, &mut self.inbox, now) {
+                Ok(true) => self.unread.push(t),
+                Ok(false) => {}
+                Err(why) => self.close_accepted(t, &why),
+            }
+        }
     }
 }
 
@@ -725,6 +832,7 @@ impl ControlChannel for TcpChannel {
                     failed: false,
                     reported: false,
                     last_heard: now,
+                    opened: now,
                     reconnect_at: None,
                     dropped: 0,
                 },
@@ -794,8 +902,11 @@ impl ControlChannel for TcpChannel {
         // this often while the caller waits.
         let tick = self
             .beat_every()
-            .unwrap_or(Duration::from_millis(RECONNECT_MS))
-            .min(Duration::from_millis(RECONNECT_MS / 2));
+            .map_or(Duration::from_millis(RECONNECT_MS), |b| b / 2)
+            .clamp(
+                Duration::from_millis(1),
+                Duration::from_millis(RECONNECT_MS / 2),
+            );
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let woken = self.poll_once(remaining.min(tick))?;
@@ -924,6 +1035,52 @@ mod tests {
             1,
             "the raw client's connection was closed"
         );
+    }
+
+    /// A sender that keeps writing cannot hold the reactor: an oversized
+    /// length is refused before more is read, and a flood of valid
+    /// messages is read a budget at a time.
+    #[test]
+    fn a_flooding_sender_does_not_hold_the_reactor() {
+        let mut b = channel(None);
+        let addr = parse_tcp_endpoint(b.local_endpoint()).expect("addr");
+        for oversized in [true, false] {
+            let mut raw = std::net::TcpStream::connect(addr).expect("raw connect");
+            raw.write_all(&hello(&Endpoint::from("tcp://127.0.0.1:9"), None))
+                .expect("hello");
+            if oversized {
+                raw.write_all(&u32::MAX.to_le_bytes()).expect("length");
+            }
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let flood = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let chunk: Vec<u8> = (0..16_384).flat_map(|_| frame(&[])).collect();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        if raw.write_all(&chunk).is_err() {
+                            return;
+                        }
+                    }
+                })
+            };
+            for _ in 0..20 {
+                let t0 = Instant::now();
+                let _ = b.recv(Duration::ZERO).expect("recv");
+                assert!(
+                    t0.elapsed() < Duration::from_millis(500),
+                    "oversized={oversized}: one recv took {:?}",
+                    t0.elapsed()
+                );
+                while b.inbox.len() > 1 {
+                    b.inbox.pop_front();
+                }
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            if oversized {
+                assert_eq!(b.accepted_count(), 0, "the oversized sender was cut off");
+            }
+            drop(flood);
+        }
     }
 
     #[test]
