@@ -5,12 +5,13 @@
 //! exactly one thread (the engine's reactor). Three implementations exist and
 //! the choice must match on both sides (the handshake checks [`ControlKind`]):
 //!
-//! - [`zmq::ZmqChannel`] (default): a ZMQ ROUTER bound to a routable address
-//!   receives; one DEALER per peer sends. Endpoints look like
-//!   `tcp://10.0.0.7:41234` or `tcp://[fd00::7]:41234`.
-//! - [`tcp::TcpChannel`]: the same endpoints and shape, over TCP sockets
-//!   the reactor owns (no ZMQ I/O thread between the reactor and the
-//!   kernel: two thread wake-ups a round trip instead of six).
+//! - [`tcp::TcpChannel`] (default): a listener bound to a routable
+//!   address receives; one outgoing connection per peer sends, over TCP
+//!   sockets the reactor owns (no transport thread between the reactor and
+//!   the kernel: two thread wake-ups a round trip instead of ZMQ's six).
+//!   Endpoints look like `tcp://10.0.0.7:41234` or `tcp://[fd00::7]:41234`.
+//! - [`zmq::ZmqChannel`]: the same endpoints and shape with ZMQ sockets: a
+//!   ROUTER receives, one DEALER per peer sends.
 //! - [`notif::NotifChannel`]: messages ride NIXL notifications through the
 //!   engine's inner UCX agent (no TCP). Endpoints name the peer's inner agent
 //!   and may carry its connection metadata (see [`notif`]).

@@ -31,8 +31,9 @@
 //! failure, or never up for three timeouts, is reported by
 //! [`ControlChannel::unreachable_peers`] until it is up again. The
 //! listener's beats are written by its reactor, so a reactor that could not
-//! poll for longer than a beat interval starts every peer's silence again
-//! when it polls again (its own deafness is not their silence), and the one
+//! poll for longer than two beat intervals starts every peer's silence
+//! again when it polls again (its own deafness is not their silence), and
+//! a connection not ACKed within the timeout is opened again; the one
 //! loop that holds a reactor for long calls [`ControlChannel::keep_alive`].
 //!
 //! Sends never block: a message that cannot be written at once is queued
@@ -150,7 +151,9 @@ pub struct TcpChannel {
     config: TcpConfig,
     peers: HashMap<PeerHandle, Outgoing>,
     by_endpoint: HashMap<String, PeerHandle>,
-    by_token: HashMap<Token, Conn>,
+    /// Outgoing connections by their token (accepted ones are keyed by
+    /// theirs in `accepted`).
+    by_token: HashMap<Token, PeerHandle>,
     accepted: HashMap<Token, Accepted>,
     closing: Vec<(Instant, Outgoing)>,
     inbox: VecDeque<Incoming>,
@@ -163,12 +166,6 @@ pub struct TcpChannel {
     next_peer: u64,
     next_token: usize,
     last_service: Instant,
-}
-
-#[derive(Clone, Copy)]
-enum Conn {
-    Out(PeerHandle),
-    In,
 }
 
 impl std::fmt::Debug for TcpChannel {
@@ -289,18 +286,15 @@ impl TcpChannel {
         self.config.liveness_timeout.map(|t| t / 4)
     }
 
-    /// Opens `out`'s connection (again), its hello queued first and any
-    /// frame the last connection left half written dropped.
+    /// Opens `out`'s connection (again), its hello queued first (a failed
+    /// connection's half-written frame and unsent hello were dropped by
+    /// [`Self::fail_since`]).
     fn connect(&mut self, handle: PeerHandle) {
         let token = self.token();
         let hello = hello(&self.local, self.beat_every());
         let Some(out) = self.peers.get_mut(&handle) else {
             return;
         };
-        if out.written > 0 {
-            out.queue.pop_front();
-            out.written = 0;
-        }
         out.queue.push_front(hello);
         out.connected = false;
         out.up = false;
@@ -317,26 +311,28 @@ impl TcpChannel {
                 ) {
                     Ok(()) => {
                         out.stream = Some(s);
-                        self.by_token.insert(token, Conn::Out(handle));
+                        self.by_token.insert(token, handle);
                     }
                     Err(e) => {
                         tracing::warn!(endpoint = %out.endpoint, error = %e, "control channel: cannot poll a new connection");
-                        Self::fail(out, Instant::now());
+                        Self::fail(self.poll.registry(), out, Instant::now());
                     }
                 }
             }
             Err(e) => {
                 tracing::debug!(endpoint = %out.endpoint, error = %e, "control channel: connect failed");
-                Self::fail(out, Instant::now());
+                Self::fail(self.poll.registry(), out, Instant::now());
             }
         }
     }
 
-    /// Ends `out`'s connection after a failure; it is tried again later.
-    /// A peer that was up is down from `since` (when it went silent, for a
-    /// silence; else now).
-    fn fail_since(out: &mut Outgoing, now: Instant, since: Instant) {
-        out.stream = None;
+    /// Ends `out`'s connection after a failure (out of `registry`'s
+    /// poll); it is tried again later. A peer that was up is down from
+    /// `since` (when it went silent, for a silence; else now).
+    fn fail_since(registry: &mio::Registry, out: &mut Outgoing, now: Instant, since: Instant) {
+        if let Some(mut s) = out.stream.take() {
+            let _ = registry.deregister(&mut s);
+        }
         if out.up {
             out.down_since = since;
         }
@@ -359,8 +355,8 @@ impl TcpChannel {
         out.reconnect_at = Some(now + Duration::from_millis(RECONNECT_MS));
     }
 
-    fn fail(out: &mut Outgoing, now: Instant) {
-        Self::fail_since(out, now, now);
+    fn fail(registry: &mio::Registry, out: &mut Outgoing, now: Instant) {
+        Self::fail_since(registry, out, now, now);
     }
 
     /// Writes what `out` has queued, as far as the socket takes it.
@@ -577,7 +573,6 @@ impl TcpChannel {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
-                    self.by_token.insert(token, Conn::In);
                     self.accepted.insert(
                         token,
                         Accepted {
@@ -614,7 +609,6 @@ impl TcpChannel {
 
     fn close_accepted(&mut self, token: Token, why: &str) {
         if let Some(mut c) = self.accepted.remove(&token) {
-            self.by_token.remove(&token);
             let _ = self.poll.registry().deregister(&mut c.stream);
             if !why.is_empty() {
                 tracing::warn!(addr = %c.addr, from = ?c.from, "control channel: closing a connection: {why}");
@@ -647,10 +641,7 @@ impl TcpChannel {
             .collect();
         for h in stuck {
             if let Some(out) = self.peers.get_mut(&h) {
-                if let Some(mut s) = out.stream.take() {
-                    let _ = self.poll.registry().deregister(&mut s);
-                }
-                Self::fail(out, now);
+                Self::fail(self.poll.registry(), out, now);
             }
         }
         let due: Vec<PeerHandle> = self
@@ -674,12 +665,9 @@ impl TcpChannel {
                 }
                 if out.up && now.duration_since(out.last_heard) >= timeout {
                     tracing::warn!(endpoint = %out.endpoint, "control channel: nothing heard from the peer for {timeout:?}; reconnecting");
-                    if let Some(mut s) = out.stream.take() {
-                        let _ = self.poll.registry().deregister(&mut s);
-                    }
                     // Unreachable at once: its silence is the timeout.
                     let since = out.last_heard;
-                    Self::fail_since(out, now, since);
+                    Self::fail_since(self.poll.registry(), out, now, since);
                 }
             }
         }
@@ -742,22 +730,19 @@ impl TcpChannel {
             match token {
                 WAKER => woken = true,
                 LISTENER => self.accept_all(),
+                t if self.accepted.contains_key(&t) => {
+                    if !self.unread.contains(&t) {
+                        self.unread.push(t);
+                    }
+                }
                 t => match self.by_token.get(&t).copied() {
-                    Some(Conn::Out(h)) => {
+                    Some(h) => {
                         let Some(out) = self.peers.get_mut(&h) else {
                             continue;
                         };
                         if let Err(e) = Self::on_outgoing(out, readable, now) {
                             tracing::debug!(endpoint = %out.endpoint, error = %e, "control channel: connection to the peer failed");
-                            if let Some(mut s) = out.stream.take() {
-                                let _ = self.poll.registry().deregister(&mut s);
-                            }
-                            Self::fail(out, now);
-                        }
-                    }
-                    Some(Conn::In) => {
-                        if !self.unread.contains(&t) {
-                            self.unread.push(t);
+                            Self::fail(self.poll.registry(), out, now);
                         }
                     }
                     None => {
@@ -814,7 +799,7 @@ impl ControlChannel for TcpChannel {
         // A peer removed a moment ago gets its connection back.
         if let Some(i) = self.closing.iter().position(|(_, o)| o.endpoint == key) {
             let out = self.closing.swap_remove(i).1;
-            self.by_token.insert(out.token, Conn::Out(handle));
+            self.by_token.insert(out.token, handle);
             self.peers.insert(handle, out);
         } else {
             self.peers.insert(
@@ -885,10 +870,7 @@ impl ControlChannel for TcpChannel {
         out.queue.push_back(frame(msg));
         if let Err(e) = Self::flush(out) {
             tracing::debug!(endpoint = %out.endpoint, error = %e, "control channel: connection to the peer failed while sending");
-            if let Some(mut s) = out.stream.take() {
-                let _ = self.poll.registry().deregister(&mut s);
-            }
-            Self::fail(out, Instant::now());
+            Self::fail(self.poll.registry(), out, Instant::now());
         }
         Ok(())
     }

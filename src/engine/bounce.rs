@@ -98,6 +98,8 @@ impl Bounce {
         let control = config.control_kind();
         let liveness = (config.peer_liveness_timeout_ms > 0)
             .then(|| Duration::from_millis(config.peer_liveness_timeout_ms));
+        // Tests shrink the per-peer send queue (messages) to fill it.
+        let send_bound = shared.failpoints.value("control_send_hwm");
         let bind = || {
             if config.control_bind_loopback {
                 BindSpec::loopback()
@@ -118,9 +120,7 @@ impl Bounce {
                 let defaults = TcpConfig::default();
                 let tcp = TcpConfig {
                     liveness_timeout: liveness,
-                    send_queue: shared
-                        .failpoints
-                        .value("control_send_hwm")
+                    send_queue: send_bound
                         .map_or(defaults.send_queue, |n| n.clamp(1, 1 << 20) as usize),
                 };
                 Box::new(TcpChannel::new(&bind(), tcp).map_err(|e| e.to_string())?)
@@ -129,9 +129,7 @@ impl Bounce {
                 let defaults = ZmqConfig::default();
                 let zmq = ZmqConfig {
                     liveness_timeout: liveness,
-                    send_hwm: shared
-                        .failpoints
-                        .value("control_send_hwm")
+                    send_hwm: send_bound
                         .map_or(defaults.send_hwm, |n| n.clamp(1, i32::MAX as u64) as i32),
                     ..defaults
                 };
