@@ -125,6 +125,10 @@ pub struct Config {
     /// How long the IO thread alone keeps polling after its last event
     /// while transfers are live (us); 0 = as `busy_poll_us`.
     pub reactor_busy_poll_us: u64,
+    /// Which thread posts and polls the bounce arena's chunk writes:
+    /// `auto` (the IO thread for a device arena, the writer thread for a
+    /// host arena), `io_thread` or `writer_thread`.
+    pub chunk_writes: String,
     /// VRAM peers on the same host: one kernel moves a transfer straight
     /// between this process's memory and the peer's, mapped with CUDA IPC
     /// (the peer-mapped path); off: such transfers take the bounce path.
@@ -195,6 +199,7 @@ impl Default for Config {
             control_bind_loopback: false,
             busy_poll_us: 0,
             reactor_busy_poll_us: 0,
+            chunk_writes: "auto".into(),
             enable_peer_map: true,
             prepare_at_post: true,
             ucx_progress_delay_us: 1000,
@@ -269,6 +274,9 @@ pub enum ConfigError {
     /// The chunk cap is below the region alignment.
     #[error("max_chunk_size_bytes = {0} is below 32 bytes; set it to at least the allocation granularity")]
     ChunkTooSmall(u64),
+    /// `chunk_writes` names no thread.
+    #[error("chunk_writes = {0:?} is not one of auto, io_thread, writer_thread; set {NIXL}CHUNK_WRITES to one of them", NIXL = ENV_PREFIX)]
+    UnknownChunkWrites(String),
     /// Both an interface and loopback binding were requested.
     #[error("control_interface = {0:?} and control_bind_loopback = true contradict each other; set only one of them")]
     InterfaceAndLoopback(String),
@@ -375,6 +383,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the control socket (direct TCP or ZMQ); empty = auto-detect."),
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the control socket (direct TCP or ZMQ) to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
+    setting!(chunk_writes, "chunk_writes", "CHUNK_WRITES", Text, true, "Which thread posts and polls the bounce arena's chunk writes: auto (the IO thread for a device arena, whose post only queues a CUDA IPC copy or an RDMA write; the writer thread for a host arena, as UCX over TCP sends inside the post), io_thread or writer_thread; the IO thread saves a thread hand-off each way per chunk."),
     setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
@@ -587,6 +596,18 @@ impl Config {
         }
     }
 
+    /// Whether the IO thread posts the chunk writes of an arena in device
+    /// memory (`device`) or host memory (`chunk_writes`); `None` when
+    /// `chunk_writes` names no thread.
+    pub fn writes_on_io_thread(&self, device: bool) -> Option<bool> {
+        match self.chunk_writes.as_str() {
+            "auto" => Some(device),
+            "io_thread" => Some(true),
+            "writer_thread" => Some(false),
+            _ => None,
+        }
+    }
+
     /// The arena's usable capacity: the largest power of two not above
     /// `arena_size_bytes` (0 when the arena size is 0).
     pub fn arena_usable_capacity(&self) -> u64 {
@@ -663,6 +684,9 @@ impl Config {
         if self.max_chunk_size_bytes < 32 {
             return Err(ConfigError::ChunkTooSmall(self.max_chunk_size_bytes));
         }
+        if self.writes_on_io_thread(false).is_none() {
+            return Err(ConfigError::UnknownChunkWrites(self.chunk_writes.clone()));
+        }
         if self.control_bind_loopback && !self.control_interface.is_empty() {
             return Err(ConfigError::InterfaceAndLoopback(
                 self.control_interface.clone(),
@@ -733,7 +757,8 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 40);
+        assert_eq!(keys.len(), 41);
+        assert!(keys.contains(&"chunk_writes"));
         assert!(keys.contains(&"direct_tcp_control"));
         assert!(keys.contains(&"prepare_at_post"));
         assert!(keys.contains(&"enable_peer_map"));
@@ -869,6 +894,22 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, ConfigError::InterfaceAndLoopback(_)));
+    }
+
+    #[test]
+    fn chunk_writes_names_a_thread() {
+        let c = Config::default();
+        assert_eq!(c.writes_on_io_thread(true), Some(true));
+        assert_eq!(c.writes_on_io_thread(false), Some(false));
+        for (value, device, host) in [("io_thread", true, true), ("writer_thread", false, false)] {
+            let (c, _) =
+                Config::resolve(&|_| None, &params_of(&[("chunk_writes", value)])).unwrap();
+            assert_eq!(c.writes_on_io_thread(true), Some(device));
+            assert_eq!(c.writes_on_io_thread(false), Some(host));
+        }
+        let e = Config::resolve(&|_| None, &params_of(&[("chunk_writes", "reactor")])).unwrap_err();
+        assert!(matches!(e, ConfigError::UnknownChunkWrites(_)));
+        assert!(e.to_string().contains("NIXL_BOUNCE_CHUNK_WRITES"), "{e}");
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //!   with the default chunks (four of 4 MiB) and with many small chunks;
 //! - the default split of a 16 MiB request into four chunks (and one chunk
 //!   with the split off);
+//! - chunk writes posted by the IO thread or by the writer thread;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 #[path = "support/bounce.rs"]
@@ -338,6 +339,49 @@ fn a_16_mib_request_is_pipelined_in_four_chunks() {
             stats(a.name()).since(&before, "chunks_written"),
             chunks,
             "{ex:?}"
+        );
+    }
+}
+
+/// Threads of this process whose name starts with `prefix` (Linux keeps
+/// 15 bytes of a thread's name).
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|name| name.starts_with(prefix))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Chunk writes posted and polled by the IO thread itself
+/// (`chunk_writes=io_thread`, what a device arena does by default) and by
+/// the writer thread (a host arena's default): byte-exact both ways either
+/// way, and only the second starts a writer thread.
+#[test]
+#[serial_test::serial]
+fn chunk_writes_on_the_io_thread_or_the_writer_thread() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    for (seed, value, writers) in [
+        (61, "io_thread", 0),
+        (63, "writer_thread", 2),
+        (65, "auto", 2),
+    ] {
+        let ex = [LOOPBACK, ("chunk_writes", value)];
+        let mut a = endpoint("wt-a", &ex, len(), seed, ThreadSync::Default);
+        let mut b = endpoint("wt-b", &ex, len(), seed + 1, ThreadSync::Default);
+        pair_up(&a.node, &b.node);
+        let s = 100 * seed;
+        write_once(&mut a, &mut b, s + 11, (s + 101, s + 102));
+        write_once(&mut b, &mut a, s + 12, (s + 103, s + 104));
+        assert_eq!(
+            threads_named("bounce-write-wt"),
+            writers,
+            "chunk_writes={value}"
         );
     }
 }

@@ -193,6 +193,9 @@ impl Bounce {
                     us => us,
                 },
             ),
+            writes_on_io_thread: config
+                .writes_on_io_thread(location.kind == MemKind::Vram)
+                .unwrap_or(false),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

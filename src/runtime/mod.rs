@@ -15,13 +15,16 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
+
+mod writes;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use writes::{ChunkWriter, WriteJob, WriteOutcome};
 
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
-use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
+use crate::dataplane::{DataPlane, PeerArena};
 use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions, Survey};
 use crate::proto::wire::{Message, MessageType};
@@ -495,6 +498,9 @@ pub struct Parts {
     pub busy_poll: Duration,
     /// The IO thread's own (see `Config::reactor_busy_poll_us`).
     pub reactor_busy_poll: Duration,
+    /// The IO thread posts and polls chunk writes itself, instead of a
+    /// writer thread (see `Config::chunk_writes`).
+    pub writes_on_io_thread: bool,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Notify,
@@ -534,17 +540,18 @@ impl Runtime {
                     .spawn(move || copy_worker(rx, tx, copier, waker, t, spin, delays))?,
             );
         }
-        let (write_tx, write_rx) = mpsc::channel::<WriteJob>();
-        let (write_done_tx, write_done_rx) = mpsc::channel::<WriteOutcome>();
-        let writer = {
-            let (data, waker, sh) = (parts.data, shared.waker.clone(), shared.clone());
-            let spin = parts.busy_poll;
-            let delay = parts.failpoints.delay("delay_write_ms");
-            std::thread::Builder::new()
-                .name(format!("bounce-write-{}", parts.name))
-                .spawn(move || {
-                    write_worker(data, write_rx, write_done_tx, waker, sh, spin, delay)
-                })?
+        // A failpoint's delay before each post belongs on the writer thread.
+        let write_delay = parts.failpoints.delay("delay_write_ms");
+        let writer = if parts.writes_on_io_thread && write_delay.is_zero() {
+            ChunkWriter::here(parts.data, shared.clone())
+        } else {
+            ChunkWriter::thread(
+                format!("bounce-write-{}", parts.name),
+                parts.data,
+                shared.clone(),
+                parts.busy_poll,
+                write_delay,
+            )?
         };
         let launch_here = [
             parts.failpoints.delay("delay_gather_ms").is_zero(),
@@ -559,9 +566,8 @@ impl Runtime {
             unload_data_path: parts.unload_data_path,
             data_paths: HashMap::new(),
             channel: parts.channel,
-            write_jobs: Some(write_tx),
-            write_done: write_done_rx,
-            writer: Some(writer),
+            writer,
+            write_outcomes: Vec::new(),
             arena: parts.arena,
             busy_poll: parts.reactor_busy_poll,
             notify: parts.notify,
@@ -897,20 +903,6 @@ fn copy_worker(
     }
 }
 
-/// A chunk write for the writer thread.
-struct WriteJob {
-    chunk: ChunkRef,
-    arena: PeerArena,
-    local: u64,
-    remote: u64,
-    len: u64,
-}
-
-enum WriteOutcome {
-    Done(ChunkRef),
-    Failed(ChunkRef, String),
-}
-
 /// Makes this thread's timed waits end when asked: its polling pauses
 /// (the writer's 20 us, the notification channel's 10 us) would otherwise
 /// be stretched by Linux's default timer slack of 50 us, to 60-70 us.
@@ -922,109 +914,6 @@ pub(crate) fn precise_timers() {
     // through a pointer.
     unsafe {
         libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong);
-    }
-}
-
-/// Posts chunk writes and polls them to completion, off the IO thread: for
-/// UCX over TCP the send happens inside the post call, which would otherwise
-/// stall the reactor (and with it the next gather and every control
-/// message) for the whole write. Wakes the reactor with each outcome.
-fn write_worker(
-    data: DataPlane,
-    jobs: Receiver<WriteJob>,
-    done: Sender<WriteOutcome>,
-    waker: crate::control::Waker,
-    shared: Arc<Shared>,
-    spin: Duration,
-    // Failpoint delay before each post (zero normally).
-    delay: Duration,
-) {
-    precise_timers();
-    let jobs = Mutex::new(jobs);
-    let mut pending: Vec<(ChunkRef, ChunkWrite)> = Vec::new();
-    let mut closed_at: Option<Instant> = None;
-    let mut idle = 0u32;
-    loop {
-        let job = if pending.is_empty() && closed_at.is_none() {
-            match next_job(&jobs, spin) {
-                Some(j) => Some(j),
-                None => return,
-            }
-        } else if closed_at.is_none() {
-            match jobs.lock().expect("write jobs").try_recv() {
-                Ok(j) => Some(j),
-                Err(std::sync::mpsc::TryRecvError::Empty) => None,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    closed_at = Some(Instant::now());
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let mut progressed = false;
-        if let Some(j) = job {
-            progressed = true;
-            if !delay.is_zero() {
-                std::thread::sleep(delay);
-            }
-            let t = Instant::now();
-            let posted = data.post_write(&j.arena, j.local, j.remote, j.len);
-            shared
-                .counters
-                .write_post_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            match posted {
-                Ok(w) => pending.push((j.chunk, w)),
-                Err(e) => {
-                    let _ = done.send(WriteOutcome::Failed(j.chunk, e));
-                    waker();
-                }
-            }
-        }
-        let mut i = 0;
-        while i < pending.len() {
-            let outcome = match data.poll(&pending[i].1) {
-                WriteState::InProgress => {
-                    i += 1;
-                    continue;
-                }
-                WriteState::Done => WriteOutcome::Done(pending[i].0),
-                WriteState::Failed(e) => WriteOutcome::Failed(pending[i].0, e),
-            };
-            progressed = true;
-            pending.swap_remove(i);
-            let _ = done.send(outcome);
-            waker();
-        }
-        if let Some(t) = closed_at {
-            if pending.is_empty() {
-                return;
-            }
-            if t.elapsed() > QUIESCE_BOUND {
-                // The reactor already reported these as stuck (poisoned):
-                // keep their handles alive rather than release a request
-                // the transport may still be reading for.
-                tracing::error!(
-                    "{} chunk writes never finished; leaving them to the process",
-                    pending.len()
-                );
-                std::mem::forget(pending);
-                // Nor deregister the arena they may still read.
-                std::mem::forget(data);
-                return;
-            }
-        }
-        if progressed {
-            idle = 0;
-        } else {
-            idle += 1;
-            if idle > 64 {
-                std::thread::sleep(Duration::from_micros(20));
-            } else {
-                std::thread::yield_now();
-            }
-        }
     }
 }
 
@@ -1042,9 +931,9 @@ struct Reactor {
     name: String,
     endpoint: Endpoint,
     channel: Box<dyn ControlChannel>,
-    write_jobs: Option<Sender<WriteJob>>,
-    write_done: Receiver<WriteOutcome>,
-    writer: Option<JoinHandle<()>>,
+    writer: ChunkWriter,
+    /// Scratch for the writes' outcomes, reused from turn to turn.
+    write_outcomes: Vec<WriteOutcome>,
     arena: RegionSpan,
     busy_poll: Duration,
     notify: Notify,
@@ -1067,7 +956,8 @@ struct Reactor {
     /// Whether gathers / scatters may be launched here (not while a
     /// failpoint delays them: the delay belongs on a worker).
     launch_here: [bool; 2],
-    /// Chunk writes handed to the writer thread: chunk, peer, bytes, when.
+    /// Chunk writes posted or handed to the writer thread: chunk, peer,
+    /// bytes, when.
     writes: Vec<(ChunkRef, PeerId, u64, Instant)>,
     /// Peers we send data to (from their handshake).
     peers: HashMap<PeerId, PeerState>,
@@ -1126,9 +1016,13 @@ impl Reactor {
             // the next message or completion usually comes within
             // microseconds, and waking a sleeping thread costs tens.
             // Copies launched here are polled (their events) without
-            // sleeping: they end within microseconds to a few hundred.
+            // sleeping: they end within microseconds to a few hundred. So
+            // are writes posted here, until one has run a millisecond (a
+            // slow transport): then with short pauses.
+            let write_pause = self.writer.pause();
             let spinning = !progressed
                 && (!self.launched.is_empty()
+                    || write_pause.is_some()
                     || (self.live() && last_event.elapsed() < self.busy_poll));
             let wait = if progressed || spinning {
                 Duration::ZERO
@@ -1139,7 +1033,10 @@ impl Reactor {
             if self.receive(wait) || progressed {
                 last_event = Instant::now();
             } else if spinning {
-                std::thread::yield_now();
+                match write_pause {
+                    Some(p) if !p.is_zero() && self.launched.is_empty() => std::thread::sleep(p),
+                    _ => std::thread::yield_now(),
+                }
             }
             self.check_liveness();
             self.fire_timers();
@@ -1409,7 +1306,9 @@ impl Reactor {
     /// Takes the writer thread's outcomes.
     fn poll_writes(&mut self) -> bool {
         let mut any = false;
-        while let Ok(outcome) = self.write_done.try_recv() {
+        let mut outcomes = std::mem::take(&mut self.write_outcomes);
+        self.writer.poll(&mut outcomes);
+        for outcome in outcomes.drain(..) {
             any = true;
             let (chunk, failure) = match outcome {
                 WriteOutcome::Done(c) => (c, None),
@@ -1436,6 +1335,7 @@ impl Reactor {
                 }
             }
         }
+        self.write_outcomes = outcomes;
         any
     }
 
@@ -1650,12 +1550,7 @@ impl Reactor {
                                 remote: remote.0,
                                 len,
                             };
-                            match &self.write_jobs {
-                                Some(tx) => tx
-                                    .send(job)
-                                    .map_err(|_| "the writer thread is gone".to_string()),
-                                None => Err("shutting down".to_string()),
-                            }
+                            self.writer.post(job)
                         }
                         None => Err(format!("no data path to peer {peer}")),
                     };
@@ -1897,9 +1792,6 @@ impl Reactor {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
-        self.write_jobs = None; // the writer finishes what it holds, then exits
-        if let Some(w) = self.writer.take() {
-            let _ = w.join();
-        }
+        self.writer.close();
     }
 }
