@@ -126,8 +126,8 @@ pub struct Config {
     /// while transfers are live (us); 0 = as `busy_poll_us`.
     pub reactor_busy_poll_us: u64,
     /// Which thread posts and polls the bounce arena's chunk writes:
-    /// `auto` (the IO thread for a device arena, the writer thread for a
-    /// host arena), `io_thread` or `writer_thread`.
+    /// `auto`, `io_thread`, `io_thread_when_idle` or `writer_thread` (see
+    /// [`ChunkWrites`]).
     pub chunk_writes: String,
     /// VRAM peers on the same host: one kernel moves a transfer straight
     /// between this process's memory and the peer's, mapped with CUDA IPC
@@ -275,11 +275,25 @@ pub enum ConfigError {
     #[error("max_chunk_size_bytes = {0} is below 32 bytes; set it to at least the allocation granularity")]
     ChunkTooSmall(u64),
     /// `chunk_writes` names no thread.
-    #[error("chunk_writes = {0:?} is not one of auto, io_thread, writer_thread; set {NIXL}CHUNK_WRITES to one of them", NIXL = ENV_PREFIX)]
+    #[error("chunk_writes = {0:?} is not one of auto, io_thread, io_thread_when_idle, writer_thread; set {NIXL}CHUNK_WRITES to one of them", NIXL = ENV_PREFIX)]
     UnknownChunkWrites(String),
     /// Both an interface and loopback binding were requested.
     #[error("control_interface = {0:?} and control_bind_loopback = true contradict each other; set only one of them")]
     InterfaceAndLoopback(String),
+}
+
+/// Which thread posts and polls the bounce arena's chunk writes
+/// (`chunk_writes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkWrites {
+    /// Always the IO thread.
+    IoThread,
+    /// Always the writer thread.
+    WriterThread,
+    /// The IO thread when no other write runs (a lone request's latency),
+    /// else the writer thread (under load the IO thread is the
+    /// bottleneck, and a post costs it 15-25 us).
+    IoThreadWhenIdle,
 }
 
 /// The kind of a setting's value.
@@ -383,7 +397,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_interface, "control_interface", "CONTROL_INTERFACE", Text, true, "Network interface for the control socket (direct TCP or ZMQ); empty = auto-detect."),
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the control socket (direct TCP or ZMQ) to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
-    setting!(chunk_writes, "chunk_writes", "CHUNK_WRITES", Text, true, "Which thread posts and polls the bounce arena's chunk writes: auto (the IO thread for a device arena, whose post only queues a CUDA IPC copy or an RDMA write; the writer thread for a host arena, as UCX over TCP sends inside the post), io_thread or writer_thread; the IO thread saves a thread hand-off each way per chunk."),
+    setting!(chunk_writes, "chunk_writes", "CHUNK_WRITES", Text, true, "Which thread posts and polls the bounce arena's chunk writes: auto (a device arena's, whose post only queues a CUDA IPC copy or an RDMA write: the IO thread when no other write runs, saving a thread hand-off each way, else the writer thread, as under load the IO thread is the bottleneck; a host arena's: the writer thread, as UCX over TCP sends inside the post), io_thread (always), io_thread_when_idle (auto's rule for a device arena, for either) or writer_thread (always)."),
     setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
@@ -596,14 +610,15 @@ impl Config {
         }
     }
 
-    /// Whether the IO thread posts the chunk writes of an arena in device
-    /// memory (`device`) or host memory (`chunk_writes`); `None` when
-    /// `chunk_writes` names no thread.
-    pub fn writes_on_io_thread(&self, device: bool) -> Option<bool> {
+    /// Where the chunk writes of an arena in device memory (`device`) or
+    /// host memory are posted (`chunk_writes`); `None` when it names no
+    /// way.
+    pub fn chunk_writes_for(&self, device: bool) -> Option<ChunkWrites> {
         match self.chunk_writes.as_str() {
-            "auto" => Some(device),
-            "io_thread" => Some(true),
-            "writer_thread" => Some(false),
+            "auto" if device => Some(ChunkWrites::IoThreadWhenIdle),
+            "auto" | "writer_thread" => Some(ChunkWrites::WriterThread),
+            "io_thread" => Some(ChunkWrites::IoThread),
+            "io_thread_when_idle" => Some(ChunkWrites::IoThreadWhenIdle),
             _ => None,
         }
     }
@@ -684,7 +699,7 @@ impl Config {
         if self.max_chunk_size_bytes < 32 {
             return Err(ConfigError::ChunkTooSmall(self.max_chunk_size_bytes));
         }
-        if self.writes_on_io_thread(false).is_none() {
+        if self.chunk_writes_for(false).is_none() {
             return Err(ConfigError::UnknownChunkWrites(self.chunk_writes.clone()));
         }
         if self.control_bind_loopback && !self.control_interface.is_empty() {
@@ -898,14 +913,19 @@ mod tests {
 
     #[test]
     fn chunk_writes_names_a_thread() {
+        use ChunkWrites::*;
         let c = Config::default();
-        assert_eq!(c.writes_on_io_thread(true), Some(true));
-        assert_eq!(c.writes_on_io_thread(false), Some(false));
-        for (value, device, host) in [("io_thread", true, true), ("writer_thread", false, false)] {
+        assert_eq!(c.chunk_writes_for(true), Some(IoThreadWhenIdle));
+        assert_eq!(c.chunk_writes_for(false), Some(WriterThread));
+        for (value, device, host) in [
+            ("io_thread", IoThread, IoThread),
+            ("io_thread_when_idle", IoThreadWhenIdle, IoThreadWhenIdle),
+            ("writer_thread", WriterThread, WriterThread),
+        ] {
             let (c, _) =
                 Config::resolve(&|_| None, &params_of(&[("chunk_writes", value)])).unwrap();
-            assert_eq!(c.writes_on_io_thread(true), Some(device));
-            assert_eq!(c.writes_on_io_thread(false), Some(host));
+            assert_eq!(c.chunk_writes_for(true), Some(device));
+            assert_eq!(c.chunk_writes_for(false), Some(host));
         }
         let e = Config::resolve(&|_| None, &params_of(&[("chunk_writes", "reactor")])).unwrap_err();
         assert!(matches!(e, ConfigError::UnknownChunkWrites(_)));

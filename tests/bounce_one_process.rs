@@ -357,9 +357,11 @@ fn threads_named(prefix: &str) -> usize {
 }
 
 /// Chunk writes posted and polled by the IO thread itself
-/// (`chunk_writes=io_thread`, what a device arena does by default) and by
-/// the writer thread (a host arena's default): byte-exact both ways either
-/// way, and only the second starts a writer thread.
+/// (`chunk_writes=io_thread`), by the writer thread (a host arena's
+/// default), and by the IO thread only while no other write runs (a device
+/// arena's default; here a 16 MiB request's four chunks overlap, so both
+/// threads post): byte-exact both ways every way, and only the last two
+/// start a writer thread.
 #[test]
 #[serial_test::serial]
 fn chunk_writes_on_the_io_thread_or_the_writer_thread() {

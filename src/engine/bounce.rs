@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nixl_sys::{Agent, MemType};
 
-use crate::config::Config;
+use crate::config::{ChunkWrites, Config};
 use crate::control::notif::{NotifChannel, NotifHub};
 use crate::control::tcp::{TcpChannel, TcpConfig};
 use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
@@ -193,9 +193,9 @@ impl Bounce {
                     us => us,
                 },
             ),
-            writes_on_io_thread: config
-                .writes_on_io_thread(location.kind == MemKind::Vram)
-                .unwrap_or(false),
+            chunk_writes: config
+                .chunk_writes_for(location.kind == MemKind::Vram)
+                .unwrap_or(ChunkWrites::WriterThread),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

@@ -17,10 +17,11 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 
 mod writes;
+use crate::config::ChunkWrites;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use writes::{ChunkWriter, WriteJob, WriteOutcome};
+use writes::{ChunkWriter, Posting, WriteJob, WriteOutcome};
 
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
@@ -498,9 +499,8 @@ pub struct Parts {
     pub busy_poll: Duration,
     /// The IO thread's own (see `Config::reactor_busy_poll_us`).
     pub reactor_busy_poll: Duration,
-    /// The IO thread posts and polls chunk writes itself, instead of a
-    /// writer thread (see `Config::chunk_writes`).
-    pub writes_on_io_thread: bool,
+    /// Which thread posts and polls chunk writes (`Config::chunk_writes`).
+    pub chunk_writes: crate::config::ChunkWrites,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Notify,
@@ -542,17 +542,20 @@ impl Runtime {
         }
         // A failpoint's delay before each post belongs on the writer thread.
         let write_delay = parts.failpoints.delay("delay_write_ms");
-        let writer = if parts.writes_on_io_thread && write_delay.is_zero() {
-            ChunkWriter::here(parts.data, shared.clone())
-        } else {
-            ChunkWriter::thread(
-                format!("bounce-write-{}", parts.name),
-                parts.data,
-                shared.clone(),
-                parts.busy_poll,
-                write_delay,
-            )?
+        let posting = match parts.chunk_writes {
+            _ if !write_delay.is_zero() => Posting::Thread,
+            ChunkWrites::IoThread => Posting::Here,
+            ChunkWrites::WriterThread => Posting::Thread,
+            ChunkWrites::IoThreadWhenIdle => Posting::HereWhenIdle,
         };
+        let writer = ChunkWriter::start(
+            format!("bounce-write-{}", parts.name),
+            parts.data,
+            posting,
+            shared.clone(),
+            parts.busy_poll,
+            write_delay,
+        )?;
         let launch_here = [
             parts.failpoints.delay("delay_gather_ms").is_zero(),
             parts.failpoints.delay("delay_scatter_ms").is_zero(),

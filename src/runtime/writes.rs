@@ -2,15 +2,18 @@
 //! arena into the peer's), then polled until NIXL reports it complete at
 //! the target.
 //!
-//! Two ways to run them behind one interface, [`ChunkWriter`]:
-//! - **On the IO thread** (a device arena, by default): the post only
-//!   queues work (a CUDA IPC copy, an RDMA write), so the reactor posts and
-//!   polls the write itself, between its other events. No hand-off: the
-//!   post starts as soon as the gather is seen finished, and the DATA
-//!   message leaves on the turn that sees the write done.
-//! - **On the writer thread** (a host arena): UCX over TCP sends inside the
-//!   post call, which on the IO thread would stall every control message
-//!   and the next gather for the whole write.
+//! Where they are posted and polled ([`Posting`]):
+//! - **On the IO thread**: the reactor posts the write as soon as it sees
+//!   the gather finished, polls it between its other events, and sends
+//!   DATA on the turn that sees it done. No thread hand-off, which a lone
+//!   request feels (two thread wake-ups a chunk). Only where a post merely
+//!   queues work (a device arena: a CUDA IPC copy, an RDMA write).
+//! - **On the writer thread**: where a post may carry the whole send (a
+//!   host arena: UCX over TCP sends inside the post, which on the IO thread
+//!   would stall every control message and the next gather), and under
+//!   load, where the IO thread is the bottleneck and a post costs it 15-25
+//!   us (on the H200, 128 requests in flight ran at 52-57 GB/s with every
+//!   write posted on the IO thread against 74-79 on the writer thread).
 //!
 //! Either way, a write that may still be running keeps its handle and the
 //! arena's registration: after the quiescence bound they are left to the
@@ -49,20 +52,36 @@ const FAST_WRITE: Duration = Duration::from_millis(1);
 /// The pause between polls of a write older than [`FAST_WRITE`].
 pub(super) const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
 
-pub(super) enum ChunkWriter {
-    /// Posted and polled by the IO thread.
-    Here {
-        /// `None` only once left to the process (see `Drop`).
-        data: Option<DataPlane>,
-        pending: Vec<(ChunkRef, ChunkWrite, Instant)>,
-        shared: Arc<Shared>,
-    },
-    /// Handed to the writer thread, outcomes back over a queue.
-    Thread {
-        jobs: Option<Sender<WriteJob>>,
-        done: Receiver<WriteOutcome>,
-        handle: Option<JoinHandle<()>>,
-    },
+/// Where a chunk write is posted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Posting {
+    /// Always on the IO thread.
+    Here,
+    /// Always on the writer thread.
+    Thread,
+    /// On the IO thread when no other write runs (a lone request's
+    /// latency), else on the writer thread (under load the IO thread is
+    /// the bottleneck, and a post costs it 15-25 us).
+    HereWhenIdle,
+}
+
+pub(super) struct ChunkWriter {
+    data: Arc<DataPlane>,
+    posting: Posting,
+    /// Writes posted here: chunk, handle, when.
+    here: Vec<(ChunkRef, ChunkWrite, Instant)>,
+    /// The writer thread (none for [`Posting::Here`]).
+    thread: Option<WriterThread>,
+    /// Jobs handed to the writer thread whose outcome has not come back.
+    handed: usize,
+    shared: Arc<Shared>,
+}
+
+struct WriterThread {
+    /// `None` once closed.
+    jobs: Option<Sender<WriteJob>>,
+    done: Receiver<WriteOutcome>,
+    handle: Option<JoinHandle<()>>,
 }
 
 /// Posts one write, counting the post's time.
@@ -102,71 +121,77 @@ fn poll_pending<T>(
 }
 
 impl ChunkWriter {
-    /// Writes posted on the calling (IO) thread.
-    pub(super) fn here(data: DataPlane, shared: Arc<Shared>) -> ChunkWriter {
-        ChunkWriter::Here {
-            data: Some(data),
-            pending: Vec::new(),
-            shared,
-        }
-    }
-
-    /// Writes posted by a writer thread named `name`, which wakes the
-    /// reactor with each outcome. `spin`: how long it polls for the next
-    /// job before it blocks; `delay`: a failpoint's pause before each post.
-    pub(super) fn thread(
+    /// Writes through `data`, posted as `posting` says. The writer thread
+    /// (unless every write is posted here) is named `name` and wakes the
+    /// reactor with each outcome; `spin`: how long it polls for the next
+    /// job before it blocks; `delay`: a failpoint's pause before each of
+    /// its posts.
+    pub(super) fn start(
         name: String,
         data: DataPlane,
+        posting: Posting,
         shared: Arc<Shared>,
         spin: Duration,
         delay: Duration,
     ) -> std::io::Result<ChunkWriter> {
-        let (jobs_tx, jobs_rx) = mpsc::channel::<WriteJob>();
-        let (done_tx, done_rx) = mpsc::channel::<WriteOutcome>();
-        let handle = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || write_worker(data, jobs_rx, done_tx, shared, spin, delay))?;
-        Ok(ChunkWriter::Thread {
-            jobs: Some(jobs_tx),
-            done: done_rx,
-            handle: Some(handle),
+        let data = Arc::new(data);
+        let thread = if posting == Posting::Here {
+            None
+        } else {
+            let (jobs_tx, jobs_rx) = mpsc::channel::<WriteJob>();
+            let (done_tx, done_rx) = mpsc::channel::<WriteOutcome>();
+            let (d, sh) = (data.clone(), shared.clone());
+            let handle = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || write_worker(d, jobs_rx, done_tx, sh, spin, delay))?;
+            Some(WriterThread {
+                jobs: Some(jobs_tx),
+                done: done_rx,
+                handle: Some(handle),
+            })
+        };
+        Ok(ChunkWriter {
+            data,
+            posting,
+            here: Vec::new(),
+            thread,
+            handed: 0,
+            shared,
         })
     }
 
-    /// Posts `job` (here) or hands it over (thread). Err: it was not posted
-    /// and never will be. A post that fails on the writer thread comes back
-    /// from [`poll`](Self::poll) instead.
+    /// Posts `job` here or hands it to the writer thread. Err: it was not
+    /// posted and never will be. A post that fails on the writer thread
+    /// comes back from [`poll`](Self::poll) instead.
     pub(super) fn post(&mut self, job: WriteJob) -> Result<(), String> {
-        match self {
-            ChunkWriter::Here {
-                data: Some(data),
-                pending,
-                shared,
-            } => {
-                let w = post(data, shared, &job)?;
-                pending.push((job.chunk, w, Instant::now()));
+        let here = match self.posting {
+            Posting::Here => true,
+            Posting::Thread => false,
+            Posting::HereWhenIdle => self.here.is_empty() && self.handed == 0,
+        };
+        match &self.thread {
+            _ if here => {
+                let w = post(&self.data, &self.shared, &job)?;
+                self.here.push((job.chunk, w, Instant::now()));
                 Ok(())
             }
-            ChunkWriter::Here { data: None, .. } => Err("shutting down".into()),
-            ChunkWriter::Thread { jobs: Some(tx), .. } => tx
-                .send(job)
-                .map_err(|_| "the writer thread is gone".to_string()),
-            ChunkWriter::Thread { jobs: None, .. } => Err("shutting down".into()),
+            Some(WriterThread { jobs: Some(tx), .. }) => {
+                tx.send(job)
+                    .map_err(|_| "the writer thread is gone".to_string())?;
+                self.handed += 1;
+                Ok(())
+            }
+            _ => Err("shutting down".into()),
         }
     }
 
     /// The writes that ended since the last call, in `out`.
     pub(super) fn poll(&mut self, out: &mut Vec<WriteOutcome>) {
-        match self {
-            ChunkWriter::Here {
-                data: Some(data),
-                pending,
-                ..
-            } => {
-                poll_pending(data, pending, |o| out.push(o));
-            }
-            ChunkWriter::Here { data: None, .. } => {}
-            ChunkWriter::Thread { done, .. } => out.extend(done.try_iter()),
+        poll_pending(&self.data, &mut self.here, |o| out.push(o));
+        if let Some(t) = &self.thread {
+            let before = out.len();
+            out.extend(t.done.try_iter());
+            self.handed = self.handed.saturating_sub(out.len() - before);
         }
     }
 
@@ -174,26 +199,21 @@ impl ChunkWriter {
     /// when none does (it may sleep in the control channel), zero while the
     /// oldest is recent (poll again at once), else [`SLOW_WRITE_PAUSE`].
     pub(super) fn pause(&self) -> Option<Duration> {
-        match self {
-            ChunkWriter::Here { pending, .. } => {
-                let oldest = pending.iter().map(|p| p.2).min()?;
-                Some(if oldest.elapsed() < FAST_WRITE {
-                    Duration::ZERO
-                } else {
-                    SLOW_WRITE_PAUSE
-                })
-            }
-            ChunkWriter::Thread { .. } => None,
-        }
+        let oldest = self.here.iter().map(|p| p.2).min()?;
+        Some(if oldest.elapsed() < FAST_WRITE {
+            Duration::ZERO
+        } else {
+            SLOW_WRITE_PAUSE
+        })
     }
 
     /// Takes no more writes. The writer thread finishes what it holds
     /// (within the quiescence bound) and is joined; writes still running
     /// here are left to the process when this is dropped.
     pub(super) fn close(&mut self) {
-        if let ChunkWriter::Thread { jobs, handle, .. } = self {
-            *jobs = None;
-            if let Some(h) = handle.take() {
+        if let Some(t) = &mut self.thread {
+            t.jobs = None;
+            if let Some(h) = t.handle.take() {
                 let _ = h.join();
             }
         }
@@ -202,23 +222,18 @@ impl ChunkWriter {
 
 impl Drop for ChunkWriter {
     fn drop(&mut self) {
-        if let ChunkWriter::Here { data, pending, .. } = self {
-            if let Some(d) = data.as_ref() {
-                poll_pending(d, pending, |_| {});
-            }
-            if !pending.is_empty() {
-                // A write the transport may still run reads the arena:
-                // keep its handle and the arena's registration alive
-                // rather than release them under it (the reactor has
-                // already poisoned the arena, or a forgotten peer's write
-                // was reported stuck).
-                tracing::error!(
-                    "{} chunk writes never finished; leaving them to the process",
-                    pending.len()
-                );
-                std::mem::forget(std::mem::take(pending));
-                std::mem::forget(data.take());
-            }
+        poll_pending(&self.data, &mut self.here, |_| {});
+        if !self.here.is_empty() {
+            // A write the transport may still run reads the arena: keep its
+            // handle and the arena's registration alive rather than release
+            // them under it (the reactor has already poisoned the arena, or
+            // a forgotten peer's write was reported stuck).
+            tracing::error!(
+                "{} chunk writes never finished; leaving them to the process",
+                self.here.len()
+            );
+            std::mem::forget(std::mem::take(&mut self.here));
+            std::mem::forget(self.data.clone());
         }
     }
 }
@@ -226,7 +241,7 @@ impl Drop for ChunkWriter {
 /// The writer thread: posts chunk writes and polls them to completion, off
 /// the IO thread, and wakes the reactor with each outcome.
 fn write_worker(
-    data: DataPlane,
+    data: Arc<DataPlane>,
     jobs: Receiver<WriteJob>,
     done: Sender<WriteOutcome>,
     shared: Arc<Shared>,
