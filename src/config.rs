@@ -127,8 +127,11 @@ pub struct Config {
     pub reactor_busy_poll_us: u64,
     /// Which thread posts and polls the bounce arena's chunk writes:
     /// `auto`, `io_thread`, `io_thread_when_idle` or `writer_thread` (see
-    /// [`ChunkWrites`]).
+    /// [`IoThreadUse`]).
     pub chunk_writes: String,
+    /// Which threads launch the bounce arena's CUDA gathers and scatters:
+    /// `auto`, `io_thread`, `io_thread_when_idle` or `copy_workers`.
+    pub copy_launches: String,
     /// VRAM peers on the same host: one kernel moves a transfer straight
     /// between this process's memory and the peer's, mapped with CUDA IPC
     /// (the peer-mapped path); off: such transfers take the bounce path.
@@ -200,6 +203,7 @@ impl Default for Config {
             busy_poll_us: 0,
             reactor_busy_poll_us: 0,
             chunk_writes: "auto".into(),
+            copy_launches: "auto".into(),
             enable_peer_map: true,
             prepare_at_post: true,
             ucx_progress_delay_us: 1000,
@@ -277,23 +281,27 @@ pub enum ConfigError {
     /// `chunk_writes` names no thread.
     #[error("chunk_writes = {0:?} is not one of auto, io_thread, io_thread_when_idle, writer_thread; set {NIXL}CHUNK_WRITES to one of them", NIXL = ENV_PREFIX)]
     UnknownChunkWrites(String),
+    /// `copy_launches` names no thread.
+    #[error("copy_launches = {0:?} is not one of auto, io_thread, io_thread_when_idle, copy_workers; set {NIXL}COPY_LAUNCHES to one of them", NIXL = ENV_PREFIX)]
+    UnknownCopyLaunches(String),
     /// Both an interface and loopback binding were requested.
     #[error("control_interface = {0:?} and control_bind_loopback = true contradict each other; set only one of them")]
     InterfaceAndLoopback(String),
 }
 
-/// Which thread posts and polls the bounce arena's chunk writes
-/// (`chunk_writes`).
+/// How much of a kind of work the IO thread does itself, the rest going
+/// to helper threads (`chunk_writes`: the writer thread; `copy_launches`:
+/// the copy workers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ChunkWrites {
-    /// Always the IO thread.
-    IoThread,
-    /// Always the writer thread.
-    WriterThread,
-    /// The IO thread when no other write runs (a lone request's latency),
-    /// else the writer thread (under load the IO thread is the
-    /// bottleneck, and a post costs it 15-25 us).
-    IoThreadWhenIdle,
+pub enum IoThreadUse {
+    /// All of it.
+    Always,
+    /// None of it.
+    Never,
+    /// When no other such work runs (a lone request's latency: no thread
+    /// hand-off); under load the helpers (the IO thread is then the
+    /// bottleneck).
+    WhenIdle,
 }
 
 /// The kind of a setting's value.
@@ -398,6 +406,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the control socket (direct TCP or ZMQ) to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
     setting!(chunk_writes, "chunk_writes", "CHUNK_WRITES", Text, true, "Which thread posts and polls the bounce arena's chunk writes: auto (a device arena's, whose post only queues a CUDA IPC copy or an RDMA write: the IO thread when no other write runs, saving a thread hand-off each way, else the writer thread, as under load the IO thread is the bottleneck; a host arena's: the writer thread, as UCX over TCP sends inside the post), io_thread (always), io_thread_when_idle (auto's rule for a device arena, for either) or writer_thread (always)."),
+    setting!(copy_launches, "copy_launches", "COPY_LAUNCHES", Text, true, "Which threads launch the bounce arena's CUDA gathers and scatters (fill the kernel's run table, upload it, launch; the IO thread polls every launched copy's event): auto and io_thread_when_idle (the IO thread when no other copy runs, a lone request's latency; else a copy worker, so that a large request's chunks and concurrent requests fill their tables in parallel: 4,096 runs take 25-45 us), io_thread (always) or copy_workers (always). Host memcpy copies always run on the copy workers."),
     setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
@@ -613,12 +622,23 @@ impl Config {
     /// Where the chunk writes of an arena in device memory (`device`) or
     /// host memory are posted (`chunk_writes`); `None` when it names no
     /// way.
-    pub fn chunk_writes_for(&self, device: bool) -> Option<ChunkWrites> {
+    pub fn chunk_writes_for(&self, device: bool) -> Option<IoThreadUse> {
         match self.chunk_writes.as_str() {
-            "auto" if device => Some(ChunkWrites::IoThreadWhenIdle),
-            "auto" | "writer_thread" => Some(ChunkWrites::WriterThread),
-            "io_thread" => Some(ChunkWrites::IoThread),
-            "io_thread_when_idle" => Some(ChunkWrites::IoThreadWhenIdle),
+            "auto" if device => Some(IoThreadUse::WhenIdle),
+            "auto" | "writer_thread" => Some(IoThreadUse::Never),
+            "io_thread" => Some(IoThreadUse::Always),
+            "io_thread_when_idle" => Some(IoThreadUse::WhenIdle),
+            _ => None,
+        }
+    }
+
+    /// Where CUDA gathers and scatters are launched (`copy_launches`);
+    /// `None` when it names no way.
+    pub fn copy_launches(&self) -> Option<IoThreadUse> {
+        match self.copy_launches.as_str() {
+            "auto" | "io_thread_when_idle" => Some(IoThreadUse::WhenIdle),
+            "io_thread" => Some(IoThreadUse::Always),
+            "copy_workers" => Some(IoThreadUse::Never),
             _ => None,
         }
     }
@@ -702,6 +722,9 @@ impl Config {
         if self.chunk_writes_for(false).is_none() {
             return Err(ConfigError::UnknownChunkWrites(self.chunk_writes.clone()));
         }
+        if self.copy_launches().is_none() {
+            return Err(ConfigError::UnknownCopyLaunches(self.copy_launches.clone()));
+        }
         if self.control_bind_loopback && !self.control_interface.is_empty() {
             return Err(ConfigError::InterfaceAndLoopback(
                 self.control_interface.clone(),
@@ -772,7 +795,8 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 41);
+        assert_eq!(keys.len(), 42);
+        assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"chunk_writes"));
         assert!(keys.contains(&"direct_tcp_control"));
         assert!(keys.contains(&"prepare_at_post"));
@@ -913,14 +937,15 @@ mod tests {
 
     #[test]
     fn chunk_writes_names_a_thread() {
-        use ChunkWrites::*;
+        use IoThreadUse::*;
         let c = Config::default();
-        assert_eq!(c.chunk_writes_for(true), Some(IoThreadWhenIdle));
-        assert_eq!(c.chunk_writes_for(false), Some(WriterThread));
+        assert_eq!(c.chunk_writes_for(true), Some(WhenIdle));
+        assert_eq!(c.chunk_writes_for(false), Some(Never));
+        assert_eq!(c.copy_launches(), Some(WhenIdle));
         for (value, device, host) in [
-            ("io_thread", IoThread, IoThread),
-            ("io_thread_when_idle", IoThreadWhenIdle, IoThreadWhenIdle),
-            ("writer_thread", WriterThread, WriterThread),
+            ("io_thread", Always, Always),
+            ("io_thread_when_idle", WhenIdle, WhenIdle),
+            ("writer_thread", Never, Never),
         ] {
             let (c, _) =
                 Config::resolve(&|_| None, &params_of(&[("chunk_writes", value)])).unwrap();
@@ -930,6 +955,17 @@ mod tests {
         let e = Config::resolve(&|_| None, &params_of(&[("chunk_writes", "reactor")])).unwrap_err();
         assert!(matches!(e, ConfigError::UnknownChunkWrites(_)));
         assert!(e.to_string().contains("NIXL_BOUNCE_CHUNK_WRITES"), "{e}");
+        for (value, want) in [
+            ("io_thread", Always),
+            ("io_thread_when_idle", WhenIdle),
+            ("copy_workers", Never),
+        ] {
+            let (c, _) =
+                Config::resolve(&|_| None, &params_of(&[("copy_launches", value)])).unwrap();
+            assert_eq!(c.copy_launches(), Some(want));
+        }
+        let e = Config::resolve(&|_| None, &params_of(&[("copy_launches", "gpu")])).unwrap_err();
+        assert!(matches!(e, ConfigError::UnknownCopyLaunches(_)));
     }
 
     #[test]

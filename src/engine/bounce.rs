@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nixl_sys::{Agent, MemType};
 
-use crate::config::{ChunkWrites, Config};
+use crate::config::{Config, IoThreadUse};
 use crate::control::notif::{NotifChannel, NotifHub};
 use crate::control::tcp::{TcpChannel, TcpConfig};
 use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
@@ -195,7 +195,8 @@ impl Bounce {
             ),
             chunk_writes: config
                 .chunk_writes_for(location.kind == MemKind::Vram)
-                .unwrap_or(ChunkWrites::WriterThread),
+                .unwrap_or(IoThreadUse::Never),
+            copy_launches: config.copy_launches().unwrap_or(IoThreadUse::WhenIdle),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

@@ -17,11 +17,11 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 
 mod writes;
-use crate::config::ChunkWrites;
+use crate::config::IoThreadUse;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use writes::{ChunkWriter, Posting, WriteJob, WriteOutcome};
+use writes::{ChunkWriter, WriteJob, WriteOutcome};
 
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
@@ -500,7 +500,9 @@ pub struct Parts {
     /// The IO thread's own (see `Config::reactor_busy_poll_us`).
     pub reactor_busy_poll: Duration,
     /// Which thread posts and polls chunk writes (`Config::chunk_writes`).
-    pub chunk_writes: crate::config::ChunkWrites,
+    pub chunk_writes: IoThreadUse,
+    /// Where CUDA copies are launched (`Config::copy_launches`).
+    pub copy_launches: IoThreadUse,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Notify,
@@ -522,7 +524,7 @@ impl Runtime {
         let targets = Arc::new(ScatterTargets::default());
         let plan_options = parts.endpoint.plan_options();
         let (job_tx, job_rx) = mpsc::channel::<CopyJob>();
-        let (done_tx, done_rx) = mpsc::channel::<CopyDone>();
+        let (done_tx, done_rx) = mpsc::channel::<WorkerReport>();
         let job_rx = Arc::new(Mutex::new(job_rx));
         let mut workers = Vec::new();
         for i in 0..parts.copy_workers.max(1) {
@@ -542,11 +544,10 @@ impl Runtime {
         }
         // A failpoint's delay before each post belongs on the writer thread.
         let write_delay = parts.failpoints.delay("delay_write_ms");
-        let posting = match parts.chunk_writes {
-            _ if !write_delay.is_zero() => Posting::Thread,
-            ChunkWrites::IoThread => Posting::Here,
-            ChunkWrites::WriterThread => Posting::Thread,
-            ChunkWrites::IoThreadWhenIdle => Posting::HereWhenIdle,
+        let posting = if write_delay.is_zero() {
+            parts.chunk_writes
+        } else {
+            IoThreadUse::Never
         };
         let writer = ChunkWriter::start(
             format!("bounce-write-{}", parts.name),
@@ -584,6 +585,7 @@ impl Runtime {
             copier: parts.copier.clone(),
             launched: Vec::new(),
             launch_here,
+            copy_launches: parts.copy_launches,
             writes: Vec::new(),
             peers: HashMap::new(),
             handles: HashMap::new(),
@@ -801,6 +803,10 @@ impl Drop for Runtime {
 
 struct CopyJob {
     id: CopyId,
+    /// Launch it and hand it back to the reactor to poll
+    /// ([`CopyEngine::try_launch`]) when the engine can; else (or when no
+    /// execution context is free) copy it here, blocking.
+    launch: bool,
     queued_at: Instant,
     /// The application range it touches, released when the copy is over.
     in_use: InUse,
@@ -823,13 +829,22 @@ struct CopyDone {
     ran: Duration,
 }
 
-/// A copy launched on the IO thread (a CUDA kernel is queued and an event
-/// marks its end), polled there instead of a worker blocking on its stream.
+/// A copy launched (a CUDA kernel is queued and an event marks its end), by
+/// the IO thread or a copy worker, and polled by the IO thread instead of a
+/// worker blocking on its stream.
 struct Launched {
     id: CopyId,
     copy: Box<dyn crate::copy::LaunchedCopy>,
     in_use: InUse,
+    /// Queued (for a worker) -> started.
+    queued: Duration,
     started: Instant,
+}
+
+/// What a copy worker reports: a copy it ran, or one it launched.
+enum WorkerReport {
+    Done(CopyDone),
+    Launched(Launched),
 }
 
 /// Takes the next job from `jobs`: polls for up to `spin` first (the next
@@ -854,7 +869,7 @@ fn next_job<T>(jobs: &Mutex<Receiver<T>>, spin: Duration) -> Option<T> {
 
 fn copy_worker(
     jobs: Arc<Mutex<Receiver<CopyJob>>>,
-    done: Sender<CopyDone>,
+    done: Sender<WorkerReport>,
     copier: Arc<dyn CopyEngine>,
     waker: crate::control::Waker,
     targets: Arc<ScatterTargets>,
@@ -862,6 +877,11 @@ fn copy_worker(
     // Failpoint delays of gathers and scatters (zero normally).
     (gather_delay, scatter_delay): (Duration, Duration),
 ) {
+    let failed = |direction| crate::copy::CopyError {
+        direction,
+        reason: "the copy engine panicked".into(),
+        quiesced: false,
+    };
     loop {
         let Some(job) = next_job(&jobs, spin) else {
             return; // the reactor is gone
@@ -875,31 +895,49 @@ fn copy_worker(
         }
         let started = Instant::now();
         let queued = started.duration_since(job.queued_at);
-        let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            copier.copy(job.direction, job.span, &job.runs)
-        })) {
-            Ok(r) => r,
-            Err(_) => Err(crate::copy::CopyError {
-                direction: job.direction,
-                reason: "the copy engine panicked".into(),
-                quiesced: false,
-            }),
+        // Launched here, polled by the reactor: this worker only fills the
+        // table and launches (the host's share of a large copy).
+        let launched = if job.launch {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                copier.try_launch(job.direction, job.span, &job.runs)
+            }))
+            .unwrap_or_else(|_| Some(Err(failed(job.direction))))
+        } else {
+            None
         };
-        let ran = started.elapsed();
-        // A copy that failed without quiescing may still touch the memory:
-        // keep it marked (deregistration then reports it) rather than lie.
-        if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
-            targets.release(job.in_use);
-        }
-        if done
-            .send(CopyDone {
+        let report = match launched {
+            Some(Ok(copy)) => WorkerReport::Launched(Launched {
                 id: job.id,
-                result,
+                copy,
+                in_use: job.in_use,
                 queued,
-                ran,
-            })
-            .is_err()
-        {
+                started,
+            }),
+            // Refused or failed to launch, or (None) no context free or an
+            // engine that cannot launch: copied here, blocking.
+            launched => {
+                let result = match launched {
+                    Some(Err(e)) => Err(e),
+                    _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        copier.copy(job.direction, job.span, &job.runs)
+                    }))
+                    .unwrap_or_else(|_| Err(failed(job.direction))),
+                };
+                // A copy that failed without quiescing may still touch the
+                // memory: keep it marked (deregistration then reports it)
+                // rather than lie.
+                if result.as_ref().map_or_else(|e| e.quiesced, |_| true) {
+                    targets.release(job.in_use);
+                }
+                WorkerReport::Done(CopyDone {
+                    id: job.id,
+                    result,
+                    queued,
+                    ran: started.elapsed(),
+                })
+            }
+        };
+        if done.send(report).is_err() {
             return;
         }
         waker();
@@ -949,16 +987,18 @@ struct Reactor {
     targets: Arc<ScatterTargets>,
     start: Instant,
     jobs: Option<Sender<CopyJob>>,
-    done: Receiver<CopyDone>,
+    done: Receiver<WorkerReport>,
     /// Copies handed to workers or launched here, not yet finished.
     copies_in_flight: usize,
     /// For copies launched on this thread (see `start_copy`).
     copier: Arc<dyn CopyEngine>,
     /// Copies launched on this thread, polled by `drain_copies`.
     launched: Vec<Launched>,
-    /// Whether gathers / scatters may be launched here (not while a
-    /// failpoint delays them: the delay belongs on a worker).
+    /// Whether gathers / scatters may be launched without blocking (not
+    /// while a failpoint delays them: the delay belongs on a worker).
     launch_here: [bool; 2],
+    /// Which of those the IO thread launches itself.
+    copy_launches: IoThreadUse,
     /// Chunk writes posted or handed to the writer thread: chunk, peer,
     /// bytes, when.
     writes: Vec<(ChunkRef, PeerId, u64, Instant)>,
@@ -1228,9 +1268,12 @@ impl Reactor {
 
     fn drain_copies(&mut self) -> bool {
         let mut any = false;
-        while let Ok(done) = self.done.try_recv() {
+        while let Ok(report) = self.done.try_recv() {
             any = true;
-            self.copy_finished(done);
+            match report {
+                WorkerReport::Done(done) => self.copy_finished(done),
+                WorkerReport::Launched(l) => self.launched.push(l),
+            }
         }
         // A poll queries the copy's event; only after an error does it
         // synchronise the stream (to learn whether the copy is quiet), and
@@ -1247,7 +1290,7 @@ impl Reactor {
             };
             any = true;
             let l = self.launched.swap_remove(i);
-            self.launched_copy_ended(l.id, l.in_use, l.started, result);
+            self.launched_copy_ended(l.id, l.in_use, l.queued, l.started, result);
         }
         any
     }
@@ -1259,6 +1302,7 @@ impl Reactor {
         &mut self,
         id: CopyId,
         in_use: InUse,
+        queued: Duration,
         started: Instant,
         result: Result<(), crate::copy::CopyError>,
     ) {
@@ -1268,7 +1312,7 @@ impl Reactor {
         self.copy_finished(CopyDone {
             id,
             result,
-            queued: Duration::ZERO,
+            queued,
             ran: started.elapsed(),
         });
     }
@@ -1672,7 +1716,17 @@ impl Reactor {
         // copy's event): no hand-off to a worker and back, which costs two
         // thread wake-ups per copy. The host engine's memcpy blocks, so it
         // stays on the workers.
-        if self.launch_here[direction as usize] {
+        // Under load (another copy running) a copy worker fills the table
+        // and launches instead (`copy_launches`): a large request's chunks
+        // and concurrent requests then fill their tables in parallel, and
+        // the IO thread stays free for the control messages.
+        let here = match self.copy_launches {
+            IoThreadUse::Always => true,
+            IoThreadUse::Never => false,
+            IoThreadUse::WhenIdle => self.copies_in_flight == 0,
+        };
+        let launchable = self.launch_here[direction as usize];
+        if launchable && here {
             let started = Instant::now();
             if let Some(launched) = self.copier.try_launch(direction, span, &runs) {
                 self.copies_in_flight += 1;
@@ -1681,10 +1735,11 @@ impl Reactor {
                         id,
                         copy,
                         in_use,
+                        queued: Duration::ZERO,
                         started,
                     }),
                     // Refused or failed to launch: it ends here.
-                    Err(e) => self.launched_copy_ended(id, in_use, started, Err(e)),
+                    Err(e) => self.launched_copy_ended(id, in_use, Duration::ZERO, started, Err(e)),
                 }
                 return;
             }
@@ -1692,6 +1747,7 @@ impl Reactor {
         }
         let job = CopyJob {
             id,
+            launch: launchable,
             queued_at: Instant::now(),
             in_use,
             direction,

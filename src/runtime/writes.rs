@@ -2,7 +2,7 @@
 //! arena into the peer's), then polled until NIXL reports it complete at
 //! the target.
 //!
-//! Where they are posted and polled ([`Posting`]):
+//! Where they are posted and polled (`chunk_writes`, [`IoThreadUse`]):
 //! - **On the IO thread**: the reactor posts the write as soon as it sees
 //!   the gather finished, polls it between its other events, and sends
 //!   DATA on the turn that sees it done. No thread hand-off, which a lone
@@ -27,6 +27,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{next_job, precise_timers, Shared, QUIESCE_BOUND};
+use crate::config::IoThreadUse;
 use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::ChunkRef;
 
@@ -52,25 +53,12 @@ const FAST_WRITE: Duration = Duration::from_millis(1);
 /// The pause between polls of a write older than [`FAST_WRITE`].
 pub(super) const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
 
-/// Where a chunk write is posted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Posting {
-    /// Always on the IO thread.
-    Here,
-    /// Always on the writer thread.
-    Thread,
-    /// On the IO thread when no other write runs (a lone request's
-    /// latency), else on the writer thread (under load the IO thread is
-    /// the bottleneck, and a post costs it 15-25 us).
-    HereWhenIdle,
-}
-
 pub(super) struct ChunkWriter {
     data: Arc<DataPlane>,
-    posting: Posting,
+    posting: IoThreadUse,
     /// Writes posted here: chunk, handle, when.
     here: Vec<(ChunkRef, ChunkWrite, Instant)>,
-    /// The writer thread (none for [`Posting::Here`]).
+    /// The writer thread (none for [`IoThreadUse::Always`]).
     thread: Option<WriterThread>,
     /// Jobs handed to the writer thread whose outcome has not come back.
     handed: usize,
@@ -129,13 +117,13 @@ impl ChunkWriter {
     pub(super) fn start(
         name: String,
         data: DataPlane,
-        posting: Posting,
+        posting: IoThreadUse,
         shared: Arc<Shared>,
         spin: Duration,
         delay: Duration,
     ) -> std::io::Result<ChunkWriter> {
         let data = Arc::new(data);
-        let thread = if posting == Posting::Here {
+        let thread = if posting == IoThreadUse::Always {
             None
         } else {
             let (jobs_tx, jobs_rx) = mpsc::channel::<WriteJob>();
@@ -165,9 +153,9 @@ impl ChunkWriter {
     /// comes back from [`poll`](Self::poll) instead.
     pub(super) fn post(&mut self, job: WriteJob) -> Result<(), String> {
         let here = match self.posting {
-            Posting::Here => true,
-            Posting::Thread => false,
-            Posting::HereWhenIdle => self.here.is_empty() && self.handed == 0,
+            IoThreadUse::Always => true,
+            IoThreadUse::Never => false,
+            IoThreadUse::WhenIdle => self.here.is_empty() && self.handed == 0,
         };
         match &self.thread {
             _ if here => {
