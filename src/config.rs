@@ -130,7 +130,7 @@ pub struct Config {
     /// [`IoThreadUse`]).
     pub chunk_writes: String,
     /// Which threads launch the bounce arena's CUDA gathers and scatters:
-    /// `auto`, `io_thread`, `io_thread_when_idle` or `copy_workers`.
+    /// `io_thread` (the default), `io_thread_when_idle` or `copy_workers`.
     pub copy_launches: String,
     /// VRAM peers on the same host: one kernel moves a transfer straight
     /// between this process's memory and the peer's, mapped with CUDA IPC
@@ -203,7 +203,7 @@ impl Default for Config {
             busy_poll_us: 0,
             reactor_busy_poll_us: 0,
             chunk_writes: "auto".into(),
-            copy_launches: "auto".into(),
+            copy_launches: "io_thread".into(),
             enable_peer_map: true,
             prepare_at_post: true,
             ucx_progress_delay_us: 1000,
@@ -282,7 +282,7 @@ pub enum ConfigError {
     #[error("chunk_writes = {0:?} is not one of auto, io_thread, io_thread_when_idle, writer_thread; set {NIXL}CHUNK_WRITES to one of them", NIXL = ENV_PREFIX)]
     UnknownChunkWrites(String),
     /// `copy_launches` names no thread.
-    #[error("copy_launches = {0:?} is not one of auto, io_thread, io_thread_when_idle, copy_workers; set {NIXL}COPY_LAUNCHES to one of them", NIXL = ENV_PREFIX)]
+    #[error("copy_launches = {0:?} is not one of io_thread, io_thread_when_idle, copy_workers; set {NIXL}COPY_LAUNCHES to one of them", NIXL = ENV_PREFIX)]
     UnknownCopyLaunches(String),
     /// Both an interface and loopback binding were requested.
     #[error("control_interface = {0:?} and control_bind_loopback = true contradict each other; set only one of them")]
@@ -406,7 +406,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the control socket (direct TCP or ZMQ) to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
     setting!(chunk_writes, "chunk_writes", "CHUNK_WRITES", Text, true, "Which thread posts and polls the bounce arena's chunk writes: auto (a device arena's, whose post only queues a CUDA IPC copy or an RDMA write: the IO thread when no other write runs, saving a thread hand-off each way, else the writer thread, as under load the IO thread is the bottleneck; a host arena's: the writer thread, as UCX over TCP sends inside the post), io_thread (always), io_thread_when_idle (auto's rule for a device arena, for either) or writer_thread (always)."),
-    setting!(copy_launches, "copy_launches", "COPY_LAUNCHES", Text, true, "Which threads launch the bounce arena's CUDA gathers and scatters (fill the kernel's run table, upload it, launch; the IO thread polls every launched copy's event): auto and io_thread_when_idle (the IO thread when no other copy runs, a lone request's latency; else a copy worker, so that a large request's chunks and concurrent requests fill their tables in parallel: 4,096 runs take 25-45 us), io_thread (always) or copy_workers (always). Host memcpy copies always run on the copy workers."),
+    setting!(copy_launches, "copy_launches", "COPY_LAUNCHES", Text, true, "Which threads launch the bounce arena's CUDA gathers and scatters (fill the kernel's run table, upload it, launch; the IO thread polls every launched copy's event either way): io_thread (the default), io_thread_when_idle (the IO thread while no other copy runs, else a copy worker, so that a large request's chunks and concurrent requests fill their tables in parallel) or copy_workers (always); on the H200 the workers' launches gained nothing measurable (their hand-off costs 30-35 us and the driver serialises launches; docs/benchmarks.md). Host memcpy copies always run on the copy workers."),
     setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
@@ -636,8 +636,8 @@ impl Config {
     /// `None` when it names no way.
     pub fn copy_launches(&self) -> Option<IoThreadUse> {
         match self.copy_launches.as_str() {
-            "auto" | "io_thread_when_idle" => Some(IoThreadUse::WhenIdle),
             "io_thread" => Some(IoThreadUse::Always),
+            "io_thread_when_idle" => Some(IoThreadUse::WhenIdle),
             "copy_workers" => Some(IoThreadUse::Never),
             _ => None,
         }
@@ -941,7 +941,7 @@ mod tests {
         let c = Config::default();
         assert_eq!(c.chunk_writes_for(true), Some(WhenIdle));
         assert_eq!(c.chunk_writes_for(false), Some(Never));
-        assert_eq!(c.copy_launches(), Some(WhenIdle));
+        assert_eq!(c.copy_launches(), Some(Always));
         for (value, device, host) in [
             ("io_thread", Always, Always),
             ("io_thread_when_idle", WhenIdle, WhenIdle),
@@ -964,7 +964,7 @@ mod tests {
                 Config::resolve(&|_| None, &params_of(&[("copy_launches", value)])).unwrap();
             assert_eq!(c.copy_launches(), Some(want));
         }
-        let e = Config::resolve(&|_| None, &params_of(&[("copy_launches", "gpu")])).unwrap_err();
+        let e = Config::resolve(&|_| None, &params_of(&[("copy_launches", "auto")])).unwrap_err();
         assert!(matches!(e, ConfigError::UnknownCopyLaunches(_)));
     }
 

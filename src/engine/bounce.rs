@@ -196,7 +196,7 @@ impl Bounce {
             chunk_writes: config
                 .chunk_writes_for(location.kind == MemKind::Vram)
                 .unwrap_or(IoThreadUse::Never),
-            copy_launches: config.copy_launches().unwrap_or(IoThreadUse::WhenIdle),
+            copy_launches: config.copy_launches().unwrap_or(IoThreadUse::Always),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

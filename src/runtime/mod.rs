@@ -1716,10 +1716,9 @@ impl Reactor {
         // copy's event): no hand-off to a worker and back, which costs two
         // thread wake-ups per copy. The host engine's memcpy blocks, so it
         // stays on the workers.
-        // Under load (another copy running) a copy worker fills the table
-        // and launches instead (`copy_launches`): a large request's chunks
-        // and concurrent requests then fill their tables in parallel, and
-        // the IO thread stays free for the control messages.
+        // `copy_launches` may send the launch to a copy worker under load
+        // (another copy running) or always: the worker fills the table and
+        // launches, then hands the copy back to be polled here.
         let here = match self.copy_launches {
             IoThreadUse::Always => true,
             IoThreadUse::Never => false,
