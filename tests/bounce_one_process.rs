@@ -10,6 +10,7 @@
 //! - the default split of a 16 MiB request into four chunks (and one chunk
 //!   with the split off);
 //! - chunk writes posted by the IO thread or by the writer thread;
+//! - a timeline (`NIXL_BOUNCE_TRACE`) whose steps line up across both sides;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 #[path = "support/bounce.rs"]
@@ -386,4 +387,105 @@ fn chunk_writes_on_the_io_thread_or_the_writer_thread() {
             "chunk_writes={value}"
         );
     }
+}
+
+/// The steps of one request in a timeline file (`NIXL_BOUNCE_TRACE`):
+/// (step, request, chunk) -> first time, in ns.
+fn trace_steps(
+    path: &std::path::Path,
+) -> std::collections::HashMap<(String, u64, Option<u32>), u64> {
+    let text = std::fs::read_to_string(path).expect("read a trace file");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("t_ns\tstep\trequest\tchunk"), "{path:?}");
+    let mut steps = std::collections::HashMap::new();
+    for line in lines {
+        let f: Vec<&str> = line.split('\t').collect();
+        assert_eq!(f.len(), 4, "{line:?}");
+        let t: u64 = f[0].parse().expect("t_ns");
+        let key = (
+            f[1].to_string(),
+            f[2].parse().expect("request"),
+            f[3].parse().ok(),
+        );
+        steps.entry(key).or_insert(t);
+    }
+    steps
+}
+
+/// With `NIXL_BOUNCE_TRACE` set, each engine writes its timeline when it
+/// ends, and a 16 MiB WRITE's steps (four chunks) line up across the two
+/// sides in causal order: submit, WANT, GRANT, each chunk's gather, write,
+/// DATA, scatter and ACK, the completion.
+#[test]
+#[serial_test::serial]
+fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("nixl-bounce-trace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("trace directory");
+    std::env::set_var("NIXL_BOUNCE_TRACE", &dir);
+    let (mut a, mut b) = (
+        endpoint("tr-a", &[LOOPBACK], len(), 71, ThreadSync::Default),
+        endpoint("tr-b", &[LOOPBACK], len(), 72, ThreadSync::Default),
+    );
+    pair_up(&a.node, &b.node);
+    write_once(&mut a, &mut b, 7311, (7301, 7302));
+    drop((a, b)); // the reactors end and write their timelines
+    std::env::remove_var("NIXL_BOUNCE_TRACE");
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("list the trace directory")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert_eq!(files.len(), 2, "one timeline per engine: {files:?}");
+    let (sender, receiver): (Vec<_>, Vec<_>) = files
+        .iter()
+        .map(|f| trace_steps(f))
+        .partition(|s| s.keys().any(|k| k.0 == "submit"));
+    let (s, r) = (&sender[0], &receiver[0]);
+    let request = s.keys().find(|k| k.0 == "submit").expect("a submission").1;
+    let at = |side: &std::collections::HashMap<_, u64>, step: &str, chunk: Option<u32>| {
+        *side
+            .get(&(step.to_string(), request, chunk))
+            .unwrap_or_else(|| panic!("no {step} {chunk:?} for request {request}"))
+    };
+    let first_grant = at(s, "recv_GRANT", None);
+    let mut chain = vec![
+        ("submit", at(s, "submit", None)),
+        ("send_WANT", at(s, "send_WANT", None)),
+        ("recv_WANT", at(r, "recv_WANT", None)),
+        ("send_GRANT", at(r, "send_GRANT", None)),
+        ("recv_GRANT", first_grant),
+    ];
+    for c in 0..4 {
+        let step = |side, name: &'static str| (name, at(side, name, Some(c)));
+        assert!(at(s, "gather_start", Some(c)) <= at(s, "gather_done", Some(c)));
+        assert!(
+            at(s, "gather_done", Some(c)) <= at(s, "write_post", Some(c)),
+            "chunk {c}"
+        );
+        let mut links = vec![
+            ("recv_GRANT", first_grant),
+            step(s, "write_post"),
+            step(s, "write_done"),
+            step(s, "send_DATA"),
+            step(r, "recv_DATA"),
+            step(r, "scatter_start"),
+            step(r, "scatter_done"),
+            step(r, "send_ACK"),
+            step(s, "recv_ACK"),
+        ];
+        for w in links.windows(2) {
+            assert!(w[0].1 <= w[1].1, "chunk {c}: {} after {}", w[0].0, w[1].0);
+        }
+        chain.push(links.pop().expect("recv_ACK"));
+    }
+    chain.push(("complete", at(s, "complete", None)));
+    let last_ack = chain[5..9].iter().map(|l| l.1).max().expect("acks");
+    for w in chain[..5].windows(2) {
+        assert!(w[0].1 <= w[1].1, "{} after {}", w[0].0, w[1].0);
+    }
+    assert!(last_ack <= chain[9].1, "complete before the last ACK");
+    let _ = std::fs::remove_dir_all(&dir);
 }

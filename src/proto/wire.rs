@@ -82,6 +82,28 @@ pub enum MessageType {
     ReadRefuse = 21,
 }
 
+impl TryFrom<u8> for MessageType {
+    type Error = u8;
+    /// The type of a wire code; `Err(code)` for a code of no message.
+    fn try_from(code: u8) -> Result<Self, u8> {
+        use MessageType::*;
+        Ok(match code {
+            1 => Want,
+            2 => Grant,
+            3 => Data,
+            4 => Ack,
+            5 => Refuse,
+            16 => Read,
+            17 => ReadEnd,
+            18 => ReadGrant,
+            19 => ReadData,
+            20 => ReadAck,
+            21 => ReadRefuse,
+            other => return Err(other),
+        })
+    }
+}
+
 /// The type code, request id and (for DATA and ACK) chunk index of an
 /// encoded message, read from their fixed positions without validating
 /// anything else: for instrumentation that must not decode twice. The
@@ -1303,6 +1325,19 @@ mod tests {
             arena_device: 3,
             access_key: 0x5eed,
             endpoint: b"tcp://10.0.0.1:5555".to_vec(),
+        }
+    }
+
+    #[test]
+    fn every_message_type_code_reads_back() {
+        use MessageType::*;
+        for t in [
+            Want, Grant, Data, Ack, Refuse, Read, ReadEnd, ReadGrant, ReadData, ReadAck, ReadRefuse,
+        ] {
+            assert_eq!(MessageType::try_from(t as u8), Ok(t));
+        }
+        for code in [0u8, 6, 15, 22, 255] {
+            assert_eq!(MessageType::try_from(code), Err(code));
         }
     }
 

@@ -16,11 +16,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 
+mod trace;
 mod writes;
 use crate::config::IoThreadUse;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+pub use trace::ENV as TRACE_ENV;
+use trace::{Step, Trace};
 use writes::{ChunkWriter, WriteJob, WriteOutcome};
 
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
@@ -571,6 +574,7 @@ impl Runtime {
             data_paths: HashMap::new(),
             channel: parts.channel,
             writer,
+            trace: Trace::from_env(&parts.name),
             write_outcomes: Vec::new(),
             arena: parts.arena,
             busy_poll: parts.reactor_busy_poll,
@@ -973,6 +977,8 @@ struct Reactor {
     endpoint: Endpoint,
     channel: Box<dyn ControlChannel>,
     writer: ChunkWriter,
+    /// The steps' timeline, when asked for (`NIXL_BOUNCE_TRACE`).
+    trace: Option<Trace>,
     /// Scratch for the writes' outcomes, reused from turn to turn.
     write_outcomes: Vec<WriteOutcome>,
     arena: RegionSpan,
@@ -1021,6 +1027,27 @@ struct Reactor {
 impl Reactor {
     fn now(&self) -> Time {
         Time::from_nanos(self.start.elapsed().as_nanos() as u64)
+    }
+
+    /// Records a step in the timeline, if one is kept.
+    fn trace(&mut self, step: Step, request: RequestId, chunk: Option<u32>) {
+        if let Some(t) = &mut self.trace {
+            t.record(step, request, chunk);
+        }
+    }
+
+    /// Records a control message sent or received (`send`), if a timeline
+    /// is kept.
+    fn trace_message(&mut self, send: bool, bytes: &[u8]) {
+        if let (Some(t), Some((ty, request, chunk))) =
+            (&mut self.trace, crate::proto::wire::peek(bytes))
+        {
+            t.record(
+                if send { Step::Send(ty) } else { Step::Recv(ty) },
+                request,
+                chunk,
+            );
+        }
     }
 
     /// The IO thread. A panic in it (a bug) must not end in a freed arena
@@ -1145,6 +1172,7 @@ impl Reactor {
                     };
                     match submitted {
                         Ok(id) => {
+                            self.trace(Step::Submit, id, None);
                             *ticket.request.lock().expect("ticket") = Some(id);
                             let now = Instant::now();
                             self.tickets.insert(id, (ticket, notif, now));
@@ -1319,6 +1347,12 @@ impl Reactor {
 
     fn copy_finished(&mut self, done: CopyDone) {
         self.copies_in_flight -= 1;
+        if let Some(t) = &mut self.trace {
+            match done.id {
+                CopyId::Gather(c) => t.record(Step::GatherDone, c.request, Some(c.chunk)),
+                CopyId::Scatter(region) => t.scatter_done(region),
+            }
+        }
         let now = self.now();
         let c = &self.shared.counters;
         c.copy_queue_ns
@@ -1369,6 +1403,9 @@ impl Reactor {
             c.write_ns
                 .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let now = self.now();
+            if let Some(t) = &mut self.trace {
+                t.record(Step::WriteDone, chunk.request, Some(chunk.chunk));
+            }
             match failure {
                 None => {
                     c.chunks_written.fetch_add(1, Ordering::Relaxed);
@@ -1404,6 +1441,7 @@ impl Reactor {
                         continue;
                     };
                     self.time_round_trip(&incoming.payload);
+                    self.trace_message(false, &incoming.payload);
                     let now = self.now();
                     if self
                         .endpoint
@@ -1513,6 +1551,7 @@ impl Reactor {
                         continue;
                     }
                     let bytes = message.encode();
+                    self.trace_message(true, &bytes);
                     if let Message::Data { request, chunk, .. } = &message {
                         self.awaiting_ack.insert((*request, *chunk), Instant::now());
                     }
@@ -1531,6 +1570,7 @@ impl Reactor {
                     region,
                     runs,
                 } => {
+                    self.trace(Step::GatherStart, chunk.request, Some(chunk.chunk));
                     if self.failpoints.is_set("panic_in_io_thread") {
                         panic!("failpoint panic_in_io_thread");
                     }
@@ -1556,6 +1596,9 @@ impl Reactor {
                     region,
                     runs,
                 } => {
+                    if let Some(t) = &mut self.trace {
+                        t.scatter_started(region, flow.request, chunk);
+                    }
                     let in_use = match self.targets.admit_scatter(&runs) {
                         Ok(t) => t,
                         Err(why) => {
@@ -1583,6 +1626,7 @@ impl Reactor {
                     remote,
                     len,
                 } => {
+                    self.trace(Step::WritePost, chunk.request, Some(chunk.chunk));
                     let posted = match self.peers.get(&peer) {
                         _ if self.failpoints.is_set("fail_chunk_writes") => {
                             Err("failpoint fail_chunk_writes".to_string())
@@ -1776,6 +1820,7 @@ impl Reactor {
     }
 
     fn complete(&mut self, request: RequestId, outcome: Outcome) {
+        self.trace(Step::Complete, request, None);
         self.awaiting_grant.remove(&request);
         self.awaiting_ack.retain(|k, _| k.0 != request);
         let Some((ticket, notif, submitted)) = self.tickets.remove(&request) else {

@@ -1,0 +1,162 @@
+//! An optional timeline of every request's steps, for finding where a
+//! transfer's time goes (`NIXL_BOUNCE_TRACE=<directory>`).
+//!
+//! The IO thread records each step it takes or sees, with the host's
+//! monotonic clock (one clock for every process of a host, so a sender's
+//! and a receiver's timelines line up): a request's submission, each
+//! control message sent and received, each gather, chunk write and
+//! scatter started and seen finished, the completion. Steps carry the
+//! request id that travels in the messages (the sender's, for a WRITE),
+//! so both sides of a request share it. When the reactor ends, the
+//! timeline is written to `<directory>/<agent>-<pid>.tsv`;
+//! `bench/trace_report.py` lines the files up and prints each step's
+//! median time from submission.
+//!
+//! Off (the default) it costs one branch per step. On, the IO thread
+//! appends to a vector (at most [`MAX_EVENTS`]; later steps are dropped).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+use crate::proto::{RegionHandle, RequestId};
+
+/// The environment variable naming the directory.
+pub const ENV: &str = "NIXL_BOUNCE_TRACE";
+/// Steps kept per reactor (24 bytes each).
+pub const MAX_EVENTS: usize = 1 << 22;
+
+/// One step of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Step {
+    Submit,
+    /// A control message sent, by wire type code.
+    Send(u8),
+    /// A control message received, by wire type code.
+    Recv(u8),
+    GatherStart,
+    GatherDone,
+    WritePost,
+    WriteDone,
+    ScatterStart,
+    ScatterDone,
+    Complete,
+}
+
+impl Step {
+    fn name(self) -> String {
+        let msg = |ty: u8| {
+            crate::proto::wire::MessageType::try_from(ty)
+                .map_or_else(|_| format!("type{ty}"), |t| format!("{t:?}").to_uppercase())
+        };
+        match self {
+            Step::Submit => "submit".into(),
+            Step::Send(ty) => format!("send_{}", msg(ty)),
+            Step::Recv(ty) => format!("recv_{}", msg(ty)),
+            Step::GatherStart => "gather_start".into(),
+            Step::GatherDone => "gather_done".into(),
+            Step::WritePost => "write_post".into(),
+            Step::WriteDone => "write_done".into(),
+            Step::ScatterStart => "scatter_start".into(),
+            Step::ScatterDone => "scatter_done".into(),
+            Step::Complete => "complete".into(),
+        }
+    }
+}
+
+struct Event {
+    t_ns: u64,
+    step: Step,
+    request: u64,
+    chunk: u32,
+}
+
+pub(super) struct Trace {
+    path: PathBuf,
+    events: Vec<Event>,
+    /// The request and chunk each running scatter belongs to.
+    scatters: HashMap<RegionHandle, (RequestId, u32)>,
+}
+
+/// The host's monotonic clock, in ns.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which `ts` is.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Trace {
+    /// A timeline for the reactor of agent `name`, if [`ENV`] names a
+    /// directory.
+    pub(super) fn from_env(name: &str) -> Option<Trace> {
+        let dir = std::env::var_os(ENV).filter(|d| !d.is_empty())?;
+        let agent: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let path = PathBuf::from(dir).join(format!("{agent}-{}.tsv", std::process::id()));
+        Some(Trace {
+            path,
+            events: Vec::with_capacity(1 << 16),
+            scatters: HashMap::new(),
+        })
+    }
+
+    pub(super) fn record(&mut self, step: Step, request: RequestId, chunk: Option<u32>) {
+        if self.events.len() < MAX_EVENTS {
+            self.events.push(Event {
+                t_ns: monotonic_ns(),
+                step,
+                request: request.0,
+                chunk: chunk.unwrap_or(u32::MAX),
+            });
+        }
+    }
+
+    pub(super) fn scatter_started(&mut self, region: RegionHandle, request: RequestId, chunk: u32) {
+        self.scatters.insert(region, (request, chunk));
+        self.record(Step::ScatterStart, request, Some(chunk));
+    }
+
+    pub(super) fn scatter_done(&mut self, region: RegionHandle) {
+        if let Some((request, chunk)) = self.scatters.remove(&region) {
+            self.record(Step::ScatterDone, request, Some(chunk));
+        }
+    }
+
+    /// Writes the timeline: `t_ns`, step, request, chunk (empty when the
+    /// step is the whole request's), one step a line.
+    fn write(&self) -> std::io::Result<()> {
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&self.path)?);
+        writeln!(out, "t_ns\tstep\trequest\tchunk")?;
+        for e in &self.events {
+            let chunk = match e.chunk {
+                u32::MAX => String::new(),
+                c => c.to_string(),
+            };
+            writeln!(out, "{}\t{}\t{}\t{chunk}", e.t_ns, e.step.name(), e.request)?;
+        }
+        out.flush()
+    }
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        match self.write() {
+            Ok(()) => {
+                tracing::info!(path = %self.path.display(), steps = self.events.len(), "trace written")
+            }
+            Err(e) => tracing::warn!(path = %self.path.display(), "writing the trace: {e}"),
+        }
+    }
+}
