@@ -7,10 +7,12 @@ target inherits it), then:
 
     python3 bench/trace_report.py <dir> [--requests A:B]
 
-Requests are keyed by the id their messages carry (the sender's, for a
-WRITE), so the receiver's steps line up with the sender's; both clocks are
-the host's monotonic clock. For each group of requests with the same
-number of chunks, every step's time after the request's submission is
+Start from an empty directory: every timeline in it is read. Requests are
+keyed by the id their messages carry (the sender's, for a WRITE), so the
+receiver's steps line up with the sender's; both clocks are the host's
+monotonic clock. (A READ's data owner serves it under an id of its own:
+only the reader's steps line up.) For each group of requests of one size
+and number of chunks, every step's time after the request's submission is
 printed as the median and p10-p90 over the requests, in the order of the
 medians, with the gap from the step before.
 """
@@ -30,11 +32,11 @@ def load(directory):
         rows = []
         with open(os.path.join(directory, name)) as f:
             header = f.readline().rstrip("\n").split("\t")
-            if header != ["t_ns", "step", "request", "chunk"]:
+            if header != ["t_ns", "step", "request", "chunk", "bytes"]:
                 sys.exit(f"{name}: not a timeline (header {header})")
             for line in f:
-                t, step, request, chunk = line.rstrip("\n").split("\t")
-                rows.append((int(t), step, int(request), int(chunk) if chunk else None))
+                t, step, request, chunk, size = line.rstrip("\n").split("\t")
+                rows.append((int(t), step, int(request), int(chunk) if chunk else None, int(size)))
         out.append((name, rows))
     return out
 
@@ -53,10 +55,12 @@ def main():
     if not files:
         sys.exit(f"no timelines (*.tsv) in {args.dir}")
     submits = {}
+    sizes = {}
     for name, rows in files:
-        for t, step, request, _ in rows:
+        for t, step, request, _, size in rows:
             if step == "submit":
                 submits[(name, request)] = t
+                sizes[request] = size
     if not submits:
         sys.exit("no submitted request in the timelines")
     order = sorted(submits, key=submits.get)
@@ -68,22 +72,22 @@ def main():
     steps = collections.defaultdict(dict)  # request -> (side, step, chunk) -> t
     ids = {request: (name, submits[(name, request)]) for name, request in chosen}
     for name, rows in files:
-        for t, step, request, chunk in rows:
+        for t, step, request, chunk, _ in rows:
             if request in ids:
                 side = "sender" if name == ids[request][0] else "receiver"
                 steps[request].setdefault((side, step, chunk), t)
     groups = collections.defaultdict(list)
     for request, s in steps.items():
         chunks = len({c for (_, st, c) in s if st == "write_post"})
-        groups[chunks].append(request)
-    for chunks in sorted(groups):
-        requests = groups[chunks]
+        groups[(sizes[request], chunks)].append(request)
+    for size, chunks in sorted(groups):
+        requests = groups[(size, chunks)]
         offsets = collections.defaultdict(list)
         for request in requests:
             t0 = ids[request][1]
             for key, t in steps[request].items():
                 offsets[key].append((t - t0) / 1e3)
-        print(f"== {len(requests)} requests of {chunks} chunk(s): us after submission, median [p10-p90]")
+        print(f"== {len(requests)} requests of {size / 2**20:g} MiB in {chunks} chunk(s): us after submission, median [p10-p90]")
         prev = 0.0
         for key, xs in sorted(offsets.items(), key=lambda kv: statistics.median(kv[1])):
             side, step, chunk = key

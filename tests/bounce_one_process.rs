@@ -396,11 +396,18 @@ fn trace_steps(
 ) -> std::collections::HashMap<(String, u64, Option<u32>), u64> {
     let text = std::fs::read_to_string(path).expect("read a trace file");
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some("t_ns\tstep\trequest\tchunk"), "{path:?}");
+    assert_eq!(
+        lines.next(),
+        Some("t_ns\tstep\trequest\tchunk\tbytes"),
+        "{path:?}"
+    );
     let mut steps = std::collections::HashMap::new();
     for line in lines {
         let f: Vec<&str> = line.split('\t').collect();
-        assert_eq!(f.len(), 4, "{line:?}");
+        assert_eq!(f.len(), 5, "{line:?}");
+        if f[1] == "submit" {
+            assert_eq!(f[4], (MANY * BLOCK).to_string(), "the request's bytes");
+        }
         let t: u64 = f[0].parse().expect("t_ns");
         let key = (
             f[1].to_string(),
@@ -425,7 +432,17 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
     let dir = std::env::temp_dir().join(format!("nixl-bounce-trace-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("trace directory");
+    /// Unsets the variable however the test ends, for the tests after it.
+    struct Unset;
+    impl Drop for Unset {
+        fn drop(&mut self) {
+            std::env::remove_var("NIXL_BOUNCE_TRACE");
+        }
+    }
+    // Set before the engines exist (they read it when their reactor
+    // starts), unset after they are gone.
     std::env::set_var("NIXL_BOUNCE_TRACE", &dir);
+    let unset = Unset;
     let (mut a, mut b) = (
         endpoint("tr-a", &[LOOPBACK], len(), 71, ThreadSync::Default),
         endpoint("tr-b", &[LOOPBACK], len(), 72, ThreadSync::Default),
@@ -433,7 +450,7 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
     pair_up(&a.node, &b.node);
     write_once(&mut a, &mut b, 7311, (7301, 7302));
     drop((a, b)); // the reactors end and write their timelines
-    std::env::remove_var("NIXL_BOUNCE_TRACE");
+    drop(unset);
     let files: Vec<_> = std::fs::read_dir(&dir)
         .expect("list the trace directory")
         .map(|e| e.expect("entry").path())

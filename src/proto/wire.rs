@@ -115,7 +115,15 @@ pub fn peek(bytes: &[u8]) -> Option<(u8, RequestId, Option<u32>)> {
     }
     let ty = *bytes.get(6)?;
     let request = RequestId(u64::from_le_bytes(field(HEADER_LEN, 8)?.try_into().ok()?));
-    let chunk = if ty == MessageType::Data as u8 || ty == MessageType::Ack as u8 {
+    let chunk = if [
+        MessageType::Data,
+        MessageType::Ack,
+        MessageType::ReadData,
+        MessageType::ReadAck,
+    ]
+    .iter()
+    .any(|&t| t as u8 == ty)
+    {
         Some(u32::from_le_bytes(
             field(HEADER_LEN + 8, 4)?.try_into().ok()?,
         ))
@@ -864,15 +872,23 @@ fn decode_grant(r: &mut Reader<'_>) -> Result<(RequestId, Vec<Credit>), WireErro
     Ok((request, credits))
 }
 
+/// Bytes of one encoded run.
+const RUN_BYTES: usize = 44;
+
 fn encode_runs(p: &mut Writer, runs: &[Run]) {
     p.u32(runs.len() as u32);
+    // Each run laid out in a fixed array and appended at once: a DATA of
+    // 4096 runs is encoded on every chunk's post, and field by field the
+    // appends' capacity checks were most of its cost.
     for r in runs {
-        p.u64(r.region_offset);
-        p.u64(r.addr);
-        p.u64(r.len);
-        p.u32(r.count);
-        p.u64(r.region_stride);
-        p.u64(r.addr_stride);
+        let mut b = [0u8; RUN_BYTES];
+        b[0..8].copy_from_slice(&r.region_offset.to_le_bytes());
+        b[8..16].copy_from_slice(&r.addr.to_le_bytes());
+        b[16..24].copy_from_slice(&r.len.to_le_bytes());
+        b[24..28].copy_from_slice(&r.count.to_le_bytes());
+        b[28..36].copy_from_slice(&r.region_stride.to_le_bytes());
+        b[36..44].copy_from_slice(&r.addr_stride.to_le_bytes());
+        p.bytes(&b);
     }
 }
 

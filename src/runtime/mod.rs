@@ -249,18 +249,35 @@ impl Targets {
         self.union = union;
     }
 
-    /// Whether [start, end) lies inside one interval of the union.
-    fn covers(&self, start: u64, end: u64) -> bool {
+    /// The interval of the union that holds [start, end), if one does.
+    fn covering(&self, start: u64, end: u64) -> Option<(u64, u64)> {
         let i = self.union.partition_point(|&(s, _)| s <= start);
-        i > 0 && end <= self.union[i - 1].1
+        (i > 0 && end <= self.union[i - 1].1).then(|| self.union[i - 1])
     }
 
-    fn admits(&self, runs: &[Run]) -> Result<(), String> {
+    /// Whether [start, end) lies inside one interval of the union.
+    fn covers(&self, start: u64, end: u64) -> bool {
+        self.covering(start, end).is_some()
+    }
+
+    /// Checks `runs` (see [`ScatterTargets::admits`]) and returns the
+    /// application range they span, [lowest start, highest end) ((0, 0)
+    /// for none), in the same pass.
+    fn admits(&self, runs: &[Run]) -> Result<(u64, u64), String> {
+        // A request's runs mostly lie in one registration: the interval
+        // that held the last run is tried before the search.
+        let mut last = (1u64, 0u64); // empty
+        let mut span = (u64::MAX, 0u64);
         for (i, run) in runs.iter().enumerate() {
             let end = run
                 .addr_end()
                 .ok_or_else(|| format!("run {i} wraps around"))?;
-            if self.covers(run.addr, end) {
+            span = (span.0.min(run.addr), span.1.max(end));
+            if last.0 <= run.addr && end <= last.1 {
+                continue;
+            }
+            if let Some(interval) = self.covering(run.addr, end) {
+                last = interval;
                 continue;
             }
             for (_, addr, len) in run.copies() {
@@ -274,12 +291,11 @@ impl Targets {
                 }
             }
         }
-        Ok(())
+        Ok(if runs.is_empty() { (0, 0) } else { span })
     }
 
-    fn track(&mut self, runs: &[Run]) -> InUse {
-        let start = runs.iter().map(|r| r.addr).min().unwrap_or(0);
-        let end = runs.iter().filter_map(Run::addr_end).max().unwrap_or(start);
+    /// Marks the application range [start, end) in use.
+    fn track(&mut self, (start, end): (u64, u64)) -> InUse {
         self.next_token += 1;
         self.in_use.insert(self.next_token, (start, end));
         InUse(self.next_token)
@@ -330,15 +346,15 @@ impl ScatterTargets {
     /// run over several registrations, or across a gap between them) each
     /// copy is checked on its own.
     pub fn admits(&self, runs: &[Run]) -> Result<(), String> {
-        self.lock().admits(runs)
+        self.lock().admits(runs).map(|_| ())
     }
 
     /// Admits a scatter and marks its destinations in use, atomically with
     /// respect to deregistration.
     pub fn admit_scatter(&self, runs: &[Run]) -> Result<InUse, String> {
         let mut t = self.lock();
-        t.admits(runs)?;
-        Ok(t.track(runs))
+        let span = t.admits(runs)?;
+        Ok(t.track(span))
     }
 
     /// Admits a gather (its sources must be registered memory: for a
@@ -429,6 +445,39 @@ mod tests {
             "past the last registration"
         );
         assert!(t.admits(&[run(u64::MAX - 1, 4, 1, 0)]).is_err(), "wrapping");
+        // Later runs are tried against the interval of the one before
+        // first: that shortcut must not admit what leaves it.
+        assert!(
+            t.admits(&[run(0x1000, 0x100, 1, 0), run(0x5000, 0x100, 1, 0)])
+                .is_ok(),
+            "runs in two intervals"
+        );
+        assert!(
+            t.admits(&[run(0x1000, 0x100, 1, 0), run(0x2f00, 0x200, 1, 0)])
+                .is_err(),
+            "a run leaving the interval that held the run before"
+        );
+        assert!(
+            t.admits(&[run(0x5000, 0x100, 1, 0), run(0x4f00, 0x200, 1, 0)])
+                .is_err(),
+            "a run starting before that interval"
+        );
+        // The range marked in use spans every run: deregistering any part
+        // of it waits for the copy.
+        let in_use = t
+            .admit_scatter(&[run(0x5800, 0x100, 1, 0), run(0x1000, 0x100, 1, 0)])
+            .expect("admitted");
+        assert!(
+            !t.remove(0x5000, 0x1000, Duration::ZERO),
+            "the last run's registration"
+        );
+        t.add(0x5000, 0x1000);
+        assert!(
+            !t.remove(0x1000, 0x1000, Duration::ZERO),
+            "the first run's registration"
+        );
+        t.add(0x1000, 0x1000);
+        t.release(in_use);
         assert!(t.remove(0x2000, 0x1000, Duration::ZERO));
         assert!(
             t.admits(&[run(0x1800, 0x1000, 1, 0)]).is_err(),
@@ -444,6 +493,28 @@ struct Shared {
     stop: AtomicBool,
     poisoned: Mutex<Option<String>>,
     counters: RuntimeCounters,
+}
+
+impl Shared {
+    /// Records that `agent`'s arena is poisoned (for its stats and the
+    /// process-wide report), with an error log saying why; the first cause
+    /// is the one kept.
+    fn poison(&self, agent: &str, cause: String) {
+        let mut poisoned = self
+            .poisoned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if poisoned.is_none() {
+            tracing::error!(
+                agent,
+                "bounce arena poisoned, bounce path disabled: {cause}"
+            );
+            crate::stats::record_poisoned(agent, &cause);
+            *poisoned = Some(cause);
+        } else {
+            tracing::error!(agent, "bounce arena (already poisoned): {cause}");
+        }
+    }
 }
 
 /// Handle to a running reactor. Dropping it shuts the reactor down: every
@@ -553,7 +624,7 @@ impl Runtime {
             IoThreadUse::Never
         };
         let writer = ChunkWriter::start(
-            format!("bounce-write-{}", parts.name),
+            parts.name.clone(),
             parts.data,
             posting,
             shared.clone(),
@@ -1039,14 +1110,14 @@ impl Reactor {
     /// Records a control message sent or received (`send`), if a timeline
     /// is kept.
     fn trace_message(&mut self, send: bool, bytes: &[u8]) {
-        if let (Some(t), Some((ty, request, chunk))) =
-            (&mut self.trace, crate::proto::wire::peek(bytes))
-        {
-            t.record(
-                if send { Step::Send(ty) } else { Step::Recv(ty) },
-                request,
-                chunk,
-            );
+        if let Some(t) = &mut self.trace {
+            if let Some((ty, request, chunk)) = crate::proto::wire::peek(bytes) {
+                t.record(
+                    if send { Step::Send(ty) } else { Step::Recv(ty) },
+                    request,
+                    chunk,
+                );
+            }
         }
     }
 
@@ -1057,19 +1128,19 @@ impl Reactor {
     fn run(mut self) {
         precise_timers();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop()));
-        match outcome {
-            Ok(()) => self.shutdown(),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-string panic".into());
-                self.mark_poisoned(format!("the IO thread panicked: {what}"));
-                self.leak_launched();
-                for (_, (ticket, _, _)) in self.tickets.drain() {
-                    ticket.finish(Err(FailureReason::Poisoned));
-                }
+        let outcome = outcome.and_then(|()| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.shutdown()))
+        });
+        if let Err(panic) = outcome {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string panic".into());
+            self.mark_poisoned(format!("the IO thread panicked: {what}"));
+            self.leak_launched();
+            for (_, (ticket, _, _)) in self.tickets.drain() {
+                ticket.finish(Err(FailureReason::Poisoned));
             }
         }
     }
@@ -1165,6 +1236,10 @@ impl Reactor {
                     notif,
                     deadline,
                 } => {
+                    let bytes = match self.trace {
+                        Some(_) => plan.chunks.iter().map(|c| c.bytes).sum(),
+                        None => 0,
+                    };
                     let submitted = if read {
                         self.endpoint.submit_read_plan(now, &peer, plan, deadline)
                     } else {
@@ -1172,7 +1247,9 @@ impl Reactor {
                     };
                     match submitted {
                         Ok(id) => {
-                            self.trace(Step::Submit, id, None);
+                            if let Some(t) = &mut self.trace {
+                                t.submitted(id, bytes);
+                            }
                             *ticket.request.lock().expect("ticket") = Some(id);
                             let now = Instant::now();
                             self.tickets.insert(id, (ticket, notif, now));
@@ -1627,6 +1704,8 @@ impl Reactor {
                     len,
                 } => {
                     self.trace(Step::WritePost, chunk.request, Some(chunk.chunk));
+                    // Counted from before the post, wherever it is posted.
+                    let posting = Instant::now();
                     let posted = match self.peers.get(&peer) {
                         _ if self.failpoints.is_set("fail_chunk_writes") => {
                             Err("failpoint fail_chunk_writes".to_string())
@@ -1646,7 +1725,7 @@ impl Reactor {
                         None => Err(format!("no data path to peer {peer}")),
                     };
                     match posted {
-                        Ok(()) => self.writes.push((chunk, peer, len, Instant::now())),
+                        Ok(()) => self.writes.push((chunk, peer, len, posting)),
                         Err(e) => {
                             self.shared
                                 .counters
@@ -1726,20 +1805,20 @@ impl Reactor {
         for l in self.launched.drain(..) {
             std::mem::forget(l);
         }
+        // Copies a worker launched and handed back, not yet taken: dropping
+        // one would synchronise its stream, which may never finish.
+        while let Ok(report) = self.done.try_recv() {
+            if let WorkerReport::Launched(l) = report {
+                std::mem::forget(l);
+            }
+        }
     }
 
     /// Records that the arena is poisoned (for this engine's stats and the
     /// process-wide report), with an error log saying why; the first cause
     /// is the one kept.
     fn mark_poisoned(&self, cause: String) {
-        let mut poisoned = self.shared.poisoned.lock().expect("poisoned");
-        if poisoned.is_none() {
-            tracing::error!(agent = %self.name, "bounce arena poisoned, bounce path disabled: {cause}");
-            crate::stats::record_poisoned(&self.name, &cause);
-            *poisoned = Some(cause);
-        } else {
-            tracing::error!(agent = %self.name, "bounce arena (already poisoned): {cause}");
-        }
+        self.shared.poison(&self.name, cause);
     }
 
     fn start_copy(
@@ -1790,7 +1869,9 @@ impl Reactor {
         }
         let job = CopyJob {
             id,
-            launch: launchable,
+            // With `copy_launches=io_thread` a worker only takes what the IO
+            // thread could not launch (no context free): it copies, blocking.
+            launch: launchable && self.copy_launches != IoThreadUse::Always,
             queued_at: Instant::now(),
             in_use,
             direction,
@@ -1895,6 +1976,8 @@ impl Reactor {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+        // What a worker launched after the last drain was never polled.
+        self.leak_launched();
         self.writer.close();
     }
 }

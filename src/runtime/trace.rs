@@ -7,7 +7,9 @@
 //! control message sent and received, each gather, chunk write and
 //! scatter started and seen finished, the completion. Steps carry the
 //! request id that travels in the messages (the sender's, for a WRITE),
-//! so both sides of a request share it. When the reactor ends, the
+//! so both sides of a WRITE share it (a READ's owner serves it under an id
+//! of its own, so its steps do not line up with the reader's). When the
+//! reactor ends, the
 //! timeline is written to `<directory>/<agent>-<pid>.tsv`;
 //! `bench/trace_report.py` lines the files up and prints each step's
 //! median time from submission.
@@ -69,6 +71,8 @@ struct Event {
     step: Step,
     request: u64,
     chunk: u32,
+    /// The request's bytes (its submission's step only).
+    bytes: u64,
 }
 
 pub(super) struct Trace {
@@ -113,12 +117,22 @@ impl Trace {
     }
 
     pub(super) fn record(&mut self, step: Step, request: RequestId, chunk: Option<u32>) {
+        self.push(step, request, chunk, 0);
+    }
+
+    /// A request submitted, of `bytes` bytes.
+    pub(super) fn submitted(&mut self, request: RequestId, bytes: u64) {
+        self.push(Step::Submit, request, None, bytes);
+    }
+
+    fn push(&mut self, step: Step, request: RequestId, chunk: Option<u32>, bytes: u64) {
         if self.events.len() < MAX_EVENTS {
             self.events.push(Event {
                 t_ns: monotonic_ns(),
                 step,
                 request: request.0,
                 chunk: chunk.unwrap_or(u32::MAX),
+                bytes,
             });
         }
     }
@@ -135,16 +149,24 @@ impl Trace {
     }
 
     /// Writes the timeline: `t_ns`, step, request, chunk (empty when the
-    /// step is the whole request's), one step a line.
+    /// step is the whole request's), bytes (the request's, at its
+    /// submission; else 0), one step a line.
     fn write(&self) -> std::io::Result<()> {
         let mut out = std::io::BufWriter::new(std::fs::File::create(&self.path)?);
-        writeln!(out, "t_ns\tstep\trequest\tchunk")?;
+        writeln!(out, "t_ns\tstep\trequest\tchunk\tbytes")?;
         for e in &self.events {
             let chunk = match e.chunk {
                 u32::MAX => String::new(),
                 c => c.to_string(),
             };
-            writeln!(out, "{}\t{}\t{}\t{chunk}", e.t_ns, e.step.name(), e.request)?;
+            writeln!(
+                out,
+                "{}\t{}\t{}\t{chunk}\t{}",
+                e.t_ns,
+                e.step.name(),
+                e.request,
+                e.bytes
+            )?;
         }
         out.flush()
     }

@@ -46,14 +46,25 @@ pub(super) enum WriteOutcome {
     Failed(ChunkRef, String),
 }
 
-/// How long a write posted on the IO thread is polled without pause;
-/// after that (a slow transport, a large chunk across hosts) the reactor
-/// pauses [`SLOW_WRITE_PAUSE`] between polls, as the writer thread does.
+/// How long after the latest post on the IO thread its writes are polled
+/// without pause; after that (a slow transport, a large chunk across
+/// hosts) the reactor pauses [`SLOW_WRITE_PAUSE`] between polls, as the
+/// writer thread does.
 const FAST_WRITE: Duration = Duration::from_millis(1);
-/// The pause between polls of a write older than [`FAST_WRITE`].
+/// The pause between polls of writes older than [`FAST_WRITE`].
 pub(super) const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
+/// Writes older than this (stuck, or a forgotten peer's that must stay
+/// pinned) no longer keep the reactor polling: it waits for its next event
+/// as when idle (at most `IDLE_WAIT`) and polls them then.
+const STALE_WRITE: Duration = Duration::from_millis(100);
+/// A post on the IO thread slower than this means the transport sends
+/// inside the post (UCX staging device memory through TCP, say): under
+/// [`IoThreadUse::WhenIdle`] the writer thread then takes every later post.
+const SLOW_POST: Duration = Duration::from_micros(200);
 
 pub(super) struct ChunkWriter {
+    /// The engine's agent, for the logs.
+    agent: String,
     data: Arc<DataPlane>,
     posting: IoThreadUse,
     /// Writes posted here: chunk, handle, when.
@@ -109,13 +120,13 @@ fn poll_pending<T>(
 }
 
 impl ChunkWriter {
-    /// Writes through `data`, posted as `posting` says. The writer thread
-    /// (unless every write is posted here) is named `name` and wakes the
-    /// reactor with each outcome; `spin`: how long it polls for the next
-    /// job before it blocks; `delay`: a failpoint's pause before each of
-    /// its posts.
+    /// Writes through `data`, posted as `posting` says, for the engine of
+    /// agent `agent`. The writer thread (unless every write is posted here)
+    /// wakes the reactor with each outcome; `spin`: how long it polls for
+    /// the next job before it blocks; `delay`: a failpoint's pause before
+    /// each of its posts.
     pub(super) fn start(
-        name: String,
+        agent: String,
         data: DataPlane,
         posting: IoThreadUse,
         shared: Arc<Shared>,
@@ -130,7 +141,7 @@ impl ChunkWriter {
             let (done_tx, done_rx) = mpsc::channel::<WriteOutcome>();
             let (d, sh) = (data.clone(), shared.clone());
             let handle = std::thread::Builder::new()
-                .name(name)
+                .name(format!("bounce-write-{agent}"))
                 .spawn(move || write_worker(d, jobs_rx, done_tx, sh, spin, delay))?;
             Some(WriterThread {
                 jobs: Some(jobs_tx),
@@ -139,6 +150,7 @@ impl ChunkWriter {
             })
         };
         Ok(ChunkWriter {
+            agent,
             data,
             posting,
             here: Vec::new(),
@@ -159,7 +171,13 @@ impl ChunkWriter {
         };
         match &self.thread {
             _ if here => {
+                let t = Instant::now();
                 let w = post(&self.data, &self.shared, &job)?;
+                let took = t.elapsed();
+                if took > SLOW_POST && self.posting == IoThreadUse::WhenIdle {
+                    tracing::warn!(agent = %self.agent, ?took, "a chunk write's post blocked the IO thread; the writer thread posts from now on");
+                    self.posting = IoThreadUse::Never;
+                }
                 self.here.push((job.chunk, w, Instant::now()));
                 Ok(())
             }
@@ -184,15 +202,18 @@ impl ChunkWriter {
     }
 
     /// How the IO thread should pause while writes it posted run: `None`
-    /// when none does (it may sleep in the control channel), zero while the
-    /// oldest is recent (poll again at once), else [`SLOW_WRITE_PAUSE`].
+    /// when none does, or only stale ones (it may wait in the control
+    /// channel), zero within [`FAST_WRITE`] of the latest post (poll again
+    /// at once), else [`SLOW_WRITE_PAUSE`].
     pub(super) fn pause(&self) -> Option<Duration> {
-        let oldest = self.here.iter().map(|p| p.2).min()?;
-        Some(if oldest.elapsed() < FAST_WRITE {
-            Duration::ZERO
+        let age = self.here.iter().map(|p| p.2).max()?.elapsed();
+        if age < FAST_WRITE {
+            Some(Duration::ZERO)
+        } else if age < STALE_WRITE {
+            Some(SLOW_WRITE_PAUSE)
         } else {
-            SLOW_WRITE_PAUSE
-        })
+            None
+        }
     }
 
     /// Takes no more writes. The writer thread finishes what it holds
@@ -216,10 +237,11 @@ impl Drop for ChunkWriter {
             // handle and the arena's registration alive rather than release
             // them under it (the reactor has already poisoned the arena, or
             // a forgotten peer's write was reported stuck).
-            tracing::error!(
+            let cause = format!(
                 "{} chunk writes never finished; leaving them to the process",
                 self.here.len()
             );
+            self.shared.poison(&self.agent, cause);
             std::mem::forget(std::mem::take(&mut self.here));
             std::mem::forget(self.data.clone());
         }
