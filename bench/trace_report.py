@@ -10,8 +10,8 @@ target inherits it), then:
 Start from an empty directory: every timeline in it is read. Requests are
 keyed by the id their messages carry (the sender's, for a WRITE), so the
 receiver's steps line up with the sender's; both clocks are the host's
-monotonic clock. (A READ's data owner serves it under an id of its own:
-only the reader's steps line up.) For each group of requests of one size
+monotonic clock; a READ's data owner records its serve under the
+reader's id. For each group of requests of one size
 and number of chunks, every step's time after the request's submission is
 printed as the median and p10-p90 over the requests, in the order of the
 medians, with the gap from the step before.

@@ -389,36 +389,6 @@ fn chunk_writes_on_the_io_thread_or_the_writer_thread() {
     }
 }
 
-/// The steps of one request in a timeline file (`NIXL_BOUNCE_TRACE`):
-/// (step, request, chunk) -> first time, in ns.
-fn trace_steps(
-    path: &std::path::Path,
-) -> std::collections::HashMap<(String, u64, Option<u32>), u64> {
-    let text = std::fs::read_to_string(path).expect("read a trace file");
-    let mut lines = text.lines();
-    assert_eq!(
-        lines.next(),
-        Some("t_ns\tstep\trequest\tchunk\tbytes"),
-        "{path:?}"
-    );
-    let mut steps = std::collections::HashMap::new();
-    for line in lines {
-        let f: Vec<&str> = line.split('\t').collect();
-        assert_eq!(f.len(), 5, "{line:?}");
-        if f[1] == "submit" {
-            assert_eq!(f[4], (MANY * BLOCK).to_string(), "the request's bytes");
-        }
-        let t: u64 = f[0].parse().expect("t_ns");
-        let key = (
-            f[1].to_string(),
-            f[2].parse().expect("request"),
-            f[3].parse().ok(),
-        );
-        steps.entry(key).or_insert(t);
-    }
-    steps
-}
-
 /// With `NIXL_BOUNCE_TRACE` set, each engine writes its timeline when it
 /// ends, and a 16 MiB WRITE's steps (four chunks) line up across the two
 /// sides in causal order: submit, WANT, GRANT, each chunk's gather, write,
@@ -429,20 +399,7 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
     if !ready("BOUNCE") {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("nixl-bounce-trace-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("trace directory");
-    /// Unsets the variable however the test ends, for the tests after it.
-    struct Unset;
-    impl Drop for Unset {
-        fn drop(&mut self) {
-            std::env::remove_var("NIXL_BOUNCE_TRACE");
-        }
-    }
-    // Set before the engines exist (they read it when their reactor
-    // starts), unset after they are gone.
-    std::env::set_var("NIXL_BOUNCE_TRACE", &dir);
-    let unset = Unset;
+    let trace = TraceDir::new();
     let (mut a, mut b) = (
         endpoint("tr-a", &[LOOPBACK], len(), 71, ThreadSync::Default),
         endpoint("tr-b", &[LOOPBACK], len(), 72, ThreadSync::Default),
@@ -450,19 +407,10 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
     pair_up(&a.node, &b.node);
     write_once(&mut a, &mut b, 7311, (7301, 7302));
     drop((a, b)); // the reactors end and write their timelines
-    drop(unset);
-    let files: Vec<_> = std::fs::read_dir(&dir)
-        .expect("list the trace directory")
-        .map(|e| e.expect("entry").path())
-        .collect();
-    assert_eq!(files.len(), 2, "one timeline per engine: {files:?}");
-    let (sender, receiver): (Vec<_>, Vec<_>) = files
-        .iter()
-        .map(|f| trace_steps(f))
-        .partition(|s| s.keys().any(|k| k.0 == "submit"));
-    let (s, r) = (&sender[0], &receiver[0]);
+    let (s, r) = trace.sides(MANY * BLOCK);
+    let (s, r) = (&s, &r);
     let request = s.keys().find(|k| k.0 == "submit").expect("a submission").1;
-    let at = |side: &std::collections::HashMap<_, u64>, step: &str, chunk: Option<u32>| {
+    let at = |side: &TraceSteps, step: &str, chunk: Option<u32>| {
         *side
             .get(&(step.to_string(), request, chunk))
             .unwrap_or_else(|| panic!("no {step} {chunk:?} for request {request}"))
@@ -504,5 +452,4 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
         assert!(w[0].1 <= w[1].1, "{} after {}", w[0].0, w[1].0);
     }
     assert!(last_ack <= chain[9].1, "complete before the last ACK");
-    let _ = std::fs::remove_dir_all(&dir);
 }

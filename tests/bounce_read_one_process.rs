@@ -9,6 +9,8 @@
 //! - with a notification: the owner gets it only after the reader's
 //!   destination holds every byte (NIXL's READ notification semantics);
 //! - the same over the NIXL-notification control channel;
+//! - a timeline (`NIXL_BOUNCE_TRACE`) whose steps line up across reader and
+//!   owner;
 //! - mixed READ and WRITE traffic in both directions at once, in the same
 //!   arenas;
 //! - a peer whose handshake lacks the READ capability is read through UCX
@@ -406,4 +408,53 @@ fn reads_the_bounce_path_cannot_serve_use_ucx() {
         .or_fail("WRITE to an owner without READ");
     drop(req);
     assert_sender_bounced(&sr, &stats(r.name()), 1);
+}
+
+/// With `NIXL_BOUNCE_TRACE` set, a 16 MiB READ's steps line up across the
+/// reader and the data owner, who serves it under an id of its own but
+/// records its steps under the reader's: each chunk's gather, write and
+/// READ_DATA on the owner, then its scatter and READ_ACK on the reader.
+#[test]
+#[serial_test::serial]
+fn a_trace_lines_up_a_reads_steps_across_both_sides() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let trace = TraceDir::new();
+    let mut reader = endpoint("trr-a", &[LOOPBACK], len(), 81, ThreadSync::Default);
+    let mut owner = endpoint("trr-b", &[LOOPBACK], len(), 82, ThreadSync::Default);
+    pair_up(&reader.node, &owner.node);
+    read_once(&mut reader, &mut owner, 8111, (8101, 8102));
+    drop((reader, owner));
+    let (r, o) = trace.sides(MANY * BLOCK);
+    let request = r.keys().find(|k| k.0 == "submit").expect("a submission").1;
+    let at = |side: &TraceSteps, step: &str, chunk: Option<u32>| {
+        *side
+            .get(&(step.to_string(), request, chunk))
+            .unwrap_or_else(|| panic!("no {step} {chunk:?} for request {request}"))
+    };
+    let (submit, read_in) = (at(&r, "submit", None), at(&o, "recv_READ", None));
+    assert!(submit <= at(&r, "send_READ", None) && at(&r, "send_READ", None) <= read_in);
+    let mut last = 0;
+    for c in 0..4 {
+        let links = [
+            ("recv_READ", read_in),
+            ("gather_start", at(&o, "gather_start", Some(c))),
+            ("gather_done", at(&o, "gather_done", Some(c))),
+            ("write_post", at(&o, "write_post", Some(c))),
+            ("write_done", at(&o, "write_done", Some(c))),
+            ("send_READ_DATA", at(&o, "send_READ_DATA", Some(c))),
+            ("recv_READ_DATA", at(&r, "recv_READ_DATA", Some(c))),
+            ("scatter_start", at(&r, "scatter_start", Some(c))),
+            ("scatter_done", at(&r, "scatter_done", Some(c))),
+        ];
+        for w in links.windows(2) {
+            assert!(w[0].1 <= w[1].1, "chunk {c}: {} after {}", w[0].0, w[1].0);
+        }
+        last = last.max(links[8].1);
+    }
+    assert!(
+        last <= at(&r, "complete", None),
+        "complete before the last scatter"
+    );
 }

@@ -1107,6 +1107,16 @@ impl Reactor {
         }
     }
 
+    /// Records a step of one of this side's chunks, if a timeline is kept:
+    /// a chunk of a served READ under the reader's request id, which its
+    /// messages carry, so that both sides of a READ line up too.
+    fn trace_chunk(&mut self, step: Step, chunk: ChunkRef) {
+        if let Some(t) = &mut self.trace {
+            let id = self.endpoint.serves_read(chunk.request);
+            t.record(step, id.unwrap_or(chunk.request), Some(chunk.chunk));
+        }
+    }
+
     /// Records a control message sent or received (`send`), if a timeline
     /// is kept.
     fn trace_message(&mut self, send: bool, bytes: &[u8]) {
@@ -1426,7 +1436,10 @@ impl Reactor {
         self.copies_in_flight -= 1;
         if let Some(t) = &mut self.trace {
             match done.id {
-                CopyId::Gather(c) => t.record(Step::GatherDone, c.request, Some(c.chunk)),
+                CopyId::Gather(c) => {
+                    let id = self.endpoint.serves_read(c.request).unwrap_or(c.request);
+                    t.record(Step::GatherDone, id, Some(c.chunk))
+                }
                 CopyId::Scatter(region) => t.scatter_done(region),
             }
         }
@@ -1481,7 +1494,12 @@ impl Reactor {
                 .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let now = self.now();
             if let Some(t) = &mut self.trace {
-                t.record(Step::WriteDone, chunk.request, Some(chunk.chunk));
+                let id = self.endpoint.serves_read(chunk.request);
+                t.record(
+                    Step::WriteDone,
+                    id.unwrap_or(chunk.request),
+                    Some(chunk.chunk),
+                );
             }
             match failure {
                 None => {
@@ -1647,7 +1665,7 @@ impl Reactor {
                     region,
                     runs,
                 } => {
-                    self.trace(Step::GatherStart, chunk.request, Some(chunk.chunk));
+                    self.trace_chunk(Step::GatherStart, chunk);
                     if self.failpoints.is_set("panic_in_io_thread") {
                         panic!("failpoint panic_in_io_thread");
                     }
@@ -1703,7 +1721,7 @@ impl Reactor {
                     remote,
                     len,
                 } => {
-                    self.trace(Step::WritePost, chunk.request, Some(chunk.chunk));
+                    self.trace_chunk(Step::WritePost, chunk);
                     // Counted from before the post, wherever it is posted.
                     let posting = Instant::now();
                     let posted = match self.peers.get(&peer) {

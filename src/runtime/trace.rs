@@ -7,9 +7,9 @@
 //! control message sent and received, each gather, chunk write and
 //! scatter started and seen finished, the completion. Steps carry the
 //! request id that travels in the messages (the sender's, for a WRITE),
-//! so both sides of a WRITE share it (a READ's owner serves it under an id
-//! of its own, so its steps do not line up with the reader's). When the
-//! reactor ends, the
+//! so both sides of a request share it (a READ's data owner serves it
+//! under an id of its own, and records the serve's steps under the
+//! reader's). When the reactor ends, the
 //! timeline is written to `<directory>/<agent>-<pid>.tsv`;
 //! `bench/trace_report.py` lines the files up and prints each step's
 //! median time from submission.
@@ -47,9 +47,19 @@ pub(super) enum Step {
 
 impl Step {
     fn name(self) -> String {
-        let msg = |ty: u8| {
-            crate::proto::wire::MessageType::try_from(ty)
-                .map_or_else(|_| format!("type{ty}"), |t| format!("{t:?}").to_uppercase())
+        // READ_DATA for `ReadData`, as the wire format names them.
+        let msg = |ty: u8| match crate::proto::wire::MessageType::try_from(ty) {
+            Err(_) => format!("type{ty}"),
+            Ok(t) => {
+                let mut name = String::new();
+                for (i, c) in format!("{t:?}").chars().enumerate() {
+                    if i > 0 && c.is_ascii_uppercase() {
+                        name.push('_');
+                    }
+                    name.push(c.to_ascii_uppercase());
+                }
+                name
+            }
         };
         match self {
             Step::Submit => "submit".into(),

@@ -518,3 +518,73 @@ pub fn write_request(a: &Endpoint, b: &Endpoint, plan: &Plan) -> XferRequest {
         )
         .or_fail("create_xfer_req")
 }
+
+/// A timeline's steps: (step, request, chunk) -> first time, in ns.
+pub type TraceSteps = std::collections::HashMap<(String, u64, Option<u32>), u64>;
+
+/// The steps in a timeline file (`NIXL_BOUNCE_TRACE`). Each submission
+/// must carry `bytes`.
+pub fn trace_steps(path: &std::path::Path, bytes: usize) -> TraceSteps {
+    let text = std::fs::read_to_string(path).expect("read a trace file");
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("t_ns\tstep\trequest\tchunk\tbytes"),
+        "{path:?}"
+    );
+    let mut steps = std::collections::HashMap::new();
+    for line in lines {
+        let f: Vec<&str> = line.split('\t').collect();
+        assert_eq!(f.len(), 5, "{line:?}");
+        if f[1] == "submit" {
+            assert_eq!(f[4], bytes.to_string(), "the request's bytes");
+        }
+        let t: u64 = f[0].parse().expect("t_ns");
+        let key = (
+            f[1].to_string(),
+            f[2].parse().expect("request"),
+            f[3].parse().ok(),
+        );
+        steps.entry(key).or_insert(t);
+    }
+    steps
+}
+
+/// A fresh directory named in `NIXL_BOUNCE_TRACE` while this lives (set it
+/// before the engines start, read it after they end); the variable is unset
+/// and the directory removed however the test ends.
+pub struct TraceDir(std::path::PathBuf);
+
+impl TraceDir {
+    pub fn new() -> TraceDir {
+        let dir = std::env::temp_dir().join(format!("nixl-bounce-trace-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("trace directory");
+        std::env::set_var("NIXL_BOUNCE_TRACE", &dir);
+        TraceDir(dir)
+    }
+
+    /// The two engines' timelines, the side that submitted first.
+    pub fn sides(&self, bytes: usize) -> (TraceSteps, TraceSteps) {
+        let files: Vec<_> = std::fs::read_dir(&self.0)
+            .expect("list the trace directory")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        assert_eq!(files.len(), 2, "one timeline per engine: {files:?}");
+        let mut steps: Vec<_> = files.iter().map(|f| trace_steps(f, bytes)).collect();
+        let submitter = steps
+            .iter()
+            .position(|s| s.keys().any(|k| k.0 == "submit"))
+            .expect("a submission");
+        let first = steps.swap_remove(submitter);
+        let other = steps.pop().expect("the other side");
+        (first, other)
+    }
+}
+
+impl Drop for TraceDir {
+    fn drop(&mut self) {
+        std::env::remove_var("NIXL_BOUNCE_TRACE");
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
