@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2]
+# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2|trace]
 #        (source .gpu/run.sh python: only the environment, with the Python API)   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
@@ -110,6 +110,26 @@ if [[ "$mode" == vllm || "$mode" == python ]]; then
     fi
     # python: stay in this shell's environment (source it) for more commands.
     return 0 2>/dev/null || exit 0
+fi
+if [[ "$mode" == trace ]]; then
+    # Where the arena's requests spend their time, step by step, under MPS
+    # (NIXL_BOUNCE_TRACE timelines of both processes, bench/trace_report.py):
+    # a lone 1024 and 16,384 x 4 KiB request, then 128 in flight (the
+    # requests after the bench's 30 lone ones and their warm-up).
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+    mkdir -p /tmp/mps /tmp/mpslog
+    nvidia-cuda-mps-control -d
+    for shape in "1024 0 5:" "16384 0 5:" "1024 128 40:"; do
+        set -- $shape
+        rm -rf /tmp/bounce-trace && mkdir -p /tmp/bounce-trace
+        export NIXL_BOUNCE_TRACE=/tmp/bounce-trace
+        run "trace-bench-$1-$2" "$v" bench --backend BOUNCE --label "arena-trace" --param enable_peer_map=false \
+            --sizes 4096 --counts "$1" --concurrent "$2" --iters 30
+        unset NIXL_BOUNCE_TRACE
+        run "trace-$1-$2" python3 bench/trace_report.py /tmp/bounce-trace --requests "$3"
+    done
+    echo quit | nvidia-cuda-mps-control
+    exit $status
 fi
 if [[ "$mode" == faults ]]; then
     # Fault drills only (see `bounce-vram faults`).
