@@ -15,17 +15,17 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-
-mod trace;
-mod writes;
-use crate::config::IoThreadUse;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+mod trace;
+mod writes;
 pub use trace::ENV as TRACE_ENV;
 use trace::{Step, Trace};
 use writes::{ChunkWriter, WriteJob, WriteOutcome};
 
+use crate::config::IoThreadUse;
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
 use crate::dataplane::{DataPlane, PeerArena};
@@ -1168,8 +1168,7 @@ impl Reactor {
             // microseconds, and waking a sleeping thread costs tens.
             // Copies launched here are polled (their events) without
             // sleeping: they end within microseconds to a few hundred. So
-            // are writes posted here, until one has run a millisecond (a
-            // slow transport): then with short pauses.
+            // are writes posted here, paced by `ChunkWriter::pause`.
             let write_pause = self.writer.pause();
             let spinning = !progressed
                 && (!self.launched.is_empty()
@@ -1434,13 +1433,12 @@ impl Reactor {
 
     fn copy_finished(&mut self, done: CopyDone) {
         self.copies_in_flight -= 1;
-        if let Some(t) = &mut self.trace {
-            match done.id {
-                CopyId::Gather(c) => {
-                    let id = self.endpoint.serves_read(c.request).unwrap_or(c.request);
-                    t.record(Step::GatherDone, id, Some(c.chunk))
+        match done.id {
+            CopyId::Gather(chunk) => self.trace_chunk(Step::GatherDone, chunk),
+            CopyId::Scatter(region) => {
+                if let Some(t) = &mut self.trace {
+                    t.scatter_done(region);
                 }
-                CopyId::Scatter(region) => t.scatter_done(region),
             }
         }
         let now = self.now();
@@ -1489,18 +1487,11 @@ impl Reactor {
                 continue; // reported stuck already (a forgotten peer)
             };
             let (_, _, len, posted) = self.writes.swap_remove(i);
+            self.trace_chunk(Step::WriteDone, chunk);
             let c = &self.shared.counters;
             c.write_ns
                 .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let now = self.now();
-            if let Some(t) = &mut self.trace {
-                let id = self.endpoint.serves_read(chunk.request);
-                t.record(
-                    Step::WriteDone,
-                    id.unwrap_or(chunk.request),
-                    Some(chunk.chunk),
-                );
-            }
             match failure {
                 None => {
                     c.chunks_written.fetch_add(1, Ordering::Relaxed);

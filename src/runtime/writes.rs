@@ -52,7 +52,7 @@ pub(super) enum WriteOutcome {
 /// writer thread does.
 const FAST_WRITE: Duration = Duration::from_millis(1);
 /// The pause between polls of writes older than [`FAST_WRITE`].
-pub(super) const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
+const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
 /// Writes older than this (stuck, or a forgotten peer's that must stay
 /// pinned) no longer keep the reactor polling: it waits for its next event
 /// as when idle (at most `IDLE_WAIT`) and polls them then.
@@ -67,8 +67,8 @@ pub(super) struct ChunkWriter {
     agent: String,
     data: Arc<DataPlane>,
     posting: IoThreadUse,
-    /// Writes posted here: chunk, handle, when.
-    here: Vec<(ChunkRef, ChunkWrite, Instant)>,
+    /// Writes posted here.
+    here: Vec<Pending>,
     /// The writer thread (none for [`IoThreadUse::Always`]).
     thread: Option<WriterThread>,
     /// Jobs handed to the writer thread whose outcome has not come back.
@@ -94,11 +94,15 @@ fn post(data: &DataPlane, shared: &Shared, j: &WriteJob) -> Result<ChunkWrite, S
     posted
 }
 
+/// A write posted and not yet seen finished: its chunk, its handle, when it
+/// was posted.
+type Pending = (ChunkRef, ChunkWrite, Instant);
+
 /// Polls `pending` once each; the finished ones leave it, their outcomes
 /// passed to `report`. Returns whether any finished.
-fn poll_pending<T>(
+fn poll_pending(
     data: &DataPlane,
-    pending: &mut Vec<(ChunkRef, ChunkWrite, T)>,
+    pending: &mut Vec<Pending>,
     mut report: impl FnMut(WriteOutcome),
 ) -> bool {
     let mut any = false;
@@ -262,7 +266,7 @@ fn write_worker(
     precise_timers();
     let waker = shared.waker.clone();
     let jobs = Mutex::new(jobs);
-    let mut pending: Vec<(ChunkRef, ChunkWrite, ())> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
     let mut closed_at: Option<Instant> = None;
     let mut idle = 0u32;
     let report = |o: WriteOutcome| {
@@ -294,7 +298,7 @@ fn write_worker(
                 std::thread::sleep(delay);
             }
             match post(&data, &shared, &j) {
-                Ok(w) => pending.push((j.chunk, w, ())),
+                Ok(w) => pending.push((j.chunk, w, Instant::now())),
                 Err(e) => report(WriteOutcome::Failed(j.chunk, e)),
             }
         }
