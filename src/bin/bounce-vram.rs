@@ -251,8 +251,11 @@ fn serve(args: &Args) {
     let buf = DeviceArena::new(&dev, args.buffer).unwrap_or_else(|e| die(e));
     let name = format!("vram-target-{}", std::process::id());
     let a = agent(&name, &args.backend, &args.params).unwrap_or_else(|e| die(e));
-    a.register_memory(&buf, None)
-        .map(std::mem::forget)
+    // Kept, and dropped before the agent (declared after it): a forgotten
+    // registration keeps the agent alive past QUIT, so its engine would
+    // never end (and never write its NIXL_BOUNCE_TRACE timeline).
+    let _registration = a
+        .register_memory(&buf, None)
         .unwrap_or_else(|e| die(format!("register: {e}")));
     let md = a
         .get_local_md()

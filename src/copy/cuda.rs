@@ -331,69 +331,29 @@ pub fn fill_table(
     // are folded into one flag with wrapping arithmetic (no early exit, no
     // error built per run); when the flag is set, `check_runs` runs again
     // to name the first bad run. Tables of bad runs are never launched.
-    let mut bad = false;
-    let mut total_bytes: u64 = 0;
-    let mut total_tiles: u64 = 0;
-    let mut nstrided: usize = 0;
     let out_runs = &mut out_runs[..nr];
     let out_tile_start = &mut out_tile_start[..=nr];
-    for ((run, out), start) in runs
-        .iter()
-        .zip(out_runs.iter_mut())
-        .zip(out_tile_start.iter_mut())
-    {
-        let len = run.len;
-        let count = u64::from(run.count);
-        let more = count.wrapping_sub(1);
-        let (r_last, o1) = more.overflowing_mul(run.region_stride);
-        let (r_end, o2) = run.region_offset.overflowing_add(r_last);
-        let (r_end, o3) = r_end.overflowing_add(len);
-        let (a_last, o4) = more.overflowing_mul(run.addr_stride);
-        let (a_end, o5) = run.addr.overflowing_add(a_last);
-        let (_, o6) = a_end.overflowing_add(len);
-        let (bytes, o7) = len.overflowing_mul(count);
-        let (sum, o8) = total_bytes.overflowing_add(bytes);
-        total_bytes = sum;
-        let (region_addr, o9) = region_base.overflowing_add(run.region_offset);
-        bad |= (len == 0)
-            | (count == 0)
-            | (r_end > region_len)
-            | o1
-            | o2
-            | o3
-            | o4
-            | o5
-            | o6
-            | o7
-            | o8
-            | o9;
-        // Valid runs have len <= region.len, so this does not overflow.
-        let per_copy = len.wrapping_add(tile_bytes - 1) >> shift;
-        let tiles = per_copy.saturating_mul(count);
-        let (src, dst) = match direction {
-            Direction::Gather => (run.addr, region_addr),
-            Direction::Scatter => (region_addr, run.addr),
-        };
-        let mut stride_index = 0u32;
-        if run.count > 1 {
-            // nstrided < nr <= out_strides.len() (checked above).
-            out_strides[nstrided] = match direction {
-                Direction::Gather => [run.addr_stride, run.region_stride],
-                Direction::Scatter => [run.region_stride, run.addr_stride],
-            };
-            stride_index = nstrided as u32;
-            nstrided += 1;
-        }
-        *start = total_tiles as u32;
-        *out = DevRun {
-            src,
-            dst,
-            len,
-            count: run.count,
-            stride_index,
-        };
-        total_tiles = total_tiles.saturating_add(tiles);
-    }
+    // The direction is a constant of the loop (one instance each), and a
+    // single copy (`count == 1`, every run of scattered blocks) takes the
+    // short form of the same checks: together they halve the pass.
+    let fill = match direction {
+        Direction::Gather => fill_runs::<true>,
+        Direction::Scatter => fill_runs::<false>,
+    };
+    let Filled {
+        bad,
+        total_bytes,
+        total_tiles,
+        nstrided,
+    } = fill(
+        region_base,
+        region_len,
+        shift,
+        runs,
+        out_runs,
+        out_tile_start,
+        out_strides,
+    );
     if bad {
         check_runs(direction, region.len, runs)?;
         return Err(fail(
@@ -416,6 +376,112 @@ pub fn fill_table(
         tile_bytes,
         total_bytes,
     ))
+}
+
+/// What [`fill_runs`] found: whether any run failed a check (the error is
+/// worded by `check_runs`), the bytes and tiles of all runs, and how many
+/// stride slots it used.
+struct Filled {
+    bad: bool,
+    total_bytes: u64,
+    total_tiles: u64,
+    nstrided: usize,
+}
+
+/// [`fill_table`]'s pass over the runs, for one direction (`GATHER`: the
+/// application side is the source). `out_runs` and `out_tile_start` hold
+/// exactly `runs.len()` and `runs.len() + 1` slots, `out_strides` at least
+/// `runs.len()`. Checks are folded into one flag with wrapping arithmetic;
+/// a single copy (`count == 1`) needs no stride arithmetic, so it takes the
+/// short form of the same checks.
+#[inline(always)]
+fn fill_runs<const GATHER: bool>(
+    region_base: u64,
+    region_len: u64,
+    shift: u32,
+    runs: &[Run],
+    out_runs: &mut [DevRun],
+    out_tile_start: &mut [u32],
+    out_strides: &mut [DevStrides],
+) -> Filled {
+    let tile_mask = (1u64 << shift) - 1;
+    let mut bad = false;
+    let mut total_bytes: u64 = 0;
+    let mut total_tiles: u64 = 0;
+    let mut nstrided: usize = 0;
+    for ((run, out), start) in runs
+        .iter()
+        .zip(out_runs.iter_mut())
+        .zip(out_tile_start.iter_mut())
+    {
+        let len = run.len;
+        let (region_addr, o_base) = region_base.overflowing_add(run.region_offset);
+        let mut stride_index = 0u32;
+        let tiles = if run.count == 1 {
+            let (r_end, o1) = run.region_offset.overflowing_add(len);
+            let (_, o2) = run.addr.overflowing_add(len);
+            let (sum, o3) = total_bytes.overflowing_add(len);
+            total_bytes = sum;
+            bad |= (len == 0) | (r_end > region_len) | o1 | o2 | o3 | o_base;
+            // Valid runs have len <= region.len, so this does not overflow.
+            len.wrapping_add(tile_mask) >> shift
+        } else {
+            let count = u64::from(run.count);
+            let more = count.wrapping_sub(1);
+            let (r_last, o1) = more.overflowing_mul(run.region_stride);
+            let (r_end, o2) = run.region_offset.overflowing_add(r_last);
+            let (r_end, o3) = r_end.overflowing_add(len);
+            let (a_last, o4) = more.overflowing_mul(run.addr_stride);
+            let (a_end, o5) = run.addr.overflowing_add(a_last);
+            let (_, o6) = a_end.overflowing_add(len);
+            let (bytes, o7) = len.overflowing_mul(count);
+            let (sum, o8) = total_bytes.overflowing_add(bytes);
+            total_bytes = sum;
+            bad |= (len == 0)
+                | (count == 0)
+                | (r_end > region_len)
+                | o1
+                | o2
+                | o3
+                | o4
+                | o5
+                | o6
+                | o7
+                | o8
+                | o_base;
+            if count > 1 {
+                // nstrided < runs.len() <= out_strides.len().
+                out_strides[nstrided] = if GATHER {
+                    [run.addr_stride, run.region_stride]
+                } else {
+                    [run.region_stride, run.addr_stride]
+                };
+                stride_index = nstrided as u32;
+                nstrided += 1;
+            }
+            (len.wrapping_add(tile_mask) >> shift).saturating_mul(count)
+        };
+        let (src, dst) = if GATHER {
+            (run.addr, region_addr)
+        } else {
+            (region_addr, run.addr)
+        };
+        *start = total_tiles as u32;
+        *out = DevRun {
+            src,
+            dst,
+            len,
+            count: run.count,
+            stride_index,
+        };
+        total_tiles = total_tiles.saturating_add(tiles);
+    }
+    Filled {
+        bad,
+        total_bytes,
+        total_tiles,
+        nstrided,
+    }
 }
 
 /// The launch of a pair table (`bounce_copy_pairs` in
@@ -2451,6 +2517,74 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(i, &t)| t == i as u32));
+    }
+
+    proptest::proptest! {
+        /// The one pass (with its short form for single copies) refuses
+        /// exactly what `check_runs` refuses, near every overflow edge, and
+        /// otherwise writes the table entry by entry as the definition
+        /// says.
+        #[test]
+        fn the_fill_refuses_what_the_check_refuses_and_tables_the_rest(
+            // Mostly valid runs, each field now and then at an edge, so
+            // that a list is often refused for one run's one field.
+            runs in proptest::collection::vec(
+                (
+                    proptest::prop_oneof![8 => 0..1u64 << 15, 1 => (u64::MAX - 1024)..=u64::MAX],
+                    proptest::prop_oneof![8 => 0..1u64 << 40, 1 => (u64::MAX - 1024)..=u64::MAX],
+                    proptest::prop_oneof![1 => proptest::strategy::Just(0u64), 8 => 1..5000u64, 1 => (u64::MAX - 1024)..=u64::MAX],
+                    proptest::prop_oneof![6 => proptest::strategy::Just(1u32), 1 => 0..5u32],
+                    proptest::prop_oneof![8 => 0..4096u64, 1 => (u64::MAX / 2)..=u64::MAX],
+                    proptest::prop_oneof![8 => 0..4096u64, 1 => (u64::MAX / 2)..=u64::MAX],
+                ),
+                1..4,
+            ),
+            gather in proptest::bool::ANY,
+            region_addr in proptest::prop_oneof![8 => proptest::strategy::Just(1u64 << 20), 1 => (u64::MAX - (1 << 16))..=u64::MAX],
+        ) {
+            use proptest::prelude::*;
+            let direction = if gather { Direction::Gather } else { Direction::Scatter };
+            let region = RegionSpan { addr: region_addr as usize, len: 1 << 16 };
+            let runs: Vec<Run> = runs
+                .into_iter()
+                .map(|(region_offset, addr, len, count, region_stride, addr_stride)| Run {
+                    region_offset,
+                    addr,
+                    len,
+                    count,
+                    region_stride,
+                    addr_stride,
+                })
+                .collect();
+            let mut table = Table::new(runs.len());
+            let filled = table.fill(direction, region, &runs, 64, 1000);
+            let base_wraps = runs.iter().any(|r| region_addr.checked_add(r.region_offset).is_none());
+            let checked = check_runs(direction, region.len, &runs);
+            prop_assert_eq!(filled.is_ok(), checked.is_ok() && !base_wraps, "{:?} / {:?}", filled, checked);
+            if let Ok(shape) = filled {
+                prop_assert_eq!(shape.total_bytes, checked.unwrap());
+                let mut tiles = 0u32;
+                let mut strided = 0u32;
+                for (i, r) in runs.iter().enumerate() {
+                    let at = region_addr + r.region_offset;
+                    let (src, dst) = if gather { (r.addr, at) } else { (at, r.addr) };
+                    let stride_index = if r.count > 1 { strided += 1; strided - 1 } else { 0 };
+                    prop_assert_eq!(table.runs[i], DevRun { src, dst, len: r.len, count: r.count, stride_index });
+                    prop_assert_eq!(table.tile_start[i], tiles);
+                    if r.count > 1 {
+                        let want = if gather {
+                            [r.addr_stride, r.region_stride]
+                        } else {
+                            [r.region_stride, r.addr_stride]
+                        };
+                        prop_assert_eq!(table.strides[stride_index as usize], want);
+                    }
+                    tiles += (r.len.div_ceil(64) * u64::from(r.count)) as u32;
+                }
+                prop_assert_eq!(table.tile_start[runs.len()], tiles);
+                prop_assert_eq!(shape.nstrided, strided);
+            }
+        }
     }
 
     #[test]
