@@ -57,10 +57,33 @@ const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
 /// pinned) no longer keep the reactor polling: it waits for its next event
 /// as when idle (at most `IDLE_WAIT`) and polls them then.
 const STALE_WRITE: Duration = Duration::from_millis(100);
-/// A post on the IO thread slower than this means the transport sends
-/// inside the post (UCX staging device memory through TCP, say): under
-/// [`IoThreadUse::WhenIdle`] the writer thread then takes every later post.
+/// A post on the IO thread slower than this, [`SLOW_POSTS_IN_A_ROW`] times
+/// running, means the transport sends inside the post (UCX staging device
+/// memory through TCP, say): under [`IoThreadUse::WhenIdle`] the writer
+/// thread then takes every later post.
 const SLOW_POST: Duration = Duration::from_micros(200);
+/// One slow post proves nothing: the first write to a peer opens its
+/// mapping (UCX's cuda_ipc: 0.7-0.95 ms on the H200), once.
+const SLOW_POSTS_IN_A_ROW: u32 = 3;
+
+/// Whether the IO thread's posts block it: fed each post's duration, it
+/// says when [`SLOW_POSTS_IN_A_ROW`] running were slower than [`SLOW_POST`].
+#[derive(Debug, Default)]
+struct SlowPosts {
+    in_a_row: u32,
+}
+
+impl SlowPosts {
+    /// Notes a post that took `took`; true: the posts block the IO thread.
+    fn blocking(&mut self, took: Duration) -> bool {
+        self.in_a_row = if took > SLOW_POST {
+            self.in_a_row + 1
+        } else {
+            0
+        };
+        self.in_a_row >= SLOW_POSTS_IN_A_ROW
+    }
+}
 
 pub(super) struct ChunkWriter {
     /// The engine's agent, for the logs.
@@ -73,6 +96,8 @@ pub(super) struct ChunkWriter {
     thread: Option<WriterThread>,
     /// Jobs handed to the writer thread whose outcome has not come back.
     handed: usize,
+    /// The IO thread's posts, judged for [`IoThreadUse::WhenIdle`].
+    slow_posts: SlowPosts,
     shared: Arc<Shared>,
 }
 
@@ -160,6 +185,7 @@ impl ChunkWriter {
             here: Vec::new(),
             thread,
             handed: 0,
+            slow_posts: SlowPosts::default(),
             shared,
         })
     }
@@ -178,8 +204,8 @@ impl ChunkWriter {
                 let t = Instant::now();
                 let w = post(&self.data, &self.shared, &job)?;
                 let took = t.elapsed();
-                if took > SLOW_POST && self.posting == IoThreadUse::WhenIdle {
-                    tracing::warn!(agent = %self.agent, ?took, "a chunk write's post blocked the IO thread; the writer thread posts from now on");
+                if self.slow_posts.blocking(took) && self.posting == IoThreadUse::WhenIdle {
+                    tracing::warn!(agent = %self.agent, ?took, "chunk write posts block the IO thread ({SLOW_POSTS_IN_A_ROW} running took over {SLOW_POST:?}); the writer thread posts from now on");
                     self.posting = IoThreadUse::Never;
                 }
                 self.here.push((job.chunk, w, Instant::now()));
@@ -331,5 +357,26 @@ fn write_worker(
                 std::thread::yield_now();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A first post that opens a peer's mapping, or a stray slow one, keeps
+    /// the IO thread posting; a transport slow on every post does not.
+    #[test]
+    fn only_posts_slow_time_after_time_move_the_writes_off_the_io_thread() {
+        let (fast, slow) = (Duration::from_micros(20), Duration::from_micros(900));
+        let mut posts = SlowPosts::default();
+        assert!(!posts.blocking(slow), "the first write to a peer");
+        for _ in 0..100 {
+            assert!(!posts.blocking(fast));
+        }
+        assert!(!posts.blocking(slow) && !posts.blocking(slow));
+        assert!(!posts.blocking(fast), "a fast post resets the count");
+        assert!(!posts.blocking(slow) && !posts.blocking(slow));
+        assert!(posts.blocking(slow), "three running");
     }
 }
