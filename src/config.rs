@@ -94,6 +94,9 @@ pub struct Config {
     /// Launch gathers before the GRANT arrives (eager staging capped at half
     /// the arena).
     pub enable_eager_gather: bool,
+    /// The IO thread launches copies after every other pending action, and
+    /// reads what has arrived between two launches.
+    pub copy_launches_last: bool,
     /// Control plane over NIXL notifications instead of ZMQ/TCP; must match
     /// the peer (handshake-checked).
     pub use_nixl_notifications: bool,
@@ -191,6 +194,7 @@ impl Default for Config {
             request_timeout_ms: 30_000,
             disable_fabric_memory: false,
             enable_eager_gather: true,
+            copy_launches_last: true,
             use_nixl_notifications: false,
             direct_tcp_control: true,
             use_zero_copy_arguments: false,
@@ -395,6 +399,7 @@ static SETTINGS: &[Setting] = &[
     setting!(request_timeout_ms, "request_timeout_ms", "REQUEST_TIMEOUT_MS", Millis, false, "Per-request no-progress timeout."),
     setting!(disable_fabric_memory, "disable_fabric_memory", "DISABLE_FABRIC_MEMORY", Bool, true, "Plain device allocation instead of fabric memory for the arena."),
     setting!(enable_eager_gather, "enable_eager_gather", "ENABLE_EAGER_GATHER", Bool, true, "Launch gathers before the GRANT arrives (overlaps the control round trip); eager staging is capped at half the shared arena and yields to waiting grants."),
+    setting!(copy_launches_last, "copy_launches_last", "COPY_LAUNCHES_LAST", Bool, true, "The IO thread launches gathers and scatters only when no control message, chunk write or completion is waiting, and between two launches reads what has arrived: a 4096-run launch costs it 45-75 us, and a GRANT or a finished gather used to wait behind a request's every launch. Off: all in the order they arose."),
     setting!(use_nixl_notifications, "use_nixl_notifications", "USE_NIXL_NOTIFICATIONS", Bool, true, "Control plane over NIXL notifications instead of ZMQ/TCP; must match the peer (handshake-checked)."),
     setting!(direct_tcp_control, "direct_tcp_control", "DIRECT_TCP_CONTROL", Bool, true, "Control plane (unless use_nixl_notifications) over TCP sockets the IO thread owns; off: over ZMQ's sockets, whose own I/O thread every message crosses on both sides (six thread wake-ups a control round trip instead of two: on the H200 under MPS the GRANT round trip measured 0.10-0.12 ms over ZMQ against 0.04-0.06 direct); the same addresses and liveness; must match the peer (handshake-checked)."),
     setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload); slower than the default upload (one async copy before the launch)."),
@@ -795,8 +800,9 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 42);
+        assert_eq!(keys.len(), 43);
         assert!(keys.contains(&"copy_launches"));
+        assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));
         assert!(keys.contains(&"direct_tcp_control"));
         assert!(keys.contains(&"prepare_at_post"));

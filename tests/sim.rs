@@ -295,6 +295,12 @@ impl Sim {
             flow_idle_timeout: Duration::from_millis(40),
             tombstone_ttl: Duration::from_millis(80),
             eager_gather: rng.chance(0.7),
+            // From a stream of its own, so every other draw is unchanged.
+            launches_last: {
+                let mut own = Rng(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) ^ 0x1A57);
+                own.next();
+                own.chance(0.7)
+            },
             merge_runs: rng.chance(0.8),
             local_reserve: rng.chance(0.9),
             local_endpoint: Vec::new(),

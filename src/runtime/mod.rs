@@ -1161,6 +1161,8 @@ impl Reactor {
             let mut progressed = self.drain_commands();
             progressed |= self.drain_copies();
             progressed |= self.poll_writes();
+            // Copy launches left for after what this pass reads.
+            progressed |= self.endpoint.has_actions();
             // Copy workers and the writer thread wake the channel when they
             // finish something, so the reactor only waits. While transfers
             // are live it polls for `busy_poll` after the last event first:
@@ -1608,179 +1610,201 @@ impl Reactor {
     }
 
     fn execute_actions(&mut self) {
+        // With `copy_launches_last`, at most one copy launch per call while
+        // other actions wait: the run loop reads what arrived (a GRANT, a
+        // finished gather) before the next launch, and the endpoint hands
+        // the actions that follow from it out before the remaining launches.
+        let one_launch = self.endpoint.config().launches_last;
         while let Some(action) = self.endpoint.poll_action() {
             let now = self.now();
-            match action {
-                Action::Connect { peer, endpoint } => {
-                    // The endpoint a WANT carries (for notification channels
-                    // it includes the peer's metadata) registers the reverse
-                    // path for `peer`, the name the channel gives the sender.
-                    match self
-                        .channel
-                        .add_peer(&ControlEndpoint::from_bytes(endpoint))
-                    {
-                        Ok(h) => self.register_handle(peer, h),
-                        Err(e) => {
-                            tracing::warn!(agent = %self.name, %peer, "peer's advertised endpoint is unusable ({e}); forgetting it");
-                            self.endpoint.forget_peer(now, &peer);
-                        }
+            let launch = matches!(
+                action,
+                Action::StartGather { .. } | Action::StartScatter { .. }
+            );
+            self.execute(now, action);
+            if launch && one_launch {
+                break;
+            }
+        }
+        self.publish_stats();
+    }
+
+    /// Carries out one of the endpoint's actions.
+    fn execute(&mut self, now: Time, action: Action) {
+        match action {
+            Action::Connect { peer, endpoint } => {
+                // The endpoint a WANT carries (for notification channels
+                // it includes the peer's metadata) registers the reverse
+                // path for `peer`, the name the channel gives the sender.
+                match self
+                    .channel
+                    .add_peer(&ControlEndpoint::from_bytes(endpoint))
+                {
+                    Ok(h) => self.register_handle(peer, h),
+                    Err(e) => {
+                        tracing::warn!(agent = %self.name, %peer, "peer's advertised endpoint is unusable ({e}); forgetting it");
+                        self.endpoint.forget_peer(now, &peer);
                     }
                 }
-                Action::Send { peer, message } => {
-                    let withheld = matches!(message, crate::proto::wire::Message::Grant { .. })
-                        && self.failpoints.is_set("withhold_grant");
-                    if withheld || self.failpoints.is_set("drop_control") {
+            }
+            Action::Send { peer, message } => {
+                let withheld = matches!(message, crate::proto::wire::Message::Grant { .. })
+                    && self.failpoints.is_set("withhold_grant");
+                if withheld || self.failpoints.is_set("drop_control") {
+                    self.shared
+                        .counters
+                        .control_send_drops
+                        .fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                let bytes = message.encode();
+                self.trace_message(true, &bytes);
+                if let Message::Data { request, chunk, .. } = &message {
+                    self.awaiting_ack.insert((*request, *chunk), Instant::now());
+                }
+                if let Some(h) = self.handle(&peer) {
+                    if let Err(e) = self.channel.send(h, &bytes) {
                         self.shared
                             .counters
                             .control_send_drops
                             .fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    let bytes = message.encode();
-                    self.trace_message(true, &bytes);
-                    if let Message::Data { request, chunk, .. } = &message {
-                        self.awaiting_ack.insert((*request, *chunk), Instant::now());
-                    }
-                    if let Some(h) = self.handle(&peer) {
-                        if let Err(e) = self.channel.send(h, &bytes) {
-                            self.shared
-                                .counters
-                                .control_send_drops
-                                .fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(agent = %self.name, %peer, kind = ?message.message_type(), "control message dropped: {e}");
-                        }
+                        tracing::warn!(agent = %self.name, %peer, kind = ?message.message_type(), "control message dropped: {e}");
                     }
                 }
-                Action::StartGather {
-                    chunk,
+            }
+            Action::StartGather {
+                chunk,
+                region,
+                runs,
+            } => {
+                self.trace_chunk(Step::GatherStart, chunk);
+                if self.failpoints.is_set("panic_in_io_thread") {
+                    panic!("failpoint panic_in_io_thread");
+                }
+                let in_use = match self.targets.admit_gather(&runs) {
+                    Ok(t) => t,
+                    Err(why) => {
+                        tracing::error!(agent = %self.name, %chunk, "gather refused: {why}");
+                        self.endpoint.handle_gather_failed(now, chunk, true);
+                        return;
+                    }
+                };
+                self.start_copy(
+                    CopyId::Gather(chunk),
+                    Direction::Gather,
                     region,
                     runs,
-                } => {
-                    self.trace_chunk(Step::GatherStart, chunk);
-                    if self.failpoints.is_set("panic_in_io_thread") {
-                        panic!("failpoint panic_in_io_thread");
-                    }
-                    let in_use = match self.targets.admit_gather(&runs) {
-                        Ok(t) => t,
-                        Err(why) => {
-                            tracing::error!(agent = %self.name, %chunk, "gather refused: {why}");
-                            self.endpoint.handle_gather_failed(now, chunk, true);
-                            continue;
-                        }
-                    };
-                    self.start_copy(
-                        CopyId::Gather(chunk),
-                        Direction::Gather,
-                        region,
-                        runs,
-                        in_use,
-                    );
+                    in_use,
+                );
+            }
+            Action::StartScatter {
+                flow,
+                chunk,
+                region,
+                runs,
+            } => {
+                if let Some(t) = &mut self.trace {
+                    t.scatter_started(region, flow.request, chunk);
                 }
-                Action::StartScatter {
-                    flow,
-                    chunk,
+                let in_use = match self.targets.admit_scatter(&runs) {
+                    Ok(t) => t,
+                    Err(why) => {
+                        self.shared
+                            .counters
+                            .scatter_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(agent = %self.name, %flow, chunk, "DATA refused: {why}");
+                        self.endpoint.handle_scatter_failed(now, region, true);
+                        return;
+                    }
+                };
+                self.start_copy(
+                    CopyId::Scatter(region),
+                    Direction::Scatter,
                     region,
                     runs,
-                } => {
-                    if let Some(t) = &mut self.trace {
-                        t.scatter_started(region, flow.request, chunk);
+                    in_use,
+                );
+            }
+            Action::PostWrite {
+                chunk,
+                peer,
+                local,
+                remote,
+                len,
+            } => {
+                self.trace_chunk(Step::WritePost, chunk);
+                // Counted from before the post, wherever it is posted.
+                let posting = Instant::now();
+                let posted = match self.peers.get(&peer) {
+                    _ if self.failpoints.is_set("fail_chunk_writes") => {
+                        Err("failpoint fail_chunk_writes".to_string())
                     }
-                    let in_use = match self.targets.admit_scatter(&runs) {
-                        Ok(t) => t,
-                        Err(why) => {
-                            self.shared
-                                .counters
-                                .scatter_refused
-                                .fetch_add(1, Ordering::Relaxed);
-                            tracing::error!(agent = %self.name, %flow, chunk, "DATA refused: {why}");
-                            self.endpoint.handle_scatter_failed(now, region, true);
-                            continue;
-                        }
-                    };
-                    self.start_copy(
-                        CopyId::Scatter(region),
-                        Direction::Scatter,
-                        region,
-                        runs,
-                        in_use,
-                    );
-                }
-                Action::PostWrite {
-                    chunk,
-                    peer,
-                    local,
-                    remote,
-                    len,
-                } => {
-                    self.trace_chunk(Step::WritePost, chunk);
-                    // Counted from before the post, wherever it is posted.
-                    let posting = Instant::now();
-                    let posted = match self.peers.get(&peer) {
-                        _ if self.failpoints.is_set("fail_chunk_writes") => {
-                            Err("failpoint fail_chunk_writes".to_string())
-                        }
-                        // Accepted, never posted, never ending: a hung transport.
-                        Some(_) if self.failpoints.is_set("stuck_chunk_writes") => Ok(()),
-                        Some(p) => {
-                            let job = WriteJob {
-                                chunk,
-                                arena: p.arena.clone(),
-                                local: local.0,
-                                remote: remote.0,
-                                len,
-                            };
-                            self.writer.post(job)
-                        }
-                        None => Err(format!("no data path to peer {peer}")),
-                    };
-                    match posted {
-                        Ok(()) => self.writes.push((chunk, peer, len, posting)),
-                        Err(e) => {
-                            self.shared
-                                .counters
-                                .write_failures
-                                .fetch_add(1, Ordering::Relaxed);
-                            tracing::error!(agent = %self.name, %chunk, "{e}");
-                            self.endpoint.handle_write_failed(now, chunk);
-                        }
+                    // Accepted, never posted, never ending: a hung transport.
+                    Some(_) if self.failpoints.is_set("stuck_chunk_writes") => Ok(()),
+                    Some(p) => {
+                        let job = WriteJob {
+                            chunk,
+                            arena: p.arena.clone(),
+                            local: local.0,
+                            remote: remote.0,
+                            len,
+                        };
+                        self.writer.post(job)
+                    }
+                    None => Err(format!("no data path to peer {peer}")),
+                };
+                match posted {
+                    Ok(()) => self.writes.push((chunk, peer, len, posting)),
+                    Err(e) => {
+                        self.shared
+                            .counters
+                            .write_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(agent = %self.name, %chunk, "{e}");
+                        self.endpoint.handle_write_failed(now, chunk);
                     }
                 }
-                Action::LoadDataPath { peer, data_path } => {
-                    // A peer whose handshake we loaded is written where its
-                    // handshake says: a READ cannot aim our writes elsewhere.
-                    let known = self.peers.get(&peer).is_some_and(|p| p.known);
-                    if !known && self.data_paths.get(&peer) != Some(&data_path) {
-                        match (self.load_data_path)(&data_path) {
-                            Ok(arena) => {
-                                self.peers.insert(
-                                    peer.clone(),
-                                    PeerState {
-                                        arena,
-                                        known: false,
-                                        heartbeats: false,
-                                    },
-                                );
-                                // The endpoint takes another data path only
-                                // once nothing writes through the previous
-                                // one; loaded first, given up second, so an
-                                // agent both name stays loaded.
-                                if let Some(old) = self.data_paths.insert(peer.clone(), data_path) {
-                                    if let Err(e) = (self.unload_data_path)(&old) {
-                                        tracing::warn!(agent = %self.name, %peer, "giving up the reader's previous data path: {e}");
-                                    }
+            }
+            Action::LoadDataPath { peer, data_path } => {
+                // A peer whose handshake we loaded is written where its
+                // handshake says: a READ cannot aim our writes elsewhere.
+                let known = self.peers.get(&peer).is_some_and(|p| p.known);
+                if !known && self.data_paths.get(&peer) != Some(&data_path) {
+                    match (self.load_data_path)(&data_path) {
+                        Ok(arena) => {
+                            self.peers.insert(
+                                peer.clone(),
+                                PeerState {
+                                    arena,
+                                    known: false,
+                                    heartbeats: false,
+                                },
+                            );
+                            // The endpoint takes another data path only
+                            // once nothing writes through the previous
+                            // one; loaded first, given up second, so an
+                            // agent both name stays loaded.
+                            if let Some(old) = self.data_paths.insert(peer.clone(), data_path) {
+                                if let Err(e) = (self.unload_data_path)(&old) {
+                                    tracing::warn!(agent = %self.name, %peer, "giving up the reader's previous data path: {e}");
                                 }
                             }
-                            Err(e) => {
-                                tracing::warn!(agent = %self.name, %peer, "cannot write into the reader's arena ({e}); its READ fails");
-                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(agent = %self.name, %peer, "cannot write into the reader's arena ({e}); its READ fails");
                         }
                     }
                 }
-                Action::ForgetPeer { peer } => self.forget_unreachable(&peer),
-                Action::Complete { request, outcome } => self.complete(request, outcome),
-                Action::Poisoned { cause } => self.mark_poisoned(cause),
             }
+            Action::ForgetPeer { peer } => self.forget_unreachable(&peer),
+            Action::Complete { request, outcome } => self.complete(request, outcome),
+            Action::Poisoned { cause } => self.mark_poisoned(cause),
         }
+    }
+
+    /// The endpoint's counters and the arena's use, for the engine's stats.
+    fn publish_stats(&mut self) {
         let s = self.endpoint.stats();
         let c = &self.shared.counters;
         c.grants.store(s.grants, Ordering::Relaxed);
