@@ -1239,7 +1239,7 @@ mod tests {
             tombstone_ttl: Duration::from_millis(40),
             access_key: 0,
             eager_gather: eager,
-            launches_last: true,
+            launches_last: false,
             merge_runs: true,
             local_reserve: true,
             local_endpoint: b"ep".to_vec(),
