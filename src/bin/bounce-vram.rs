@@ -1278,6 +1278,13 @@ fn print_breakdown(
         both("gpu_launch_upload_ns"),
         both("gpu_launch_call_ns"),
     );
+    // Timed only with NIXL_BOUNCE_TIME_KERNELS or NIXL_BOUNCE_TRACE set.
+    let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
+    if gk > 0.0 || sk > 0.0 {
+        println!(
+            "    kernels' own time (CUDA events): gather {gk:.3} ms | scatter (target) {sk:.3} ms"
+        );
+    }
 }
 
 fn print_row(r: &Row) {

@@ -1214,8 +1214,27 @@ impl Drop for DeviceScratch {
 struct ExecCtx {
     stream: Arc<CudaStream>,
     done: CudaEvent,
+    /// Recorded right before a timed kernel (see [`KERNEL_TIMING_ENV`]);
+    /// `done` then times too.
+    began: Option<CudaEvent>,
+    /// The kernel in flight on this context is timed (`began` recorded).
+    timed: Option<Direction>,
     table: PinnedTable,
     scratch: Option<DeviceScratch>,
+}
+
+/// With this variable set (to anything but empty), the run-table kernels
+/// are timed with CUDA events and their device time is counted
+/// (`gpu_{gather,scatter}_kernel_ns`). The request timeline's variable
+/// (`NIXL_BOUNCE_TRACE`) turns it on too: "device wait" counts until the
+/// reactor looks, and only the kernel's own time tells a slow kernel from
+/// a late look. Off, events are created without timing, which is cheaper
+/// to record.
+pub const KERNEL_TIMING_ENV: &str = "NIXL_BOUNCE_TIME_KERNELS";
+
+fn kernel_timing() -> bool {
+    let set = |v: &str| std::env::var_os(v).is_some_and(|x| !x.is_empty());
+    set(KERNEL_TIMING_ENV) || set("NIXL_BOUNCE_TRACE")
 }
 
 // SAFETY: the raw pointers in PinnedTable/DeviceScratch are owned
@@ -1230,10 +1249,20 @@ impl ExecCtx {
             .ctx
             .new_stream()
             .map_err(|e| format!("cuStreamCreate: {e}"))?;
-        let done = dev
-            .ctx
-            .new_event(None)
-            .map_err(|e| format!("cuEventCreate: {e}"))?;
+        let (done, began) = if kernel_timing() {
+            let timed = || {
+                dev.ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(|e| format!("cuEventCreate: {e}"))
+            };
+            (timed()?, Some(timed()?))
+        } else {
+            let done = dev
+                .ctx
+                .new_event(None)
+                .map_err(|e| format!("cuEventCreate: {e}"))?;
+            (done, None)
+        };
         let table = PinnedTable::new(&dev.ctx, table_cap)?;
         let scratch = if zero_copy {
             None
@@ -1243,6 +1272,8 @@ impl ExecCtx {
         Ok(ExecCtx {
             stream,
             done,
+            began,
+            timed: None,
             table,
             scratch,
         })
@@ -1260,6 +1291,8 @@ pub struct ExecPool {
     /// Host time of a launch's steps, summed: [context bind and table
     /// sizing, table fill, upload call, launch and event record].
     launch_steps_ns: [AtomicU64; 4],
+    /// Device time of timed kernels, summed: [gather, scatter].
+    kernel_ns: [AtomicU64; 2],
 }
 
 struct PoolState {
@@ -1320,6 +1353,7 @@ impl ExecPool {
             state: Mutex::new(PoolState { idle, live: count }),
             returned: Condvar::new(),
             launch_steps_ns: Default::default(),
+            kernel_ns: Default::default(),
         }))
     }
 
@@ -1399,6 +1433,21 @@ impl std::fmt::Debug for ExecGuard {
 }
 
 impl ExecGuard {
+    /// Adds a timed kernel's device time (its events are both complete) to
+    /// the pool's count; nothing for an untimed one.
+    fn count_kernel_time(&mut self) {
+        let Some(ctx) = self.ctx.as_mut() else {
+            return;
+        };
+        let (Some(direction), Some(began)) = (ctx.timed.take(), &ctx.began) else {
+            return;
+        };
+        if let Ok(ms) = began.elapsed_ms(&ctx.done) {
+            self.pool.kernel_ns[direction as usize]
+                .fetch_add((f64::from(ms) * 1e6) as u64, Ordering::Relaxed);
+        }
+    }
+
     fn ctx(&self) -> &ExecCtx {
         self.ctx
             .as_ref()
@@ -1530,6 +1579,10 @@ impl ExecGuard {
         } else {
             &kernel.func
         };
+        if let Some(began) = &ctx.began {
+            // After the upload: the kernel's own time, up to `done`.
+            ctx.timed = began.record(&ctx.stream).ok().map(|()| direction);
+        }
         // SAFETY: a copy kernel of this device's module over the table just
         // filled, which stays allocated and unchanged until the context is
         // idle again. Every address in the table was checked: the region
@@ -1684,7 +1737,9 @@ impl ExecGuard {
 
 impl Drop for ExecGuard {
     fn drop(&mut self) {
-        if let Some(ctx) = self.ctx.take() {
+        if let Some(mut ctx) = self.ctx.take() {
+            // A timed kernel not counted (it failed) leaves no mark behind.
+            ctx.timed = None;
             if let Ok(mut st) = self.pool.state.lock() {
                 st.idle.push(ctx);
             }
@@ -1933,6 +1988,14 @@ impl CopyEngine for CudaCopy {
             ("gpu_launch_fill_ns", step(1)),
             ("gpu_launch_upload_ns", step(2)),
             ("gpu_launch_call_ns", step(3)),
+            (
+                "gpu_gather_kernel_ns",
+                self.pool.kernel_ns[0].load(Ordering::Relaxed),
+            ),
+            (
+                "gpu_scatter_kernel_ns",
+                self.pool.kernel_ns[1].load(Ordering::Relaxed),
+            ),
         ]
     }
 }
@@ -1987,7 +2050,10 @@ impl PendingCopy {
                 Err(e) => Some(Err(g.after_failure(direction, e))),
                 Ok(()) => match g.ctx().done.try_is_complete() {
                     Ok(false) => None,
-                    Ok(true) => Some(Ok(())),
+                    Ok(true) => {
+                        g.count_kernel_time();
+                        Some(Ok(()))
+                    }
                     Err(e) => Some(Err(g.after_failure(
                         direction,
                         format!("the {direction:?} kernel failed (cuEventQuery): {e}"),
@@ -2017,7 +2083,10 @@ impl PendingCopy {
                     })
                 });
                 match synced {
-                    Ok(()) => Ok(()),
+                    Ok(()) => {
+                        g.count_kernel_time();
+                        Ok(())
+                    }
                     Err(reason) => Err(g.after_failure(direction, reason)),
                 }
             }
