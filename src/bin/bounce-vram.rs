@@ -1278,7 +1278,7 @@ fn print_breakdown(
         both("gpu_launch_upload_ns"),
         both("gpu_launch_call_ns"),
     );
-    // Timed only with NIXL_BOUNCE_TIME_KERNELS or NIXL_BOUNCE_TRACE set.
+    // Timed only with NIXL_BOUNCE_TIME_KERNELS set.
     let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
     if gk > 0.0 || sk > 0.0 {
         println!(

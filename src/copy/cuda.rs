@@ -1225,16 +1225,15 @@ struct ExecCtx {
 
 /// With this variable set (to anything but empty), the run-table kernels
 /// are timed with CUDA events and their device time is counted
-/// (`gpu_{gather,scatter}_kernel_ns`). The request timeline's variable
-/// (`NIXL_BOUNCE_TRACE`) turns it on too: "device wait" counts until the
+/// (`gpu_{gather,scatter}_kernel_ns`): "device wait" counts until the
 /// reactor looks, and only the kernel's own time tells a slow kernel from
-/// a late look. Off, events are created without timing, which is cheaper
-/// to record.
+/// a late look. Off (the default), events are created without timing,
+/// which is cheaper to record. Built at the end of the eighteenth session
+/// and not yet run on a GPU.
 pub const KERNEL_TIMING_ENV: &str = "NIXL_BOUNCE_TIME_KERNELS";
 
 fn kernel_timing() -> bool {
-    let set = |v: &str| std::env::var_os(v).is_some_and(|x| !x.is_empty());
-    set(KERNEL_TIMING_ENV) || set("NIXL_BOUNCE_TRACE")
+    std::env::var_os(KERNEL_TIMING_ENV).is_some_and(|x| !x.is_empty())
 }
 
 // SAFETY: the raw pointers in PinnedTable/DeviceScratch are owned
