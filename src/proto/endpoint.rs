@@ -379,6 +379,16 @@ impl ActionQueue {
             .or_else(|| self.launches.pop_front())
     }
 
+    /// The next action that is not a launch (any action when launches are
+    /// not held back).
+    pub fn pop_other(&mut self) -> Option<Action> {
+        if self.launches_last {
+            self.others.pop_front()
+        } else {
+            self.pop_front()
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.others.is_empty() && self.launches.is_empty()
     }
@@ -1100,6 +1110,12 @@ impl Endpoint {
         self.ctx.actions.pop_front()
     }
 
+    /// With `launches_last`, the next action that is not a copy launch
+    /// (launches wait until this returns `None`); else [`Endpoint::poll_action`].
+    pub fn poll_action_not_launch(&mut self) -> Option<Action> {
+        self.ctx.actions.pop_other()
+    }
+
     /// Whether an action waits for [`Endpoint::poll_action`].
     pub fn has_actions(&self) -> bool {
         !self.ctx.actions.is_empty()
@@ -1221,6 +1237,17 @@ mod tests {
             assert!(q.is_empty());
             let want: Vec<&str> = want.split(' ').collect();
             assert_eq!(got, want, "launches_last = {last}");
+        }
+        // What the reactor takes after reading a message: no launch, when
+        // launches are held back.
+        for (last, want) in [(true, "W0 -"), (false, "G0 W0")] {
+            let mut q = ActionQueue::new(last);
+            q.push_back(gather(0));
+            q.push_back(write(0));
+            let got: Vec<String> = (0..2)
+                .map(|_| q.pop_other().map_or("-".into(), |a| name(&a)))
+                .collect();
+            assert_eq!(got.join(" "), want, "launches_last = {last}");
         }
     }
 

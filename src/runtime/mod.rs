@@ -1043,6 +1043,18 @@ struct PeerState {
     heartbeats: bool,
 }
 
+/// Which copy launches [`Reactor::execute_actions`] carries out when
+/// `copy_launches_last` holds them back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Launches {
+    /// Every pending action (shutdown: every launch is answered).
+    All,
+    /// Every other action and at most one launch (the run loop's pass).
+    One,
+    /// Every other action only (after reading a message or a command).
+    None,
+}
+
 struct Reactor {
     name: String,
     endpoint: Endpoint,
@@ -1192,7 +1204,7 @@ impl Reactor {
             }
             self.check_liveness();
             self.fire_timers();
-            self.execute_actions();
+            self.execute_actions(Launches::One);
         }
     }
 
@@ -1301,7 +1313,7 @@ impl Reactor {
                 }
                 Command::ForgetPeer { peer } => self.forget_peer(&peer),
             }
-            self.execute_actions();
+            self.execute_actions(Launches::None);
         }
         any
     }
@@ -1313,7 +1325,7 @@ impl Reactor {
         // invalidation), so its requests fail now, not at their timeout.
         let now = self.now();
         self.endpoint.release_peer(now, peer);
-        self.execute_actions();
+        self.execute_actions(Launches::None);
         // Tear the data path down first: no write to the peer may still run.
         let deadline = Instant::now() + QUIESCE_BOUND;
         while self.writes.iter().any(|w| &w.1 == peer) && Instant::now() < deadline {
@@ -1541,7 +1553,7 @@ impl Reactor {
                             .malformed_messages
                             .fetch_add(1, Ordering::Relaxed);
                     }
-                    self.execute_actions();
+                    self.execute_actions(Launches::None);
                 }
                 Ok(None) => return any,
                 Err(e) => {
@@ -1609,22 +1621,32 @@ impl Reactor {
         }
     }
 
-    fn execute_actions(&mut self) {
-        // With `copy_launches_last`, at most one copy launch per call while
-        // other actions wait: the run loop reads what arrived (a GRANT, a
-        // finished gather) before the next launch, and the endpoint hands
-        // the actions that follow from it out before the remaining launches.
-        let one_launch = self.endpoint.config().launches_last;
-        while let Some(action) = self.endpoint.poll_action() {
+    /// Carries out the endpoint's pending actions, copy launches as `launches`
+    /// says when `copy_launches_last` holds them back (otherwise every
+    /// action, in order).
+    fn execute_actions(&mut self, launches: Launches) {
+        let held_back = self.endpoint.config().launches_last;
+        let mut launched = false;
+        loop {
+            let action = match launches {
+                // At most one copy launch per pass of the run loop, once
+                // everything else is done: it then reads what arrived (a
+                // GRANT, a finished gather) before the next launch, and the
+                // endpoint hands the actions that follow from it out before
+                // the remaining launches.
+                Launches::One if held_back && launched => self.endpoint.poll_action_not_launch(),
+                // Reading a message or a command: no launch, the run loop's
+                // own pass launches.
+                Launches::None if held_back => self.endpoint.poll_action_not_launch(),
+                _ => self.endpoint.poll_action(),
+            };
+            let Some(action) = action else { break };
             let now = self.now();
-            let launch = matches!(
+            launched |= matches!(
                 action,
                 Action::StartGather { .. } | Action::StartScatter { .. }
             );
             self.execute(now, action);
-            if launch && one_launch {
-                break;
-            }
         }
         self.publish_stats();
     }
@@ -1985,11 +2007,11 @@ impl Reactor {
     fn shutdown(&mut self) {
         let now = self.now();
         self.endpoint.shutdown(now);
-        self.execute_actions();
+        self.execute_actions(Launches::All);
         let deadline = Instant::now() + QUIESCE_BOUND;
         while (self.copies_in_flight > 0 || !self.writes.is_empty()) && Instant::now() < deadline {
             let progressed = self.drain_copies() | self.poll_writes();
-            self.execute_actions();
+            self.execute_actions(Launches::All);
             if !progressed {
                 std::thread::sleep(Duration::from_micros(50));
             }

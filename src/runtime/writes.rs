@@ -57,31 +57,40 @@ const SLOW_WRITE_PAUSE: Duration = Duration::from_micros(20);
 /// pinned) no longer keep the reactor polling: it waits for its next event
 /// as when idle (at most `IDLE_WAIT`) and polls them then.
 const STALE_WRITE: Duration = Duration::from_millis(100);
-/// A post on the IO thread slower than this, [`SLOW_POSTS_IN_A_ROW`] times
-/// running, means the transport sends inside the post (UCX staging device
-/// memory through TCP, say): under [`IoThreadUse::WhenIdle`] the writer
-/// thread then takes every later post.
+/// A post on the IO thread slower than this, [`SLOW_POSTS_OF_LAST`].0
+/// times among the last [`SLOW_POSTS_OF_LAST`].1, means the transport
+/// sends inside the post (UCX staging device memory through TCP, say):
+/// under [`IoThreadUse::WhenIdle`] the writer thread then takes every
+/// later post.
 const SLOW_POST: Duration = Duration::from_micros(200);
-/// One slow post proves nothing: the first write to a peer opens its
-/// mapping (UCX's cuda_ipc: 0.7-0.95 ms on the H200), once.
-const SLOW_POSTS_IN_A_ROW: u32 = 3;
+/// One slow post proves nothing (a thread preempted once); most of a few
+/// do, even when a short chunk's post is fast among them.
+const SLOW_POSTS_OF_LAST: (u32, u32) = (3, 8);
 
-/// Whether the IO thread's posts block it: fed each post's duration, it
-/// says when [`SLOW_POSTS_IN_A_ROW`] running were slower than [`SLOW_POST`].
+/// Whether the IO thread's posts block it, judged from the durations of
+/// its recent posts. The first post to each peer is not judged: it opens
+/// the peer's mapping (UCX's cuda_ipc: 0.7-0.95 ms on the H200), once,
+/// and a fan-out to new peers would otherwise look like a slow transport.
 #[derive(Debug, Default)]
 struct SlowPosts {
-    in_a_row: u32,
+    /// Bit i: the i-th most recent judged post was slow.
+    recent: u8,
+    /// The peers (their inner agents) posted to from the IO thread.
+    seen: std::collections::HashSet<String>,
 }
 
 impl SlowPosts {
-    /// Notes a post that took `took`; true: the posts block the IO thread.
-    fn blocking(&mut self, took: Duration) -> bool {
-        self.in_a_row = if took > SLOW_POST {
-            self.in_a_row + 1
-        } else {
-            0
-        };
-        self.in_a_row >= SLOW_POSTS_IN_A_ROW
+    /// Notes a post to `peer` that took `took`; true: the posts block the
+    /// IO thread.
+    fn blocking(&mut self, peer: &str, took: Duration) -> bool {
+        if !self.seen.contains(peer) {
+            self.seen.insert(peer.to_string());
+            return false;
+        }
+        let (slow, of_last) = SLOW_POSTS_OF_LAST;
+        let window = ((1u16 << of_last) - 1) as u8;
+        self.recent = ((self.recent << 1) | u8::from(took > SLOW_POST)) & window;
+        self.recent.count_ones() >= slow
     }
 }
 
@@ -204,8 +213,10 @@ impl ChunkWriter {
                 let t = Instant::now();
                 let w = post(&self.data, &self.shared, &job)?;
                 let took = t.elapsed();
-                if self.slow_posts.blocking(took) && self.posting == IoThreadUse::WhenIdle {
-                    tracing::warn!(agent = %self.agent, ?took, "chunk write posts block the IO thread ({SLOW_POSTS_IN_A_ROW} running took over {SLOW_POST:?}); the writer thread posts from now on");
+                let slow = self.slow_posts.blocking(&job.arena.inner_agent, took);
+                if slow && self.posting == IoThreadUse::WhenIdle {
+                    let (n, of) = SLOW_POSTS_OF_LAST;
+                    tracing::warn!(agent = %self.agent, ?took, "chunk write posts block the IO thread ({n} of the last {of} took over {SLOW_POST:?}); the writer thread posts from now on");
                     self.posting = IoThreadUse::Never;
                 }
                 self.here.push((job.chunk, w, Instant::now()));
@@ -370,13 +381,22 @@ mod tests {
     fn only_posts_slow_time_after_time_move_the_writes_off_the_io_thread() {
         let (fast, slow) = (Duration::from_micros(20), Duration::from_micros(900));
         let mut posts = SlowPosts::default();
-        assert!(!posts.blocking(slow), "the first write to a peer");
-        for _ in 0..100 {
-            assert!(!posts.blocking(fast));
+        // The first write to each new peer opens its mapping: a fan-out.
+        for peer in ["a", "b", "c", "d"] {
+            assert!(!posts.blocking(peer, slow), "first write to {peer}");
         }
-        assert!(!posts.blocking(slow) && !posts.blocking(slow));
-        assert!(!posts.blocking(fast), "a fast post resets the count");
-        assert!(!posts.blocking(slow) && !posts.blocking(slow));
-        assert!(posts.blocking(slow), "three running");
+        for i in 0..100 {
+            let took = if i % 10 == 0 { slow } else { fast };
+            assert!(!posts.blocking("a", took), "a stray slow post ({i})");
+        }
+        assert!(!posts.blocking("b", slow) && !posts.blocking("a", fast));
+        assert!(!posts.blocking("c", slow) && !posts.blocking("d", fast));
+        assert!(posts.blocking("a", slow), "three of the last eight");
+        // A transport slow on every large post, fast on a short last chunk.
+        let mut posts = SlowPosts::default();
+        assert!(!posts.blocking("a", slow));
+        assert!(!posts.blocking("a", slow) && !posts.blocking("a", fast));
+        assert!(!posts.blocking("a", slow));
+        assert!(posts.blocking("a", slow));
     }
 }
