@@ -185,6 +185,12 @@ enum Ev {
     Restart {
         agent: usize,
     },
+    /// `agent`'s reactor comes back to the actions it left queued behind a
+    /// copy launch (`launches_last`: one launch per pass of its loop).
+    Resume {
+        agent: usize,
+        inc: u32,
+    },
 }
 
 #[derive(Clone, Debug, Default)]
@@ -540,177 +546,199 @@ impl Sim {
         }
     }
 
-    /// Executes every action agent `a` has queued.
+    /// Executes the actions agent `a` has queued: every one, or with
+    /// `launches_last` up to and including one copy launch, as the reactor's
+    /// run loop does; the rest wait for a [`Ev::Resume`] a little later,
+    /// and whatever arrives meanwhile is handled first.
     fn run_actions(&mut self, a: usize) -> Result<(), String> {
+        let one_launch = self.agents[a].ep.config().launches_last;
         while let Some(action) = self.agents[a].ep.poll_action() {
             let inc = self.agents[a].inc;
             self.log(|| format!("a{a} -> {action:?}"));
-            match action {
-                Action::Connect { peer, endpoint } => {
-                    if endpoint != format!("sim://{peer}").into_bytes() {
-                        return Err(format!("a{a} connect to {peer} with endpoint {endpoint:?}"));
-                    }
+            let launch = matches!(
+                action,
+                Action::StartGather { .. } | Action::StartScatter { .. }
+            );
+            if launch && one_launch && self.agents[a].ep.has_actions() {
+                let t = self
+                    .now
+                    .after(Duration::from_nanos(self.rng.range(US, 75 * US)));
+                self.at(t, Ev::Resume { agent: a, inc });
+            }
+            let stop = launch && one_launch;
+            self.run_action(a, inc, action)?;
+            if stop {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Executes one of agent `a`'s actions.
+    fn run_action(&mut self, a: usize, inc: u32, action: Action) -> Result<(), String> {
+        match action {
+            Action::Connect { peer, endpoint } => {
+                if endpoint != format!("sim://{peer}").into_bytes() {
+                    return Err(format!("a{a} connect to {peer} with endpoint {endpoint:?}"));
                 }
-                Action::Send { peer, message } => {
-                    let Some(&to) = self.by_name.get(&peer) else {
-                        return Err(format!("send to unknown peer {peer}"));
-                    };
-                    let bytes = message.encode();
-                    if Message::decode(&bytes).as_ref() != Ok(&message) {
-                        return Err(format!("message does not round-trip: {message:?}"));
-                    }
-                    if self.rng.chance(self.faults.drop_p) {
-                        self.log(|| "   (dropped)".into());
-                        continue;
-                    }
-                    let t = self.control_delay();
-                    let to_inc = self.agents[to].inc;
-                    self.at(
-                        t,
-                        Ev::Deliver {
-                            to,
-                            to_inc,
-                            from: a,
-                            bytes,
-                        },
-                    );
+            }
+            Action::Send { peer, message } => {
+                let Some(&to) = self.by_name.get(&peer) else {
+                    return Err(format!("send to unknown peer {peer}"));
+                };
+                let bytes = message.encode();
+                if Message::decode(&bytes).as_ref() != Ok(&message) {
+                    return Err(format!("message does not round-trip: {message:?}"));
                 }
-                Action::StartGather {
-                    chunk,
-                    region,
-                    runs,
-                } => {
-                    let end = self.op_end(self.faults.gather_fail_p);
-                    let t = self
-                        .now
-                        .after(Duration::from_nanos(self.rng.range(US, 60 * US)));
-                    self.at(
-                        t,
-                        Ev::GatherEnd {
-                            agent: a,
-                            inc,
-                            chunk,
-                            region,
-                            runs,
-                            end,
-                        },
-                    );
+                if self.rng.chance(self.faults.drop_p) {
+                    self.log(|| "   (dropped)".into());
+                    return Ok(());
                 }
-                Action::PostWrite {
-                    chunk,
-                    peer,
-                    local,
-                    remote,
-                    len,
-                } => {
-                    let p = self.by_name[&peer];
-                    // A served READ writes into the arena its READ described
-                    // (maybe of an incarnation that is gone), a WRITE into the
-                    // peer's current one.
-                    let peer_inc = match self.agents[a].ep.serves_read(chunk.request) {
-                        Some(_) => match self.agents[a].loaded_paths.get(&p) {
-                            Some(&inc) => inc,
-                            None => {
-                                return Err(format!(
-                                    "a{a}: READ write to {peer} without a data path"
-                                ))
-                            }
-                        },
-                        None => self.agents[p].inc,
-                    };
-                    let end = self.op_end(self.faults.write_fail_p);
-                    let t = self
-                        .now
-                        .after(Duration::from_nanos(self.rng.range(5 * US, 200 * US)));
-                    self.at(
-                        t,
-                        Ev::WriteEnd {
-                            agent: a,
-                            inc,
-                            chunk,
-                            peer: p,
-                            peer_inc,
-                            local,
-                            remote,
-                            len,
-                            end,
-                        },
-                    );
-                }
-                Action::StartScatter {
-                    flow,
-                    chunk: _,
-                    region,
-                    runs,
-                } => {
-                    let end = self.op_end(self.faults.scatter_fail_p);
-                    let t = self
-                        .now
-                        .after(Duration::from_nanos(self.rng.range(US, 60 * US)));
-                    self.at(
-                        t,
-                        Ev::ScatterEnd {
-                            agent: a,
-                            inc,
-                            flow,
-                            region,
-                            runs,
-                            end,
-                        },
-                    );
-                }
-                Action::Complete { request, outcome } => {
-                    let now = self.now;
-                    let Some(info) = self.reqs.get_mut(&(a, request)) else {
-                        return Err(format!("a{a}: Complete for unknown request {request}"));
-                    };
-                    if let Some(prev) = info.outcome {
-                        return Err(format!(
-                            "a{a}: {request} completed twice: {prev:?} then {outcome:?}"
-                        ));
-                    }
-                    info.outcome = Some((outcome, now));
-                }
-                Action::LoadDataPath {
-                    peer,
-                    data_path: dp,
-                } => {
-                    let Some(&p) = self.by_name.get(&peer) else {
-                        return Err(format!("a{a}: data path of unknown peer {peer}"));
-                    };
-                    match parse_data_path(&dp) {
-                        Some((i, inc)) if i == p && inc <= self.agents[p].inc => {
-                            self.agents[a].loaded_paths.insert(p, inc);
+                let t = self.control_delay();
+                let to_inc = self.agents[to].inc;
+                self.at(
+                    t,
+                    Ev::Deliver {
+                        to,
+                        to_inc,
+                        from: a,
+                        bytes,
+                    },
+                );
+            }
+            Action::StartGather {
+                chunk,
+                region,
+                runs,
+            } => {
+                let end = self.op_end(self.faults.gather_fail_p);
+                let t = self
+                    .now
+                    .after(Duration::from_nanos(self.rng.range(US, 60 * US)));
+                self.at(
+                    t,
+                    Ev::GatherEnd {
+                        agent: a,
+                        inc,
+                        chunk,
+                        region,
+                        runs,
+                        end,
+                    },
+                );
+            }
+            Action::PostWrite {
+                chunk,
+                peer,
+                local,
+                remote,
+                len,
+            } => {
+                let p = self.by_name[&peer];
+                // A served READ writes into the arena its READ described
+                // (maybe of an incarnation that is gone), a WRITE into the
+                // peer's current one.
+                let peer_inc = match self.agents[a].ep.serves_read(chunk.request) {
+                    Some(_) => match self.agents[a].loaded_paths.get(&p) {
+                        Some(&inc) => inc,
+                        None => {
+                            return Err(format!("a{a}: READ write to {peer} without a data path"))
                         }
-                        _ => return Err(format!("a{a}: {peer} described a data path {dp:?}")),
-                    }
+                    },
+                    None => self.agents[p].inc,
+                };
+                let end = self.op_end(self.faults.write_fail_p);
+                let t = self
+                    .now
+                    .after(Duration::from_nanos(self.rng.range(5 * US, 200 * US)));
+                self.at(
+                    t,
+                    Ev::WriteEnd {
+                        agent: a,
+                        inc,
+                        chunk,
+                        peer: p,
+                        peer_inc,
+                        local,
+                        remote,
+                        len,
+                        end,
+                    },
+                );
+            }
+            Action::StartScatter {
+                flow,
+                chunk: _,
+                region,
+                runs,
+            } => {
+                let end = self.op_end(self.faults.scatter_fail_p);
+                let t = self
+                    .now
+                    .after(Duration::from_nanos(self.rng.range(US, 60 * US)));
+                self.at(
+                    t,
+                    Ev::ScatterEnd {
+                        agent: a,
+                        inc,
+                        flow,
+                        region,
+                        runs,
+                        end,
+                    },
+                );
+            }
+            Action::Complete { request, outcome } => {
+                let now = self.now;
+                let Some(info) = self.reqs.get_mut(&(a, request)) else {
+                    return Err(format!("a{a}: Complete for unknown request {request}"));
+                };
+                if let Some(prev) = info.outcome {
+                    return Err(format!(
+                        "a{a}: {request} completed twice: {prev:?} then {outcome:?}"
+                    ));
                 }
-                Action::ForgetPeer { peer } => {
-                    let Some(&p) = self.by_name.get(&peer) else {
-                        return Err(format!("a{a}: forgets unknown peer {peer}"));
-                    };
-                    if self.agents[a].loaded.contains(&p) {
-                        return Err(format!("a{a} forgets a{p} by itself, which it loaded"));
+                info.outcome = Some((outcome, now));
+            }
+            Action::LoadDataPath {
+                peer,
+                data_path: dp,
+            } => {
+                let Some(&p) = self.by_name.get(&peer) else {
+                    return Err(format!("a{a}: data path of unknown peer {peer}"));
+                };
+                match parse_data_path(&dp) {
+                    Some((i, inc)) if i == p && inc <= self.agents[p].inc => {
+                        self.agents[a].loaded_paths.insert(p, inc);
                     }
-                    // Nothing may still be written into the peer's arena.
-                    let writing = self.events.values().any(|e| {
-                        matches!(e, Ev::WriteEnd { agent, inc: i, peer: q, .. }
+                    _ => return Err(format!("a{a}: {peer} described a data path {dp:?}")),
+                }
+            }
+            Action::ForgetPeer { peer } => {
+                let Some(&p) = self.by_name.get(&peer) else {
+                    return Err(format!("a{a}: forgets unknown peer {peer}"));
+                };
+                if self.agents[a].loaded.contains(&p) {
+                    return Err(format!("a{a} forgets a{p} by itself, which it loaded"));
+                }
+                // Nothing may still be written into the peer's arena.
+                let writing = self.events.values().any(|e| {
+                    matches!(e, Ev::WriteEnd { agent, inc: i, peer: q, .. }
                             if *agent == a && *i == inc && *q == p)
-                    });
-                    if writing {
-                        return Err(format!("a{a} forgets a{p} while a write to it runs"));
-                    }
-                    if !self.finishing && self.agents[a].ep.knows_peer(&peer) {
-                        self.forgotten += 1;
-                    }
-                    self.agents[a].loaded_paths.remove(&p);
-                    let now = self.now;
-                    self.agents[a].ep.forget_peer(now, &peer);
+                });
+                if writing {
+                    return Err(format!("a{a} forgets a{p} while a write to it runs"));
                 }
-                Action::Poisoned { cause } => {
-                    if self.faults.stuck_p == 0.0 {
-                        return Err(format!("a{a} poisoned without stuck operations: {cause}"));
-                    }
+                if !self.finishing && self.agents[a].ep.knows_peer(&peer) {
+                    self.forgotten += 1;
+                }
+                self.agents[a].loaded_paths.remove(&p);
+                let now = self.now;
+                self.agents[a].ep.forget_peer(now, &peer);
+            }
+            Action::Poisoned { cause } => {
+                if self.faults.stuck_p == 0.0 {
+                    return Err(format!("a{a} poisoned without stuck operations: {cause}"));
                 }
             }
         }
@@ -749,6 +777,11 @@ impl Sim {
 
     fn step(&mut self, ev: Ev) -> Result<(), String> {
         match ev {
+            Ev::Resume { agent, inc } => {
+                if self.agents[agent].alive && self.agents[agent].inc == inc {
+                    self.run_actions(agent)?;
+                }
+            }
             Ev::Submit {
                 agent,
                 to,
