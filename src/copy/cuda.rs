@@ -335,7 +335,8 @@ pub fn fill_table(
     let out_tile_start = &mut out_tile_start[..=nr];
     // The direction is a constant of the loop (one instance each), and a
     // single copy (`count == 1`, every run of scattered blocks) takes the
-    // short form of the same checks: together they halve the pass.
+    // short form of the same checks: together they halved the pass on the
+    // 2-core VM (not on the H200 host, docs/benchmarks.md).
     let fill = match direction {
         Direction::Gather => fill_runs::<true>,
         Direction::Scatter => fill_runs::<false>,
@@ -1978,6 +1979,7 @@ impl CopyEngine for CudaCopy {
         let get = |a: &[AtomicU64; 2], i: usize| a[i].load(Ordering::Relaxed);
         let p = &self.phases;
         let step = |i: usize| self.pool.launch_steps_ns[i].load(Ordering::Relaxed);
+        let kernel = |i: usize| self.pool.kernel_ns[i].load(Ordering::Relaxed);
         vec![
             ("gpu_gather_launch_ns", get(&p.launch_ns, 0)),
             ("gpu_gather_wait_ns", get(&p.wait_ns, 0)),
@@ -1987,14 +1989,8 @@ impl CopyEngine for CudaCopy {
             ("gpu_launch_fill_ns", step(1)),
             ("gpu_launch_upload_ns", step(2)),
             ("gpu_launch_call_ns", step(3)),
-            (
-                "gpu_gather_kernel_ns",
-                self.pool.kernel_ns[0].load(Ordering::Relaxed),
-            ),
-            (
-                "gpu_scatter_kernel_ns",
-                self.pool.kernel_ns[1].load(Ordering::Relaxed),
-            ),
+            ("gpu_gather_kernel_ns", kernel(0)),
+            ("gpu_scatter_kernel_ns", kernel(1)),
         ]
     }
 }
