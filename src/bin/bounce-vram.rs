@@ -1280,9 +1280,10 @@ fn print_breakdown(
     );
     // Timed only with NIXL_BOUNCE_TIME_KERNELS set.
     let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
+    let (gu, su) = (i("gpu_gather_upload_ns"), t("gpu_scatter_upload_ns"));
     if gk > 0.0 || sk > 0.0 {
         println!(
-            "    kernels' own time (CUDA events): gather {gk:.3} ms | scatter (target) {sk:.3} ms"
+            "    kernels' own time (CUDA events): gather {gk:.3} ms (upload to start {gu:.3}) | scatter (target) {sk:.3} ms (upload to start {su:.3})"
         );
     }
 }

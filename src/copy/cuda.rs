@@ -1218,6 +1218,9 @@ struct ExecCtx {
     /// Recorded right before a timed kernel (see [`KERNEL_TIMING_ENV`]);
     /// `done` then times too.
     began: Option<CudaEvent>,
+    /// Recorded before a timed kernel's table upload: `queued` to `began`
+    /// is the upload plus any wait for the GPU.
+    queued: Option<CudaEvent>,
     /// The kernel in flight on this context is timed (`began` recorded).
     timed: Option<Direction>,
     table: PinnedTable,
@@ -1226,11 +1229,11 @@ struct ExecCtx {
 
 /// With this variable set (to anything but empty), the run-table kernels
 /// are timed with CUDA events and their device time is counted
-/// (`gpu_{gather,scatter}_kernel_ns`): "device wait" counts until the
-/// reactor looks, and only the kernel's own time tells a slow kernel from
-/// a late look. Off (the default), events are created without timing,
-/// which is cheaper to record. Built at the end of the eighteenth session
-/// and not yet run on a GPU.
+/// (`gpu_{gather,scatter}_kernel_ns`, and from the table's upload to the
+/// kernel's start `gpu_{gather,scatter}_upload_ns`): "device wait" counts
+/// until the reactor looks, and only the device's own times tell a slow
+/// copy from a late look. Off (the default), events are created without
+/// timing, which is cheaper to record.
 pub const KERNEL_TIMING_ENV: &str = "NIXL_BOUNCE_TIME_KERNELS";
 
 fn kernel_timing() -> bool {
@@ -1249,19 +1252,19 @@ impl ExecCtx {
             .ctx
             .new_stream()
             .map_err(|e| format!("cuStreamCreate: {e}"))?;
-        let (done, began) = if kernel_timing() {
+        let (done, began, queued) = if kernel_timing() {
             let timed = || {
                 dev.ctx
                     .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(|e| format!("cuEventCreate: {e}"))
             };
-            (timed()?, Some(timed()?))
+            (timed()?, Some(timed()?), Some(timed()?))
         } else {
             let done = dev
                 .ctx
                 .new_event(None)
                 .map_err(|e| format!("cuEventCreate: {e}"))?;
-            (done, None)
+            (done, None, None)
         };
         let table = PinnedTable::new(&dev.ctx, table_cap)?;
         let scratch = if zero_copy {
@@ -1273,6 +1276,7 @@ impl ExecCtx {
             stream,
             done,
             began,
+            queued,
             timed: None,
             table,
             scratch,
@@ -1293,6 +1297,9 @@ pub struct ExecPool {
     launch_steps_ns: [AtomicU64; 4],
     /// Device time of timed kernels, summed: [gather, scatter].
     kernel_ns: [AtomicU64; 2],
+    /// Device time from a timed kernel's upload to its start, summed:
+    /// [gather, scatter].
+    upload_ns: [AtomicU64; 2],
 }
 
 struct PoolState {
@@ -1354,6 +1361,7 @@ impl ExecPool {
             returned: Condvar::new(),
             launch_steps_ns: Default::default(),
             kernel_ns: Default::default(),
+            upload_ns: Default::default(),
         }))
     }
 
@@ -1442,9 +1450,14 @@ impl ExecGuard {
         let (Some(direction), Some(began)) = (ctx.timed.take(), &ctx.began) else {
             return;
         };
+        let count = |sum: &AtomicU64, ms: f32| {
+            sum.fetch_add((f64::from(ms) * 1e6) as u64, Ordering::Relaxed);
+        };
         if let Ok(ms) = began.elapsed_ms(&ctx.done) {
-            self.pool.kernel_ns[direction as usize]
-                .fetch_add((f64::from(ms) * 1e6) as u64, Ordering::Relaxed);
+            count(&self.pool.kernel_ns[direction as usize], ms);
+        }
+        if let Some(Ok(ms)) = ctx.queued.as_ref().map(|q| q.elapsed_ms(began)) {
+            count(&self.pool.upload_ns[direction as usize], ms);
         }
     }
 
@@ -1537,6 +1550,10 @@ impl ExecGuard {
         )?;
         let t2 = Instant::now();
         let used = shape.table_bytes();
+        if let Some(queued) = &ctx.queued {
+            // Timed: from here to `began` is the upload (and any wait).
+            let _ = queued.record(&ctx.stream);
+        }
         let stream = ctx.stream.cu_stream();
         let table_dev = if zero_copy {
             ctx.table.dev
@@ -1980,6 +1997,7 @@ impl CopyEngine for CudaCopy {
         let p = &self.phases;
         let step = |i: usize| self.pool.launch_steps_ns[i].load(Ordering::Relaxed);
         let kernel = |i: usize| self.pool.kernel_ns[i].load(Ordering::Relaxed);
+        let upload = |i: usize| self.pool.upload_ns[i].load(Ordering::Relaxed);
         vec![
             ("gpu_gather_launch_ns", get(&p.launch_ns, 0)),
             ("gpu_gather_wait_ns", get(&p.wait_ns, 0)),
@@ -1991,6 +2009,8 @@ impl CopyEngine for CudaCopy {
             ("gpu_launch_call_ns", step(3)),
             ("gpu_gather_kernel_ns", kernel(0)),
             ("gpu_scatter_kernel_ns", kernel(1)),
+            ("gpu_gather_upload_ns", upload(0)),
+            ("gpu_scatter_upload_ns", upload(1)),
         ]
     }
 }
