@@ -111,6 +111,9 @@ pub struct Config {
     /// Use a library batched memcpy instead of the custom copy kernel
     /// (experimental).
     pub use_cub_copy: bool,
+    /// Arena copies whose runs are all single copies of one length use the
+    /// pair kernel's 16-byte table (the launch's parameter up to 2040).
+    pub copy_pair_tables: bool,
     /// DEBUG ONLY: one run per descriptor instead of coalesced runs.
     pub disable_scatter_run_merging: bool,
     /// Absolute per-request deadline from submission (ms); 0 = none.
@@ -199,6 +202,7 @@ impl Default for Config {
             direct_tcp_control: true,
             use_zero_copy_arguments: false,
             use_cub_copy: false,
+            copy_pair_tables: true,
             disable_scatter_run_merging: false,
             request_deadline_ms: 0,
             peer_liveness_timeout_ms: 1000,
@@ -404,6 +408,7 @@ static SETTINGS: &[Setting] = &[
     setting!(direct_tcp_control, "direct_tcp_control", "DIRECT_TCP_CONTROL", Bool, true, "Control plane (unless use_nixl_notifications) over TCP sockets the IO thread owns; off: over ZMQ's sockets, whose own I/O thread every message crosses on both sides (six thread wake-ups a control round trip instead of two: on the H200 under MPS the GRANT round trip measured 0.10-0.12 ms over ZMQ against 0.04-0.06 direct); the same addresses and liveness; must match the peer (handshake-checked)."),
     setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload); slower than the default upload (one async copy before the launch)."),
     setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
+    setting!(copy_pair_tables, "copy_pair_tables", "COPY_PAIR_TABLES", Bool, true, "The bounce arena's gathers and scatters whose runs are all single copies of one length (real clients' blocks) take the pair kernel's table: 16 bytes a copy instead of the run table's 36, and up to 2040 copies the launch's own parameter (no upload); off: always the run table."),
     setting!(disable_scatter_run_merging, "disable_scatter_run_merging", "DISABLE_SCATTER_RUN_MERGING", Bool, true, "DEBUG ONLY: one run per descriptor instead of coalesced runs."),
     setting!(request_deadline_ms, "request_deadline_ms", "REQUEST_DEADLINE_MS", Millis, true, "Absolute per-request deadline from submission; 0 = none."),
     setting!(peer_liveness_timeout_ms, "peer_liveness_timeout_ms", "PEER_LIVENESS_TIMEOUT_MS", Millis, true, "A peer whose control channel is down this long (heartbeats every quarter of it) is unreachable: its requests fail, its flows are aborted. Over direct TCP and NIXL notifications a silent peer is noticed this long after its last answer; over ZMQ after about twice this (the ZMTP heartbeat must time out first); 0 = off."),
@@ -800,7 +805,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 43);
+        assert_eq!(keys.len(), 44);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));

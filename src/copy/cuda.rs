@@ -485,6 +485,70 @@ fn fill_runs<const GATHER: bool>(
     }
 }
 
+/// The pair table of `runs` when every run is a single copy (`count ==
+/// 1`) of one length, as [`fill_table`] would check it: copy i's (source,
+/// destination) into words 2i and 2i + 1 of `out` (at least `2 *
+/// runs.len()` words), and the copies' length returned. `Ok(None)`: not of
+/// that shape (`out` holds nothing usable; build a run table instead).
+/// Errors are worded by [`check_runs`], as the run table's.
+///
+/// One pass, checks folded into a flag as in [`fill_runs`]. Real clients'
+/// chunks are of this shape (vLLM: every block the same size), and the
+/// pair table is 16 bytes a copy against the run table's 36.
+pub fn fill_pairs(
+    direction: Direction,
+    region: RegionSpan,
+    runs: &[Run],
+    out: &mut [u64],
+) -> Result<Option<u64>, CopyError> {
+    let Some(first) = runs.first() else {
+        return Ok(None);
+    };
+    if out.len() < 2 * runs.len() {
+        return Err(CopyError {
+            direction,
+            reason: format!(
+                "pair table too small: {} words for {} copies",
+                out.len(),
+                runs.len()
+            ),
+            quiesced: true,
+        });
+    }
+    let len = first.len;
+    let region_base = region.addr as u64;
+    let region_len = region.len as u64;
+    let gather = direction == Direction::Gather;
+    let mut bad = len == 0;
+    for (run, pair) in runs.iter().zip(out.chunks_exact_mut(2)) {
+        // Of another shape (merged neighbours, mixed sizes): stop at once,
+        // so a run table costs little more than its own pass.
+        if (run.count != 1) | (run.len != len) {
+            return Ok(None);
+        }
+        let (region_addr, o1) = region_base.overflowing_add(run.region_offset);
+        let (r_end, o2) = run.region_offset.overflowing_add(len);
+        let (_, o3) = run.addr.overflowing_add(len);
+        bad |= (r_end > region_len) | o1 | o2 | o3;
+        let (src, dst) = if gather {
+            (run.addr, region_addr)
+        } else {
+            (region_addr, run.addr)
+        };
+        pair[0] = src;
+        pair[1] = dst;
+    }
+    if bad || len.checked_mul(runs.len() as u64).is_none() {
+        check_runs(direction, region.len, runs)?;
+        return Err(CopyError {
+            direction,
+            reason: "the runs' total size or region addresses overflow".into(),
+            quiesced: true,
+        });
+    }
+    Ok(Some(len))
+}
+
 /// The launch of a pair table (`bounce_copy_pairs` in
 /// `kernels/gather_scatter.cu`): `n` copies of `len` bytes each, table
 /// entry i the (source, destination) of copy i, 16 bytes per copy. The
@@ -1225,6 +1289,8 @@ struct ExecCtx {
     timed: Option<Direction>,
     table: PinnedTable,
     scratch: Option<DeviceScratch>,
+    /// A pair table passed as a launch's parameter ([`Form::Inline`]).
+    inline_words: Vec<u64>,
 }
 
 /// With this variable set (to anything but empty), the run-table kernels
@@ -1280,6 +1346,7 @@ impl ExecCtx {
             timed: None,
             table,
             scratch,
+            inline_words: Vec::new(),
         })
     }
 }
@@ -1440,6 +1507,30 @@ impl std::fmt::Debug for ExecGuard {
     }
 }
 
+/// The table form of one launch (see [`ExecGuard::launch`]).
+enum Form {
+    /// A run table ([`fill_table`]), uploaded (or mapped).
+    Runs(LaunchShape),
+    /// A pair table of copies `len` bytes long ([`fill_pairs`]), uploaded.
+    Pairs { len: u64, shape: LaunchShape },
+    /// A pair table passed as the launch's parameter: the
+    /// `bounce_copy_pairs_inline<cap>` kernel over the context's
+    /// `inline_words`.
+    Inline {
+        len: u64,
+        shape: LaunchShape,
+        cap: usize,
+    },
+}
+
+impl Form {
+    fn shape(&self) -> &LaunchShape {
+        match self {
+            Form::Runs(shape) | Form::Pairs { shape, .. } | Form::Inline { shape, .. } => shape,
+        }
+    }
+}
+
 impl ExecGuard {
     /// Adds a timed kernel's device time (its events are both complete) to
     /// the pool's count; nothing for an untimed one.
@@ -1491,6 +1582,41 @@ impl ExecGuard {
 
     /// Fills the run table and launches the copy; records the context's
     /// event after it. Err: nothing launched (`quiesced`) or a launch error.
+    /// Fills the pair table of `runs` if every run is a single copy of
+    /// one length ([`fill_pairs`]): into the context's parameter words when
+    /// a pair kernel takes that many copies as its parameter, else into the
+    /// pinned table (not in zero-copy mode, whose tables are read over the
+    /// bus). Returns the copies' length and the parameter kernel's capacity
+    /// (`None`: the pinned table); `None` when `runs` are of another shape.
+    fn fill_pair_form(
+        ctx: &mut ExecCtx,
+        kernel: &CopyKernel,
+        direction: Direction,
+        region: RegionSpan,
+        runs: &[Run],
+        layout: &TableLayout,
+        zero_copy: bool,
+    ) -> Result<Option<(u64, Option<usize>)>, CopyError> {
+        let n = runs.len();
+        if let Some((cap, _)) = kernel.inline_pairs_function(n) {
+            if ctx.inline_words.len() < 2 * cap {
+                ctx.inline_words.resize(2 * cap, 0);
+            }
+            let len = fill_pairs(direction, region, runs, &mut ctx.inline_words[..2 * n])?;
+            return Ok(len.map(|len| (len, Some(cap))));
+        }
+        if zero_copy || pairs_table_bytes(n) > layout.capacity {
+            return Ok(None);
+        }
+        // SAFETY: the pinned table holds `layout.capacity` bytes (at least
+        // 16 per run, checked above), page-aligned, so 8-aligned for u64;
+        // the context is borrowed exclusively and idle, so nothing reads
+        // the table while it is rewritten.
+        let words = unsafe { std::slice::from_raw_parts_mut(ctx.table.host as *mut u64, 2 * n) };
+        let len = fill_pairs(direction, region, runs, words)?;
+        Ok(len.map(|len| (len, None)))
+    }
+
     fn launch(
         &mut self,
         direction: Direction,
@@ -1531,31 +1657,69 @@ impl ExecGuard {
             .ensure(layout.capacity)
             .map_err(|e| err(e, true))?;
         let nruns = runs.len();
-        // SAFETY: the pinned table holds at least `layout.capacity` bytes
-        // (ensured above), page-aligned (cuMemHostAlloc); the context is
-        // borrowed exclusively and idle, so no kernel reads the table while
-        // it is rewritten.
-        let (out_runs, out_tile_start, out_strides) =
-            unsafe { table_parts(ctx.table.host, &layout) };
         let t1 = Instant::now();
-        let shape = fill_table(
-            direction,
-            region,
-            runs,
-            opts.tile_bytes,
-            max_warps,
-            out_runs,
-            out_tile_start,
-            out_strides,
-        )?;
+        // Every copy of one length (real clients' blocks): the pair
+        // kernel's table, the launch's own parameter when it fits one.
+        let pairs = match opts.pair_tables {
+            true => {
+                Self::fill_pair_form(ctx, &kernel, direction, region, runs, &layout, zero_copy)?
+            }
+            false => None,
+        };
+        let form = match pairs {
+            Some((len, inline)) => {
+                let shape = pairs_shape(nruns, len, opts.tile_bytes, max_warps)
+                    .map_err(|e| err(e, true))?;
+                match inline {
+                    Some(cap) => Form::Inline { len, shape, cap },
+                    None => Form::Pairs { len, shape },
+                }
+            }
+            None => {
+                // SAFETY: the pinned table holds at least `layout.capacity`
+                // bytes (ensured above), page-aligned (cuMemHostAlloc); the
+                // context is borrowed exclusively and idle, so no kernel
+                // reads the table while it is rewritten.
+                let (out_runs, out_tile_start, out_strides) =
+                    unsafe { table_parts(ctx.table.host, &layout) };
+                Form::Runs(fill_table(
+                    direction,
+                    region,
+                    runs,
+                    opts.tile_bytes,
+                    max_warps,
+                    out_runs,
+                    out_tile_start,
+                    out_strides,
+                )?)
+            }
+        };
         let t2 = Instant::now();
-        let used = shape.table_bytes();
         if let Some(queued) = &ctx.queued {
             // Timed: from here to `began` is the upload (and any wait).
             let _ = queued.record(&ctx.stream);
         }
         let stream = ctx.stream.cu_stream();
-        let table_dev = if zero_copy {
+        let used = match &form {
+            Form::Runs(shape) => {
+                // The alignment gap between the tile starts and the strides
+                // is uploaded too: give it defined contents.
+                let gap_from = layout.tile_start_offset + (nruns + 1) * 4;
+                // SAFETY: inside the pinned table (`layout.capacity` bytes),
+                // which nothing reads while the context is idle.
+                unsafe {
+                    std::ptr::write_bytes(
+                        ctx.table.host.add(gap_from),
+                        0,
+                        layout.strides_offset - gap_from,
+                    )
+                };
+                shape.table_bytes()
+            }
+            Form::Pairs { .. } => pairs_table_bytes(nruns),
+            Form::Inline { .. } => 0,
+        };
+        let table_dev = if zero_copy || used == 0 {
             ctx.table.dev
         } else {
             let scratch = ctx
@@ -1564,21 +1728,11 @@ impl ExecGuard {
                 .expect("an uploading pool has a scratch buffer per context");
             scratch.ensure(used).map_err(|e| err(e, true))?;
             // SAFETY: table.host holds `used` initialised bytes (filled
-            // above: the runs, the tile starts, the 16-byte alignment gap
-            // (written below) and the used strides); scratch holds at least
-            // `used` bytes; the pinned source stays untouched until the
-            // context is idle again.
-            let src = unsafe {
-                // The alignment gap between the tile starts and the strides
-                // is uploaded too: give it defined contents.
-                let gap_from = layout.tile_start_offset + (nruns + 1) * 4;
-                std::ptr::write_bytes(
-                    ctx.table.host.add(gap_from),
-                    0,
-                    layout.strides_offset - gap_from,
-                );
-                std::slice::from_raw_parts(ctx.table.host as *const u8, used)
-            };
+            // above: the runs, the tile starts, the alignment gap and the
+            // used strides, or the pairs); scratch holds at least `used`
+            // bytes; the pinned source stays untouched until the context
+            // is idle again.
+            let src = unsafe { std::slice::from_raw_parts(ctx.table.host as *const u8, used) };
             // SAFETY: as above; the copy is ordered before the launch on the same stream.
             if let Err(e) = unsafe { result::memcpy_htod_async(scratch.ptr, src, stream) } {
                 return Err(self.after_failure(
@@ -1591,22 +1745,39 @@ impl ExecGuard {
         let t3 = Instant::now();
         // The table writes above must be visible before the launch doorbell.
         fence(Ordering::SeqCst);
-        let func = if zero_copy {
-            &kernel.func_zero_copy
-        } else {
-            &kernel.func
-        };
         if let Some(began) = &ctx.began {
             // After the upload: the kernel's own time, up to `done`.
             ctx.timed = began.record(&ctx.stream).ok().map(|()| direction);
         }
         // SAFETY: a copy kernel of this device's module over the table just
-        // filled, which stays allocated and unchanged until the context is
-        // idle again. Every address in the table was checked: the region
-        // side against `region` (check_runs), the application side by the
-        // caller (see CopyEngine).
-        let launched = unsafe { launch_copy(func, table_dev, &layout, &shape, stream) };
+        // filled (uploaded, mapped, or the parameter itself), which stays
+        // allocated and unchanged until the context is idle again. Every
+        // address in it was checked: the region side against `region`
+        // (fill_table, fill_pairs), the application side by the caller (see
+        // CopyEngine).
+        let launched = unsafe {
+            match &form {
+                Form::Runs(shape) => {
+                    let func = if zero_copy {
+                        &kernel.func_zero_copy
+                    } else {
+                        &kernel.func
+                    };
+                    launch_copy(func, table_dev, &layout, shape, stream)
+                }
+                Form::Pairs { len, shape } => {
+                    launch_pairs(kernel.pairs_function(), table_dev, *len, shape, stream)
+                }
+                Form::Inline { len, shape, cap } => match kernel.inline_pairs_function(nruns) {
+                    Some((c, func)) if c == *cap => {
+                        launch_pairs_inline(func, &ctx.inline_words[..2 * c], *len, shape, stream)
+                    }
+                    _ => Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)),
+                },
+            }
+        };
         if let Err(e) = launched {
+            let shape = form.shape();
             return Err(self.after_failure(
                 direction,
                 format!(
@@ -1789,6 +1960,10 @@ pub struct CopyOptions {
     /// toolkit's CCCL headers, which NVRTC does not have, so the driver API
     /// stands in for "a library batched memcpy".
     pub batch_memcpy: bool,
+    /// Chunks whose runs are all single copies of one length use the pair
+    /// kernel's table ([`fill_pairs`]), passed as the launch's parameter up
+    /// to the largest of [`INLINE_PAIRS`] copies (`copy_pair_tables`).
+    pub pair_tables: bool,
 }
 
 impl CopyOptions {
@@ -1797,6 +1972,7 @@ impl CopyOptions {
     pub fn for_config(cfg: &crate::config::Config) -> Self {
         CopyOptions {
             batch_memcpy: cfg.use_cub_copy,
+            pair_tables: cfg.copy_pair_tables,
             ..Default::default()
         }
     }
@@ -1809,6 +1985,7 @@ impl Default for CopyOptions {
             max_blocks: None,
             acquire_timeout: Duration::from_secs(10),
             batch_memcpy: false,
+            pair_tables: true,
         }
     }
 }
@@ -2667,6 +2844,58 @@ mod tests {
                 }
                 prop_assert_eq!(table.tile_start[runs.len()], tiles);
                 prop_assert_eq!(shape.nstrided, strided);
+            }
+        }
+
+        /// The pair table is taken exactly when every run is a single copy
+        /// of one length; it then refuses what the run table refuses and
+        /// holds the run table's (source, destination) of every copy.
+        #[test]
+        fn the_pair_fill_agrees_with_the_run_table(
+            runs in proptest::collection::vec(
+                (
+                    proptest::prop_oneof![8 => 0..1u64 << 15, 1 => (u64::MAX - 1024)..=u64::MAX],
+                    proptest::prop_oneof![8 => 0..1u64 << 40, 1 => (u64::MAX - 1024)..=u64::MAX],
+                    // Mostly one length (the first run's), now and then another.
+                    proptest::prop_oneof![12 => proptest::strategy::Just(None), 1 => proptest::strategy::Strategy::prop_map(0..5000u64, Some), 1 => proptest::strategy::Strategy::prop_map((u64::MAX - 1024)..=u64::MAX, Some)],
+                    proptest::prop_oneof![12 => proptest::strategy::Just(1u32), 1 => 0..5u32],
+                ),
+                1..5,
+            ),
+            first_len in proptest::prop_oneof![1 => proptest::strategy::Just(0u64), 8 => 1..5000u64, 1 => (u64::MAX - 1024)..=u64::MAX],
+            gather in proptest::bool::ANY,
+            region_addr in proptest::prop_oneof![8 => proptest::strategy::Just(1u64 << 20), 1 => (u64::MAX - (1 << 16))..=u64::MAX],
+        ) {
+            use proptest::prelude::*;
+            let direction = if gather { Direction::Gather } else { Direction::Scatter };
+            let region = RegionSpan { addr: region_addr as usize, len: 1 << 16 };
+            let runs: Vec<Run> = runs
+                .into_iter()
+                .map(|(region_offset, addr, len, count)| Run {
+                    region_offset,
+                    addr,
+                    len: len.unwrap_or(first_len),
+                    count,
+                    region_stride: 4096,
+                    addr_stride: 4096,
+                })
+                .collect();
+            let uniform = runs.iter().all(|r| r.count == 1 && r.len == runs[0].len);
+            let mut words = vec![u64::MAX; 2 * runs.len()];
+            let pairs = fill_pairs(direction, region, &runs, &mut words);
+            let mut table = Table::new(runs.len());
+            let filled = table.fill(direction, region, &runs, 64, 1000);
+            match pairs {
+                Ok(None) => prop_assert!(!uniform),
+                Err(_) => prop_assert!(uniform && filled.is_err(), "{:?}", filled),
+                Ok(Some(len)) => {
+                    prop_assert!(uniform);
+                    prop_assert_eq!(len, runs[0].len);
+                    prop_assert!(filled.is_ok(), "{:?}", filled);
+                    for (i, run) in table.runs.iter().enumerate() {
+                        prop_assert_eq!([words[2 * i], words[2 * i + 1]], [run.src, run.dst]);
+                    }
+                }
             }
         }
     }
