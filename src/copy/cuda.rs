@@ -485,60 +485,77 @@ fn fill_runs<const GATHER: bool>(
     }
 }
 
-/// The pair table of `runs` when every run is a single copy (`count ==
-/// 1`) of one length, as [`fill_table`] would check it: copy i's (source,
-/// destination) into words 2i and 2i + 1 of `out` (at least `2 *
-/// runs.len()` words), and the copies' length returned. `Ok(None)`: not of
-/// that shape (`out` holds nothing usable; build a run table instead).
-/// Errors are worded by [`check_runs`], as the run table's.
+/// The pair table of `runs` when every copy of every run has one length,
+/// as [`fill_table`] would check them: copy j's (source, destination) into
+/// words 2j and 2j + 1 of `out`, a strided run's copies one by one.
+/// Returns the length and the number of copies; `Ok(None)` when the runs
+/// are of another shape or have more copies than `out` holds (`out` then
+/// holds nothing usable: build a run table instead). Errors are worded by
+/// [`check_runs`], as the run table's.
 ///
 /// One pass, checks folded into a flag as in [`fill_runs`]. Real clients'
-/// chunks are of this shape (vLLM: every block the same size), and the
-/// pair table is 16 bytes a copy against the run table's 36.
+/// chunks are of this shape (vLLM: every block the same size; the plan
+/// merges two blocks whose addresses both step forward into a strided run
+/// of two), and the pair table is 16 bytes a copy against the run table's
+/// 36 a run (52 a strided one).
 pub fn fill_pairs(
     direction: Direction,
     region: RegionSpan,
     runs: &[Run],
     out: &mut [u64],
-) -> Result<Option<u64>, CopyError> {
+) -> Result<Option<(u64, usize)>, CopyError> {
     let Some(first) = runs.first() else {
         return Ok(None);
     };
-    if out.len() < 2 * runs.len() {
-        return Err(CopyError {
-            direction,
-            reason: format!(
-                "pair table too small: {} words for {} copies",
-                out.len(),
-                runs.len()
-            ),
-            quiesced: true,
-        });
-    }
     let len = first.len;
     let region_base = region.addr as u64;
     let region_len = region.len as u64;
     let gather = direction == Direction::Gather;
     let mut bad = len == 0;
-    for (run, pair) in runs.iter().zip(out.chunks_exact_mut(2)) {
-        // Of another shape (merged neighbours, mixed sizes): stop at once,
-        // so a run table costs little more than its own pass.
-        if (run.count != 1) | (run.len != len) {
+    let mut at = 0usize;
+    for run in runs {
+        // Of another shape (merged neighbours, mixed sizes) or too many
+        // copies: stop at once, so a run table costs little more than its
+        // own pass.
+        let count = run.count as usize;
+        if run.len != len || out.len() - at < 2 * count {
             return Ok(None);
         }
-        let (region_addr, o1) = region_base.overflowing_add(run.region_offset);
-        let (r_end, o2) = run.region_offset.overflowing_add(len);
-        let (_, o3) = run.addr.overflowing_add(len);
-        bad |= (r_end > region_len) | o1 | o2 | o3;
-        let (src, dst) = if gather {
-            (run.addr, region_addr)
+        let (region_addr, o_base) = region_base.overflowing_add(run.region_offset);
+        let (src, dst, src_step, dst_step) = if gather {
+            (run.addr, region_addr, run.addr_stride, run.region_stride)
         } else {
-            (region_addr, run.addr)
+            (region_addr, run.addr, run.region_stride, run.addr_stride)
         };
-        pair[0] = src;
-        pair[1] = dst;
+        if count == 1 {
+            let (r_end, o1) = run.region_offset.overflowing_add(len);
+            let (_, o2) = run.addr.overflowing_add(len);
+            bad |= (r_end > region_len) | o1 | o2 | o_base;
+            out[at] = src;
+            out[at + 1] = dst;
+            at += 2;
+            continue;
+        }
+        let more = (count as u64).wrapping_sub(1);
+        let (r_last, o1) = more.overflowing_mul(run.region_stride);
+        let (r_end, o2) = run.region_offset.overflowing_add(r_last);
+        let (r_end, o3) = r_end.overflowing_add(len);
+        let (a_last, o4) = more.overflowing_mul(run.addr_stride);
+        let (a_end, o5) = run.addr.overflowing_add(a_last);
+        let (_, o6) = a_end.overflowing_add(len);
+        bad |= (count == 0) | (r_end > region_len) | o1 | o2 | o3 | o4 | o5 | o6 | o_base;
+        // Wrapping: a run that overflows is refused below, never launched.
+        let (mut s, mut d) = (src, dst);
+        for pair in out[at..at + 2 * count].chunks_exact_mut(2) {
+            pair[0] = s;
+            pair[1] = d;
+            s = s.wrapping_add(src_step);
+            d = d.wrapping_add(dst_step);
+        }
+        at += 2 * count;
     }
-    if bad || len.checked_mul(runs.len() as u64).is_none() {
+    let copies = at / 2;
+    if bad || len.checked_mul(copies as u64).is_none() {
         check_runs(direction, region.len, runs)?;
         return Err(CopyError {
             direction,
@@ -546,7 +563,7 @@ pub fn fill_pairs(
             quiesced: true,
         });
     }
-    Ok(Some(len))
+    Ok(Some((len, copies)))
 }
 
 /// The launch of a pair table (`bounce_copy_pairs` in
@@ -1523,6 +1540,14 @@ enum Form {
     },
 }
 
+/// A pair table filled by [`ExecGuard::fill_pair_form`].
+struct PairForm {
+    len: u64,
+    copies: usize,
+    /// The parameter kernel's capacity when the table is the parameter.
+    inline: Option<usize>,
+}
+
 impl Form {
     fn shape(&self) -> &LaunchShape {
         match self {
@@ -1582,11 +1607,12 @@ impl ExecGuard {
 
     /// Fills the run table and launches the copy; records the context's
     /// event after it. Err: nothing launched (`quiesced`) or a launch error.
-    /// Fills the pair table of `runs` if every run is a single copy of
-    /// one length ([`fill_pairs`]): into the context's parameter words when
-    /// a pair kernel takes that many copies as its parameter, else into the
-    /// pinned table (not in zero-copy mode, whose tables are read over the
-    /// bus). Returns the copies' length and the parameter kernel's capacity
+    /// Fills the pair table of `runs` if every copy has one length
+    /// ([`fill_pairs`]): into the context's parameter words when a pair
+    /// kernel takes that many copies as its parameter, else into the pinned
+    /// table (at most two copies a run, which its capacity holds; not in
+    /// zero-copy mode, whose tables are read over the bus). Returns the
+    /// copies' length and count, and the parameter kernel's capacity
     /// (`None`: the pinned table); `None` when `runs` are of another shape.
     fn fill_pair_form(
         ctx: &mut ExecCtx,
@@ -1596,25 +1622,39 @@ impl ExecGuard {
         runs: &[Run],
         layout: &TableLayout,
         zero_copy: bool,
-    ) -> Result<Option<(u64, Option<usize>)>, CopyError> {
+    ) -> Result<Option<PairForm>, CopyError> {
         let n = runs.len();
-        if let Some((cap, _)) = kernel.inline_pairs_function(n) {
-            if ctx.inline_words.len() < 2 * cap {
-                ctx.inline_words.resize(2 * cap, 0);
+        let largest = INLINE_PAIRS[INLINE_PAIRS.len() - 1];
+        if n <= largest && kernel.inline_pairs_function(1).is_some() {
+            if ctx.inline_words.len() < 2 * largest {
+                ctx.inline_words.resize(2 * largest, 0);
             }
-            let len = fill_pairs(direction, region, runs, &mut ctx.inline_words[..2 * n])?;
-            return Ok(len.map(|len| (len, Some(cap))));
+            if let Some((len, copies)) = fill_pairs(direction, region, runs, &mut ctx.inline_words)?
+            {
+                let cap = kernel.inline_pairs_function(copies).map(|(cap, _)| cap);
+                return Ok(Some(PairForm {
+                    len,
+                    copies,
+                    inline: cap,
+                }));
+            }
         }
-        if zero_copy || pairs_table_bytes(n) > layout.capacity {
+        let pairs = (2 * n).min(layout.capacity / 16);
+        if zero_copy || pairs == 0 {
             return Ok(None);
         }
         // SAFETY: the pinned table holds `layout.capacity` bytes (at least
-        // 16 per run, checked above), page-aligned, so 8-aligned for u64;
-        // the context is borrowed exclusively and idle, so nothing reads
-        // the table while it is rewritten.
-        let words = unsafe { std::slice::from_raw_parts_mut(ctx.table.host as *mut u64, 2 * n) };
-        let len = fill_pairs(direction, region, runs, words)?;
-        Ok(len.map(|len| (len, None)))
+        // the 16 * `pairs` bytes taken here), page-aligned, so 8-aligned for
+        // u64; the context is borrowed exclusively and idle, so nothing
+        // reads the table while it is rewritten.
+        let out = unsafe { std::slice::from_raw_parts_mut(ctx.table.host as *mut u64, 2 * pairs) };
+        Ok(
+            fill_pairs(direction, region, runs, out)?.map(|(len, copies)| PairForm {
+                len,
+                copies,
+                inline: None,
+            }),
+        )
     }
 
     fn launch(
@@ -1667,8 +1707,12 @@ impl ExecGuard {
             false => None,
         };
         let form = match pairs {
-            Some((len, inline)) => {
-                let shape = pairs_shape(nruns, len, opts.tile_bytes, max_warps)
+            Some(PairForm {
+                len,
+                copies,
+                inline,
+            }) => {
+                let shape = pairs_shape(copies, len, opts.tile_bytes, max_warps)
                     .map_err(|e| err(e, true))?;
                 match inline {
                     Some(cap) => Form::Inline { len, shape, cap },
@@ -1716,7 +1760,7 @@ impl ExecGuard {
                 };
                 shape.table_bytes()
             }
-            Form::Pairs { .. } => pairs_table_bytes(nruns),
+            Form::Pairs { shape, .. } => pairs_table_bytes(shape.nruns as usize),
             Form::Inline { .. } => 0,
         };
         let table_dev = if zero_copy || used == 0 {
@@ -1768,7 +1812,9 @@ impl ExecGuard {
                 Form::Pairs { len, shape } => {
                     launch_pairs(kernel.pairs_function(), table_dev, *len, shape, stream)
                 }
-                Form::Inline { len, shape, cap } => match kernel.inline_pairs_function(nruns) {
+                Form::Inline { len, shape, cap } => match kernel
+                    .inline_pairs_function(shape.nruns as usize)
+                {
                     Some((c, func)) if c == *cap => {
                         launch_pairs_inline(func, &ctx.inline_words[..2 * c], *len, shape, stream)
                     }
@@ -2847,8 +2893,8 @@ mod tests {
             }
         }
 
-        /// The pair table is taken exactly when every run is a single copy
-        /// of one length; it then refuses what the run table refuses and
+        /// The pair table is taken exactly when every copy has one length
+        /// and they fit; it then refuses what the run table refuses and
         /// holds the run table's (source, destination) of every copy.
         #[test]
         fn the_pair_fill_agrees_with_the_run_table(
@@ -2858,7 +2904,9 @@ mod tests {
                     proptest::prop_oneof![8 => 0..1u64 << 40, 1 => (u64::MAX - 1024)..=u64::MAX],
                     // Mostly one length (the first run's), now and then another.
                     proptest::prop_oneof![12 => proptest::strategy::Just(None), 1 => proptest::strategy::Strategy::prop_map(0..5000u64, Some), 1 => proptest::strategy::Strategy::prop_map((u64::MAX - 1024)..=u64::MAX, Some)],
-                    proptest::prop_oneof![12 => proptest::strategy::Just(1u32), 1 => 0..5u32],
+                    proptest::prop_oneof![8 => proptest::strategy::Just(1u32), 4 => proptest::strategy::Just(2u32), 1 => 0..5u32],
+                    proptest::prop_oneof![8 => 0..8192u64, 1 => (u64::MAX / 2)..=u64::MAX],
+                    proptest::prop_oneof![8 => 0..8192u64, 1 => (u64::MAX / 2)..=u64::MAX],
                 ),
                 1..5,
             ),
@@ -2871,29 +2919,36 @@ mod tests {
             let region = RegionSpan { addr: region_addr as usize, len: 1 << 16 };
             let runs: Vec<Run> = runs
                 .into_iter()
-                .map(|(region_offset, addr, len, count)| Run {
+                .map(|(region_offset, addr, len, count, region_stride, addr_stride)| Run {
                     region_offset,
                     addr,
                     len: len.unwrap_or(first_len),
                     count,
-                    region_stride: 4096,
-                    addr_stride: 4096,
+                    region_stride,
+                    addr_stride,
                 })
                 .collect();
-            let uniform = runs.iter().all(|r| r.count == 1 && r.len == runs[0].len);
-            let mut words = vec![u64::MAX; 2 * runs.len()];
+            let uniform = runs.iter().all(|r| r.len == runs[0].len);
+            let copies: u64 = runs.iter().map(|r| u64::from(r.count)).sum();
+            let room = 8usize;
+            let mut words = vec![u64::MAX; 2 * room];
             let pairs = fill_pairs(direction, region, &runs, &mut words);
             let mut table = Table::new(runs.len());
             let filled = table.fill(direction, region, &runs, 64, 1000);
             match pairs {
-                Ok(None) => prop_assert!(!uniform),
+                Ok(None) => prop_assert!(!uniform || copies > room as u64),
                 Err(_) => prop_assert!(uniform && filled.is_err(), "{:?}", filled),
-                Ok(Some(len)) => {
+                Ok(Some((len, n))) => {
                     prop_assert!(uniform);
-                    prop_assert_eq!(len, runs[0].len);
+                    prop_assert_eq!((len, n as u64), (runs[0].len, copies));
                     prop_assert!(filled.is_ok(), "{:?}", filled);
-                    for (i, run) in table.runs.iter().enumerate() {
-                        prop_assert_eq!([words[2 * i], words[2 * i + 1]], [run.src, run.dst]);
+                    let mut j = 0;
+                    for run in &table.runs {
+                        let [ss, ds] = if run.count > 1 { table.strides[run.stride_index as usize] } else { [0, 0] };
+                        for k in 0..u64::from(run.count) {
+                            prop_assert_eq!([words[2 * j], words[2 * j + 1]], [run.src + k * ss, run.dst + k * ds]);
+                            j += 1;
+                        }
                     }
                 }
             }
