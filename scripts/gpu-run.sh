@@ -147,6 +147,8 @@ tests() {
     run vram-test "$v" test
     run vram-test-arena "$v" test --param enable_peer_map=false
     run vram-test-notif "$v" test --param enable_peer_map=false --param use_nixl_notifications=true
+    # The arena's copies through pair tables (copy_pair_tables, off by default).
+    run vram-test-arena-pairs "$v" test --param enable_peer_map=false --param copy_pair_tables=true
     # A request larger than the arena streams through it.
     run vram-test-small-arena "$v" test --param enable_peer_map=false --param arena_size_bytes=16MiB \
         --param max_chunk_size_bytes=2MiB

@@ -2006,9 +2006,10 @@ pub struct CopyOptions {
     /// toolkit's CCCL headers, which NVRTC does not have, so the driver API
     /// stands in for "a library batched memcpy".
     pub batch_memcpy: bool,
-    /// Chunks whose runs are all single copies of one length use the pair
-    /// kernel's table ([`fill_pairs`]), passed as the launch's parameter up
-    /// to the largest of [`INLINE_PAIRS`] copies (`copy_pair_tables`).
+    /// Copies all of one length use the pair kernel's table
+    /// ([`fill_pairs`]), passed as the launch's parameter up to the largest
+    /// of [`INLINE_PAIRS`] copies (`copy_pair_tables`; off by default: no
+    /// gain measured on the H200).
     pub pair_tables: bool,
 }
 
@@ -2031,7 +2032,7 @@ impl Default for CopyOptions {
             max_blocks: None,
             acquire_timeout: Duration::from_secs(10),
             batch_memcpy: false,
-            pair_tables: true,
+            pair_tables: false,
         }
     }
 }
