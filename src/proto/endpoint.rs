@@ -1526,10 +1526,11 @@ mod tests {
         use crate::proto::plan::Chunk;
         let mut reader = Endpoint::new(cfg(false)).unwrap();
         reader.set_read_data_path(b"dp".to_vec());
-        // One chunk whose source runs alone encode to more than the limit.
+        // One chunk whose source runs alone encode to more than the limit
+        // (of two lengths, so that they keep the full form, 44 bytes a run).
         let n = super::super::wire::MAX_MESSAGE_BYTES / 44 + 1;
         let runs: Runs = (0..n as u64)
-            .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32))
+            .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32 + i % 2))
             .collect();
         let plan = Arc::new(Plan {
             chunks: vec![Chunk {
