@@ -1605,8 +1605,6 @@ impl ExecGuard {
         }
     }
 
-    /// Fills the run table and launches the copy; records the context's
-    /// event after it. Err: nothing launched (`quiesced`) or a launch error.
     /// Fills the pair table of `runs` if every copy has one length
     /// ([`fill_pairs`]): into the context's parameter words when a pair
     /// kernel takes that many copies as its parameter, else into the pinned
@@ -1631,12 +1629,15 @@ impl ExecGuard {
             }
             if let Some((len, copies)) = fill_pairs(direction, region, runs, &mut ctx.inline_words)?
             {
-                let cap = kernel.inline_pairs_function(copies).map(|(cap, _)| cap);
-                return Ok(Some(PairForm {
-                    len,
-                    copies,
-                    inline: cap,
-                }));
+                // A parameter kernel that size: else the pinned table below
+                // (filled again: only what is filled is ever launched).
+                if let Some((cap, _)) = kernel.inline_pairs_function(copies) {
+                    return Ok(Some(PairForm {
+                        len,
+                        copies,
+                        inline: Some(cap),
+                    }));
+                }
             }
         }
         let pairs = (2 * n).min(layout.capacity / 16);
@@ -1657,6 +1658,9 @@ impl ExecGuard {
         )
     }
 
+    /// Fills the copy's table (a run table, or a pair table with
+    /// `pair_tables`) and launches the copy; records the context's event
+    /// after it. Err: nothing launched (`quiesced`) or a launch error.
     fn launch(
         &mut self,
         direction: Direction,
@@ -1827,7 +1831,7 @@ impl ExecGuard {
             return Err(self.after_failure(
                 direction,
                 format!(
-                    "launching the {direction:?} kernel ({} runs, {} blocks): {e}",
+                    "launching the {direction:?} kernel ({} table entries, {} blocks): {e}",
                     shape.nruns, shape.grid
                 ),
             ));
@@ -2947,7 +2951,10 @@ mod tests {
                     for run in &table.runs {
                         let [ss, ds] = if run.count > 1 { table.strides[run.stride_index as usize] } else { [0, 0] };
                         for k in 0..u64::from(run.count) {
-                            prop_assert_eq!([words[2 * j], words[2 * j + 1]], [run.src + k * ss, run.dst + k * ds]);
+                            // Wrapping, as the device would (a table that
+                            // wraps is refused, never launched).
+                            let at = |base: u64, step: u64| base.wrapping_add(k.wrapping_mul(step));
+                            prop_assert_eq!([words[2 * j], words[2 * j + 1]], [at(run.src, ss), at(run.dst, ds)]);
                             j += 1;
                         }
                     }

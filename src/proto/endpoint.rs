@@ -261,14 +261,16 @@ pub enum SubmitError {
     Plan(#[from] PlanError),
     /// A READ whose message (every chunk's source runs) would exceed what
     /// the control channel carries.
-    #[error("the READ's {bytes}-byte request message exceeds the {max}-byte control message limit ({runs} source runs); split the transfer")]
+    #[error("the READ's request message ({bytes} bytes, {entries} source runs or copies) exceeds the control message limit ({max} bytes, {max_entries} entries); split the transfer")]
     ReadTooLarge {
         /// Encoded size of the READ message.
         bytes: usize,
-        /// The limit.
+        /// The byte limit.
         max: usize,
-        /// Source runs it would carry.
-        runs: usize,
+        /// Run-list entries it would carry.
+        entries: usize,
+        /// The entry limit (`wire::MAX_MESSAGE_RUNS`).
+        max_entries: usize,
     },
     /// A plan made with other options than this endpoint's.
     #[error("the plan has a {chunk}-byte chunk, more than this endpoint's {max}-byte chunk cap (plan with Endpoint::plan)")]
@@ -1526,11 +1528,12 @@ mod tests {
         use crate::proto::plan::Chunk;
         let mut reader = Endpoint::new(cfg(false)).unwrap();
         reader.set_read_data_path(b"dp".to_vec());
-        // One chunk whose source runs alone encode to more than the limit
-        // (of two lengths, so that they keep the full form, 44 bytes a run).
-        let n = super::super::wire::MAX_MESSAGE_BYTES / 44 + 1;
+        // One chunk of more source copies than a message may carry (16
+        // bytes each on the wire, 24 MB: the entry limit, not the byte
+        // limit, refuses it).
+        let n = super::super::wire::MAX_MESSAGE_RUNS + 1;
         let runs: Runs = (0..n as u64)
-            .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32 + i % 2))
+            .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32))
             .collect();
         let plan = Arc::new(Plan {
             chunks: vec![Chunk {
@@ -1547,7 +1550,7 @@ mod tests {
             .submit_read_plan(t(0), &PeerId::new("O"), plan, None)
             .unwrap_err();
         assert!(
-            matches!(err, SubmitError::ReadTooLarge { runs, .. } if runs == n),
+            matches!(err, SubmitError::ReadTooLarge { entries, .. } if entries == n),
             "{err}"
         );
         assert!(err.to_string().contains("split the transfer"), "{err}");

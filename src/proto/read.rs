@@ -43,7 +43,9 @@ use std::time::Duration;
 
 use super::endpoint::{due_failure, expiry, Action, Ctx, FailureReason, Outcome, SubmitError};
 use super::plan::Plan;
-use super::wire::{Message, ReadChunk, RefuseReason, HEADER_LEN, MAX_MESSAGE_BYTES};
+use super::wire::{
+    Message, ReadChunk, RefuseReason, HEADER_LEN, MAX_MESSAGE_BYTES, MAX_MESSAGE_RUNS,
+};
 use super::{FlowId, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// The data owner's check of the source ranges a READ asks for: `Ok` only
@@ -151,11 +153,13 @@ impl Reads {
         // One message carries every chunk's source runs: it must fit the
         // control channel (a WRITE's DATA carries one chunk's).
         let bytes = HEADER_LEN + read.payload_len_hint();
-        if bytes > MAX_MESSAGE_BYTES {
+        let entries = read.run_entries();
+        if bytes > MAX_MESSAGE_BYTES || entries > MAX_MESSAGE_RUNS {
             return Err(SubmitError::ReadTooLarge {
                 bytes,
                 max: MAX_MESSAGE_BYTES,
-                runs: plan.chunks.iter().map(|c| c.gather_runs.len()).sum(),
+                entries,
+                max_entries: MAX_MESSAGE_RUNS,
             });
         }
         ctx.stats.submitted += 1;
