@@ -1011,26 +1011,29 @@ fn runs_len(runs: &[Run]) -> usize {
     }
 }
 
-/// The copies of a run of at most two (the compact forms' entries), as
-/// (region offset, address); checked by [`run_wire`] not to overflow.
-fn copies_of(r: &Run) -> impl Iterator<Item = (u64, u64)> {
-    let second = (r.count == 2).then(|| {
-        (
-            r.region_offset.wrapping_add(r.region_stride),
-            r.addr.wrapping_add(r.addr_stride),
-        )
-    });
-    std::iter::once((r.region_offset, r.addr)).chain(second)
-}
-
-/// Marks, one bit a copy (bit j % 8 of byte j / 8), the copies of `runs`
-/// that are the second of a run of two.
-fn encode_marks(p: &mut Writer, runs: &[Run], copies: usize) {
-    let marks = p.room(copies.div_ceil(8));
+/// Writes the compact forms' marks and entries: `marks` (one bit a copy)
+/// and `entries` (`WIDTH` bytes a copy: the address, after the region
+/// offset when `WIDTH` is 16), both zeroed and sized for `runs`' copies
+/// (checked by [`run_wire`] not to overflow). One loop, indexed: the
+/// iterator version cost five times the full form's encoding.
+fn write_copies<const WIDTH: usize>(runs: &[Run], marks: &mut [u8], entries: &mut [u8]) {
+    let mut put = |j: usize, off: u64, addr: u64| {
+        let e = &mut entries[j * WIDTH..(j + 1) * WIDTH];
+        if WIDTH == 16 {
+            e[..8].copy_from_slice(&off.to_le_bytes());
+        }
+        e[WIDTH - 8..].copy_from_slice(&addr.to_le_bytes());
+    };
     let mut j = 0;
     for r in runs {
+        put(j, r.region_offset, r.addr);
         if r.count == 2 {
             marks[(j + 1) / 8] |= 1 << ((j + 1) % 8);
+            put(
+                j + 1,
+                r.region_offset.wrapping_add(r.region_stride),
+                r.addr.wrapping_add(r.addr_stride),
+            );
         }
         j += r.count as usize;
     }
@@ -1060,29 +1063,16 @@ fn encode_runs(p: &mut Writer, runs: &[Run]) {
         }
         RunForm::Copies => {
             p.u64(runs[0].len);
-            encode_marks(p, runs, w.entries);
-            let room = p.room(w.entries * 16);
-            for ((off, addr), b) in runs
-                .iter()
-                .flat_map(copies_of)
-                .zip(room.chunks_exact_mut(16))
-            {
-                b[0..8].copy_from_slice(&off.to_le_bytes());
-                b[8..16].copy_from_slice(&addr.to_le_bytes());
-            }
+            let marks = w.entries.div_ceil(8);
+            let (m, e) = p.room(marks + w.entries * 16).split_at_mut(marks);
+            write_copies::<16>(runs, m, e);
         }
         RunForm::Packed => {
             p.u64(runs[0].len);
             p.u64(runs[0].region_offset);
-            encode_marks(p, runs, w.entries);
-            let room = p.room(w.entries * 8);
-            for ((_, addr), b) in runs
-                .iter()
-                .flat_map(copies_of)
-                .zip(room.chunks_exact_mut(8))
-            {
-                b.copy_from_slice(&addr.to_le_bytes());
-            }
+            let marks = w.entries.div_ceil(8);
+            let (m, e) = p.room(marks + w.entries * 8).split_at_mut(marks);
+            write_copies::<8>(runs, m, e);
         }
     }
 }
@@ -1098,11 +1088,6 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
         })?;
         Ok::<usize, WireError>(n)
     };
-    let u64_at = |b: &[u8]| {
-        let mut v = [0u8; 8];
-        v.copy_from_slice(&b[..8]);
-        u64::from_le_bytes(v)
-    };
     match r.u8("run list form")? {
         0 => {
             let n = take(r.count("run", MAX_DATA_RUNS, RUN_LEN)?)?;
@@ -1117,8 +1102,7 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
             let len = r.u64("copy length")?;
             let marks = r.take(n.div_ceil(8), "second-copy marks")?;
             let raw = r.take(n * 16, "copies")?;
-            let copies = raw.chunks_exact(16).map(|b| (u64_at(b), u64_at(&b[8..])));
-            rebuild_runs(n, len, marks, copies)
+            rebuild_runs::<16>(n, len, 0, marks, raw)
         }
         2 => {
             let n = take(r.count("copy", MAX_DATA_RUNS, 8)?)?;
@@ -1136,11 +1120,7 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
             }
             let marks = r.take(n.div_ceil(8), "second-copy marks")?;
             let raw = r.take(n * 8, "copies")?;
-            let copies = raw
-                .chunks_exact(8)
-                .enumerate()
-                .map(|(i, b)| (first + i as u64 * len, u64_at(b)));
-            rebuild_runs(n, len, marks, copies)
+            rebuild_runs::<8>(n, len, first, marks, raw)
         }
         other => Err(WireError::Invalid {
             what: "run list form",
@@ -1149,41 +1129,63 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
     }
 }
 
-/// The runs of a compact list: `n` copies of `len` bytes, each starting a
-/// run of its own unless marked the second of a run of two. A mark where
-/// no single copy precedes is an error; strides that wrap are left for the
-/// receiver's checks to refuse (the run then overflows).
-fn rebuild_runs(
+/// The runs of a compact list: `n` copies of `len` bytes (`WIDTH` bytes
+/// each in `raw`: the region offset and the address, or with `WIDTH` 8
+/// the address alone, copy j at `first + j * len`, checked by the caller
+/// not to overflow), each starting a run of its own unless marked the
+/// second of a run of two. A mark where no single copy precedes, or past
+/// the copies, is an error; strides that wrap are left for the receiver's
+/// checks to refuse (the run then overflows). One indexed loop.
+fn rebuild_runs<const WIDTH: usize>(
     n: usize,
     len: u64,
+    first: u64,
     marks: &[u8],
-    copies: impl Iterator<Item = (u64, u64)>,
+    raw: &[u8],
 ) -> Result<Runs, WireError> {
+    let invalid = |why: String| WireError::Invalid {
+        what: "run list",
+        why,
+    };
     if n % 8 != 0 && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
-        return Err(WireError::Invalid {
-            what: "run list",
-            why: format!("marks past its {n} copies"),
-        });
+        return Err(invalid(format!("marks past its {n} copies")));
     }
-    let mut runs: Vec<Run> = Vec::with_capacity(n);
-    for (j, (off, addr)) in copies.enumerate() {
-        if marks[j / 8] & (1 << (j % 8)) == 0 {
-            runs.push(Run::single(off, addr, len));
-            continue;
+    let u64_at = |b: &[u8]| {
+        let mut v = [0u8; 8];
+        v.copy_from_slice(&b[..8]);
+        u64::from_le_bytes(v)
+    };
+    let copy = |j: usize| {
+        let e = &raw[j * WIDTH..(j + 1) * WIDTH];
+        let off = if WIDTH == 16 {
+            u64_at(e)
+        } else {
+            first + j as u64 * len
+        };
+        (off, u64_at(&e[WIDTH - 8..]))
+    };
+    let marked = |j: usize| marks[j / 8] >> (j % 8) & 1 != 0;
+    let pairs: usize = marks.iter().map(|m| m.count_ones() as usize).sum();
+    let mut runs: Vec<Run> = Vec::with_capacity(n - pairs.min(n));
+    let mut j = 0;
+    while j < n {
+        if marked(j) {
+            return Err(invalid(format!(
+                "copy {j} is marked a run's second copy after no single copy"
+            )));
         }
-        match runs.last_mut() {
-            Some(run) if run.count == 1 => {
-                run.count = 2;
-                run.region_stride = off.wrapping_sub(run.region_offset);
-                run.addr_stride = addr.wrapping_sub(run.addr);
-            }
-            _ => {
-                return Err(WireError::Invalid {
-                    what: "run list",
-                    why: format!("copy {j} is marked a run's second copy after no single copy"),
-                })
-            }
+        let (off, addr) = copy(j);
+        let mut run = Run::single(off, addr, len);
+        if j + 1 < n && marked(j + 1) {
+            let (off2, addr2) = copy(j + 1);
+            run.count = 2;
+            run.region_stride = off2.wrapping_sub(off);
+            run.addr_stride = addr2.wrapping_sub(addr);
+            j += 2;
+        } else {
+            j += 1;
         }
+        runs.push(run);
     }
     Ok(runs.into())
 }
