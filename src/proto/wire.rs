@@ -1014,8 +1014,8 @@ fn runs_len(runs: &[Run]) -> usize {
 /// Writes the compact forms' marks and entries: `marks` (one bit a copy)
 /// and `entries` (`WIDTH` bytes a copy: the address, after the region
 /// offset when `WIDTH` is 16), both zeroed and sized for `runs`' copies
-/// (checked by [`run_wire`] not to overflow). One loop, indexed: the
-/// iterator version cost five times the full form's encoding.
+/// (checked by [`run_wire`] not to overflow). One indexed loop (iterator
+/// chains were several times slower: docs/benchmarks.md).
 fn write_copies<const WIDTH: usize>(runs: &[Run], marks: &mut [u8], entries: &mut [u8]) {
     let mut put = |j: usize, off: u64, addr: u64| {
         let e = &mut entries[j * WIDTH..(j + 1) * WIDTH];
