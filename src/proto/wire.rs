@@ -738,21 +738,7 @@ impl Message {
     /// At least the payload's encoded size, without looking at the runs
     /// (every run list in its full form): what `encode` reserves.
     fn payload_len_bound(&self) -> usize {
-        let full = |runs: &[Run]| 5 + RUN_LEN * runs.len();
-        match self {
-            Message::Data { runs, .. } => 20 + full(runs),
-            Message::Read {
-                endpoint,
-                data_path,
-                chunks,
-                ..
-            } => {
-                28 + endpoint.len()
-                    + data_path.len()
-                    + chunks.iter().map(|c| 8 + full(&c.runs)).sum::<usize>()
-            }
-            other => other.payload_len_hint(),
-        }
+        self.payload_len_with(|runs| 5 + RUN_LEN * runs.len())
     }
 
     /// The run-list entries the encoding carries (runs, or copies in the
@@ -767,6 +753,11 @@ impl Message {
 
     /// The payload's encoded size (exact; checked by `messages_round_trip`).
     pub fn payload_len_hint(&self) -> usize {
+        self.payload_len_with(runs_len)
+    }
+
+    /// The payload's size with each run list taking `list(runs)` bytes.
+    fn payload_len_with(&self, list: impl Fn(&[Run]) -> usize) -> usize {
         match self {
             Message::Want {
                 chunk_sizes,
@@ -775,7 +766,7 @@ impl Message {
             } => 24 + 8 * chunk_sizes.len() + endpoint.len(),
             Message::Cancel { endpoint, .. } => 24 + endpoint.len(),
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
-            Message::Data { runs, .. } => 20 + runs_len(runs),
+            Message::Data { runs, .. } => 20 + list(runs),
             Message::Read {
                 endpoint,
                 data_path,
@@ -784,7 +775,7 @@ impl Message {
             } => {
                 28 + endpoint.len()
                     + data_path.len()
-                    + chunks.iter().map(|c| 8 + runs_len(&c.runs)).sum::<usize>()
+                    + chunks.iter().map(|c| 8 + list(&c.runs)).sum::<usize>()
             }
             Message::ReadGrant { credits, .. } => 12 + 20 * credits.len(),
             Message::Ack { .. } | Message::ReadData { .. } | Message::ReadAck { .. } => 20,
@@ -862,13 +853,16 @@ impl Message {
     }
 }
 
+/// The little-endian u64 at the start of `b` (at least 8 bytes).
+fn le_u64(b: &[u8]) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(v)
+}
+
 /// One run from its `RUN_LEN` encoded bytes.
 fn parse_run(b: &[u8]) -> Run {
-    let u64_at = |at: usize| {
-        let mut v = [0u8; 8];
-        v.copy_from_slice(&b[at..at + 8]);
-        u64::from_le_bytes(v)
-    };
+    let u64_at = |at: usize| le_u64(&b[at..]);
     let mut count = [0u8; 4];
     count.copy_from_slice(&b[24..28]);
     Run {
@@ -1080,7 +1074,7 @@ fn encode_runs(p: &mut Writer, runs: &[Run]) {
 /// One run list; `left` is what the message may still carry (entries),
 /// checked before anything is allocated.
 fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> {
-    let mut take = |n: usize| {
+    let mut charge = |n: usize| {
         *left = left.checked_sub(n).ok_or(WireError::CountTooLarge {
             what: "run-list entries in one message",
             count: n as u64,
@@ -1090,7 +1084,7 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
     };
     match r.u8("run list form")? {
         0 => {
-            let n = take(r.count("run", MAX_DATA_RUNS, RUN_LEN)?)?;
+            let n = charge(r.count("run", MAX_DATA_RUNS, RUN_LEN)?)?;
             // `count` checked that the n runs are all there: parse them
             // from one slice straight into the shared list (one
             // allocation; a run list can be hundreds of KiB).
@@ -1098,14 +1092,14 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
             Ok(raw.chunks_exact(RUN_LEN).map(parse_run).collect())
         }
         1 => {
-            let n = take(r.count("copy", MAX_DATA_RUNS, 16)?)?;
+            let n = charge(r.count("copy", MAX_DATA_RUNS, 16)?)?;
             let len = r.u64("copy length")?;
             let marks = r.take(n.div_ceil(8), "second-copy marks")?;
             let raw = r.take(n * 16, "copies")?;
             rebuild_runs::<16>(n, len, 0, marks, raw)
         }
         2 => {
-            let n = take(r.count("copy", MAX_DATA_RUNS, 8)?)?;
+            let n = charge(r.count("copy", MAX_DATA_RUNS, 8)?)?;
             let len = r.u64("copy length")?;
             let first = r.u64("first region offset")?;
             // The last copy's offset must not overflow (nor any before it).
@@ -1150,19 +1144,14 @@ fn rebuild_runs<const WIDTH: usize>(
     if n % 8 != 0 && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
         return Err(invalid(format!("marks past its {n} copies")));
     }
-    let u64_at = |b: &[u8]| {
-        let mut v = [0u8; 8];
-        v.copy_from_slice(&b[..8]);
-        u64::from_le_bytes(v)
-    };
     let copy = |j: usize| {
         let e = &raw[j * WIDTH..(j + 1) * WIDTH];
         let off = if WIDTH == 16 {
-            u64_at(e)
+            le_u64(e)
         } else {
             first + j as u64 * len
         };
-        (off, u64_at(&e[WIDTH - 8..]))
+        (off, le_u64(&e[WIDTH - 8..]))
     };
     let marked = |j: usize| marks[j / 8] >> (j % 8) & 1 != 0;
     let pairs: usize = marks.iter().map(|m| m.count_ones() as usize).sum();
