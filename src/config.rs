@@ -78,6 +78,10 @@ pub struct Config {
     /// Bounce arena, VRAM on one side and DRAM on the other: minimum
     /// descriptor count.
     pub mixed_min_descriptor_count: u64,
+    /// Each GPU with registered memory gets a second bounce instance whose
+    /// arena is host memory pinned for it: the one its transfers with DRAM
+    /// take, so their chunk writes are host to host.
+    pub mixed_host_staging: bool,
     /// Routing gate of the bounce arena when either side is VRAM: maximum
     /// average descriptor size (bytes).
     pub vram_max_average_descriptor_size_bytes: u64,
@@ -185,6 +189,7 @@ impl Default for Config {
             max_average_descriptor_size_bytes: 8 * KIB,
             vram_min_descriptor_count: 256,
             mixed_min_descriptor_count: 512,
+            mixed_host_staging: true,
             vram_max_average_descriptor_size_bytes: 256 * KIB,
             peer_map_min_descriptor_count: 1,
             peer_map_max_average_descriptor_size_bytes: 0,
@@ -395,6 +400,7 @@ static SETTINGS: &[Setting] = &[
     setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, DRAM on both sides: maximum average descriptor bytes (larger go to UCX)."),
     setting!(vram_min_descriptor_count, "vram_min_descriptor_count", "VRAM_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on both sides: minimum descriptor count."),
     setting!(mixed_min_descriptor_count, "mixed_min_descriptor_count", "MIXED_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on one side and DRAM on the other: minimum descriptor count (fewer go to UCX: on the H200, VRAM -> DRAM READs through the arena ran at 0.72x UCX's speed at 256 x 8 KiB, 1.12x at 512, 1.25x at 1024); the average size limit is vram_max_average_descriptor_size_bytes."),
+    setting!(mixed_host_staging, "mixed_host_staging", "MIXED_HOST_STAGING", Bool, true, "VRAM with DRAM on the other side (e.g. vLLM's host KV buffer): each GPU with registered memory gets a second bounce arena, arena_size_bytes of host memory pinned for it, and such transfers take it: the GPU's kernels gather into it and scatter from it across PCIe, and the chunk write between it and the peer's DRAM arena is host to host, where UCX's write between a VRAM arena and a DRAM arena is its staged device-to-host path (not with use_nixl_notifications: one instance per agent there). Off: mixed transfers use the GPU's VRAM arena."),
     setting!(vram_max_average_descriptor_size_bytes, "vram_max_average_descriptor_size_bytes", "VRAM_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, VRAM on either side: maximum average descriptor bytes."),
     setting!(peer_map_min_descriptor_count, "peer_map_min_descriptor_count", "PEER_MAP_MIN_DESCRIPTOR_COUNT", Count, false, "Peer-mapped path: minimum descriptor count."),
     setting!(peer_map_max_average_descriptor_size_bytes, "peer_map_max_average_descriptor_size_bytes", "PEER_MAP_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "Peer-mapped path: maximum average descriptor bytes; 0 = no limit."),
@@ -805,7 +811,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 44);
+        assert_eq!(keys.len(), 45);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));

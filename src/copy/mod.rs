@@ -121,13 +121,37 @@ pub type ArenaAndCopier = (Arc<dyn Arena>, Arc<dyn CopyEngine>);
 /// is present, the kernel does not compile, or the arena cannot be
 /// allocated.
 pub fn device_arena(device: u64, len: usize, config: &Config) -> Result<ArenaAndCopier, String> {
+    cuda_arena(device, config, |dev| {
+        Ok(Arc::new(crate::dataplane::vram::DeviceArena::new(
+            dev, len,
+        )?))
+    })
+}
+
+/// The arena and copy engine of GPU `device`'s host-staged instance: host
+/// memory pinned and mapped for the device, filled and drained by the same
+/// CUDA kernels across PCIe (mixed memory; docs/design.md §3).
+pub fn staged_arena(device: u64, len: usize, config: &Config) -> Result<ArenaAndCopier, String> {
+    cuda_arena(device, config, |dev| {
+        Ok(Arc::new(crate::dataplane::vram::PinnedArena::new(
+            dev, len,
+        )?))
+    })
+}
+
+/// GPU `device`'s CUDA copy engine with the arena `make` allocates for it.
+fn cuda_arena(
+    device: u64,
+    config: &Config,
+    make: impl FnOnce(&cuda::CudaDevice) -> Result<Arc<dyn Arena>, String>,
+) -> Result<ArenaAndCopier, String> {
     let cuda = cuda::CudaRuntime::probe()?;
     let ordinal =
         usize::try_from(device).map_err(|_| format!("device id {device} is not a GPU ordinal"))?;
     let dev = cuda.device(ordinal)?;
-    let arena = crate::dataplane::vram::DeviceArena::new(&dev, len)?;
+    let arena = make(&dev)?;
     let streams = (config.copy_stream_count as usize).max(1);
     let pool = cuda::ExecPool::new(dev, streams, config.use_zero_copy_arguments)?;
     let copier = cuda::CudaCopy::with_options(pool, cuda::CopyOptions::for_config(config))?;
-    Ok((Arc::new(arena), Arc::new(copier)))
+    Ok((arena, Arc::new(copier)))
 }

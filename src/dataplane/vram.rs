@@ -169,3 +169,99 @@ impl super::Arena for DeviceArena {
         DeviceArena::len(self)
     }
 }
+
+/// Host memory pinned and mapped for one GPU: the arena of a host-staged
+/// instance (docs/design.md §3, "Mixed memory"). The GPU's gather and
+/// scatter kernels read and write it across PCIe at the same address the
+/// host uses (unified addressing), while the inner agent registers it as
+/// DRAM, so a chunk write between it and a peer's DRAM arena is a host to
+/// host write (shared memory on one host, RDMA across hosts), not UCX's
+/// staged device-to-host path.
+#[derive(Debug)]
+pub struct PinnedArena {
+    host: super::HostArena,
+    ctx: Arc<CudaContext>,
+}
+
+impl PinnedArena {
+    /// Allocates `len` bytes of host memory and pins them for `device`.
+    /// Refused where the device would address them at another address than
+    /// the host does (the kernels and the chunk writes share one address).
+    pub fn new(device: &CudaDevice, len: usize) -> Result<Self, String> {
+        let host = super::HostArena::new(len)
+            .map_err(|e| format!("allocating the {len}-byte host-staged arena: {e}"))?;
+        device.bind()?;
+        let ptr = host.base() as *mut std::ffi::c_void;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: pins exactly the mapping `host` owns, which outlives the
+        // registration (Drop unregisters before `host` unmaps it).
+        unsafe { sys::cuMemHostRegister_v2(ptr, len, flags) }
+            .result()
+            .map_err(|e| {
+                format!(
+                    "cuMemHostRegister of the {len}-byte host-staged arena for CUDA device {}: {e}",
+                    device.ordinal()
+                )
+            })?;
+        let arena = PinnedArena {
+            host,
+            ctx: device.context().clone(),
+        };
+        let mut dev_ptr: sys::CUdeviceptr = 0;
+        // SAFETY: asks for the device address of memory registered just
+        // above; writes one CUdeviceptr through a valid pointer.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, ptr, 0) }
+            .result()
+            .map_err(|e| format!("cuMemHostGetDevicePointer of the host-staged arena: {e}"))?;
+        if dev_ptr as usize != arena.host.base() {
+            return Err(format!(
+                "CUDA device {} addresses the host-staged arena at {dev_ptr:#x}, not at its host address {:#x}",
+                device.ordinal(),
+                arena.host.base()
+            ));
+        }
+        Ok(arena)
+    }
+}
+
+impl Drop for PinnedArena {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: unregisters the registration made in new(), once; the
+        // owner guarantees no copy or transfer still uses it (as for the
+        // device arena). `host` unmaps the memory after this.
+        if let Err(e) =
+            unsafe { sys::cuMemHostUnregister(self.host.base() as *mut std::ffi::c_void) }.result()
+        {
+            tracing::warn!("cuMemHostUnregister of the host-staged arena: {e}");
+        }
+    }
+}
+
+impl MemoryRegion for PinnedArena {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        // SAFETY: forwards to the host arena under the same contract.
+        unsafe { self.host.as_ptr() }
+    }
+    fn size(&self) -> usize {
+        self.host.len()
+    }
+}
+
+impl NixlDescriptor for PinnedArena {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+impl super::Arena for PinnedArena {
+    fn base(&self) -> usize {
+        self.host.base()
+    }
+    fn len(&self) -> usize {
+        self.host.len()
+    }
+}

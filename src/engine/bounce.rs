@@ -25,18 +25,60 @@ use crate::runtime::{Parts, Runtime};
 
 use super::{MemKind, Op, TotalBytes};
 
-/// Where memory lives: host memory, or the memory of one GPU.
+/// The memory an instance serves: host memory, or the memory of one GPU;
+/// for a GPU, with its arena in the GPU's memory or, `host_staged`, in
+/// host memory pinned for it (the instance for mixed-memory transfers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Location {
     pub kind: MemKind,
     pub device: u64,
+    pub host_staged: bool,
+}
+
+impl Location {
+    /// The instance with its arena in the memory it serves.
+    pub fn of(kind: MemKind, device: u64) -> Self {
+        Location {
+            kind,
+            device,
+            host_staged: false,
+        }
+    }
+
+    /// GPU `device`'s host-staged instance.
+    pub fn staged(device: u64) -> Self {
+        Location {
+            kind: MemKind::Vram,
+            device,
+            host_staged: true,
+        }
+    }
+
+    /// The memory the arena lives in.
+    pub fn arena_kind(&self) -> MemKind {
+        match self.host_staged {
+            true => MemKind::Dram,
+            false => self.kind,
+        }
+    }
+
+    /// The arena's device id as NIXL names it (0 for host memory).
+    pub fn arena_device(&self) -> u64 {
+        match self.arena_kind() {
+            MemKind::Dram => 0,
+            MemKind::Vram => self.device,
+        }
+    }
 }
 
 impl std::fmt::Display for Location {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.kind {
-            MemKind::Dram => f.write_str("DRAM"),
-            MemKind::Vram => write!(f, "VRAM device {}", self.device),
+        match (self.kind, self.host_staged) {
+            (MemKind::Dram, _) => f.write_str("DRAM"),
+            (MemKind::Vram, false) => write!(f, "VRAM device {}", self.device),
+            (MemKind::Vram, true) => {
+                write!(f, "VRAM device {}, staged in host memory", self.device)
+            }
         }
     }
 }
@@ -90,6 +132,9 @@ impl Bounce {
                 let arena = HostArena::new(capacity as usize)
                     .map_err(|e| format!("allocating the {capacity}-byte host arena: {e}"))?;
                 (Arc::new(arena), Arc::new(HostCopy::default()))
+            }
+            MemKind::Vram if location.host_staged => {
+                crate::copy::staged_arena(location.device, capacity as usize, config)?
             }
             MemKind::Vram => crate::copy::device_arena(location.device, capacity as usize, config)?,
         };
@@ -146,8 +191,8 @@ impl Bounce {
         // Every READ tells the data owner how to write into this arena.
         endpoint.set_read_data_path(
             DataPath {
-                kind: location.kind as u8,
-                device: location.device,
+                kind: location.arena_kind() as u8,
+                device: location.arena_device(),
                 base: arena.base() as u64,
                 inner_agent: shared.inner_name.to_string(),
                 conn_md: shared.inner_md.to_vec(),
@@ -158,7 +203,7 @@ impl Bounce {
         let mut handshake = Handshake {
             endpoint: endpoint_bytes,
             arena_base: arena.base() as u64,
-            arena_device: location.device as u32,
+            arena_device: location.arena_device() as u32,
             access_key,
             ..local_handshake(config, control)
         };
@@ -194,7 +239,7 @@ impl Bounce {
                 },
             ),
             chunk_writes: config
-                .chunk_writes_for(location.kind == MemKind::Vram)
+                .chunk_writes_for(location.arena_kind() == MemKind::Vram)
                 .unwrap_or(IoThreadUse::Never),
             copy_launches: config.copy_launches().unwrap_or(IoThreadUse::Always),
             failpoints: shared.failpoints.clone(),
@@ -257,6 +302,18 @@ impl Drop for Bounce {
                 "leaking the poisoned bounce arena ({why}): it may still be written"
             );
             std::mem::forget(self._arena.clone());
+        }
+    }
+}
+
+impl crate::engine::conn_info::PublicBounce {
+    /// What peers need of `instance` to reach it: its arena's memory and
+    /// registration, and its handshake.
+    pub fn of(instance: &Bounce) -> Self {
+        Self {
+            kind: instance.location.arena_kind() as u8,
+            arena_md: instance.arena_metadata.clone(),
+            handshake: instance.handshake.encode(),
         }
     }
 }

@@ -885,6 +885,7 @@ mod prepare_tests {
         let remote = || MdOwner::Remote {
             agent: String::new(),
             bounce: None,
+            staged: None,
             peer: None,
             mapped: OnceLock::new(),
             cma: Some(peer.clone()),

@@ -22,12 +22,13 @@ use crate::proto::wire::{Reader, WireError, Writer};
 pub const MAGIC: &[u8; 8] = b"NXBOUNCE";
 pub const CONN_INFO_VERSION: u16 = 2;
 pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
-/// Version 2 added the peer-map block, version 3 the CMA block; each
+/// Version 2 added the peer-map block, version 3 the CMA block, version 4
+/// the host-staged bounce block; each
 /// region is written in the lowest version that carries its blocks, and
 /// every earlier version is still read. A plugin that knows only an
 /// earlier version refuses a region written in a later one (naming the
 /// version): DRAM regions are version 3 while the CMA path is on.
-pub const PUBLIC_VERSION: u16 = 3;
+pub const PUBLIC_VERSION: u16 = 4;
 pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
 pub const DATA_PATH_VERSION: u16 = 1;
 
@@ -91,6 +92,9 @@ impl ConnInfo {
 ///                 peer mapping, else PEER_EXPORT_LEN bytes of [`PeerExport`]
 /// cm_len u32      (version 3) 0 when the region is not offered to the CMA
 ///                 path, else CMA_EXPORT_LEN bytes of [`CmaExport`]
+/// hs_len u32      (version 4) 0 when the region has no host-staged
+///                 instance, else a bounce block as above (kind 0: its
+///                 arena is host memory) for its transfers with DRAM
 /// ```
 /// The bounce handshake travels with the memory it serves because an arena
 /// (one per memory location) is created when memory at that location is
@@ -106,6 +110,10 @@ pub struct PublicData {
     /// How a peer on the same host may copy to and from the region by
     /// cross-memory attach (the CMA path, docs/design.md §3).
     pub cma: Option<CmaExport>,
+    /// The bounce instance of a VRAM region's GPU whose arena is pinned
+    /// host memory: the one its transfers with DRAM take (mixed memory,
+    /// docs/design.md §3).
+    pub staged: Option<PublicBounce>,
 }
 
 /// Bytes of an encoded [`CmaExport`].
@@ -225,10 +233,45 @@ impl PeerExport {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublicBounce {
-    /// 0 DRAM, 1 VRAM (NIXL's numbering).
+    /// The arena's memory: 0 DRAM, 1 VRAM (NIXL's numbering).
     pub kind: u8,
     pub arena_md: Vec<u8>,
     pub handshake: Vec<u8>,
+}
+
+impl PublicBounce {
+    /// The block: nothing for `None`.
+    fn encode(bounce: Option<&Self>) -> Vec<u8> {
+        let mut block = Writer::new();
+        if let Some(b) = bounce {
+            block.u8(b.kind);
+            block.len_prefixed(&b.arena_md);
+            block.bytes(&b.handshake);
+        }
+        block.into_bytes()
+    }
+
+    /// `None` for an empty block.
+    fn decode(block: &[u8]) -> Result<Option<Self>, String> {
+        if block.is_empty() {
+            return Ok(None);
+        }
+        let mut b = Reader::new(block);
+        let kind = b.u8("memory kind").map_err(truncated)?;
+        if kind > 1 {
+            return Err(format!("unknown arena memory kind {kind}"));
+        }
+        let arena_md = len_prefixed(&mut b, "arena metadata")?.to_vec();
+        let handshake = b
+            .take(b.remaining(), "handshake")
+            .map_err(truncated)?
+            .to_vec();
+        Ok(Some(PublicBounce {
+            kind,
+            arena_md,
+            handshake,
+        }))
+    }
 }
 
 impl PublicData {
@@ -238,7 +281,9 @@ impl PublicData {
         // The lowest version that carries the region's blocks, so that
         // plugins of an earlier version still read every region without
         // the later blocks.
-        let version = if self.cma.is_some() {
+        let version = if self.staged.is_some() {
+            4
+        } else if self.cma.is_some() {
             3
         } else if self.peer_map.is_some() {
             2
@@ -247,13 +292,7 @@ impl PublicData {
         };
         w.u16(version);
         w.len_prefixed(&self.region_md);
-        let mut block = Writer::new();
-        if let Some(b) = &self.bounce {
-            block.u8(b.kind);
-            block.len_prefixed(&b.arena_md);
-            block.bytes(&b.handshake);
-        }
-        w.len_prefixed(&block.into_bytes());
+        w.len_prefixed(&PublicBounce::encode(self.bounce.as_ref()));
         if version >= 2 {
             let mut pm = Writer::new();
             if let Some(p) = &self.peer_map {
@@ -261,10 +300,15 @@ impl PublicData {
             }
             w.len_prefixed(&pm.into_bytes());
         }
-        if let Some(c) = &self.cma {
+        if version >= 3 {
             let mut cm = Writer::new();
-            c.encode_into(&mut cm);
+            if let Some(c) = &self.cma {
+                c.encode_into(&mut cm);
+            }
             w.len_prefixed(&cm.into_bytes());
+        }
+        if version >= 4 {
+            w.len_prefixed(&PublicBounce::encode(self.staged.as_ref()));
         }
         w.into_bytes()
     }
@@ -293,6 +337,11 @@ impl PublicData {
         } else {
             &[]
         };
+        let staged_block = if version >= 4 {
+            len_prefixed(&mut r, "host-staged bounce block")?
+        } else {
+            &[]
+        };
         r.finish("region metadata").map_err(|e| e.to_string())?;
         let cma = if cma_block.is_empty() {
             None
@@ -304,30 +353,13 @@ impl PublicData {
         } else {
             Some(PeerExport::decode(peer_block)?)
         };
-        let bounce = if block.is_empty() {
-            None
-        } else {
-            let mut b = Reader::new(block);
-            let kind = b.u8("memory kind").map_err(truncated)?;
-            if kind > 1 {
-                return Err(format!("unknown arena memory kind {kind}"));
-            }
-            let arena_md = len_prefixed(&mut b, "arena metadata")?.to_vec();
-            let handshake = b
-                .take(b.remaining(), "handshake")
-                .map_err(truncated)?
-                .to_vec();
-            Some(PublicBounce {
-                kind,
-                arena_md,
-                handshake,
-            })
-        };
         Ok(Self {
             region_md,
-            bounce,
+            bounce: PublicBounce::decode(block)?,
             peer_map,
             cma,
+            staged: PublicBounce::decode(staged_block)
+                .map_err(|e| format!("host-staged bounce block: {e}"))?,
         })
     }
 }
@@ -483,16 +515,26 @@ mod tests {
             }),
         ];
         let cmas = [None, Some(cma_export())];
-        for ((bounce, peer_map), cma) in bounces
+        let staged = [
+            None,
+            Some(PublicBounce {
+                kind: 0,
+                arena_md: vec![8; 5],
+                handshake: vec![9; 12],
+            }),
+        ];
+        for (((bounce, peer_map), cma), staged) in bounces
             .iter()
             .flat_map(|b| [(b.clone(), None), (b.clone(), Some(export()))])
             .flat_map(|bp| cmas.map(|c| (bp.clone(), c)))
+            .flat_map(|bpc| staged.clone().map(|h| (bpc.clone(), h)))
         {
             let p = PublicData {
                 region_md: vec![1, 2, 3],
                 bounce,
                 peer_map,
                 cma,
+                staged,
             };
             let bytes = p.encode();
             assert_eq!(PublicData::decode(&bytes).unwrap(), p);
@@ -525,6 +567,7 @@ mod tests {
             bounce: None,
             peer_map: None,
             cma: None,
+            staged: None,
         };
         assert_eq!(
             u16::from_le_bytes([plain.encode()[8], plain.encode()[9]]),
@@ -539,14 +582,27 @@ mod tests {
         // Only data with a CMA block needs version 3.
         let dram = PublicData {
             cma: Some(cma_export()),
-            ..plain
+            ..plain.clone()
         };
         let bytes = dram.encode();
         assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), 3);
         assert_eq!(PublicData::decode(&bytes).unwrap(), dram);
-        future[8] = 4;
+        // Only a VRAM region with a host-staged instance needs version 4.
+        let vram = PublicData {
+            peer_map: Some(export()),
+            staged: Some(PublicBounce {
+                kind: 0,
+                arena_md: vec![1],
+                handshake: vec![2; 9],
+            }),
+            ..plain
+        };
+        let bytes = vram.encode();
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), 4);
+        assert_eq!(PublicData::decode(&bytes).unwrap(), vram);
+        future[8] = 5;
         let e = PublicData::decode(&future).unwrap_err();
-        assert!(e.contains("version 4"), "{e}");
+        assert!(e.contains("version 5"), "{e}");
     }
 
     fn cma_export() -> CmaExport {
@@ -564,6 +620,7 @@ mod tests {
             region_md: vec![1],
             bounce: None,
             cma: None,
+            staged: None,
             peer_map: Some(PeerExport {
                 alloc_len: 0,
                 ..export()

@@ -191,6 +191,9 @@ pub enum MdOwner {
         public_data: Vec<u8>,
         /// The bounce instance of the region's location, if any.
         bounce: Option<Arc<Bounce>>,
+        /// A VRAM region's host-staged instance, for its transfers with
+        /// DRAM (docs/design.md §3, "Mixed memory").
+        staged: Option<Arc<Bounce>>,
     },
     /// A region of a remote agent, loaded from its metadata.
     Remote {
@@ -198,6 +201,9 @@ pub enum MdOwner {
         /// The peer's bounce instance for the region's location, when it
         /// advertised a compatible one.
         bounce: Option<Arc<PeerBounce>>,
+        /// The peer's host-staged instance of a VRAM region's GPU, when it
+        /// advertised a compatible one (for our DRAM's transfers with it).
+        staged: Option<Arc<PeerBounce>>,
         /// The peer's allocation holding the region, when it is on this
         /// host and exported it for mapping (the peer-mapped path).
         peer: Option<Arc<peer::RemoteAlloc>>,
@@ -243,6 +249,29 @@ impl Md {
                 bounce: Some(p), ..
             } => Some(p),
             _ => None,
+        }
+    }
+
+    /// The bounce instance that moves this registered region to or from
+    /// the other side's memory: its host-staged one when `mixed` (the
+    /// other side's memory is of the other kind) and it has one, else its
+    /// location's.
+    fn instance_for(&self, mixed: bool) -> Option<&Arc<Bounce>> {
+        match &self.owner {
+            MdOwner::Registered {
+                staged: Some(h), ..
+            } if mixed => Some(h),
+            _ => self.instance(),
+        }
+    }
+
+    /// [`Md::instance_for`] for a remote region: the peer's arena.
+    fn arena_for(&self, mixed: bool) -> Option<&Arc<PeerBounce>> {
+        match &self.owner {
+            MdOwner::Remote {
+                staged: Some(h), ..
+            } if mixed => Some(h),
+            _ => self.arena(),
         }
     }
 
@@ -657,8 +686,9 @@ impl Packing {
     /// plan would be cut by whole chunks.
     fn of(op: Op, local: &Descs<'_>, remote: &Descs<'_>) -> Option<Packing> {
         let (l0, r0) = (local.raw.first()?, remote.raw.first()?);
-        let instance = local.md(l0.md)?.instance()?.clone();
-        remote.md(r0.md)?.arena()?;
+        let mixed = local.kind != remote.kind;
+        let instance = local.md(l0.md)?.instance_for(mixed)?.clone();
+        remote.md(r0.md)?.arena_for(mixed)?;
         let first = pair_descriptor(op, l0.range(), r0.range());
         let runtime = &instance.runtime;
         let spec = PackSpec::new(
@@ -807,8 +837,14 @@ impl<'a> Checked<'a> {
         Checked {
             local: Side(local),
             remote: Side(remote),
-            local_instance: facts.instance.get().and_then(|r| r.md.instance()),
-            peer: facts.peer.get().and_then(|r| r.md.arena()),
+            local_instance: facts
+                .instance
+                .get()
+                .and_then(|r| r.md.instance_for(local.kind != remote.kind)),
+            peer: facts
+                .peer
+                .get()
+                .and_then(|r| r.md.arena_for(local.kind != remote.kind)),
             survey: facts.survey,
         }
     }
@@ -1414,11 +1450,21 @@ impl Engine {
             )));
         }
         EngineStats::bump(&self.stats.counters.registrations);
-        let bounce = self.instance(Location {
-            kind,
-            device: range.dev,
-        });
-        if let Some(b) = &bounce {
+        let bounce = self.instance(Location::of(kind, range.dev));
+        // A GPU's host-staged instance moves its memory to and from DRAM.
+        // Over NIXL notifications an agent has one instance, so there the
+        // location's own serves mixed transfers too.
+        let staged = match kind {
+            MemKind::Vram
+                if bounce.is_some()
+                    && self.config.mixed_host_staging
+                    && !self.config.use_nixl_notifications =>
+            {
+                self.instance(Location::staged(range.dev))
+            }
+            _ => None,
+        };
+        for b in bounce.iter().chain(&staged) {
             b.runtime.targets.add(range.addr, range.len);
         }
         let peer_map = match kind {
@@ -1445,11 +1491,8 @@ impl Engine {
         };
         let public_data = PublicData {
             region_md: ucx_public.to_vec(),
-            bounce: bounce.as_ref().map(|b| PublicBounce {
-                kind: kind as u8,
-                arena_md: b.arena_metadata.clone(),
-                handshake: b.handshake.encode(),
-            }),
+            bounce: bounce.as_deref().map(PublicBounce::of),
+            staged: staged.as_deref().map(PublicBounce::of),
             peer_map,
             cma: match kind {
                 MemKind::Dram => self.cma.export(),
@@ -1464,6 +1507,7 @@ impl Engine {
             owner: MdOwner::Registered {
                 public_data,
                 bounce,
+                staged,
             },
         }))
     }
@@ -1491,7 +1535,7 @@ impl Engine {
             return Err(Error::invalid("metadata handle is not a BOUNCE handle"));
         }
         md.magic = 0;
-        if let MdOwner::Registered { bounce, .. } = &md.owner {
+        if let MdOwner::Registered { bounce, staged, .. } = &md.owner {
             EngineStats::bump(&self.stats.counters.deregistrations);
             if md.kind == MemKind::Dram
                 && !self.cma.quiesce(md.range, crate::runtime::QUIESCE_BOUND)
@@ -1502,7 +1546,7 @@ impl Engine {
                     "deregistered memory is still used by a CMA copy"
                 );
             }
-            if let Some(b) = bounce {
+            for b in bounce.iter().chain(staged) {
                 // The user may free the memory once we return: wait until no
                 // gather or scatter still touches it.
                 if !b.runtime.targets.remove(
@@ -1677,6 +1721,13 @@ impl Engine {
                     .bounce
                     .as_ref()
                     .and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
+                staged: match kind {
+                    MemKind::Vram => public
+                        .staged
+                        .as_ref()
+                        .and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
+                    MemKind::Dram => None,
+                },
                 peer: match (kind, &public.peer_map) {
                     (MemKind::Vram, Some(e)) if remote != self.local_name => {
                         self.peer.remote(e, range.addr as u64, range.len as u64)
@@ -2556,6 +2607,7 @@ pub(crate) mod testing {
         MdOwner::Registered {
             public_data: Vec::new(),
             bounce: None,
+            staged: None,
         }
     }
 
@@ -2696,22 +2748,79 @@ mod tests {
         fn remote(peer: &str) -> MdOwner {
             MdOwner::Remote {
                 agent: peer.into(),
-                bounce: Some(Arc::new(PeerBounce {
-                    id: PeerId::new(peer),
-                    arena: PeerArena {
-                        inner_agent: format!("{peer}/bounce"),
-                        base: 0,
-                        device: 0,
-                        mem: MemType::Dram,
-                    },
-                    key: 7,
-                    read: true,
-                    heartbeats: true,
-                })),
+                bounce: Some(peer_bounce(peer, MemType::Dram)),
+                staged: None,
                 peer: None,
                 mapped: std::sync::OnceLock::new(),
                 cma: None,
             }
+        }
+
+        fn peer_bounce(id: &str, mem: MemType) -> Arc<PeerBounce> {
+            Arc::new(PeerBounce {
+                id: PeerId::new(id),
+                arena: PeerArena {
+                    inner_agent: format!("{id}/bounce"),
+                    base: 0,
+                    device: 0,
+                    mem,
+                },
+                key: 7,
+                read: true,
+                heartbeats: true,
+            })
+        }
+
+        #[test]
+        fn dram_meets_a_peers_gpu_through_its_host_staged_arena() {
+            // A peer's VRAM region with its GPU's two instances.
+            let vram = Box::leak(Box::new(md(
+                1 << 40,
+                MdOwner::Remote {
+                    agent: "peer".into(),
+                    bounce: Some(peer_bounce("peer-vram", MemType::Vram)),
+                    staged: Some(peer_bounce("peer-staged", MemType::Dram)),
+                    peer: None,
+                    mapped: std::sync::OnceLock::new(),
+                    cma: None,
+                },
+            )));
+            let local = Box::leak(Box::new(md(1 << 32, registered())));
+            let (l, r) = ([at(local, 0, 4096)], [at(vram, 0, 4096)]);
+            let resolve = |p: *const std::ffi::c_void| p as *const Md;
+            for (kind, want) in [(MemKind::Dram, "peer-staged"), (MemKind::Vram, "peer-vram")] {
+                // SAFETY: both handles are the leaked `Md`s above.
+                let (ld, rd) = unsafe {
+                    (
+                        Descs::new(kind, &l, &resolve),
+                        Descs::new(MemKind::Vram, &r, &resolve),
+                    )
+                };
+                let c = Checked::new(Op::Write, ld, rd).expect("checked");
+                assert_eq!(c.peer.map(|p| p.id.as_str()), Some(want), "local {kind:?}");
+                let packing = Packing::of(Op::Write, &ld, &rd);
+                assert!(packing.is_none(), "no local instance here");
+            }
+            // Without a host-staged instance, the peer's only one.
+            let plain = Box::leak(Box::new(md(
+                1 << 40,
+                MdOwner::Remote {
+                    agent: "peer".into(),
+                    bounce: Some(peer_bounce("peer-vram", MemType::Vram)),
+                    staged: None,
+                    peer: None,
+                    mapped: std::sync::OnceLock::new(),
+                    cma: None,
+                },
+            )));
+            assert_eq!(
+                plain.arena_for(true).map(|p| p.id.as_str()),
+                Some("peer-vram")
+            );
+            assert_eq!(
+                vram.arena_for(false).map(|p| p.id.as_str()),
+                Some("peer-vram")
+            );
         }
 
         /// `f` of the check of a WRITE from `l` to `r`, after checking
