@@ -735,6 +735,8 @@ class Reader:
                 verified=True, route=route, telemetry=tele[k]))
             if sender != agent.name:
                 raise BenchError(f"{geom['name']} {b}: notification from {sender!r}, expected {agent.name!r}")
+        if b != "UCX" and o.expect_route and not route.startswith(o.expect_route):
+            raise BenchError(f"{geom['name']} {b} iter {it}: route {route!r}, expected {o.expect_route!r}...")
 
 
 # ---------------------------------------------------------------------------
@@ -952,6 +954,8 @@ def parse_args(argv=None):
                     help="diagnostic: also prepare each iteration's first request K more times back to back "
                          "(warm caches; released untransferred) and report their median")
     ap.add_argument("--json", default=None, help="write every sample to this file")
+    ap.add_argument("--expect-route", default="", metavar="PREFIX",
+                    help="fail unless every BOUNCE request's route starts with PREFIX (e.g. bounce)")
     o = ap.parse_args(argv)
     o.device = o.device or default_device()
     o.reader_device = o.reader_device or o.device

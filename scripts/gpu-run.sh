@@ -8,6 +8,15 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
 nb=/tmp/nixl-bounce-gpu
+# The official Python API: the wheel's nixl_cu13 module (not in the bundle;
+# carried as .py312/nixl_cu13, docs/gpu.md) beside the bundle's libraries.
+# Fails when it was not carried.
+python_api() {
+    local py="${PY312:-$here/../.py312}"
+    [[ -d "$py/nixl_cu13" ]] || return 1
+    [[ -d "$nb/site/nixl_cu13" ]] || cp -a "$py/nixl_cu13" "$nb/site/"
+    export PYTHONPATH="$nb/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+}
 rm -rf "$nb" && mkdir -p "$nb" && tar -C "$nb" -xJf "$here/bundle.tar.xz"
 export NIXL_PLUGIN_DIR="$nb/site/.nixl_cu13.mesonpy.libs/plugins"
 export LD_LIBRARY_PATH="$nb/site/.nixl_cu13.mesonpy.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -95,10 +104,7 @@ if [[ "$mode" == vllm || "$mode" == python ]]; then
     # The official Python API: the wheel's nixl_cu13 module (not in the
     # bundle; carry it as .py312/nixl_cu13, docs/gpu.md) beside the bundle's
     # libraries, so its $ORIGIN-relative paths find them.
-    py="${PY312:-$here/../.py312}"
-    [[ -d "$py/nixl_cu13" ]] || { echo "no $py/nixl_cu13 (docs/gpu.md)"; exit 1; }
-    cp -a "$py/nixl_cu13" "$nb/site/"
-    export PYTHONPATH="$nb/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
     if [[ "$mode" == vllm ]]; then
         # vLLM's NIXL connector pattern with torch KV caches, BOUNCE and UCX
         # (as vLLM creates it) alternating, every transfer byte-exact.
@@ -158,6 +164,20 @@ tests() {
     # (bounce path), the target killed under a peer-mapped copy: terminal in
     # bound, arenas drained and conserved, next WRITE byte-exact.
     run vram-faults "$v" faults --buffer 268435456
+    # Mixed memory: vLLM's READ between one process's VRAM and the other's
+    # DRAM, both ways, through the GPU's host-staged instance (defaults),
+    # byte-exact, every request on the bounce path.
+    if python_api; then
+        local dirs
+        for dirs in "cuda torch-cpu" "torch-cpu cuda"; do
+            set -- $dirs
+            run "mixed-$1-$2" python3 bench/vllm_pattern.py --device "$1" --reader-device "$2" \
+                --cases tp4-128,tp4-8k --token-scale 0.25 --iters 3 --warmup 1 --backends BOUNCE \
+                --expect-route bounce
+        done
+    else
+        echo "mixed-memory tests skipped: no .py312/nixl_cu13 (docs/gpu.md)" | tee -a "$out/summary.txt"
+    fi
 }
 benches() {
     local iters=20; [[ "$mode" == full ]] && iters=50

@@ -742,6 +742,12 @@ fn wait_until(
     Ok(t0.elapsed())
 }
 
+/// The bytes of every arena an agent's counters sum: one of `capacity` per
+/// bounce instance (a GPU's own and its host-staged one).
+fn all_arenas(c: &BTreeMap<String, u64>, capacity: u64) -> u64 {
+    capacity * c.get("bounce_instances").copied().unwrap_or(1).max(1)
+}
+
 /// Both arenas hold nothing and every byte is accounted for; returns how
 /// long that took.
 fn arenas_idle(init: &mut Initiator, capacity: u64) -> Result<Duration, String> {
@@ -751,7 +757,7 @@ fn arenas_idle(init: &mut Initiator, capacity: u64) -> Result<Duration, String> 
         arena_held(&plugin_counters(&name)) == 0 && arena_held(&target_counters(t)) == 0
     })?;
     for c in [plugin_counters(&name), target_counters(&mut init.target)] {
-        if arena_total(&c) != capacity {
+        if arena_total(&c) != all_arenas(&c, capacity) {
             return Err(format!(
                 "arena bytes not conserved ({capacity} expected): {c:?}"
             ));
@@ -849,7 +855,7 @@ fn killed_target_drill(args: &Args) -> Result<String, String> {
         arena_held(&plugin_counters(&name)) == 0
     })?;
     let c = plugin_counters(&name);
-    if arena_total(&c) != capacity {
+    if arena_total(&c) != all_arenas(&c, capacity) {
         return Err(format!("arena bytes not conserved: {c:?}"));
     }
     // A new target.

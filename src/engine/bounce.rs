@@ -733,11 +733,11 @@ mod tests {
         let cfg = Config::default();
         let (d, v) = (MemKind::Dram, MemKind::Vram);
         let admits = |l, r, n: u64| arena_gate(&cfg, l, r).admit(n, (n * 4096).into()).is_ok();
-        // DRAM on both sides: 1024; VRAM on both: 256; mixed: 512.
+        // DRAM on both sides: 1024; VRAM on both: 256; mixed: 64.
         assert!(!admits(d, d, 1023) && admits(d, d, 1024));
         assert!(!admits(v, v, 255) && admits(v, v, 256));
         for (l, r) in [(d, v), (v, d)] {
-            assert!(!admits(l, r, 511) && admits(l, r, 512), "{l:?} -> {r:?}");
+            assert!(!admits(l, r, 63) && admits(l, r, 64), "{l:?} -> {r:?}");
         }
     }
 
