@@ -742,6 +742,22 @@ mod tests {
     }
 
     #[test]
+    fn a_host_staged_instance_has_its_arena_in_host_memory() {
+        let own = Location::of(MemKind::Vram, 3);
+        let staged = Location::staged(3);
+        assert_ne!(own, staged, "two instances of one GPU");
+        assert_eq!((own.arena_kind(), own.arena_device()), (MemKind::Vram, 3));
+        assert_eq!(
+            (staged.arena_kind(), staged.arena_device()),
+            (MemKind::Dram, 0)
+        );
+        let dram = Location::of(MemKind::Dram, 0);
+        assert_eq!((dram.arena_kind(), dram.arena_device()), (MemKind::Dram, 0));
+        assert_eq!(staged.to_string(), "VRAM device 3, staged in host memory");
+        assert_eq!(own.to_string(), "VRAM device 3");
+    }
+
+    #[test]
     fn admit_reads_the_heartbeats_capability() {
         let cfg = Config {
             use_nixl_notifications: true,

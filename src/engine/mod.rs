@@ -1429,6 +1429,10 @@ impl Engine {
         };
         let instance = match started {
             Ok(b) => Some(b),
+            Err(e) if location.host_staged => {
+                tracing::warn!(agent = %self.local_name, %location, "host-staged arena unavailable; this GPU's transfers with DRAM use its own arena: {e}");
+                None
+            }
             Err(e) => {
                 tracing::warn!(agent = %self.local_name, %location, "bounce path unavailable for this memory, it uses UCX: {e}");
                 None
