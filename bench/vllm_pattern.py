@@ -64,7 +64,8 @@ processes on --gpu / --owner-gpu); --device cpu in DRAM as numpy arrays (a
 uint16 array stands in for bf16); --device torch-cpu in DRAM as torch tensors.
 --reader-device puts the reader's cache alone elsewhere: --device cuda
 --reader-device torch-cpu READs from the owner's VRAM into the reader's DRAM
-(mixed memory).
+(mixed memory). --op write turns the pattern around (not vLLM's): the
+decode side WRITEs its blocks into the owner's cache, which checks them.
 
 Examples:
   source scripts/setup.sh release
@@ -486,6 +487,19 @@ class _Owner:
         out = {m: (got.pop(m) if m in got else None) for m in msgs}
         return ("notifs", out)
 
+    def cmd_zero(self, backend, blocks):
+        cache = self.caches[backend]
+        cache.zero(blocks)
+        cache.sync()
+        return ("zeroed",)
+
+    def cmd_check(self, backend, items):
+        """--op write: each (seed, destination blocks, source blocks) checked
+        in this cache; the first error or None for each."""
+        cache = self.caches[backend]
+        cache.sync()
+        return ("checked", [cache.check(seed, dst, src) for seed, dst, src in items])
+
     def cmd_teardown(self):
         stray = {b: len(a) for b, a in self.arrivals.items() if a}
         self.teardown()
@@ -634,8 +648,14 @@ class Reader:
         # and right before a preparation it would leave that preparation,
         # and only BOUNCE's, the garbage and the cold caches.
         before = self.stats.counters(agent.name) if (self.stats and b == "BOUNCE") else None
-        self.ask(("fill", b, [(seeds[k], remote[k]) for k in range(n)]), "filled")
-        cache.zero(local.reshape(-1))
+        if o.op == "write":
+            # The reader's blocks are the sources, the owner's the destinations.
+            for k in range(n):
+                cache.fill(seeds[k], local[k])
+            self.ask(("zero", b, remote.reshape(-1)), "zeroed")
+        else:
+            self.ask(("fill", b, [(seeds[k], remote[k]) for k in range(n)]), "filled")
+            cache.zero(local.reshape(-1))
         cache.sync()
         # Descriptor ids into the prepared lists, region-major.
         region_off = (np.arange(R, dtype=np.int64) * nb)[:, None]
@@ -647,7 +667,7 @@ class Reader:
         t_done, handles = [None] * n, []
         for k in range(n):
             t_prep0[k] = clock()
-            h = agent.make_prepped_xfer("READ", s["local_dlist"], lids[k], s["remote_dlist"], rids[k],
+            h = agent.make_prepped_xfer(o.op.upper(), s["local_dlist"], lids[k], s["remote_dlist"], rids[k],
                                         notif_msg=msgs[k])
             t_prep1[k] = t_post[k] = clock()
             state = agent.transfer(h)
@@ -682,8 +702,11 @@ class Reader:
         if missing:
             raise BenchError(f"{geom['name']} {b} iter {it}: notification(s) {missing} never reached the owner "
                              f"in {o.timeout} s")
-        for k in range(n):
-            err = cache.check(seeds[k], local[k], remote[k])
+        if o.op == "write":
+            (errs,) = self.ask(("check", b, [(seeds[k], remote[k], local[k]) for k in range(n)]), "checked")
+        else:
+            errs = [cache.check(seeds[k], local[k], remote[k]) for k in range(n)]
+        for k, err in enumerate(errs):
             if err:
                 raise BenchError(f"{geom['name']} {b} iter {it} request {k}: NOT byte-exact: {err}")
         after = self.stats.counters(agent.name) if before is not None else None
@@ -709,7 +732,7 @@ class Reader:
             h0 = self.stats.counters(agent.name) if before is not None else None
             for _ in range(o.hot_prepares):
                 t0 = clock()
-                h = agent.make_prepped_xfer("READ", s["local_dlist"], lids[0], s["remote_dlist"], rids[0],
+                h = agent.make_prepped_xfer(o.op.upper(), s["local_dlist"], lids[0], s["remote_dlist"], rids[0],
                                             notif_msg=msgs[0])
                 hot.append(clock() - t0)
                 agent.release_xfer_handle(h)
@@ -791,7 +814,7 @@ def fmt_ms(sp):
 
 
 def print_table(summary, cases, opts):
-    print(f"\nvLLM NIXL pattern: {MODEL['name']}-shaped KV cache, READ by the decode side, device={opts.device}"
+    print(f"\nvLLM NIXL pattern: {MODEL['name']}-shaped KV cache, {opts.op.upper()} by the decode side, device={opts.device}"
           f"{'' if opts.reader_device == opts.device else f' (reader: {opts.reader_device})'}, "
           f"{opts.iters} timed iterations (+{opts.warmup} warm-up) per backend, "
           + (f"alternating {','.join(opts.backends)}" if opts.order == "alternate"
@@ -954,6 +977,8 @@ def parse_args(argv=None):
                     help="diagnostic: also prepare each iteration's first request K more times back to back "
                          "(warm caches; released untransferred) and report their median")
     ap.add_argument("--json", default=None, help="write every sample to this file")
+    ap.add_argument("--op", choices=["read", "write"], default="read",
+                    help="read (vLLM's: the decode side pulls) or write (it pushes its blocks into the owner's cache)")
     ap.add_argument("--expect-route", default="", metavar="PREFIX",
                     help="fail unless every BOUNCE request's route starts with PREFIX (e.g. bounce)")
     o = ap.parse_args(argv)
