@@ -259,7 +259,9 @@ def route_of(before, after) -> str:
         # (Engine::plan) in parts on several threads.
         in_parts = [what for what, key in (("check", "arena_check_parts"), ("plan", "arena_plans_in_parts"))
                     if d.get(key, 0) > 0]
-        parts.append("bounce/" + "+".join(in_parts) + "-in-parts" if in_parts else "bounce")
+        # A mixed transfer through host-staged arenas (no VRAM arena).
+        arena = "bounce(staged)" if d.get("arena_mixed_staged", 0) > 0 else "bounce"
+        parts.append(arena + "/" + ",".join(in_parts) + "-in-parts" if in_parts else arena)
     fb = sorted(k[len("fallback_"):] for k, v in d.items() if k.startswith("fallback_") and v > 0)
     if fb:
         parts.append("UCX(" + ",".join(fb) + ")")
@@ -758,8 +760,8 @@ class Reader:
                 verified=True, route=route, telemetry=tele[k]))
             if sender != agent.name:
                 raise BenchError(f"{geom['name']} {b}: notification from {sender!r}, expected {agent.name!r}")
-        if b != "UCX" and o.expect_route and not route.startswith(o.expect_route):
-            raise BenchError(f"{geom['name']} {b} iter {it}: route {route!r}, expected {o.expect_route!r}...")
+        if b != "UCX" and o.expect_route and not all(p.startswith(o.expect_route) for p in route.split("+")):
+            raise BenchError(f"{geom['name']} {b} iter {it}: route {route!r}, expected only {o.expect_route!r}...")
 
 
 # ---------------------------------------------------------------------------
@@ -980,7 +982,8 @@ def parse_args(argv=None):
     ap.add_argument("--op", choices=["read", "write"], default="read",
                     help="read (vLLM's: the decode side pulls) or write (it pushes its blocks into the owner's cache)")
     ap.add_argument("--expect-route", default="", metavar="PREFIX",
-                    help="fail unless every BOUNCE request's route starts with PREFIX (e.g. bounce)")
+                    help="fail unless every BOUNCE request's route starts with PREFIX (e.g. bounce, or "
+                         "'bounce(staged)' for host-staged arenas), none through UCX or failed")
     o = ap.parse_args(argv)
     o.device = o.device or default_device()
     o.reader_device = o.reader_device or o.device

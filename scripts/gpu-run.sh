@@ -173,7 +173,7 @@ tests() {
             set -- $dirs
             run "mixed-$1-$2" python3 bench/vllm_pattern.py --device "$1" --reader-device "$2" \
                 --cases tp4-128,tp4-8k --token-scale 0.25 --iters 3 --warmup 1 --backends BOUNCE \
-                --expect-route bounce
+                --expect-route "bounce(staged)"
         done
     else
         echo "mixed-memory tests skipped: no .py312/nixl_cu13 (docs/gpu.md)" | tee -a "$out/summary.txt"

@@ -82,6 +82,9 @@ pub struct Config {
     /// arena is host memory pinned for it: the one its transfers with DRAM
     /// take, so their chunk writes are host to host.
     pub mixed_host_staging: bool,
+    /// The mixed gate when a VRAM arena is on one side (no host-staged
+    /// arena there): minimum descriptor count.
+    pub mixed_unstaged_min_descriptor_count: u64,
     /// Routing gate of the bounce arena when either side is VRAM: maximum
     /// average descriptor size (bytes).
     pub vram_max_average_descriptor_size_bytes: u64,
@@ -190,6 +193,7 @@ impl Default for Config {
             vram_min_descriptor_count: 256,
             mixed_min_descriptor_count: 64,
             mixed_host_staging: true,
+            mixed_unstaged_min_descriptor_count: 512,
             vram_max_average_descriptor_size_bytes: 256 * KIB,
             peer_map_min_descriptor_count: 1,
             peer_map_max_average_descriptor_size_bytes: 0,
@@ -399,8 +403,9 @@ static SETTINGS: &[Setting] = &[
     setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides: minimum descriptor count (fewer go to UCX)."),
     setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, DRAM on both sides: maximum average descriptor bytes (larger go to UCX)."),
     setting!(vram_min_descriptor_count, "vram_min_descriptor_count", "VRAM_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on both sides: minimum descriptor count."),
-    setting!(mixed_min_descriptor_count, "mixed_min_descriptor_count", "MIXED_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on one side and DRAM on the other: minimum descriptor count (fewer go to UCX). Measured on the H200 with the host-staged instance (mixed_host_staging), vLLM's VRAM -> DRAM READs ran at 2.2-2.4x UCX's speed at 64 x 8 KiB, 4.1x at 128, 1.6x at 256, 13x at 16,384; without it (mixed_host_staging off, or NIXL-notification control) they ran at 0.72x UCX at 256 x 8 KiB and 1.12x at 512: raise this to 512 there. The average size limit is vram_max_average_descriptor_size_bytes."),
-    setting!(mixed_host_staging, "mixed_host_staging", "MIXED_HOST_STAGING", Bool, true, "VRAM with DRAM on the other side (e.g. vLLM's host KV buffer): each GPU with registered memory gets a second bounce arena, arena_size_bytes of host memory pinned for it, and such transfers take it: the GPU's kernels gather into it and scatter from it across PCIe, and the chunk write between it and the peer's DRAM arena is host to host, where UCX moves a write between a VRAM arena and a DRAM arena of two processes by software emulation over TCP (not with use_nixl_notifications: one instance per agent there). Off: mixed transfers use the GPU's VRAM arena."),
+    setting!(mixed_min_descriptor_count, "mixed_min_descriptor_count", "MIXED_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on one side and DRAM on the other: minimum descriptor count (fewer go to UCX). Measured on the H200 with the host-staged instance (mixed_host_staging), vLLM's VRAM -> DRAM READs ran at 2.2-2.4x UCX's speed at 64 x 8 KiB, 4.1x at 128, 1.6x at 256, 13x at 16,384; without it (mixed_host_staging off, or NIXL-notification control) the gate is mixed_unstaged_min_descriptor_count. The average size limit is vram_max_average_descriptor_size_bytes."),
+    setting!(mixed_unstaged_min_descriptor_count, "mixed_unstaged_min_descriptor_count", "MIXED_UNSTAGED_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on one side and DRAM on the other, when the transfer cannot take host-staged arenas and a GPU's own (VRAM) arena is on one side (mixed_host_staging off on either side, NIXL-notification control, or the host-staged arena could not start): minimum descriptor count, at least mixed_min_descriptor_count (fewer go to UCX: on the H200 such READs ran at 0.72x UCX's speed at 256 x 8 KiB, 1.12x at 512, 1.25x at 1024)."),
+    setting!(mixed_host_staging, "mixed_host_staging", "MIXED_HOST_STAGING", Bool, true, "VRAM with DRAM on the other side (e.g. vLLM's host KV buffer): each GPU with registered memory gets a second bounce arena, of the arena's usable capacity (arena_size_bytes rounded down to a power of two) in host memory pinned for it, and such transfers take it: the GPU's kernels gather into it and scatter from it across PCIe, and the chunk write between it and the peer's DRAM arena is host to host, where UCX moves a write between a VRAM arena and a DRAM arena of two processes by software emulation over TCP (not with use_nixl_notifications: one instance per agent there). Off: mixed transfers use the GPU's VRAM arena."),
     setting!(vram_max_average_descriptor_size_bytes, "vram_max_average_descriptor_size_bytes", "VRAM_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, VRAM on either side: maximum average descriptor bytes."),
     setting!(peer_map_min_descriptor_count, "peer_map_min_descriptor_count", "PEER_MAP_MIN_DESCRIPTOR_COUNT", Count, false, "Peer-mapped path: minimum descriptor count."),
     setting!(peer_map_max_average_descriptor_size_bytes, "peer_map_max_average_descriptor_size_bytes", "PEER_MAP_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "Peer-mapped path: maximum average descriptor bytes; 0 = no limit."),
@@ -811,7 +816,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 45);
+        assert_eq!(keys.len(), 46);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));

@@ -620,6 +620,9 @@ pub struct RouteInput {
     /// All local descriptors lie in memory of one location that has a bounce
     /// instance.
     pub local_arena: bool,
+    /// A GPU's own (VRAM) arena is on either side of the chosen pair (for a
+    /// mixed transfer: no host-staged arena there).
+    pub vram_arena: bool,
 }
 
 /// The routing rule: a WRITE to, or a READ from, memory of a peer whose
@@ -645,7 +648,13 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.op == Op::Read && !r.peer_reads {
         return Err(Fallback::PeerLacksRead);
     }
-    arena_gate(cfg, r.local, r.remote).admit(r.descriptors, r.bytes.into())
+    let mut gate = arena_gate(cfg, r.local, r.remote);
+    if r.local != r.remote && r.vram_arena {
+        gate.min_descriptors = gate
+            .min_descriptors
+            .max(cfg.mixed_unstaged_min_descriptor_count);
+    }
+    gate.admit(r.descriptors, r.bytes.into())
 }
 
 /// Which transfers a path takes by their shape, where it beats UCX: at
@@ -675,7 +684,11 @@ impl ShapeGate {
 }
 
 /// The bounce arena's gate: DRAM on both sides, VRAM on both, or mixed
-/// (the size limit is VRAM's whenever VRAM is on either side).
+/// (the size limit is VRAM's whenever VRAM is on either side). A mixed
+/// transfer's is the host-staged arenas' here; [`route`] raises it to
+/// `mixed_unstaged_min_descriptor_count` once the chosen pair has a VRAM
+/// arena (this lower one is the early decision's, made before the pair
+/// is known, so that it never refuses what the pair would take).
 pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> ShapeGate {
     if local == MemKind::Vram || remote == MemKind::Vram {
         ShapeGate {
@@ -725,7 +738,43 @@ mod tests {
             peer_reads: true,
             local_transfer: false,
             local_arena: true,
+            vram_arena: false,
         }
+    }
+
+    #[test]
+    fn a_mixed_transfer_through_a_vram_arena_has_the_unstaged_gate() {
+        let cfg = Config::default();
+        let mixed = |n: u64, vram_arena| RouteInput {
+            remote: MemKind::Vram,
+            descriptors: n,
+            bytes: n * 4096,
+            vram_arena,
+            ..input()
+        };
+        // Through host-staged arenas on both sides: the mixed gate (64).
+        assert_eq!(route(&cfg, false, &mixed(64, false)), Ok(()));
+        // A GPU's own arena on one side: the unstaged gate (512).
+        assert_eq!(
+            route(&cfg, false, &mixed(511, true)),
+            Err(Fallback::TooFewDescriptors)
+        );
+        assert_eq!(route(&cfg, false, &mixed(512, true)), Ok(()));
+        // Never below the mixed gate.
+        let low = Config {
+            mixed_unstaged_min_descriptor_count: 8,
+            ..Config::default()
+        };
+        assert_eq!(
+            route(&low, false, &mixed(63, true)),
+            Err(Fallback::TooFewDescriptors)
+        );
+        // VRAM on both sides: a VRAM arena is the rule, not this gate.
+        let both = RouteInput {
+            local: MemKind::Vram,
+            ..mixed(256, true)
+        };
+        assert_eq!(route(&cfg, false, &both), Ok(()));
     }
 
     #[test]

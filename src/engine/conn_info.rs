@@ -358,8 +358,17 @@ impl PublicData {
             bounce: PublicBounce::decode(block)?,
             peer_map,
             cma,
-            staged: PublicBounce::decode(staged_block)
-                .map_err(|e| format!("host-staged bounce block: {e}"))?,
+            staged: match PublicBounce::decode(staged_block)
+                .map_err(|e| format!("host-staged bounce block: {e}"))?
+            {
+                Some(b) if b.kind != 0 => {
+                    return Err(format!(
+                        "host-staged bounce block names arena memory kind {} (its arena is host memory, kind 0)",
+                        b.kind
+                    ))
+                }
+                staged => staged,
+            },
         })
     }
 }
@@ -600,6 +609,17 @@ mod tests {
         let bytes = vram.encode();
         assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), 4);
         assert_eq!(PublicData::decode(&bytes).unwrap(), vram);
+        // A host-staged block whose arena is not host memory is refused.
+        let wrong = PublicData {
+            staged: Some(PublicBounce {
+                kind: 1,
+                arena_md: vec![1],
+                handshake: vec![2; 9],
+            }),
+            ..vram
+        };
+        let e = PublicData::decode(&wrong.encode()).unwrap_err();
+        assert!(e.contains("host-staged") && e.contains("kind 1"), "{e}");
         future[8] = 5;
         let e = PublicData::decode(&future).unwrap_err();
         assert!(e.contains("version 5"), "{e}");

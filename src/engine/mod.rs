@@ -1550,6 +1550,13 @@ impl Engine {
                     "deregistered memory is still used by a CMA copy"
                 );
             }
+            // No instance takes new work on the region while another
+            // drains it: forget it everywhere first, then wait.
+            for b in bounce.iter().chain(staged) {
+                b.runtime
+                    .targets
+                    .remove(md.range.addr, md.range.len, std::time::Duration::ZERO);
+            }
             for b in bounce.iter().chain(staged) {
                 // The user may free the memory once we return: wait until no
                 // gather or scatter still touches it.
@@ -2223,9 +2230,14 @@ impl Engine {
             peer_reads: peer.is_some_and(|p| p.read),
             local_transfer: shape.local_transfer,
             local_arena: local_instance.is_some(),
+            vram_arena: local_instance.is_some_and(|b| b.location.arena_kind() == MemKind::Vram)
+                || peer.is_some_and(|p| p.arena.mem == nixl_sys::MemType::Vram),
         };
         let poisoned = local_instance.is_some_and(|b| b.runtime.poisoned().is_some());
         bounce::route(&self.config, poisoned, &input)?;
+        if shape.local != shape.remote && !input.vram_arena {
+            self.stats.bump_named("arena_mixed_staged");
+        }
         match (local_instance, peer) {
             (Some(b), Some(p)) => Ok((b.clone(), p.clone())),
             (None, _) => Err(Fallback::NoLocalArena),
