@@ -244,6 +244,15 @@ class BounceStats:
         return json.loads(buf.raw[:n]).get("counters", {})
 
 
+# The copies' counters (ns summed over a side's copies, and chunk counts)
+# read from both sides around each iteration: where the arena's time goes.
+# The GPU's own time (`gpu_*_kernel_ns`, `gpu_*_upload_ns`) is counted with
+# NIXL_BOUNCE_TIME_KERNELS=1 only.
+COPY_COUNTERS = ("gather_ns", "scatter_ns", "write_ns", "write_post_ns", "chunks_written", "chunks_scattered",
+                 "gpu_gather_launch_ns", "gpu_gather_wait_ns", "gpu_gather_kernel_ns", "gpu_gather_upload_ns",
+                 "gpu_scatter_launch_ns", "gpu_scatter_wait_ns", "gpu_scatter_kernel_ns", "gpu_scatter_upload_ns")
+
+
 def route_of(before, after) -> str:
     """The route a BOUNCE engine took between two counter snapshots."""
     if before is None or after is None:
@@ -492,6 +501,15 @@ class _Owner:
         out = {m: (got.pop(m) if m in got else None) for m in msgs}
         return ("notifs", out)
 
+    def cmd_counters(self, backend):
+        """The BOUNCE plugin's counters of this side's agent (None without
+        them), for the copies' breakdown."""
+        if backend == "UCX":
+            return ("counters", None)
+        if getattr(self, "stats", None) is None:
+            self.stats = BounceStats()
+        return ("counters", self.stats.counters(self.agents[backend].name))
+
     def cmd_zero(self, backend, blocks):
         cache = self.caches[backend]
         cache.zero(blocks)
@@ -653,6 +671,7 @@ class Reader:
         # and right before a preparation it would leave that preparation,
         # and only BOUNCE's, the garbage and the cold caches.
         before = self.stats.counters(agent.name) if (self.stats and b == "BOUNCE") else None
+        (owner_before,) = self.ask(("counters", b), "counters") if before is not None else (None,)
         if o.op == "write":
             # The reader's blocks are the sources, the owner's the destinations.
             for k in range(n):
@@ -716,6 +735,11 @@ class Reader:
                 raise BenchError(f"{geom['name']} {b} iter {it} request {k}: NOT byte-exact: {err}")
         after = self.stats.counters(agent.name) if before is not None else None
         route = route_of(before, after) if before is not None else "-"
+        (owner_after,) = self.ask(("counters", b), "counters") if before is not None else (None,)
+        copies = {}
+        for side, c0, c1 in (("reader", before, after), ("owner", owner_before, owner_after)):
+            if c0 is not None and c1 is not None:
+                copies.update({f"{side}_{k}": (c1.get(k, 0) - c0.get(k, 0)) / n for k in COPY_COUNTERS})
         # The plugin's own share of the preparations (ns, summed over the n
         # requests): all of it, and of the peer-mapped path's table fill and
         # upload.
@@ -750,7 +774,7 @@ class Reader:
         self.iterations.append(dict(
             case=geom["name"], backend=b, iter=it, warmup=warm, requests=n, bytes=bytes_total,
             span_s=span, post_span_s=max(t_done) - t_post[0], agg_gbps=bytes_total / span / 1e9, route=route,
-            plugin_prepare_ns_per_req={k: v / n for k, v in plugin.items()},
+            plugin_prepare_ns_per_req={k: v / n for k, v in plugin.items()}, copies_per_req=copies,
             hot_prepare_s=float(np.median(hot)) if hot else None, hot_plugin_prepare_ns=hot_share))
         for k in range(n):
             t_arr, sender = arrived[msgs[k]]
@@ -801,6 +825,9 @@ def summarize(reader, cases, backends):
                 row["hot_prepare_s"] = spread(hots)
                 hs = [i["hot_plugin_prepare_ns"] for i in its if i.get("hot_plugin_prepare_ns") is not None]
                 row["hot_plugin_prepare_ns"] = spread(hs) if hs else None
+            cps = [i["copies_per_req"] for i in its if i.get("copies_per_req")]
+            if cps:
+                row["copies"] = {k: spread([x.get(k, 0) for x in cps]) for k in cps[0]}
             shares = [i["plugin_prepare_ns_per_req"] for i in its if i.get("plugin_prepare_ns_per_req")]
             if shares:
                 row["plugin_prepare_ns"] = {k: spread([x.get(k, 0) for x in shares]) for k in shares[0]}
@@ -851,6 +878,22 @@ def print_table(summary, cases, opts):
                 print(f"        warm caches (the request prepared again back to back): prepare"
                       f" {fmt_ms(r['hot_prepare_s'])}"
                       + (f", plugin's share {hp['p50'] / 1e3:.1f} us" if hp else ""))
+            cp = r.get("copies")
+            if cp and any(v["p50"] > 0 for k, v in cp.items() if k.endswith("_ns")):
+                us = {k: v["p50"] / 1e3 for k, v in cp.items()}
+
+                def side(who):
+                    gpu = lambda d: (f" (launch {us[f'{who}_gpu_{d}_launch_ns']:.0f}, GPU wait"
+                                     f" {us[f'{who}_gpu_{d}_wait_ns']:.0f}, kernels {us[f'{who}_gpu_{d}_kernel_ns']:.0f},"
+                                     f" uploads to start {us[f'{who}_gpu_{d}_upload_ns']:.0f})"
+                                     if us[f"{who}_gpu_{d}_launch_ns"] > 0 else "")
+                    return (f"{who}: gather {us[f'{who}_gather_ns']:.0f}{gpu('gather')}, chunk writes"
+                            f" {us[f'{who}_write_ns']:.0f} (posts {us[f'{who}_write_post_ns']:.0f};"
+                            f" {cp[f'{who}_chunks_written']['p50']:.0f} chunks), scatter"
+                            f" {us[f'{who}_scatter_ns']:.0f}{gpu('scatter')}")
+                whos = [w for w in ("reader", "owner") if f"{w}_gather_ns" in us]
+                print("        the copies, summed over each side's chunks (median us per request): "
+                      + "; ".join(side(w) for w in whos))
             pp = r.get("plugin_prepare_ns")
             if pp and pp.get("prepare_ns") and pp["prepare_ns"]["p50"] > 0:
                 us = {k: v["p50"] / 1e3 for k, v in pp.items()}
