@@ -834,17 +834,13 @@ impl<'a> Checked<'a> {
     }
 
     fn from_facts(local: Descs<'a>, remote: Descs<'a>, facts: Facts<'a>) -> Self {
+        // Memory of two kinds takes the GPU side's host-staged instance.
+        let mixed = local.kind != remote.kind;
         Checked {
             local: Side(local),
             remote: Side(remote),
-            local_instance: facts
-                .instance
-                .get()
-                .and_then(|r| r.md.instance_for(local.kind != remote.kind)),
-            peer: facts
-                .peer
-                .get()
-                .and_then(|r| r.md.arena_for(local.kind != remote.kind)),
+            local_instance: facts.instance.get().and_then(|r| r.md.instance_for(mixed)),
+            peer: facts.peer.get().and_then(|r| r.md.arena_for(mixed)),
             survey: facts.survey,
         }
     }
