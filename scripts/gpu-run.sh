@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2|trace]
+# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2|trace|mixed]
 #        (source .gpu/run.sh python: only the environment, with the Python API)   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
@@ -135,6 +135,21 @@ if [[ "$mode" == trace ]]; then
         run "trace-$1-$2" python3 bench/trace_report.py /tmp/bounce-trace --requests "$3"
     done
     echo quit | nvidia-cuda-mps-control
+    exit $status
+fi
+if [[ "$mode" == mixed ]]; then
+    # Mixed memory against UCX (docs/benchmarks.md, "Mixed memory through the
+    # host-staged instance"): issue 15's 16,384 x 4 KiB WRITE from DRAM into
+    # VRAM and READ back, then a 2 MiB READ with the GPU's own clock on
+    # (NIXL_BOUNCE_TIME_KERNELS=1; the bench prints both sides' copies).
+    python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
+    four_k="--cases tp4-8k --token-scale 0.25 --block-size 8 --iters 5 --warmup 1"
+    run mixed-write-4k python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu --op write
+    run mixed-read-4k python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu
+    NIXL_BOUNCE_TIME_KERNELS=1 run mixed-2mib python3 bench/vllm_pattern.py --cases tp4-128 --token-scale 0.5 \
+        --iters 7 --warmup 1 --device cuda --reader-device torch-cpu
+    grep -hE "^==|^(BOUNCE|UCX) |speed-up|the copies" "$out"/mixed-*.log | cut -c1-400
+    cat "$out/summary.txt"
     exit $status
 fi
 if [[ "$mode" == faults ]]; then
