@@ -142,6 +142,8 @@ pub struct Config {
     /// `auto`, `io_thread`, `io_thread_when_idle` or `writer_thread` (see
     /// [`IoThreadUse`]).
     pub chunk_writes: String,
+    /// Writer threads of an instance (see `chunk_writes`).
+    pub chunk_writer_threads: u64,
     /// Which threads launch the bounce arena's CUDA gathers and scatters:
     /// `io_thread` (the default), `io_thread_when_idle` or `copy_workers`.
     pub copy_launches: String,
@@ -220,6 +222,7 @@ impl Default for Config {
             busy_poll_us: 0,
             reactor_busy_poll_us: 0,
             chunk_writes: "auto".into(),
+            chunk_writer_threads: 1,
             copy_launches: "io_thread".into(),
             enable_peer_map: true,
             prepare_at_post: true,
@@ -301,6 +304,9 @@ pub enum ConfigError {
     /// `copy_launches` names no thread.
     #[error("copy_launches = {0:?} is not one of io_thread, io_thread_when_idle, copy_workers; set {NIXL}COPY_LAUNCHES to one of them", NIXL = ENV_PREFIX)]
     UnknownCopyLaunches(String),
+    /// More writer threads than an instance takes.
+    #[error("chunk_writer_threads = {0} is above 16; set {NIXL}CHUNK_WRITER_THREADS to 1-16", NIXL = ENV_PREFIX)]
+    TooManyWriters(u64),
     /// Both an interface and loopback binding were requested.
     #[error("control_interface = {0:?} and control_bind_loopback = true contradict each other; set only one of them")]
     InterfaceAndLoopback(String),
@@ -427,6 +433,7 @@ static SETTINGS: &[Setting] = &[
     setting!(control_bind_loopback, "control_bind_loopback", "CONTROL_BIND_LOOPBACK", Bool, true, "Bind the control socket (direct TCP or ZMQ) to 127.0.0.1 (single-host tests only)."),
     setting!(busy_poll_us, "busy_poll_us", "BUSY_POLL_US", Count, true, "Microseconds the IO thread, copy workers and chunk writer keep polling after their last event while transfers are live, instead of sleeping; 0 = always sleep (default: on the H200 host 200 us made requests slower, see docs/benchmarks.md)."),
     setting!(chunk_writes, "chunk_writes", "CHUNK_WRITES", Text, true, "Which thread posts and polls the bounce arena's chunk writes: auto (a device arena's, whose post only queues a CUDA IPC copy or an RDMA write: the IO thread when no other write runs, saving a thread hand-off each way, else the writer thread, as under load the IO thread is the bottleneck; a host arena's: the writer thread, as UCX over TCP sends inside the post), io_thread (always), io_thread_when_idle (auto's rule for a device arena, for either) or writer_thread (always)."),
+    setting!(chunk_writer_threads, "chunk_writer_threads", "CHUNK_WRITER_THREADS", Count, false, "Writer threads per bounce instance (1 to 16), taking chunk writes from one queue. Between two processes of one host UCX copies a host-to-host chunk write inside its post (cross-memory attach), one at a time per thread: with several writer threads and as many inner-agent workers (the UCX parameter num_workers), several copies may run at once. Not yet measured where it would pay (the 2-core CPU machine cannot show it); 1: one writer thread, as before."),
     setting!(copy_launches, "copy_launches", "COPY_LAUNCHES", Text, true, "Which threads launch the bounce arena's CUDA gathers and scatters (fill the kernel's run table, upload it, launch; the IO thread polls every launched copy's event either way): io_thread (the default), io_thread_when_idle (the IO thread while no other copy runs, else a copy worker, so that a large request's chunks and concurrent requests fill their tables in parallel) or copy_workers (always); on the H200 the workers' launches gained nothing measurable (their hand-off costs 30-35 us and the driver serialises launches; docs/benchmarks.md). Host memcpy copies always run on the copy workers."),
     setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
@@ -746,6 +753,9 @@ impl Config {
         if self.copy_launches().is_none() {
             return Err(ConfigError::UnknownCopyLaunches(self.copy_launches.clone()));
         }
+        if self.chunk_writer_threads > 16 {
+            return Err(ConfigError::TooManyWriters(self.chunk_writer_threads));
+        }
         if self.control_bind_loopback && !self.control_interface.is_empty() {
             return Err(ConfigError::InterfaceAndLoopback(
                 self.control_interface.clone(),
@@ -816,7 +826,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 46);
+        assert_eq!(keys.len(), 47);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));
@@ -988,6 +998,22 @@ mod tests {
         }
         let e = Config::resolve(&|_| None, &params_of(&[("copy_launches", "auto")])).unwrap_err();
         assert!(matches!(e, ConfigError::UnknownCopyLaunches(_)));
+    }
+
+    #[test]
+    fn chunk_writer_threads_are_one_to_sixteen() {
+        let threads =
+            |v: &str| Config::resolve(&|_| None, &params_of(&[("chunk_writer_threads", v)]));
+        assert_eq!(threads("4").unwrap().0.chunk_writer_threads, 4);
+        assert!(matches!(
+            threads("17").unwrap_err(),
+            ConfigError::TooManyWriters(17)
+        ));
+        // Zero is refused at parsing: a warning (an error for an explicit
+        // backend parameter, in the engine), and the default stands.
+        let (c, warnings) = threads("0").unwrap();
+        assert_eq!(c.chunk_writer_threads, 1);
+        assert!(!warnings.is_empty(), "zero writers");
     }
 
     #[test]

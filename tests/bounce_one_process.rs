@@ -361,20 +361,26 @@ fn threads_named(prefix: &str) -> usize {
 /// (`chunk_writes=io_thread`), by the writer thread (a host arena's
 /// default), and by the IO thread only while no other write runs (a device
 /// arena's default; here a 16 MiB request's four chunks overlap, so both
-/// threads post): byte-exact both ways every way, and only the last two
-/// start a writer thread.
+/// threads post), and by three writer threads (`chunk_writer_threads`):
+/// byte-exact both ways every way, and only the last three start writer
+/// threads, as many as asked for.
 #[test]
 #[serial_test::serial]
 fn chunk_writes_on_the_io_thread_or_the_writer_thread() {
     if !ready("BOUNCE") {
         return;
     }
-    for (seed, value, writers) in [
-        (61, "io_thread", 0),
-        (63, "writer_thread", 2),
-        (65, "auto", 2),
+    for (seed, value, per_agent, writers) in [
+        (61, "io_thread", "1", 0),
+        (63, "writer_thread", "1", 2),
+        (65, "auto", "1", 2),
+        (67, "writer_thread", "3", 6),
     ] {
-        let ex = [LOOPBACK, ("chunk_writes", value)];
+        let ex = [
+            LOOPBACK,
+            ("chunk_writes", value),
+            ("chunk_writer_threads", per_agent),
+        ];
         let mut a = endpoint("wt-a", &ex, len(), seed, ThreadSync::Default);
         let mut b = endpoint("wt-b", &ex, len(), seed + 1, ThreadSync::Default);
         pair_up(&a.node, &b.node);
@@ -384,7 +390,7 @@ fn chunk_writes_on_the_io_thread_or_the_writer_thread() {
         assert_eq!(
             threads_named("bounce-write-wt"),
             writers,
-            "chunk_writes={value}"
+            "chunk_writes={value}, chunk_writer_threads={per_agent}"
         );
     }
 }

@@ -241,6 +241,7 @@ impl Bounce {
             chunk_writes: config
                 .chunk_writes_for(location.arena_kind() == MemKind::Vram)
                 .unwrap_or(IoThreadUse::Never),
+            chunk_writer_threads: config.chunk_writer_threads as usize,
             copy_launches: config.copy_launches().unwrap_or(IoThreadUse::Always),
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {

@@ -575,6 +575,8 @@ pub struct Parts {
     pub reactor_busy_poll: Duration,
     /// Which thread posts and polls chunk writes (`Config::chunk_writes`).
     pub chunk_writes: IoThreadUse,
+    /// Writer threads (`Config::chunk_writer_threads`).
+    pub chunk_writer_threads: usize,
     /// Where CUDA copies are launched (`Config::copy_launches`).
     pub copy_launches: IoThreadUse,
     pub failpoints: crate::failpoint::Failpoints,
@@ -628,8 +630,8 @@ impl Runtime {
             parts.data,
             posting,
             shared.clone(),
-            parts.busy_poll,
-            write_delay,
+            (parts.busy_poll, write_delay),
+            parts.chunk_writer_threads,
         )?;
         let launch_here = [
             parts.failpoints.delay("delay_gather_ms").is_zero(),

@@ -114,7 +114,7 @@ struct WriterThread {
     /// `None` once closed.
     jobs: Option<Sender<WriteJob>>,
     done: Receiver<WriteOutcome>,
-    handle: Option<JoinHandle<()>>,
+    handles: Vec<JoinHandle<()>>,
 }
 
 /// Posts one write, counting the post's time.
@@ -162,14 +162,17 @@ impl ChunkWriter {
     /// agent `agent`. The writer thread (unless every write is posted here)
     /// wakes the reactor with each outcome; `spin`: how long it polls for
     /// the next job before it blocks; `delay`: a failpoint's pause before
-    /// each of its posts.
+    /// each of its posts; `writers`: writer threads taking jobs from one
+    /// queue (UCX copies a host-to-host write on one host inside the post,
+    /// so several threads, each on its own inner-agent worker, may copy at
+    /// once; `chunk_writer_threads`).
     pub(super) fn start(
         agent: String,
         data: DataPlane,
         posting: IoThreadUse,
         shared: Arc<Shared>,
-        spin: Duration,
-        delay: Duration,
+        (spin, delay): (Duration, Duration),
+        writers: usize,
     ) -> std::io::Result<ChunkWriter> {
         let data = Arc::new(data);
         let thread = if posting == IoThreadUse::Always {
@@ -177,14 +180,25 @@ impl ChunkWriter {
         } else {
             let (jobs_tx, jobs_rx) = mpsc::channel::<WriteJob>();
             let (done_tx, done_rx) = mpsc::channel::<WriteOutcome>();
-            let (d, sh) = (data.clone(), shared.clone());
-            let handle = std::thread::Builder::new()
-                .name(format!("bounce-write-{agent}"))
-                .spawn(move || write_worker(d, jobs_rx, done_tx, sh, spin, delay))?;
+            let jobs_rx = Arc::new(Mutex::new(jobs_rx));
+            let mut handles = Vec::new();
+            for _ in 0..writers.max(1) {
+                let (d, sh, rx, tx) = (
+                    data.clone(),
+                    shared.clone(),
+                    jobs_rx.clone(),
+                    done_tx.clone(),
+                );
+                handles.push(
+                    std::thread::Builder::new()
+                        .name(format!("bounce-write-{agent}"))
+                        .spawn(move || write_worker(d, rx, tx, sh, spin, delay))?,
+                );
+            }
             Some(WriterThread {
                 jobs: Some(jobs_tx),
                 done: done_rx,
-                handle: Some(handle),
+                handles,
             })
         };
         Ok(ChunkWriter {
@@ -263,7 +277,7 @@ impl ChunkWriter {
     pub(super) fn close(&mut self) {
         if let Some(t) = &mut self.thread {
             t.jobs = None;
-            if let Some(h) = t.handle.take() {
+            for h in t.handles.drain(..) {
                 let _ = h.join();
             }
         }
@@ -293,7 +307,7 @@ impl Drop for ChunkWriter {
 /// the IO thread, and wakes the reactor with each outcome.
 fn write_worker(
     data: Arc<DataPlane>,
-    jobs: Receiver<WriteJob>,
+    jobs: Arc<Mutex<Receiver<WriteJob>>>,
     done: Sender<WriteOutcome>,
     shared: Arc<Shared>,
     spin: Duration,
@@ -302,7 +316,6 @@ fn write_worker(
 ) {
     precise_timers();
     let waker = shared.waker.clone();
-    let jobs = Mutex::new(jobs);
     let mut pending: Vec<Pending> = Vec::new();
     let mut closed_at: Option<Instant> = None;
     let mut idle = 0u32;
@@ -317,7 +330,13 @@ fn write_worker(
                 None => return,
             }
         } else if closed_at.is_none() {
-            match jobs.lock().expect("write jobs").try_recv() {
+            // Another writer may wait in the queue holding its lock: skip
+            // this turn rather than stop polling the writes here.
+            let next = match jobs.try_lock() {
+                Ok(rx) => rx.try_recv(),
+                Err(_) => Err(mpsc::TryRecvError::Empty),
+            };
+            match next {
                 Ok(j) => Some(j),
                 Err(mpsc::TryRecvError::Empty) => None,
                 Err(mpsc::TryRecvError::Disconnected) => {
