@@ -757,9 +757,10 @@ fn arenas_idle(init: &mut Initiator, capacity: u64) -> Result<Duration, String> 
         arena_held(&plugin_counters(&name)) == 0 && arena_held(&target_counters(t)) == 0
     })?;
     for c in [plugin_counters(&name), target_counters(&mut init.target)] {
-        if arena_total(&c) != all_arenas(&c, capacity) {
+        let expected = all_arenas(&c, capacity);
+        if arena_total(&c) != expected {
             return Err(format!(
-                "arena bytes not conserved ({capacity} expected): {c:?}"
+                "arena bytes not conserved ({expected} expected): {c:?}"
             ));
         }
     }
@@ -855,8 +856,11 @@ fn killed_target_drill(args: &Args) -> Result<String, String> {
         arena_held(&plugin_counters(&name)) == 0
     })?;
     let c = plugin_counters(&name);
-    if arena_total(&c) != all_arenas(&c, capacity) {
-        return Err(format!("arena bytes not conserved: {c:?}"));
+    let expected = all_arenas(&c, capacity);
+    if arena_total(&c) != expected {
+        return Err(format!(
+            "arena bytes not conserved ({expected} expected): {c:?}"
+        ));
     }
     // A new target.
     let dead = init.target_name.clone();
