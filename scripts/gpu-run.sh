@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (copied to .gpu/run.sh by scripts/gpu.sh pack).
-# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2|trace|mixed]
+# Usage: bash .gpu/run.sh [quick|full|tests|benches|bounce|faults|perf|vllm|peer|x2|x2-vllm|trace|mixed]
 #        (source .gpu/run.sh python: only the environment, with the Python API)   Logs and JSON go to $OUT (or ./out).
 set -uo pipefail
 mode="${1:-quick}"
@@ -36,24 +36,49 @@ run() {  # run NAME CMD...: log to $out/NAME.log, remember failures
 }
 { nvidia-smi -L; nvidia-smi topo -m; } >"$out/gpu.txt" 2>&1
 v="$nb/bin/bounce-vram"
+if [[ "$mode" == x2* ]]; then
+    # Two GPUs (issue 18; docs/benchmarks.md, "Two GPUs"): NVLink multicast
+    # stays off, and nothing here creates a multicast object.
+    export NCCL_NVLS_ENABLE=0
+fi
 if [[ "$mode" == x2 ]]; then
-    # Two GPUs: the initiator's buffers on one, the target's on the other,
-    # both ways; tests, then BOUNCE vs UCX side by side.
+    # The initiator's buffers on one GPU, the target's on the other, both
+    # ways: byte-exact tests (peer-mapped, then the arena), then BOUNCE,
+    # BOUNCE-arena, UCX default and UCX best side by side (1024, 4096,
+    # 16,384 x 4 and 16 KiB; 128 concurrent 1024 x 4 KiB, p50 and p99).
+    run probe "$nb/bin/gpu-probe"
+    run gpu_peer_map "$nb/bin/gpu_peer_map" --test-threads=1 --nocapture
+    shapes="--sizes 4096,16384 --counts 1024,4096,16384"
     for dir in "0 1" "1 0"; do
         set -- $dir
-        run "x2-test-$1to$2" "$v" test --device "$1" --target-device "$2"
-        run "x2-test-arena-$1to$2" "$v" test --device "$1" --target-device "$2" --param enable_peer_map=false
-        run "x2-bounce-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" --device "$1" --target-device "$2" \
-            --sizes 4096,16384 --counts 1024,4096,16384 --iters 20 --json "$out/x2-bounce-$1to$2.json"
-        run "x2-arena-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-arena-gpu$1-gpu$2" --device "$1" \
-            --target-device "$2" --param enable_peer_map=false --sizes 4096,16384 --counts 1024,4096,16384 \
-            --iters 20 --json "$out/x2-arena-$1to$2.json"
-        run "x2-ucx-$1to$2" "$v" bench --backend UCX --label "UCX-gpu$1-gpu$2" --device "$1" --target-device "$2" \
-            --sizes 4096,16384 --counts 1024,4096,16384 --iters 10 --json "$out/x2-ucx-$1to$2.json"
+        pair="--device $1 --target-device $2"
+        run "x2-test-$1to$2" "$v" test $pair
+        run "x2-test-arena-$1to$2" "$v" test $pair --param enable_peer_map=false
+        run "x2-bounce-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" $pair $shapes \
+            --iters 20 --json "$out/x2-bounce-$1to$2.json"
+        run "x2-arena-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-arena-gpu$1-gpu$2" $pair \
+            --param enable_peer_map=false $shapes --iters 20 --json "$out/x2-arena-$1to$2.json"
+        run "x2-ucx-$1to$2" "$v" bench --backend UCX --label "UCX-gpu$1-gpu$2" $pair $shapes \
+            --iters 10 --json "$out/x2-ucx-$1to$2.json"
+        NIXL_UCX_SGL_ENABLE=1 run "x2-ucx-best-$1to$2" "$v" bench --backend UCX --label "UCX-best-gpu$1-gpu$2" \
+            --param num_threads=8 $pair $shapes --iters 10 --json "$out/x2-ucx-best-$1to$2.json"
     done
-    NIXL_UCX_SGL_ENABLE=1 run "x2-ucx-best-0to1" "$v" bench --backend UCX --label "UCX-best-gpu0-gpu1" --param num_threads=8 \
-        --device 0 --target-device 1 --sizes 4096,16384 --counts 1024,4096,16384 --iters 10 --json "$out/x2-ucx-best-0to1.json"
-    cat "$out"/x2-*.log | grep -E "x |per request|passed|FAILED" >"$out/x2-summary.txt"
+    grep -hE "GPU . -> GPU|x |per request|passed|FAILED" "$out"/gpu_peer_map.log "$out"/x2-*.log \
+        >"$out/x2-summary.txt"
+    cat "$out/summary.txt"
+    exit $status
+fi
+if [[ "$mode" == x2-vllm ]]; then
+    # vLLM's pattern with prefill (the owner) on GPU 0 and decode (the
+    # reader) on GPU 1: BOUNCE and UCX as vLLM creates it alternating, then
+    # UCX's best settings (SGL on, 8 threads) in the same call.
+    python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
+    cases="--cases tp4-8k,tp1-8k,tp4-2kx8 --device cuda --owner-gpu 0 --gpu 1"
+    run x2-vllm python3 bench/vllm_pattern.py $cases --iters "${VLLM_ITERS:-20}" --json "$out/x2-vllm.json"
+    NIXL_UCX_SGL_ENABLE=1 run x2-vllm-ucx-best python3 bench/vllm_pattern.py $cases --backends UCX \
+        --ucx-threads 8 --iters "${VLLM_ITERS:-10}" --json "$out/x2-vllm-ucx-best.json"
+    grep -hE "^==|^(BOUNCE|UCX) |speed-up" "$out"/x2-vllm*.log | cut -c1-300
+    cat "$out/summary.txt"
     exit $status
 fi
 if [[ "$mode" == bounce ]]; then

@@ -12,7 +12,9 @@
 //! - `enable_peer_map=false` on the target: the region is not exported and
 //!   the WRITE takes the bounce path instead;
 //! - a release while the copy runs: no notification, nothing outside the
-//!   destinations touched, the next WRITE byte-exact.
+//!   destinations touched, the next WRITE byte-exact;
+//! - with two GPUs, the initiator's buffer on one and the target's on the
+//!   other, both ways (skips with one).
 //!
 //! Run: `cargo test --release --test gpu_peer_map -- --nocapture`.
 #[path = "support/bounce.rs"]
@@ -107,14 +109,15 @@ fn vram_xfer_split(
         XferOp::Write => (&plan.src, &plan.dst),
         _ => (&plan.dst, &plan.src),
     };
-    let list = |base: u64, offsets: &[usize]| {
+    let list = |buf: &DeviceArena, offsets: &[usize]| {
+        let (base, dev) = (buf.base() as usize, buf.ordinal() as u64);
         let mut l = XferDescList::new(MemType::Vram).expect("descriptor list");
         for o in offsets {
             match split {
-                None => l.add_desc(base as usize + o, plan.block, 0),
+                None => l.add_desc(base + o, plan.block, dev),
                 Some(k) => {
-                    l.add_desc(base as usize + o, k, 0);
-                    l.add_desc(base as usize + o + k, plan.block - k, 0);
+                    l.add_desc(base + o, k, dev);
+                    l.add_desc(base + o + k, plan.block - k, dev);
                 }
             }
         }
@@ -125,8 +128,8 @@ fn vram_xfer_split(
         .agent
         .create_xfer_req(
             op,
-            &list(a.buf.base(), lo),
-            &list(b.buf.base(), ro),
+            &list(&a.buf, lo),
+            &list(&b.buf, ro),
             b.name(),
             Some(&opt),
         )
@@ -212,6 +215,40 @@ fn writes_and_reads_are_one_kernel_through_the_mapping() {
             assert_eq!(target_after.since(&target_before, k), 0, "target {k}");
         }
         println!("{n} x 4 KiB: WRITE and READ peer-mapped, byte-exact");
+    }
+}
+
+/// Two GPUs (skips with one): the initiator's buffer on one, the target's
+/// on the other, both ways. In one process the copying GPU is given peer
+/// access to the other; the copy is still one kernel, byte-exact.
+#[test]
+#[serial_test::serial]
+fn across_two_gpus_writes_and_reads_are_one_kernel() {
+    let Some(dev0) = gpu_and_plugin() else { return };
+    let rt = CudaRuntime::probe().or_fail("CUDA");
+    if rt.device_count() < 2 {
+        println!("SKIP: one GPU (the cross-GPU case needs two)");
+        return;
+    }
+    let dev1 = rt.device(1).or_fail("GPU 1");
+    for (from, to) in [(&dev0, &dev1), (&dev1, &dev0)] {
+        for n in [1024, 16384] {
+            let len = blocks_for(n) * BLOCK;
+            let a = Side::new(from, "pm-x-init", len, &[]);
+            let b = Side::new(to, "pm-x-target", len, &[]);
+            introduce(&a, &b);
+            for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
+                let plan = Plan::standard(n, BLOCK, 60 + n as u64 + i as u64);
+                let path = checked(op, &a, &b, &plan, 11 * n as u64 + i as u64);
+                let (f, t) = (from.ordinal(), to.ordinal());
+                assert_eq!(path, "peer", "{op:?} of {n} x 4 KiB, GPU {f} -> GPU {t}");
+            }
+            println!(
+                "GPU {} -> GPU {}: {n} x 4 KiB WRITE and READ peer-mapped, byte-exact",
+                from.ordinal(),
+                to.ordinal()
+            );
+        }
     }
 }
 

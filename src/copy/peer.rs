@@ -1077,6 +1077,44 @@ fn allocation_of(addr: u64) -> Result<(u64, u64), String> {
     Ok((base, len as u64))
 }
 
+/// Whether GPU `local` can address GPU `owner`'s memory (NVLink or PCIe
+/// peer access); an error saying which pair cannot.
+fn check_peer_access(local: usize, owner: usize) -> Result<(), String> {
+    let (mut a, mut b): (sys::CUdevice, sys::CUdevice) = (0, 0);
+    let mut can: std::ffi::c_int = 0;
+    // SAFETY: out pointers for plain integers.
+    let probed = unsafe {
+        sys::cuDeviceGet(&mut a, local as i32)
+            .result()
+            .and_then(|_| sys::cuDeviceGet(&mut b, owner as i32).result())
+            .and_then(|_| sys::cuDeviceCanAccessPeer(&mut can, a, b).result())
+    };
+    probed.map_err(|e| format!("cuDeviceCanAccessPeer({local}, {owner}): {e}"))?;
+    if can == 0 {
+        return Err(format!("GPU {local} cannot access GPU {owner}'s memory"));
+    }
+    Ok(())
+}
+
+/// Gives the current context (GPU `local`'s primary context) access to
+/// `owner`'s primary context, where this process's memory on that GPU
+/// lives. Already enabled (by an earlier mapping, or by the application) is
+/// success.
+fn enable_peer_access(owner: &CudaDevice, local: usize) -> Result<(), String> {
+    // SAFETY: the owner's primary context is retained by CudaDevice for the
+    // life of the process; the call only changes the current context's
+    // peer table.
+    match unsafe { sys::cuCtxEnablePeerAccess(owner.context().cu_ctx(), 0) } {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        e => Err(format!(
+            "cuCtxEnablePeerAccess(GPU {local} -> GPU {}): {e:?}",
+            owner.ordinal()
+        )),
+    }
+}
+
 /// A peer's allocation as this process addresses it.
 pub struct PeerMapping {
     copier: Arc<PeerCopier>,
@@ -1105,11 +1143,13 @@ impl PeerMapping {
     /// Maps a peer's allocation for copies launched by `copier`.
     ///
     /// `same_process`: the exporter is this process (two agents in one
-    /// process); its memory is used at its own address, which needs the
-    /// allocation to be on the copier's device. Otherwise the IPC handle is
-    /// opened in the copier's device context, with peer access enabled when
-    /// the allocation lives on another GPU (refused when the two GPUs cannot
-    /// reach each other).
+    /// process); its memory is used at its own address. When it lives on
+    /// another GPU, the copier's context is given peer access to that GPU's
+    /// primary context (a lasting setting of the context, as torch's peer
+    /// copies make it). Otherwise the IPC handle is opened in the copier's
+    /// device context, with peer access enabled lazily when the allocation
+    /// lives on another GPU. Either is refused when the two GPUs cannot
+    /// reach each other.
     pub fn open(
         copier: &Arc<PeerCopier>,
         device_uuid: &[u8; 16],
@@ -1129,12 +1169,19 @@ impl PeerMapping {
             opened,
             last: Mutex::new(vec![None; copier.streams.len()]),
         };
+        // Opened before entering the copier's context: opening a device
+        // makes its context current.
+        let owner_here = match same_process && owner != local {
+            true => Some(cuda.device(owner)?),
+            false => None,
+        };
         let _ctx = ContextScope::enter(&copier.device)?;
+        if owner != local {
+            check_peer_access(local, owner)?;
+        }
         if same_process {
-            if owner != local {
-                return Err(format!(
-                    "memory of this process on GPU {owner} is not mapped for copies on GPU {local}"
-                ));
+            if let Some(owner_dev) = &owner_here {
+                enable_peer_access(owner_dev, local)?;
             }
             // The claim is checked, not trusted: an allocation of this
             // process must start there and be that long.
@@ -1145,21 +1192,6 @@ impl PeerMapping {
                 ));
             }
             return Ok(mapping(alloc_base, false));
-        }
-        if owner != local {
-            let (mut a, mut b): (sys::CUdevice, sys::CUdevice) = (0, 0);
-            let mut can: std::ffi::c_int = 0;
-            // SAFETY: out pointers for plain integers.
-            let probed = unsafe {
-                sys::cuDeviceGet(&mut a, local as i32)
-                    .result()
-                    .and_then(|_| sys::cuDeviceGet(&mut b, owner as i32).result())
-                    .and_then(|_| sys::cuDeviceCanAccessPeer(&mut can, a, b).result())
-            };
-            probed.map_err(|e| format!("cuDeviceCanAccessPeer({local}, {owner}): {e}"))?;
-            if can == 0 {
-                return Err(format!("GPU {local} cannot access GPU {owner}'s memory"));
-            }
         }
         let handle = sys::CUipcMemHandle {
             reserved: ipc_handle.map(|b| b as std::ffi::c_char),
