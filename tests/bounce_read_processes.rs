@@ -85,8 +85,10 @@ fn read_from_peer(me: &mut Endpoint, p: &mut Peer, seeds: (u64, u64, u64), notif
     );
 }
 
-fn both_ways(extra: &[(&str, &str)], seed: u64) {
+/// Returns the chunk writes both sides made by cross-memory attach.
+fn both_ways(extra: &[(&str, &str)], seed: u64) -> u64 {
     let len = len();
+    let mut cma_writes = 0;
     let mut p = Peer::spawn("owner", peer_command(&[], len, extra, "rp-peer"))
         .unwrap_or_else(|e| panic!("{e}"));
     let mut me = endpoint("rp-me", extra, len, seed, ThreadSync::Default);
@@ -136,8 +138,10 @@ fn both_ways(extra: &[(&str, &str)], seed: u64) {
         );
         assert_reader_bounced(&sp, &ep, 1);
         assert_eq!(em.since(&sm, "reads_served"), 1, "{}", em.diff(&sm));
+        cma_writes += em.since(&sm, "chunk_writes_cma");
     }
     p.finish();
+    cma_writes
 }
 
 #[test]
@@ -146,7 +150,30 @@ fn two_processes_read_both_ways() {
     if !ready("BOUNCE") {
         return;
     }
-    both_ways(&[LOOPBACK], 1);
+    assert_eq!(
+        both_ways(&[LOOPBACK], 1),
+        0,
+        "chunk writes by CMA with the path off"
+    );
+}
+
+/// The owner writes each chunk into the reader's host arena by
+/// cross-memory attach (the reader's data path carries its process), with
+/// the CMA path on and its own route gated off.
+#[test]
+#[serial_test::serial]
+fn two_processes_read_both_ways_with_chunk_writes_by_cma() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let cma = [
+        LOOPBACK,
+        ("enable_cma", "true"),
+        ("cma_min_descriptor_count", "1000000000"),
+        ("max_chunk_size_bytes", "4MiB"),
+    ];
+    let writes = both_ways(&cma, 4);
+    assert!(writes >= 2, "{writes} chunk writes by CMA");
 }
 
 #[test]

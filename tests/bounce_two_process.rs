@@ -6,7 +6,9 @@
 //! - this process -> peer, with and without a notification (the peer
 //!   checks its buffer once the notification is there);
 //! - peer -> this process (the peer is the initiator: its counters must
-//!   show the bounce submission, ours the scatter).
+//!   show the bounce submission, ours the scatter);
+//! - with the CMA path on (its own route gated off): the same, each chunk
+//!   written into the peer's arena by cross-memory attach.
 #[path = "support/bounce.rs"]
 mod bounce;
 mod common;
@@ -30,8 +32,10 @@ fn peer_helper() {
     peer_main();
 }
 
-fn run(extra: &[(&str, &str)], seed: u64) {
+/// Returns the chunk writes both sides made by cross-memory attach.
+fn run(extra: &[(&str, &str)], seed: u64) -> u64 {
     let len = len();
+    let mut cma_writes = 0;
     let mut p = Peer::spawn("target", peer_command(&[], len, extra, "bp-peer"))
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p.len, len);
@@ -84,6 +88,7 @@ fn run(extra: &[(&str, &str)], seed: u64) {
             &after_peer,
             after_me.since(&before_me, "chunks_written"),
         );
+        cma_writes += after_me.since(&before_me, "chunk_writes_cma");
     }
 
     // Peer -> this process: the peer initiates.
@@ -121,8 +126,10 @@ fn run(extra: &[(&str, &str)], seed: u64) {
             &after_me,
             after_peer.since(&before_peer, "chunks_written"),
         );
+        cma_writes += after_peer.since(&before_peer, "chunk_writes_cma");
     }
     p.finish();
+    cma_writes
 }
 
 #[test]
@@ -131,7 +138,30 @@ fn two_processes_both_ways() {
     if !ready("BOUNCE") {
         return;
     }
-    run(&[LOOPBACK], 1);
+    assert_eq!(
+        run(&[LOOPBACK], 1),
+        0,
+        "chunk writes by CMA with the path off"
+    );
+}
+
+/// Host arenas of two processes on one host: every chunk write goes by
+/// cross-memory attach when the CMA path is on (here its own route is
+/// gated off, so that the transfers take the arena).
+#[test]
+#[serial_test::serial]
+fn two_processes_both_ways_with_chunk_writes_by_cma() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let cma = [
+        LOOPBACK,
+        ("enable_cma", "true"),
+        ("cma_min_descriptor_count", "1000000000"),
+        ("max_chunk_size_bytes", "4MiB"),
+    ];
+    let writes = run(&cma, 3);
+    assert!(writes >= 4, "{writes} chunk writes by CMA");
 }
 
 #[test]

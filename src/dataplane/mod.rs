@@ -1,11 +1,16 @@
 //! The data plane: the arena, registered once with the inner UCX agent, and
 //! one NIXL WRITE per chunk from a local region into a region of the peer's
-//! arena.
+//! arena; or, between two host arenas on one host, one copy by cross-memory
+//! attach on the CMA path's threads (UCX copies those inside its post, one
+//! at a time, at 2-4 GB/s on the H200 host).
 
 pub mod vram;
 
 use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Duration;
 
+use crate::engine::cma::{Cma, CmaPeer, CmaXfer};
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, XferDescList, XferOp,
     XferRequest, XferStatus,
@@ -140,9 +145,21 @@ pub struct PeerArena {
     pub base: u64,
     pub device: u64,
     pub mem: MemType,
+    /// A host arena of a process proven on this host: chunk writes into it
+    /// go by cross-memory attach.
+    pub cma: Option<CmaTarget>,
 }
 
-/// Issues chunk writes through the inner agent.
+/// A peer's host arena as the CMA path reaches it: the proven process and
+/// the arena's length, which bounds every write into it (UCX's remote key
+/// bounds its writes; a cross-memory write has only this check).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CmaTarget {
+    pub peer: Arc<CmaPeer>,
+    pub len: u64,
+}
+
+/// Issues chunk writes through the inner agent (or the CMA path).
 #[derive(Debug)]
 pub struct DataPlane {
     agent: Agent,
@@ -150,17 +167,44 @@ pub struct DataPlane {
     arena_len: usize,
     arena_mem: MemType,
     arena_dev: u64,
+    /// The engine's CMA path, for writes between two host arenas of one
+    /// host (`None`: every write goes through the inner agent).
+    cma: Option<Arc<Cma>>,
     _registration: RegistrationHandle,
 }
 
 /// A chunk write in flight.
-pub struct ChunkWrite {
-    req: XferRequest,
+pub enum ChunkWrite {
+    Nixl(XferRequest),
+    Cma(CmaXfer),
 }
+
+/// How long a chunk write by cross-memory attach may run before it is
+/// stopped and fails (a 64 MiB chunk takes a few milliseconds).
+const CMA_WRITE_LIMIT: Duration = Duration::from_secs(60);
 
 impl std::fmt::Debug for ChunkWrite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ChunkWrite")
+        f.write_str(match self {
+            Self::Nixl(_) => "ChunkWrite(nixl)",
+            Self::Cma(_) => "ChunkWrite(cma)",
+        })
+    }
+}
+
+impl ChunkWrite {
+    /// Stops a cross-memory write still running (at its next piece);
+    /// whether it was one. A NIXL write cannot be stopped.
+    pub fn cancel(&self) -> bool {
+        matches!(self, Self::Cma(x) if x.cancel())
+    }
+
+    /// Whether the write may still touch either arena.
+    pub fn running(&self, data: &DataPlane) -> bool {
+        match self {
+            Self::Cma(x) => x.running(),
+            Self::Nixl(_) => data.poll(self) == WriteState::InProgress,
+        }
     }
 }
 
@@ -174,8 +218,14 @@ pub enum WriteState {
 }
 
 impl DataPlane {
-    /// Registers `arena` with the inner agent (once, for the engine's life).
-    pub fn new<A: Arena + ?Sized>(agent: Agent, arena: &A) -> Result<Self, String> {
+    /// Registers `arena` with the inner agent (once, for the engine's life);
+    /// `cma`: the engine's CMA path, for writes into host arenas of this
+    /// host when this arena is host memory too.
+    pub fn new<A: Arena + ?Sized>(
+        agent: Agent,
+        arena: &A,
+        cma: Option<Arc<Cma>>,
+    ) -> Result<Self, String> {
         let registration = agent.register_memory(&ArenaRef(arena), None).map_err(|e| {
             format!(
                 "registering the {}-byte arena with the inner UCX agent: {e}",
@@ -188,6 +238,7 @@ impl DataPlane {
             arena_len: arena.len(),
             arena_mem: arena.mem_type(),
             arena_dev: arena.device_id(),
+            cma: cma.filter(|_| arena.mem_type() == MemType::Dram),
             _registration: registration,
         })
     }
@@ -220,6 +271,9 @@ impl DataPlane {
                 "chunk write of {len} bytes at local offset {local} leaves the arena"
             ));
         }
+        if let Some(w) = self.post_cma(peer, local, remote, len)? {
+            return Ok(w);
+        }
         let mut l =
             XferDescList::new(self.arena_mem).map_err(|e| format!("descriptor list: {e}"))?;
         l.add_desc(
@@ -243,7 +297,7 @@ impl DataPlane {
                 )
             })?;
         match self.agent.post_xfer_req(&req, None) {
-            Ok(_) => Ok(ChunkWrite { req }),
+            Ok(_) => Ok(ChunkWrite::Nixl(req)),
             Err(e) => Err(format!(
                 "posting a {len}-byte chunk write to {}: {e}",
                 peer.inner_agent
@@ -251,11 +305,62 @@ impl DataPlane {
         }
     }
 
+    /// The write by cross-memory attach, when both arenas are host memory
+    /// and the peer's process is proven on this host; `None`: go through
+    /// the inner agent.
+    fn post_cma(
+        &self,
+        peer: &PeerArena,
+        local: u64,
+        remote: u64,
+        len: u64,
+    ) -> Result<Option<ChunkWrite>, String> {
+        let (Some(cma), Some(target)) = (&self.cma, &peer.cma) else {
+            return Ok(None);
+        };
+        if peer.mem != MemType::Dram {
+            return Ok(None);
+        }
+        if !remote.checked_add(len).is_some_and(|e| e <= target.len) {
+            return Err(format!(
+                "chunk write of {len} bytes at offset {remote} leaves {}'s {}-byte arena",
+                peer.inner_agent, target.len
+            ));
+        }
+        let (Some(from), Some(to)) = (
+            (self.arena_base as u64).checked_add(local),
+            peer.base.checked_add(remote),
+        ) else {
+            return Err("chunk write address overflows".into());
+        };
+        let Some(mut x) = cma.chunk_write(target.peer.clone(), from, to, len) else {
+            return Ok(None);
+        };
+        match cma.post(&mut x, None) {
+            Some(Err(e)) => Err(format!(
+                "{len}-byte chunk write to {} by cross-memory attach: {e}",
+                peer.inner_agent
+            )),
+            _ => Ok(Some(ChunkWrite::Cma(x))),
+        }
+    }
+
     pub fn poll(&self, w: &ChunkWrite) -> WriteState {
-        match self.agent.get_xfer_status(&w.req) {
-            Ok(XferStatus::Success) => WriteState::Done,
-            Ok(XferStatus::InProgress) => WriteState::InProgress,
-            Err(e) => WriteState::Failed(format!("chunk write failed: {e}")),
+        match w {
+            ChunkWrite::Nixl(req) => match self.agent.get_xfer_status(req) {
+                Ok(XferStatus::Success) => WriteState::Done,
+                Ok(XferStatus::InProgress) => WriteState::InProgress,
+                Err(e) => WriteState::Failed(format!("chunk write failed: {e}")),
+            },
+            ChunkWrite::Cma(x) => match x.outcome(CMA_WRITE_LIMIT) {
+                // Failed by its time limit, a part may still be copying.
+                None => WriteState::InProgress,
+                Some(_) if x.running() => WriteState::InProgress,
+                Some(Ok(())) => WriteState::Done,
+                Some(Err(e)) => {
+                    WriteState::Failed(format!("chunk write by cross-memory attach: {e}"))
+                }
+            },
         }
     }
 }

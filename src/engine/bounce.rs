@@ -15,7 +15,8 @@ use crate::control::zmq::{BindSpec, ZmqChannel, ZmqConfig};
 use crate::control::ControlChannel;
 use crate::copy::host::HostCopy;
 use crate::copy::{CopyEngine, RegionSpan};
-use crate::dataplane::{Arena, DataPlane, HostArena, PeerArena};
+use crate::dataplane::{Arena, CmaTarget, DataPlane, HostArena, PeerArena};
+use crate::engine::cma::{Cma, CmaPeer};
 use crate::engine::conn_info::DataPath;
 use crate::failpoint::Failpoints;
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
@@ -119,6 +120,8 @@ pub struct Shared<'a> {
     pub failpoints: &'a Failpoints,
     /// The readers' agents loaded for served READs, over all instances.
     pub readers: &'a Arc<ReaderAgents>,
+    /// The engine's CMA path: chunk writes between host arenas of one host.
+    pub cma: &'a Arc<super::cma::Cma>,
 }
 
 impl Bounce {
@@ -138,7 +141,7 @@ impl Bounce {
             }
             MemKind::Vram => crate::copy::device_arena(location.device, capacity as usize, config)?,
         };
-        let data = DataPlane::new(shared.inner.clone(), &*arena)?;
+        let data = DataPlane::new(shared.inner.clone(), &*arena, Some(shared.cma.clone()))?;
         let arena_metadata = data.arena_metadata()?;
         let control = config.control_kind();
         let liveness = (config.peer_liveness_timeout_ms > 0)
@@ -197,6 +200,12 @@ impl Bounce {
                 inner_agent: shared.inner_name.to_string(),
                 conn_md: shared.inner_md.to_vec(),
                 arena_md: arena_metadata.clone(),
+                // A host arena: a same-host owner may write it by
+                // cross-memory attach.
+                cma: match location.arena_kind() {
+                    MemKind::Dram => shared.cma.export().map(|e| (e, arena.len() as u64)),
+                    MemKind::Vram => None,
+                },
             }
             .encode(),
         );
@@ -336,6 +345,8 @@ pub struct ReaderAgents {
     /// Control rides the inner agent's notifications: a reader's agent is
     /// then never invalidated (see [`ReaderAgents::unload`]).
     keep_loaded: bool,
+    /// Proves a reader's process on this host (its data path's CMA block).
+    cma: Arc<Cma>,
 }
 
 impl std::fmt::Debug for ReaderAgents {
@@ -352,6 +363,7 @@ impl ReaderAgents {
         inner_name: String,
         remotes: Arc<Mutex<HashMap<String, super::Remote>>>,
         keep_loaded: bool,
+        cma: Arc<Cma>,
     ) -> Self {
         Self {
             inner,
@@ -359,6 +371,7 @@ impl ReaderAgents {
             remotes,
             loads: Mutex::new(HashMap::new()),
             keep_loaded,
+            cma,
         }
     }
 
@@ -378,14 +391,17 @@ impl ReaderAgents {
             }
         }
         *loads.entry(dp.inner_agent.clone()).or_default() += 1;
+        let vram = dp.kind == MemKind::Vram as u8;
         Ok(PeerArena {
             inner_agent: dp.inner_agent,
             base: dp.base,
             device: dp.device,
-            mem: if dp.kind == MemKind::Vram as u8 {
-                MemType::Vram
-            } else {
-                MemType::Dram
+            mem: if vram { MemType::Vram } else { MemType::Dram },
+            cma: match &dp.cma {
+                Some((e, len)) if !vram => {
+                    self.cma.peer(e).map(|peer| CmaTarget { peer, len: *len })
+                }
+                _ => None,
             },
         })
     }
@@ -468,11 +484,15 @@ pub struct PeerBounce {
 
 /// Checks a peer's advertised bounce instance against our configuration.
 /// On refusal: the counter naming the reason, and the reason.
+///
+/// `cma`: the peer's process, proven on this host: chunk writes into a host
+/// arena of it go by cross-memory attach, bounded by its usable capacity.
 pub fn admit(
     config: &Config,
     kind: MemKind,
     inner_agent: &str,
     peer: &Handshake,
+    cma: Option<Arc<CmaPeer>>,
 ) -> Result<PeerBounce, (&'static str, String)> {
     local_handshake(config, config.control_kind())
         .check_compatible(peer)
@@ -493,6 +513,13 @@ pub fn admit(
             mem: match kind {
                 MemKind::Dram => MemType::Dram,
                 MemKind::Vram => MemType::Vram,
+            },
+            cma: match kind {
+                MemKind::Dram => cma.map(|proven| CmaTarget {
+                    peer: proven,
+                    len: peer.arena_usable_capacity,
+                }),
+                MemKind::Vram => None,
             },
         },
     })
@@ -816,11 +843,11 @@ mod tests {
         let mut ours = local_handshake(&cfg, ControlKind::NixlNotif);
         assert!(ours.capabilities.contains(Capabilities::HEARTBEATS));
         ours.endpoint = b"nixl:peer/bounce".to_vec();
-        let admitted = admit(&cfg, MemKind::Dram, "peer/bounce", &ours).unwrap();
+        let admitted = admit(&cfg, MemKind::Dram, "peer/bounce", &ours, None).unwrap();
         assert!(admitted.heartbeats && admitted.read);
         // A build before heartbeats: admitted all the same, never PINGed.
         ours.capabilities = Capabilities::CANCEL.with(Capabilities::READ);
-        let older = admit(&cfg, MemKind::Dram, "peer/bounce", &ours).unwrap();
+        let older = admit(&cfg, MemKind::Dram, "peer/bounce", &ours, None).unwrap();
         assert!(!older.heartbeats && older.read);
     }
 

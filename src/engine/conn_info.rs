@@ -30,7 +30,9 @@ pub const PUBLIC_MAGIC: &[u8; 8] = b"NXBPUBLC";
 /// version): DRAM regions are version 3 while the CMA path is on.
 pub const PUBLIC_VERSION: u16 = 4;
 pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
-pub const DATA_PATH_VERSION: u16 = 1;
+/// Version 2 added the CMA block; a data path is written in the lowest
+/// version that carries it, and both are read.
+pub const DATA_PATH_VERSION: u16 = 2;
 
 /// Parsed connection info of a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -386,6 +388,10 @@ impl PublicData {
 /// name     u32 + n  the reader's inner agent name
 /// conn     u32 + n  the inner agent's metadata from its creation (its UCX connection)
 /// arena    u32 + n  the inner agent's metadata for the arena
+/// cma_len  u32      (version 2) 0, or CMA_EXPORT_LEN + 8 bytes: the
+///                   reader's [`CmaExport`] and its arena's length, when
+///                   the arena is host memory a same-host owner may write
+///                   by cross-memory attach
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DataPath {
@@ -395,19 +401,27 @@ pub struct DataPath {
     pub inner_agent: String,
     pub conn_md: Vec<u8>,
     pub arena_md: Vec<u8>,
+    /// The reader's process and its arena's length, for chunk writes by
+    /// cross-memory attach (`dataplane::CmaTarget`).
+    pub cma: Option<(CmaExport, u64)>,
 }
 
 impl DataPath {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         w.bytes(DATA_PATH_MAGIC);
-        w.u16(DATA_PATH_VERSION);
+        w.u16(if self.cma.is_some() { 2 } else { 1 });
         w.u8(self.kind);
         w.u64(self.device);
         w.u64(self.base);
         w.len_prefixed(self.inner_agent.as_bytes());
         w.len_prefixed(&self.conn_md);
         w.len_prefixed(&self.arena_md);
+        if let Some((e, len)) = &self.cma {
+            w.u32((CMA_EXPORT_LEN + 8) as u32);
+            e.encode_into(&mut w);
+            w.u64(*len);
+        }
         w.into_bytes()
     }
 
@@ -418,9 +432,9 @@ impl DataPath {
             return Err("not a BOUNCE data-path description".into());
         }
         let version = r.u16("version").map_err(truncated)?;
-        if version != DATA_PATH_VERSION {
+        if !(1..=DATA_PATH_VERSION).contains(&version) {
             return Err(format!(
-                "reader speaks BOUNCE data-path version {version}, this plugin speaks {DATA_PATH_VERSION}"
+                "reader speaks BOUNCE data-path version {version}, this plugin speaks 1 to {DATA_PATH_VERSION}"
             ));
         }
         let kind = r.u8("memory kind").map_err(truncated)?;
@@ -434,6 +448,24 @@ impl DataPath {
             .to_string();
         let conn_md = len_prefixed(&mut r, "connection metadata")?.to_vec();
         let arena_md = len_prefixed(&mut r, "arena metadata")?.to_vec();
+        let cma = match version {
+            1 => None,
+            _ => match len_prefixed(&mut r, "CMA block")? {
+                [] => None,
+                b if b.len() == CMA_EXPORT_LEN + 8 => {
+                    let (export, len) = b.split_at(CMA_EXPORT_LEN);
+                    let len = u64::from_le_bytes(len.try_into().map_err(|_| "CMA block")?);
+                    Some((CmaExport::decode(export)?, len))
+                }
+                b => {
+                    return Err(format!(
+                        "data path's CMA block of {} bytes (expected 0 or {})",
+                        b.len(),
+                        CMA_EXPORT_LEN + 8
+                    ))
+                }
+            },
+        };
         r.finish("data path").map_err(|e| e.to_string())?;
         if inner_agent.is_empty() || arena_md.is_empty() {
             return Err("data path names no agent or no arena".into());
@@ -445,6 +477,7 @@ impl DataPath {
             inner_agent,
             conn_md,
             arena_md,
+            cma,
         })
     }
 }
@@ -666,25 +699,47 @@ mod tests {
 
     #[test]
     fn data_path_round_trips_and_rejects_malformed_input() {
-        let d = DataPath {
+        let plain = DataPath {
             kind: 1,
             device: 3,
             base: 0x7f00_0000_0000,
             inner_agent: "reader/bounce".into(),
             conn_md: vec![1; 9],
             arena_md: vec![2; 5],
+            cma: None,
         };
-        let bytes = d.encode();
-        assert_eq!(DataPath::decode(&bytes).unwrap(), d);
-        for n in 0..bytes.len() {
-            assert!(
-                DataPath::decode(&bytes[..n]).is_err(),
-                "prefix {n} accepted"
-            );
+        let with_cma = DataPath {
+            kind: 0,
+            cma: Some((
+                CmaExport {
+                    host: [3; 16],
+                    process: [4; 16],
+                    pid: 4242,
+                    token_addr: 0x5555_0000,
+                },
+                256 << 20,
+            )),
+            ..plain.clone()
+        };
+        for (d, version) in [(plain, 1u16), (with_cma, 2)] {
+            let bytes = d.encode();
+            assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), version);
+            assert_eq!(DataPath::decode(&bytes).unwrap(), d);
+            for n in 0..bytes.len() {
+                assert!(
+                    DataPath::decode(&bytes[..n]).is_err(),
+                    "prefix {n} accepted"
+                );
+            }
+            let mut long = bytes.clone();
+            long.push(0);
+            assert!(DataPath::decode(&long).unwrap_err().contains("trailing"));
+            let mut later = bytes.clone();
+            later[8] = 3;
+            assert!(DataPath::decode(&later)
+                .unwrap_err()
+                .contains("data-path version 3"));
         }
-        let mut long = bytes.clone();
-        long.push(0);
-        assert!(DataPath::decode(&long).unwrap_err().contains("trailing"));
     }
 
     #[test]

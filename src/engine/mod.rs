@@ -1164,7 +1164,7 @@ pub struct Engine {
     /// The peer-mapped path: exports, mappings, copiers.
     peer: peer::PeerMaps,
     /// The CMA path: its export, proven peers, copy threads.
-    cma: cma::Cma,
+    cma: Arc<cma::Cma>,
     /// The regions the last arena check met (one check at a time keeps
     /// them; a concurrent one resolves its own).
     kept_regions: Mutex<KeptRegions>,
@@ -1352,11 +1352,13 @@ impl Engine {
             .map_err(|e| Error::nixl("reading the inner agent's metadata", e))?;
 
         let remotes = Arc::new(Mutex::new(HashMap::new()));
+        let cma = Arc::new(cma::Cma::new(&config));
         let readers = Arc::new(bounce::ReaderAgents::new(
             inner.clone(),
             inner_name.clone(),
             remotes.clone(),
             config.use_nixl_notifications,
+            cma.clone(),
         ));
         let stats = EngineStats::new(local_name, params);
         stats.set_source(instances_stats(instances.clone(), readers.clone()));
@@ -1364,7 +1366,7 @@ impl Engine {
         let peer = peer::PeerMaps::new(&config);
         Ok(Self {
             peer,
-            cma: cma::Cma::new(&config),
+            cma,
             kept_regions: Mutex::new(KeptRegions::default()),
             local_name: local_name.to_string(),
             inner_name: inner_name.into(),
@@ -1420,6 +1422,7 @@ impl Engine {
                 config: &self.config,
                 failpoints: &self.failpoints,
                 readers: &self.readers,
+                cma: &self.cma,
             };
             Bounce::start(&shared, location).map(Arc::new)
         };
@@ -1494,9 +1497,11 @@ impl Engine {
             bounce: bounce.as_deref().map(PublicBounce::of),
             staged: staged.as_deref().map(PublicBounce::of),
             peer_map,
+            // A VRAM region's block is for its host-staged arena's chunk
+            // writes only (the CMA path itself takes DRAM on both sides).
             cma: match kind {
                 MemKind::Dram => self.cma.export(),
-                MemKind::Vram => None,
+                MemKind::Vram => staged.as_ref().and_then(|_| self.cma.export()),
             },
         }
         .encode();
@@ -1648,6 +1653,7 @@ impl Engine {
         remote: &str,
         inner_remote: &str,
         public: &PublicBounce,
+        cma: Option<Arc<cma::CmaPeer>>,
     ) -> Option<Arc<PeerBounce>> {
         if !self.config.enabled {
             return None;
@@ -1663,7 +1669,7 @@ impl Engine {
                 return None;
             }
         };
-        let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer) {
+        let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer, cma) {
             Ok(p) => p,
             Err((counter, why)) => {
                 self.stats.bump_named(counter);
@@ -1718,21 +1724,25 @@ impl Engine {
                 format!("region metadata of agent {remote:?} is malformed: {e}"),
             )
         })?;
+        // The peer's process, proven on this host: the CMA path for its
+        // DRAM, and chunk writes into its host arenas.
+        let cma_peer = match &public.cma {
+            Some(e) if remote != self.local_name => self.cma.peer(e),
+            _ => None,
+        };
         let md = Box::new(Md {
             magic: MD_MAGIC,
             range,
             kind,
             owner: MdOwner::Remote {
                 agent: remote.to_string(),
-                bounce: public
-                    .bounce
-                    .as_ref()
-                    .and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
+                bounce: public.bounce.as_ref().and_then(|b| {
+                    self.admit_peer_instance(remote, &inner_remote, b, cma_peer.clone())
+                }),
                 staged: match kind {
-                    MemKind::Vram => public
-                        .staged
-                        .as_ref()
-                        .and_then(|b| self.admit_peer_instance(remote, &inner_remote, b)),
+                    MemKind::Vram => public.staged.as_ref().and_then(|b| {
+                        self.admit_peer_instance(remote, &inner_remote, b, cma_peer.clone())
+                    }),
                     MemKind::Dram => None,
                 },
                 peer: match (kind, &public.peer_map) {
@@ -1742,9 +1752,9 @@ impl Engine {
                     _ => None,
                 },
                 mapped: std::sync::OnceLock::new(),
-                cma: match (kind, &public.cma) {
-                    (MemKind::Dram, Some(e)) if remote != self.local_name => self.cma.peer(e),
-                    _ => None,
+                cma: match kind {
+                    MemKind::Dram => cma_peer,
+                    MemKind::Vram => None,
                 },
             },
         });
@@ -2776,6 +2786,7 @@ mod tests {
                     base: 0,
                     device: 0,
                     mem,
+                    cma: None,
                 },
                 key: 7,
                 read: true,

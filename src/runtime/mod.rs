@@ -165,6 +165,8 @@ pub struct RuntimeCounters {
     pub request_ns: AtomicU64,
     /// Of `write_ns`: the writer thread preparing and posting the writes.
     pub write_post_ns: AtomicU64,
+    /// Chunk writes by cross-memory attach (host arenas on one host).
+    pub chunk_writes_cma: AtomicU64,
     /// Control round trips of WRITEs: submission -> the request's first
     /// GRANT, and DATA sent -> its ACK (the peer's scatter included).
     pub grant_wait_ns: AtomicU64,
@@ -829,6 +831,7 @@ impl Runtime {
                 ("write_ns", &c.write_ns),
                 ("request_ns", &c.request_ns),
                 ("write_post_ns", &c.write_post_ns),
+                ("chunk_writes_cma", &c.chunk_writes_cma),
                 ("grant_wait_ns", &c.grant_wait_ns),
                 ("ack_wait_ns", &c.ack_wait_ns),
             ];

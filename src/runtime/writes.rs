@@ -121,10 +121,12 @@ struct WriterThread {
 fn post(data: &DataPlane, shared: &Shared, j: &WriteJob) -> Result<ChunkWrite, String> {
     let t = Instant::now();
     let posted = data.post_write(&j.arena, j.local, j.remote, j.len);
-    shared
-        .counters
-        .write_post_ns
+    let c = &shared.counters;
+    c.write_post_ns
         .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    if let Ok(ChunkWrite::Cma(_)) = &posted {
+        c.chunk_writes_cma.fetch_add(1, Ordering::Relaxed);
+    }
     posted
 }
 
@@ -286,6 +288,16 @@ impl ChunkWriter {
 
 impl Drop for ChunkWriter {
     fn drop(&mut self) {
+        // Writes by cross-memory attach stop at their next piece: stop
+        // them and wait (within the bound) until none touches an arena.
+        if self.here.iter().filter(|p| p.1.cancel()).count() > 0 {
+            let t = Instant::now();
+            let copying =
+                |p: &Pending| matches!(p.1, ChunkWrite::Cma(_)) && p.1.running(&self.data);
+            while self.here.iter().any(copying) && t.elapsed() < QUIESCE_BOUND {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
         poll_pending(&self.data, &mut self.here, |_| {});
         if !self.here.is_empty() {
             // A write the transport may still run reads the arena: keep its
