@@ -165,17 +165,17 @@ fi
 if [[ "$mode" == mixed ]]; then
     # Mixed memory against UCX (docs/benchmarks.md, "Mixed memory through the
     # host-staged instance"): issue 15's 16,384 x 4 KiB WRITE from DRAM into
-    # VRAM and READ back (also with four writer threads), then a 2 MiB READ
+    # VRAM and READ back (also with UCX's chunk writes), then a 2 MiB READ
     # with the GPU's own clock on
     # (NIXL_BOUNCE_TIME_KERNELS=1; the bench prints both sides' copies).
     python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
     four_k="--cases tp4-8k --token-scale 0.25 --block-size 8 --iters 5 --warmup 1"
     run mixed-write-4k python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu --op write
     run mixed-read-4k python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu
-    # Chunk writes from four writer threads on four inner-agent workers
-    # (UCX copies each host-to-host write inside its post).
-    run mixed-read-4k-writers python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu \
-        --backends BOUNCE --bounce-param chunk_writer_threads=4 --bounce-param num_workers=4
+    # The same READ with its chunk writes through UCX (the CMA path off):
+    # UCX copies each host-to-host write inside its post, one at a time.
+    run mixed-read-4k-ucx-writes python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu \
+        --backends BOUNCE --bounce-param enable_cma=false
     NIXL_BOUNCE_TIME_KERNELS=1 run mixed-2mib python3 bench/vllm_pattern.py --cases tp4-128 --token-scale 0.5 \
         --iters 7 --warmup 1 --device cuda --reader-device torch-cpu
     grep -hE "^==|^(BOUNCE|UCX) |speed-up|the copies" "$out"/mixed-*.log | cut -c1-400
