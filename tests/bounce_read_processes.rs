@@ -150,11 +150,10 @@ fn two_processes_read_both_ways() {
     if !ready("BOUNCE") {
         return;
     }
-    assert_eq!(
-        both_ways(&[LOOPBACK], 1),
-        0,
-        "chunk writes by CMA with the path off"
-    );
+    let cma_writes = both_ways(&[LOOPBACK], 1);
+    if std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none() {
+        assert_eq!(cma_writes, 0, "chunk writes by CMA with the path off");
+    }
 }
 
 /// The owner writes each chunk into the reader's host arena by

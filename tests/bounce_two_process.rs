@@ -138,11 +138,10 @@ fn two_processes_both_ways() {
     if !ready("BOUNCE") {
         return;
     }
-    assert_eq!(
-        run(&[LOOPBACK], 1),
-        0,
-        "chunk writes by CMA with the path off"
-    );
+    let cma_writes = run(&[LOOPBACK], 1);
+    if std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none() {
+        assert_eq!(cma_writes, 0, "chunk writes by CMA with the path off");
+    }
 }
 
 /// Host arenas of two processes on one host: every chunk write goes by
