@@ -318,7 +318,7 @@ impl DataPlane {
         let (Some(cma), Some(target)) = (&self.cma, &peer.cma) else {
             return Ok(None);
         };
-        if peer.mem != MemType::Dram {
+        if peer.mem != MemType::Dram || !matches!(*target.peer, CmaPeer::Process { .. }) {
             return Ok(None);
         }
         if !remote.checked_add(len).is_some_and(|e| e <= target.len) {

@@ -17,7 +17,7 @@ use crate::copy::host::HostCopy;
 use crate::copy::{CopyEngine, RegionSpan};
 use crate::dataplane::{Arena, CmaTarget, DataPlane, HostArena, PeerArena};
 use crate::engine::cma::{Cma, CmaPeer};
-use crate::engine::conn_info::DataPath;
+use crate::engine::conn_info::{ArenaSeal, CmaExport, DataPath};
 use crate::failpoint::Failpoints;
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
 use crate::proto::PeerId;
@@ -97,6 +97,10 @@ pub struct Bounce {
     /// Peers this instance's runtime already knows (to add each once).
     known_peers: Mutex<HashSet<PeerId>>,
     _arena: Arc<dyn Arena>,
+    /// A host arena's seal ([`ArenaSeal`]): where a same-host owner checks
+    /// that a READ's data path names this live arena. Kept (at a fixed
+    /// address) as long as the arena.
+    _seal: Option<Box<[u8; 32]>>,
 }
 
 impl std::fmt::Debug for Bounce {
@@ -191,6 +195,24 @@ impl Bounce {
             ..EndpointConfig::from_config(config, endpoint_bytes.clone(), request_id_base())
         })
         .map_err(|e| format!("protocol endpoint: {e}"))?;
+        // A host arena's seal, for owners that write into it by
+        // cross-memory attach.
+        let seal = match (location.arena_kind(), shared.cma.export()) {
+            (MemKind::Dram, Some(export)) => {
+                let mut token = [0u8; 16];
+                token[..8].copy_from_slice(&random_u64()?.to_le_bytes());
+                token[8..].copy_from_slice(&random_u64()?.to_le_bytes());
+                let mut seal = ArenaSeal {
+                    addr: 0,
+                    token,
+                    len: arena.len() as u64,
+                };
+                let kept = Box::new(seal.image(arena.base() as u64));
+                seal.addr = kept.as_ptr() as u64;
+                Some((export, seal, kept))
+            }
+            _ => None,
+        };
         // Every READ tells the data owner how to write into this arena.
         endpoint.set_read_data_path(
             DataPath {
@@ -201,11 +223,8 @@ impl Bounce {
                 conn_md: shared.inner_md.to_vec(),
                 arena_md: arena_metadata.clone(),
                 // A host arena: a same-host owner may write it by
-                // cross-memory attach.
-                cma: match location.arena_kind() {
-                    MemKind::Dram => shared.cma.export().map(|e| (e, arena.len() as u64)),
-                    MemKind::Vram => None,
-                },
+                // cross-memory attach, once it found the seal.
+                cma: seal.as_ref().map(|(e, seal, _)| (*e, *seal)),
             }
             .encode(),
         );
@@ -270,6 +289,7 @@ impl Bounce {
             runtime,
             known_peers: Mutex::new(HashSet::new()),
             _arena: arena,
+            _seal: seal.map(|(_, _, kept)| kept),
         })
     }
 
@@ -381,6 +401,11 @@ impl ReaderAgents {
     /// unusable makes the chunk writes fail, and with them the READ.
     fn load(&self, bytes: &[u8]) -> Result<PeerArena, String> {
         let dp = DataPath::decode(bytes)?;
+        let vram = dp.kind == MemKind::Vram as u8;
+        let cma = match &dp.cma {
+            Some((export, seal)) if !vram => self.sealed(export, seal, dp.base, &dp.inner_agent),
+            _ => None,
+        };
         let mut loads = self.loads.lock().expect("reader agents");
         for (what, md) in [("connection", &dp.conn_md), ("arena", &dp.arena_md)] {
             if md.is_empty() {
@@ -391,19 +416,45 @@ impl ReaderAgents {
             }
         }
         *loads.entry(dp.inner_agent.clone()).or_default() += 1;
-        let vram = dp.kind == MemKind::Vram as u8;
         Ok(PeerArena {
             inner_agent: dp.inner_agent,
             base: dp.base,
             device: dp.device,
             mem: if vram { MemType::Vram } else { MemType::Dram },
-            cma: match &dp.cma {
-                Some((e, len)) if !vram => {
-                    self.cma.peer(e).map(|peer| CmaTarget { peer, len: *len })
-                }
-                _ => None,
-            },
+            cma,
         })
+    }
+
+    /// A reader's host arena as a target of chunk writes by cross-memory
+    /// attach: its process proven on this host (another process: two
+    /// agents of this one keep NIXL's writes, which cannot reach memory
+    /// the reader freed), and the seal found where the data path says,
+    /// naming this arena. Otherwise `None`: the writes go through NIXL.
+    fn sealed(
+        &self,
+        export: &CmaExport,
+        seal: &ArenaSeal,
+        base: u64,
+        reader: &str,
+    ) -> Option<CmaTarget> {
+        let peer = self.cma.peer(export)?;
+        let CmaPeer::Process { pid, .. } = *peer else {
+            return None;
+        };
+        match super::cma::seal_found(pid, seal, base) {
+            Ok(true) => Some(CmaTarget {
+                peer,
+                len: seal.len,
+            }),
+            Ok(false) => {
+                tracing::warn!(%reader, pid, "a READ's data path names a host arena whose seal is not where it says; its chunk writes go through NIXL");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%reader, pid, "reading a READ's arena seal: {e}; its chunk writes go through NIXL");
+                None
+            }
+        }
     }
 
     /// Undoes one [`ReaderAgents::load`] of `bytes` (nothing writes through
@@ -515,10 +566,15 @@ pub fn admit(
                 MemKind::Vram => MemType::Vram,
             },
             cma: match kind {
-                MemKind::Dram => cma.map(|proven| CmaTarget {
-                    peer: proven,
-                    len: peer.arena_usable_capacity,
-                }),
+                // Another process only: two agents of this one keep NIXL's
+                // writes, which cannot reach an arena freed under them.
+                MemKind::Dram => {
+                    cma.filter(|p| matches!(**p, CmaPeer::Process { .. }))
+                        .map(|proven| CmaTarget {
+                            peer: proven,
+                            len: peer.arena_usable_capacity,
+                        })
+                }
                 MemKind::Vram => None,
             },
         },

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use nixl_sys::Agent;
 
-use super::conn_info::CmaExport;
+use super::conn_info::{ArenaSeal, CmaExport};
 use super::{Descs, MdOwner, MemKind, Op, Range, RawDesc};
 use crate::config::Config;
 use crate::copy::cma::{self, CmaError, Pair, Target};
@@ -715,8 +715,59 @@ fn walk_run(
     Some(run)
 }
 
+/// Whether `seal` lies at its address in process `pid`, naming a host
+/// arena at `base` ([`ArenaSeal`]: how an owner checks a READ's data path
+/// before writing into the reader's arena by cross-memory attach).
+pub fn seal_found(pid: libc::pid_t, seal: &ArenaSeal, base: u64) -> Result<bool, CmaError> {
+    Ok(cma::read_remote::<32>(pid, seal.addr)? == seal.image(base))
+}
+
 #[cfg(test)]
 mod tests {
+    /// A seal is believed only where it lies, naming that arena: a data
+    /// path with another base, length or token, or an address holding
+    /// something else or nothing, is not.
+    #[test]
+    fn an_arena_seal_is_believed_only_where_it_lies() {
+        let pid = std::process::id() as libc::pid_t;
+        let base = 0x7f00_1234_0000;
+        let mut seal = ArenaSeal {
+            addr: 0,
+            token: [9; 16],
+            len: 1 << 28,
+        };
+        let kept = Box::new(seal.image(base));
+        seal.addr = kept.as_ptr() as u64;
+        assert!(seal_found(pid, &seal, base).unwrap());
+        assert!(
+            !seal_found(pid, &seal, base + 4096).unwrap(),
+            "another base"
+        );
+        let longer = ArenaSeal {
+            len: 1 << 29,
+            ..seal
+        };
+        assert!(!seal_found(pid, &longer, base).unwrap(), "another length");
+        let forged = ArenaSeal {
+            token: [8; 16],
+            ..seal
+        };
+        assert!(!seal_found(pid, &forged, base).unwrap(), "another token");
+        let elsewhere = ArenaSeal {
+            addr: seal.addr + 8,
+            ..seal
+        };
+        assert!(
+            !seal_found(pid, &elsewhere, base).unwrap(),
+            "another address"
+        );
+        let unmapped = ArenaSeal { addr: 8, ..seal };
+        assert!(
+            seal_found(pid, &unmapped, base).is_err(),
+            "nothing mapped there"
+        );
+    }
+
     use super::*;
 
     fn cma() -> Cma {

@@ -388,10 +388,10 @@ impl PublicData {
 /// name     u32 + n  the reader's inner agent name
 /// conn     u32 + n  the inner agent's metadata from its creation (its UCX connection)
 /// arena    u32 + n  the inner agent's metadata for the arena
-/// cma_len  u32      (version 2) 0, or CMA_EXPORT_LEN + 8 bytes: the
-///                   reader's [`CmaExport`] and its arena's length, when
-///                   the arena is host memory a same-host owner may write
-///                   by cross-memory attach
+/// cma_len  u32      (version 2) 0, or DATA_PATH_CMA_LEN bytes: the
+///                   reader's [`CmaExport`] and its arena's [`ArenaSeal`],
+///                   when the arena is host memory a same-host owner may
+///                   write by cross-memory attach
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DataPath {
@@ -401,9 +401,47 @@ pub struct DataPath {
     pub inner_agent: String,
     pub conn_md: Vec<u8>,
     pub arena_md: Vec<u8>,
-    /// The reader's process and its arena's length, for chunk writes by
+    /// The reader's process and its arena's seal, for chunk writes by
     /// cross-memory attach (`dataplane::CmaTarget`).
-    pub cma: Option<(CmaExport, u64)>,
+    pub cma: Option<(CmaExport, ArenaSeal)>,
+}
+
+/// Bytes of a data path's CMA block.
+pub const DATA_PATH_CMA_LEN: usize = CMA_EXPORT_LEN + ArenaSeal::LEN;
+
+/// Where a host arena's seal lies in its process, and what it says: 16
+/// random bytes, the arena's base and its length, kept by the arena's
+/// instance at `addr` while it lives.
+///
+/// ```text
+/// addr   u64       where the seal lies in the reader's memory
+/// token  16 bytes  random, per arena
+/// len    u64       the arena's length (its base is the data path's)
+/// ```
+/// A data path comes over the control channel, from any peer that knows
+/// the owner's access key. Before writing by cross-memory attach, the
+/// owner reads the seal at `addr` in the reader's process and believes the
+/// arena only if token, base and length are all there: the writes then land
+/// in a live arena of that process, as a NIXL write lands only in memory
+/// its target registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaSeal {
+    pub addr: u64,
+    pub token: [u8; 16],
+    pub len: u64,
+}
+
+impl ArenaSeal {
+    pub const LEN: usize = 8 + 16 + 8;
+
+    /// The 32 bytes that lie at `addr`: token, base, length.
+    pub fn image(&self, base: u64) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        b[..16].copy_from_slice(&self.token);
+        b[16..24].copy_from_slice(&base.to_le_bytes());
+        b[24..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
 }
 
 impl DataPath {
@@ -417,10 +455,12 @@ impl DataPath {
         w.len_prefixed(self.inner_agent.as_bytes());
         w.len_prefixed(&self.conn_md);
         w.len_prefixed(&self.arena_md);
-        if let Some((e, len)) = &self.cma {
-            w.u32((CMA_EXPORT_LEN + 8) as u32);
+        if let Some((e, seal)) = &self.cma {
+            w.u32(DATA_PATH_CMA_LEN as u32);
             e.encode_into(&mut w);
-            w.u64(*len);
+            w.u64(seal.addr);
+            w.bytes(&seal.token);
+            w.u64(seal.len);
         }
         w.into_bytes()
     }
@@ -452,16 +492,20 @@ impl DataPath {
             1 => None,
             _ => match len_prefixed(&mut r, "CMA block")? {
                 [] => None,
-                b if b.len() == CMA_EXPORT_LEN + 8 => {
-                    let (export, len) = b.split_at(CMA_EXPORT_LEN);
-                    let len = u64::from_le_bytes(len.try_into().map_err(|_| "CMA block")?);
-                    Some((CmaExport::decode(export)?, len))
+                b if b.len() == DATA_PATH_CMA_LEN => {
+                    let (export, seal) = b.split_at(CMA_EXPORT_LEN);
+                    let mut r = Reader::new(seal);
+                    let seal = ArenaSeal {
+                        addr: r.u64("seal address").map_err(truncated)?,
+                        token: r.array("seal token").map_err(truncated)?,
+                        len: r.u64("arena length").map_err(truncated)?,
+                    };
+                    Some((CmaExport::decode(export)?, seal))
                 }
                 b => {
                     return Err(format!(
-                        "data path's CMA block of {} bytes (expected 0 or {})",
+                        "data path's CMA block of {} bytes (expected 0 or {DATA_PATH_CMA_LEN})",
                         b.len(),
-                        CMA_EXPORT_LEN + 8
                     ))
                 }
             },
@@ -717,7 +761,11 @@ mod tests {
                     pid: 4242,
                     token_addr: 0x5555_0000,
                 },
-                256 << 20,
+                ArenaSeal {
+                    addr: 0x6666_0000,
+                    token: [5; 16],
+                    len: 256 << 20,
+                },
             )),
             ..plain.clone()
         };

@@ -288,12 +288,16 @@ impl ChunkWriter {
 
 impl Drop for ChunkWriter {
     fn drop(&mut self) {
-        // Writes by cross-memory attach stop at their next piece: stop
-        // them and wait (within the bound) until none touches an arena.
-        if self.here.iter().filter(|p| p.1.cancel()).count() > 0 {
+        // Writes by cross-memory attach posted here stop at their next
+        // piece: stop them and wait (within the bound) until none touches
+        // an arena. (The writer threads' own end within their close, as
+        // NIXL's do.)
+        let copying = |p: &Pending| matches!(p.1, ChunkWrite::Cma(_)) && p.1.running(&self.data);
+        if self.here.iter().any(copying) {
+            self.here.iter().for_each(|p| {
+                p.1.cancel();
+            });
             let t = Instant::now();
-            let copying =
-                |p: &Pending| matches!(p.1, ChunkWrite::Cma(_)) && p.1.running(&self.data);
             while self.here.iter().any(copying) && t.elapsed() < QUIESCE_BOUND {
                 std::thread::sleep(Duration::from_micros(100));
             }
