@@ -150,10 +150,7 @@ fn two_processes_read_both_ways() {
     if !ready("BOUNCE") {
         return;
     }
-    let cma_writes = both_ways(&[LOOPBACK], 1);
-    if std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none() {
-        assert_eq!(cma_writes, 0, "chunk writes by CMA with the path off");
-    }
+    assert_no_cma_writes(both_ways(&[LOOPBACK], 1));
 }
 
 /// The owner writes each chunk into the reader's host arena by
@@ -165,13 +162,7 @@ fn two_processes_read_both_ways_with_chunk_writes_by_cma() {
     if !ready("BOUNCE") {
         return;
     }
-    let cma = [
-        LOOPBACK,
-        ("enable_cma", "true"),
-        ("cma_min_descriptor_count", "1000000000"),
-        ("max_chunk_size_bytes", "4MiB"),
-    ];
-    let writes = both_ways(&cma, 4);
+    let writes = both_ways(&CMA_CHUNK_WRITES, 4);
     assert!(writes >= 2, "{writes} chunk writes by CMA");
 }
 

@@ -138,10 +138,7 @@ fn two_processes_both_ways() {
     if !ready("BOUNCE") {
         return;
     }
-    let cma_writes = run(&[LOOPBACK], 1);
-    if std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none() {
-        assert_eq!(cma_writes, 0, "chunk writes by CMA with the path off");
-    }
+    assert_no_cma_writes(run(&[LOOPBACK], 1));
 }
 
 /// Host arenas of two processes on one host: every chunk write goes by
@@ -153,13 +150,7 @@ fn two_processes_both_ways_with_chunk_writes_by_cma() {
     if !ready("BOUNCE") {
         return;
     }
-    let cma = [
-        LOOPBACK,
-        ("enable_cma", "true"),
-        ("cma_min_descriptor_count", "1000000000"),
-        ("max_chunk_size_bytes", "4MiB"),
-    ];
-    let writes = run(&cma, 3);
+    let writes = run(&CMA_CHUNK_WRITES, 3);
     assert!(writes >= 4, "{writes} chunk writes by CMA");
 }
 

@@ -21,6 +21,22 @@ pub const MIB: usize = 1024 * 1024;
 
 /// Single-host tests bind the control socket to 127.0.0.1.
 pub const LOOPBACK: (&str, &str) = ("control_bind_loopback", "true");
+/// The arena between two processes of this host with its chunk writes by
+/// cross-memory attach: the CMA path on, its own route gated off, 4 MiB
+/// chunks, control bound to loopback.
+pub const CMA_CHUNK_WRITES: [(&str, &str); 4] = [
+    LOOPBACK,
+    ("enable_cma", "true"),
+    ("cma_min_descriptor_count", "1000000000"),
+    ("max_chunk_size_bytes", "4MiB"),
+];
+/// The chunk writes counted with the path off: none, unless the
+/// environment turns the CMA path on (as the fault drills by hand do).
+pub fn assert_no_cma_writes(n: u64) {
+    if std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none() {
+        assert_eq!(n, 0, "chunk writes by CMA with the path off");
+    }
+}
 /// The NIXL-notification control channel.
 pub const NOTIF_CONTROL: (&str, &str) = ("use_nixl_notifications", "true");
 /// Control messages over ZMQ instead of the default TCP sockets the IO
