@@ -56,6 +56,11 @@ if [[ "$mode" == x2 ]]; then
         run "x2-test-arena-$1to$2" "$v" test $pair --param enable_peer_map=false
         run "x2-bounce-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" $pair $shapes \
             --iters 20 --json "$out/x2-bounce-$1to$2.json"
+        # The copy alone, post to completion: the plugin's preparation back
+        # in createXferReq (prepare_at_post makes it at the first post).
+        run "x2-bounce-noprep-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-noprep-gpu$1-gpu$2" $pair \
+            --param prepare_at_post=false --sizes 4096 --counts 16384 --concurrent 0 --iters 20 \
+            --json "$out/x2-bounce-noprep-$1to$2.json"
         run "x2-arena-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-arena-gpu$1-gpu$2" $pair \
             --param enable_peer_map=false $shapes --iters 20 --json "$out/x2-arena-$1to$2.json"
         run "x2-ucx-$1to$2" "$v" bench --backend UCX --label "UCX-gpu$1-gpu$2" $pair $shapes \
