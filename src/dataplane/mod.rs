@@ -155,8 +155,17 @@ pub struct PeerArena {
 /// bounds its writes; a cross-memory write has only this check).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CmaTarget {
-    pub peer: Arc<CmaPeer>,
-    pub len: u64,
+    peer: Arc<CmaPeer>,
+    len: u64,
+}
+
+impl CmaTarget {
+    /// The arena of `len` bytes of a proven peer, when that peer is another
+    /// process: two agents of this one keep NIXL's writes, which cannot
+    /// reach an arena freed under them (a memory copy would fault).
+    pub fn of(peer: Arc<CmaPeer>, len: u64) -> Option<Self> {
+        matches!(*peer, CmaPeer::Process { .. }).then_some(Self { peer, len })
+    }
 }
 
 /// Issues chunk writes through the inner agent (or the CMA path).
@@ -199,12 +208,10 @@ impl ChunkWrite {
         matches!(self, Self::Cma(x) if x.cancel())
     }
 
-    /// Whether the write may still touch either arena.
-    pub fn running(&self, data: &DataPlane) -> bool {
-        match self {
-            Self::Cma(x) => x.running(),
-            Self::Nixl(_) => data.poll(self) == WriteState::InProgress,
-        }
+    /// Whether it is a cross-memory write that may still touch either
+    /// arena.
+    pub fn copying(&self) -> bool {
+        matches!(self, Self::Cma(x) if x.running())
     }
 }
 
@@ -318,7 +325,7 @@ impl DataPlane {
         let (Some(cma), Some(target)) = (&self.cma, &peer.cma) else {
             return Ok(None);
         };
-        if peer.mem != MemType::Dram || !matches!(*target.peer, CmaPeer::Process { .. }) {
+        if peer.mem != MemType::Dram {
             return Ok(None);
         }
         if !remote.checked_add(len).is_some_and(|e| e <= target.len) {

@@ -189,7 +189,7 @@ impl Bounce {
             }
         };
         let endpoint_bytes = channel.local_endpoint().as_bytes().to_vec();
-        let access_key = random_u64()?;
+        let access_key = u64::from_le_bytes(random_bytes()?);
         let mut endpoint = Endpoint::new(EndpointConfig {
             access_key,
             ..EndpointConfig::from_config(config, endpoint_bytes.clone(), request_id_base())
@@ -199,12 +199,9 @@ impl Bounce {
         // cross-memory attach.
         let seal = match (location.arena_kind(), shared.cma.export()) {
             (MemKind::Dram, Some(export)) => {
-                let mut token = [0u8; 16];
-                token[..8].copy_from_slice(&random_u64()?.to_le_bytes());
-                token[8..].copy_from_slice(&random_u64()?.to_le_bytes());
                 let mut seal = ArenaSeal {
                     addr: 0,
-                    token,
+                    token: random_bytes()?,
                     len: arena.len() as u64,
                 };
                 let kept = Box::new(seal.image(arena.base() as u64));
@@ -426,10 +423,9 @@ impl ReaderAgents {
     }
 
     /// A reader's host arena as a target of chunk writes by cross-memory
-    /// attach: its process proven on this host (another process: two
-    /// agents of this one keep NIXL's writes, which cannot reach memory
-    /// the reader freed), and the seal found where the data path says,
-    /// naming this arena. Otherwise `None`: the writes go through NIXL.
+    /// attach ([`CmaTarget::of`]): its process proven on this host, and
+    /// the seal found where the data path says, naming this arena.
+    /// Otherwise `None`: the writes go through NIXL.
     fn sealed(
         &self,
         export: &CmaExport,
@@ -442,10 +438,7 @@ impl ReaderAgents {
             return None;
         };
         match super::cma::seal_found(pid, seal, base) {
-            Ok(true) => Some(CmaTarget {
-                peer,
-                len: seal.len,
-            }),
+            Ok(true) => CmaTarget::of(peer, seal.len),
             Ok(false) => {
                 tracing::warn!(%reader, pid, "a READ's data path names a host arena whose seal is not where it says; its chunk writes go through NIXL");
                 None
@@ -566,15 +559,7 @@ pub fn admit(
                 MemKind::Vram => MemType::Vram,
             },
             cma: match kind {
-                // Another process only: two agents of this one keep NIXL's
-                // writes, which cannot reach an arena freed under them.
-                MemKind::Dram => {
-                    cma.filter(|p| matches!(**p, CmaPeer::Process { .. }))
-                        .map(|proven| CmaTarget {
-                            peer: proven,
-                            len: peer.arena_usable_capacity,
-                        })
-                }
+                MemKind::Dram => cma.and_then(|p| CmaTarget::of(p, peer.arena_usable_capacity)),
                 MemKind::Vram => None,
             },
         },
@@ -604,9 +589,9 @@ pub fn peer_id_of(endpoint: &[u8]) -> Option<crate::proto::PeerId> {
         .map(crate::proto::PeerId::new)
 }
 
-/// A random 64-bit value from the kernel (the arena's access key).
-fn random_u64() -> Result<u64, String> {
-    let mut buf = [0u8; 8];
+/// `N` random bytes from the kernel (the arena's access key, its seal).
+fn random_bytes<const N: usize>() -> Result<[u8; N], String> {
+    let mut buf = [0u8; N];
     // SAFETY: getrandom writes at most buf.len() bytes into buf.
     let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
     if n != buf.len() as isize {
@@ -615,7 +600,7 @@ fn random_u64() -> Result<u64, String> {
             std::io::Error::last_os_error()
         ));
     }
-    Ok(u64::from_le_bytes(buf))
+    Ok(buf)
 }
 
 /// Request ids must not repeat across incarnations of an agent (the peer may

@@ -724,6 +724,12 @@ pub fn seal_found(pid: libc::pid_t, seal: &ArenaSeal, base: u64) -> Result<bool,
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    fn cma() -> Cma {
+        Cma::new(&Config::default())
+    }
+
     /// A seal is believed only where it lies, naming that arena: a data
     /// path with another base, length or token, or an address holding
     /// something else or nothing, is not.
@@ -766,12 +772,6 @@ mod tests {
             seal_found(pid, &unmapped, base).is_err(),
             "nothing mapped there"
         );
-    }
-
-    use super::*;
-
-    fn cma() -> Cma {
-        Cma::new(&Config::default())
     }
 
     #[test]

@@ -292,7 +292,7 @@ impl Drop for ChunkWriter {
         // piece: stop them and wait (within the bound) until none touches
         // an arena. (The writer threads' own end within their close, as
         // NIXL's do.)
-        let copying = |p: &Pending| matches!(p.1, ChunkWrite::Cma(_)) && p.1.running(&self.data);
+        let copying = |p: &Pending| p.1.copying();
         if self.here.iter().any(copying) {
             self.here.iter().for_each(|p| {
                 p.1.cancel();
