@@ -10,10 +10,10 @@ mkdir -p "$out"
 nb=/tmp/nixl-bounce-gpu
 # The official Python API: the wheel's nixl_cu13 module (not in the bundle;
 # carried as .py312/nixl_cu13, docs/gpu.md) beside the bundle's libraries.
-# Fails when it was not carried.
+# Fails, saying so, when it was not carried.
 python_api() {
     local py="${PY312:-$here/../.py312}"
-    [[ -d "$py/nixl_cu13" ]] || return 1
+    [[ -d "$py/nixl_cu13" ]] || { echo "no $py/nixl_cu13 (docs/gpu.md)"; return 1; }
     [[ -d "$nb/site/nixl_cu13" ]] || cp -a "$py/nixl_cu13" "$nb/site/"
     export PYTHONPATH="$nb/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 }
@@ -77,7 +77,7 @@ if [[ "$mode" == x2-vllm ]]; then
     # vLLM's pattern with prefill (the owner) on GPU 0 and decode (the
     # reader) on GPU 1: BOUNCE and UCX as vLLM creates it alternating, then
     # UCX's best settings (SGL on, 8 threads) in the same call.
-    python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
+    python_api || exit 1
     cases="--cases tp4-8k,tp1-8k,tp4-2kx8 --device cuda --owner-gpu 0 --gpu 1"
     run x2-vllm python3 bench/vllm_pattern.py $cases --iters "${VLLM_ITERS:-20}" --json "$out/x2-vllm.json"
     NIXL_UCX_SGL_ENABLE=1 run x2-vllm-ucx-best python3 bench/vllm_pattern.py $cases --backends UCX \
@@ -134,7 +134,7 @@ if [[ "$mode" == vllm || "$mode" == python ]]; then
     # The official Python API: the wheel's nixl_cu13 module (not in the
     # bundle; carry it as .py312/nixl_cu13, docs/gpu.md) beside the bundle's
     # libraries, so its $ORIGIN-relative paths find them.
-    python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
+    python_api || exit 1
     if [[ "$mode" == vllm ]]; then
         # vLLM's NIXL connector pattern with torch KV caches, BOUNCE and UCX
         # (as vLLM creates it) alternating, every transfer byte-exact.
@@ -173,7 +173,7 @@ if [[ "$mode" == mixed ]]; then
     # VRAM and READ back (also with UCX's chunk writes), then a 2 MiB READ
     # with the GPU's own clock on
     # (NIXL_BOUNCE_TIME_KERNELS=1; the bench prints both sides' copies).
-    python_api || { echo "no ${PY312:-$here/../.py312}/nixl_cu13 (docs/gpu.md)"; exit 1; }
+    python_api || exit 1
     four_k="--cases tp4-8k --token-scale 0.25 --block-size 8 --iters 5 --warmup 1"
     run mixed-write-4k python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu --op write
     run mixed-read-4k python3 bench/vllm_pattern.py $four_k --device cuda --reader-device torch-cpu
