@@ -851,7 +851,8 @@ def print_table(summary, cases, opts):
           f"{'' if opts.reader_device == opts.device else f' (reader: {opts.reader_device})'}, "
           f"{opts.iters} timed iterations (+{opts.warmup} warm-up) per backend, "
           + (f"alternating {','.join(opts.backends)}" if opts.order == "alternate"
-             else f"one backend at a time ({','.join(opts.backends)})"))
+             else f"one backend at a time ({','.join(opts.backends)})")
+          + (f"; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else ""))
     print("times in ms: median [p10-p90]; post call = transfer()'s own call; transfer = transfer() -> DONE; "
           "notif = notification seen by the owner - reader's post; e2e = make_prepped_xfer start -> DONE")
     for g in cases:
@@ -973,7 +974,7 @@ def run(opts) -> dict:
     summary = summarize(reader, cases, opts.backends)
     return dict(config={k: v for k, v in vars(opts).items()}, model=MODEL, cases=cases,
                 host=dict(hostname=platform.node(), python=platform.python_version(),
-                          env={k: v for k, v in os.environ.items() if k.startswith(("NIXL_", "UCX_"))}),
+                          env={k: v for k, v in os.environ.items() if k.startswith(("NIXL_", "UCX_", "OMP_"))}),
                 setup=reader.setups, iterations=reader.iterations, samples=reader.samples, summary=summary)
 
 
@@ -1032,6 +1033,16 @@ def parse_args(argv=None):
                     help="fail unless every BOUNCE request's route starts with PREFIX (e.g. bounce, or "
                          "'bounce(staged)' for host-staged arenas), none through UCX or failed")
     o = ap.parse_args(argv)
+    if "torch-cpu" in (o.device, o.reader_device):
+        # torch's CPU ops here (the pattern written, the destination zeroed
+        # and checked around every request) leave its OpenMP threads, one a
+        # core, spinning for a while after each; a request then ran beside
+        # them, on the cores both processes' copy and IO threads need (a 2
+        # MiB mixed READ: 6.4 ms, of it 3.5 ms a 68 us gather waiting to be
+        # seen, against 1.4 ms with them asleep). vLLM's decode side does no
+        # such work during a transfer, so the bench's threads sleep when
+        # idle (set before torch is imported; the caller's value wins).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     o.device = o.device or default_device()
     o.reader_device = o.reader_device or o.device
     o.backends = [b.strip() for b in o.backends.split(",") if b.strip()]
