@@ -179,6 +179,11 @@ pub struct Md {
 /// 45-70 us for a worker to wake.
 const PARALLEL_PLAN_MIN_DESCRIPTORS: usize = 8192;
 
+/// How long the preparation pool's workers, woken when a large request is
+/// admitted in `prepXfer`, wait for its first post ([`peer::FillPool::warm`]):
+/// well over a client's own time from `prepXfer` to the post.
+const FILL_POOL_WARM: std::time::Duration = std::time::Duration::from_micros(300);
+
 /// Tags live [`Md`] objects, so that what the shim's table resolves a
 /// descriptor's metadata to can be checked before it is used.
 const MD_MAGIC: u64 = 0x4e58_424d_445f_4f4b; // "NXBMD_OK"
@@ -1912,6 +1917,13 @@ impl Engine {
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
         }
+        if self.config.prepare_at_post {
+            // The first post will share the preparation with the pool: wake
+            // it now, while the client goes from here to the post.
+            if let Some(pool) = self.peer.fill_pool(local, PARALLEL_PLAN_MIN_DESCRIPTORS) {
+                pool.warm(FILL_POOL_WARM);
+            }
+        }
         Ok(self.config.prepare_at_post)
     }
 
@@ -2911,15 +2923,11 @@ mod tests {
 
         /// A pool of two workers beside the calling thread.
         fn fill_pool() -> peer::FillPool {
-            peer::FillPool {
-                pool: rayon::ThreadPoolBuilder::new()
-                    .num_threads(2)
-                    .build()
-                    .unwrap(),
-                part_len: 1,
-                busy: Mutex::new(()),
-                pid: std::process::id(),
-            }
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
+            peer::FillPool::new(pool, 1)
         }
 
         /// What a check found, to compare.
