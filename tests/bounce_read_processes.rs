@@ -42,7 +42,13 @@ fn peer_helper() {
 
 /// This process READs `plan(len, MANY, plan_seed)` from peer `p`,
 /// byte-exact, and checks both sides' counters.
-fn read_from_peer(me: &mut Endpoint, p: &mut Peer, seeds: (u64, u64, u64), notif: Option<&[u8]>) {
+/// Returns the owner's chunk writes by cross-memory attach.
+fn read_from_peer(
+    me: &mut Endpoint,
+    p: &mut Peer,
+    seeds: (u64, u64, u64),
+    notif: Option<&[u8]>,
+) -> u64 {
     let (my_seed, peer_seed, plan_seed) = seeds;
     let len = me.buf.len();
     me.buf.fill_pattern(my_seed);
@@ -83,6 +89,7 @@ fn read_from_peer(me: &mut Endpoint, p: &mut Peer, seeds: (u64, u64, u64), notif
         em.since(&sm, "chunks_scattered"),
         ep.since(&sp, "chunks_written")
     );
+    ep.since(&sp, "chunk_writes_cma")
 }
 
 /// Returns the chunk writes both sides made by cross-memory attach.
@@ -164,6 +171,45 @@ fn two_processes_read_both_ways_with_chunk_writes_by_cma() {
     }
     let writes = both_ways(&CMA_CHUNK_WRITES, 4);
     assert!(writes >= 2, "{writes} chunk writes by CMA");
+}
+
+/// An owner built before READs carried version 2 of the data path (its
+/// handshake lacks DATA_PATH_V2, which makes it refuse the version) is sent
+/// version 1: its READs are served, through NIXL's chunk writes.
+#[test]
+#[serial_test::serial]
+fn an_owner_without_data_path_v2_is_sent_version_1() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    // The owner never loads this reader's metadata: all it knows of this
+    // arena is what the READ's data path says.
+    let owner_writes = |failpoints: &str, seed: u64| {
+        let len = len();
+        let mut p = with_failpoints(failpoints, || {
+            Peer::spawn(
+                "owner",
+                peer_command(&[], len, &CMA_CHUNK_WRITES, "rp-owner"),
+            )
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut me = endpoint("rp-me", &CMA_CHUNK_WRITES, len, seed, ThreadSync::Default);
+        me.node.load_md(&p.md).or_fail("load the owner's metadata");
+        let s = 100 * seed;
+        let writes = read_from_peer(&mut me, &mut p, (s + 1, s + 2, s + 3), None);
+        p.finish();
+        writes
+    };
+    let current = owner_writes("", 6);
+    assert!(
+        current >= 1,
+        "{current} chunk writes by CMA into a version-2 reader"
+    );
+    let older = owner_writes("advertise_no_data_path_v2", 7);
+    assert_eq!(
+        older, 0,
+        "{older} chunk writes by CMA into a version-1 reader"
+    );
 }
 
 #[test]

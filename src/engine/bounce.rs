@@ -96,6 +96,9 @@ pub struct Bounce {
     pub runtime: Runtime,
     /// Peers this instance's runtime already knows (to add each once).
     known_peers: Mutex<HashSet<PeerId>>,
+    /// The data path READs carry to owners without `DATA_PATH_V2`, where it
+    /// differs from the current one.
+    data_path_v1: Option<Vec<u8>>,
     _arena: Arc<dyn Arena>,
     /// A host arena's seal ([`ArenaSeal`]): where a same-host owner checks
     /// that a READ's data path names this live arena. Kept (at a fixed
@@ -211,20 +214,27 @@ impl Bounce {
             _ => None,
         };
         // Every READ tells the data owner how to write into this arena.
-        endpoint.set_read_data_path(
+        let data_path = DataPath {
+            kind: location.arena_kind() as u8,
+            device: location.arena_device(),
+            base: arena.base() as u64,
+            inner_agent: shared.inner_name.to_string(),
+            conn_md: shared.inner_md.to_vec(),
+            arena_md: arena_metadata.clone(),
+            // A host arena: a same-host owner may write it by cross-memory
+            // attach, once it found the seal.
+            cma: seal.as_ref().map(|(e, seal, _)| (*e, *seal)),
+        };
+        endpoint.set_read_data_path(data_path.encode());
+        // Without its CMA block the data path is of version 1, which owners
+        // that do not advertise DATA_PATH_V2 (older builds) read.
+        let data_path_v1 = data_path.cma.is_some().then(|| {
             DataPath {
-                kind: location.arena_kind() as u8,
-                device: location.arena_device(),
-                base: arena.base() as u64,
-                inner_agent: shared.inner_name.to_string(),
-                conn_md: shared.inner_md.to_vec(),
-                arena_md: arena_metadata.clone(),
-                // A host arena: a same-host owner may write it by
-                // cross-memory attach, once it found the seal.
-                cma: seal.as_ref().map(|(e, seal, _)| (*e, *seal)),
+                cma: None,
+                ..data_path
             }
-            .encode(),
-        );
+            .encode()
+        });
         let mut handshake = Handshake {
             endpoint: endpoint_bytes,
             arena_base: arena.base() as u64,
@@ -236,6 +246,7 @@ impl Bounce {
         for (failpoint, capability) in [
             ("advertise_no_read", Capabilities::READ),
             ("advertise_no_heartbeats", Capabilities::HEARTBEATS),
+            ("advertise_no_data_path_v2", Capabilities::DATA_PATH_V2),
             ("no_cancel_capability", Capabilities::CANCEL),
         ] {
             if shared.failpoints.is_set(failpoint) {
@@ -285,6 +296,7 @@ impl Bounce {
             arena_metadata,
             runtime,
             known_peers: Mutex::new(HashSet::new()),
+            data_path_v1,
             _arena: arena,
             _seal: seal.map(|(_, _, kept)| kept),
         })
@@ -298,11 +310,16 @@ impl Bounce {
             .expect("known peers")
             .insert(peer.id.clone())
         {
+            let data_path = match peer.data_path_v2 {
+                true => None,
+                false => self.data_path_v1.clone(),
+            };
             self.runtime.add_peer(
                 peer.id.clone(),
                 peer.arena.clone(),
                 peer.key,
                 peer.heartbeats,
+                data_path,
             );
         }
     }
@@ -503,7 +520,8 @@ pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
         control,
         capabilities: Capabilities::CANCEL
             .with(Capabilities::READ)
-            .with(Capabilities::HEARTBEATS),
+            .with(Capabilities::HEARTBEATS)
+            .with(Capabilities::DATA_PATH_V2),
         arena_usable_capacity: config.arena_usable_capacity(),
         max_chunk_size: config.max_chunk_size_bytes,
         arena_base: 0,
@@ -524,6 +542,8 @@ pub struct PeerBounce {
     pub read: bool,
     /// The peer answers the notification channel's heartbeats.
     pub heartbeats: bool,
+    /// The peer reads data paths of version 2 (`Capabilities::DATA_PATH_V2`).
+    pub data_path_v2: bool,
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
@@ -550,6 +570,7 @@ pub fn admit(
         key: peer.access_key,
         read: peer.capabilities.contains(Capabilities::READ),
         heartbeats: peer.capabilities.contains(Capabilities::HEARTBEATS),
+        data_path_v2: peer.capabilities.contains(Capabilities::DATA_PATH_V2),
         arena: PeerArena {
             inner_agent: inner_agent.to_string(),
             base: peer.arena_base,

@@ -2803,6 +2803,7 @@ mod tests {
                 key: 7,
                 read: true,
                 heartbeats: true,
+                data_path_v2: true,
             })
         }
 

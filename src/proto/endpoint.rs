@@ -559,6 +559,13 @@ impl Endpoint {
         self.reads.data_path = data_path;
     }
 
+    /// The data path READs to `peer` carry instead of the one
+    /// [`Endpoint::set_read_data_path`] set (an owner that reads only an
+    /// older form of it), until the peer is forgotten.
+    pub fn set_peer_data_path(&mut self, peer: &PeerId, data_path: Vec<u8>) {
+        self.reads.peer_data_paths.insert(peer.clone(), data_path);
+    }
+
     /// The reader's request id if local request `id` serves a READ (its
     /// chunks land in the reader's flow `FlowId::read(us, that id)`).
     pub fn serves_read(&self, id: RequestId) -> Option<RequestId> {
@@ -1002,6 +1009,7 @@ impl Endpoint {
     /// goes too (the application loads it again to send to it).
     pub fn forget_peer(&mut self, now: Time, peer: &PeerId) {
         self.ctx.peer_keys.remove(peer);
+        self.reads.peer_data_paths.remove(peer);
         self.sender.forget_peer(&mut self.ctx, peer);
         self.reads.fail_peer(
             &mut self.ctx,
@@ -1403,6 +1411,30 @@ mod tests {
     /// Drives one READ end to end between a reader and an owner by hand
     /// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
     /// destinations at 0x9000..).
+    /// An owner given its own data path is sent that one, the others the
+    /// instance's, until it is forgotten.
+    #[test]
+    fn a_peer_s_own_data_path_goes_only_to_it() {
+        let (o, other) = (PeerId::new("O"), PeerId::new("P"));
+        let mut reader = Endpoint::new(cfg(false)).unwrap();
+        reader.set_read_data_path(b"v2".to_vec());
+        reader.set_peer_data_path(&o, b"v1".to_vec());
+        let path_to = |reader: &mut Endpoint, peer: &PeerId, at: u64| {
+            reader
+                .submit_read(t(at), peer, &descs(1, 64), None)
+                .unwrap();
+            let acts = drain(reader);
+            match sent(&acts)[0] {
+                Message::Read { data_path, .. } => data_path.clone(),
+                _ => panic!("{acts:?}"),
+            }
+        };
+        assert_eq!(path_to(&mut reader, &o, 0), b"v1");
+        assert_eq!(path_to(&mut reader, &other, 1), b"v2");
+        reader.forget_peer(t(2), &o);
+        assert_eq!(path_to(&mut reader, &o, 3), b"v2");
+    }
+
     #[test]
     fn one_read_end_to_end() {
         let (r, o) = (PeerId::new("R"), PeerId::new("O"));

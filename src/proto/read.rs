@@ -96,6 +96,8 @@ pub(crate) struct Reads {
     scattering: BTreeMap<RegionHandle, RequestId>,
     /// How the owner writes into this agent's arena (sent in every READ).
     pub data_path: Vec<u8>,
+    /// The data path sent instead to owners that read only an older form.
+    pub peer_data_paths: BTreeMap<PeerId, Vec<u8>>,
 }
 
 /// The READ_REFUSE reason for a reader-side failure.
@@ -140,7 +142,11 @@ impl Reads {
             request: id,
             key: ctx.key_for(peer),
             endpoint: ctx.cfg.local_endpoint.clone(),
-            data_path: self.data_path.clone(),
+            data_path: self
+                .peer_data_paths
+                .get(peer)
+                .unwrap_or(&self.data_path)
+                .clone(),
             chunks: plan
                 .chunks
                 .iter()

@@ -1272,6 +1272,10 @@ impl Capabilities {
     /// with a PONG; `control::notif`): only such a peer is sent them, and
     /// only such a peer can be found unreachable over that channel.
     pub const HEARTBEATS: Capabilities = Capabilities(1 << 2);
+    /// Reads a READ's data path of version 2 (`engine::conn_info::DataPath`,
+    /// with the reader's cross-memory-attach block): a reader sends version
+    /// 1 to an owner without it, which refuses any later version.
+    pub const DATA_PATH_V2: Capabilities = Capabilities(1 << 3);
 
     /// Whether every flag of `other` is set.
     pub fn contains(self, other: Capabilities) -> bool {

@@ -111,6 +111,7 @@ enum Command {
         arena: PeerArena,
         key: u64,
         heartbeats: bool,
+        data_path: Option<Vec<u8>>,
     },
     ForgetPeer {
         peer: PeerId,
@@ -770,14 +771,23 @@ impl Runtime {
     }
 
     /// Makes `peer` a write target: its arena, the access key its WANTs
-    /// must carry, and whether it answers the control channel's heartbeats
-    /// (its handshake's `HEARTBEATS` capability).
-    pub fn add_peer(&self, peer: PeerId, arena: PeerArena, key: u64, heartbeats: bool) {
+    /// must carry, whether it answers the control channel's heartbeats
+    /// (its handshake's `HEARTBEATS` capability), and the data path READs
+    /// from it carry where not this instance's own (an older owner's).
+    pub fn add_peer(
+        &self,
+        peer: PeerId,
+        arena: PeerArena,
+        key: u64,
+        heartbeats: bool,
+        data_path: Option<Vec<u8>>,
+    ) {
         self.push(Command::AddPeer {
             peer,
             arena,
             key,
             heartbeats,
+            data_path,
         });
     }
 
@@ -1302,8 +1312,12 @@ impl Reactor {
                     arena,
                     key,
                     heartbeats,
+                    data_path,
                 } => {
                     self.endpoint.set_peer_key(&peer, key);
+                    if let Some(path) = data_path {
+                        self.endpoint.set_peer_data_path(&peer, path);
+                    }
                     self.peers.insert(
                         peer.clone(),
                         PeerState {
