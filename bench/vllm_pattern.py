@@ -852,6 +852,7 @@ def print_table(summary, cases, opts):
           f"{opts.iters} timed iterations (+{opts.warmup} warm-up) per backend, "
           + (f"alternating {','.join(opts.backends)}" if opts.order == "alternate"
              else f"one backend at a time ({','.join(opts.backends)})")
+          + f"; polls: reader every {opts.poll_sleep_us:g} us, owner every {opts.owner_poll_sleep_us:g} us"
           + (f"; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else ""))
     print("times in ms: median [p10-p90]; post call = transfer()'s own call; transfer = transfer() -> DONE; "
           "notif = notification seen by the owner - reader's post; e2e = make_prepped_xfer start -> DONE")
@@ -1016,8 +1017,9 @@ def parse_args(argv=None):
                     help="BOUNCE backend parameter (repeatable; default: none, BOUNCE's defaults)")
     ap.add_argument("--gpu", type=int, default=0, help="reader's GPU (default 0)")
     ap.add_argument("--owner-gpu", type=int, default=None, help="owner's GPU (default: --gpu)")
-    ap.add_argument("--poll-sleep-us", type=float, default=0.0,
-                    help="reader's sleep between check_xfer_state polls (default 0: busy)")
+    ap.add_argument("--poll-sleep-us", type=float, default=None,
+                    help="reader's sleep between check_xfer_state polls (default 0, busy, on cuda; 50 on cpu, "
+                         "where a busy reader takes one of the transfer's cores)")
     ap.add_argument("--owner-poll-sleep-us", type=float, default=None,
                     help="owner's sleep between get_new_notifs polls (default 0 on cuda, 50 on cpu)")
     ap.add_argument("--timeout", type=float, default=float(os.environ.get("NIXL_BOUNCE_TEST_TIMEOUT_S", "60")),
@@ -1054,8 +1056,14 @@ def parse_args(argv=None):
         o.bounce_params[k.strip()] = v.strip()
     if o.owner_gpu is None:
         o.owner_gpu = o.gpu
+    # vLLM checks its transfers once per engine step, not in a loop; on a
+    # small CPU machine a busy poll in either process takes a core from the
+    # transfer (4096 x 4 KiB between two processes on 2 cores: 7.1 ms with
+    # the reader spinning, 4.4 ms with it sleeping 50 us between polls).
     if o.owner_poll_sleep_us is None:
         o.owner_poll_sleep_us = 0.0 if o.device == "cuda" else 50.0
+    if o.poll_sleep_us is None:
+        o.poll_sleep_us = 0.0 if o.device == "cuda" else 50.0
     return o
 
 
