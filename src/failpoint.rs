@@ -18,7 +18,7 @@
 //! | `delay_scatter_ms=N` | each scatter waits N ms before it copies |
 //! | `no_cancel_capability` | the handshake does not advertise CANCEL (a peer without it) |
 //! | `advertise_no_heartbeats` | the handshake omits the HEARTBEATS capability (a peer built before the notification channel's heartbeats) |
-//! | `advertise_no_data_path_v2` | the handshake omits the DATA_PATH_V2 capability (an owner built before READs carried the reader's CMA block) |
+//! | `advertise_no_data_path_v2` | the handshake omits the DATA_PATH_V2 capability, and READs' data paths above version 1 are refused by name (an owner built before READs carried the reader's CMA block) |
 //! | `control_send_hwm=N` | ZMQ control sends queue at most N messages per peer (saturation drills) |
 
 use std::collections::BTreeMap;

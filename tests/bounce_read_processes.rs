@@ -173,8 +173,9 @@ fn two_processes_read_both_ways_with_chunk_writes_by_cma() {
     assert!(writes >= 2, "{writes} chunk writes by CMA");
 }
 
-/// An owner built before READs carried version 2 of the data path (its
-/// handshake lacks DATA_PATH_V2, which makes it refuse the version) is sent
+/// An owner built before READs carried version 2 of the data path (played
+/// by `advertise_no_data_path_v2`: its handshake lacks DATA_PATH_V2 and it
+/// refuses version 2 by name, failing the READ, as such builds do) is sent
 /// version 1: its READs are served, through NIXL's chunk writes.
 #[test]
 #[serial_test::serial]

@@ -302,14 +302,12 @@ impl Bounce {
         })
     }
 
-    /// Tells this instance's runtime about `peer` (once).
+    /// Tells this instance's runtime about `peer` (once). The set stays
+    /// locked while the command is queued: a second thread that finds the
+    /// peer known queues its transfer after it.
     pub fn ensure_peer(&self, peer: &PeerBounce) {
-        if self
-            .known_peers
-            .lock()
-            .expect("known peers")
-            .insert(peer.id.clone())
-        {
+        let mut known = self.known_peers.lock().unwrap_or_else(|p| p.into_inner());
+        if known.insert(peer.id.clone()) {
             let data_path = match peer.data_path_v2 {
                 true => None,
                 false => self.data_path_v1.clone(),
@@ -327,7 +325,8 @@ impl Bounce {
     /// Forgets `peer`: as a target of our writes, and as a sender whose
     /// flows we serve (which we may hold without ever having written to it).
     pub fn forget_peer(&self, peer: &PeerId) {
-        self.known_peers.lock().expect("known peers").remove(peer);
+        let mut known = self.known_peers.lock().unwrap_or_else(|p| p.into_inner());
+        known.remove(peer);
         self.runtime.forget_peer(peer.clone());
     }
 }
@@ -381,6 +380,9 @@ pub struct ReaderAgents {
     keep_loaded: bool,
     /// Proves a reader's process on this host (its data path's CMA block).
     cma: Arc<Cma>,
+    /// The highest data-path version read (lower only where a failpoint
+    /// plays an older build: `advertise_no_data_path_v2`).
+    max_data_path: u16,
 }
 
 impl std::fmt::Debug for ReaderAgents {
@@ -398,6 +400,7 @@ impl ReaderAgents {
         remotes: Arc<Mutex<HashMap<String, super::Remote>>>,
         keep_loaded: bool,
         cma: Arc<Cma>,
+        failpoints: &Failpoints,
     ) -> Self {
         Self {
             inner,
@@ -406,6 +409,10 @@ impl ReaderAgents {
             loads: Mutex::new(HashMap::new()),
             keep_loaded,
             cma,
+            max_data_path: match failpoints.is_set("advertise_no_data_path_v2") {
+                true => 1,
+                false => crate::engine::conn_info::DATA_PATH_VERSION,
+            },
         }
     }
 
@@ -414,7 +421,7 @@ impl ReaderAgents {
     /// we also write to) fails harmlessly; a data path that really is
     /// unusable makes the chunk writes fail, and with them the READ.
     fn load(&self, bytes: &[u8]) -> Result<PeerArena, String> {
-        let dp = DataPath::decode(bytes)?;
+        let dp = DataPath::decode_up_to(bytes, self.max_data_path)?;
         let vram = dp.kind == MemKind::Vram as u8;
         let cma = match &dp.cma {
             Some((export, seal)) if !vram => self.sealed(export, seal, dp.base, &dp.inner_agent),

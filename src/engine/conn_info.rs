@@ -466,15 +466,22 @@ impl DataPath {
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        Self::decode_up_to(bytes, DATA_PATH_VERSION)
+    }
+
+    /// [`DataPath::decode`] refusing versions above `max` (as a plugin that
+    /// speaks only up to `max` does).
+    pub fn decode_up_to(bytes: &[u8], max: u16) -> Result<Self, String> {
+        let max = max.min(DATA_PATH_VERSION);
         let mut r = Reader::new(bytes);
         let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
         if &magic != DATA_PATH_MAGIC {
             return Err("not a BOUNCE data-path description".into());
         }
         let version = r.u16("version").map_err(truncated)?;
-        if !(1..=DATA_PATH_VERSION).contains(&version) {
+        if !(1..=max).contains(&version) {
             return Err(format!(
-                "reader speaks BOUNCE data-path version {version}, this plugin speaks 1 to {DATA_PATH_VERSION}"
+                "reader speaks BOUNCE data-path version {version}, this plugin speaks 1 to {max}"
             ));
         }
         let kind = r.u8("memory kind").map_err(truncated)?;
@@ -787,6 +794,13 @@ mod tests {
             assert!(DataPath::decode(&later)
                 .unwrap_err()
                 .contains("data-path version 3"));
+            // A plugin that speaks only version 1 reads the plain one alone.
+            match version {
+                1 => assert_eq!(DataPath::decode_up_to(&bytes, 1).unwrap(), d),
+                _ => assert!(DataPath::decode_up_to(&bytes, 1)
+                    .unwrap_err()
+                    .contains("version 2, this plugin speaks 1 to 1")),
+            }
         }
     }
 

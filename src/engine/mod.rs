@@ -1364,6 +1364,7 @@ impl Engine {
             remotes.clone(),
             config.use_nixl_notifications,
             cma.clone(),
+            &failpoints,
         ));
         let stats = EngineStats::new(local_name, params);
         stats.set_source(instances_stats(instances.clone(), readers.clone()));
@@ -1917,10 +1918,12 @@ impl Engine {
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
         }
-        if self.config.prepare_at_post {
-            // The first post will share the preparation with the pool: wake
-            // it now, while the client goes from here to the post.
-            if let Some(pool) = self.peer.fill_pool(local, PARALLEL_PLAN_MIN_DESCRIPTORS) {
+        // The first post will share the preparation with the pool: wake it
+        // now, while the client goes from here to the post (not for a
+        // transfer within this agent, which UCX carries).
+        if self.config.prepare_at_post && self.config.enabled && agent != self.local_name {
+            let min = PARALLEL_PLAN_MIN_DESCRIPTORS.min(peer::WARM_PARALLEL_FILL_MIN_DESCRIPTORS);
+            if let Some(pool) = self.peer.fill_pool(local, min) {
                 pool.warm(FILL_POOL_WARM);
             }
         }

@@ -34,14 +34,23 @@ const STREAMS_PER_DEVICE: usize = 4;
 const MAX_GPUS: usize = 64;
 
 /// The fewest descriptors whose table is filled in parts on several threads
-/// (`peer_map_prepare_threads`): a walk long enough (7-10 ns a descriptor
-/// alone, so 110 us or more) for workers woken at its start to join it
-/// (waking one took 60-70 us on the H200 host).
+/// (`peer_map_prepare_threads`) while the workers sleep: a walk long enough
+/// (7-10 ns a descriptor alone, so 110 us or more) for workers woken at its
+/// start to join it (waking one took 60-70 us on the H200 host).
 const PARALLEL_FILL_MIN_DESCRIPTORS: usize = 16_384;
 
-/// The same with the workers already awake ([`FillPool::warm`]): 8192
-/// descriptors walk in 60-80 us alone.
-const WARM_PARALLEL_FILL_MIN_DESCRIPTORS: usize = 8192;
+/// The same while they are awake ([`FillPool::warm`]): 8192 descriptors
+/// walk in 60-80 us alone.
+pub const WARM_PARALLEL_FILL_MIN_DESCRIPTORS: usize = 8192;
+
+/// How long the jobs of a [`FillPool::warm`] may take to start on sleeping
+/// workers (45-70 us on the H200 host): no second call broadcasts before.
+const WAKE_BOUND: std::time::Duration = std::time::Duration::from_micros(100);
+
+thread_local! {
+    /// This thread runs a [`FillPool::warm`] job.
+    static WARMING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// Descriptors in one part of a table filled on several threads: 7-10 us
 /// of walk, against one uncontended lock and one atomic to take it.
@@ -60,9 +69,10 @@ pub struct FillPool {
     /// none (a fork copies only the forking thread), and a scope there
     /// would wait for ever, so a child walks alone.
     pub pid: u32,
-    /// Until when the workers were last woken ahead of a preparation
-    /// ([`FillPool::warm`]).
-    pub warm_until: Mutex<Option<std::time::Instant>>,
+    /// Workers polling for work since [`FillPool::warm`] woke them.
+    pub spinning: Arc<AtomicUsize>,
+    /// When [`FillPool::warm`] last woke them.
+    pub warmed_at: Mutex<Option<std::time::Instant>>,
 }
 
 /// Why a transfer does not take the peer-mapped path (before any mapping is
@@ -846,7 +856,8 @@ impl FillPool {
             part_len,
             busy: Mutex::new(()),
             pid: std::process::id(),
-            warm_until: Mutex::new(None),
+            spinning: Arc::new(AtomicUsize::new(0)),
+            warmed_at: Mutex::new(None),
         }
     }
 
@@ -856,40 +867,50 @@ impl FillPool {
     /// post hands out are taken at once, not after a wake-up (45-70 us on
     /// the H200 host, against a client's 10-50 us from `prepXfer` to the
     /// post). A worker that ran a job, or whose time is up, goes back to
-    /// sleep. Nothing is woken while the workers are still awake from the
-    /// last call (until past half of its time), nor in a forked child.
+    /// sleep; it lets others have its core every 64 polls. Nothing is woken
+    /// while a worker still polls, or the last call's jobs may still be
+    /// starting ([`WAKE_BOUND`]), nor in a forked child.
     pub fn warm(&self, spin: std::time::Duration) {
-        if self.pid != std::process::id() {
+        if self.pid != std::process::id() || self.awake() {
             return;
         }
         let now = std::time::Instant::now();
-        let until = now + spin;
         {
-            let Ok(mut last) = self.warm_until.try_lock() else {
+            let Ok(mut last) = self.warmed_at.try_lock() else {
                 return;
             };
-            if last.is_some_and(|t| t > now + spin / 2) {
+            if last.is_some_and(|t| now.duration_since(t) < WAKE_BOUND) {
                 return;
             }
-            *last = Some(until);
+            *last = Some(now);
         }
-        // One job on each worker (a broadcast: none takes two).
+        let until = now + spin;
+        let spinning = self.spinning.clone();
+        // One job on each worker (a broadcast).
         self.pool.spawn_broadcast(move |_| {
+            // A later call's job, run by this thread's own poll: the outer
+            // one is already waiting.
+            if WARMING.with(|w| w.replace(true)) {
+                return;
+            }
+            spinning.fetch_add(1, Ordering::Relaxed);
+            let mut polls = 0u32;
             while std::time::Instant::now() < until {
                 match rayon::yield_now() {
-                    Some(rayon::Yield::Executed) => return,
+                    Some(rayon::Yield::Executed) => break,
+                    _ if polls % 64 == 63 => std::thread::yield_now(),
                     _ => std::hint::spin_loop(),
                 }
+                polls = polls.wrapping_add(1);
             }
+            spinning.fetch_sub(1, Ordering::Relaxed);
+            WARMING.with(|w| w.set(false));
         });
     }
 
-    /// Whether workers woken by [`FillPool::warm`] may still be waiting
-    /// for work.
+    /// Whether workers woken by [`FillPool::warm`] still poll for work.
     pub fn awake(&self) -> bool {
-        self.warm_until
-            .try_lock()
-            .is_ok_and(|t| t.is_some_and(|t| t > std::time::Instant::now()))
+        self.spinning.load(Ordering::Relaxed) > 0
     }
 
     /// `0..n` cut into parts of about the pool's part length, each a
@@ -1511,12 +1532,22 @@ mod tests {
         let fill = fill_pool(2, 1);
         assert!(!fill.awake());
         fill.warm(Duration::from_secs(2));
+        let polling = |n: usize| {
+            let t = std::time::Instant::now();
+            while fill.spinning.load(Ordering::Relaxed) != n && t.elapsed() < Duration::from_secs(1)
+            {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            fill.spinning.load(Ordering::Relaxed)
+        };
+        assert_eq!(polling(2), 2, "both workers poll");
         assert!(fill.awake());
-        // Called again while the workers wait: nothing more is woken.
-        let until = *fill.warm_until.lock().unwrap();
+        // Called again while they poll: nothing more is broadcast.
+        let at = *fill.warmed_at.lock().unwrap();
         fill.warm(Duration::from_secs(2));
-        assert_eq!(*fill.warm_until.lock().unwrap(), until);
-        // The waiting workers take the parts (and then go back to sleep).
+        assert_eq!(*fill.warmed_at.lock().unwrap(), at);
+        // The polling workers take the parts, then stop polling (long
+        // before their 2 s are up).
         let (done, help) = fill
             .share((0..64).collect(), |i: usize| {
                 std::thread::sleep(Duration::from_micros(200));
@@ -1525,6 +1556,8 @@ mod tests {
             .expect("the pool is free");
         assert_eq!(done, (0..64).map(|i| 2 * i).collect::<Vec<_>>());
         assert!(help.helped > 0, "{help:?}");
+        assert_eq!(polling(0), 0, "the workers poll on after taking parts");
+        assert!(!fill.awake());
         // A pool a fork left behind wakes nothing.
         let forked = FillPool {
             pid: std::process::id().wrapping_add(1),

@@ -561,9 +561,12 @@ impl Endpoint {
 
     /// The data path READs to `peer` carry instead of the one
     /// [`Endpoint::set_read_data_path`] set (an owner that reads only an
-    /// older form of it), until the peer is forgotten.
-    pub fn set_peer_data_path(&mut self, peer: &PeerId, data_path: Vec<u8>) {
-        self.reads.peer_data_paths.insert(peer.clone(), data_path);
+    /// older form of it), until the peer is forgotten; `None`: that one.
+    pub fn set_peer_data_path(&mut self, peer: &PeerId, data_path: Option<Vec<u8>>) {
+        match data_path {
+            Some(path) => self.reads.peer_data_paths.insert(peer.clone(), path),
+            None => self.reads.peer_data_paths.remove(peer),
+        };
     }
 
     /// The reader's request id if local request `id` serves a READ (its
@@ -1408,9 +1411,6 @@ mod tests {
         }
     }
 
-    /// Drives one READ end to end between a reader and an owner by hand
-    /// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
-    /// destinations at 0x9000..).
     /// An owner given its own data path is sent that one, the others the
     /// instance's, until it is forgotten.
     #[test]
@@ -1418,7 +1418,7 @@ mod tests {
         let (o, other) = (PeerId::new("O"), PeerId::new("P"));
         let mut reader = Endpoint::new(cfg(false)).unwrap();
         reader.set_read_data_path(b"v2".to_vec());
-        reader.set_peer_data_path(&o, b"v1".to_vec());
+        reader.set_peer_data_path(&o, Some(b"v1".to_vec()));
         let path_to = |reader: &mut Endpoint, peer: &PeerId, at: u64| {
             reader
                 .submit_read(t(at), peer, &descs(1, 64), None)
@@ -1433,8 +1433,16 @@ mod tests {
         assert_eq!(path_to(&mut reader, &other, 1), b"v2");
         reader.forget_peer(t(2), &o);
         assert_eq!(path_to(&mut reader, &o, 3), b"v2");
+        // Set again, then cleared (the peer loaded anew with the capability).
+        reader.set_peer_data_path(&o, Some(b"v1".to_vec()));
+        assert_eq!(path_to(&mut reader, &o, 4), b"v1");
+        reader.set_peer_data_path(&o, None);
+        assert_eq!(path_to(&mut reader, &o, 5), b"v2");
     }
 
+    /// Drives one READ end to end between a reader and an owner by hand
+    /// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
+    /// destinations at 0x9000..).
     #[test]
     fn one_read_end_to_end() {
         let (r, o) = (PeerId::new("R"), PeerId::new("O"));

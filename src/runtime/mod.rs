@@ -1315,9 +1315,7 @@ impl Reactor {
                     data_path,
                 } => {
                     self.endpoint.set_peer_key(&peer, key);
-                    if let Some(path) = data_path {
-                        self.endpoint.set_peer_data_path(&peer, path);
-                    }
+                    self.endpoint.set_peer_data_path(&peer, data_path);
                     self.peers.insert(
                         peer.clone(),
                         PeerState {
