@@ -426,7 +426,8 @@ impl PeerMaps {
 
     /// Prepares a peer-mapped transfer whose descriptors are all one length
     /// as a pair table, in one pass over NIXL's descriptors
-    /// ([`walk_pairs`]; from 16,384 descriptors in parts on several threads,
+    /// ([`walk_pairs`]; from 16,384 descriptors, 8192 while the pool's
+    /// workers are awake, in parts on several threads,
     /// [`walk_pairs_in_parts`]). `None`: this way declines it (descriptors of
     /// several lengths, memory not mapped or not mappable, anything a check
     /// would refuse, or a CUDA failure); the checked path then decides, and
