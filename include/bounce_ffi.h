@@ -225,11 +225,15 @@ bounce_status_t bounce_engine_disconnect(bounce_engine_t *engine, bounce_bytes_t
  * On success *defer is 1 when the request's routing and per-descriptor work
  * wait for its first post (setting prepare_at_post): the shim then calls
  * prep_xfer there, with the post's lists, and keeps what it made for the
- * request's re-posts; 0: call prep_xfer now. */
+ * request's re-posts; 0: call prep_xfer now. The lists' memory types (as
+ * NIXL numbers them) only tell whether to wake the preparation's threads
+ * for the post. */
 bounce_status_t bounce_engine_admit_xfer(bounce_engine_t *engine,
                                          bounce_op_t op,
                                          size_t local_count,
                                          size_t remote_count,
+                                         bounce_mem_t local_mem,
+                                         bounce_mem_t remote_mem,
                                          bounce_bytes_t remote_agent,
                                          const bounce_xfer_args_t *args,
                                          int32_t *defer);

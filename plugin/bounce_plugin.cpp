@@ -354,7 +354,8 @@ public:
                 int32_t defer = 0;
                 const bounce_status_t st =
                     bounce_engine_admit_xfer(engine, static_cast<bounce_op_t>(op), local.descCount(),
-                                             remote.descCount(), bytes(remote_agent), &args, &defer);
+                                             remote.descCount(), local.getType(), remote.getType(),
+                                             bytes(remote_agent), &args, &defer);
                 if (st != BOUNCE_SUCCESS) {
                     return static_cast<nixl_status_t>(st);
                 }

@@ -1905,11 +1905,13 @@ impl Engine {
     /// What a preparation refuses before any descriptor is looked at (the
     /// lists' counts, an unknown remote agent, a malformed custom
     /// parameter); `Ok(true)`: the rest of the preparation waits for the
-    /// request's first post ([`Config::prepare_at_post`]).
+    /// request's first post ([`Config::prepare_at_post`]). `kinds`: the
+    /// lists' memory (`None`: a kind BOUNCE does not serve).
     pub fn admit_xfer(
         &self,
         local: usize,
         remote: usize,
+        kinds: [Option<MemKind>; 2],
         agent: &str,
         args: &XferArgs,
     ) -> Result<bool> {
@@ -1919,9 +1921,13 @@ impl Engine {
             TransferParams::parse(&args.custom_param)?;
         }
         // The first post will share the preparation with the pool: wake it
-        // now, while the client goes from here to the post (not for a
-        // transfer within this agent, which UCX carries).
-        if self.config.prepare_at_post && self.config.enabled && agent != self.local_name {
+        // now, while the client goes from here to the post. Only where GPU
+        // memory is involved: the peer-mapped path and the GPU's arenas
+        // prepare in parts, host memory on both sides takes the CMA path
+        // on one host (its preparation is one thread's), and a transfer
+        // within this agent goes to UCX.
+        let gpu = kinds.contains(&Some(MemKind::Vram));
+        if self.config.prepare_at_post && self.config.enabled && gpu && agent != self.local_name {
             let min = PARALLEL_PLAN_MIN_DESCRIPTORS.min(peer::WARM_PARALLEL_FILL_MIN_DESCRIPTORS);
             if let Some(pool) = self.peer.fill_pool(local, min) {
                 pool.warm(FILL_POOL_WARM);

@@ -824,6 +824,8 @@ pub unsafe extern "C" fn bounce_engine_admit_xfer(
     op: i32,
     local_count: usize,
     remote_count: usize,
+    local_mem: i32,
+    remote_mem: i32,
     remote_agent: bounce_bytes_t,
     args: *const bounce_xfer_args_t,
     defer: *mut i32,
@@ -835,7 +837,8 @@ pub unsafe extern "C" fn bounce_engine_admit_xfer(
         // SAFETY: caller contract.
         let args = unsafe { xfer_args(args, false) };
         Op::from_nixl(op)?;
-        let later = e.admit_xfer(local_count, remote_count, agent, &args)?;
+        let kinds = [local_mem, remote_mem].map(|m| MemKind::from_nixl(m).ok());
+        let later = e.admit_xfer(local_count, remote_count, kinds, agent, &args)?;
         defer.set(i32::from(later));
         Ok(Status::Success)
     })
