@@ -1824,6 +1824,16 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether `agent`'s host arena is reached by cross-memory attach (its
+    /// process proven on this host), so its DRAM transfers take the CMA path.
+    fn reached_by_cma(&self, agent: &str) -> bool {
+        self.remotes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(agent)
+            .is_some_and(|r| r.arenas.iter().any(|a| a.arena.cma.is_some()))
+    }
+
     fn inner_remote(&self, remote: &str) -> Result<Arc<str>> {
         if remote == self.local_name {
             return Ok(self.inner_name.clone());
@@ -1921,13 +1931,14 @@ impl Engine {
             TransferParams::parse(&args.custom_param)?;
         }
         // The first post will share the preparation with the pool: wake it
-        // now, while the client goes from here to the post. Only where GPU
-        // memory is involved: the peer-mapped path and the GPU's arenas
-        // prepare in parts, host memory on both sides takes the CMA path
-        // on one host (its preparation is one thread's), and a transfer
-        // within this agent goes to UCX.
-        let gpu = kinds.contains(&Some(MemKind::Vram));
-        if self.config.prepare_at_post && self.config.enabled && gpu && agent != self.local_name {
+        // now, while the client goes from here to the post. Not where the
+        // post will not use it: host memory on both sides with a peer
+        // reached by cross-memory attach takes the CMA path (one thread
+        // prepares it), and a transfer within this agent goes to UCX.
+        let cma = kinds == [Some(MemKind::Dram); 2]
+            && self.config.enable_cma
+            && self.reached_by_cma(agent);
+        if self.config.prepare_at_post && self.config.enabled && !cma && agent != self.local_name {
             let min = PARALLEL_PLAN_MIN_DESCRIPTORS.min(peer::WARM_PARALLEL_FILL_MIN_DESCRIPTORS);
             if let Some(pool) = self.peer.fill_pool(local, min) {
                 pool.warm(FILL_POOL_WARM);

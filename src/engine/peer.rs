@@ -43,10 +43,6 @@ const PARALLEL_FILL_MIN_DESCRIPTORS: usize = 16_384;
 /// walk in 60-80 us alone.
 pub const WARM_PARALLEL_FILL_MIN_DESCRIPTORS: usize = 8192;
 
-/// How long the jobs of a [`FillPool::warm`] may take to start on sleeping
-/// workers (45-70 us on the H200 host): no second call broadcasts before.
-const WAKE_BOUND: std::time::Duration = std::time::Duration::from_micros(100);
-
 thread_local! {
     /// This thread runs a [`FillPool::warm`] job.
     static WARMING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -69,10 +65,33 @@ pub struct FillPool {
     /// none (a fork copies only the forking thread), and a scope there
     /// would wait for ever, so a child walks alone.
     pub pid: u32,
-    /// Workers polling for work since [`FillPool::warm`] woke them.
-    pub spinning: Arc<AtomicUsize>,
-    /// When [`FillPool::warm`] last woke them.
-    pub warmed_at: Mutex<Option<std::time::Instant>>,
+    /// [`FillPool::warm`]'s jobs not started yet, and those polling.
+    pub warming: Arc<Warming>,
+}
+
+/// The jobs of [`FillPool::warm`]: queued on a worker and not started, and
+/// started and still polling; and how many times the workers were woken.
+#[derive(Debug, Default)]
+pub struct Warming {
+    pub pending: AtomicUsize,
+    pub polling: AtomicUsize,
+    pub wakes: AtomicU64,
+}
+
+/// Counts a started [`FillPool::warm`] job as polling until it returns
+/// (or unwinds); the outermost one on a thread clears [`WARMING`].
+struct Polling<'a> {
+    warming: &'a Warming,
+    nested: bool,
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        self.warming.polling.fetch_sub(1, Ordering::AcqRel);
+        if !self.nested {
+            WARMING.with(|w| w.set(false));
+        }
+    }
 }
 
 /// Why a transfer does not take the peer-mapped path (before any mapping is
@@ -857,8 +876,7 @@ impl FillPool {
             part_len,
             busy: Mutex::new(()),
             pid: std::process::id(),
-            spinning: Arc::new(AtomicUsize::new(0)),
-            warmed_at: Mutex::new(None),
+            warming: Arc::default(),
         }
     }
 
@@ -869,32 +887,41 @@ impl FillPool {
     /// the H200 host, against a client's 10-50 us from `prepXfer` to the
     /// post). A worker that ran a job, or whose time is up, goes back to
     /// sleep; it lets others have its core every 64 polls. Nothing is woken
-    /// while a worker still polls, or the last call's jobs may still be
-    /// starting ([`WAKE_BOUND`]), nor in a forked child.
+    /// while any job of the last call is still queued or polling (a second
+    /// job on a worker would be run by the first one's poll and end it), nor
+    /// in a forked child.
     pub fn warm(&self, spin: std::time::Duration) {
-        if self.pid != std::process::id() || self.awake() {
+        let w = &self.warming;
+        if self.pid != std::process::id()
+            || w.pending.load(Ordering::Acquire) + w.polling.load(Ordering::Acquire) > 0
+        {
             return;
         }
-        let now = std::time::Instant::now();
+        let n = self.pool.current_num_threads();
+        // Only one caller broadcasts (another that raced here backs off).
+        if w.pending
+            .compare_exchange(0, n, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
         {
-            let Ok(mut last) = self.warmed_at.try_lock() else {
-                return;
-            };
-            if last.is_some_and(|t| now.duration_since(t) < WAKE_BOUND) {
-                return;
-            }
-            *last = Some(now);
+            return;
         }
-        let until = now + spin;
-        let spinning = self.spinning.clone();
+        w.wakes.fetch_add(1, Ordering::Relaxed);
+        let until = std::time::Instant::now() + spin;
+        let warming = w.clone();
         // One job on each worker (a broadcast).
         self.pool.spawn_broadcast(move |_| {
-            // A later call's job, run by this thread's own poll: the outer
-            // one is already waiting.
-            if WARMING.with(|w| w.replace(true)) {
+            warming.polling.fetch_add(1, Ordering::AcqRel);
+            warming.pending.fetch_sub(1, Ordering::AcqRel);
+            // Never nested (no second broadcast while one is queued), but
+            // were one run by this thread's own poll, it returns at once.
+            let nested = WARMING.with(|w| w.replace(true));
+            let _polling = Polling {
+                warming: &warming,
+                nested,
+            };
+            if nested {
                 return;
             }
-            spinning.fetch_add(1, Ordering::Relaxed);
             let mut polls = 0u32;
             while std::time::Instant::now() < until {
                 match rayon::yield_now() {
@@ -904,14 +931,12 @@ impl FillPool {
                 }
                 polls = polls.wrapping_add(1);
             }
-            spinning.fetch_sub(1, Ordering::Relaxed);
-            WARMING.with(|w| w.set(false));
         });
     }
 
     /// Whether workers woken by [`FillPool::warm`] still poll for work.
     pub fn awake(&self) -> bool {
-        self.spinning.load(Ordering::Relaxed) > 0
+        self.warming.polling.load(Ordering::Acquire) > 0
     }
 
     /// `0..n` cut into parts of about the pool's part length, each a
@@ -1533,20 +1558,22 @@ mod tests {
         let fill = fill_pool(2, 1);
         assert!(!fill.awake());
         fill.warm(Duration::from_secs(2));
+        // Called again before the jobs started or while they poll: nothing
+        // more is broadcast.
+        fill.warm(Duration::from_secs(2));
         let polling = |n: usize| {
             let t = std::time::Instant::now();
-            while fill.spinning.load(Ordering::Relaxed) != n && t.elapsed() < Duration::from_secs(1)
-            {
+            let now = || fill.warming.polling.load(Ordering::Relaxed);
+            while now() != n && t.elapsed() < Duration::from_secs(1) {
                 std::thread::sleep(Duration::from_micros(100));
             }
-            fill.spinning.load(Ordering::Relaxed)
+            now()
         };
         assert_eq!(polling(2), 2, "both workers poll");
         assert!(fill.awake());
-        // Called again while they poll: nothing more is broadcast.
-        let at = *fill.warmed_at.lock().unwrap();
         fill.warm(Duration::from_secs(2));
-        assert_eq!(*fill.warmed_at.lock().unwrap(), at);
+        assert_eq!(fill.warming.wakes.load(Ordering::Relaxed), 1);
+        assert_eq!(fill.warming.pending.load(Ordering::Relaxed), 0);
         // The polling workers take the parts, then stop polling (long
         // before their 2 s are up).
         let (done, help) = fill
