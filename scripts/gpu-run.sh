@@ -41,6 +41,14 @@ if [[ "$mode" == x2* ]]; then
     # stays off, and nothing here creates a multicast object.
     export NCCL_NVLS_ENABLE=0
 fi
+# x2_noprep FROM TO: 16,384 x 4 KiB from GPU FROM's buffers to GPU TO's,
+# the copy alone, post to completion: the plugin's preparation back in
+# createXferReq (prepare_at_post makes it at the first post).
+x2_noprep() {
+    run "x2-bounce-noprep-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-noprep-gpu$1-gpu$2" \
+        --device "$1" --target-device "$2" --param prepare_at_post=false --sizes 4096 --counts 16384 \
+        --concurrent 0 --iters 20 --json "$out/x2-bounce-noprep-$1to$2.json"
+}
 if [[ "$mode" == x2 ]]; then
     # The initiator's buffers on one GPU, the target's on the other, both
     # ways: byte-exact tests (peer-mapped, then the arena), then BOUNCE,
@@ -56,11 +64,7 @@ if [[ "$mode" == x2 ]]; then
         run "x2-test-arena-$1to$2" "$v" test $pair --param enable_peer_map=false
         run "x2-bounce-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" $pair $shapes \
             --iters 20 --json "$out/x2-bounce-$1to$2.json"
-        # The copy alone, post to completion: the plugin's preparation back
-        # in createXferReq (prepare_at_post makes it at the first post).
-        run "x2-bounce-noprep-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-noprep-gpu$1-gpu$2" $pair \
-            --param prepare_at_post=false --sizes 4096 --counts 16384 --concurrent 0 --iters 20 \
-            --json "$out/x2-bounce-noprep-$1to$2.json"
+        x2_noprep "$1" "$2"
         run "x2-arena-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-arena-gpu$1-gpu$2" $pair \
             --param enable_peer_map=false $shapes --iters 20 --json "$out/x2-arena-$1to$2.json"
         run "x2-ucx-$1to$2" "$v" bench --backend UCX --label "UCX-gpu$1-gpu$2" $pair $shapes \
@@ -83,9 +87,7 @@ if [[ "$mode" == x2-rest ]]; then
     for dir in "0 1" "1 0"; do
         set -- $dir
         pair="--device $1 --target-device $2"
-        run "x2-bounce-noprep-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-noprep-gpu$1-gpu$2" $pair \
-            --param prepare_at_post=false --sizes 4096 --counts 16384 --concurrent 0 --iters 20 \
-            --json "$out/x2-bounce-noprep-$1to$2.json"
+        x2_noprep "$1" "$2"
         run "x2-bounce-16k-$1to$2" "$v" bench --backend BOUNCE --label "BOUNCE-gpu$1-gpu$2" $pair \
             --sizes 4096 --counts 16384 --concurrent 0 --iters 20 --json "$out/x2-bounce-16k-$1to$2.json"
     done

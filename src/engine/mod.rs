@@ -1932,16 +1932,18 @@ impl Engine {
         }
         // The first post will share the preparation with the pool: wake it
         // now, while the client goes from here to the post. Not where the
-        // post will not use it: host memory on both sides with a peer
-        // reached by cross-memory attach takes the CMA path (one thread
-        // prepares it), and a transfer within this agent goes to UCX.
-        let cma = kinds == [Some(MemKind::Dram); 2]
-            && self.config.enable_cma
-            && self.reached_by_cma(agent);
-        if self.config.prepare_at_post && self.config.enabled && !cma && agent != self.local_name {
+        // post will not use it: a transfer within this agent goes to UCX,
+        // and host memory on both sides with a peer reached by cross-memory
+        // attach takes the CMA path (one thread prepares it).
+        if self.config.prepare_at_post && self.config.enabled && agent != self.local_name {
             let min = PARALLEL_PLAN_MIN_DESCRIPTORS.min(peer::WARM_PARALLEL_FILL_MIN_DESCRIPTORS);
             if let Some(pool) = self.peer.fill_pool(local, min) {
-                pool.warm(FILL_POOL_WARM);
+                let cma = kinds == [Some(MemKind::Dram); 2]
+                    && self.config.enable_cma
+                    && self.reached_by_cma(agent);
+                if !cma {
+                    pool.warm(FILL_POOL_WARM);
+                }
             }
         }
         Ok(self.config.prepare_at_post)

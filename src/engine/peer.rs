@@ -43,11 +43,6 @@ const PARALLEL_FILL_MIN_DESCRIPTORS: usize = 16_384;
 /// walk in 60-80 us alone.
 pub const WARM_PARALLEL_FILL_MIN_DESCRIPTORS: usize = 8192;
 
-thread_local! {
-    /// This thread runs a [`FillPool::warm`] job.
-    static WARMING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// Descriptors in one part of a table filled on several threads: 7-10 us
 /// of walk, against one uncontended lock and one atomic to take it.
 const FILL_PART_DESCRIPTORS: usize = 1024;
@@ -79,18 +74,12 @@ pub struct Warming {
 }
 
 /// Counts a started [`FillPool::warm`] job as polling until it returns
-/// (or unwinds); the outermost one on a thread clears [`WARMING`].
-struct Polling<'a> {
-    warming: &'a Warming,
-    nested: bool,
-}
+/// (or unwinds).
+struct Polling<'a>(&'a Warming);
 
 impl Drop for Polling<'_> {
     fn drop(&mut self) {
-        self.warming.polling.fetch_sub(1, Ordering::AcqRel);
-        if !self.nested {
-            WARMING.with(|w| w.set(false));
-        }
+        self.0.polling.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -582,13 +571,10 @@ impl PeerMaps {
         ordinal: usize,
     ) -> Option<PartsWalked<Arc<PeerMapping>>> {
         // Workers already awake ([`FillPool::warm`]) pay from fewer.
-        let awake = self
-            .fill_pool(local.len(), WARM_PARALLEL_FILL_MIN_DESCRIPTORS)
-            .filter(|p| p.awake());
-        let pool = match awake {
-            Some(p) => p,
-            None => self.fill_pool(local.len(), PARALLEL_FILL_MIN_DESCRIPTORS)?,
-        };
+        let pool = self.fill_pool(local.len(), WARM_PARALLEL_FILL_MIN_DESCRIPTORS)?;
+        if !pool.awake() && local.len() < PARALLEL_FILL_MIN_DESCRIPTORS {
+            return None;
+        }
         let local_window = |p| {
             let w = Window::of(local.md(p)?.range, 0);
             (w.dev == device).then_some(w)
@@ -910,18 +896,11 @@ impl FillPool {
         let warming = w.clone();
         // One job on each worker (a broadcast).
         self.pool.spawn_broadcast(move |_| {
+            // Polling before no longer pending: the two never read 0
+            // together while a job is in flight.
             warming.polling.fetch_add(1, Ordering::AcqRel);
             warming.pending.fetch_sub(1, Ordering::AcqRel);
-            // Never nested (no second broadcast while one is queued), but
-            // were one run by this thread's own poll, it returns at once.
-            let nested = WARMING.with(|w| w.replace(true));
-            let _polling = Polling {
-                warming: &warming,
-                nested,
-            };
-            if nested {
-                return;
-            }
+            let _polling = Polling(&warming);
             let mut polls = 0u32;
             while std::time::Instant::now() < until {
                 match rayon::yield_now() {
