@@ -6,7 +6,7 @@
 //!
 //! | name | effect |
 //! |---|---|
-//! | `panic_in_post_xfer` | `postXfer` panics (checks the FFI panic boundary) |
+//! | `panic_in_post_xfer` | `postXfer` panics holding the engine's peer table lock (checks the FFI panic boundary, and that teardown still runs) |
 //! | `panic_in_io_thread` | the IO thread panics when it starts a gather (checks its containment) |
 //! | `fail_chunk_writes` | every chunk write reports failure |
 //! | `stuck_chunk_writes` | chunk writes are never posted and never end (a hung transport) |

@@ -57,3 +57,4 @@ pub mod nvtx;
 pub mod proto;
 pub mod runtime;
 pub mod stats;
+pub mod sync;

@@ -6,6 +6,7 @@
 //! through NIXL calls [`plugin_stats`], which finds the copy of this library
 //! that NIXL loaded (a separate copy from any the program links itself).
 
+use crate::sync::Locked;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -163,8 +164,7 @@ impl EngineStats {
             source: Mutex::new(None),
         });
         REGISTRY
-            .lock()
-            .expect("stats registry")
+            .locked()
             .insert(agent.to_string(), Arc::downgrade(&stats));
         stats
     }
@@ -187,17 +187,12 @@ impl EngineStats {
     }
 
     pub fn add_named(&self, name: &'static str, n: u64) {
-        *self
-            .named
-            .lock()
-            .expect("named counters")
-            .entry(name)
-            .or_default() += n;
+        *self.named.locked().entry(name).or_default() += n;
     }
 
     /// Installs the source of live runtime counters and poison state.
     pub fn set_source(&self, f: StatsSource) {
-        *self.source.lock().expect("stats source") = Some(f);
+        *self.source.locked() = Some(f);
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -216,7 +211,7 @@ impl EngineStats {
         .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
         .collect::<BTreeMap<String, u64>>();
         let mut counters = counters;
-        for (k, v) in self.named.lock().expect("named counters").iter() {
+        for (k, v) in self.named.locked().iter() {
             counters.insert(k.to_string(), *v);
         }
         // These appear once they count something (the named ones once
@@ -234,7 +229,7 @@ impl EngineStats {
             }
         }
         let mut poisoned = None;
-        if let Some(f) = self.source.lock().expect("stats source").as_ref() {
+        if let Some(f) = self.source.locked().as_ref() {
             let (extra, p) = f();
             counters.extend(extra);
             poisoned = p;
@@ -251,11 +246,10 @@ impl EngineStats {
 
 impl Drop for EngineStats {
     fn drop(&mut self) {
-        if let Ok(mut reg) = REGISTRY.lock() {
-            // Only remove our own entry (a newer engine may reuse the name).
-            if reg.get(&self.agent).is_some_and(|w| w.strong_count() == 0) {
-                reg.remove(&self.agent);
-            }
+        let mut reg = REGISTRY.locked();
+        // Only remove our own entry (a newer engine may reuse the name).
+        if reg.get(&self.agent).is_some_and(|w| w.strong_count() == 0) {
+            reg.remove(&self.agent);
         }
     }
 }
@@ -265,7 +259,7 @@ static REGISTRY: Lazy<Mutex<HashMap<String, Weak<EngineStats>>>> =
 
 /// The snapshot of the engine of `agent` in THIS copy of the library.
 pub fn local_snapshot(agent: &str) -> Option<Snapshot> {
-    let reg = REGISTRY.lock().ok()?;
+    let reg = REGISTRY.locked();
     reg.get(agent).and_then(Weak::upgrade).map(|s| s.snapshot())
 }
 
@@ -283,21 +277,15 @@ static POISONED: Lazy<Mutex<Vec<PoisonedArena>>> = Lazy::new(|| Mutex::new(Vec::
 
 /// Records that `arena` is poisoned (the runtime calls this once per arena).
 pub fn record_poisoned(arena: &str, reason: &str) {
-    POISONED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(PoisonedArena {
-            arena: arena.to_string(),
-            reason: reason.to_string(),
-        });
+    POISONED.locked().push(PoisonedArena {
+        arena: arena.to_string(),
+        reason: reason.to_string(),
+    });
 }
 
 /// Every arena poisoned in THIS copy of the library, oldest first.
 pub fn local_poisoned() -> Vec<PoisonedArena> {
-    POISONED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone()
+    POISONED.locked().clone()
 }
 
 /// Every arena poisoned in the plugin NIXL loaded into this process, oldest

@@ -70,4 +70,16 @@ fn a_panic_becomes_an_error_and_disables_the_engine() {
     let snap = nixl_bounce::stats::plugin_stats(init.name()).expect("stats still readable");
     assert_eq!(snap.counters["panics"], 1, "{snap:?}");
     drop(req);
+
+    // Teardown still runs: the panic left the peer table's lock poisoned,
+    // and forgetting the peer (NIXL's disconnect) takes it all the same.
+    init.node
+        .agent
+        .invalidate_remote_md(target.name())
+        .expect("disconnect after a panic that held the peer table's lock");
+    let snap = nixl_bounce::stats::plugin_stats(init.name()).expect("stats still readable");
+    assert_eq!(
+        snap.counters["panics"], 1,
+        "disconnect panicked on the poisoned lock: {snap:?}"
+    );
 }

@@ -33,8 +33,9 @@
 //! carries the sender's full endpoint, so a peer that never loaded the
 //! sender can answer it (the same bootstrap as a WANT's).
 
+use crate::sync::Locked;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::heartbeat::Heartbeats;
@@ -193,16 +194,10 @@ impl NotifHub {
         &self.source
     }
 
-    fn lock(&self) -> MutexGuard<'_, Queues> {
-        // A panic while holding the lock leaves the queues consistent (every
-        // operation is a push or a pop), so poisoning is ignored.
-        self.queues.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Pulls every pending notification from the source once and files each
     /// into the control or the user queue. Returns how many were pulled.
     pub fn drain(&self) -> Result<usize, NotifError> {
-        let mut q = self.lock();
+        let mut q = self.queues.locked();
         let fetched = self.source.fetch()?;
         let n = fetched.len();
         let mut control_added = false;
@@ -233,25 +228,25 @@ impl NotifHub {
     /// queued stays queued and the error is returned.
     pub fn take_user(&self) -> Result<Vec<(String, Vec<u8>)>, NotifError> {
         self.drain()?;
-        Ok(self.lock().user.drain(..).collect())
+        Ok(self.queues.locked().user.drain(..).collect())
     }
 
     /// Queues a user notification the engine synthesised (e.g. a bounce
     /// transfer's notification, delivered once its data was scattered). It is
     /// delivered after everything already queued from that sender.
     pub fn push_user(&self, from: impl Into<String>, msg: Vec<u8>) {
-        self.lock().user.push_back((from.into(), msg));
+        self.queues.locked().user.push_back((from.into(), msg));
     }
 
     /// Pops the oldest control message (prefix removed), if any.
     pub fn take_control(&self) -> Option<(String, Vec<u8>)> {
-        self.lock().control.pop_front()
+        self.queues.locked().control.pop_front()
     }
 
     /// Takes the queued control messages (prefix removed) that `pick`
     /// chooses, in order, leaving the others queued in theirs.
     pub fn take_control_where(&self, pick: impl Fn(&[u8]) -> bool) -> Vec<(String, Vec<u8>)> {
-        let mut q = self.lock();
+        let mut q = self.queues.locked();
         let (taken, kept): (VecDeque<_>, VecDeque<_>) =
             q.control.drain(..).partition(|(_, m)| pick(m));
         q.control = kept;
@@ -262,7 +257,7 @@ impl NotifHub {
     /// Wakes a `recv` waiting on this hub.
     pub fn wake(&self) {
         self.woken.store(true, std::sync::atomic::Ordering::SeqCst);
-        let _q = self.lock();
+        let _q = self.queues.locked();
         self.control_arrived.notify_all();
     }
 
@@ -271,7 +266,7 @@ impl NotifHub {
     }
 
     fn wait_for_control(&self, max: Duration) {
-        let q = self.lock();
+        let q = self.queues.locked();
         if q.control.is_empty() && !self.woken.load(std::sync::atomic::Ordering::SeqCst) {
             let _ = self.control_arrived.wait_timeout(q, max);
         }
@@ -758,11 +753,7 @@ mod tests {
 
     impl FakeAgent {
         fn new(fabric: &Arc<Fabric>, name: &str) -> Arc<Self> {
-            fabric
-                .inboxes
-                .lock()
-                .unwrap()
-                .insert(name.to_string(), Vec::new());
+            fabric.inboxes.locked().insert(name.to_string(), Vec::new());
             Arc::new(Self {
                 name: name.into(),
                 fabric: fabric.clone(),
@@ -776,8 +767,7 @@ mod tests {
         fn deliver(&self, from: &str, msg: &[u8]) {
             self.fabric
                 .inboxes
-                .lock()
-                .unwrap()
+                .locked()
                 .get_mut(&self.name)
                 .unwrap()
                 .push((from.into(), msg.to_vec()));
@@ -798,22 +788,17 @@ mod tests {
                 return Err(NotifError::new("getNotifs", "injected failure"));
             }
             Ok(std::mem::take(
-                self.fabric
-                    .inboxes
-                    .lock()
-                    .unwrap()
-                    .get_mut(&self.name)
-                    .unwrap(),
+                self.fabric.inboxes.locked().get_mut(&self.name).unwrap(),
             ))
         }
         fn send(&self, to_agent: &str, msg: &[u8]) -> Result<(), NotifError> {
-            if !self.known.lock().unwrap().contains(to_agent) {
+            if !self.known.locked().contains(to_agent) {
                 return Err(NotifError::new(
                     format!("genNotif to {to_agent:?}"),
                     "unknown remote agent",
                 ));
             }
-            let mut inboxes = self.fabric.inboxes.lock().unwrap();
+            let mut inboxes = self.fabric.inboxes.locked();
             let inbox = inboxes
                 .get_mut(to_agent)
                 .ok_or_else(|| NotifError::new("genNotif", "no such agent"))?;
@@ -825,7 +810,7 @@ mod tests {
                 .ok()
                 .and_then(|s| s.strip_prefix("md-of:"))
                 .ok_or_else(|| NotifError::new("loadRemoteMD", "bad metadata"))?;
-            self.known.lock().unwrap().insert(name.to_string());
+            self.known.locked().insert(name.to_string());
             Ok(name.to_string())
         }
     }
@@ -1105,10 +1090,10 @@ mod tests {
             a_agent.fetch().unwrap().is_empty(),
             "something was answered"
         );
-        assert!(!b_agent.known.lock().unwrap().contains("c/bounce"));
+        assert!(!b_agent.known.locked().contains("c/bounce"));
         // A real PING from an agent the inner agent forgot (or never
         // loaded): B loads the metadata it carries and answers.
-        b_agent.known.lock().unwrap().clear();
+        b_agent.known.locked().clear();
         b_agent.deliver("a/bounce", &beat(&ping_of("a/bounce")));
         assert!(b.recv(Duration::from_millis(20)).unwrap().is_none());
         assert_eq!(

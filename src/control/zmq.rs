@@ -40,6 +40,7 @@
 //! (adding the peer again within that moment takes the same socket back), so
 //! a long-lived server holds sockets only for its current peers.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
@@ -852,9 +853,7 @@ impl ControlChannel for ZmqChannel {
             // The mutex serialises use of the socket across threads (ZMQ
             // sockets may move between threads behind a full barrier). A
             // full queue means a wake-up is already pending: nothing to do.
-            if let Ok(s) = tx.lock() {
-                let _ = s.send(&[] as &[u8], zmq::DONTWAIT);
-            }
+            let _ = tx.locked().send(&[] as &[u8], zmq::DONTWAIT);
         })
     }
 }

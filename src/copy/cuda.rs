@@ -27,6 +27,7 @@
 //! is discarded (its pinned memory leaked on purpose, never freed under a
 //! running kernel) and the caller must poison the arena.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -836,11 +837,7 @@ impl CudaRuntime {
                 self.inner.device_count
             ));
         }
-        let mut devices = self
-            .inner
-            .devices
-            .lock()
-            .map_err(|_| "CUDA device table lock poisoned".to_string())?;
+        let mut devices = self.inner.devices.locked();
         if let Some(d) = devices.get(&ordinal) {
             return Ok(d.clone());
         }
@@ -1394,11 +1391,10 @@ struct PoolState {
 
 impl std::fmt::Debug for ExecPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (idle, live) = self
-            .state
-            .lock()
-            .map(|s| (s.idle.len(), s.live))
-            .unwrap_or((0, 0));
+        let (idle, live) = {
+            let s = self.state.locked();
+            (s.idle.len(), s.live)
+        };
         f.debug_struct("ExecPool")
             .field("device", &self.device.ordinal)
             .field("zero_copy", &self.zero_copy)
@@ -1460,16 +1456,16 @@ impl ExecPool {
     }
     /// Contexts still usable (idle or borrowed).
     pub fn live(&self) -> usize {
-        self.state.lock().map(|s| s.live).unwrap_or(0)
+        self.state.locked().live
     }
     /// Contexts idle right now.
     pub fn idle(&self) -> usize {
-        self.state.lock().map(|s| s.idle.len()).unwrap_or(0)
+        self.state.locked().idle.len()
     }
 
     /// A context if one is idle now (never blocks).
     pub fn try_acquire(self: &Arc<Self>) -> Option<ExecGuard> {
-        let ctx = self.state.lock().ok()?.idle.pop()?;
+        let ctx = self.state.locked().idle.pop()?;
         Some(ExecGuard {
             pool: self.clone(),
             ctx: Some(ctx),
@@ -1480,10 +1476,7 @@ impl ExecPool {
     /// the wait timed out or every context was discarded after errors.
     pub fn acquire(self: &Arc<Self>, timeout: Duration) -> Result<ExecGuard, String> {
         let deadline = Instant::now() + timeout;
-        let mut st = self
-            .state
-            .lock()
-            .map_err(|_| "execution pool lock poisoned".to_string())?;
+        let mut st = self.state.locked();
         loop {
             if let Some(ctx) = st.idle.pop() {
                 return Ok(ExecGuard {
@@ -1501,11 +1494,7 @@ impl ExecPool {
                     st.live
                 ));
             }
-            st = self
-                .returned
-                .wait_timeout(st, deadline - now)
-                .map_err(|_| "execution pool lock poisoned".to_string())?
-                .0;
+            st = crate::sync::wait_timeout(&self.returned, st, deadline - now).0;
         }
     }
 }
@@ -1593,7 +1582,8 @@ impl ExecGuard {
     pub fn discard(mut self) {
         if let Some(ctx) = self.ctx.take() {
             std::mem::forget(ctx);
-            if let Ok(mut st) = self.pool.state.lock() {
+            {
+                let mut st = self.pool.state.locked();
                 st.live = st.live.saturating_sub(1);
                 tracing::warn!(
                     device = self.pool.device.ordinal,
@@ -1956,9 +1946,9 @@ impl ExecGuard {
                     // Leak: the stream may still be running work that reads
                     // the table (see `discard`).
                     std::mem::forget(ctx);
-                    if let Ok(mut st) = self.pool.state.lock() {
-                        st.live = st.live.saturating_sub(1);
-                    }
+                    let mut st = self.pool.state.locked();
+                    st.live = st.live.saturating_sub(1);
+                    drop(st);
                     self.pool.returned.notify_all();
                 }
                 CopyError {
@@ -1978,9 +1968,7 @@ impl Drop for ExecGuard {
         if let Some(mut ctx) = self.ctx.take() {
             // A timed kernel not counted (it failed) leaves no mark behind.
             ctx.timed = None;
-            if let Ok(mut st) = self.pool.state.lock() {
-                st.idle.push(ctx);
-            }
+            self.pool.state.locked().idle.push(ctx);
             self.pool.returned.notify_one();
         }
     }

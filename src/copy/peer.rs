@@ -21,6 +21,7 @@
 //! (every destination is an absolute address, already translated into the
 //! mapping and checked against the peer's registration by the engine).
 
+use crate::sync::Locked;
 use std::ffi::c_void;
 use std::io::Read;
 use std::mem::ManuallyDrop;
@@ -61,7 +62,7 @@ pub struct Identity {
 pub fn identity() -> Option<Identity> {
     static ID: Mutex<Option<(u32, Option<Identity>)>> = Mutex::new(None);
     let pid = std::process::id();
-    let mut known = ID.lock().unwrap_or_else(|p| p.into_inner());
+    let mut known = ID.locked();
     if let Some((p, id)) = *known {
         if p == pid {
             return id;
@@ -408,11 +409,7 @@ impl PeerCopier {
         let t0 = started;
         let _ctx = ContextScope::enter(&self.device)?;
         let t_ctx = Instant::now();
-        let table = self
-            .tables
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take(capacity)?;
+        let table = self.tables.locked().take(capacity)?;
         let t_setup = Instant::now();
         // Pinned memory of the table's own, else (none to be had) a
         // pageable buffer of this call's, uploaded synchronously.
@@ -628,7 +625,7 @@ impl PeerTable {
         // Until this launch is tracked, no earlier one vouches for the
         // table: on any failure below its drop waits behind the stream.
         self.last_launch = None;
-        let _launching = c.launching[i].lock().unwrap_or_else(|p| p.into_inner());
+        let _launching = c.launching[i].locked();
         // SAFETY: this device's copy kernel (of the table's form) over the
         // table uploaded in `build` (on this stream, before), reused
         // only after this launch ended (the event its drop records), or over
@@ -738,7 +735,7 @@ impl PeerCopier {
     /// earlier table's pairs, which the kernel does not read beyond the
     /// table's own), else new ones.
     fn take_inline_words(&self, len: usize) -> Box<[u64]> {
-        let mut kept = self.inline_words.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.inline_words.locked();
         match kept.iter().position(|w| w.len() == len) {
             Some(i) => kept.remove(i),
             None => vec![0u64; len].into_boxed_slice(),
@@ -746,7 +743,7 @@ impl PeerCopier {
     }
 
     fn keep_inline_words(&self, words: Box<[u64]>) {
-        let mut kept = self.inline_words.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.inline_words.locked();
         // Full: the oldest goes, so that the sizes in use stay.
         if kept.len() == KEPT_INLINE_WORDS {
             kept.remove(0);
@@ -757,11 +754,7 @@ impl PeerCopier {
     /// Puts a table's memory back in the cache (`t.queued` says whether
     /// its event must be queried before reuse).
     fn keep_table(&self, t: CachedTable) {
-        self.tables
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .free
-            .push(t);
+        self.tables.locked().free.push(t);
     }
 
     /// Puts a table's memory back in the cache behind everything queued on
@@ -969,17 +962,14 @@ impl EventPool {
 
     /// A free event, or a new one. Needs the device's context current.
     fn take(&self) -> Result<sys::CUevent, String> {
-        if let Some(e) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        if let Some(e) = self.free.locked().pop() {
             return Ok(e);
         }
         new_event("a peer-mapped copy")
     }
 
     fn put(&self, event: sys::CUevent) {
-        self.free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(event);
+        self.free.locked().push(event);
     }
 }
 
@@ -1006,12 +996,9 @@ impl PeerLaunch {
     pub fn expire(&self, limit: Duration) {
         if self.posted.elapsed() > limit && self.poll().is_none() {
             self.cancelled.store(true, Ordering::SeqCst);
-            self.failure
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_or_insert_with(|| {
-                    format!("the peer-mapped copy still runs {limit:?} after its launch")
-                });
+            self.failure.locked().get_or_insert_with(|| {
+                format!("the peer-mapped copy still runs {limit:?} after its launch")
+            });
         }
     }
 
@@ -1019,7 +1006,7 @@ impl PeerLaunch {
     /// A request failed by [`expire`](Self::expire) has a result while its
     /// copy may still run: see [`running`](Self::running).
     pub fn poll(&self) -> Option<Result<(), String>> {
-        let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failure = self.failure.locked();
         if let Some(f) = failure.as_ref() {
             return Some(Err(f.clone()));
         }
@@ -1222,7 +1209,7 @@ impl PeerMapping {
     /// Remembers `launch` as the last copy through this mapping on its
     /// stream (call after each launch that uses it).
     pub fn note(&self, launch: &Arc<PeerLaunch>) {
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = self.last.locked();
         if let Some(slot) = last.get_mut(launch.stream()) {
             *slot = Some(launch.clone());
         }

@@ -2,6 +2,7 @@
 //! protocol endpoint, reactor) per memory location in use, the admission of
 //! peers' instances, and the routing decision.
 
+use crate::sync::Locked;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -306,7 +307,7 @@ impl Bounce {
     /// locked while the command is queued: a second thread that finds the
     /// peer known queues its transfer after it.
     pub fn ensure_peer(&self, peer: &PeerBounce) {
-        let mut known = self.known_peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut known = self.known_peers.locked();
         if known.insert(peer.id.clone()) {
             let data_path = match peer.data_path_v2 {
                 true => None,
@@ -325,7 +326,7 @@ impl Bounce {
     /// Forgets `peer`: as a target of our writes, and as a sender whose
     /// flows we serve (which we may hold without ever having written to it).
     pub fn forget_peer(&self, peer: &PeerId) {
-        let mut known = self.known_peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut known = self.known_peers.locked();
         known.remove(peer);
         self.runtime.forget_peer(peer.clone());
     }
@@ -427,7 +428,7 @@ impl ReaderAgents {
             Some((export, seal)) if !vram => self.sealed(export, seal, dp.base, &dp.inner_agent),
             _ => None,
         };
-        let mut loads = self.loads.lock().expect("reader agents");
+        let mut loads = self.loads.locked();
         for (what, md) in [("connection", &dp.conn_md), ("arena", &dp.arena_md)] {
             if md.is_empty() {
                 continue;
@@ -479,7 +480,7 @@ impl ReaderAgents {
     /// unless the application loaded it or it is our own.
     fn unload(&self, bytes: &[u8]) -> Result<(), String> {
         let dp = DataPath::decode(bytes)?;
-        let mut loads = self.loads.lock().expect("reader agents");
+        let mut loads = self.loads.locked();
         let Some(n) = loads.get_mut(&dp.inner_agent) else {
             return Ok(());
         };
@@ -502,7 +503,7 @@ impl ReaderAgents {
         }
         // Held while invalidating: the application's loads take this lock
         // before they load into the inner agent.
-        let remotes = self.remotes.lock().expect("remotes lock");
+        let remotes = self.remotes.locked();
         if remotes.values().any(|r| *r.inner == *dp.inner_agent) {
             return Ok(());
         }
@@ -515,7 +516,7 @@ impl ReaderAgents {
 
     /// Readers' agents loaded now (tests and stats).
     pub fn loaded(&self) -> usize {
-        self.loads.lock().expect("reader agents").len()
+        self.loads.locked().len()
     }
 }
 

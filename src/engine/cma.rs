@@ -24,6 +24,7 @@
 //!   ([`Cma::quiesce`]); a copy stops between pieces of at most
 //!   `copy::cma::MAX_PIECE_BYTES`, and so does a released one.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -54,7 +55,7 @@ static TOKEN: Mutex<(u32, [u8; 16])> = Mutex::new((0, [0; 16]));
 fn current_export() -> Option<CmaExport> {
     let id = identity()?;
     let pid = std::process::id();
-    let mut token = TOKEN.lock().unwrap_or_else(|p| p.into_inner());
+    let mut token = TOKEN.locked();
     if *token != (pid, id.process) {
         *token = (pid, id.process);
     }
@@ -75,7 +76,7 @@ static RUNNING: Mutex<(u32, Vec<Arc<Job>>)> = Mutex::new((0, Vec::new()));
 
 /// The running copies, emptied in a child forked after some started.
 fn running() -> std::sync::MutexGuard<'static, (u32, Vec<Arc<Job>>)> {
-    let mut r = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
+    let mut r = RUNNING.locked();
     let pid = std::process::id();
     if r.0 != pid {
         *r = (pid, Vec::new());
@@ -165,12 +166,7 @@ const SPARE_LISTS: usize = 8;
 
 impl SparePairs {
     fn take(&self, n: usize) -> Pairs {
-        let mut v = self
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default();
+        let mut v = self.0.locked().pop().unwrap_or_default();
         v.reserve(n);
         Pairs {
             v,
@@ -197,7 +193,7 @@ impl Drop for Pairs {
     fn drop(&mut self) {
         let mut v = std::mem::take(&mut self.v);
         v.clear();
-        let mut spare = self.spare.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut spare = self.spare.0.locked();
         if spare.len() < SPARE_LISTS {
             spare.push(v);
         }
@@ -239,7 +235,7 @@ impl Cma {
         if e.host != ours.host {
             return None;
         }
-        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut peers = self.peers.locked();
         if peers.0 != ours.pid {
             *peers = (ours.pid, HashMap::new());
         }
@@ -576,21 +572,17 @@ impl Job {
         if let Err(e) = r {
             // The other parts stop too.
             self.cancelled.store(true, Ordering::SeqCst);
-            let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            let mut f = self.failure.locked();
             f.get_or_insert_with(|| e.to_string());
         }
         if self.left.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
         // The last part: the whole copy ended.
-        let failure = self
-            .failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let failure = self.failure.locked().take();
         match failure {
             None => {
-                let mut notify = self.notify.lock().unwrap_or_else(|p| p.into_inner());
+                let mut notify = self.notify.locked();
                 if !self.cancelled.load(Ordering::SeqCst) {
                     if let Some((inner, peer, message)) = notify.take() {
                         if let Err(e) = inner.send_notification(&peer, &message, None) {
@@ -613,7 +605,7 @@ impl Job {
     /// Ends the copy as failed, unless it ended first: a part still running
     /// stops at its next piece, and nothing is notified.
     fn fail(&self, why: String) {
-        let mut notify = self.notify.lock().unwrap_or_else(|p| p.into_inner());
+        let mut notify = self.notify.locked();
         if self.outcome.get().is_some() {
             return;
         }
@@ -834,7 +826,7 @@ mod tests {
         // changing stands for the pid passing to another process.
         let c = cma();
         let token = Box::new(std::sync::Mutex::new([7u8; 16]));
-        let addr = token.lock().unwrap().as_ptr() as u64;
+        let addr = token.locked().as_ptr() as u64;
         let me = libc::pid_t::try_from(std::process::id()).unwrap();
         let from = vec![1u8; 4096];
         let mut to = vec![0u8; 4096];
@@ -853,7 +845,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         to.fill(0);
-        *token.lock().unwrap() = [8; 16];
+        *token.locked() = [8; 16];
         let mut x = CmaXfer {
             peer: x.peer.clone(),
             ..xfer(&c, &from, &mut to)

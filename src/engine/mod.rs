@@ -18,6 +18,7 @@ pub mod conn_info;
 pub mod params;
 pub mod peer;
 
+use crate::sync::Locked;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1410,7 +1411,7 @@ impl Engine {
         if !self.config.enabled {
             return None;
         }
-        let mut map = self.instances.lock().expect("instances lock");
+        let mut map = self.instances.locked();
         if let Some(existing) = map.get(&location) {
             return existing.clone();
         }
@@ -1529,7 +1530,7 @@ impl Engine {
     /// when it is released.
     pub fn forget_regions(&self) {
         self.peer.forget_windows();
-        *self.kept_regions.lock().unwrap_or_else(|p| p.into_inner()) = KeptRegions::default();
+        *self.kept_regions.locked() = KeptRegions::default();
     }
 
     /// Releases registered memory or loaded metadata.
@@ -1624,7 +1625,7 @@ impl Engine {
         // Held from the load to the record: a reader's agent is invalidated
         // (`ReaderAgents::unload`) only under this lock and only when no
         // remote names it, so it cannot undo this load in between.
-        let mut remotes = self.remotes.lock().expect("remotes lock");
+        let mut remotes = self.remotes.locked();
         let inner_remote = self
             .inner
             .load_remote_md(&info.inner_md)
@@ -1686,7 +1687,7 @@ impl Engine {
                 return None;
             }
         };
-        let mut remotes = self.remotes.lock().expect("remotes lock");
+        let mut remotes = self.remotes.locked();
         let entry = remotes.get_mut(remote)?;
         if !entry.bounce_peers.contains(&admitted.id) {
             // The peer's arena registration: lets our inner agent write into it.
@@ -1794,7 +1795,7 @@ impl Engine {
     }
 
     pub fn disconnect(&self, remote: &str) -> Result<()> {
-        let known = self.remotes.lock().expect("remotes lock").remove(remote);
+        let known = self.remotes.locked().remove(remote);
         if let Some(Remote {
             inner: inner_remote,
             bounce_peers,
@@ -1803,8 +1804,7 @@ impl Engine {
         {
             let instances: Vec<Arc<Bounce>> = self
                 .instances
-                .lock()
-                .expect("instances lock")
+                .locked()
                 .values()
                 .flatten()
                 .cloned()
@@ -1828,8 +1828,7 @@ impl Engine {
     /// process proven on this host), so its DRAM transfers take the CMA path.
     fn reached_by_cma(&self, agent: &str) -> bool {
         self.remotes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .get(agent)
             .is_some_and(|r| r.arenas.iter().any(|a| a.arena.cma.is_some()))
     }
@@ -1839,8 +1838,7 @@ impl Engine {
             return Ok(self.inner_name.clone());
         }
         self.remotes
-            .lock()
-            .expect("remotes lock")
+            .locked()
             .get(remote)
             .map(|r| r.inner.clone())
             .ok_or_else(|| {
@@ -2294,6 +2292,9 @@ impl Engine {
         }
         let per_transfer = TransferParams::parse(&args.custom_param)?;
         if self.failpoints.is_set("panic_in_post_xfer") {
+            // With a lock held, as a bug inside the engine would: teardown
+            // must still take it (crate::sync's policy).
+            let _held = self.remotes.locked();
             panic!("failpoint panic_in_post_xfer");
         }
         req.args = args;
@@ -2535,7 +2536,7 @@ impl Engine {
 
     /// Why the bounce arena is poisoned, if it is.
     pub fn poisoned(&self) -> Option<String> {
-        let map = self.instances.lock().expect("instances lock");
+        let map = self.instances.locked();
         map.iter().find_map(|(loc, b)| {
             b.as_ref()
                 .and_then(|b| b.runtime.poisoned())
@@ -2582,7 +2583,7 @@ fn instances_stats(
     readers: Arc<bounce::ReaderAgents>,
 ) -> crate::stats::StatsSource {
     Box::new(move || {
-        let map = instances.lock().expect("instances lock");
+        let map = instances.locked();
         let mut total = BTreeMap::new();
         let mut poisoned = None;
         for (loc, b) in map.iter() {

@@ -9,6 +9,7 @@
 //! (descriptor count, average size) pass. Anything else takes the bounce
 //! path or UCX, exactly as before. See docs/design.md §3.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -118,7 +119,7 @@ impl RemoteAlloc {
     /// failure is remembered and not retried for this allocation).
     fn mapping(&self, copier: &Arc<PeerCopier>) -> Result<Arc<PeerMapping>, String> {
         let dev = copier.device().ordinal();
-        let mut map = self.mappings.lock().expect("mappings lock");
+        let mut map = self.mappings.locked();
         map.entry(dev)
             .or_insert_with(|| {
                 let e = &self.export;
@@ -384,7 +385,7 @@ impl PeerMaps {
             );
             return None;
         }
-        let mut allocs = self.allocs.lock().expect("allocs lock");
+        let mut allocs = self.allocs.locked();
         allocs.retain(|_, w| w.strong_count() > 0);
         if let Some(a) = allocs.get(export).and_then(Weak::upgrade) {
             return Some(a);
@@ -414,7 +415,7 @@ impl PeerMaps {
     /// Empties the windows kept from the last preparation: called before
     /// any region is released, so that none is found after it.
     pub fn forget_windows(&self) {
-        *self.windows.lock().unwrap_or_else(|p| p.into_inner()) = WindowCache::default();
+        *self.windows.locked() = WindowCache::default();
     }
 
     /// The windows kept for copies on GPU `ordinal` (emptied when they were
@@ -660,7 +661,7 @@ impl PeerMaps {
     /// The way to send notifications of peer-mapped transfers (the
     /// engine's notifier thread, started at the first use).
     pub fn notifier(&self, inner: &Agent) -> Result<Notify, String> {
-        let mut slot = self.notifier.lock().expect("notifier lock");
+        let mut slot = self.notifier.locked();
         if slot.is_none() {
             *slot = Some(Notifier::start(inner.clone())?);
         }
@@ -962,7 +963,7 @@ impl FillPool {
                     helped.fetch_add(1, Ordering::Relaxed);
                     first_help.fetch_min(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 }
-                let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
+                let mut part = part.locked();
                 let found = part.0.take().and_then(&work);
                 if found.is_none() {
                     declined.store(true, Ordering::Relaxed);
@@ -1220,7 +1221,7 @@ mod tests {
         drop((a, b));
         // The last region gone, the allocation is forgotten.
         assert!(maps.remote(&export, 1 << 40, 4096).is_some());
-        assert_eq!(maps.allocs.lock().unwrap().len(), 1);
+        assert_eq!(maps.allocs.locked().len(), 1);
     }
 
     #[test]
@@ -1515,7 +1516,7 @@ mod tests {
             .map(|i| raw(0x10000 + i * 0x1000, 4096, 0, 0))
             .collect();
         assert!(walk_in_parts(&fill, Op::Write, &l, &l, &w, &w).0.is_some());
-        let other = fill.busy.lock().unwrap();
+        let other = fill.busy.locked();
         assert_eq!(
             walk_in_parts(&fill, Op::Write, &l, &l, &w, &w),
             (None, None)

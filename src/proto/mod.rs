@@ -21,6 +21,7 @@
 
 #![forbid(unsafe_code)]
 
+use crate::sync::Locked;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -365,7 +366,7 @@ impl RunPool {
 
     /// An empty list with room for `capacity` runs, reused when one is kept.
     pub fn take(&self, capacity: usize) -> Vec<Run> {
-        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let kept = self.0.locked().pop();
         let mut v = kept.unwrap_or_default();
         v.reserve(capacity);
         v
@@ -373,7 +374,7 @@ impl RunPool {
 
     fn put(&self, mut v: Vec<Run>) {
         v.clear();
-        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.0.locked();
         let held: usize = kept.iter().map(Vec::capacity).sum();
         if held + v.capacity() <= Self::KEPT_RUNS {
             kept.push(v);

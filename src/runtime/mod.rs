@@ -12,6 +12,7 @@
 //! [`IDLE_WAIT`], until the next protocol timer, or until woken (application
 //! submissions and finished copies wake the channel).
 
+use crate::sync::Locked;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -70,14 +71,13 @@ impl Ticket {
             SUCCESS => Some(Ok(())),
             _ => Some(Err(self
                 .failure
-                .lock()
-                .expect("ticket")
+                .locked()
                 .unwrap_or(FailureReason::Rejected))),
         }
     }
     fn finish(&self, outcome: Result<(), FailureReason>) {
         if let Err(reason) = outcome {
-            *self.failure.lock().expect("ticket") = Some(reason);
+            *self.failure.locked() = Some(reason);
             self.status.store(-1, Ordering::Release);
         } else {
             self.status.store(SUCCESS, Ordering::Release);
@@ -197,11 +197,11 @@ pub struct ArenaBytes {
 
 impl ArenaGauges {
     pub fn set(&self, bytes: ArenaBytes) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+        *self.0.locked() = bytes;
     }
 
     pub fn get(&self) -> ArenaBytes {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+        *self.0.locked()
     }
 }
 
@@ -306,14 +306,8 @@ impl Targets {
 }
 
 impl ScatterTargets {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Targets> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     pub fn add(&self, addr: usize, len: usize) {
-        let mut t = self.lock();
+        let mut t = self.inner.locked();
         t.registered.push((addr, len));
         t.rebuild();
     }
@@ -321,7 +315,7 @@ impl ScatterTargets {
     /// Forgets a registration, then waits (up to `bound`) until no copy in
     /// flight touches [addr, addr + len). Returns false if one still does.
     pub fn remove(&self, addr: usize, len: usize, bound: Duration) -> bool {
-        let mut t = self.lock();
+        let mut t = self.inner.locked();
         if let Some(i) = t.registered.iter().position(|&x| x == (addr, len)) {
             t.registered.swap_remove(i);
             t.rebuild();
@@ -336,11 +330,7 @@ impl ScatterTargets {
             if left.is_zero() {
                 return false;
             }
-            t = self
-                .released
-                .wait_timeout(t, left)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
+            t = crate::sync::wait_timeout(&self.released, t, left).0;
         }
     }
 
@@ -349,13 +339,13 @@ impl ScatterTargets {
     /// run over several registrations, or across a gap between them) each
     /// copy is checked on its own.
     pub fn admits(&self, runs: &[Run]) -> Result<(), String> {
-        self.lock().admits(runs).map(|_| ())
+        self.inner.locked().admits(runs).map(|_| ())
     }
 
     /// Admits a scatter and marks its destinations in use, atomically with
     /// respect to deregistration.
     pub fn admit_scatter(&self, runs: &[Run]) -> Result<InUse, String> {
-        let mut t = self.lock();
+        let mut t = self.inner.locked();
         let span = t.admits(runs)?;
         Ok(t.track(span))
     }
@@ -369,7 +359,7 @@ impl ScatterTargets {
 
     /// The copy holding `token` is over.
     pub fn release(&self, token: InUse) {
-        self.lock().in_use.remove(&token.0);
+        self.inner.locked().in_use.remove(&token.0);
         self.released.notify_all();
     }
 }
@@ -503,10 +493,7 @@ impl Shared {
     /// process-wide report), with an error log saying why; the first cause
     /// is the one kept.
     fn poison(&self, agent: &str, cause: String) {
-        let mut poisoned = self
-            .poisoned
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut poisoned = self.poisoned.locked();
         if poisoned.is_none() {
             tracing::error!(
                 agent,
@@ -690,7 +677,7 @@ impl Runtime {
     }
 
     fn push(&self, c: Command) {
-        self.shared.commands.lock().expect("commands").push(c);
+        self.shared.commands.locked().push(c);
         (self.shared.waker)();
     }
 
@@ -797,7 +784,7 @@ impl Runtime {
 
     /// Why the arena is poisoned, if it is.
     pub fn poisoned(&self) -> Option<String> {
-        self.shared.poisoned.lock().expect("poisoned").clone()
+        self.shared.poisoned.locked().clone()
     }
 
     pub fn counters(&self) -> &RuntimeCounters {
@@ -866,7 +853,7 @@ impl Runtime {
                     .into_iter()
                     .map(|(k, v)| (k.to_string(), v)),
             );
-            (map, shared.poisoned.lock().expect("poisoned").clone())
+            (map, shared.poisoned.locked().clone())
         })
     }
 }
@@ -946,7 +933,7 @@ fn next_job<T>(jobs: &Mutex<Receiver<T>>, spin: Duration) -> Option<T> {
     if !spin.is_zero() {
         let until = Instant::now() + spin;
         loop {
-            match jobs.lock().expect("job queue").try_recv() {
+            match jobs.locked().try_recv() {
                 Ok(j) => return Some(j),
                 Err(TryRecvError::Disconnected) => return None,
                 Err(TryRecvError::Empty) if Instant::now() >= until => break,
@@ -954,7 +941,7 @@ fn next_job<T>(jobs: &Mutex<Receiver<T>>, spin: Duration) -> Option<T> {
             }
         }
     }
-    jobs.lock().expect("job queue").recv().ok()
+    jobs.locked().recv().ok()
 }
 
 fn copy_worker(
@@ -1261,7 +1248,7 @@ impl Reactor {
     }
 
     fn drain_commands(&mut self) -> bool {
-        let cmds = std::mem::take(&mut *self.shared.commands.lock().expect("commands"));
+        let cmds = std::mem::take(&mut *self.shared.commands.locked());
         let any = !cmds.is_empty();
         for c in cmds {
             let now = self.now();
@@ -1288,7 +1275,7 @@ impl Reactor {
                             if let Some(t) = &mut self.trace {
                                 t.submitted(id, bytes);
                             }
-                            *ticket.request.lock().expect("ticket") = Some(id);
+                            *ticket.request.locked() = Some(id);
                             let now = Instant::now();
                             self.tickets.insert(id, (ticket, notif, now));
                             if !read {
@@ -1303,7 +1290,7 @@ impl Reactor {
                     }
                 }
                 Command::Cancel { ticket } => {
-                    if let Some(id) = *ticket.request.lock().expect("ticket") {
+                    if let Some(id) = *ticket.request.locked() {
                         self.endpoint.cancel(now, id);
                     }
                 }

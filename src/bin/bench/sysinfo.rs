@@ -1,6 +1,7 @@
 //! What the run happened on (for the JSON metadata) and where CPU time goes
 //! (per-thread run time from `/proc/self/task/*/schedstat`).
 
+use nixl_bounce::sync::Locked;
 use std::collections::{BTreeMap, HashMap};
 use std::process::Command;
 use std::sync::Mutex;
@@ -129,7 +130,7 @@ static OWNERS: Mutex<Option<HashMap<i32, String>>> = Mutex::new(None);
 
 /// Attributes every thread that exists now and has no owner yet to `owner`.
 pub fn claim_new_threads(owner: &str) {
-    let mut g = OWNERS.lock().expect("thread owners");
+    let mut g = OWNERS.locked();
     let map = g.get_or_insert_with(HashMap::new);
     let live = tids();
     // Forget threads that have exited (their ids may be reused).
@@ -141,8 +142,7 @@ pub fn claim_new_threads(owner: &str) {
 
 fn owner_of(tid: i32) -> String {
     OWNERS
-        .lock()
-        .expect("thread owners")
+        .locked()
         .as_ref()
         .and_then(|m| m.get(&tid).cloned())
         .unwrap_or_else(|| "other".into())
