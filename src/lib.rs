@@ -44,6 +44,7 @@
 //! reproducible scenarios with simulated memory, loss, reordering and
 //! crashes.
 
+pub mod boundary;
 pub mod config;
 pub mod control;
 pub mod copy;

@@ -31,7 +31,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use nixl_bounce::proto::credit::Owner;
@@ -1360,18 +1359,10 @@ struct Tally {
 
 fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
     let mut sim = Sim::new(seed);
-    let result = catch_unwind(AssertUnwindSafe(|| sim.run()));
-    match result {
+    match nixl_bounce::boundary::catch(|| sim.run()) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(fail(seed, e)),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            return Err(fail(seed, format!("panic: {msg}")));
-        }
+        Err(panic) => return Err(fail(seed, format!("panic: {panic}"))),
     }
     tally.scenarios += 1;
     tally.steps += sim.steps;

@@ -30,7 +30,6 @@
 use crate::sync::Locked;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -767,25 +766,10 @@ pub fn nvrtc_options(target: NvrtcTarget) -> Vec<String> {
 // Runtime and devices
 // ---------------------------------------------------------------------------
 
-fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".into()
-    }
-}
-
 /// Runs `f`, turning a panic inside cudarc (missing library or symbol) into an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(p) => Err(format!(
-            "{what}: the CUDA library panicked: {}",
-            panic_text(p)
-        )),
-    }
+    crate::boundary::catch(f)
+        .unwrap_or_else(|panic| Err(format!("{what}: the CUDA library panicked: {panic}")))
 }
 
 /// The process's CUDA driver: present, initialised, with at least one device.
@@ -1884,7 +1868,7 @@ impl ExecGuard {
         let mut attr_idx = [0usize];
         let stream = self.ctx().stream.cu_stream();
         let count = sizes.len();
-        let called = catch_unwind(AssertUnwindSafe(|| {
+        let called = crate::boundary::catch(|| {
             // SAFETY: the three arrays hold `count` entries and live across
             // the call (the driver reads them before returning); one
             // attribute applies from copy 0 on. Every address was checked
@@ -1903,12 +1887,11 @@ impl ExecGuard {
                 )
             }
             .result()
-        }));
+        });
         match called {
-            Err(p) => {
+            Err(panic) => {
                 return Err(err(format!(
-                    "cuMemcpyBatchAsync is not available in this driver: {}",
-                    panic_text(p)
+                    "cuMemcpyBatchAsync is not available in this driver: {panic}"
                 )))
             }
             Ok(Err(e)) => {

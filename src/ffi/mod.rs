@@ -1,17 +1,17 @@
 //! The `extern "C"` entry points of `include/bounce_ffi.h`, called by the C++
 //! shim in `plugin/`.
 //!
-//! Every entry point runs its body under [`std::panic::catch_unwind`]: a panic
-//! never unwinds into C++ (which would abort the host process); it is logged,
-//! turned into `BOUNCE_ERR_BACKEND`, and the engine is marked broken, after
-//! which it refuses all work with an error. Handle ownership is documented in
-//! the header and at each function below.
+//! Every entry point runs its body inside [`boundary`] (an engine's calls
+//! through [`on_engine`]): a panic never unwinds into C++ (which would abort
+//! the host process); it is logged, turned into `BOUNCE_ERR_BACKEND` (or the
+//! entry's neutral value), and the engine is marked broken, after which it
+//! refuses all work but teardown with an error. Handle ownership is
+//! documented in the header and at each function below.
 
 #![allow(non_camel_case_types)]
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 
 use crate::engine::{
@@ -49,15 +49,16 @@ extern "C" {
 /// NIXL's plugin entry point: returns the static plugin descriptor.
 #[no_mangle]
 pub extern "C" fn nixl_plugin_init() -> *mut c_void {
-    match catch_unwind(|| {
-        crate::logging::init();
-        // SAFETY: bounce_shim_plugin has no preconditions and returns a
-        // pointer to a static object that lives as long as the library.
-        unsafe { bounce_shim_plugin() }
-    }) {
-        Ok(p) => p,
-        Err(_) => std::ptr::null_mut(),
-    }
+    boundary(
+        "loading the BOUNCE plugin",
+        || {
+            crate::logging::init();
+            // SAFETY: bounce_shim_plugin has no preconditions and returns a
+            // pointer to a static object that lives as long as the library.
+            unsafe { bounce_shim_plugin() }
+        },
+        |_| std::ptr::null_mut(),
+    )
 }
 
 /// NIXL's plugin exit point. Engines are destroyed by NIXL before this.
@@ -73,30 +74,40 @@ fn fail(e: Error) -> i32 {
     status(e.status)
 }
 
-/// Runs `f` with the engine, catching panics (which mark the engine broken).
-/// A broken engine refuses the call.
-fn with_engine(
-    engine: *const Engine,
-    what: &str,
-    f: impl FnOnce(&Engine) -> Result<Status, Error>,
-) -> i32 {
-    run_with_engine(engine, what, false, f)
+/// The panic boundary of every entry point: runs `body`; if it panics, logs
+/// the panic under `what` and returns `on_panic(its message)`.
+fn boundary<T>(what: &str, body: impl FnOnce() -> T, on_panic: impl FnOnce(&str) -> T) -> T {
+    crate::boundary::catch(body).unwrap_or_else(|msg| {
+        tracing::error!("{what}: internal error (panic: {msg})");
+        on_panic(&msg)
+    })
 }
 
-/// As [`with_engine`] for calls that release resources: they still run on a
-/// broken engine, so that NIXL's teardown frees everything.
-fn with_engine_cleanup(
-    engine: *const Engine,
-    what: &str,
-    f: impl FnOnce(&Engine) -> Result<Status, Error>,
-) -> i32 {
-    run_with_engine(engine, what, true, f)
+/// The status an entry returns for its body's outcome (an error is logged,
+/// prefixed with what was being done).
+fn outcome(what: &str, r: Result<Status, Error>) -> i32 {
+    match r {
+        Ok(s) => status(s),
+        Err(e) => fail(Error::new(e.status, format!("{what}: {}", e.message))),
+    }
 }
 
-fn run_with_engine(
+/// Which engine calls run after the engine stopped on an internal error.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    /// New work: refused by a broken engine.
+    Work,
+    /// Releasing resources: still runs, so that NIXL's teardown frees
+    /// everything.
+    Teardown,
+}
+
+/// Runs `f` with the engine inside [`boundary`]; a panic marks the engine
+/// broken, and a broken engine refuses every [`Call::Work`].
+fn on_engine(
     engine: *const Engine,
+    call: Call,
     what: &str,
-    cleanup: bool,
     f: impl FnOnce(&Engine) -> Result<Status, Error>,
 ) -> i32 {
     if engine.is_null() {
@@ -110,7 +121,7 @@ fn run_with_engine(
     // contract of bounce_ffi.h); Engine is Sync, so a shared reference from
     // any thread is fine.
     let engine = unsafe { &*engine };
-    if engine.is_broken() && !cleanup {
+    if engine.is_broken() && call == Call::Work {
         return fail(Error::new(
             Status::Backend,
             format!(
@@ -119,41 +130,24 @@ fn run_with_engine(
             ),
         ));
     }
-    match catch_unwind(AssertUnwindSafe(|| f(engine))) {
-        Ok(Ok(s)) => status(s),
-        Ok(Err(e)) => {
-            crate::stats::EngineStats::bump(&engine.stats.counters.rejected_calls);
-            fail(Error::new(e.status, format!("{what}: {}", e.message)))
-        }
-        Err(panic) => {
+    boundary(
+        what,
+        || {
+            let r = f(engine);
+            if r.is_err() {
+                crate::stats::EngineStats::bump(&engine.stats.counters.rejected_calls);
+            }
+            outcome(what, r)
+        },
+        |_| {
             engine.mark_broken();
-            let msg = panic_message(&panic);
             tracing::error!(
                 agent = engine.local_name(),
-                "{what}: internal error (panic: {msg}); engine disabled"
+                "{what}: the BOUNCE engine is disabled after an internal error"
             );
             status(Status::Backend)
-        }
-    }
-}
-
-/// Runs a body that needs no engine, catching panics.
-fn guarded(what: &str, f: impl FnOnce() -> Result<Status, Error>) -> i32 {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(s)) => status(s),
-        Ok(Err(e)) => fail(Error::new(e.status, format!("{what}: {}", e.message))),
-        Err(panic) => {
-            tracing::error!("{what}: internal error (panic: {})", panic_message(&panic));
-            status(Status::Backend)
-        }
-    }
-}
-
-fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".into())
+        },
+    )
 }
 
 /// Borrows the bytes of a bounce_bytes_t.
@@ -368,13 +362,20 @@ pub extern "C" fn bounce_plugin_version() -> *const c_char {
 /// Backend options and their defaults, as advertised to NIXL.
 #[no_mangle]
 pub extern "C" fn bounce_plugin_options(sink: bounce_sink_t, ctx: *mut c_void) -> i32 {
-    guarded("listing the backend options", || {
-        for (key, default) in crate::engine::advertised_options() {
-            sink_bytes(sink, ctx, key.as_bytes())?;
-            sink_bytes(sink, ctx, default.as_bytes())?;
-        }
-        Ok(Status::Success)
-    })
+    let what = "listing the backend options";
+    boundary(
+        what,
+        || {
+            let listed = crate::engine::advertised_options()
+                .into_iter()
+                .try_for_each(|(key, default)| {
+                    sink_bytes(sink, ctx, key.as_bytes())?;
+                    sink_bytes(sink, ctx, default.as_bytes())
+                });
+            outcome(what, listed.map(|()| Status::Success))
+        },
+        |_| status(Status::Backend),
+    )
 }
 
 // ---- engine lifecycle -------------------------------------------------------------
@@ -394,7 +395,7 @@ pub unsafe extern "C" fn bounce_engine_new(
     out: *mut *mut Engine,
 ) -> i32 {
     crate::logging::init();
-    let result = catch_unwind(AssertUnwindSafe(|| -> Result<Box<Engine>, Error> {
+    let create = || -> Result<Box<Engine>, Error> {
         if out.is_null() {
             return Err(Error::new(Status::InvalidParam, "no output pointer"));
         }
@@ -412,18 +413,20 @@ pub unsafe extern "C" fn bounce_engine_new(
             map.insert(k.to_string(), v.to_string());
         }
         Engine::new(name, map).map(Box::new)
-    }));
-    let err = match result {
-        Ok(Ok(engine)) => {
+    };
+    let created = boundary("creating the BOUNCE engine", create, |msg| {
+        Err(Error::new(
+            Status::Backend,
+            format!("internal error (panic: {msg})"),
+        ))
+    });
+    let err = match created {
+        Ok(engine) => {
             // SAFETY: `out` checked non-null above.
             unsafe { *out = Box::into_raw(engine) };
             return status(Status::Success);
         }
-        Ok(Err(e)) => e,
-        Err(p) => Error::new(
-            Status::Backend,
-            format!("internal error (panic: {})", panic_message(&p)),
-        ),
+        Err(e) => e,
     };
     let message = format!("BOUNCE backend not created: {}", err.message);
     tracing::error!("{message}");
@@ -440,10 +443,12 @@ pub unsafe extern "C" fn bounce_engine_free(engine: *mut Engine) {
     if engine.is_null() {
         return;
     }
-    let _ = catch_unwind(AssertUnwindSafe(|| {
+    boundary(
+        "freeing the BOUNCE engine",
         // SAFETY: ownership returns to Rust exactly once (header contract).
-        drop(unsafe { Box::from_raw(engine) });
-    }));
+        || drop(unsafe { Box::from_raw(engine) }),
+        |_| (),
+    )
 }
 
 /// The backend parameters for the UCX delegate, as key, value, key, ...
@@ -456,7 +461,7 @@ pub unsafe extern "C" fn bounce_engine_ucx_params(
     sink: bounce_sink_t,
     ctx: *mut c_void,
 ) -> i32 {
-    with_engine(engine, "creating the UCX delegate", |e| {
+    on_engine(engine, Call::Work, "creating the UCX delegate", |e| {
         for (k, v) in e.ucx_params() {
             sink_bytes(sink, ctx, k.as_bytes())?;
             sink_bytes(sink, ctx, v.as_bytes())?;
@@ -477,10 +482,11 @@ pub unsafe extern "C" fn bounce_engine_ucx_progress_delay_us(engine: *const Engi
     }
     // SAFETY: a live engine (header contract).
     let e = unsafe { &*engine };
-    catch_unwind(AssertUnwindSafe(|| {
-        e.ucx_progress_delay_us().unwrap_or(u64::MAX)
-    }))
-    .unwrap_or(u64::MAX)
+    boundary(
+        "reading the UCX progress delay",
+        || e.ucx_progress_delay_us().unwrap_or(u64::MAX),
+        |_| u64::MAX,
+    )
 }
 
 /// The fewest descriptors any of BOUNCE's own paths takes from memory of
@@ -502,13 +508,14 @@ pub unsafe extern "C" fn bounce_engine_route_floor(
     }
     // SAFETY: a live engine (header contract).
     let e = unsafe { &*engine };
-    catch_unwind(AssertUnwindSafe(|| {
-        match (MemKind::from_nixl(local), MemKind::from_nixl(remote)) {
+    boundary(
+        "reading the route floor",
+        || match (MemKind::from_nixl(local), MemKind::from_nixl(remote)) {
             (Ok(l), Ok(r)) => e.route_floor(l, r),
             _ => 0,
-        }
-    }))
-    .unwrap_or(0)
+        },
+        |_| 0,
+    )
 }
 
 /// Counts a transfer to `remote_agent` that has fewer descriptors than its
@@ -539,11 +546,14 @@ pub unsafe extern "C" fn bounce_engine_count_below_floor(
     }
     // A comparison and two atomic additions; nothing unwinds, but nothing
     // may cross.
-    catch_unwind(AssertUnwindSafe(|| {
-        e.count_ucx_routed(e.below_floor_reason(agent == e.local_name()));
-        1
-    }))
-    .unwrap_or(0)
+    boundary(
+        "counting a transfer below the route floor",
+        || {
+            e.count_ucx_routed(e.below_floor_reason(agent == e.local_name()));
+            1
+        },
+        |_| 0,
+    )
 }
 
 /// Logs why the shim could not create the UCX delegate.
@@ -552,7 +562,7 @@ pub unsafe extern "C" fn bounce_engine_count_below_floor(
 /// `message` is borrowed for the call.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_report(engine: *mut Engine, message: bounce_bytes_t) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
+    let report = || {
         // SAFETY: caller contract.
         let text = String::from_utf8_lossy(unsafe { borrow(message) });
         let agent = if engine.is_null() {
@@ -562,7 +572,8 @@ pub unsafe extern "C" fn bounce_engine_report(engine: *mut Engine, message: boun
             unsafe { &*engine }.local_name()
         };
         tracing::error!(agent, "BOUNCE backend not created: {text}");
-    }));
+    };
+    boundary("reporting the UCX delegate's failure", report, |_| ())
 }
 
 // ---- memory ---------------------------------------------------------------------
@@ -582,7 +593,7 @@ pub unsafe extern "C" fn bounce_engine_register_mem(
     ucx_public: bounce_bytes_t,
     out: *mut *mut Md,
 ) -> i32 {
-    with_engine(engine, "registerMem", |e| {
+    on_engine(engine, Call::Work, "registerMem", |e| {
         // SAFETY: `out` comes from the shim (see `out_slot`).
         let slot = unsafe { out_slot(out, "the memory descriptor") }?;
         let md = e.register_mem(
@@ -628,7 +639,7 @@ pub unsafe extern "C" fn bounce_engine_unload_md(engine: *mut Engine, md: *mut M
 /// `engine` is null or a live engine from `bounce_engine_new`.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_forget_regions(engine: *mut Engine) -> i32 {
-    with_engine_cleanup(engine, "forgetting kept regions", |e| {
+    on_engine(engine, Call::Teardown, "forgetting kept regions", |e| {
         e.forget_regions();
         Ok(Status::Success)
     })
@@ -651,7 +662,7 @@ fn release(engine: *mut Engine, md: *mut Md, what: &str) -> i32 {
             format!("{what}: no engine"),
         ));
     }
-    with_engine_cleanup(engine, what, move |e| {
+    on_engine(engine, Call::Teardown, what, move |e| {
         e.release_md(md).map(|()| Status::Success)
     })
 }
@@ -665,7 +676,7 @@ pub unsafe extern "C" fn bounce_engine_public_data(
     sink: bounce_sink_t,
     ctx: *mut c_void,
 ) -> i32 {
-    with_engine(engine, "getPublicData", |e| {
+    on_engine(engine, Call::Work, "getPublicData", |e| {
         // SAFETY: caller contract.
         let data = e.public_data(unsafe { md_ref(md) }?)?;
         sink_bytes(sink, ctx, &data)?;
@@ -682,7 +693,7 @@ pub unsafe extern "C" fn bounce_engine_conn_info(
     sink: bounce_sink_t,
     ctx: *mut c_void,
 ) -> i32 {
-    with_engine(engine, "getConnInfo", |e| {
+    on_engine(engine, Call::Work, "getConnInfo", |e| {
         // SAFETY: caller contract.
         sink_bytes(sink, ctx, &e.conn_info(unsafe { borrow(ucx_conn) }))?;
         Ok(Status::Success)
@@ -700,7 +711,7 @@ pub unsafe extern "C" fn bounce_engine_load_remote_conn_info(
     ucx_sink: bounce_sink_t,
     ucx_ctx: *mut c_void,
 ) -> i32 {
-    with_engine(engine, "loadRemoteConnInfo", |e| {
+    on_engine(engine, Call::Work, "loadRemoteConnInfo", |e| {
         // SAFETY: caller contract.
         let (agent, info) = unsafe {
             (
@@ -732,7 +743,7 @@ pub unsafe extern "C" fn bounce_engine_load_remote_md(
     ucx_ctx: *mut c_void,
     out: *mut *mut Md,
 ) -> i32 {
-    with_engine(engine, "loadRemoteMD", |e| {
+    on_engine(engine, Call::Work, "loadRemoteMD", |e| {
         // SAFETY: `out` comes from the shim (see `out_slot`).
         let slot = unsafe { out_slot(out, "the memory descriptor") }?;
         // SAFETY: caller contract.
@@ -766,7 +777,7 @@ pub unsafe extern "C" fn bounce_engine_load_local_md(
     input: *const Md,
     out: *mut *mut Md,
 ) -> i32 {
-    with_engine(engine, "loadLocalMD", |e| {
+    on_engine(engine, Call::Work, "loadLocalMD", |e| {
         // SAFETY: `out` comes from the shim (see `out_slot`).
         let slot = unsafe { out_slot(out, "the memory descriptor") }?;
         // SAFETY: caller contract.
@@ -785,7 +796,7 @@ pub unsafe extern "C" fn bounce_engine_connect(
     engine: *mut Engine,
     remote_agent: bounce_bytes_t,
 ) -> i32 {
-    with_engine(engine, "connect", |e| {
+    on_engine(engine, Call::Work, "connect", |e| {
         // SAFETY: caller contract.
         e.connect(unsafe { borrow_str(remote_agent, "the remote agent name") }?)
             .map(|()| Status::Success)
@@ -799,7 +810,7 @@ pub unsafe extern "C" fn bounce_engine_disconnect(
     engine: *mut Engine,
     remote_agent: bounce_bytes_t,
 ) -> i32 {
-    with_engine_cleanup(engine, "disconnect", |e| {
+    on_engine(engine, Call::Teardown, "disconnect", |e| {
         // SAFETY: caller contract.
         e.disconnect(unsafe { borrow_str(remote_agent, "the remote agent name") }?)
             .map(|()| Status::Success)
@@ -830,7 +841,7 @@ pub unsafe extern "C" fn bounce_engine_admit_xfer(
     args: *const bounce_xfer_args_t,
     defer: *mut i32,
 ) -> i32 {
-    with_engine(engine, "prepXfer", |e| {
+    on_engine(engine, Call::Work, "prepXfer", |e| {
         let defer = RouteSlot::new(defer)?;
         // SAFETY: caller contract.
         let agent = unsafe { borrow_str(remote_agent, "the remote agent name") }?;
@@ -863,10 +874,10 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
     req: *mut *mut Request,
 ) -> i32 {
     let started = std::time::Instant::now();
-    // SAFETY: as in `run_with_engine`: null, or an engine bounce_engine_new
+    // SAFETY: as in `on_engine`: null, or an engine bounce_engine_new
     // handed out and not yet freed.
     let what = unsafe { engine.as_ref() }.map_or("prepXfer", Engine::preparing_call);
-    with_engine(engine, what, |e| {
+    on_engine(engine, Call::Work, what, |e| {
         // The plugin's own share of a preparation, whichever path it takes.
         let _timed = PrepTimer(e, started);
         // SAFETY: `req` comes from the shim (see `out_slot`).
@@ -934,7 +945,7 @@ pub unsafe extern "C" fn bounce_engine_post_xfer(
     args: *const bounce_xfer_args_t,
     req: *mut Request,
 ) -> i32 {
-    with_engine(engine, "postXfer", |e| {
+    on_engine(engine, Call::Work, "postXfer", |e| {
         if req.is_null() {
             return Err(Error::new(Status::InvalidParam, "null request handle"));
         }
@@ -949,7 +960,7 @@ pub unsafe extern "C" fn bounce_engine_post_xfer(
 /// `req` is a live request.
 #[no_mangle]
 pub unsafe extern "C" fn bounce_engine_check_xfer(engine: *mut Engine, req: *mut Request) -> i32 {
-    with_engine(engine, "checkXfer", |e| {
+    on_engine(engine, Call::Work, "checkXfer", |e| {
         if req.is_null() {
             return Err(Error::new(Status::InvalidParam, "null request handle"));
         }
@@ -976,7 +987,7 @@ pub unsafe extern "C" fn bounce_engine_release_req(engine: *mut Engine, req: *mu
     if engine.is_null() {
         return status(Status::Success);
     }
-    with_engine_cleanup(engine, "releaseReqH", move |e| {
+    on_engine(engine, Call::Teardown, "releaseReqH", move |e| {
         e.release_req(*request).map(|()| Status::Success)
     })
 }
@@ -991,7 +1002,7 @@ pub unsafe extern "C" fn bounce_engine_get_notifs(
     sink: bounce_notif_sink_t,
     ctx: *mut c_void,
 ) -> i32 {
-    with_engine(engine, "getNotifs", |e| {
+    on_engine(engine, Call::Work, "getNotifs", |e| {
         let sink =
             sink.ok_or_else(|| Error::new(Status::InvalidParam, "no notification callback"))?;
         for (agent, msg) in e.get_notifs()? {
@@ -1028,7 +1039,7 @@ pub unsafe extern "C" fn nixl_bounce_stats(
     buf: *mut u8,
     cap: usize,
 ) -> isize {
-    catch_unwind(AssertUnwindSafe(|| {
+    let snapshot = || {
         // SAFETY: caller contract.
         let name = unsafe {
             borrow(bounce_bytes_t {
@@ -1048,8 +1059,8 @@ pub unsafe extern "C" fn nixl_bounce_stats(
             unsafe { std::ptr::copy_nonoverlapping(json.as_ptr(), buf, json.len()) };
         }
         json.len() as isize
-    }))
-    .unwrap_or(-1)
+    };
+    boundary("nixl_bounce_stats", snapshot, |_| -1)
 }
 
 /// Writes a JSON array of every bounce arena poisoned in this process
@@ -1063,13 +1074,13 @@ pub unsafe extern "C" fn nixl_bounce_stats(
 /// `buf` points to `cap` writable bytes (or `cap` is 0).
 #[no_mangle]
 pub unsafe extern "C" fn nixl_bounce_poisoned(buf: *mut u8, cap: usize) -> isize {
-    catch_unwind(AssertUnwindSafe(|| {
+    let poisoned = || {
         let json = serde_json::to_vec(&crate::stats::local_poisoned()).unwrap_or_default();
         if !buf.is_null() && json.len() <= cap {
             // SAFETY: buf has cap >= json.len() writable bytes (caller contract).
             unsafe { std::ptr::copy_nonoverlapping(json.as_ptr(), buf, json.len()) };
         }
         json.len() as isize
-    }))
-    .unwrap_or(-1)
+    };
+    boundary("nixl_bounce_poisoned", poisoned, |_| -1)
 }

@@ -954,9 +954,9 @@ fn copy_worker(
     // Failpoint delays of gathers and scatters (zero normally).
     (gather_delay, scatter_delay): (Duration, Duration),
 ) {
-    let failed = |direction| crate::copy::CopyError {
+    let failed = |direction, panic: String| crate::copy::CopyError {
         direction,
-        reason: "the copy engine panicked".into(),
+        reason: format!("the copy engine panicked: {panic}"),
         quiesced: false,
     };
     loop {
@@ -975,10 +975,8 @@ fn copy_worker(
         // Launched here, polled by the reactor: this worker only fills the
         // table and launches (the host's share of a large copy).
         let launched = if job.launch {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                copier.try_launch(job.direction, job.span, &job.runs)
-            }))
-            .unwrap_or_else(|_| Some(Err(failed(job.direction))))
+            crate::boundary::catch(|| copier.try_launch(job.direction, job.span, &job.runs))
+                .unwrap_or_else(|panic| Some(Err(failed(job.direction, panic))))
         } else {
             None
         };
@@ -995,10 +993,8 @@ fn copy_worker(
             launched => {
                 let result = match launched {
                     Some(Err(e)) => Err(e),
-                    _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        copier.copy(job.direction, job.span, &job.runs)
-                    }))
-                    .unwrap_or_else(|_| Err(failed(job.direction))),
+                    _ => crate::boundary::catch(|| copier.copy(job.direction, job.span, &job.runs))
+                        .unwrap_or_else(|panic| Err(failed(job.direction, panic))),
                 };
                 // A copy that failed without quiescing may still touch the
                 // memory: keep it marked (deregistration then reports it)
@@ -1151,16 +1147,9 @@ impl Reactor {
     /// transfers take UCX) and every live request fails.
     fn run(mut self) {
         precise_timers();
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop()));
-        let outcome = outcome.and_then(|()| {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.shutdown()))
-        });
-        if let Err(panic) = outcome {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-string panic".into());
+        let outcome = crate::boundary::catch(|| self.run_loop())
+            .and_then(|()| crate::boundary::catch(|| self.shutdown()));
+        if let Err(what) = outcome {
             self.mark_poisoned(format!("the IO thread panicked: {what}"));
             self.leak_launched();
             for (_, (ticket, _, _)) in self.tickets.drain() {
