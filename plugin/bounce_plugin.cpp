@@ -200,6 +200,26 @@ private:
     nixlBackendPlugin *plugin_;
 };
 
+// The C boundary's codes are NIXL's own: the shim casts statuses, memory
+// types and operations across unchanged (the Rust side ties its enums to the
+// same header constants, engine::Status, MemKind, Op).
+static_assert(BOUNCE_IN_PROG == NIXL_IN_PROG && BOUNCE_SUCCESS == NIXL_SUCCESS &&
+                  BOUNCE_ERR_NOT_POSTED == NIXL_ERR_NOT_POSTED &&
+                  BOUNCE_ERR_INVALID_PARAM == NIXL_ERR_INVALID_PARAM &&
+                  BOUNCE_ERR_BACKEND == NIXL_ERR_BACKEND && BOUNCE_ERR_NOT_FOUND == NIXL_ERR_NOT_FOUND &&
+                  BOUNCE_ERR_MISMATCH == NIXL_ERR_MISMATCH &&
+                  BOUNCE_ERR_NOT_ALLOWED == NIXL_ERR_NOT_ALLOWED &&
+                  BOUNCE_ERR_REPOST_ACTIVE == NIXL_ERR_REPOST_ACTIVE &&
+                  BOUNCE_ERR_UNKNOWN == NIXL_ERR_UNKNOWN &&
+                  BOUNCE_ERR_NOT_SUPPORTED == NIXL_ERR_NOT_SUPPORTED &&
+                  BOUNCE_ERR_REMOTE_DISCONNECT == NIXL_ERR_REMOTE_DISCONNECT &&
+                  BOUNCE_ERR_CANCELED == NIXL_ERR_CANCELED,
+              "bounce_status_t is nixl_status_t");
+static_assert(BOUNCE_MEM_DRAM == DRAM_SEG && BOUNCE_MEM_VRAM == VRAM_SEG && BOUNCE_MEM_BLK == BLK_SEG &&
+                  BOUNCE_MEM_OBJ == OBJ_SEG && BOUNCE_MEM_FILE == FILE_SEG,
+              "bounce_mem_t is nixl_mem_t");
+static_assert(BOUNCE_OP_READ == NIXL_READ && BOUNCE_OP_WRITE == NIXL_WRITE, "bounce_op_t is nixl_xfer_op_t");
+
 // NIXL's descriptor array as the C boundary's (bounce_desc_t has nixlMetaDesc's
 // layout): passed in place, no copy per descriptor.
 static_assert(sizeof(bounce_desc_t) == sizeof(nixlMetaDesc), "bounce_desc_t is nixlMetaDesc");

@@ -6,7 +6,6 @@
 //! through NIXL calls [`plugin_stats`], which finds the copy of this library
 //! that NIXL loaded (a separate copy from any the program links itself).
 
-use crate::sync::Locked;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -15,6 +14,7 @@ use once_cell::sync::Lazy;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::bounce::Fallback;
+use crate::sync::Locked;
 
 /// Counters of one engine. All monotonic.
 #[derive(Debug, Default)]

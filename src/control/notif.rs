@@ -33,10 +33,11 @@
 //! carries the sender's full endpoint, so a peer that never loaded the
 //! sender can answer it (the same bootstrap as a WANT's).
 
-use crate::sync::Locked;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use crate::sync::Locked;
 
 use super::heartbeat::Heartbeats;
 use super::{ControlChannel, ControlError, ControlKind, Endpoint, Incoming, PeerHandle, SendError};

@@ -40,12 +40,13 @@
 //! (adding the peer again within that moment takes the same socket back), so
 //! a long-lived server holds sockets only for its current peers.
 
-use crate::sync::Locked;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use crate::sync::Locked;
 
 use super::{ControlChannel, ControlError, ControlKind, Endpoint, Incoming, PeerHandle, SendError};
 

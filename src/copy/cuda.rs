@@ -27,7 +27,6 @@
 //! is discarded (its pinned memory leaked on purpose, never freed under a
 //! running kernel) and the caller must poison the arena.
 
-use crate::sync::Locked;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -39,6 +38,7 @@ use cudarc::nvrtc;
 
 use super::{check_runs, CopyEngine, CopyError, Direction, LaunchedCopy, RegionSpan};
 use crate::proto::Run;
+use crate::sync::Locked;
 
 /// The kernel's CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("../../kernels/gather_scatter.cu");

@@ -21,7 +21,6 @@
 //! (every destination is an absolute address, already translated into the
 //! mapping and checked against the peer's registration by the engine).
 
-use crate::sync::Locked;
 use std::ffi::c_void;
 use std::io::Read;
 use std::mem::ManuallyDrop;
@@ -39,6 +38,7 @@ use super::cuda::{
 use super::{Direction, RegionSpan};
 use crate::proto::plan::RunBuilder;
 use crate::proto::Run;
+use crate::sync::Locked;
 
 /// How long closing a mapping waits for this device's copies to end.
 pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);

@@ -2,7 +2,6 @@
 //! protocol endpoint, reactor) per memory location in use, the admission of
 //! peers' instances, and the routing decision.
 
-use crate::sync::Locked;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -24,6 +23,7 @@ use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIR
 use crate::proto::PeerId;
 use crate::proto::{Endpoint, EndpointConfig};
 use crate::runtime::{Parts, Runtime};
+use crate::sync::Locked;
 
 use super::{MemKind, Op, TotalBytes};
 

@@ -24,7 +24,6 @@
 //!   ([`Cma::quiesce`]); a copy stops between pieces of at most
 //!   `copy::cma::MAX_PIECE_BYTES`, and so does a released one.
 
-use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -37,6 +36,7 @@ use super::{Descs, MdOwner, MemKind, Op, Range, RawDesc};
 use crate::config::Config;
 use crate::copy::cma::{self, CmaError, Pair, Target};
 use crate::copy::peer::identity;
+use crate::sync::Locked;
 
 /// The bytes of a copy below which the post copies it itself: a hand-off
 /// to a thread costs more than it saves there.

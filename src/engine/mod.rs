@@ -18,7 +18,6 @@ pub mod conn_info;
 pub mod params;
 pub mod peer;
 
-use crate::sync::Locked;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,11 +27,13 @@ use nixl_sys::{Agent, AgentConfig, NixlError, Params, ThreadSync};
 use crate::config::{Config, ConfigSource};
 use crate::control::notif::NotifHub;
 use crate::failpoint::Failpoints;
+use crate::ffi::sys;
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, Survey};
 use crate::proto::wire::Handshake;
 use crate::proto::PeerId;
 use crate::runtime::{DeferredNotif, Ticket};
 use crate::stats::EngineStats;
+use crate::sync::Locked;
 use bounce::{Bounce, Fallback, Location, PeerBounce, RouteInput};
 use conn_info::{ConnInfo, PublicBounce, PublicData};
 
@@ -45,23 +46,24 @@ pub const INNER_SUFFIX: &str = ".bounce";
 /// How long the inner agent's progress thread sleeps between rounds.
 pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
 
-/// A NIXL status, as the C boundary carries it.
+/// A NIXL status, as the C boundary carries it: the header's `BOUNCE_*`
+/// codes, which the shim asserts equal to NIXL's own at compile time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
 pub enum Status {
-    InProgress = 1,
-    Success = 0,
-    NotPosted = -1,
-    InvalidParam = -2,
-    Backend = -3,
-    NotFound = -4,
-    Mismatch = -5,
-    NotAllowed = -6,
-    RepostActive = -7,
-    Unknown = -8,
-    NotSupported = -9,
-    RemoteDisconnect = -10,
-    Canceled = -11,
+    InProgress = sys::BOUNCE_IN_PROG as i32,
+    Success = sys::BOUNCE_SUCCESS as i32,
+    NotPosted = sys::BOUNCE_ERR_NOT_POSTED,
+    InvalidParam = sys::BOUNCE_ERR_INVALID_PARAM,
+    Backend = sys::BOUNCE_ERR_BACKEND,
+    NotFound = sys::BOUNCE_ERR_NOT_FOUND,
+    Mismatch = sys::BOUNCE_ERR_MISMATCH,
+    NotAllowed = sys::BOUNCE_ERR_NOT_ALLOWED,
+    RepostActive = sys::BOUNCE_ERR_REPOST_ACTIVE,
+    Unknown = sys::BOUNCE_ERR_UNKNOWN,
+    NotSupported = sys::BOUNCE_ERR_NOT_SUPPORTED,
+    RemoteDisconnect = sys::BOUNCE_ERR_REMOTE_DISCONNECT,
+    Canceled = sys::BOUNCE_ERR_CANCELED,
 }
 
 /// An operation's failure: the NIXL status to return and what went wrong.
@@ -102,7 +104,7 @@ impl std::fmt::Display for Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Memory kinds as NIXL numbers them.
+/// Memory kinds as NIXL numbers them (the header's `BOUNCE_MEM_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MemKind {
     Dram,
@@ -111,9 +113,11 @@ pub enum MemKind {
 
 impl MemKind {
     pub fn from_nixl(v: i32) -> Result<Self> {
+        const DRAM: i32 = sys::BOUNCE_MEM_DRAM as i32;
+        const VRAM: i32 = sys::BOUNCE_MEM_VRAM as i32;
         match v {
-            0 => Ok(Self::Dram),
-            1 => Ok(Self::Vram),
+            DRAM => Ok(Self::Dram),
+            VRAM => Ok(Self::Vram),
             other => Err(Error::new(
                 Status::NotSupported,
                 format!("memory type {other} is not supported by BOUNCE (DRAM and VRAM are)"),
@@ -122,7 +126,7 @@ impl MemKind {
     }
 }
 
-/// A transfer direction as NIXL numbers it.
+/// A transfer direction as NIXL numbers it (the header's `BOUNCE_OP_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Read,
@@ -131,9 +135,11 @@ pub enum Op {
 
 impl Op {
     pub fn from_nixl(v: i32) -> Result<Self> {
+        const READ: i32 = sys::BOUNCE_OP_READ as i32;
+        const WRITE: i32 = sys::BOUNCE_OP_WRITE as i32;
         match v {
-            0 => Ok(Self::Read),
-            1 => Ok(Self::Write),
+            READ => Ok(Self::Read),
+            WRITE => Ok(Self::Write),
             other => Err(Error::invalid(format!(
                 "unknown transfer operation {other}"
             ))),

@@ -9,7 +9,6 @@
 //! (descriptor count, average size) pass. Anything else takes the bounce
 //! path or UCX, exactly as before. See docs/design.md §3.
 
-use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -25,6 +24,7 @@ use super::{Descs, MemKind, Op, Range, RawDesc, Shape};
 use crate::config::Config;
 use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
 use crate::proto::plan::RunBuilder;
+use crate::sync::Locked;
 
 /// Streams per device for peer-mapped copies.
 const STREAMS_PER_DEVICE: usize = 4;

@@ -21,10 +21,11 @@
 
 #![forbid(unsafe_code)]
 
-use crate::sync::Locked;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
+
+use crate::sync::Locked;
 
 pub mod buddy;
 pub mod credit;

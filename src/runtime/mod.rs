@@ -12,7 +12,6 @@
 //! [`IDLE_WAIT`], until the next protocol timer, or until woken (application
 //! submissions and finished copies wake the channel).
 
-use crate::sync::Locked;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -34,6 +33,7 @@ use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions, Survey};
 use crate::proto::wire::{Message, MessageType};
 use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, RunPool, Runs, Time};
+use crate::sync::Locked;
 
 /// Longest the idle reactor sleeps in the control channel.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);

@@ -1,12 +1,12 @@
 //! What the run happened on (for the JSON metadata) and where CPU time goes
 //! (per-thread run time from `/proc/self/task/*/schedstat`).
 
-use nixl_bounce::sync::Locked;
 use std::collections::{BTreeMap, HashMap};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use nixl_bounce::sync::Locked;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Serialize)]
