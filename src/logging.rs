@@ -7,13 +7,13 @@
 //! parameter or a failed transfer still says why. `NIXL_BOUNCE_LOG_FILE`
 //! sends the log to that file (appended) instead of standard error.
 
-use once_cell::sync::OnceCell;
+use std::sync::OnceLock;
 use tracing_subscriber::EnvFilter;
 
 /// The level used when `NIXL_BOUNCE_LOG` is unset.
 pub const DEFAULT_FILTER: &str = "warn";
 
-static INIT: OnceCell<Option<tracing_appender::non_blocking::WorkerGuard>> = OnceCell::new();
+static INIT: OnceLock<Option<tracing_appender::non_blocking::WorkerGuard>> = OnceLock::new();
 
 /// Installs the plugin's subscriber once per process. Harmless to call again,
 /// and a no-op when the host process already installed a global subscriber.

@@ -12,12 +12,12 @@ use std::ffi::{CStr, CString, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use once_cell::sync::OnceCell;
+use std::sync::OnceLock;
 
 const CAPI: &str = "libnixl_capi.so";
 const CORE: &str = "libnixl.so";
 
-static CAPI_PATH: OnceCell<Result<PathBuf, String>> = OnceCell::new();
+static CAPI_PATH: OnceLock<Result<PathBuf, String>> = OnceLock::new();
 
 /// Makes sure `libnixl_capi.so` is loaded, preferring the copy beside the
 /// loaded `libnixl.so`. Returns where it was found, or why it was not.

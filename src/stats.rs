@@ -8,9 +8,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 
-use once_cell::sync::Lazy;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::bounce::Fallback;
@@ -254,8 +253,8 @@ impl Drop for EngineStats {
     }
 }
 
-static REGISTRY: Lazy<Mutex<HashMap<String, Weak<EngineStats>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+static REGISTRY: LazyLock<Mutex<HashMap<String, Weak<EngineStats>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
 
 /// The snapshot of the engine of `agent` in THIS copy of the library.
 pub fn local_snapshot(agent: &str) -> Option<Snapshot> {
@@ -273,7 +272,7 @@ pub struct PoisonedArena {
     pub reason: String,
 }
 
-static POISONED: Lazy<Mutex<Vec<PoisonedArena>>> = Lazy::new(|| Mutex::new(Vec::new()));
+static POISONED: LazyLock<Mutex<Vec<PoisonedArena>>> = LazyLock::new(|| Mutex::new(Vec::new()));
 
 /// Records that `arena` is poisoned (the runtime calls this once per arena).
 pub fn record_poisoned(arena: &str, reason: &str) {
