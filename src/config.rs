@@ -448,11 +448,11 @@ static SETTINGS: &[Setting] = &[
 
 /// Renders a byte count with the largest exact binary suffix.
 pub fn format_bytes(n: u64) -> String {
-    if n != 0 && n % GIB == 0 {
+    if n != 0 && n.is_multiple_of(GIB) {
         format!("{}GiB", n / GIB)
-    } else if n != 0 && n % MIB == 0 {
+    } else if n != 0 && n.is_multiple_of(MIB) {
         format!("{}MiB", n / MIB)
-    } else if n != 0 && n % KIB == 0 {
+    } else if n != 0 && n.is_multiple_of(KIB) {
         format!("{}KiB", n / KIB)
     } else {
         n.to_string()

@@ -8,11 +8,12 @@
 //! loader then matches the later by-name `dlopen` against that object's
 //! `SONAME`, and users export no paths by hand.
 
-use std::ffi::{CStr, CString, OsStr};
+use std::ffi::{CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-
 use std::sync::OnceLock;
+
+use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
 
 const CAPI: &str = "libnixl_capi.so";
 const CORE: &str = "libnixl.so";
@@ -49,25 +50,14 @@ fn load_capi() -> Result<PathBuf, String> {
 }
 
 fn dlopen_global(path: &Path) -> Result<(), String> {
-    let c = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| "path contains a NUL byte".to_string())?;
-    // SAFETY: `c` is a valid NUL-terminated string; dlopen has no other
-    // preconditions. The handle is deliberately leaked: the library must stay
-    // loaded for the life of the process (nixl-sys keeps function pointers).
-    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if handle.is_null() {
-        // SAFETY: dlerror returns NULL or a valid C string owned by libc.
-        let err = unsafe { libc::dlerror() };
-        let msg = if err.is_null() {
-            "unknown dlopen error".to_string()
-        } else {
-            // SAFETY: non-null dlerror results are NUL-terminated strings.
-            unsafe { CStr::from_ptr(err) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        return Err(msg);
-    }
+    let name = path.to_str().ok_or("the path is not UTF-8")?;
+    // SAFETY: loading NIXL's C API runs only its own initialisers, as
+    // nixl-sys's own load of it would. The handle is deliberately leaked
+    // (`into_raw`): the library must stay loaded for the life of the process
+    // (nixl-sys keeps function pointers into it).
+    let lib =
+        unsafe { Library::open(Some(name), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
+    let _ = lib.into_raw();
     Ok(())
 }
 

@@ -19,6 +19,8 @@ use std::ffi::{c_char, c_int, CStr, CString};
 use std::marker::PhantomData;
 use std::sync::OnceLock;
 
+use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+
 type PushFn = unsafe extern "C" fn(*const c_char) -> c_int;
 type PopFn = unsafe extern "C" fn() -> c_int;
 
@@ -28,41 +30,38 @@ struct Nvtx {
 }
 
 fn load() -> Option<Nvtx> {
-    let mut names: Vec<CString> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
     if let Some(p) = std::env::var_os("NIXL_BOUNCE_NVTX_LIB") {
-        if let Ok(c) = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str())) {
-            names.push(c);
-        }
+        names.extend(p.into_string().ok());
     }
-    names.push(c"libnvToolsExt.so.1".into());
-    names.push(c"libnvToolsExt.so".into());
+    names.push("libnvToolsExt.so.1".into());
+    names.push("libnvToolsExt.so".into());
     for name in &names {
-        // SAFETY: dlopen with a NUL-terminated name; the handle is kept for
-        // the life of the process (never dlclosed), so the resolved function
-        // pointers stay valid.
-        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
+        // SAFETY: loading the NVTX library runs only its initialisers, which
+        // have no preconditions.
+        let Ok(lib) = (unsafe { Library::open(Some(name.as_str()), RTLD_NOW | RTLD_LOCAL) }) else {
             continue;
-        }
-        // SAFETY: dlsym on a live handle with NUL-terminated names.
-        let (push, pop) = unsafe {
-            (
-                libc::dlsym(handle, c"nvtxRangePushA".as_ptr()),
-                libc::dlsym(handle, c"nvtxRangePop".as_ptr()),
-            )
         };
-        if push.is_null() || pop.is_null() {
-            continue;
-        }
-        tracing::debug!("NVTX ranges enabled through {}", name.to_string_lossy());
         // SAFETY: the symbols are the NVTX C API functions
         // `int nvtxRangePushA(const char*)` and `int nvtxRangePop(void)`.
-        return Some(unsafe {
-            Nvtx {
-                push: std::mem::transmute::<*mut libc::c_void, PushFn>(push),
-                pop: std::mem::transmute::<*mut libc::c_void, PopFn>(pop),
+        let found = unsafe {
+            match (
+                lib.get::<PushFn>(c"nvtxRangePushA"),
+                lib.get::<PopFn>(c"nvtxRangePop"),
+            ) {
+                (Ok(push), Ok(pop)) => Some(Nvtx {
+                    push: *push,
+                    pop: *pop,
+                }),
+                _ => None,
             }
-        });
+        };
+        let Some(nvtx) = found else { continue };
+        // Kept loaded for the life of the process, so that the function
+        // pointers stay valid.
+        let _ = lib.into_raw();
+        tracing::debug!("NVTX ranges enabled through {name}");
+        return Some(nvtx);
     }
     None
 }

@@ -10,6 +10,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 
+use libloading::os::unix::Library;
+
 use serde::{Deserialize, Serialize};
 
 use crate::engine::bounce::Fallback;
@@ -290,10 +292,9 @@ pub fn local_poisoned() -> Vec<PoisonedArena> {
 /// Every arena poisoned in the plugin NIXL loaded into this process, oldest
 /// first (empty: none).
 pub fn plugin_poisoned() -> Result<Vec<PoisonedArena>, String> {
-    with_plugin_symbol(c"nixl_bounce_poisoned", |sym| {
-        // SAFETY: the symbol is the plugin's nixl_bounce_poisoned, whose
-        // signature is declared in src/ffi (the same source as this crate).
-        let f: PoisonedFn = unsafe { std::mem::transmute::<*mut libc::c_void, PoisonedFn>(sym) };
+    // SAFETY: the plugin's nixl_bounce_poisoned has this signature (declared
+    // in src/ffi, the same source as this crate).
+    unsafe { plugin_symbol::<PoisonedFn>(c"nixl_bounce_poisoned") }.and_then(|f| {
         let mut buf = vec![0u8; 1024];
         loop {
             // SAFETY: the pointer and length describe a live buffer.
@@ -313,44 +314,30 @@ type PoisonedFn = unsafe extern "C" fn(*mut u8, usize) -> isize;
 /// The snapshot of `agent`'s BOUNCE engine in the plugin NIXL loaded into this
 /// process (`libplugin_BOUNCE.so`).
 pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
-    with_plugin_symbol(c"nixl_bounce_stats", |sym| {
-        // SAFETY: the symbol is the plugin's nixl_bounce_stats, whose
-        // signature is declared in src/ffi (the same source as this crate).
-        let f: StatsFn = unsafe { std::mem::transmute::<*mut libc::c_void, StatsFn>(sym) };
-        call_stats(f, agent)
-    })
+    // SAFETY: the plugin's nixl_bounce_stats has this signature (declared in
+    // src/ffi, the same source as this crate).
+    unsafe { plugin_symbol::<StatsFn>(c"nixl_bounce_stats") }.and_then(|f| call_stats(f, agent))
 }
 
-/// Calls `f` with the address of `symbol` in the loaded plugin.
-fn with_plugin_symbol<T>(
-    symbol: &std::ffi::CStr,
-    f: impl FnOnce(*mut libc::c_void) -> Result<T, String>,
-) -> Result<T, String> {
+/// The function `symbol` of the loaded plugin.
+///
+/// # Safety
+/// `F` is the symbol's type. The plugin stays loaded (NIXL unloads plugins
+/// only at exit), so the pointer outlives the handle closed here.
+unsafe fn plugin_symbol<F: Copy>(symbol: &std::ffi::CStr) -> Result<F, String> {
     let path = crate::nixl_runtime::loaded_object_path("libplugin_BOUNCE.so").ok_or(
         "libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)",
     )?;
-    let c_path =
-        std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|_| "bad plugin path")?;
-    // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded object;
-    // c_path is NUL-terminated.
-    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if handle.is_null() {
-        return Err(format!("cannot open the loaded plugin {}", path.display()));
-    }
-    // SAFETY: handle is valid; the symbol name is NUL-terminated.
-    let sym = unsafe { libc::dlsym(handle, symbol.as_ptr()) };
-    let result = if sym.is_null() {
-        Err(format!(
-            "{} does not export {}",
-            path.display(),
-            symbol.to_string_lossy()
-        ))
-    } else {
-        f(sym)
-    };
-    // SAFETY: balances the NOLOAD dlopen above (the object stays loaded).
-    unsafe { libc::dlclose(handle) };
-    result
+    let name = path.to_str().ok_or("the plugin's path is not UTF-8")?;
+    // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded object
+    // (no initialiser runs); dropping it balances the count (the object
+    // stays loaded).
+    let lib = unsafe { Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_NOLOAD) }
+        .map_err(|e| format!("cannot open the loaded plugin {name}: {e}"))?;
+    // SAFETY: the caller's contract.
+    let sym = unsafe { lib.get::<F>(symbol) }
+        .map_err(|_| format!("{name} does not export {}", symbol.to_string_lossy()))?;
+    Ok(*sym)
 }
 
 type StatsFn = unsafe extern "C" fn(*const u8, usize, *mut u8, usize) -> isize;

@@ -81,7 +81,7 @@ impl SourceCheck for SimSources {
     fn check(&self, _reader: &PeerId, runs: &[Run]) -> Result<(), String> {
         for r in runs {
             for (_, addr, len) in r.copies() {
-                if addr.checked_add(len).map_or(true, |e| e > SRC_AREA as u64) {
+                if addr.checked_add(len).is_none_or(|e| e > SRC_AREA as u64) {
                     return Err(format!("[{addr}, +{len}) is not exported"));
                 }
             }
@@ -1144,7 +1144,7 @@ impl Sim {
                 .min();
             match (next_event, next_timer) {
                 (None, None) => break,
-                (e, Some((t, i))) if e.map_or(true, |e| t < e) => {
+                (e, Some((t, i))) if e.is_none_or(|e| t < e) => {
                     self.now = self.now.max(t);
                     let now = self.now;
                     self.log(|| format!("a{i} timer"));

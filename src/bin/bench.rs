@@ -565,7 +565,7 @@ fn wait_quiet(max: Duration, quiet_below: f64) -> (f64, Option<f64>) {
     let t = Instant::now();
     loop {
         let (_, _, foreign) = idle_cpu(Duration::from_millis(500));
-        if foreign.map_or(true, |f| f < quiet_below) || t.elapsed() >= max {
+        if foreign.is_none_or(|f| f < quiet_below) || t.elapsed() >= max {
             return ((t.elapsed().as_secs_f64() * 10.0).round() / 10.0, foreign);
         }
     }

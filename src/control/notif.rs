@@ -435,7 +435,7 @@ impl NotifChannel {
         let Some(hb) = &mut self.heartbeats else {
             return;
         };
-        if !self.next_beat.is_some_and(|t| t <= now) {
+        if self.next_beat.is_none_or(|t| t > now) {
             return;
         }
         for peer in hb.due(now) {

@@ -328,7 +328,7 @@ impl DataPlane {
         if peer.mem != MemType::Dram {
             return Ok(None);
         }
-        if !remote.checked_add(len).is_some_and(|e| e <= target.len) {
+        if remote.checked_add(len).is_none_or(|e| e > target.len) {
             return Err(format!(
                 "chunk write of {len} bytes at offset {remote} leaves {}'s {}-byte arena",
                 peer.inner_agent, target.len

@@ -892,7 +892,7 @@ fn pair_descriptors<'a>(
 #[inline]
 fn plainly_inside(d: &RawDesc, region: Option<Range>) -> bool {
     let range = d.range();
-    range.end().is_some() && region.map_or(true, |w| range.len == 0 || w.covers(&range))
+    range.end().is_some() && region.is_none_or(|w| range.len == 0 || w.covers(&range))
 }
 
 /// A pair of descriptors as the plan's source -> destination: local to

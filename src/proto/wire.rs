@@ -1141,7 +1141,7 @@ fn rebuild_runs<const WIDTH: usize>(
         what: "run list",
         why,
     };
-    if n % 8 != 0 && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
+    if !n.is_multiple_of(8) && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
         return Err(invalid(format!("marks past its {n} copies")));
     }
     let copy = |j: usize| {
@@ -1826,7 +1826,7 @@ mod tests {
         let mut j = 0u64;
         while j < 4096 {
             let mut run = Run::single(j * 4096, (1 << 40) + (j * 7919 % 4096) * 8192, 4096);
-            if j % 3 == 0 && j + 1 < 4096 {
+            if j.is_multiple_of(3) && j + 1 < 4096 {
                 run.count = 2;
                 run.region_stride = 4096;
                 run.addr_stride = 3 * 8192;

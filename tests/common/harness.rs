@@ -575,7 +575,7 @@ impl Node {
                 ));
             }
             spins += 1;
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 std::thread::sleep(Duration::from_micros(50));
             } else {
                 std::thread::yield_now();
@@ -754,7 +754,7 @@ pub fn hex(b: &[u8]) -> String {
 }
 
 pub fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err("odd hex length".into());
     }
     (0..s.len())

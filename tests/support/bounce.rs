@@ -383,7 +383,7 @@ pub fn take_notifs(node: &Node) -> Result<Vec<(String, Vec<u8>)>, String> {
 /// Sleep-free short pause between polls.
 pub fn pause(spins: &mut u64) {
     *spins += 1;
-    if *spins % 256 == 0 {
+    if (*spins).is_multiple_of(256) {
         std::thread::sleep(Duration::from_micros(100));
     } else {
         std::thread::yield_now();

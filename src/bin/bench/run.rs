@@ -413,7 +413,7 @@ fn routing_expects_bounce(variant: &Variant, shape: Shape) -> bool {
     let enabled = variant
         .params
         .get("enable")
-        .map_or(true, |v| nixl_bounce::config::parse_bool(v).unwrap_or(true));
+        .is_none_or(|v| nixl_bounce::config::parse_bool(v).unwrap_or(true));
     enabled && shape.count as u64 >= min_count && shape.size as u64 <= max_avg
 }
 
