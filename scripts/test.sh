@@ -12,4 +12,8 @@ echo "[test] cargo test --no-fail-fast --all-targets $* (NIXL_BOUNCE_REQUIRE_RUN
 cargo test --no-fail-fast --all-targets "$@"
 echo "[test] cargo test --doc" >&2
 cargo test --doc
+# The maintainers' documentation: every intra-doc link must resolve, so a
+# renamed or removed item cannot leave a comment pointing at nothing.
+echo "[test] cargo doc --document-private-items (warnings are errors)" >&2
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --document-private-items
 echo "[test] all tests passed" >&2

@@ -6,22 +6,33 @@
 //!
 //! Crate map:
 //! - [`ffi`]: the `extern "C"` entry points the C++ shim (`plugin/`) calls;
-//!   the panic boundary and handle ownership live there.
+//!   handle ownership lives there, and every entry runs inside the panic
+//!   boundary ([`boundary`]).
 //! - [`engine`]: the backend itself: registration, metadata, connections,
 //!   routing, transfers and notifications; what BOUNCE does not accelerate
 //!   runs on NIXL's own UCX engine, which the shim creates and calls (the
-//!   UCX delegate); an inner NIXL agent serves the bounce arena.
+//!   UCX delegate). Its three paths of its own: the bounce arena (an inner
+//!   NIXL agent serves it; `engine::bounce`), cross-memory attach between
+//!   processes on one host (`engine::cma`), and one kernel over a CUDA IPC
+//!   mapping of the peer's GPU memory (`engine::peer`).
 //! - [`config`]: environment variables and backend parameters -> a validated
 //!   [`config::Config`].
 //! - [`proto`]: the pure protocol (see below).
 //! - [`runtime`]: the reactor thread and copy workers that run [`proto`].
-//! - [`control`]: control channels (ZMQ, NIXL notifications).
-//! - [`dataplane`]: the arena and the chunk writes through the inner agent.
-//! - [`copy`]: gather/scatter engines (memcpy for DRAM).
+//! - [`control`]: control channels (direct TCP, ZMQ, NIXL notifications)
+//!   and their heartbeats.
+//! - [`dataplane`]: the arena (host or GPU memory) and the chunk writes
+//!   through the inner agent.
+//! - [`copy`]: the copy engines: memcpy for DRAM, cross-memory attach
+//!   (`copy::cma`), the CUDA gather/scatter kernel (`copy::cuda`) and the
+//!   peer-mapped copy (`copy::peer`).
 //! - [`failpoint`]: fault injection (`NIXL_BOUNCE_FAILPOINTS`) for tests.
 //! - [`nixl_runtime`]: finds the NIXL C API next to the NIXL that loaded us.
 //! - [`stats`]: per-engine counters, exported to C as `nixl_bounce_stats`.
 //! - [`logging`]: `tracing` set-up from `NIXL_BOUNCE_LOG` / `NIXL_BOUNCE_LOG_FILE`.
+//! - [`nvtx`]: NVTX ranges for Nsight Systems, when an NVTX library loads.
+//! - [`sync`], [`boundary`]: the crate's one lock policy and its one way to
+//!   stop a panic.
 //!
 //! # The determinism contract of `proto/`
 //!
@@ -43,6 +54,11 @@
 //! This is what lets `tests/sim.rs` run tens of thousands of seeded,
 //! reproducible scenarios with simulated memory, loss, reordering and
 //! crashes.
+
+// The documentation is for the people who work on the plugin
+// (`cargo doc --document-private-items`, checked by scripts/test.sh), so it
+// links private items freely.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod boundary;
 pub mod config;

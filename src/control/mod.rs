@@ -1,5 +1,7 @@
-//! Control channels: how the credit protocol's messages (WANT / GRANT / DATA /
-//! ACK; a cancel is an empty WANT) travel between two bounce engines.
+//! Control channels: how the credit protocol's messages (the eleven of
+//! [`crate::proto::wire::MessageType`]: WANT / GRANT / DATA / ACK / REFUSE for
+//! a WRITE, their six READ counterparts; a cancel is an empty WANT) travel
+//! between two bounce engines.
 //!
 //! A [`ControlChannel`] is an unreliable, per-peer FIFO datagram pipe used by
 //! exactly one thread (the engine's reactor). Three implementations exist and
@@ -16,7 +18,7 @@
 //!   engine's inner UCX agent (no TCP). Endpoints name the peer's inner agent
 //!   and may carry its connection metadata (see [`notif`]).
 //!
-//! Both identify the sender of every message by the sender's own endpoint
+//! All three identify the sender of every message by the sender's own endpoint
 //! ([`Incoming::from`]), so a receiver can answer on the reverse path with
 //! `add_peer(&incoming.from)` even if it never loaded the sender's metadata.
 //!

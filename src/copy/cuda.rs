@@ -16,7 +16,7 @@
 //!   non-blocking [`CudaCopy::try_start`] / [`PendingCopy::poll`] pair for the
 //!   IO thread (eager gathers; completion by event query).
 //!
-//! The run table ([`DevRun`], 64 bytes per run) and the per-block start runs
+//! The run table ([`DevRun`], 32 bytes per run) and the per-block start runs
 //! are built by [`fill_table`], a pure function that is unit-tested (with a
 //! host model of the kernel) on machines without a GPU.
 //!

@@ -8,7 +8,7 @@
 //!   address).
 //! - **Proof.** A peer's block is believed once per peer process: same boot
 //!   id, and its token read at its address in its pid
-//!   ([`copy::cma::read_remote`]) is the token it published. That one read
+//!   ([`crate::copy::cma::read_remote`]) is the token it published. That one read
 //!   proves the same host, the same PID namespace and the permission to
 //!   reach the process; anything else (another host, a container with its
 //!   own PID namespace, ptrace rules that refuse) leaves the peer to the

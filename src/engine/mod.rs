@@ -339,7 +339,7 @@ pub type MdResolver<'a> = &'a (dyn Fn(*const std::ffi::c_void) -> *const Md + Sy
 
 /// One side of a transfer as NIXL hands it over: its descriptor array, read
 /// in place (no copy per descriptor), its memory kind and the way to its
-/// descriptors' metadata. Nothing is checked yet: [`Descs::check`] makes a
+/// descriptors' metadata. Nothing is checked yet: [`Engine::check`] makes a
 /// [`Side`] of it, and the peer-mapped path's one-pass table
 /// (`peer::walk_pairs`) checks as it goes.
 #[derive(Clone, Copy)]
@@ -912,7 +912,7 @@ fn pair_descriptor(op: Op, l: Range, r: Range) -> Descriptor {
 }
 
 /// One side of a transfer whose every descriptor was checked
-/// ([`Descs::check`]).
+/// ([`Engine::check`]).
 #[derive(Clone, Copy)]
 pub struct Side<'a>(Descs<'a>);
 

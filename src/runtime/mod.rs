@@ -1,4 +1,4 @@
-//! The runtime: the thin shell that runs the sans-IO [`proto::Endpoint`].
+//! The runtime: the thin shell that runs the sans-IO [`crate::proto::Endpoint`].
 //!
 //! One reactor thread per engine owns the endpoint, the control channel and
 //! the data plane. Application threads talk to it through [`Runtime`]
@@ -6,11 +6,13 @@
 //! gathers and scatters and report back. Nothing here decides anything: every
 //! decision is the endpoint's, every action it emits is carried out here.
 //!
-//! Adaptive polling: while copies or writes are in flight the reactor polls
-//! without sleeping (yielding, and backing off to short sleeps after a long
-//! busy stretch); when idle it blocks in the control channel for up to
-//! [`IDLE_WAIT`], until the next protocol timer, or until woken (application
-//! submissions and finished copies wake the channel).
+//! Polling (`run_loop`): copy workers, the chunk writer and application
+//! submissions wake the control channel when they have something, so the
+//! reactor waits there: up to the next protocol timer or [`IDLE_WAIT`].
+//! It does not wait (it yields) while a copy it launched is running, while
+//! a posted write is due to be polled (sleeping the writer's pause instead
+//! when no copy runs), or, with `reactor_busy_poll_us` (or `busy_poll_us`),
+//! for that long after the last event of a live transfer.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};

@@ -379,15 +379,11 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                     match value()?.to_ascii_lowercase().as_str() {
                         "dram" => MemKind::Dram,
                         "vram" => return Err(
-                            "--mem vram: not built yet (the CUDA issue adds VRAM buffers and the \
-                                    two-process mode); use --mem dram"
+                            "--mem vram: this benchmark measures host memory; `bounce-vram bench` \
+                             measures GPU memory (docs/gpu.md)"
                                 .into(),
                         ),
-                        other => {
-                            return Err(format!(
-                                "--mem: expected dram (or the reserved vram), got {other:?}"
-                            ))
-                        }
+                        other => return Err(format!("--mem: expected dram, got {other:?}")),
                     }
             }
             "-c" | "--counts" => o.counts = list(&value()?, &flag, positive)?,
