@@ -1,0 +1,1184 @@
+//! The endpoint's unit tests: both roles of two endpoints, messages carried
+//! by hand.
+
+use super::*;
+use crate::proto::credit::Owner;
+use crate::proto::wire::{Credit, RefuseReason};
+
+/// Copy launches wait behind every other action (each line in its
+/// order); with `launches_last` off, one line in the order of arrival.
+#[test]
+fn copy_launches_go_after_the_other_actions() {
+    let chunk = |c: u32| ChunkRef {
+        request: RequestId(7),
+        chunk: c,
+    };
+    let gather = |c: u32| Action::StartGather {
+        chunk: chunk(c),
+        region: RegionHandle(u64::from(c)),
+        runs: Vec::new().into(),
+    };
+    let scatter = |c: u32| Action::StartScatter {
+        flow: FlowId::write(PeerId::new("p"), RequestId(9)),
+        chunk: c,
+        region: RegionHandle(100 + u64::from(c)),
+        runs: Vec::new().into(),
+    };
+    let write = |c: u32| Action::PostWrite {
+        chunk: chunk(c),
+        peer: PeerId::new("p"),
+        local: RegionHandle(u64::from(c)),
+        remote: RegionHandle(50),
+        len: 1,
+    };
+    let cause = |c: &str| Action::Poisoned { cause: c.into() };
+    let name = |a: &Action| match a {
+        Action::StartGather { chunk, .. } => format!("G{}", chunk.chunk),
+        Action::StartScatter { chunk, .. } => format!("S{chunk}"),
+        Action::PostWrite { chunk, .. } => format!("W{}", chunk.chunk),
+        Action::Poisoned { cause } => cause.clone(),
+        other => format!("{other:?}"),
+    };
+    for (last, want) in [
+        (true, "W0 x W1 y G0 S0 G1 S1"),
+        (false, "G0 W0 S0 x G1 W1 S1 y"),
+    ] {
+        let mut q = ActionQueue::new(last);
+        for a in [gather(0), write(0), scatter(0), cause("x")] {
+            q.push_back(a);
+        }
+        let mut got = vec![name(&q.pop_front().unwrap())];
+        for a in [gather(1), write(1), scatter(1), cause("y")] {
+            q.push_back(a);
+        }
+        while let Some(a) = q.pop_front() {
+            got.push(name(&a));
+        }
+        assert!(q.is_empty());
+        let want: Vec<&str> = want.split(' ').collect();
+        assert_eq!(got, want, "launches_last = {last}");
+    }
+    // What the reactor takes after reading a message: no launch, when
+    // launches are held back.
+    for (last, want) in [(true, "W0 -"), (false, "G0 W0")] {
+        let mut q = ActionQueue::new(last);
+        q.push_back(gather(0));
+        q.push_back(write(0));
+        let got: Vec<String> = (0..2)
+            .map(|_| q.pop_other().map_or("-".into(), |a| name(&a)))
+            .collect();
+        assert_eq!(got.join(" "), want, "launches_last = {last}");
+    }
+}
+
+fn cfg(eager: bool) -> EndpointConfig {
+    EndpointConfig {
+        arena_capacity: 4096,
+        granularity: 64,
+        max_chunk: 1024,
+        // These tests count chunks: cut by the cap alone.
+        min_chunks: 1,
+        min_chunk: 0,
+        window: 2,
+        request_timeout: Duration::from_millis(10),
+        request_deadline: None,
+        flow_idle_timeout: Duration::from_millis(20),
+        tombstone_ttl: Duration::from_millis(40),
+        access_key: 0,
+        eager_gather: eager,
+        launches_last: false,
+        merge_runs: true,
+        local_reserve: true,
+        local_endpoint: b"ep".to_vec(),
+        request_id_base: 100,
+    }
+}
+
+fn drain(ep: &mut Endpoint) -> Vec<Action> {
+    std::iter::from_fn(|| ep.poll_action()).collect()
+}
+
+fn descs(n: u64, len: u64) -> Vec<Descriptor> {
+    (0..n)
+        .map(|i| Descriptor {
+            src_addr: 0x1000 + i * len,
+            src_dev: 0,
+            dst_addr: 0x9000 + i * 2 * len,
+            dst_dev: 0,
+            len,
+        })
+        .collect()
+}
+
+fn sent(actions: &[Action]) -> Vec<&Message> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { message, .. } => Some(message),
+            _ => None,
+        })
+        .collect()
+}
+
+fn completes(actions: &[Action]) -> Vec<(RequestId, Outcome)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Complete { request, outcome } => Some((*request, *outcome)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn t(ms: u64) -> Time {
+    Time::from_millis(ms)
+}
+
+/// Drives one chunk end to end between two endpoints by hand.
+#[test]
+fn one_chunk_end_to_end() {
+    let (a, b) = (PeerId::new("A"), PeerId::new("B"));
+    let mut tx = Endpoint::new(cfg(false)).unwrap();
+    let mut rx = Endpoint::new(cfg(false)).unwrap();
+    let id = tx.submit(t(0), &b, &descs(4, 100)).unwrap();
+    assert_eq!(id, RequestId(100));
+    let acts = drain(&mut tx);
+    let [Action::Send { message: want, .. }] = &acts[..] else {
+        panic!("{acts:?}")
+    };
+    rx.handle_message(t(1), &a, want.clone());
+    let acts = drain(&mut rx);
+    assert!(
+        matches!(&acts[0], Action::Connect { peer, endpoint } if *peer == a && endpoint == b"ep")
+    );
+    let grant = sent(&acts)[0].clone();
+    tx.handle_message(t(2), &b, grant);
+    let acts = drain(&mut tx);
+    let Action::StartGather {
+        chunk,
+        region,
+        runs,
+    } = &acts[0]
+    else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(
+        runs.len(),
+        1,
+        "4 dense descriptors gather as one strided run"
+    );
+    assert!(matches!(
+        tx.region_owner(*region),
+        Some(Owner::Local { eager: false })
+    ));
+    tx.handle_gather_done(t(3), *chunk);
+    let acts = drain(&mut tx);
+    let Action::PostWrite { remote, len, .. } = &acts[0] else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(*len, 3 * 128 + 100);
+    assert!(matches!(rx.region_owner(*remote), Some(Owner::Flow(f)) if f.peer == a));
+    tx.handle_write_done(t(4), *chunk);
+    tx.check_invariants().unwrap();
+    let acts = drain(&mut tx);
+    assert_eq!(
+        tx.arena_usage().local,
+        0,
+        "staging released at write completion"
+    );
+    rx.handle_message(t(5), &a, sent(&acts)[0].clone());
+    let acts = drain(&mut rx);
+    let Action::StartScatter { region, .. } = &acts[0] else {
+        panic!("{acts:?}")
+    };
+    rx.handle_scatter_done(t(6), *region);
+    let acts = drain(&mut rx);
+    assert!(matches!(sent(&acts)[0], Message::Ack { .. }));
+    assert_eq!(rx.flow_count(), 0);
+    tx.handle_message(t(7), &b, sent(&acts)[0].clone());
+    assert_eq!(completes(&drain(&mut tx)), vec![(id, Outcome::Success)]);
+    assert_eq!(tx.request_count(), 0);
+    tx.check_invariants().unwrap();
+    rx.check_invariants().unwrap();
+}
+
+/// Admits sources inside [lo, hi).
+struct Allow(u64, u64);
+
+impl SourceCheck for Allow {
+    fn check(&self, _reader: &PeerId, runs: &[crate::proto::Run]) -> Result<(), String> {
+        for r in runs {
+            for (_, addr, len) in r.copies() {
+                if addr < self.0 || addr + len > self.1 {
+                    return Err(format!("{addr:#x}+{len} not registered"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An owner given its own data path is sent that one, the others the
+/// instance's, until it is forgotten.
+#[test]
+fn a_peer_s_own_data_path_goes_only_to_it() {
+    let (o, other) = (PeerId::new("O"), PeerId::new("P"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    reader.set_read_data_path(b"v2".to_vec());
+    reader.set_peer_data_path(&o, Some(b"v1".to_vec()));
+    let path_to = |reader: &mut Endpoint, peer: &PeerId, at: u64| {
+        reader
+            .submit_read(t(at), peer, &descs(1, 64), None)
+            .unwrap();
+        let acts = drain(reader);
+        match sent(&acts)[0] {
+            Message::Read { data_path, .. } => data_path.clone(),
+            _ => panic!("{acts:?}"),
+        }
+    };
+    assert_eq!(path_to(&mut reader, &o, 0), b"v1");
+    assert_eq!(path_to(&mut reader, &other, 1), b"v2");
+    reader.forget_peer(t(2), &o);
+    assert_eq!(path_to(&mut reader, &o, 3), b"v2");
+    // Set again, then cleared (the peer loaded anew with the capability).
+    reader.set_peer_data_path(&o, Some(b"v1".to_vec()));
+    assert_eq!(path_to(&mut reader, &o, 4), b"v1");
+    reader.set_peer_data_path(&o, None);
+    assert_eq!(path_to(&mut reader, &o, 5), b"v2");
+}
+
+/// Drives one READ end to end between a reader and an owner by hand
+/// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
+/// destinations at 0x9000..).
+#[test]
+fn one_read_end_to_end() {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+    reader.set_read_data_path(b"dp".to_vec());
+    let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+    let acts = drain(&mut reader);
+    let msgs = sent(&acts);
+    let Message::Read {
+        chunks, data_path, ..
+    } = msgs[0]
+    else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(data_path, b"dp");
+    assert_eq!(chunks.len(), 1);
+    assert_eq!(chunks[0].size, 3 * 128 + 100);
+    let Message::ReadGrant { credits, .. } = msgs[1] else {
+        panic!("READ_GRANT follows READ: {acts:?}")
+    };
+    let region = credits[0].region;
+    assert!(
+        matches!(reader.region_owner(region), Some(Owner::Flow(f)) if f.kind == crate::proto::FlowKind::Read && f.peer == o)
+    );
+    owner.handle_message(t(1), &r, msgs[0].clone());
+    let acts = drain(&mut owner);
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::LoadDataPath { peer, data_path } if *peer == r && data_path == b"dp")));
+    owner.handle_message(t(2), &r, msgs[1].clone());
+    let acts = drain(&mut owner);
+    let Some(Action::StartGather { chunk, runs, .. }) = acts
+        .iter()
+        .find(|a| matches!(a, Action::StartGather { .. }))
+        .cloned()
+    else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(runs[0].addr, 0x1000, "the owner gathers its own memory");
+    assert_eq!(owner.serves_read(chunk.request), Some(id));
+    owner.handle_gather_done(t(3), chunk);
+    let acts = drain(&mut owner);
+    let Action::PostWrite { remote, peer, .. } = &acts[0] else {
+        panic!("{acts:?}")
+    };
+    assert_eq!((*remote, peer), (region, &r));
+    owner.handle_write_done(t(4), chunk);
+    let acts = drain(&mut owner);
+    let data = sent(&acts)[0].clone();
+    assert_eq!(
+        data,
+        Message::ReadData {
+            request: id,
+            chunk: 0,
+            region
+        }
+    );
+    reader.handle_message(t(5), &o, data);
+    let acts = drain(&mut reader);
+    let Action::StartScatter { runs, .. } = &acts[0] else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(runs[0].addr, 0x9000, "the reader scatters by its own plan");
+    reader.handle_scatter_done(t(6), region);
+    let acts = drain(&mut reader);
+    assert_eq!(completes(&acts), vec![(id, Outcome::Success)]);
+    let ack = sent(&acts)[0].clone();
+    assert!(matches!(ack, Message::ReadAck { .. }));
+    owner.handle_message(t(7), &r, ack);
+    assert!(
+        completes(&drain(&mut owner)).is_empty(),
+        "nothing local waits on a served READ"
+    );
+    assert_eq!(owner.stats().reads_served, 1);
+    assert_eq!((owner.request_count(), reader.request_count()), (0, 0));
+    assert_eq!(reader.flow_count(), 0);
+    owner.check_invariants().unwrap();
+    reader.check_invariants().unwrap();
+}
+
+#[test]
+fn a_grant_for_a_serve_that_ended_is_ignored_not_held() {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+    reader.set_read_data_path(b"dp".to_vec());
+    reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+    let (read, grant) = (msgs[0].clone(), msgs[1].clone());
+    owner.handle_message(t(1), &r, read);
+    owner.handle_message(t(2), &r, grant.clone());
+    let Some(Action::StartGather { chunk, .. }) = drain(&mut owner)
+        .into_iter()
+        .find(|a| matches!(a, Action::StartGather { .. }))
+    else {
+        panic!("no gather")
+    };
+    // The gather fails: the serve ends (READ_END) and is removed.
+    owner.handle_gather_failed(t(3), chunk, true);
+    let acts = drain(&mut owner);
+    assert!(
+        sent(&acts)
+            .iter()
+            .any(|m| matches!(m, Message::ReadEnd { .. })),
+        "{acts:?}"
+    );
+    assert_eq!(owner.request_count(), 0);
+    // A READ_GRANT the reader sent meanwhile arrives late: nothing is
+    // held for it (it would wait a request timeout for a READ that never
+    // comes) and no second READ_END is sent.
+    owner.handle_message(t(4), &r, grant);
+    let acts = drain(&mut owner);
+    assert!(sent(&acts).is_empty(), "{acts:?}");
+    assert_eq!(owner.request_count(), 0, "credits held for an ended serve");
+    owner.check_invariants().unwrap();
+}
+
+#[test]
+fn a_read_whose_message_would_not_fit_the_channel_is_refused() {
+    use crate::proto::plan::Chunk;
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    reader.set_read_data_path(b"dp".to_vec());
+    // One chunk of more source copies than a message may carry (16
+    // bytes each on the wire, 24 MB: the entry limit, not the byte
+    // limit, refuses it).
+    let n = super::super::wire::MAX_MESSAGE_RUNS + 1;
+    let runs: Runs = (0..n as u64)
+        .map(|i| crate::proto::Run::single(0, 0x1000 + 64 * i, 32))
+        .collect();
+    let plan = Arc::new(Plan {
+        chunks: vec![Chunk {
+            bytes: 32,
+            gather_runs: runs.clone(),
+            scatter_runs: runs,
+            pieces: n as u32,
+        }],
+        src_dev: 0,
+        dst_dev: 0,
+        payload_bytes: 32 * n as u64,
+    });
+    let err = reader
+        .submit_read_plan(t(0), &PeerId::new("O"), plan, None)
+        .unwrap_err();
+    assert!(
+        matches!(err, SubmitError::ReadTooLarge { entries, .. } if entries == n),
+        "{err}"
+    );
+    assert!(err.to_string().contains("split the transfer"), "{err}");
+    assert!(drain(&mut reader).is_empty(), "nothing sent, nothing held");
+    assert_eq!((reader.request_count(), reader.flow_count()), (0, 0));
+}
+
+#[test]
+fn write_messages_naming_a_serve_are_ignored() {
+    let r = PeerId::new("R");
+    let o = PeerId::new("O");
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+    reader.set_read_data_path(b"dp".to_vec());
+    reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+    owner.handle_message(t(1), &r, msgs[0].clone());
+    owner.handle_message(t(2), &r, msgs[1].clone());
+    let Some(Action::StartGather { chunk, region, .. }) = drain(&mut owner)
+        .into_iter()
+        .find(|a| matches!(a, Action::StartGather { .. }))
+    else {
+        panic!("no gather")
+    };
+    let ignored = owner.stats().ignored;
+    // A faulty reader names the owner's local serve id in WRITE messages.
+    for m in [
+        Message::Ack {
+            request: chunk.request,
+            chunk: 0,
+            region,
+        },
+        Message::Refuse {
+            request: chunk.request,
+            reason: super::super::wire::RefuseReason::Expired,
+        },
+    ] {
+        owner.handle_message(t(3), &r, m);
+    }
+    assert!(drain(&mut owner).is_empty());
+    assert_eq!(owner.stats().ignored, ignored + 2);
+    // The serve goes on.
+    owner.handle_gather_done(t(4), chunk);
+    assert!(matches!(drain(&mut owner)[0], Action::PostWrite { .. }));
+    owner.check_invariants().unwrap();
+}
+
+#[test]
+fn read_of_unregistered_memory_is_refused_before_anything_is_read() {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    // Registered: only the first 200 bytes of the 4 x 100 sources.
+    owner.set_source_check(Box::new(Allow(0x1000, 0x1000 + 200)));
+    let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
+    let acts = drain(&mut reader);
+    let msgs: Vec<Message> = sent(&acts).into_iter().cloned().collect();
+    for m in &msgs {
+        owner.handle_message(t(1), &r, m.clone());
+    }
+    let acts = drain(&mut owner);
+    assert!(
+        !acts
+            .iter()
+            .any(|a| matches!(a, Action::StartGather { .. } | Action::LoadDataPath { .. })),
+        "nothing is read: {acts:?}"
+    );
+    let ends: Vec<Message> = sent(&acts).into_iter().cloned().collect();
+    assert_eq!(
+        ends[0],
+        Message::ReadEnd {
+            request: id,
+            reason: RefuseReason::SourceRefused
+        }
+    );
+    assert_eq!(owner.stats().reads_refused, 1);
+    for m in ends {
+        reader.handle_message(t(2), &o, m);
+    }
+    assert_eq!(
+        completes(&drain(&mut reader)),
+        vec![(id, Outcome::Failure(FailureReason::SourceRefused))]
+    );
+    assert_eq!(
+        reader.arena_usage().flows + reader.arena_usage().quarantine,
+        0
+    );
+    reader.check_invariants().unwrap();
+}
+
+#[test]
+fn cancelled_read_quarantines_until_the_owner_ends() {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
+    let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
+    for m in sent(&drain(&mut reader)) {
+        owner.handle_message(t(1), &r, m.clone());
+    }
+    let acts = drain(&mut owner);
+    let Some(Action::StartGather { chunk, .. }) = acts
+        .iter()
+        .find(|a| matches!(a, Action::StartGather { .. }))
+        .cloned()
+    else {
+        panic!("{acts:?}")
+    };
+    owner.handle_gather_done(t(2), chunk);
+    assert!(matches!(drain(&mut owner)[0], Action::PostWrite { .. }));
+    // The reader gives up while the owner's write is in flight.
+    assert!(reader.cancel(t(3), id));
+    let acts = drain(&mut reader);
+    assert_eq!(
+        completes(&acts),
+        vec![(id, Outcome::Failure(FailureReason::Cancelled))]
+    );
+    assert!(
+        reader.arena_usage().quarantine > 0,
+        "the owner may still write"
+    );
+    let refuse = sent(&acts)[0].clone();
+    assert!(matches!(refuse, Message::ReadRefuse { .. }));
+    owner.handle_message(t(4), &r, refuse);
+    assert!(
+        sent(&drain(&mut owner)).is_empty(),
+        "no READ_END while the write may land"
+    );
+    owner.handle_write_done(t(5), chunk);
+    let acts = drain(&mut owner);
+    let end = sent(&acts)[0].clone();
+    assert!(matches!(end, Message::ReadEnd { .. }), "{acts:?}");
+    assert_eq!(owner.request_count(), 0);
+    reader.handle_message(t(6), &o, end);
+    assert_eq!(reader.arena_usage().quarantine, 0);
+    assert_eq!(reader.request_count(), 0);
+    reader.check_invariants().unwrap();
+    owner.check_invariants().unwrap();
+}
+
+#[test]
+fn read_with_a_wrong_key_is_refused() {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut c = cfg(false);
+    c.access_key = 77;
+    let mut owner = Endpoint::new(c).unwrap();
+    owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
+    let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
+    let read = sent(&drain(&mut reader))[0].clone();
+    owner.handle_message(t(1), &r, read);
+    assert_eq!(
+        sent(&drain(&mut owner)),
+        vec![&Message::ReadEnd {
+            request: id,
+            reason: RefuseReason::ProtocolViolation
+        }]
+    );
+    assert_eq!(owner.stats().unauthorized, 1);
+}
+
+#[test]
+fn empty_transfer_succeeds_at_once() {
+    let mut tx = Endpoint::new(cfg(true)).unwrap();
+    let id = tx.submit(t(0), &PeerId::new("B"), &descs(3, 0)).unwrap();
+    assert_eq!(completes(&drain(&mut tx)), vec![(id, Outcome::Success)]);
+}
+
+#[test]
+fn cancel_is_deferred_until_the_write_ends() {
+    let b = PeerId::new("B");
+    let mut tx = Endpoint::new(cfg(true)).unwrap();
+    let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
+    let acts = drain(&mut tx);
+    let Action::StartGather { chunk, .. } = acts[1].clone() else {
+        panic!("{acts:?}")
+    };
+    tx.handle_message(
+        t(1),
+        &b,
+        Message::Grant {
+            request: id,
+            credits: vec![Credit {
+                chunk: 0,
+                region: RegionHandle(0),
+                len: 4096,
+            }],
+        },
+    );
+    // Eager gather in flight: the credit only promotes it.
+    assert!(drain(&mut tx).is_empty());
+    tx.handle_gather_done(t(2), chunk);
+    assert!(matches!(drain(&mut tx)[0], Action::PostWrite { .. }));
+    assert!(tx.cancel(t(3), id));
+    let acts = drain(&mut tx);
+    assert_eq!(
+        completes(&acts),
+        vec![(id, Outcome::Failure(FailureReason::Cancelled))]
+    );
+    assert!(
+        sent(&acts).is_empty(),
+        "no CANCEL while the write may still land"
+    );
+    assert!(!tx.cancel(t(3), id), "terminal exactly once");
+    tx.handle_write_done(t(4), chunk);
+    let acts = drain(&mut tx);
+    assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec(), 0)]);
+    assert!(completes(&acts).is_empty());
+    assert_eq!(tx.request_count(), 0);
+    tx.check_invariants().unwrap();
+}
+
+#[test]
+fn unreachable_peer_fails_its_requests_and_cancels_once_writes_end() {
+    let (a, b) = (PeerId::new("A"), PeerId::new("B"));
+    let mut tx = Endpoint::new(cfg(false)).unwrap();
+    let mut rx = Endpoint::new(cfg(false)).unwrap();
+    let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
+    let want = sent(&drain(&mut tx))[0].clone();
+    rx.handle_message(t(1), &a, want);
+    let grant = sent(&drain(&mut rx))[0].clone();
+    tx.handle_message(t(2), &b, grant);
+    let Action::StartGather { chunk, .. } = drain(&mut tx)[0].clone() else {
+        panic!()
+    };
+    tx.handle_gather_done(t(3), chunk);
+    assert!(matches!(drain(&mut tx)[0], Action::PostWrite { .. }));
+    // Both sides lose the control channel while the write runs.
+    tx.peer_unreachable(t(4), &b);
+    let acts = drain(&mut tx);
+    assert_eq!(
+        completes(&acts),
+        vec![(id, Outcome::Failure(FailureReason::PeerUnreachable))]
+    );
+    assert!(sent(&acts).is_empty(), "no CANCEL while the write runs");
+    rx.peer_unreachable(t(4), &a);
+    let acts = drain(&mut rx);
+    assert!(matches!(
+        sent(&acts)[..],
+        [Message::Refuse {
+            reason: RefuseReason::Expired,
+            ..
+        }]
+    ));
+    assert!(
+        rx.arena_usage().quarantine > 0,
+        "a stopped sender may still write"
+    );
+    tx.handle_write_done(t(5), chunk);
+    let cancel = sent(&drain(&mut tx))[0].clone();
+    assert_eq!(cancel, Message::cancel(id, b"ep".to_vec(), 0));
+    // The peer comes back: its CANCEL frees the quarantine.
+    rx.handle_message(t(6), &a, cancel);
+    drain(&mut rx);
+    assert_eq!(rx.arena_usage().quarantine, 0);
+    assert_eq!(tx.request_count(), 0);
+    tx.check_invariants().unwrap();
+    rx.check_invariants().unwrap();
+}
+
+fn forgets(actions: &[Action]) -> Vec<&PeerId> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::ForgetPeer { peer } => Some(peer),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A reader and an owner that never loaded it, after the READ of two
+/// chunks (`descs(2, 1000)`) and its READ_GRANT reached the owner:
+/// (reader, owner, R, O, the reader's request, the READ_GRANT).
+fn read_in_progress() -> (Endpoint, Endpoint, PeerId, PeerId, RequestId, Message) {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+    reader.set_read_data_path(b"dp".to_vec());
+    let id = reader.submit_read(t(0), &o, &descs(2, 1000), None).unwrap();
+    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+    let [read, grant] = &msgs[..] else {
+        panic!("{msgs:?}")
+    };
+    owner.handle_message(t(1), &r, read.clone());
+    let acts = drain(&mut owner);
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r)));
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)));
+    (reader, owner, r, o, id, grant.clone())
+}
+
+/// The reader of a served READ becomes unreachable (killed): the serve
+/// fails at once, but what it still runs holds it (the gather reading
+/// the source, the write into the reader's arena, their staging); its
+/// READ_END goes once no write can land; the reader, known only through
+/// its READ, is forgotten only after that; and when it comes back, a
+/// new READ is served normally.
+#[test]
+fn an_unreachable_reader_is_forgotten_once_its_serve_ended() {
+    let (mut reader, mut owner, r, o, id, grant) = read_in_progress();
+    owner.handle_message(t(2), &r, grant);
+    let gathers: Vec<ChunkRef> = drain(&mut owner)
+        .iter()
+        .filter_map(|a| match a {
+            Action::StartGather { chunk, .. } => Some(*chunk),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(gathers.len(), 2, "both chunks credited and gathering");
+    owner.handle_gather_done(t(3), gathers[0]);
+    assert!(matches!(drain(&mut owner)[..], [Action::PostWrite { .. }]));
+    let staged = owner.arena_usage().local;
+    assert!(staged > 0);
+
+    // Chunk 0 is being written, chunk 1 gathered, when the reader dies.
+    owner.peer_unreachable(t(4), &r);
+    let acts = drain(&mut owner);
+    assert!(
+        sent(&acts).is_empty(),
+        "no READ_END while a write runs: {acts:?}"
+    );
+    assert!(forgets(&acts).is_empty(), "a write and a gather still run");
+    assert!(
+        completes(&acts).is_empty(),
+        "nothing local waits on a serve"
+    );
+    assert_eq!(
+        owner.arena_usage().local,
+        staged,
+        "staging held, not reused"
+    );
+    assert!(owner.holds_peer(&r));
+    // Asked again (the runtime does while the peer stays unreachable):
+    // still held.
+    owner.peer_unreachable(t(5), &r);
+    assert!(forgets(&drain(&mut owner)).is_empty());
+
+    // The gather ends: its staging is freed, no write starts.
+    owner.handle_gather_done(t(6), gathers[1]);
+    let acts = drain(&mut owner);
+    assert!(
+        !acts.iter().any(|a| matches!(a, Action::PostWrite { .. })),
+        "{acts:?}"
+    );
+    assert!(owner.arena_usage().local < staged);
+    // The write fails (the reader is dead): READ_END, staging freed.
+    owner.handle_write_failed(t(7), gathers[0]);
+    let acts = drain(&mut owner);
+    let end = match sent(&acts)[..] {
+        [m @ Message::ReadEnd { request, .. }] if *request == id => m.clone(),
+        _ => panic!("READ_END once no write can land: {acts:?}"),
+    };
+    assert!(forgets(&acts).is_empty(), "decided at the next check");
+    assert_eq!(owner.request_count(), 0);
+    assert_eq!(owner.arena_usage().local, 0, "the arena drained");
+    owner.check_invariants().unwrap();
+
+    // The next check: nothing of the reader is left, forget it.
+    owner.peer_unreachable(t(8), &r);
+    let acts = drain(&mut owner);
+    assert_eq!(forgets(&acts), vec![&r]);
+    assert!(sent(&acts).is_empty(), "{acts:?}");
+    owner.forget_peer(t(9), &r);
+    assert!(drain(&mut owner).is_empty());
+    assert!(!owner.knows_peer(&r), "no state about the reader is left");
+
+    // The reader was only cut off: it hears the READ_END, then READs
+    // again and is served like a new reader.
+    reader.handle_message(t(10), &o, end);
+    assert_eq!(
+        completes(&drain(&mut reader)),
+        vec![(id, Outcome::Failure(FailureReason::Rejected))]
+    );
+    let id2 = reader.submit_read(t(11), &o, &descs(1, 100), None).unwrap();
+    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
+    owner.handle_message(t(12), &r, msgs[0].clone());
+    let acts = drain(&mut owner);
+    assert!(
+        acts.iter()
+            .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r))
+            && acts
+                .iter()
+                .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)),
+        "the reader's endpoint and data path are loaded anew: {acts:?}"
+    );
+    owner.handle_message(t(13), &r, msgs[1].clone());
+    let Some(Action::StartGather { chunk, .. }) = drain(&mut owner)
+        .into_iter()
+        .find(|a| matches!(a, Action::StartGather { .. }))
+    else {
+        panic!("the new READ is not served")
+    };
+    owner.handle_gather_done(t(14), chunk);
+    assert!(matches!(drain(&mut owner)[..], [Action::PostWrite { .. }]));
+    owner.handle_write_done(t(15), chunk);
+    let data = sent(&drain(&mut owner))[0].clone();
+    reader.handle_message(t(16), &o, data);
+    let Action::StartScatter { region, .. } = drain(&mut reader)[0].clone() else {
+        panic!()
+    };
+    reader.handle_scatter_done(t(17), region);
+    let acts = drain(&mut reader);
+    assert_eq!(completes(&acts), vec![(id2, Outcome::Success)]);
+    owner.handle_message(t(18), &r, sent(&acts)[0].clone());
+    drain(&mut owner);
+    assert_eq!(owner.stats().reads_served, 1);
+    assert_eq!(owner.request_count(), 0);
+    owner.check_invariants().unwrap();
+    reader.check_invariants().unwrap();
+}
+
+/// A serve with nothing running (its READ_GRANT was lost) ends at once
+/// when its reader is unreachable: READ_END, then the reader is
+/// forgotten in the same step.
+#[test]
+fn an_idle_serve_ends_at_once_when_its_reader_is_unreachable() {
+    let (_reader, mut owner, r, _o, id, _grant) = read_in_progress();
+    assert!(owner.holds_peer(&r));
+    owner.peer_unreachable(t(2), &r);
+    let acts = drain(&mut owner);
+    assert!(
+        matches!(
+            &acts[..],
+            [Action::Send { message: Message::ReadEnd { request, .. }, .. }, Action::ForgetPeer { peer }]
+                if *request == id && *peer == r
+        ),
+        "{acts:?}"
+    );
+    assert_eq!(owner.request_count(), 0);
+    owner.forget_peer(t(3), &r);
+    assert!(!owner.knows_peer(&r));
+    owner.check_invariants().unwrap();
+}
+
+/// Found by the simulation: a READ_REFUSE that overtook its READ
+/// tombstones the READ; forgetting the unreachable reader keeps the
+/// tombstone, or the late READ would be served into regions the reader
+/// has given back.
+#[test]
+fn a_forgotten_reader_s_late_read_is_not_served_after_its_refusal() {
+    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+    reader.set_read_data_path(b"dp".to_vec());
+    let id = reader.submit_read(t(0), &o, &descs(1, 100), None).unwrap();
+    let read = sent(&drain(&mut reader))[0].clone();
+    assert!(reader.cancel(t(1), id));
+    let refuse = sent(&drain(&mut reader))[0].clone();
+    assert!(matches!(refuse, Message::ReadRefuse { .. }));
+    owner.handle_message(t(2), &r, refuse);
+    let end = sent(&drain(&mut owner))[0].clone();
+    assert!(matches!(end, Message::ReadEnd { .. }));
+    owner.peer_unreachable(t(3), &r);
+    assert_eq!(forgets(&drain(&mut owner)), vec![&r]);
+    owner.forget_peer(t(4), &r);
+    owner.handle_message(t(5), &r, read);
+    let acts = drain(&mut owner);
+    assert!(
+        !acts
+            .iter()
+            .any(|a| matches!(a, Action::LoadDataPath { .. } | Action::StartGather { .. })),
+        "a READ refused before it arrived is served: {acts:?}"
+    );
+    assert_eq!(owner.request_count(), 0);
+}
+
+/// Only peers the application never loaded are forgotten by the
+/// endpoint, and only once nothing of them is left: a loaded peer stays
+/// (the application forgets it); a sender whose regions are quarantined
+/// stays until its CANCEL frees them.
+#[test]
+fn unreachable_peers_are_forgotten_only_when_unloaded_and_empty() {
+    let (_reader, mut owner, r, _o, _id, _grant) = read_in_progress();
+    owner.set_peer_key(&r, 7);
+    owner.peer_unreachable(t(2), &r);
+    let acts = drain(&mut owner);
+    assert!(forgets(&acts).is_empty(), "a loaded peer: {acts:?}");
+    assert!(!owner.holds_peer(&r) && owner.knows_peer(&r));
+    // The application forgets it; it is not loaded any more.
+    owner.forget_peer(t(3), &r);
+    assert!(!owner.knows_peer(&r));
+
+    let (mut rx, a, _region) = receiver_with_grant();
+    rx.peer_unreachable(t(1), &a);
+    let acts = drain(&mut rx);
+    assert!(forgets(&acts).is_empty(), "its regions are quarantined");
+    assert!(rx.arena_usage().quarantine > 0 && rx.holds_peer(&a));
+    rx.handle_message(t(2), &a, Message::cancel(RequestId(7), vec![], 0));
+    drain(&mut rx);
+    assert_eq!(rx.arena_usage().quarantine, 0);
+    rx.peer_unreachable(t(3), &a);
+    assert_eq!(forgets(&drain(&mut rx)), vec![&a]);
+    rx.forget_peer(t(4), &a);
+    assert!(!rx.knows_peer(&a));
+    rx.check_invariants().unwrap();
+}
+
+#[test]
+fn failure_is_reported_after_running_gathers_end() {
+    let b = PeerId::new("B");
+    let mut tx = Endpoint::new(cfg(true)).unwrap();
+    let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
+    let acts = drain(&mut tx);
+    let Action::StartGather { chunk, .. } = acts[1].clone() else {
+        panic!("{acts:?}")
+    };
+    tx.handle_timeout(t(11));
+    let acts = drain(&mut tx);
+    assert!(
+        completes(&acts).is_empty(),
+        "a gather still reads the source"
+    );
+    // No write can land (none was posted): the CANCEL goes at once.
+    assert_eq!(sent(&acts), vec![&Message::cancel(id, b"ep".to_vec(), 0)]);
+    tx.handle_gather_done(t(12), chunk);
+    let acts = drain(&mut tx);
+    assert_eq!(
+        completes(&acts),
+        vec![(id, Outcome::Failure(FailureReason::Timeout))]
+    );
+    assert_eq!(tx.arena_usage().local, 0);
+    tx.check_invariants().unwrap();
+}
+
+fn receiver_with_grant() -> (Endpoint, PeerId, RegionHandle) {
+    let a = PeerId::new("A");
+    let mut rx = Endpoint::new(cfg(false)).unwrap();
+    rx.handle_message(
+        t(0),
+        &a,
+        Message::Want {
+            request: RequestId(7),
+            chunk_sizes: vec![500, 500],
+            endpoint: vec![],
+            key: 0,
+        },
+    );
+    let acts = drain(&mut rx);
+    let Some(Message::Grant { credits, .. }) = sent(&acts).first().cloned().cloned() else {
+        panic!("{acts:?}")
+    };
+    (rx, a, credits[0].region)
+}
+
+#[test]
+fn late_data_after_cancel_is_dropped() {
+    let (mut rx, a, region) = receiver_with_grant();
+    rx.handle_message(t(1), &a, Message::cancel(RequestId(7), vec![], 0));
+    assert_eq!(rx.flow_count(), 0);
+    assert_eq!(rx.arena_usage().flows, 0);
+    rx.handle_message(
+        t(2),
+        &a,
+        Message::Data {
+            request: RequestId(7),
+            chunk: 0,
+            region,
+            runs: vec![crate::proto::Run::single(0, 0x10, 500)].into(),
+        },
+    );
+    assert!(drain(&mut rx).is_empty());
+    assert_eq!(rx.stats().late_data, 1);
+    // A WANT arriving after its CANCEL is ignored (tombstone).
+    rx.handle_message(
+        t(3),
+        &a,
+        Message::Want {
+            request: RequestId(7),
+            chunk_sizes: vec![8],
+            endpoint: vec![],
+            key: 0,
+        },
+    );
+    assert_eq!(rx.flow_count(), 0);
+    rx.check_invariants().unwrap();
+}
+
+#[test]
+fn out_of_region_runs_abort_the_flow() {
+    let (mut rx, a, region) = receiver_with_grant();
+    rx.handle_message(
+        t(1),
+        &a,
+        Message::Data {
+            request: RequestId(7),
+            chunk: 0,
+            region,
+            runs: vec![crate::proto::Run::single(400, 0x10, 101)].into(),
+        },
+    );
+    let acts = drain(&mut rx);
+    assert_eq!(
+        sent(&acts),
+        vec![&Message::Refuse {
+            request: RequestId(7),
+            reason: RefuseReason::ProtocolViolation
+        }]
+    );
+    assert!(
+        rx.arena_usage().quarantine > 0,
+        "the sender may still write: quarantined"
+    );
+    // The sender's CANCEL (after its writes ended) releases them.
+    rx.handle_message(t(2), &a, Message::cancel(RequestId(7), vec![], 0));
+    assert_eq!(rx.arena_usage().quarantine, 0);
+    rx.check_invariants().unwrap();
+}
+
+#[test]
+fn orphaned_scatter_region_is_freed_when_the_scatter_ends() {
+    let (mut rx, a, region) = receiver_with_grant();
+    rx.handle_message(
+        t(1),
+        &a,
+        Message::Data {
+            request: RequestId(7),
+            chunk: 0,
+            region,
+            runs: vec![crate::proto::Run::single(0, 0x10, 500)].into(),
+        },
+    );
+    assert!(matches!(drain(&mut rx)[0], Action::StartScatter { .. }));
+    rx.forget_peer(t(2), &a);
+    assert_eq!(rx.region_owner(region), Some(&Owner::Orphan));
+    rx.handle_scatter_done(t(3), region);
+    assert!(
+        sent(&drain(&mut rx)).is_empty(),
+        "no ACK for a forgotten flow"
+    );
+    assert_eq!(rx.arena_free() + rx.arena_usage().reserve, 4096);
+}
+
+#[test]
+fn grant_for_an_unknown_request_is_answered_with_cancel() {
+    let b = PeerId::new("B");
+    let mut tx = Endpoint::new(cfg(false)).unwrap();
+    tx.handle_message(
+        t(0),
+        &b,
+        Message::Grant {
+            request: RequestId(5),
+            credits: vec![Credit {
+                chunk: 0,
+                region: RegionHandle(0),
+                len: 64,
+            }],
+        },
+    );
+    assert_eq!(
+        sent(&drain(&mut tx)),
+        vec![&Message::cancel(RequestId(5), b"ep".to_vec(), 0)]
+    );
+}
+
+#[test]
+fn impossible_credit_is_a_protocol_error() {
+    let b = PeerId::new("B");
+    let mut tx = Endpoint::new(cfg(false)).unwrap();
+    let id = tx.submit(t(0), &b, &descs(1, 64)).unwrap();
+    drain(&mut tx);
+    tx.handle_message(
+        t(1),
+        &b,
+        Message::Grant {
+            request: id,
+            credits: vec![Credit {
+                chunk: 3,
+                region: RegionHandle(0),
+                len: 64,
+            }],
+        },
+    );
+    assert_eq!(
+        completes(&drain(&mut tx)),
+        vec![(id, Outcome::Failure(FailureReason::ProtocolError))]
+    );
+}
+
+#[test]
+fn stuck_write_poisons_the_arena() {
+    let b = PeerId::new("B");
+    let mut tx = Endpoint::new(cfg(false)).unwrap();
+    let id = tx.submit(t(0), &b, &descs(1, 64)).unwrap();
+    drain(&mut tx);
+    tx.handle_message(
+        t(1),
+        &b,
+        Message::Grant {
+            request: id,
+            credits: vec![Credit {
+                chunk: 0,
+                region: RegionHandle(0),
+                len: 64,
+            }],
+        },
+    );
+    let Action::StartGather { chunk, .. } = drain(&mut tx)[0].clone() else {
+        panic!()
+    };
+    tx.handle_gather_done(t(2), chunk);
+    drain(&mut tx);
+    tx.handle_write_stuck(t(3), chunk);
+    let acts = drain(&mut tx);
+    assert!(acts.iter().any(|a| matches!(a, Action::Poisoned { .. })));
+    assert_eq!(
+        completes(&acts),
+        vec![(id, Outcome::Failure(FailureReason::Poisoned))]
+    );
+    assert!(
+        sent(&acts).is_empty(),
+        "never cancel while a write may land"
+    );
+    assert!(
+        tx.arena_usage().local > 0,
+        "the stuck source region is never reused"
+    );
+    assert!(matches!(
+        tx.submit(t(4), &b, &descs(1, 64)),
+        Err(SubmitError::Poisoned(_))
+    ));
+    tx.handle_message(
+        t(5),
+        &b,
+        Message::Want {
+            request: RequestId(1),
+            chunk_sizes: vec![64],
+            endpoint: vec![],
+            key: 0,
+        },
+    );
+    assert_eq!(
+        sent(&drain(&mut tx)),
+        vec![&Message::Refuse {
+            request: RequestId(1),
+            reason: RefuseReason::Poisoned
+        }]
+    );
+    tx.check_invariants().unwrap();
+}
+
+#[test]
+fn shutdown_fails_everything_once() {
+    let b = PeerId::new("B");
+    let mut tx = Endpoint::new(cfg(false)).unwrap();
+    let ids: Vec<RequestId> = (0..3)
+        .map(|_| tx.submit(t(0), &b, &descs(1, 64)).unwrap())
+        .collect();
+    drain(&mut tx);
+    tx.shutdown(t(1));
+    tx.shutdown(t(2));
+    let done = completes(&drain(&mut tx));
+    assert_eq!(done.len(), 3);
+    assert!(done
+        .iter()
+        .all(|(id, o)| ids.contains(id) && *o == Outcome::Failure(FailureReason::Shutdown)));
+    assert_eq!(
+        tx.submit(t(3), &b, &descs(1, 64)),
+        Err(SubmitError::ShutDown)
+    );
+}
+
+#[test]
+fn deadline_and_malformed_input() {
+    let b = PeerId::new("B");
+    let mut c = cfg(false);
+    c.request_deadline = Some(Duration::from_millis(3));
+    let mut tx = Endpoint::new(c).unwrap();
+    let id = tx.submit(t(0), &b, &descs(1, 64)).unwrap();
+    drain(&mut tx);
+    assert_eq!(tx.poll_timeout(), Some(t(3)));
+    tx.handle_timeout(t(3));
+    assert_eq!(
+        completes(&drain(&mut tx)),
+        vec![(id, Outcome::Failure(FailureReason::DeadlineExceeded))]
+    );
+    assert!(tx.handle_control(t(4), &b, b"garbage").is_err());
+    assert_eq!(tx.stats().malformed, 1);
+}
