@@ -17,45 +17,87 @@ use serde::{Deserialize, Serialize};
 use crate::engine::bounce::Fallback;
 use crate::sync::Locked;
 
-/// Counters of one engine. All monotonic.
-#[derive(Debug, Default)]
-pub struct Counters {
-    pub registrations: AtomicU64,
-    pub deregistrations: AtomicU64,
-    pub transfers_prepared: AtomicU64,
-    pub transfers_posted: AtomicU64,
-    pub transfers_failed: AtomicU64,
-    pub notifs_received: AtomicU64,
-    pub rejected_calls: AtomicU64,
-    pub panics: AtomicU64,
-    /// The plugin's own time in preparations (`prepare_ns`). Transfers
-    /// the shim hands to UCX below the route floor are counted as prepared
-    /// but not timed (their share is a few comparisons in the shim).
-    pub prepare_ns: AtomicU64,
-    /// Transfers the UCX delegate carries, by reason (`fallback_*`,
-    /// indexed by [`Fallback::index`]).
-    pub fallbacks: [AtomicU64; Fallback::ALL.len()],
-    /// What every preparation and post of BOUNCE's own paths adds to.
-    pub hot: HotCounters,
-}
-
-/// Declares a struct of atomic counters, each field with the name it has
-/// in a snapshot, and `named()` to list them.
+/// Declares a struct of atomic counters, each declared once: its field, its
+/// name in a snapshot, and `named()`, which lists them. Fields that are not
+/// plain counters (gauges, arrays, nested counters) follow in `also { }`.
 macro_rules! typed_counters {
-    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* $field:ident => $key:literal,)* }) => {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $($(#[$fmeta:meta])* $field:ident => $key:literal,)*
+        }
+        $(also {
+            $($(#[$xmeta:meta])* $xfield:ident: $xty:ty,)*
+        })?
+    ) => {
         $(#[$meta])*
         #[derive(Debug, Default)]
         pub struct $name {
-            $($(#[$fmeta])* pub $field: AtomicU64,)*
+            $($(#[$fmeta])* pub $field: ::std::sync::atomic::AtomicU64,)*
+            $($($(#[$xmeta])* pub $xfield: $xty,)*)?
         }
 
         impl $name {
             /// Each counter with its snapshot name.
-            pub fn named(&self) -> impl Iterator<Item = (&'static str, &AtomicU64)> {
+            pub fn named(&self) -> impl Iterator<Item = (&'static str, &::std::sync::atomic::AtomicU64)> {
                 [$(($key, &self.$field)),*].into_iter()
             }
         }
     };
+}
+pub(crate) use typed_counters;
+
+typed_counters! {
+    /// Counters of one engine, all monotonic. These are in every snapshot;
+    /// the rest (`fallbacks`, `hot`, `rare`) once they count something.
+    pub struct Counters {
+        registrations => "registrations",
+        deregistrations => "deregistrations",
+        transfers_prepared => "transfers_prepared",
+        transfers_posted => "transfers_posted",
+        transfers_failed => "transfers_failed",
+        notifs_received => "notifs_received",
+        rejected_calls => "rejected_calls",
+        panics => "panics",
+    }
+    also {
+        /// The plugin's own time in preparations (`prepare_ns`). Transfers
+        /// the shim hands to UCX below the route floor are counted as
+        /// prepared but not timed (their share is a few comparisons in the
+        /// shim).
+        prepare_ns: AtomicU64,
+        /// Transfers the UCX delegate carries, by reason (`fallback_*`,
+        /// indexed by [`Fallback::index`]).
+        fallbacks: [AtomicU64; Fallback::ALL.len()],
+        /// What every preparation and post of BOUNCE's own paths adds to.
+        hot: HotCounters,
+        /// What is rare: failures, cancellations, refused peers.
+        rare: RareCounters,
+    }
+}
+
+typed_counters! {
+    /// What happens seldom: transfers that failed or were cancelled, peers
+    /// refused, paths that could not be set up.
+    pub struct RareCounters {
+        peer_map_exported => "peer_map_exported",
+        peer_map_unavailable => "peer_map_unavailable",
+        peer_map_succeeded => "peer_map_succeeded",
+        peer_map_failed => "peer_map_failed",
+        peer_map_cancelled => "peer_map_cancelled",
+        cma_succeeded => "cma_succeeded",
+        cma_failed => "cma_failed",
+        cma_cancelled => "cma_cancelled",
+        bounce_cancelled => "bounce_cancelled",
+        arena_mixed_staged => "arena_mixed_staged",
+        /// A peer's bounce instance refused at its handshake (its transfers
+        /// then count as `fallback_peer_not_bounce_capable`), by reason.
+        peer_incompatible_wire_version => "peer_incompatible_wire_version",
+        peer_incompatible_control_kind => "peer_incompatible_control_kind",
+        peer_incompatible_chunk_size => "peer_incompatible_chunk_size",
+        peer_incompatible_no_cancel => "peer_incompatible_no_cancel",
+        peer_incompatible_endpoint => "peer_incompatible_endpoint",
+    }
 }
 
 typed_counters! {
@@ -126,11 +168,6 @@ pub struct EngineStats {
     pub agent: String,
     pub params: BTreeMap<String, String>,
     pub counters: Counters,
-    /// Counters by name, for what is rare (failures, cancellations, ...).
-    /// Those every preparation or post touches are atomics in [`Counters`]
-    /// instead: on a cold cache this map's lock and search cost about 1 us
-    /// each time.
-    named: Mutex<BTreeMap<&'static str, u64>>,
     /// Live values from the bounce runtime, read at snapshot time.
     source: Mutex<Option<StatsSource>>,
 }
@@ -161,7 +198,6 @@ impl EngineStats {
             agent: agent.to_string(),
             params,
             counters: Counters::default(),
-            named: Mutex::new(BTreeMap::new()),
             source: Mutex::new(None),
         });
         REGISTRY
@@ -183,14 +219,6 @@ impl EngineStats {
         Self::bump(&self.counters.fallbacks[reason.index()]);
     }
 
-    pub fn bump_named(&self, name: &'static str) {
-        self.add_named(name, 1);
-    }
-
-    pub fn add_named(&self, name: &'static str, n: u64) {
-        *self.named.locked().entry(name).or_default() += n;
-    }
-
     /// Installs the source of live runtime counters and poison state.
     pub fn set_source(&self, f: StatsSource) {
         *self.source.locked() = Some(f);
@@ -198,31 +226,18 @@ impl EngineStats {
 
     pub fn snapshot(&self) -> Snapshot {
         let c = &self.counters;
-        let counters = [
-            ("registrations", &c.registrations),
-            ("deregistrations", &c.deregistrations),
-            ("transfers_prepared", &c.transfers_prepared),
-            ("transfers_posted", &c.transfers_posted),
-            ("transfers_failed", &c.transfers_failed),
-            ("notifs_received", &c.notifs_received),
-            ("rejected_calls", &c.rejected_calls),
-            ("panics", &c.panics),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
-        .collect::<BTreeMap<String, u64>>();
-        let mut counters = counters;
-        for (k, v) in self.named.locked().iter() {
-            counters.insert(k.to_string(), *v);
-        }
-        // These appear once they count something (the named ones once
-        // anything was added to them).
+        let mut counters: BTreeMap<String, u64> = c
+            .named()
+            .map(|(k, v)| (k.to_string(), v.load(Ordering::Relaxed)))
+            .collect();
+        // These appear once they count something.
         let fallbacks = Fallback::ALL
             .iter()
             .map(|r| (r.name(), &c.fallbacks[r.index()]));
         for (k, v) in std::iter::once(("prepare_ns", &c.prepare_ns))
             .chain(fallbacks)
             .chain(c.hot.named())
+            .chain(c.rare.named())
         {
             let n = v.load(Ordering::Relaxed);
             if n > 0 {

@@ -565,12 +565,12 @@ pub fn admit(
     inner_agent: &str,
     peer: &Handshake,
     cma: Option<Arc<CmaPeer>>,
-) -> Result<PeerBounce, (&'static str, String)> {
+) -> Result<PeerBounce, (RareCounter, String)> {
     local_handshake(config, config.control_kind())
         .check_compatible(peer)
         .map_err(|e: Incompatible| (incompatibility_counter(&e), e.to_string()))?;
     let id = peer_id_of(&peer.endpoint).ok_or((
-        "peer_incompatible_endpoint",
+        (|c| &c.peer_incompatible_endpoint) as RareCounter,
         "the peer's control endpoint is not text".to_string(),
     ))?;
     Ok(PeerBounce {
@@ -597,15 +597,18 @@ pub fn admit(
 
 /// The counter an incompatible peer instance bumps (its transfers then
 /// count as `fallback_peer_not_bounce_capable`).
-fn incompatibility_counter(e: &Incompatible) -> &'static str {
+fn incompatibility_counter(e: &Incompatible) -> RareCounter {
     match e {
-        Incompatible::WireVersion { .. } => "peer_incompatible_wire_version",
-        Incompatible::ControlKind { .. } => "peer_incompatible_control_kind",
-        Incompatible::MaxChunk { .. } => "peer_incompatible_chunk_size",
-        Incompatible::NoCancel => "peer_incompatible_no_cancel",
-        Incompatible::NoEndpoint => "peer_incompatible_endpoint",
+        Incompatible::WireVersion { .. } => |c| &c.peer_incompatible_wire_version,
+        Incompatible::ControlKind { .. } => |c| &c.peer_incompatible_control_kind,
+        Incompatible::MaxChunk { .. } => |c| &c.peer_incompatible_chunk_size,
+        Incompatible::NoCancel => |c| &c.peer_incompatible_no_cancel,
+        Incompatible::NoEndpoint => |c| &c.peer_incompatible_endpoint,
     }
 }
+
+/// Which of the rare counters an event bumps.
+pub type RareCounter = fn(&crate::stats::RareCounters) -> &std::sync::atomic::AtomicU64;
 
 /// The protocol's name for a peer: its control endpoint up to the first NUL
 /// byte (a notification endpoint carries the peer's metadata after one; the

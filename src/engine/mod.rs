@@ -323,7 +323,7 @@ impl Engine {
                     .export(range.dev, range.addr as u64, range.len as u64)
                 {
                     Ok(e) => {
-                        self.stats.bump_named("peer_map_exported");
+                        EngineStats::bump(&self.stats.counters.rare.peer_map_exported);
                         Some(e)
                     }
                     Err(e) => {
@@ -518,7 +518,7 @@ impl Engine {
         let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer, cma) {
             Ok(p) => p,
             Err((counter, why)) => {
-                self.stats.bump_named(counter);
+                EngineStats::bump(counter(&self.stats.counters.rare));
                 tracing::info!(
                     remote,
                     "peer's bounce path is incompatible ({why}); using UCX for that memory"
@@ -1059,7 +1059,7 @@ impl Engine {
                     Ok(l) => l,
                     Err(e) => {
                         EngineStats::bump(&self.stats.counters.transfers_failed);
-                        self.stats.bump_named("peer_map_failed");
+                        EngineStats::bump(&self.stats.counters.rare.peer_map_failed);
                         return Err(Error::new(Status::Backend, e));
                     }
                 };
@@ -1122,14 +1122,14 @@ impl Engine {
         match r {
             Ok(()) => {
                 if first {
-                    self.stats.bump_named("cma_succeeded");
+                    EngineStats::bump(&self.stats.counters.rare.cma_succeeded);
                 }
                 Ok(Status::Success)
             }
             Err(e) => {
                 if first {
                     EngineStats::bump(&self.stats.counters.transfers_failed);
-                    self.stats.bump_named("cma_failed");
+                    EngineStats::bump(&self.stats.counters.rare.cma_failed);
                 }
                 Err(Error::new(
                     Status::Backend,
@@ -1180,14 +1180,14 @@ impl Engine {
                     None => Ok(Status::InProgress),
                     Some(Ok(())) => {
                         if first {
-                            self.stats.bump_named("peer_map_succeeded");
+                            EngineStats::bump(&self.stats.counters.rare.peer_map_succeeded);
                         }
                         Ok(Status::Success)
                     }
                     Some(Err(e)) => {
                         if first {
                             EngineStats::bump(&self.stats.counters.transfers_failed);
-                            self.stats.bump_named("peer_map_failed");
+                            EngineStats::bump(&self.stats.counters.rare.peer_map_failed);
                         }
                         Err(Error::new(Status::Backend, e))
                     }
@@ -1217,7 +1217,7 @@ impl Engine {
                 if let Some(t) = &b.ticket {
                     if t.outcome().is_none() {
                         b.instance.runtime.cancel(t);
-                        self.stats.bump_named("bounce_cancelled");
+                        EngineStats::bump(&self.stats.counters.rare.bounce_cancelled);
                     }
                 }
             }
@@ -1227,14 +1227,14 @@ impl Engine {
             Route::PeerMapped(x) => {
                 if let Some(l) = x.launch.as_ref().filter(|l| l.running()) {
                     l.cancelled.store(true, Ordering::SeqCst);
-                    self.stats.bump_named("peer_map_cancelled");
+                    EngineStats::bump(&self.stats.counters.rare.peer_map_cancelled);
                 }
             }
             // Stops at the copy's next system call; a deregistration of its
             // memory waits for that.
             Route::Cma(c) => {
                 if c.xfer.cancel() {
-                    self.stats.bump_named("cma_cancelled");
+                    EngineStats::bump(&self.stats.counters.rare.cma_cancelled);
                 }
             }
         }

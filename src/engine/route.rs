@@ -254,7 +254,7 @@ impl Engine {
             }
             Err(e) => {
                 tracing::info!(agent = %self.local_name, "peer-mapped path unavailable for this transfer ({e}); trying the bounce path");
-                self.stats.bump_named("peer_map_unavailable");
+                EngineStats::bump(&self.stats.counters.rare.peer_map_unavailable);
                 None
             }
         }
@@ -290,7 +290,7 @@ impl Engine {
         let poisoned = local_instance.is_some_and(|b| b.runtime.poisoned().is_some());
         bounce::route(&self.config, poisoned, &input)?;
         if shape.local != shape.remote && !input.vram_arena {
-            self.stats.bump_named("arena_mixed_staged");
+            EngineStats::bump(&self.stats.counters.rare.arena_mixed_staged);
         }
         match (local_instance, peer) {
             (Some(b), Some(p)) => Ok((b.clone(), p.clone())),

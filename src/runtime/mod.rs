@@ -15,7 +15,7 @@
 //! for that long after the last event of a live transfer.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -88,60 +88,66 @@ enum Command {
     },
 }
 
-/// Counters the runtime keeps (read by the engine's stats).
-#[derive(Debug, Default)]
-pub struct RuntimeCounters {
-    pub chunks_written: AtomicU64,
-    pub bytes_written: AtomicU64,
-    pub chunks_scattered: AtomicU64,
-    pub scatter_refused: AtomicU64,
-    pub write_failures: AtomicU64,
-    pub copy_failures: AtomicU64,
-    pub control_send_drops: AtomicU64,
-    pub grants: AtomicU64,
-    pub malformed_messages: AtomicU64,
-    pub late_data: AtomicU64,
-    /// WANT/CANCEL refused for a wrong access key.
-    pub unauthorized: AtomicU64,
-    /// READs this agent served to the end, and refused (bad sources, ...).
-    pub reads_served: AtomicU64,
-    pub reads_refused: AtomicU64,
-    pub succeeded: AtomicU64,
-    pub failed: AtomicU64,
-    pub timeouts: AtomicU64,
-    /// Requests that passed their deadline.
-    pub deadlines: AtomicU64,
-    pub cancelled: AtomicU64,
-    /// Times a peer was found unreachable (control connection down too
-    /// long; once per outage).
-    pub peers_unreachable: AtomicU64,
-    /// Unreachable peers the application never loaded (readers known only
-    /// by their READs), forgotten once nothing of them was left.
-    pub peers_forgotten: AtomicU64,
-    /// The arena now, in bytes, by owner (gauges; they sum to its capacity).
-    pub arena: ArenaGauges,
-    /// Gauges: peers the control channel holds a connection for, and
-    /// readers' data paths loaded for served READs.
-    pub control_peers: AtomicU64,
-    /// Heartbeats the control channel sent (NIXL notifications only).
-    pub control_pings_sent: AtomicU64,
-    pub reader_data_paths: AtomicU64,
-    /// Time spent, summed over operations (for the benchmark's breakdown):
-    /// gathers and scatters running, copy jobs waiting for a worker, chunk
-    /// writes from post to completion, requests from submission to outcome.
-    pub gather_ns: AtomicU64,
-    pub scatter_ns: AtomicU64,
-    pub copy_queue_ns: AtomicU64,
-    pub write_ns: AtomicU64,
-    pub request_ns: AtomicU64,
-    /// Of `write_ns`: the writer thread preparing and posting the writes.
-    pub write_post_ns: AtomicU64,
-    /// Chunk writes by cross-memory attach (host arenas on one host).
-    pub chunk_writes_cma: AtomicU64,
-    /// Control round trips of WRITEs: submission -> the request's first
-    /// GRANT, and DATA sent -> its ACK (the peer's scatter included).
-    pub grant_wait_ns: AtomicU64,
-    pub ack_wait_ns: AtomicU64,
+crate::stats::typed_counters! {
+    /// Counters the runtime keeps (read by the engine's stats; all in every
+    /// snapshot).
+    pub struct RuntimeCounters {
+        chunks_written => "chunks_written",
+        bytes_written => "bytes_written",
+        chunks_scattered => "chunks_scattered",
+        scatter_refused => "scatter_refused",
+        write_failures => "write_failures",
+        copy_failures => "copy_failures",
+        control_send_drops => "control_send_drops",
+        grants => "grants",
+        malformed_messages => "malformed_messages",
+        late_data => "late_data",
+        /// WANT/CANCEL refused for a wrong access key.
+        unauthorized => "unauthorized",
+        /// READs this agent served to the end, and refused (bad sources, ...).
+        reads_served => "reads_served",
+        reads_refused => "reads_refused",
+        succeeded => "bounce_succeeded",
+        failed => "bounce_failed",
+        timeouts => "bounce_timeouts",
+        /// Requests that passed their deadline.
+        deadlines => "bounce_deadlines_exceeded",
+        cancelled => "bounce_cancels",
+        /// Times a peer was found unreachable (control connection down too
+        /// long; once per outage).
+        peers_unreachable => "peers_unreachable",
+        /// Unreachable peers the application never loaded (readers known
+        /// only by their READs), forgotten once nothing of them was left.
+        peers_forgotten => "peers_forgotten",
+        /// Gauges: peers the control channel holds a connection for, and
+        /// readers' data paths loaded for served READs.
+        control_peers => "control_peers",
+        /// Heartbeats the control channel sent (NIXL notifications only).
+        control_pings_sent => "control_pings_sent",
+        reader_data_paths => "reader_data_paths",
+        /// Time spent, summed over operations (for the benchmark's
+        /// breakdown): gathers and scatters running, copy jobs waiting for
+        /// a worker, chunk writes from post to completion, requests from
+        /// submission to outcome.
+        gather_ns => "gather_ns",
+        scatter_ns => "scatter_ns",
+        copy_queue_ns => "copy_queue_ns",
+        write_ns => "write_ns",
+        request_ns => "request_ns",
+        /// Of `write_ns`: the writer thread preparing and posting the writes.
+        write_post_ns => "write_post_ns",
+        /// Chunk writes by cross-memory attach (host arenas on one host).
+        chunk_writes_cma => "chunk_writes_cma",
+        /// Control round trips of WRITEs: submission -> the request's first
+        /// GRANT, and DATA sent -> its ACK (the peer's scatter included).
+        grant_wait_ns => "grant_wait_ns",
+        ack_wait_ns => "ack_wait_ns",
+    }
+    also {
+        /// The arena now, in bytes, by owner (gauges; they sum to its
+        /// capacity).
+        arena: ArenaGauges,
+    }
 }
 
 /// Where the arena's bytes are, set after every protocol event and read
@@ -494,40 +500,6 @@ impl Runtime {
         let copier = self.copier.clone();
         Box::new(move || {
             let c = &shared.counters;
-            let rows = [
-                ("chunks_written", &c.chunks_written),
-                ("bytes_written", &c.bytes_written),
-                ("chunks_scattered", &c.chunks_scattered),
-                ("scatter_refused", &c.scatter_refused),
-                ("write_failures", &c.write_failures),
-                ("copy_failures", &c.copy_failures),
-                ("control_send_drops", &c.control_send_drops),
-                ("grants", &c.grants),
-                ("malformed_messages", &c.malformed_messages),
-                ("late_data", &c.late_data),
-                ("unauthorized", &c.unauthorized),
-                ("reads_served", &c.reads_served),
-                ("reads_refused", &c.reads_refused),
-                ("bounce_succeeded", &c.succeeded),
-                ("bounce_failed", &c.failed),
-                ("bounce_timeouts", &c.timeouts),
-                ("bounce_deadlines_exceeded", &c.deadlines),
-                ("bounce_cancels", &c.cancelled),
-                ("peers_unreachable", &c.peers_unreachable),
-                ("peers_forgotten", &c.peers_forgotten),
-                ("control_peers", &c.control_peers),
-                ("control_pings_sent", &c.control_pings_sent),
-                ("reader_data_paths", &c.reader_data_paths),
-                ("gather_ns", &c.gather_ns),
-                ("scatter_ns", &c.scatter_ns),
-                ("copy_queue_ns", &c.copy_queue_ns),
-                ("write_ns", &c.write_ns),
-                ("request_ns", &c.request_ns),
-                ("write_post_ns", &c.write_post_ns),
-                ("chunk_writes_cma", &c.chunk_writes_cma),
-                ("grant_wait_ns", &c.grant_wait_ns),
-                ("ack_wait_ns", &c.ack_wait_ns),
-            ];
             let a = c.arena.get();
             let arena = [
                 ("arena_free_bytes", a.free),
@@ -537,8 +509,8 @@ impl Runtime {
                 ("arena_orphan_bytes", a.orphan),
                 ("arena_quarantine_bytes", a.quarantine),
             ];
-            let mut map: std::collections::BTreeMap<String, u64> = rows
-                .into_iter()
+            let mut map: std::collections::BTreeMap<String, u64> = c
+                .named()
                 .map(|(k, v)| (k, v.load(Ordering::Relaxed)))
                 .chain(arena)
                 .map(|(k, v)| (k.to_string(), v))
