@@ -2,9 +2,88 @@
 
 use super::*;
 
+/// What the binary does (`help` prints the usage at the top of main.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum Cmd {
+    Test,
+    Bench,
+    Faults,
+    Mapping,
+    /// The target process (started by the initiator).
+    Serve,
+    Help,
+}
+
+/// The operation `bench` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum OpArg {
+    Write,
+    Read,
+}
+
+/// A byte count: `4096`, `4KiB`, `1GiB` (as the backend's parameters).
+fn bytes(s: &str) -> Result<usize, String> {
+    let n = nixl_bounce::config::parse_bytes(s).map_err(|e| e.to_string())?;
+    usize::try_from(n).map_err(|_| format!("{s} does not fit in memory"))
+}
+
+/// A `K=V` backend parameter.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not K=V"))
+}
+
+// The command line as clap reads it (every option goes with every
+// command, as the initiator forwards some to its target).
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "bounce-vram",
+    about = "VRAM transfers between two processes, through BOUNCE or UCX (`bounce-vram help`: the full usage)"
+)]
+struct Cli {
+    #[arg(value_enum, default_value = "help")]
+    command: Cmd,
+    #[arg(long, default_value = "BOUNCE")]
+    backend: String,
+    /// The row label in bench's output (default: the backend).
+    #[arg(long, default_value = "")]
+    label: String,
+    /// A backend parameter of both processes (repeatable; a later one
+    /// replaces an earlier one of the same key).
+    #[arg(long = "param", value_parser = key_value)]
+    params: Vec<(String, String)>,
+    /// A backend parameter of the target process only.
+    #[arg(long = "target-param", value_parser = key_value)]
+    target_params: Vec<(String, String)>,
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    #[arg(long, default_value_t = 0)]
+    target_device: usize,
+    #[arg(long, value_parser = bytes, default_value = "1GiB")]
+    buffer: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096,16384")]
+    counts: Vec<usize>,
+    #[arg(long, value_delimiter = ',', value_parser = bytes, default_value = "4KiB")]
+    sizes: Vec<usize>,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    #[arg(long, default_value_t = 128)]
+    concurrent: usize,
+    #[arg(long)]
+    json: Option<String>,
+    #[arg(long)]
+    expect_fallback: bool,
+    #[arg(long, value_enum, default_value = "write")]
+    op: OpArg,
+    /// `bench`: idle microseconds before each request (outside the timing).
+    #[arg(long, default_value_t = 0)]
+    gap_us: u64,
+}
+
 #[derive(Clone)]
 pub(super) struct Args {
-    pub(super) command: String,
+    pub(super) command: Cmd,
     pub(super) backend: String,
     pub(super) label: String,
     pub(super) params: Vec<(String, String)>,
@@ -27,77 +106,37 @@ pub(super) struct Args {
 
 impl Args {
     pub(super) fn parse() -> Args {
-        let mut it = std::env::args().skip(1);
-        let mut a = Args {
-            command: it.next().unwrap_or_else(|| "help".into()),
-            backend: "BOUNCE".into(),
-            label: String::new(),
-            params: vec![("control_bind_loopback".into(), "true".into())],
-            device: 0,
-            target_device: 0,
-            buffer: 1 << 30,
-            counts: vec![1024, 4096, 16384],
-            sizes: vec![4096],
-            iters: 20,
-            concurrent: 128,
-            json: None,
-            expect_fallback: false,
-            op: XferOp::Write,
-            target_params: Vec::new(),
-            gap_us: 0,
-        };
-        let list = |s: String| {
-            s.split(',')
-                .filter_map(|x| x.trim().parse().ok())
-                .collect::<Vec<usize>>()
-        };
-        while let Some(flag) = it.next() {
-            let mut val = || {
-                it.next()
-                    .unwrap_or_else(|| die(format!("{flag} needs a value")))
-            };
-            match flag.as_str() {
-                "--backend" => a.backend = val(),
-                "--label" => a.label = val(),
-                "--param" => {
-                    let kv = val();
-                    let (k, v) = kv
-                        .split_once('=')
-                        .unwrap_or_else(|| die(format!("--param {kv}: not K=V")));
-                    a.params.retain(|(key, _)| key != k);
-                    a.params.push((k.into(), v.into()));
-                }
-                "--device" => a.device = val().parse().unwrap_or(0),
-                "--target-device" => a.target_device = val().parse().unwrap_or(0),
-                "--buffer" => a.buffer = val().parse().unwrap_or(1 << 30),
-                "--counts" => a.counts = list(val()),
-                "--sizes" => a.sizes = list(val()),
-                "--iters" => a.iters = val().parse().unwrap_or(20),
-                "--concurrent" => a.concurrent = val().parse().unwrap_or(0),
-                "--json" => a.json = Some(val()),
-                "--expect-fallback" => a.expect_fallback = true,
-                "--gap-us" => a.gap_us = val().parse().unwrap_or(0),
-                "--op" => {
-                    a.op = match val().as_str() {
-                        "write" => XferOp::Write,
-                        "read" => XferOp::Read,
-                        other => die(format!("--op {other}: expected write or read")),
-                    }
-                }
-                "--target-param" => {
-                    let kv = val();
-                    let (k, v) = kv
-                        .split_once('=')
-                        .unwrap_or_else(|| die(format!("--target-param {kv}: not K=V")));
-                    a.target_params.push((k.into(), v.into()));
-                }
-                other => die(format!("unknown option {other}")),
-            }
+        let cli = <Cli as clap::Parser>::parse();
+        let mut params = vec![("control_bind_loopback".to_string(), "true".to_string())];
+        for (k, v) in cli.params {
+            params.retain(|(key, _)| *key != k);
+            params.push((k, v));
         }
+        let mut a = Args {
+            command: cli.command,
+            backend: cli.backend,
+            label: cli.label,
+            params,
+            device: cli.device,
+            target_device: cli.target_device,
+            buffer: cli.buffer,
+            counts: cli.counts,
+            sizes: cli.sizes,
+            iters: cli.iters,
+            concurrent: cli.concurrent,
+            json: cli.json,
+            expect_fallback: cli.expect_fallback,
+            op: match cli.op {
+                OpArg::Write => XferOp::Write,
+                OpArg::Read => XferOp::Read,
+            },
+            target_params: cli.target_params,
+            gap_us: cli.gap_us,
+        };
         if a.backend != "BOUNCE" {
             a.params.retain(|(k, _)| k != "control_bind_loopback");
         }
-        if a.command == "faults" {
+        if a.command == Cmd::Faults {
             // The drills hold the bounce path's stages (so not the
             // peer-mapped path); small chunks and arenas: a drill's WRITE is
             // 32 chunks, running when the fault hits.

@@ -84,7 +84,7 @@ fn main() {
         args.target_device as u64,
         std::sync::atomic::Ordering::Relaxed,
     );
-    if args.command == "help" || args.command == "--help" {
+    if args.command == Cmd::Help {
         println!(
             "{}",
             include_str!("main.rs")
@@ -100,18 +100,16 @@ fn main() {
         println!("SKIP: no usable CUDA device ({e})");
         return;
     }
-    let ok = match args.command.as_str() {
-        "serve" => {
+    let ok = match args.command {
+        Cmd::Serve => {
             serve(&args);
             true
         }
-        "test" => run_tests(&args),
-        "bench" => run_bench(&args),
-        "faults" => run_faults(&args),
-        "mapping" => run_mapping(&args),
-        other => die(format!(
-            "unknown command {other} (test, bench, faults, mapping, serve)"
-        )),
+        Cmd::Test => run_tests(&args),
+        Cmd::Bench => run_bench(&args),
+        Cmd::Faults => run_faults(&args),
+        Cmd::Mapping => run_mapping(&args),
+        Cmd::Help => true, // answered above
     };
     std::process::exit(if ok { 0 } else { 1 });
 }
