@@ -19,16 +19,28 @@ use nixl_bounce::copy::Direction;
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_bounce::proto::Run;
 
-fn arg(name: &str, default: usize) -> Result<usize, String> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        None => Ok(default),
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .filter(|&v: &usize| v > 0)
-            .ok_or_else(|| format!("{name} needs a positive integer")),
-    }
+/// The probe's options (`gpu-probe --help`).
+#[derive(clap::Parser)]
+#[command(
+    name = "gpu-probe",
+    about = "GPU sanity check: the copy kernel's compile and throughput, verified"
+)]
+struct Opts {
+    /// Timed copies per case.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    iters: u64,
+    /// Scattered blocks per copy.
+    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    blocks: u64,
+    /// Bytes per block.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    size: u64,
+    /// Bytes per warp's tile (a power of two, 16..=2^30).
+    #[arg(long, default_value_t = DEFAULT_TILE_BYTES)]
+    tile: u64,
+    /// Cap on the grid's blocks (default: the kernel's own choice).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    max_blocks: Option<u32>,
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -47,12 +59,13 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<(), String> {
-    let iters = arg("--iters", 20)?;
-    let n = arg("--blocks", 16384)?;
-    let b = arg("--size", 4096)?;
-    let tile = arg("--tile", DEFAULT_TILE_BYTES as usize)? as u64;
-    let mb = arg("--max-blocks", usize::MAX)?;
-    let max_blocks = (mb != usize::MAX).then(|| mb.min(u32::MAX as usize) as u32);
+    let o = <Opts as clap::Parser>::parse();
+    let as_usize =
+        |v: u64, what: &str| usize::try_from(v).map_err(|_| format!("{what} {v} is too large"));
+    let iters = as_usize(o.iters, "--iters")?;
+    let n = as_usize(o.blocks, "--blocks")?;
+    let b = as_usize(o.size, "--size")?;
+    let (tile, max_blocks) = (o.tile, o.max_blocks);
     let rt = match CudaRuntime::probe() {
         Ok(rt) => rt,
         Err(e) => {
