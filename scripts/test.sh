@@ -16,4 +16,8 @@ cargo test --doc
 # renamed or removed item cannot leave a comment pointing at nothing.
 echo "[test] cargo doc --document-private-items (warnings are errors)" >&2
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --document-private-items
+# The package a user installs: the wheel built, installed into a copy of
+# the NIXL site, and the Python API test run through it.
+echo "[test] scripts/wheel.sh --check (the Python wheel, installed as a user would)" >&2
+scripts/wheel.sh --profile "${NIXL_BOUNCE_PROFILE:-dev}" --check
 echo "[test] all tests passed" >&2
