@@ -73,5 +73,6 @@ pub mod nixl_runtime;
 pub mod nvtx;
 pub mod proto;
 pub mod runtime;
+pub mod splitmix;
 pub mod stats;
 pub mod sync;

@@ -31,21 +31,7 @@ fn device() -> Option<Arc<CudaDevice>> {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
+use nixl_bounce::splitmix::SplitMix64 as Rng;
 
 /// One run, as offsets: (region_offset, app_offset, len, count, region_stride, app_stride).
 type Layout = Vec<(u64, u64, u64, u32, u64, u64)>;
@@ -222,7 +208,7 @@ fn random_runs_match_the_host_reference_in_both_argument_modes() {
         dev.compute_capability(),
         k
     );
-    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    let mut rng = Rng::new(0x5EED_1234_ABCD_0001);
     let (region_len, app_len) = (4 << 20, 8 << 20);
     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
     for zero_copy in [true, false] {
@@ -279,7 +265,7 @@ fn random_runs_match_the_host_reference_in_both_argument_modes() {
 #[test]
 fn non_blocking_start_and_poll() {
     let Some(dev) = device() else { return };
-    let mut rng = Rng(77);
+    let mut rng = Rng::new(77);
     let (region_len, app_len) = (2 << 20, 4 << 20);
     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
     for zero_copy in [true, false] {
@@ -326,7 +312,7 @@ fn non_blocking_start_and_poll() {
 #[test]
 fn try_launch_polls_to_completion_and_declines_when_busy() {
     let Some(dev) = device() else { return };
-    let mut rng = Rng(4242);
+    let mut rng = Rng::new(4242);
     let (region_len, app_len) = (2 << 20, 4 << 20);
     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
     let pool = ExecPool::new(dev.clone(), 1, true).unwrap();
@@ -387,7 +373,7 @@ fn concurrent_copies_through_one_pool() {
                 let dev = dev.clone();
                 let engine = &engine;
                 s.spawn(move || {
-                    let mut rng = Rng(1000 + t);
+                    let mut rng = Rng::new(1000 + t);
                     let (region_len, app_len) = (1 << 20, 2 << 20);
                     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
                     for i in 0..12 {
@@ -465,7 +451,7 @@ fn sixteen_thousand_4k_blocks_merged_and_unmerged() {
     let Some(dev) = device() else { return };
     const N: usize = 16384;
     const B: usize = 4096;
-    let mut rng = Rng(4242);
+    let mut rng = Rng::new(4242);
     let region = DeviceArena::new(&dev, N * B).unwrap();
     let src = DeviceArena::new(&dev, 2 * N * B).unwrap();
     let dst = DeviceArena::new(&dev, 2 * N * B).unwrap();
@@ -538,7 +524,7 @@ fn sixteen_thousand_4k_blocks_merged_and_unmerged() {
 #[test]
 fn batched_memcpy_path_matches_the_host_reference() {
     let Some(dev) = device() else { return };
-    let mut rng = Rng(0xBA7C4);
+    let mut rng = Rng::new(0xBA7C4);
     let (region_len, app_len) = (2 << 20, 4 << 20);
     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
     let pool = ExecPool::new(dev.clone(), 2, true).unwrap();
@@ -590,7 +576,7 @@ fn pair_tables_match_the_host_reference() {
     use nixl_bounce::copy::peer::PeerCopier;
     let Some(dev) = device() else { return };
     let copier = PeerCopier::for_device(dev.ordinal(), 2).expect("copier");
-    let mut rng = Rng(0x005e_ed0f_9a1e);
+    let mut rng = Rng::new(0x005e_ed0f_9a1e);
     let buf = 32 << 20;
     let src = DeviceArena::new(&dev, buf).unwrap();
     let dst = DeviceArena::new(&dev, buf).unwrap();
@@ -682,7 +668,7 @@ fn a_reused_inline_table_copies_only_its_own_pairs() {
     let buf = 1024 * len;
     let src = DeviceArena::new(&dev, buf).unwrap();
     let dst = DeviceArena::new(&dev, buf).unwrap();
-    let src_h = Rng(0x1a11e).bytes(buf);
+    let src_h = Rng::new(0x1a11e).bytes(buf);
     src.write(0, &src_h).unwrap();
     // 512 copies into the upper half of the slots, then 300 into the lower
     // half: both take the 512-pair inline kernel, and the second's words

@@ -42,32 +42,7 @@ use nixl_bounce::proto::{
     RegionHandle, RequestId, Run, Time,
 };
 
-/// splitmix64: tiny, seedable, good enough for scenario generation.
-#[derive(Clone, Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p && p > 0.0
-    }
-}
+use nixl_bounce::splitmix::SplitMix64 as Rng;
 
 const US: u64 = 1_000;
 const MEM: usize = 48 * 1024;
@@ -284,7 +259,7 @@ fn fail(seed: u64, msg: String) -> String {
 
 impl Sim {
     fn new(seed: u64) -> Sim {
-        let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5_5A5A);
+        let mut rng = Rng::new(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5_5A5A);
         let capacity = 1u64 << rng.range(11, 14); // 2..16 KiB
         let granularity = 1u64 << rng.range(6, 8); // 64..256 B
         let max_chunk = (capacity >> rng.range(0, 3)).max(granularity);
@@ -302,8 +277,8 @@ impl Sim {
             eager_gather: rng.chance(0.7),
             // From a stream of its own, so every other draw is unchanged.
             launches_last: {
-                let mut own = Rng(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) ^ 0x1A57);
-                own.next();
+                let mut own = Rng::new(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) ^ 0x1A57);
+                own.next_u64();
                 own.chance(0.7)
             },
             merge_runs: rng.chance(0.8),
@@ -321,7 +296,7 @@ impl Sim {
             min_chunk: granularity << rng.range(0, 3),
         };
         let mut faults = Faults::default();
-        let mut extra_rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x005E_ED0F_F417);
+        let mut extra_rng = Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x005E_ED0F_F417);
         if rng.chance(0.5) {
             faults.suspicions = if extra_rng.chance(0.3) {
                 extra_rng.range(1, 3) as u32
@@ -356,7 +331,7 @@ impl Sim {
             c.access_key = access_key(i);
             let mut mem = vec![0u8; MEM];
             for word in mem.chunks_mut(8) {
-                let r = rng.next().to_le_bytes();
+                let r = rng.next_u64().to_le_bytes();
                 word.copy_from_slice(&r[..word.len()]);
             }
             agents.push(Agent {
@@ -506,7 +481,7 @@ impl Sim {
         for _ in 0..self.faults.cancels {
             let t = Time::from_nanos(self.rng.below(3_000 * US));
             let agent = self.rng.below(n as u64) as usize;
-            let pick = self.rng.next();
+            let pick = self.rng.next_u64();
             self.at(t, Ev::Cancel { agent, pick });
         }
         if self.faults.crash {

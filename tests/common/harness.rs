@@ -103,36 +103,9 @@ pub fn preload_capi(repo_root: Option<&Path>) -> Result<PathBuf, String> {
 // Deterministic randomness and patterns
 // ---------------------------------------------------------------------------
 
-/// SplitMix64: tiny, seedable, good enough for test layouts and patterns.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x6a09_e667_f3bc_c908)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-    /// Uniform in `0..n` (n > 0); modulo bias is irrelevant here.
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i + 1);
-            v.swap(i, j);
-        }
-    }
-}
-
-#[inline]
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+use nixl_bounce::splitmix::mix;
+/// The crate's one PRNG (layouts and orders of the tests' plans).
+pub use nixl_bounce::splitmix::SplitMix64 as Rng;
 
 const PATTERN_TABLE: usize = 64 * 1024;
 

@@ -1,28 +1,19 @@
 //! The seeded plans and byte patterns both processes compute.
 
-pub(super) struct SplitMix(u64);
-impl SplitMix {
-    pub(super) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    pub(super) fn perm(&mut self, n: usize) -> Vec<usize> {
-        let mut v: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
-        }
-        v
-    }
+use nixl_bounce::splitmix::SplitMix64;
+
+/// A random order of `0..n`.
+fn perm(r: &mut SplitMix64, n: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    r.shuffle(&mut v);
+    v
 }
 
 pub(super) fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut r = SplitMix(seed ^ 0x5eed);
+    let mut r = SplitMix64::new(seed ^ 0x5eed);
     let mut out = Vec::with_capacity(len + 8);
     while out.len() < len {
-        out.extend_from_slice(&r.next().to_le_bytes());
+        out.extend_from_slice(&r.next_u64().to_le_bytes());
     }
     out.truncate(len);
     out
@@ -73,13 +64,13 @@ pub(super) fn plan(
     seed: u64,
     mixed: bool,
 ) -> Plan {
-    let mut r = SplitMix(seed);
-    let src = r.perm(slots);
-    let dst = r.perm(slots);
+    let mut r = SplitMix64::new(seed);
+    let src = perm(&mut r, slots);
+    let dst = perm(&mut r, slots);
     let moves = (0..n)
         .map(|i| {
             let len = if mixed {
-                1 + (r.next() as usize % size)
+                1 + (r.next_u64() as usize % size)
             } else {
                 size
             };

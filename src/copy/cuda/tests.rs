@@ -263,18 +263,7 @@ fn the_run_search_finds_every_tile() {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use crate::splitmix::SplitMix64 as Rng;
 
 /// Random non-overlapping runs: (region_offset, app_offset, len, count, rstride, astride).
 fn random_runs(
@@ -308,7 +297,7 @@ fn random_runs(
 
 #[test]
 fn table_model_matches_host_copy_for_random_runs() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     for case in 0..80 {
         let region_len = 64 * 1024;
         let app_len = 96 * 1024;
@@ -319,7 +308,7 @@ fn table_model_matches_host_copy_for_random_runs() {
         if layout.is_empty() {
             continue;
         }
-        let src: Vec<u8> = (0..app_len).map(|_| rng.next() as u8).collect();
+        let src: Vec<u8> = (0..app_len).map(|_| rng.next_u64() as u8).collect();
         let mut region_ref = vec![0xABu8; region_len as usize];
         let mut region_model = vec![0xABu8; region_len as usize];
         let mk = |region: &mut Vec<u8>, app_base: usize| -> (RegionSpan, Vec<Run>) {
