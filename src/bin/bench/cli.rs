@@ -592,7 +592,7 @@ mod tests {
     fn reserved_and_bad_options_are_clear_errors() {
         assert!(run(&["--mem", "vram"])
             .unwrap_err()
-            .contains("not built yet"));
+            .contains("bounce-vram bench"));
         assert_eq!(run(&["--op", "read"]).unwrap().op, Op::Read);
         assert!(run(&["--op", "pull"]).is_err());
         assert!(run(&["--counts", "0"]).is_err());
