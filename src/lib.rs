@@ -14,7 +14,7 @@
 //!   UCX delegate). Its three paths of its own: the bounce arena (an inner
 //!   NIXL agent serves it; `engine::bounce`), cross-memory attach between
 //!   processes on one host (`engine::cma`), and one kernel over a CUDA IPC
-//!   mapping of the peer's GPU memory (`engine::peer`).
+//!   mapping of the peer's GPU memory (`engine::ipc`).
 //! - [`config`]: environment variables and backend parameters -> a validated
 //!   [`config::Config`].
 //! - [`proto`]: the pure protocol (see below).
@@ -25,9 +25,9 @@
 //!   through the inner agent.
 //! - [`copy`]: the copy engines: memcpy for DRAM, cross-memory attach
 //!   (`copy::cma`), the CUDA gather/scatter kernel (`copy::cuda`) and the
-//!   peer-mapped copy (`copy::peer`).
+//!   peer-mapped copy (`copy::ipc`).
 //! - [`failpoint`]: fault injection (`NIXL_BOUNCE_FAILPOINTS`) for tests.
-//! - [`nixl_runtime`]: finds the NIXL C API next to the NIXL that loaded us.
+//! - [`nixl_capi`]: finds the NIXL C API next to the NIXL that loaded us.
 //! - [`stats`]: per-engine counters, exported to C as `nixl_bounce_stats`.
 //! - [`logging`]: `tracing` set-up from `NIXL_BOUNCE_LOG` / `NIXL_BOUNCE_LOG_FILE`.
 //! - [`nvtx`]: NVTX ranges for Nsight Systems, when an NVTX library loads.
@@ -69,7 +69,7 @@ pub mod engine;
 pub mod failpoint;
 pub mod ffi;
 pub mod logging;
-pub mod nixl_runtime;
+pub mod nixl_capi;
 pub mod nvtx;
 pub mod proto;
 pub mod runtime;

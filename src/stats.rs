@@ -340,7 +340,7 @@ pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
 /// `F` is the symbol's type. The plugin stays loaded (NIXL unloads plugins
 /// only at exit), so the pointer outlives the handle closed here.
 unsafe fn plugin_symbol<F: Copy>(symbol: &std::ffi::CStr) -> Result<F, String> {
-    let path = crate::nixl_runtime::loaded_object_path("libplugin_BOUNCE.so").ok_or(
+    let path = crate::nixl_capi::loaded_object_path("libplugin_BOUNCE.so").ok_or(
         "libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)",
     )?;
     let name = path.to_str().ok_or("the plugin's path is not UTF-8")?;

@@ -573,9 +573,9 @@ fn batched_memcpy_path_matches_the_host_reference() {
 /// built while the previous one may still be uploading.
 #[test]
 fn pair_tables_match_the_host_reference() {
-    use nixl_bounce::copy::peer::PeerCopier;
+    use nixl_bounce::copy::ipc::IpcCopier;
     let Some(dev) = device() else { return };
-    let copier = PeerCopier::for_device(dev.ordinal(), 2).expect("copier");
+    let copier = IpcCopier::for_device(dev.ordinal(), 2).expect("copier");
     let mut rng = Rng::new(0x005e_ed0f_9a1e);
     let buf = 32 << 20;
     let src = DeviceArena::new(&dev, buf).unwrap();
@@ -637,12 +637,12 @@ fn pair_tables_match_the_host_reference() {
 /// The pair table of `copies` (source, destination offsets) of `len`
 /// bytes each from `src` into `dst`.
 fn pair_table(
-    copier: &std::sync::Arc<nixl_bounce::copy::peer::PeerCopier>,
+    copier: &std::sync::Arc<nixl_bounce::copy::ipc::IpcCopier>,
     len: usize,
     copies: &[(usize, usize)],
     src: &DeviceArena,
     dst: &DeviceArena,
-) -> nixl_bounce::copy::peer::PeerTable {
+) -> nixl_bounce::copy::ipc::IpcTable {
     copier
         .prepare_pairs(copies.len(), len as u64, Instant::now(), |out| {
             for (pair, &(from, to)) in out.chunks_exact_mut(2).zip(copies) {
@@ -661,9 +661,9 @@ fn pair_table(
 /// only its own.
 #[test]
 fn a_reused_inline_table_copies_only_its_own_pairs() {
-    use nixl_bounce::copy::peer::PeerCopier;
+    use nixl_bounce::copy::ipc::IpcCopier;
     let Some(dev) = device() else { return };
-    let copier = PeerCopier::for_device(dev.ordinal(), 1).expect("copier");
+    let copier = IpcCopier::for_device(dev.ordinal(), 1).expect("copier");
     let len = 4096usize;
     let buf = 1024 * len;
     let src = DeviceArena::new(&dev, buf).unwrap();
@@ -767,7 +767,7 @@ fn upload_call_costs() {
         }
     }
     // The copier's own table build (fill of trivial pairs, then upload).
-    let copier = nixl_bounce::copy::peer::PeerCopier::for_device(dev.ordinal(), 2).unwrap();
+    let copier = nixl_bounce::copy::ipc::IpcCopier::for_device(dev.ordinal(), 2).unwrap();
     for n in [512usize, 32768] {
         for idle in [false, true] {
             let mut up = Vec::new();
@@ -786,7 +786,7 @@ fn upload_call_costs() {
             }
             up.sort();
             println!(
-                "PeerCopier table of {n} pairs {}: upload {:.1} us (median of 40)",
+                "IpcCopier table of {n} pairs {}: upload {:.1} us (median of 40)",
                 if idle {
                     "after 2 ms idle"
                 } else {

@@ -5,7 +5,7 @@
 pub mod cma;
 pub mod cuda;
 pub mod host;
-pub mod peer;
+pub mod ipc;
 
 use std::sync::Arc;
 

@@ -35,7 +35,7 @@ use super::conn_info::{ArenaSeal, CmaExport};
 use super::{Descs, MdOwner, MemKind, Op, Range, RawDesc};
 use crate::config::Config;
 use crate::copy::cma::{self, CmaError, Pair, Target};
-use crate::copy::peer::identity;
+use crate::copy::ipc::identity;
 use crate::sync::Locked;
 
 /// The bytes of a copy below which the post copies it itself: a hand-off

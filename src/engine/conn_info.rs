@@ -91,7 +91,7 @@ impl ConnInfo {
 ///   am_len    u32, am the inner agent's metadata for the bounce arena
 ///   handshake rest    the bounce handshake of the region's location
 /// pm_len u32      (version 2) 0 when the region is not exported for
-///                 peer mapping, else PEER_EXPORT_LEN bytes of [`PeerExport`]
+///                 peer mapping, else PEER_EXPORT_LEN bytes of [`IpcExport`]
 /// cm_len u32      (version 3) 0 when the region is not offered to the CMA
 ///                 path, else CMA_EXPORT_LEN bytes of [`CmaExport`]
 /// hs_len u32      (version 4) 0 when the region has no host-staged
@@ -108,7 +108,7 @@ pub struct PublicData {
     pub bounce: Option<PublicBounce>,
     /// How a peer on the same host may map the region's allocation (the
     /// peer-mapped path, docs/design.md §3).
-    pub peer_map: Option<PeerExport>,
+    pub peer_map: Option<IpcExport>,
     /// How a peer on the same host may copy to and from the region by
     /// cross-memory attach (the CMA path, docs/design.md §3).
     pub cma: Option<CmaExport>,
@@ -166,7 +166,7 @@ impl CmaExport {
     }
 }
 
-/// Bytes of an encoded [`PeerExport`].
+/// Bytes of an encoded [`IpcExport`].
 pub const PEER_EXPORT_LEN: usize = 16 + 16 + 16 + 8 + 8 + 64;
 
 /// A VRAM region's allocation as a peer on the same host can map it:
@@ -180,7 +180,7 @@ pub const PEER_EXPORT_LEN: usize = 16 + 16 + 16 + 8 + 8 + 64;
 /// ipc_handle  64 bytes  CUDA's IPC handle of the allocation
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PeerExport {
+pub struct IpcExport {
     pub host: [u8; 16],
     pub process: [u8; 16],
     pub device_uuid: [u8; 16],
@@ -189,7 +189,7 @@ pub struct PeerExport {
     pub ipc_handle: [u8; 64],
 }
 
-impl PeerExport {
+impl IpcExport {
     fn encode_into(&self, w: &mut Writer) {
         w.bytes(&self.host);
         w.bytes(&self.process);
@@ -207,7 +207,7 @@ impl PeerExport {
             ));
         }
         let mut r = Reader::new(block);
-        let export = PeerExport {
+        let export = IpcExport {
             host: r.array("host id").map_err(truncated)?,
             process: r.array("process token").map_err(truncated)?,
             device_uuid: r.array("device uuid").map_err(truncated)?,
@@ -353,7 +353,7 @@ impl PublicData {
         let peer_map = if peer_block.is_empty() {
             None
         } else {
-            Some(PeerExport::decode(peer_block)?)
+            Some(IpcExport::decode(peer_block)?)
         };
         Ok(Self {
             region_md,
@@ -586,8 +586,8 @@ mod tests {
         assert!(e.contains("version 9"), "{e}");
     }
 
-    fn export() -> PeerExport {
-        PeerExport {
+    fn export() -> IpcExport {
+        IpcExport {
             host: [1; 16],
             process: [2; 16],
             device_uuid: [3; 16],
@@ -725,7 +725,7 @@ mod tests {
             bounce: None,
             cma: None,
             staged: None,
-            peer_map: Some(PeerExport {
+            peer_map: Some(IpcExport {
                 alloc_len: 0,
                 ..export()
             }),
@@ -733,7 +733,7 @@ mod tests {
         let e = PublicData::decode(&p.encode()).unwrap_err();
         assert!(e.contains("impossible allocation"), "{e}");
         let p = PublicData {
-            peer_map: Some(PeerExport {
+            peer_map: Some(IpcExport {
                 alloc_base: u64::MAX - 4,
                 ..export()
             }),

@@ -13,7 +13,7 @@ pub type MdResolver<'a> = &'a (dyn Fn(*const std::ffi::c_void) -> *const Md + Sy
 /// in place (no copy per descriptor), its memory kind and the way to its
 /// descriptors' metadata. Nothing is checked yet: [`Engine::check`] makes a
 /// [`Side`] of it, and the peer-mapped path's one-pass table
-/// (`peer::walk_pairs`) checks as it goes.
+/// (`ipc::walk_pairs`) checks as it goes.
 #[derive(Clone, Copy)]
 pub struct Descs<'a> {
     pub kind: MemKind,
@@ -69,7 +69,7 @@ pub(super) struct SideCheck<'a, 'k> {
     /// Its region (`None`: a null handle).
     pub(super) region: Option<Region<'a>>,
     /// The regions the last preparation met, in order, when kept.
-    pub(super) kept: Option<peer::Cursor<'k, KeptRegion>>,
+    pub(super) kept: Option<ipc::Cursor<'k, KeptRegion>>,
 }
 
 impl<'a, 'k> SideCheck<'a, 'k> {
@@ -83,7 +83,7 @@ impl<'a, 'k> SideCheck<'a, 'k> {
             descs,
             handle: None,
             region: None,
-            kept: kept.map(peer::Cursor::new),
+            kept: kept.map(ipc::Cursor::new),
         }
     }
 
@@ -389,7 +389,7 @@ impl Packing {
 pub(super) struct EarlyPlan {
     pub(super) packing: Packing,
     pub(super) chunks: Vec<plan::Chunk>,
-    pub(super) help: peer::FillHelp,
+    pub(super) help: ipc::FillHelp,
 }
 
 /// What packing a plan's chunks before its survey is known assumes: the
@@ -473,9 +473,9 @@ impl<'a> Checked<'a> {
         op: Op,
         local: Descs<'a>,
         remote: Descs<'a>,
-        fill: &peer::FillPool,
+        fill: &ipc::FillPool,
         packing: Option<&PackSpec>,
-    ) -> Option<(Result<Self>, peer::FillHelp, Option<Vec<plan::Chunk>>)> {
+    ) -> Option<(Result<Self>, ipc::FillHelp, Option<Vec<plan::Chunk>>)> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
         // Parts of whole chunks when packing, unless they would be fewer

@@ -16,8 +16,8 @@ pub mod bounce;
 pub mod cma;
 pub mod conn_info;
 mod descs;
+pub mod ipc;
 pub mod params;
-pub mod peer;
 mod route;
 mod types;
 
@@ -60,7 +60,7 @@ pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
 const PARALLEL_PLAN_MIN_DESCRIPTORS: usize = 8192;
 
 /// How long the preparation pool's workers, woken when a large request is
-/// admitted in `prepXfer`, wait for its first post ([`peer::FillPool::warm`]):
+/// admitted in `prepXfer`, wait for its first post ([`ipc::FillPool::warm`]):
 /// well over a client's own time from `prepXfer` to the post.
 const FILL_POOL_WARM: std::time::Duration = std::time::Duration::from_micros(300);
 
@@ -105,7 +105,7 @@ pub struct Engine {
     /// The bounce path: one instance per memory location in use.
     instances: Instances,
     /// The peer-mapped path: exports, mappings, copiers.
-    peer: peer::PeerMaps,
+    peer: ipc::IpcMaps,
     /// The CMA path: its export, proven peers, copy threads.
     cma: Arc<cma::Cma>,
     /// The regions the last arena check met (one check at a time keeps
@@ -132,7 +132,7 @@ impl Engine {
         if local_name.is_empty() {
             return Err(Error::invalid("the agent name is empty"));
         }
-        crate::nixl_runtime::ensure_capi_loaded().map_err(|e| Error::new(Status::Backend, e))?;
+        crate::nixl_capi::ensure_capi_loaded().map_err(|e| Error::new(Status::Backend, e))?;
 
         let inner_name = format!("{local_name}{INNER_SUFFIX}");
         // NIXL's default progress thread polls without ever sleeping
@@ -209,7 +209,7 @@ impl Engine {
         let stats = EngineStats::new(local_name, params);
         stats.set_source(instances_stats(instances.clone(), readers.clone()));
         tracing::info!(agent = local_name, inner = %inner_name, bounce = config.enabled, "BOUNCE engine created");
-        let peer = peer::PeerMaps::new(&config);
+        let peer = ipc::IpcMaps::new(&config);
         Ok(Self {
             peer,
             cma,
@@ -725,7 +725,7 @@ impl Engine {
         // and host memory on both sides with a peer reached by cross-memory
         // attach takes the CMA path (one thread prepares it).
         if self.config.prepare_at_post && self.config.enabled && agent != self.local_name {
-            let min = PARALLEL_PLAN_MIN_DESCRIPTORS.min(peer::WARM_PARALLEL_FILL_MIN_DESCRIPTORS);
+            let min = PARALLEL_PLAN_MIN_DESCRIPTORS.min(ipc::WARM_PARALLEL_FILL_MIN_DESCRIPTORS);
             if let Some(pool) = self.peer.fill_pool(local, min) {
                 let cma = kinds == [Some(MemKind::Dram); 2]
                     && self.config.enable_cma
@@ -757,7 +757,7 @@ impl Engine {
         same_counts(local.len(), remote.len())?;
         let inner_remote = self.inner_remote(agent)?;
         EngineStats::bump(&self.stats.counters.transfers_prepared);
-        let peer_gate = peer::gate(&self.config, shape).is_ok();
+        let peer_gate = ipc::gate(&self.config, shape).is_ok();
         // Real clients' transfers (every descriptor one length, in mapped
         // regions): one pass from NIXL's descriptors to the uploaded table.
         // Anything it declines is decided by the checked path below.
@@ -875,7 +875,7 @@ impl Engine {
     /// Counts a transfer prepared on the peer-mapped path, with the time
     /// its table took (built, uploaded) and, for the one-pass table, the
     /// time the preparation spent before it (`before_table` ns).
-    fn count_peer_prepared(&self, x: &peer::PeerXfer, before_table: Option<u64>) {
+    fn count_peer_prepared(&self, x: &ipc::IpcXfer, before_table: Option<u64>) {
         let (t, c) = (&x.table.times, &self.stats.counters.hot);
         let add = EngineStats::add;
         add(&c.peer_prepared, 1);
@@ -937,7 +937,7 @@ impl Engine {
         }
         // The regions kept from the last check, unless another check
         // holds them.
-        let mut kept = peer::take_kept(&self.kept_regions);
+        let mut kept = ipc::take_kept(&self.kept_regions);
         Ok((
             Checked::with_kept(op, local, remote, kept.as_deref_mut())?,
             None,
@@ -946,7 +946,7 @@ impl Engine {
 
     /// A bounce transfer's plan. A large one whose descriptors are all one
     /// length is packed in parts of whole chunks on the preparation pool's
-    /// threads beside this one ([`peer::FillPool::share`]) and assembled;
+    /// threads beside this one ([`ipc::FillPool::share`]) and assembled;
     /// anything else, or what the pool declines, in one pass.
     fn plan(
         &self,
@@ -1654,12 +1654,12 @@ mod tests {
         }
 
         /// A pool of two workers beside the calling thread.
-        fn fill_pool() -> peer::FillPool {
+        fn fill_pool() -> ipc::FillPool {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(2)
                 .build()
                 .unwrap();
-            peer::FillPool::new(pool, 1)
+            ipc::FillPool::new(pool, 1)
         }
 
         /// What a check found, to compare.
@@ -1918,7 +1918,7 @@ mod tests {
                 let Some(spec) = PackSpec::new(Survey::uniform(&first, n), options, pool.clone()) else {
                     return Ok(());
                 };
-                let fill = peer::FillPool { part_len, ..fill_pool() };
+                let fill = ipc::FillPool { part_len, ..fill_pool() };
                 let (checked, _, chunks) =
                     Checked::in_parts(op, ld, rd, &fill, Some(&spec)).expect("the pool is free");
                 let checked = checked.expect("checked");

@@ -15,7 +15,7 @@ pub(super) enum Route {
     Bounce(BounceXfer),
     /// The peer-mapped path: one kernel through a mapping of the peer's
     /// memory.
-    PeerMapped(peer::PeerXfer),
+    PeerMapped(ipc::IpcXfer),
     /// The CMA path: DRAM copied straight to or from the peer process.
     Cma(CmaRequest),
 }
@@ -81,7 +81,7 @@ pub fn early_reason(
 ) -> Option<Fallback> {
     if !cfg.enabled || shape.local_transfer {
         Some(below_floor_reason(cfg, shape.local_transfer))
-    } else if peer::gate(cfg, shape).is_ok() || cma_shape(cfg, shape) {
+    } else if ipc::gate(cfg, shape).is_ok() || cma_shape(cfg, shape) {
         None
     } else {
         arena_early_gate(cfg, shape, sum_first).err()
@@ -217,7 +217,7 @@ impl Engine {
     }
 
     /// The peer-mapped path for a transfer the one-pass table declined (see
-    /// [`peer`]): copies merged into runs; `None` sends it on to the bounce
+    /// [`ipc`]): copies merged into runs; `None` sends it on to the bounce
     /// path's routing.
     pub(super) fn peer_mapped_route<'a>(
         &self,
@@ -225,7 +225,7 @@ impl Engine {
         local: &Side<'a>,
         remote: &Side<'a>,
         inner_remote: &Arc<str>,
-    ) -> Option<peer::PeerXfer> {
+    ) -> Option<ipc::IpcXfer> {
         let device = local.ranges().next()?.dev;
         let peer_alloc = |md: Option<&'a Md>| md.and_then(Md::peer_alloc);
         // Peers elsewhere (or not exporting) are the common case off one

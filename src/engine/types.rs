@@ -165,10 +165,10 @@ pub enum MdOwner {
         staged: Option<Arc<PeerBounce>>,
         /// The peer's allocation holding the region, when it is on this
         /// host and exported it for mapping (the peer-mapped path).
-        peer: Option<Arc<peer::RemoteAlloc>>,
+        peer: Option<Arc<ipc::RemoteAlloc>>,
         /// The region as this process addresses it, once a preparation
-        /// found it (see [`peer::MappedRegion`]).
-        mapped: std::sync::OnceLock<peer::MappedRegion>,
+        /// found it (see [`ipc::MappedRegion`]).
+        mapped: std::sync::OnceLock<ipc::MappedRegion>,
         /// The peer process, when it is on this host and proven reachable
         /// by cross-memory attach (the CMA path, DRAM only).
         cma: Option<Arc<cma::CmaPeer>>,
@@ -184,7 +184,7 @@ impl Md {
 
     /// The peer's allocation holding this remote region, when the peer is
     /// on this host and exported it for mapping (the peer-mapped path).
-    pub fn peer_alloc(&self) -> Option<&Arc<peer::RemoteAlloc>> {
+    pub fn peer_alloc(&self) -> Option<&Arc<ipc::RemoteAlloc>> {
         match &self.owner {
             MdOwner::Remote { peer: Some(a), .. } => Some(a),
             _ => None,
@@ -234,8 +234,8 @@ impl Md {
         }
     }
 
-    /// Where a remote region kept its mapping ([`peer::MappedRegion`]).
-    pub fn mapped(&self) -> Option<&std::sync::OnceLock<peer::MappedRegion>> {
+    /// Where a remote region kept its mapping ([`ipc::MappedRegion`]).
+    pub fn mapped(&self) -> Option<&std::sync::OnceLock<ipc::MappedRegion>> {
         match &self.owner {
             MdOwner::Remote { mapped, .. } => Some(mapped),
             _ => None,
@@ -267,7 +267,7 @@ pub struct RawDesc {
 // through a resolver under `Descs::new`'s contract (which holds on any
 // thread: the metadata live for the call, and are only read), so a
 // descriptor array may be read by several threads at once (a large table's
-// parts, engine::peer).
+// parts, engine::ipc).
 unsafe impl Send for RawDesc {}
 // SAFETY: as above.
 unsafe impl Sync for RawDesc {}

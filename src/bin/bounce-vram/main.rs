@@ -68,7 +68,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
-use nixl_bounce::copy::peer::{PeerCopier, PeerMapping, PeerTable, IPC_HANDLE_LEN};
+use nixl_bounce::copy::ipc::{IpcCopier, IpcMapping, IpcTable, IPC_HANDLE_LEN};
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_sys::{
     Agent, MemType, OptArgs, Params, RegistrationHandle, XferDescList, XferOp, XferRequest,

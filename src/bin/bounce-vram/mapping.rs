@@ -46,8 +46,8 @@ pub(super) const MIB: usize = 1 << 20;
 /// through it) before the copier's last reference, the events and stream
 /// before the buffers.
 pub(super) struct Probe {
-    pub(super) mapping: Arc<PeerMapping>,
-    pub(super) copier: Arc<PeerCopier>,
+    pub(super) mapping: Arc<IpcMapping>,
+    pub(super) copier: Arc<IpcCopier>,
     pub(super) start: CudaEvent,
     pub(super) end: CudaEvent,
     pub(super) stream: Arc<CudaStream>,
@@ -72,7 +72,7 @@ impl Probe {
     }
 
     /// The mappings a copy between `src` and `dst` goes through.
-    pub(super) fn maps(&self, src: u64, dst: u64) -> &[Arc<PeerMapping>] {
+    pub(super) fn maps(&self, src: u64, dst: u64) -> &[Arc<IpcMapping>] {
         if src == self.peer || dst == self.peer {
             std::slice::from_ref(&self.mapping)
         } else {
@@ -184,7 +184,7 @@ impl Probe {
         size: usize,
         src: u64,
         dst: u64,
-    ) -> Result<PeerTable, String> {
+    ) -> Result<IpcTable, String> {
         for &(s, d, l) in moves {
             if l != size || s + l > self.len || d + l > self.len {
                 return Err(format!("copy {s} -> {d} of {l} bytes: not a probe copy"));
@@ -264,8 +264,8 @@ impl Probe {
 /// One launch of `table` to its completion seen by polling: (wall us,
 /// wall us).
 pub(super) fn launch_and_wait(
-    table: &mut PeerTable,
-    maps: &[Arc<PeerMapping>],
+    table: &mut IpcTable,
+    maps: &[Arc<IpcMapping>],
 ) -> Result<(f64, f64), String> {
     let t0 = Instant::now();
     let launch = table.launch(maps)?;
@@ -316,8 +316,8 @@ pub(super) fn mapping_probe(args: &Args) -> Result<(), String> {
         .try_into()
         .map_err(|_| format!("bad GPU UUID {uuid:?} from the target"))?;
     let dev = CudaRuntime::probe()?.device(args.device)?;
-    let copier = PeerCopier::for_device(args.device, 1)?;
-    let mapping = Arc::new(PeerMapping::open(
+    let copier = IpcCopier::for_device(args.device, 1)?;
+    let mapping = Arc::new(IpcMapping::open(
         &copier, &uuid, alloc_base, alloc_len, &handle, false,
     )?);
     let peer = buf_base

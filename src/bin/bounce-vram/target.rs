@@ -92,7 +92,7 @@ pub(super) fn serve(args: &Args) {
             // The IPC export of the allocation holding the buffer
             // (`mapping`): base, length, handle, GPU UUID, buffer base.
             ["IPC"] => {
-                match nixl_bounce::copy::peer::export_allocation(args.target_device, buf.base()) {
+                match nixl_bounce::copy::ipc::export_allocation(args.target_device, buf.base()) {
                     Ok((base, len, handle, uuid)) => reply(format!(
                         "OK {base} {len} {} {} {}",
                         hex(&handle),

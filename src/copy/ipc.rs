@@ -8,13 +8,13 @@
 //! The pieces, each owning one CUDA resource:
 //! - [`export_allocation`]: what a registering process publishes for a VRAM
 //!   region (the allocation's base, length, IPC handle and GPU).
-//! - [`PeerMapping`]: a peer's allocation opened in this process (closed on
+//! - [`IpcMapping`]: a peer's allocation opened in this process (closed on
 //!   drop, after every peer-mapped copy of the device has ended).
-//! - [`PeerCopier`]: one device's streams and its copy kernel.
-//! - [`PeerTable`]: a transfer's copy table (runs or pairs), built once when
+//! - [`IpcCopier`]: one device's streams and its copy kernel.
+//! - [`IpcTable`]: a transfer's copy table (runs or pairs), built once when
 //!   the request is prepared, uploaded or kept to be passed as the launch's
 //!   parameter, so a post is one kernel launch.
-//! - [`PeerLaunch`]: one posted copy, polled through its event.
+//! - [`IpcLaunch`]: one posted copy, polled through its event.
 //!
 //! The kernel is the gather/scatter kernel of `kernels/gather_scatter.cu`:
 //! a peer-mapped copy is a gather whose "region" is the whole address space
@@ -204,7 +204,7 @@ pub fn export_allocation(
 /// memory of tables (pinned host memory they are built in, device memory
 /// they are uploaded to on their copies' stream), kept for the next ones
 /// ([`TableCache`]).
-pub struct PeerCopier {
+pub struct IpcCopier {
     device: Arc<CudaDevice>,
     kernel: Arc<CopyKernel>,
     /// Dropped by hand, inside a [`ContextScope`]: cudarc's drop of a
@@ -227,16 +227,16 @@ pub struct PeerCopier {
     inline_words: Mutex<Vec<Box<[u64]>>>,
 }
 
-/// How many inline tables' words [`PeerCopier`] keeps for reuse.
+/// How many inline tables' words [`IpcCopier`] keeps for reuse.
 const KEPT_INLINE_WORDS: usize = 8;
 
 // SAFETY: the cached tables are driver handles and memory usable from any
 // thread (only under their mutex); everything else is Send + Sync already.
-unsafe impl Send for PeerCopier {}
+unsafe impl Send for IpcCopier {}
 // SAFETY: as above.
-unsafe impl Sync for PeerCopier {}
+unsafe impl Sync for IpcCopier {}
 
-impl Drop for PeerCopier {
+impl Drop for IpcCopier {
     fn drop(&mut self) {
         let Ok(_ctx) = ContextScope::enter(&self.device) else {
             return; // leaked: nothing can be released without the context
@@ -252,16 +252,16 @@ impl Drop for PeerCopier {
     }
 }
 
-impl std::fmt::Debug for PeerCopier {
+impl std::fmt::Debug for IpcCopier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerCopier")
+        f.debug_struct("IpcCopier")
             .field("device", &self.device.ordinal())
             .field("streams", &self.streams.len())
             .finish()
     }
 }
 
-impl PeerCopier {
+impl IpcCopier {
     /// The copier of device `ordinal`: compiles the copy kernel (if not
     /// yet) and creates `streams` streams.
     pub fn for_device(ordinal: usize, streams: usize) -> Result<Arc<Self>, String> {
@@ -275,7 +275,7 @@ impl PeerCopier {
         let streams = (0..streams.max(1))
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Arc::new(PeerCopier {
+        Ok(Arc::new(IpcCopier {
             events: EventPool::new(device.clone()),
             device,
             kernel,
@@ -303,7 +303,7 @@ impl PeerCopier {
     /// a gather into address 0, so `addr` is each source and
     /// `region_offset` each destination). `started` is when the caller
     /// began building the runs (for the table-fill time).
-    pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<PeerTable, String> {
+    pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<IpcTable, String> {
         if runs.is_empty() {
             return Err("a peer-mapped copy of no bytes".into());
         }
@@ -344,7 +344,7 @@ impl PeerCopier {
         len: u64,
         started: Instant,
         fill: impl FnOnce(&mut [u64]) -> Result<bool, String>,
-    ) -> Result<Option<PeerTable>, String> {
+    ) -> Result<Option<IpcTable>, String> {
         let shape = pairs_shape(n, len, DEFAULT_TILE_BYTES, self.max_warps())?;
         let inline = (n <= self.inline_limit.load(Ordering::Relaxed))
             .then(|| self.kernel.inline_pairs_function(n))
@@ -361,7 +361,7 @@ impl PeerCopier {
                 }
             }
             let fill = started.elapsed().as_nanos() as u64;
-            return Ok(Some(PeerTable {
+            return Ok(Some(IpcTable {
                 copier: self.clone(),
                 device_table: None,
                 form: TableForm::InlinePairs { len, words },
@@ -404,7 +404,7 @@ impl PeerCopier {
         capacity: usize,
         started: Instant,
         fill: impl FnOnce(&mut [u64]) -> Result<Option<(TableForm, LaunchShape, usize)>, String>,
-    ) -> Result<Option<PeerTable>, String> {
+    ) -> Result<Option<IpcTable>, String> {
         let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
         let t0 = started;
         let _ctx = ContextScope::enter(&self.device)?;
@@ -445,7 +445,7 @@ impl PeerCopier {
         // SAFETY: the table's device memory holds `used` bytes. Pinned
         // `bytes` stay unchanged until the upload completed: they go back
         // to the cache only behind everything queued on this stream
-        // (`PeerTable`'s drop). A pageable buffer is copied synchronously
+        // (`IpcTable`'s drop). A pageable buffer is copied synchronously
         // (`cuMemcpyHtoD` returns once it was read, and does not wait for
         // the copy streams, which do not block on the legacy stream); the
         // launch, queued later, reads the finished table.
@@ -465,7 +465,7 @@ impl PeerCopier {
             return Err(e);
         }
         drop(pageable);
-        Ok(Some(PeerTable {
+        Ok(Some(IpcTable {
             copier: self.clone(),
             device_table: Some(table),
             form,
@@ -485,7 +485,7 @@ const WHOLE_ADDRESS_SPACE: RegionSpan = RegionSpan {
 
 /// One copy of a peer-mapped transfer: absolute addresses in this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerCopy {
+pub struct IpcCopy {
     pub src: u64,
     pub dst: u64,
     pub len: u64,
@@ -495,7 +495,7 @@ pub struct PeerCopy {
 /// 0, so `addr` is the source and `region_offset` the destination, merged
 /// with the planner's rule ([`RunBuilder`]: contiguous on both sides, or a
 /// uniform stride on both). Empty copies are skipped.
-pub fn push_copy(runs: &mut RunBuilder, c: PeerCopy) {
+pub fn push_copy(runs: &mut RunBuilder, c: IpcCopy) {
     if c.len > 0 {
         runs.add(c.dst, c.src, c.len);
     }
@@ -503,7 +503,7 @@ pub fn push_copy(runs: &mut RunBuilder, c: PeerCopy) {
 
 /// `copies` as runs (see [`push_copy`]).
 #[cfg(test)]
-fn merge(copies: &[PeerCopy]) -> Vec<Run> {
+fn merge(copies: &[IpcCopy]) -> Vec<Run> {
     let mut runs = RunBuilder::new(Vec::with_capacity(copies.len()));
     for &c in copies {
         push_copy(&mut runs, c);
@@ -574,8 +574,8 @@ enum TableForm {
 /// copier; on drop an uploaded table's memory (pinned and device) goes
 /// back to the copier's [`TableCache`], reused only after its upload and
 /// every copy launched from it ended.
-pub struct PeerTable {
-    copier: Arc<PeerCopier>,
+pub struct IpcTable {
+    copier: Arc<IpcCopier>,
     /// Taken back by the cache on drop.
     device_table: Option<CachedTable>,
     form: TableForm,
@@ -583,21 +583,21 @@ pub struct PeerTable {
     stream: usize,
     /// The last launch of the table: when it was seen to end, the table's
     /// memory is free as soon as the table is dropped.
-    last_launch: Option<Arc<PeerLaunch>>,
+    last_launch: Option<Arc<IpcLaunch>>,
     /// Where the preparation's host time went.
     pub times: TableTimes,
 }
 
-impl std::fmt::Debug for PeerTable {
+impl std::fmt::Debug for IpcTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerTable")
+        f.debug_struct("IpcTable")
             .field("runs", &self.shape.nruns)
             .field("bytes", &self.shape.total_bytes)
             .finish()
     }
 }
 
-impl PeerTable {
+impl IpcTable {
     /// Bytes one launch moves.
     pub fn bytes(&self) -> u64 {
         self.shape.total_bytes
@@ -614,7 +614,7 @@ impl PeerTable {
     /// on that stream is the one queued last. (The engine refuses to repost
     /// a request whose copy still runs; were it not to, the copies would
     /// only queue on the stream.) On an error nothing runs any more.
-    pub fn launch(&mut self, mappings: &[Arc<PeerMapping>]) -> Result<Arc<PeerLaunch>, String> {
+    pub fn launch(&mut self, mappings: &[Arc<IpcMapping>]) -> Result<Arc<IpcLaunch>, String> {
         let _range = crate::nvtx::range(c"bounce peer-mapped launch");
         let c = &self.copier;
         let i = self.stream;
@@ -684,7 +684,7 @@ impl PeerTable {
                 "cuEventRecord after the peer-mapped copy: {e} (waiting for the copy: {waited:?})"
             ));
         }
-        let launch = Arc::new(PeerLaunch {
+        let launch = Arc::new(IpcLaunch {
             event,
             events: c.events.clone(),
             device: c.device.clone(),
@@ -702,7 +702,7 @@ impl PeerTable {
     }
 }
 
-impl Drop for PeerTable {
+impl Drop for IpcTable {
     fn drop(&mut self) {
         let c = &self.copier;
         if let TableForm::InlinePairs { words, .. } = &mut self.form {
@@ -730,7 +730,7 @@ impl Drop for PeerTable {
     }
 }
 
-impl PeerCopier {
+impl IpcCopier {
     /// Words for an inline table: kept ones of that length (holding an
     /// earlier table's pairs, which the kernel does not read beyond the
     /// table's own), else new ones.
@@ -893,7 +893,7 @@ fn pinned_zeroed(bytes: usize) -> *mut u64 {
 /// One launched peer-mapped copy. Shared by the request (which polls it)
 /// and the notifier (which sends the transfer's notification once it ended).
 #[derive(Debug)]
-pub struct PeerLaunch {
+pub struct IpcLaunch {
     /// Recorded after the kernel; back to `events` on drop.
     event: sys::CUevent,
     events: Arc<EventPool>,
@@ -910,12 +910,12 @@ pub struct PeerLaunch {
 
 // SAFETY: the event is a driver handle usable from any thread; nothing
 // else in a launch is thread-bound.
-unsafe impl Send for PeerLaunch {}
+unsafe impl Send for IpcLaunch {}
 // SAFETY: as above; the event is only queried (and recorded before the
 // launch is shared).
-unsafe impl Sync for PeerLaunch {}
+unsafe impl Sync for IpcLaunch {}
 
-impl Drop for PeerLaunch {
+impl Drop for IpcLaunch {
     fn drop(&mut self) {
         // Recorded again by a later launch: nothing tracks this one's
         // kernel any more (mappings keep their launches until they ended).
@@ -990,7 +990,7 @@ impl Drop for EventPool {
     }
 }
 
-impl PeerLaunch {
+impl IpcLaunch {
     /// Fails the copy if it still runs `limit` after its launch: it cannot
     /// be stopped, but its request ends (and sends no notification).
     pub fn expire(&self, limit: Duration) {
@@ -1103,8 +1103,8 @@ fn enable_peer_access(owner: &CudaDevice, local: usize) -> Result<(), String> {
 }
 
 /// A peer's allocation as this process addresses it.
-pub struct PeerMapping {
-    copier: Arc<PeerCopier>,
+pub struct IpcMapping {
+    copier: Arc<IpcCopier>,
     /// This process's address of the allocation's base.
     base: u64,
     len: u64,
@@ -1113,12 +1113,12 @@ pub struct PeerMapping {
     opened: bool,
     /// The last copy launched through this mapping on each copier stream
     /// (copies on one stream end in order): what closing it waits for.
-    last: Mutex<Vec<Option<Arc<PeerLaunch>>>>,
+    last: Mutex<Vec<Option<Arc<IpcLaunch>>>>,
 }
 
-impl std::fmt::Debug for PeerMapping {
+impl std::fmt::Debug for IpcMapping {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerMapping")
+        f.debug_struct("IpcMapping")
             .field("base", &format_args!("{:#x}", self.base))
             .field("len", &self.len)
             .field("opened", &self.opened)
@@ -1126,7 +1126,7 @@ impl std::fmt::Debug for PeerMapping {
     }
 }
 
-impl PeerMapping {
+impl IpcMapping {
     /// Maps a peer's allocation for copies launched by `copier`.
     ///
     /// `same_process`: the exporter is this process (two agents in one
@@ -1138,18 +1138,18 @@ impl PeerMapping {
     /// lives on another GPU. Either is refused when the two GPUs cannot
     /// reach each other.
     pub fn open(
-        copier: &Arc<PeerCopier>,
+        copier: &Arc<IpcCopier>,
         device_uuid: &[u8; 16],
         alloc_base: u64,
         alloc_len: u64,
         ipc_handle: &[u8; IPC_HANDLE_LEN],
         same_process: bool,
-    ) -> Result<PeerMapping, String> {
+    ) -> Result<IpcMapping, String> {
         let local = copier.device.ordinal();
         let cuda = CudaRuntime::probe()?;
         let owner = device_with_uuid(&cuda, device_uuid)
             .ok_or_else(|| "the peer's GPU is not visible to this process".to_string())?;
-        let mapping = |base: u64, opened: bool| PeerMapping {
+        let mapping = |base: u64, opened: bool| IpcMapping {
             copier: copier.clone(),
             base,
             len: alloc_len,
@@ -1208,7 +1208,7 @@ impl PeerMapping {
 
     /// Remembers `launch` as the last copy through this mapping on its
     /// stream (call after each launch that uses it).
-    pub fn note(&self, launch: &Arc<PeerLaunch>) {
+    pub fn note(&self, launch: &Arc<IpcLaunch>) {
         let mut last = self.last.locked();
         if let Some(slot) = last.get_mut(launch.stream()) {
             *slot = Some(launch.clone());
@@ -1228,7 +1228,7 @@ impl PeerMapping {
     }
 }
 
-impl Drop for PeerMapping {
+impl Drop for IpcMapping {
     fn drop(&mut self) {
         if !self.opened {
             return;
@@ -1303,7 +1303,7 @@ mod tests {
 
     #[test]
     fn merge_joins_only_copies_that_continue_on_both_sides() {
-        let c = |src, dst, len| PeerCopy { src, dst, len };
+        let c = |src, dst, len| IpcCopy { src, dst, len };
         let runs = merge(&[
             c(0, 1000, 10),
             c(10, 1010, 5),  // continues both: merged
@@ -1323,8 +1323,8 @@ mod tests {
     #[test]
     fn uniformly_strided_copies_become_one_strided_run() {
         // Blocks every 8 KiB on the source, every 12 KiB on the destination.
-        let copies: Vec<PeerCopy> = (0..64)
-            .map(|i| PeerCopy {
+        let copies: Vec<IpcCopy> = (0..64)
+            .map(|i| IpcCopy {
                 src: 0x1000_0000 + i * 8192,
                 dst: 0x9000_0000 + i * 12288,
                 len: 4096,
@@ -1350,8 +1350,8 @@ mod tests {
 
     #[test]
     fn a_merged_table_fills_with_absolute_destinations() {
-        let copies: Vec<PeerCopy> = (0..64)
-            .map(|i| PeerCopy {
+        let copies: Vec<IpcCopy> = (0..64)
+            .map(|i| IpcCopy {
                 src: 0x1000_0000 + i * 8192,
                 dst: 0x9000_0000 + (63 - i) * 4096,
                 len: 4096,

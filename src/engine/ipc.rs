@@ -19,10 +19,10 @@ use std::time::Duration;
 use nixl_sys::Agent;
 
 use super::bounce::{peer_map_gate, Fallback};
-use super::conn_info::PeerExport;
+use super::conn_info::IpcExport;
 use super::{Descs, MemKind, Op, Range, RawDesc, Shape};
 use crate::config::Config;
-use crate::copy::peer::{self, Identity, PeerCopier, PeerCopy, PeerLaunch, PeerMapping};
+use crate::copy::ipc::{self, Identity, IpcCopier, IpcCopy, IpcLaunch, IpcMapping};
 use crate::proto::plan::RunBuilder;
 use crate::sync::Locked;
 
@@ -109,21 +109,21 @@ pub fn gate(cfg: &Config, g: &Shape) -> Result<(), &'static str> {
 /// it). Dropped, with its mappings, when the last such region is unloaded.
 #[derive(Debug)]
 pub struct RemoteAlloc {
-    pub export: PeerExport,
+    pub export: IpcExport,
     same_process: bool,
-    mappings: Mutex<HashMap<usize, Result<Arc<PeerMapping>, String>>>,
+    mappings: Mutex<HashMap<usize, Result<Arc<IpcMapping>, String>>>,
 }
 
 impl RemoteAlloc {
     /// The mapping for copies on `copier`'s device, opened at first use (a
     /// failure is remembered and not retried for this allocation).
-    fn mapping(&self, copier: &Arc<PeerCopier>) -> Result<Arc<PeerMapping>, String> {
+    fn mapping(&self, copier: &Arc<IpcCopier>) -> Result<Arc<IpcMapping>, String> {
         let dev = copier.device().ordinal();
         let mut map = self.mappings.locked();
         map.entry(dev)
             .or_insert_with(|| {
                 let e = &self.export;
-                PeerMapping::open(
+                IpcMapping::open(
                     copier,
                     &e.device_uuid,
                     e.alloc_base,
@@ -149,17 +149,17 @@ impl RemoteAlloc {
 pub struct MappedRegion {
     device: usize,
     shift: u64,
-    mapping: Arc<PeerMapping>,
+    mapping: Arc<IpcMapping>,
 }
 
 /// A transfer on the peer-mapped path, made when the request is prepared.
-pub struct PeerXfer {
-    pub table: peer::PeerTable,
+pub struct IpcXfer {
+    pub table: ipc::IpcTable,
     /// The mappings the table's addresses point into: open while the request
     /// lives (and, once it is gone, until its last copy ended: see
-    /// `PeerMapping`'s drop).
-    pub mappings: Vec<Arc<PeerMapping>>,
-    pub launch: Option<Arc<PeerLaunch>>,
+    /// `IpcMapping`'s drop).
+    pub mappings: Vec<Arc<IpcMapping>>,
+    pub launch: Option<Arc<IpcLaunch>>,
     /// How long the posted copy may run before its request fails (the
     /// transfer's deadline, else the configured deadline or timeout).
     pub limit: Duration,
@@ -169,10 +169,10 @@ pub struct PeerXfer {
     pub help: Option<FillHelp>,
 }
 
-impl PeerXfer {
+impl IpcXfer {
     /// A prepared, not yet posted transfer of `table` through `mappings`.
-    fn new(table: peer::PeerTable, mappings: Vec<Arc<PeerMapping>>, peer_inner: Arc<str>) -> Self {
-        PeerXfer {
+    fn new(table: ipc::IpcTable, mappings: Vec<Arc<IpcMapping>>, peer_inner: Arc<str>) -> Self {
+        IpcXfer {
             table,
             mappings,
             launch: None,
@@ -185,7 +185,7 @@ impl PeerXfer {
 }
 
 /// The windows of the regions the last one-pass preparation met, per side
-/// in the order it met them (`PeerMaps::prepare_pairs`), for copies on GPU
+/// in the order it met them (`IpcMaps::prepare_pairs`), for copies on GPU
 /// `device`. Real clients prepare the same regions in the same order for
 /// every request (vLLM: its whole cache, region-major), and a region's
 /// look-up from its handle touches several cache lines that are cold
@@ -200,7 +200,7 @@ impl PeerXfer {
 struct WindowCache {
     device: usize,
     local: Vec<(usize, Window)>,
-    remote: Vec<(usize, (Window, Arc<PeerMapping>))>,
+    remote: Vec<(usize, (Window, Arc<IpcMapping>))>,
 }
 
 /// How many regions per side [`WindowCache`] keeps at most.
@@ -256,22 +256,22 @@ pub(crate) fn take_kept<T: Default>(kept: &Mutex<T>) -> Option<std::sync::MutexG
 }
 
 /// Adds `m` to the mappings a table's addresses point into, once.
-fn keep_mapping(mappings: &mut Vec<Arc<PeerMapping>>, m: &Arc<PeerMapping>) {
+fn keep_mapping(mappings: &mut Vec<Arc<IpcMapping>>, m: &Arc<IpcMapping>) {
     if !mappings.iter().any(|x| Arc::ptr_eq(x, m)) {
         mappings.push(m.clone());
     }
 }
 
 /// A GPU's copier, or why it has none.
-type CopierOrWhyNot = Result<Arc<PeerCopier>, String>;
+type CopierOrWhyNot = Result<Arc<IpcCopier>, String>;
 
 /// The engine's peer-mapping state.
-pub struct PeerMaps {
+pub struct IpcMaps {
     identity: Option<Identity>,
     /// Per GPU ordinal, made at first use (a failure is kept, not retried):
     /// found by indexing, without a lock, by every preparation.
     copiers: Box<[OnceLock<CopierOrWhyNot>]>,
-    allocs: Mutex<HashMap<PeerExport, Weak<RemoteAlloc>>>,
+    allocs: Mutex<HashMap<IpcExport, Weak<RemoteAlloc>>>,
     notifier: Mutex<Option<Notifier>>,
     /// The run list a preparation builds, kept between preparations (its
     /// megabytes would otherwise be page-faulted in anew every time); one
@@ -287,22 +287,22 @@ pub struct PeerMaps {
     fill_pool: OnceLock<Option<FillPool>>,
 }
 
-impl std::fmt::Debug for PeerMaps {
+impl std::fmt::Debug for IpcMaps {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerMaps")
+        f.debug_struct("IpcMaps")
             .field("identity", &self.identity.is_some())
             .finish_non_exhaustive()
     }
 }
 
-impl PeerMaps {
+impl IpcMaps {
     pub fn new(cfg: &Config) -> Self {
         let identity = if cfg.enabled && cfg.enable_peer_map {
-            peer::identity()
+            ipc::identity()
         } else {
             None
         };
-        PeerMaps {
+        IpcMaps {
             identity,
             copiers: (0..MAX_GPUS).map(|_| OnceLock::new()).collect(),
             allocs: Mutex::new(HashMap::new()),
@@ -346,13 +346,13 @@ impl PeerMaps {
     /// What to publish for a VRAM region registered on `device` at `addr`
     /// (`len` bytes), if it can be mapped by peers. Errors are the reason
     /// it cannot (logged by the caller, not fatal).
-    pub fn export(&self, device: u64, addr: u64, len: u64) -> Result<PeerExport, String> {
+    pub fn export(&self, device: u64, addr: u64, len: u64) -> Result<IpcExport, String> {
         let id = self
             .identity
             .ok_or("peer mapping is off, or this host cannot be identified")?;
         let (alloc_base, alloc_len, ipc_handle, device_uuid) =
-            peer::export_allocation(device as usize, addr)?;
-        let export = PeerExport {
+            ipc::export_allocation(device as usize, addr)?;
+        let export = IpcExport {
             host: id.host,
             process: id.process,
             device_uuid,
@@ -372,7 +372,7 @@ impl PeerMaps {
     /// `[addr, addr + len)`, when it can be used from here: the peer is on
     /// this host and the region lies inside the allocation. `None` means
     /// the region is served by the bounce path or UCX.
-    pub fn remote(&self, export: &PeerExport, addr: u64, len: u64) -> Option<Arc<RemoteAlloc>> {
+    pub fn remote(&self, export: &IpcExport, addr: u64, len: u64) -> Option<Arc<RemoteAlloc>> {
         let id = self.identity?;
         if export.host != id.host {
             return None;
@@ -399,12 +399,12 @@ impl PeerMaps {
         Some(a)
     }
 
-    fn copier(&self, device: usize) -> Result<&Arc<PeerCopier>, String> {
+    fn copier(&self, device: usize) -> Result<&Arc<IpcCopier>, String> {
         let slot = self.copiers.get(device).ok_or_else(|| {
             format!("GPU {device}: peer-mapped copies support GPU ordinals below {MAX_GPUS}")
         })?;
         slot.get_or_init(|| {
-            let c = PeerCopier::for_device(device, STREAMS_PER_DEVICE)?;
+            let c = IpcCopier::for_device(device, STREAMS_PER_DEVICE)?;
             c.set_inline_limit(self.inline_limit);
             Ok(c)
         })
@@ -447,12 +447,12 @@ impl PeerMaps {
         local: &Descs<'_>,
         remote: &Descs<'_>,
         peer_inner: Arc<str>,
-    ) -> Option<PeerXfer> {
+    ) -> Option<IpcXfer> {
         let started = std::time::Instant::now();
         let first = *local.raw().first()?;
         let device = first.dev;
         let copier = self.copier(usize::try_from(device).ok()?).ok()?;
-        let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
+        let mut mappings: Vec<Arc<IpcMapping>> = Vec::new();
         let mut help = None;
         let ordinal = copier.device().ordinal();
         // The walk, and with it the windows kept from the last preparation
@@ -544,9 +544,9 @@ impl PeerMaps {
         };
         let table = copier.prepare_pairs(local.len(), first.len as u64, started, walk);
         match table {
-            Ok(Some(table)) => Some(PeerXfer {
+            Ok(Some(table)) => Some(IpcXfer {
                 help,
-                ..PeerXfer::new(table, mappings, peer_inner)
+                ..IpcXfer::new(table, mappings, peer_inner)
             }),
             Ok(None) => None,
             Err(e) => {
@@ -570,7 +570,7 @@ impl PeerMaps {
         out: &mut [u64],
         device: u64,
         ordinal: usize,
-    ) -> Option<PartsWalked<Arc<PeerMapping>>> {
+    ) -> Option<PartsWalked<Arc<IpcMapping>>> {
         // Workers already awake ([`FillPool::warm`]) pay from fewer.
         let pool = self.fill_pool(local.len(), WARM_PARALLEL_FILL_MIN_DESCRIPTORS)?;
         if !pool.awake() && local.len() < PARALLEL_FILL_MIN_DESCRIPTORS {
@@ -580,7 +580,7 @@ impl PeerMaps {
             let w = Window::of(local.md(p)?.range, 0);
             (w.dev == device).then_some(w)
         };
-        let remote_window = |p, used: &mut Vec<Arc<PeerMapping>>| {
+        let remote_window = |p, used: &mut Vec<Arc<IpcMapping>>| {
             let md = remote.md(p)?;
             let r = md.mapped()?.get().filter(|r| r.device == ordinal)?;
             keep_mapping(used, &r.mapping);
@@ -608,13 +608,13 @@ impl PeerMaps {
         n: usize,
         pairs: impl Iterator<Item = Result<(u64, u64, u64, &'a Arc<RemoteAlloc>), &'static str>>,
         peer_inner: Arc<str>,
-    ) -> Result<PeerXfer, String> {
+    ) -> Result<IpcXfer, String> {
         let started = std::time::Instant::now();
         let copier = self.copier(device)?;
-        let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
-        let mut last: Option<(*const RemoteAlloc, Arc<PeerMapping>)> = None;
+        let mut mappings: Vec<Arc<IpcMapping>> = Vec::new();
+        let mut last: Option<(*const RemoteAlloc, Arc<IpcMapping>)> = None;
         // Each pair as this process's (source, destination) of one copy.
-        let copies = pairs.map(|pair| -> Result<PeerCopy, String> {
+        let copies = pairs.map(|pair| -> Result<IpcCopy, String> {
             let (local, remote, len, alloc) = pair?;
             // Consecutive descriptors usually share an allocation: no
             // look-up and no reference count per descriptor then.
@@ -631,12 +631,12 @@ impl PeerMaps {
                     format!("remote descriptor ({len} bytes at {remote:#x}) lies outside the peer's allocation")
                 })?;
             Ok(match op {
-                Op::Write => PeerCopy {
+                Op::Write => IpcCopy {
                     src: local,
                     dst: mapped,
                     len,
                 },
-                Op::Read => PeerCopy {
+                Op::Read => IpcCopy {
                     src: mapped,
                     dst: local,
                     len,
@@ -652,10 +652,10 @@ impl PeerMaps {
         runs.clear();
         runs.runs_mut().reserve(n);
         for c in copies {
-            peer::push_copy(runs, c?);
+            ipc::push_copy(runs, c?);
         }
         let table = copier.prepare(runs.runs(), started)?;
-        Ok(PeerXfer::new(table, mappings, peer_inner))
+        Ok(IpcXfer::new(table, mappings, peer_inner))
     }
 
     /// The way to send notifications of peer-mapped transfers (the
@@ -680,7 +680,7 @@ impl Notify {
     /// the request.
     pub fn after(
         self,
-        launch: Arc<PeerLaunch>,
+        launch: Arc<IpcLaunch>,
         limit: Duration,
         peer_inner: Arc<str>,
         message: Vec<u8>,
@@ -695,7 +695,7 @@ impl Notify {
     }
 }
 
-impl Drop for PeerMaps {
+impl Drop for IpcMaps {
     fn drop(&mut self) {
         if let Some(n) = self.notifier.get_mut().ok().and_then(Option::take) {
             n.stop();
@@ -704,8 +704,8 @@ impl Drop for PeerMaps {
 }
 
 struct Pending {
-    launch: Arc<PeerLaunch>,
-    /// After this long the copy counts as failed (see `PeerLaunch::expire`),
+    launch: Arc<IpcLaunch>,
+    /// After this long the copy counts as failed (see `IpcLaunch::expire`),
     /// so a copy that never ends cannot hold the thread (or the engine's
     /// teardown, which waits for it) longer.
     limit: Duration,
@@ -1191,9 +1191,9 @@ mod tests {
 
     #[test]
     fn remote_regions_of_other_hosts_or_outside_the_allocation_are_not_mapped() {
-        let maps = PeerMaps::new(&Config::default());
-        let id = peer::identity().expect("boot id");
-        let export = PeerExport {
+        let maps = IpcMaps::new(&Config::default());
+        let id = ipc::identity().expect("boot id");
+        let export = IpcExport {
             host: id.host,
             process: [9; 16],
             device_uuid: [1; 16],
@@ -1208,12 +1208,12 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &b), "one handle per allocation");
         assert!(!a.same_process);
         assert!(maps.remote(&export, (1 << 40) + (1 << 30), 1).is_none());
-        let other_host = PeerExport {
+        let other_host = IpcExport {
             host: [0xee; 16],
             ..export
         };
         assert!(maps.remote(&other_host, 1 << 40, 4096).is_none());
-        let mine = PeerExport {
+        let mine = IpcExport {
             process: id.process,
             ..export
         };
@@ -1226,13 +1226,13 @@ mod tests {
 
     #[test]
     fn nothing_is_exported_when_peer_mapping_is_off() {
-        let maps = PeerMaps::new(&Config {
+        let maps = IpcMaps::new(&Config {
             enable_peer_map: false,
             ..Config::default()
         });
         assert!(maps.export(0, 4096, 4096).unwrap_err().contains("off"));
-        let id = peer::identity().expect("boot id");
-        let export = PeerExport {
+        let id = ipc::identity().expect("boot id");
+        let export = IpcExport {
             host: id.host,
             process: id.process,
             device_uuid: [1; 16],
