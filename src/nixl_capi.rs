@@ -49,14 +49,22 @@ fn load_capi() -> Result<PathBuf, String> {
     }
 }
 
+/// A loader error with the loader's own reason (`dlerror`'s text, which
+/// libloading keeps as the error's source).
+pub fn loader_error(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(reason) => format!("{e}: {reason}"),
+        None => e.to_string(),
+    }
+}
+
 fn dlopen_global(path: &Path) -> Result<(), String> {
-    let name = path.to_str().ok_or("the path is not UTF-8")?;
     // SAFETY: loading NIXL's C API runs only its own initialisers, as
     // nixl-sys's own load of it would. The handle is deliberately leaked
     // (`into_raw`): the library must stay loaded for the life of the process
     // (nixl-sys keeps function pointers into it).
-    let lib =
-        unsafe { Library::open(Some(name), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
+    let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| loader_error(&e))?;
     let _ = lib.into_raw();
     Ok(())
 }
@@ -100,4 +108,15 @@ pub fn loaded_object_path(file_name: &str) -> Option<PathBuf> {
         )
     };
     search.found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_load_says_why() {
+        let e = dlopen_global(Path::new("/nonexistent/libnixl_capi.so")).unwrap_err();
+        assert!(e.contains("No such file"), "{e}");
+    }
 }

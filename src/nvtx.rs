@@ -30,29 +30,25 @@ struct Nvtx {
 }
 
 fn load() -> Option<Nvtx> {
-    let mut names: Vec<String> = Vec::new();
-    if let Some(p) = std::env::var_os("NIXL_BOUNCE_NVTX_LIB") {
-        names.extend(p.into_string().ok());
-    }
+    let mut names: Vec<std::ffi::OsString> = Vec::new();
+    names.extend(std::env::var_os("NIXL_BOUNCE_NVTX_LIB"));
     names.push("libnvToolsExt.so.1".into());
     names.push("libnvToolsExt.so".into());
     for name in &names {
         // SAFETY: loading the NVTX library runs only its initialisers, which
         // have no preconditions.
-        let Ok(lib) = (unsafe { Library::open(Some(name.as_str()), RTLD_NOW | RTLD_LOCAL) }) else {
+        let Ok(lib) = (unsafe { Library::open(Some(name), RTLD_NOW | RTLD_LOCAL) }) else {
             continue;
         };
         // SAFETY: the symbols are the NVTX C API functions
         // `int nvtxRangePushA(const char*)` and `int nvtxRangePop(void)`.
         let found = unsafe {
+            // `Option` of a function pointer: `None` for a null symbol.
             match (
-                lib.get::<PushFn>(c"nvtxRangePushA"),
-                lib.get::<PopFn>(c"nvtxRangePop"),
+                lib.get::<Option<PushFn>>(c"nvtxRangePushA").map(|s| *s),
+                lib.get::<Option<PopFn>>(c"nvtxRangePop").map(|s| *s),
             ) {
-                (Ok(push), Ok(pop)) => Some(Nvtx {
-                    push: *push,
-                    pop: *pop,
-                }),
+                (Ok(Some(push)), Ok(Some(pop))) => Some(Nvtx { push, pop }),
                 _ => None,
             }
         };
@@ -60,7 +56,7 @@ fn load() -> Option<Nvtx> {
         // Kept loaded for the life of the process, so that the function
         // pointers stay valid.
         let _ = lib.into_raw();
-        tracing::debug!("NVTX ranges enabled through {name}");
+        tracing::debug!("NVTX ranges enabled through {}", name.to_string_lossy());
         return Some(nvtx);
     }
     None

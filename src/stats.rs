@@ -307,9 +307,7 @@ pub fn local_poisoned() -> Vec<PoisonedArena> {
 /// Every arena poisoned in the plugin NIXL loaded into this process, oldest
 /// first (empty: none).
 pub fn plugin_poisoned() -> Result<Vec<PoisonedArena>, String> {
-    // SAFETY: the plugin's nixl_bounce_poisoned has this signature (declared
-    // in src/ffi, the same source as this crate).
-    unsafe { plugin_symbol::<PoisonedFn>(c"nixl_bounce_poisoned") }.and_then(|f| {
+    let read = |f: PoisonedFn| {
         let mut buf = vec![0u8; 1024];
         loop {
             // SAFETY: the pointer and length describe a live buffer.
@@ -321,7 +319,10 @@ pub fn plugin_poisoned() -> Result<Vec<PoisonedArena>, String> {
             }
             buf.resize(n, 0);
         }
-    })
+    };
+    // SAFETY: the plugin's nixl_bounce_poisoned has this signature (declared
+    // in src/ffi, the same source as this crate).
+    unsafe { with_plugin_symbol::<PoisonedFn, _>(c"nixl_bounce_poisoned", read) }
 }
 
 type PoisonedFn = unsafe extern "C" fn(*mut u8, usize) -> isize;
@@ -331,28 +332,44 @@ type PoisonedFn = unsafe extern "C" fn(*mut u8, usize) -> isize;
 pub fn plugin_stats(agent: &str) -> Result<Snapshot, String> {
     // SAFETY: the plugin's nixl_bounce_stats has this signature (declared in
     // src/ffi, the same source as this crate).
-    unsafe { plugin_symbol::<StatsFn>(c"nixl_bounce_stats") }.and_then(|f| call_stats(f, agent))
+    unsafe { with_plugin_symbol::<StatsFn, _>(c"nixl_bounce_stats", |f| call_stats(f, agent)) }
 }
 
-/// The function `symbol` of the loaded plugin.
+/// Calls `f` with the function `symbol` of the loaded plugin, holding a
+/// handle on the plugin meanwhile.
 ///
 /// # Safety
-/// `F` is the symbol's type. The plugin stays loaded (NIXL unloads plugins
-/// only at exit), so the pointer outlives the handle closed here.
-unsafe fn plugin_symbol<F: Copy>(symbol: &std::ffi::CStr) -> Result<F, String> {
+/// `F` is the symbol's type, a function pointer.
+unsafe fn with_plugin_symbol<F: Copy, T>(
+    symbol: &std::ffi::CStr,
+    f: impl FnOnce(F) -> Result<T, String>,
+) -> Result<T, String> {
     let path = crate::nixl_capi::loaded_object_path("libplugin_BOUNCE.so").ok_or(
         "libplugin_BOUNCE.so is not loaded in this process (create a BOUNCE backend first)",
     )?;
-    let name = path.to_str().ok_or("the plugin's path is not UTF-8")?;
     // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded object
-    // (no initialiser runs); dropping it balances the count (the object
-    // stays loaded).
-    let lib = unsafe { Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_NOLOAD) }
-        .map_err(|e| format!("cannot open the loaded plugin {name}: {e}"))?;
-    // SAFETY: the caller's contract.
-    let sym = unsafe { lib.get::<F>(symbol) }
-        .map_err(|_| format!("{name} does not export {}", symbol.to_string_lossy()))?;
-    Ok(*sym)
+    // (no initialiser runs); dropping it after the call balances the count.
+    let lib =
+        unsafe { Library::open(Some(&path), libc::RTLD_NOW | libc::RTLD_NOLOAD) }.map_err(|e| {
+            format!(
+                "cannot open the loaded plugin {}: {}",
+                path.display(),
+                crate::nixl_capi::loader_error(&e)
+            )
+        })?;
+    // SAFETY: the caller's contract; `Option<F>` of a function pointer is
+    // pointer-sized, `None` for a null symbol.
+    let sym = unsafe { lib.get::<Option<F>>(symbol) }
+        .ok()
+        .and_then(|s| *s);
+    let sym = sym.ok_or_else(|| {
+        format!(
+            "{} does not export {}",
+            path.display(),
+            symbol.to_string_lossy()
+        )
+    })?;
+    f(sym)
 }
 
 type StatsFn = unsafe extern "C" fn(*const u8, usize, *mut u8, usize) -> isize;
