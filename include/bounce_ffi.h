@@ -6,7 +6,8 @@
  * - Every function returns a NIXL status code (bounce_status_t, the values of
  *   nixl_status_t) and never throws or unwinds: the Rust side catches panics
  *   and returns BOUNCE_ERR_BACKEND (after a panic the engine is marked broken
- *   and refuses all further work with BOUNCE_ERR_BACKEND).
+ *   and refuses new work with BOUNCE_ERR_BACKEND; the calls that release
+ *   resources still run, so that NIXL's teardown frees everything).
  * - Strings and byte blobs are passed as bounce_bytes_t {ptr, len}, BORROWED
  *   for the duration of the call only; they need not be NUL-terminated.
  * - Output strings are delivered through a bounce_sink_t callback that the

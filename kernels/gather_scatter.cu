@@ -1,12 +1,12 @@
 // nixl-bounce: the batched gather/scatter copy kernel.
 //
-// Compiled at run time with NVRTC (src/copy/cuda.rs) for the running GPU's
+// Compiled at run time with NVRTC (src/copy/cuda/compile.rs) for the running GPU's
 // architecture. NVRTC has no CUDA toolkit headers: only built-ins (uint4,
 // threadIdx, __ballot_sync, __clz, ...) are used, and the integer types are
 // spelled out below.
 //
 // One launch copies one chunk's whole run list. The host (`fill_table` in
-// src/copy/cuda.rs) writes one table, in three parts:
+// src/copy/cuda/table.rs) writes one table, in three parts:
 //
 //   runs[r]        4 x 64-bit words (`DevRun`): src, dst (first copy's
 //                  source / destination), len (bytes per copy, > 0),
@@ -330,7 +330,7 @@ struct InlinePairs {
         copy_pairs(table.pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);        \
     }
 
-// The sizes are `INLINE_PAIRS` in src/copy/cuda.rs: 4, 8, 16 and 31.9 KiB
+// The sizes are `INLINE_PAIRS` in src/copy/cuda/mod.rs: 4, 8, 16 and 31.9 KiB
 // of table (2040 pairs: the table and the other parameters, 32,664 bytes,
 // stay under the limit). A launch's cost grows with its parameter's size (1.5 us
 // more than an uploaded table's at 4 KiB, 7 us at 32 KiB on the H200), so

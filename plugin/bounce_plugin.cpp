@@ -202,7 +202,9 @@ private:
 
 // The C boundary's codes are NIXL's own: the shim casts statuses, memory
 // types and operations across unchanged (the Rust side ties its enums to the
-// same header constants, engine::Status, MemKind, Op).
+// same header constants, engine::Status, MemKind, Op). NIXL's side here is
+// the project's declaration of NIXL's ABI (include/nixl_abi/nixl_abi.h),
+// the one the shim is compiled against.
 static_assert(BOUNCE_IN_PROG == NIXL_IN_PROG && BOUNCE_SUCCESS == NIXL_SUCCESS &&
                   BOUNCE_ERR_NOT_POSTED == NIXL_ERR_NOT_POSTED &&
                   BOUNCE_ERR_INVALID_PARAM == NIXL_ERR_INVALID_PARAM &&

@@ -1,6 +1,7 @@
 //! A panic inside the engine never crosses into NIXL (which would abort the
 //! host process): it becomes an error status, and the engine then refuses
-//! all further work with an error.
+//! new work with an error while teardown (disconnect, deregistration,
+//! release) still runs.
 
 mod common;
 

@@ -643,7 +643,7 @@ impl IpcMaps {
                 },
             })
         });
-        let mut kept = self.runs.try_lock().ok();
+        let mut kept = self.runs.try_locked();
         let mut own = RunBuilder::default();
         let runs: &mut RunBuilder = match kept.as_deref_mut() {
             Some(v) => v,
@@ -943,7 +943,7 @@ impl FillPool {
         if self.pid != std::process::id() {
             return None;
         }
-        let _busy = self.busy.try_lock().ok()?;
+        let _busy = self.busy.try_locked()?;
         /// One part: what to do (taken by the thread that does it), then
         /// what it gave (`None` inside: declined).
         type Part<P, T> = (Option<P>, Option<Option<T>>);

@@ -64,9 +64,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// Memory kinds as NIXL numbers them (the header's `BOUNCE_MEM_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
 pub enum MemKind {
-    Dram,
-    Vram,
+    Dram = sys::BOUNCE_MEM_DRAM as u8,
+    Vram = sys::BOUNCE_MEM_VRAM as u8,
 }
 
 impl MemKind {

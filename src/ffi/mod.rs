@@ -130,24 +130,22 @@ fn on_engine(
             ),
         ));
     }
-    boundary(
-        what,
-        || {
-            let r = f(engine);
+    match crate::boundary::catch(|| f(engine)) {
+        Ok(r) => {
             if r.is_err() {
                 crate::stats::EngineStats::bump(&engine.stats.counters.rejected_calls);
             }
             outcome(what, r)
-        },
-        |_| {
+        }
+        Err(msg) => {
             engine.mark_broken();
             tracing::error!(
                 agent = engine.local_name(),
-                "{what}: the BOUNCE engine is disabled after an internal error"
+                "{what}: internal error (panic: {msg}); engine disabled"
             );
             status(Status::Backend)
-        },
-    )
+        }
+    }
 }
 
 /// Borrows the bytes of a bounce_bytes_t.
@@ -414,7 +412,8 @@ pub unsafe extern "C" fn bounce_engine_new(
         }
         Engine::new(name, map).map(Box::new)
     };
-    let created = boundary("creating the BOUNCE engine", create, |msg| {
+    // A panic is logged once, below, with the other reasons.
+    let created = crate::boundary::catch(create).unwrap_or_else(|msg| {
         Err(Error::new(
             Status::Backend,
             format!("internal error (panic: {msg})"),

@@ -6,6 +6,8 @@ use super::*;
 /// Status values of a ticket (NIXL status codes).
 const IN_PROGRESS: i32 = crate::engine::Status::InProgress as i32;
 const SUCCESS: i32 = crate::engine::Status::Success as i32;
+/// Any other value: failed, the reason in `failure`.
+const FAILED: i32 = -1;
 
 /// The application's view of one bounce request.
 #[derive(Debug)]
@@ -37,7 +39,7 @@ impl Ticket {
     pub(super) fn finish(&self, outcome: Result<(), FailureReason>) {
         if let Err(reason) = outcome {
             *self.failure.locked() = Some(reason);
-            self.status.store(-1, Ordering::Release);
+            self.status.store(FAILED, Ordering::Release);
         } else {
             self.status.store(SUCCESS, Ordering::Release);
         }

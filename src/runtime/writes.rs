@@ -30,6 +30,7 @@ use super::{next_job, precise_timers, Shared, QUIESCE_BOUND};
 use crate::config::IoThreadUse;
 use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
 use crate::proto::ChunkRef;
+use crate::sync::Locked;
 
 /// A write of `len` bytes from local arena offset `local` into `arena` at
 /// offset `remote`, for `chunk`.
@@ -348,9 +349,9 @@ fn write_worker(
         } else if closed_at.is_none() {
             // Another writer may wait in the queue holding its lock: skip
             // this turn rather than stop polling the writes here.
-            let next = match jobs.try_lock() {
-                Ok(rx) => rx.try_recv(),
-                Err(_) => Err(mpsc::TryRecvError::Empty),
+            let next = match jobs.try_locked() {
+                Some(rx) => rx.try_recv(),
+                None => Err(mpsc::TryRecvError::Empty),
             };
             match next {
                 Ok(j) => Some(j),

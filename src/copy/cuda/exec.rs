@@ -870,3 +870,61 @@ pub(crate) unsafe fn launch_pairs_inline(
     // words, the caller's promise); the driver only reads the parameters.
     pair_launch(func, table.as_ptr() as *mut c_void, len, shape, stream)
 }
+
+/// Launches `func` (one of the copy kernels) over the table at device
+/// address `table` laid out by `layout`, with the grid `shape` asks for.
+///
+/// # Safety
+/// `func` must be a copy kernel of the current context's module, `table` a
+/// filled table (`fill_table`) that stays allocated and unchanged until the
+/// kernel ended, and every address in it valid for the kernel to read
+/// (sources) or write (destinations) until then.
+pub(crate) unsafe fn launch_copy(
+    func: &CudaFunction,
+    table: u64,
+    layout: &TableLayout,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+) -> Result<(), result::DriverError> {
+    let mut a_runs: u64 = table;
+    let mut a_tile_start: u64 = table + layout.tile_start_offset as u64;
+    let mut a_strides: u64 = table + layout.strides_offset as u64;
+    let mut a_total: u32 = shape.total_tiles;
+    let mut a_tpw: u32 = shape.tiles_per_warp;
+    let mut a_shift: u32 = shape.tile_shift();
+    let mut a_nruns: u32 = shape.nruns;
+    let mut params: [*mut c_void; 7] = [
+        &mut a_runs as *mut u64 as *mut c_void,
+        &mut a_tile_start as *mut u64 as *mut c_void,
+        &mut a_strides as *mut u64 as *mut c_void,
+        &mut a_total as *mut u32 as *mut c_void,
+        &mut a_tpw as *mut u32 as *mut c_void,
+        &mut a_shift as *mut u32 as *mut c_void,
+        &mut a_nruns as *mut u32 as *mut c_void,
+    ];
+    // The kernels' parameters are (u64, u64, u64, u32, u32, u32, u32),
+    // matching `params`; the rest is the caller's promise.
+    launch_grid(func, shape, stream, &mut params)
+}
+
+/// Launches `func` on `shape`'s grid of [`BLOCK_THREADS`]-thread blocks
+/// with `params` (which cuLaunchKernel copies before returning).
+///
+/// # Safety
+/// `params` point to values of `func`'s parameter types, in order; the
+/// rest is the promise of [`launch_copy`] or [`launch_pairs`].
+pub(super) unsafe fn launch_grid(
+    func: &CudaFunction,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<(), result::DriverError> {
+    result::launch_kernel(
+        func.cu_function(),
+        (shape.grid, 1, 1),
+        (BLOCK_THREADS, 1, 1),
+        0,
+        stream,
+        params,
+    )
+}
