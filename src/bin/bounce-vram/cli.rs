@@ -62,9 +62,9 @@ struct Cli {
     target_device: usize,
     #[arg(long, value_parser = bytes, default_value = "1GiB")]
     buffer: usize,
-    #[arg(long, value_delimiter = ',', default_value = "1024,4096,16384")]
+    #[arg(long, value_delimiter = ',', action = clap::ArgAction::Set, overrides_with = "counts", default_value = "1024,4096,16384")]
     counts: Vec<usize>,
-    #[arg(long, value_delimiter = ',', value_parser = bytes, default_value = "4KiB")]
+    #[arg(long, value_delimiter = ',', value_parser = bytes, action = clap::ArgAction::Set, overrides_with = "sizes", default_value = "4KiB")]
     sizes: Vec<usize>,
     #[arg(long, default_value_t = 20)]
     iters: usize,
