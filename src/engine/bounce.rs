@@ -422,7 +422,7 @@ impl ReaderAgents {
     /// we also write to) fails harmlessly; a data path that really is
     /// unusable makes the chunk writes fail, and with them the READ.
     fn load(&self, bytes: &[u8]) -> Result<PeerArena, String> {
-        let dp = DataPath::decode_up_to(bytes, self.max_data_path)?;
+        let dp = DataPath::decode_up_to(bytes, self.max_data_path).map_err(|e| e.to_string())?;
         let vram = dp.kind == MemKind::Vram as u8;
         let cma = match &dp.cma {
             Some((export, seal)) if !vram => self.sealed(export, seal, dp.base, &dp.inner_agent),
@@ -479,7 +479,7 @@ impl ReaderAgents {
     /// it any more): the reader's agent is invalidated with the last one,
     /// unless the application loaded it or it is our own.
     fn unload(&self, bytes: &[u8]) -> Result<(), String> {
-        let dp = DataPath::decode(bytes)?;
+        let dp = DataPath::decode(bytes).map_err(|e| e.to_string())?;
         let mut loads = self.loads.locked();
         let Some(n) = loads.get_mut(&dp.inner_agent) else {
             return Ok(());

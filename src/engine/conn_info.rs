@@ -34,6 +34,61 @@ pub const DATA_PATH_MAGIC: &[u8; 8] = b"NXBDPATH";
 /// version that carries it, and both are read.
 pub const DATA_PATH_VERSION: u16 = 2;
 
+/// Why a peer's metadata (connection info, a region's public data, a
+/// READ's data path) was refused; the text says what was wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MetadataError {
+    #[error("BOUNCE metadata: {0}")]
+    Malformed(#[from] WireError),
+    #[error("not BOUNCE connection info (magic {found:02x?}, expected {MAGIC:02x?}); is the peer running BOUNCE?")]
+    NotConnInfo { found: [u8; 8] },
+    #[error("not BOUNCE region metadata; is the peer running BOUNCE?")]
+    NotRegionMetadata,
+    #[error("not a BOUNCE data-path description")]
+    NotDataPath,
+    #[error("{who} speaks BOUNCE {what} version {found}, this plugin speaks {}", speaks(*.lowest, *.highest))]
+    Version {
+        who: &'static str,
+        what: &'static str,
+        found: u16,
+        lowest: u16,
+        highest: u16,
+    },
+    #[error("connection info carries no {0}")]
+    Missing(&'static str),
+    #[error("unknown arena memory kind {0}")]
+    UnknownMemKind(u8),
+    #[error("{what} of {found} bytes (expected {}{expected})", if *.or_empty { "0 or " } else { "" })]
+    BlockLength {
+        what: &'static str,
+        found: usize,
+        expected: usize,
+        /// An empty block is read too.
+        or_empty: bool,
+    },
+    #[error("peer-map block describes an impossible allocation ({len} bytes at {base:#x})")]
+    ImpossibleAllocation { base: u64, len: u64 },
+    #[error("host-staged bounce block: {0}")]
+    Staged(Box<MetadataError>),
+    #[error(
+        "host-staged bounce block names arena memory kind {0} (its arena is host memory, kind 0)"
+    )]
+    StagedNotHost(u8),
+    #[error("the reader's inner agent name is not UTF-8")]
+    AgentNotUtf8,
+    #[error("data path names no agent or no arena")]
+    DataPathIncomplete,
+}
+
+/// The versions a plugin speaks, as a refusal words them.
+fn speaks(lowest: u16, highest: u16) -> String {
+    if lowest == highest {
+        highest.to_string()
+    } else {
+        format!("{lowest} to {highest}")
+    }
+}
+
 /// Parsed connection info of a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnInfo {
@@ -53,28 +108,30 @@ impl ConnInfo {
         w.into_bytes()
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+    pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
         let mut r = Reader::new(bytes);
-        let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
+        let magic: [u8; 8] = r.array("magic")?;
         if &magic != MAGIC {
-            return Err(format!(
-                "not BOUNCE connection info (magic {magic:02x?}, expected {MAGIC:02x?}); is the peer running BOUNCE?"
-            ));
+            return Err(MetadataError::NotConnInfo { found: magic });
         }
-        let version = r.u16("version").map_err(truncated)?;
+        let version = r.u16("version")?;
         if version != CONN_INFO_VERSION {
-            return Err(format!(
-                "peer speaks BOUNCE connection-info version {version}, this plugin speaks {CONN_INFO_VERSION}"
-            ));
+            return Err(MetadataError::Version {
+                who: "peer",
+                what: "connection-info",
+                found: version,
+                lowest: CONN_INFO_VERSION,
+                highest: CONN_INFO_VERSION,
+            });
         }
         let inner_md = len_prefixed(&mut r, "inner metadata")?.to_vec();
         let ucx_conn = len_prefixed(&mut r, "UCX connection info")?.to_vec();
-        r.finish("connection info").map_err(|e| e.to_string())?;
+        r.finish("connection info")?;
         if inner_md.is_empty() {
-            return Err("connection info carries no inner-agent metadata".into());
+            return Err(MetadataError::Missing("inner-agent metadata"));
         }
         if ucx_conn.is_empty() {
-            return Err("connection info carries no UCX connection info".into());
+            return Err(MetadataError::Missing("UCX connection info"));
         }
         Ok(Self { inner_md, ucx_conn })
     }
@@ -149,19 +206,21 @@ impl CmaExport {
         w.u64(self.token_addr);
     }
 
-    fn decode(block: &[u8]) -> Result<Self, String> {
+    fn decode(block: &[u8]) -> Result<Self, MetadataError> {
         if block.len() != CMA_EXPORT_LEN {
-            return Err(format!(
-                "CMA block of {} bytes (expected {CMA_EXPORT_LEN})",
-                block.len()
-            ));
+            return Err(MetadataError::BlockLength {
+                what: "CMA block",
+                found: block.len(),
+                expected: CMA_EXPORT_LEN,
+                or_empty: false,
+            });
         }
         let mut r = Reader::new(block);
         Ok(CmaExport {
-            host: r.array("host id").map_err(truncated)?,
-            process: r.array("process token").map_err(truncated)?,
-            pid: r.u32("pid").map_err(truncated)?,
-            token_addr: r.u64("token address").map_err(truncated)?,
+            host: r.array("host id")?,
+            process: r.array("process token")?,
+            pid: r.u32("pid")?,
+            token_addr: r.u64("token address")?,
         })
     }
 }
@@ -199,27 +258,29 @@ impl IpcExport {
         w.bytes(&self.ipc_handle);
     }
 
-    fn decode(block: &[u8]) -> Result<Self, String> {
+    fn decode(block: &[u8]) -> Result<Self, MetadataError> {
         if block.len() != PEER_EXPORT_LEN {
-            return Err(format!(
-                "peer-map block of {} bytes (expected {PEER_EXPORT_LEN})",
-                block.len()
-            ));
+            return Err(MetadataError::BlockLength {
+                what: "peer-map block",
+                found: block.len(),
+                expected: PEER_EXPORT_LEN,
+                or_empty: false,
+            });
         }
         let mut r = Reader::new(block);
         let export = IpcExport {
-            host: r.array("host id").map_err(truncated)?,
-            process: r.array("process token").map_err(truncated)?,
-            device_uuid: r.array("device uuid").map_err(truncated)?,
-            alloc_base: r.u64("allocation base").map_err(truncated)?,
-            alloc_len: r.u64("allocation length").map_err(truncated)?,
-            ipc_handle: r.array("ipc handle").map_err(truncated)?,
+            host: r.array("host id")?,
+            process: r.array("process token")?,
+            device_uuid: r.array("device uuid")?,
+            alloc_base: r.u64("allocation base")?,
+            alloc_len: r.u64("allocation length")?,
+            ipc_handle: r.array("ipc handle")?,
         };
         if export.alloc_len == 0 || export.alloc_base.checked_add(export.alloc_len).is_none() {
-            return Err(format!(
-                "peer-map block describes an impossible allocation ({} bytes at {:#x})",
-                export.alloc_len, export.alloc_base
-            ));
+            return Err(MetadataError::ImpossibleAllocation {
+                base: export.alloc_base,
+                len: export.alloc_len,
+            });
         }
         Ok(export)
     }
@@ -254,20 +315,17 @@ impl PublicBounce {
     }
 
     /// `None` for an empty block.
-    fn decode(block: &[u8]) -> Result<Option<Self>, String> {
+    fn decode(block: &[u8]) -> Result<Option<Self>, MetadataError> {
         if block.is_empty() {
             return Ok(None);
         }
         let mut b = Reader::new(block);
-        let kind = b.u8("memory kind").map_err(truncated)?;
+        let kind = b.u8("memory kind")?;
         if kind > 1 {
-            return Err(format!("unknown arena memory kind {kind}"));
+            return Err(MetadataError::UnknownMemKind(kind));
         }
         let arena_md = len_prefixed(&mut b, "arena metadata")?.to_vec();
-        let handshake = b
-            .take(b.remaining(), "handshake")
-            .map_err(truncated)?
-            .to_vec();
+        let handshake = b.take(b.remaining(), "handshake")?.to_vec();
         Ok(Some(PublicBounce {
             kind,
             arena_md,
@@ -315,17 +373,21 @@ impl PublicData {
         w.into_bytes()
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+    pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
         let mut r = Reader::new(bytes);
-        let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
+        let magic: [u8; 8] = r.array("magic")?;
         if &magic != PUBLIC_MAGIC {
-            return Err("not BOUNCE region metadata; is the peer running BOUNCE?".into());
+            return Err(MetadataError::NotRegionMetadata);
         }
-        let version = r.u16("version").map_err(truncated)?;
+        let version = r.u16("version")?;
         if !(1..=PUBLIC_VERSION).contains(&version) {
-            return Err(format!(
-                "peer speaks BOUNCE region-metadata version {version}, this plugin speaks 1 to {PUBLIC_VERSION}"
-            ));
+            return Err(MetadataError::Version {
+                who: "peer",
+                what: "region-metadata",
+                found: version,
+                lowest: 1,
+                highest: PUBLIC_VERSION,
+            });
         }
         let region_md = len_prefixed(&mut r, "region metadata")?.to_vec();
         let block = len_prefixed(&mut r, "bounce block")?;
@@ -344,7 +406,7 @@ impl PublicData {
         } else {
             &[]
         };
-        r.finish("region metadata").map_err(|e| e.to_string())?;
+        r.finish("region metadata")?;
         let cma = if cma_block.is_empty() {
             None
         } else {
@@ -361,14 +423,9 @@ impl PublicData {
             peer_map,
             cma,
             staged: match PublicBounce::decode(staged_block)
-                .map_err(|e| format!("host-staged bounce block: {e}"))?
+                .map_err(|e| MetadataError::Staged(Box::new(e)))?
             {
-                Some(b) if b.kind != 0 => {
-                    return Err(format!(
-                        "host-staged bounce block names arena memory kind {} (its arena is host memory, kind 0)",
-                        b.kind
-                    ))
-                }
+                Some(b) if b.kind != 0 => return Err(MetadataError::StagedNotHost(b.kind)),
                 staged => staged,
             },
         })
@@ -465,33 +522,37 @@ impl DataPath {
         w.into_bytes()
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+    pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
         Self::decode_up_to(bytes, DATA_PATH_VERSION)
     }
 
     /// [`DataPath::decode`] refusing versions above `max` (as a plugin that
     /// speaks only up to `max` does).
-    pub fn decode_up_to(bytes: &[u8], max: u16) -> Result<Self, String> {
+    pub fn decode_up_to(bytes: &[u8], max: u16) -> Result<Self, MetadataError> {
         let max = max.min(DATA_PATH_VERSION);
         let mut r = Reader::new(bytes);
-        let magic: [u8; 8] = r.array("magic").map_err(truncated)?;
+        let magic: [u8; 8] = r.array("magic")?;
         if &magic != DATA_PATH_MAGIC {
-            return Err("not a BOUNCE data-path description".into());
+            return Err(MetadataError::NotDataPath);
         }
-        let version = r.u16("version").map_err(truncated)?;
+        let version = r.u16("version")?;
         if !(1..=max).contains(&version) {
-            return Err(format!(
-                "reader speaks BOUNCE data-path version {version}, this plugin speaks 1 to {max}"
-            ));
+            return Err(MetadataError::Version {
+                who: "reader",
+                what: "data-path",
+                found: version,
+                lowest: 1,
+                highest: max,
+            });
         }
-        let kind = r.u8("memory kind").map_err(truncated)?;
+        let kind = r.u8("memory kind")?;
         if kind > 1 {
-            return Err(format!("unknown arena memory kind {kind}"));
+            return Err(MetadataError::UnknownMemKind(kind));
         }
-        let device = r.u64("device").map_err(truncated)?;
-        let base = r.u64("arena base").map_err(truncated)?;
+        let device = r.u64("device")?;
+        let base = r.u64("arena base")?;
         let inner_agent = std::str::from_utf8(len_prefixed(&mut r, "inner agent name")?)
-            .map_err(|_| "the reader's inner agent name is not UTF-8".to_string())?
+            .map_err(|_| MetadataError::AgentNotUtf8)?
             .to_string();
         let conn_md = len_prefixed(&mut r, "connection metadata")?.to_vec();
         let arena_md = len_prefixed(&mut r, "arena metadata")?.to_vec();
@@ -503,23 +564,25 @@ impl DataPath {
                     let (export, seal) = b.split_at(CMA_EXPORT_LEN);
                     let mut r = Reader::new(seal);
                     let seal = ArenaSeal {
-                        addr: r.u64("seal address").map_err(truncated)?,
-                        token: r.array("seal token").map_err(truncated)?,
-                        len: r.u64("arena length").map_err(truncated)?,
+                        addr: r.u64("seal address")?,
+                        token: r.array("seal token")?,
+                        len: r.u64("arena length")?,
                     };
                     Some((CmaExport::decode(export)?, seal))
                 }
                 b => {
-                    return Err(format!(
-                        "data path's CMA block of {} bytes (expected 0 or {DATA_PATH_CMA_LEN})",
-                        b.len(),
-                    ))
+                    return Err(MetadataError::BlockLength {
+                        what: "data path's CMA block",
+                        found: b.len(),
+                        expected: DATA_PATH_CMA_LEN,
+                        or_empty: true,
+                    })
                 }
             },
         };
-        r.finish("data path").map_err(|e| e.to_string())?;
+        r.finish("data path")?;
         if inner_agent.is_empty() || arena_md.is_empty() {
-            return Err("data path names no agent or no arena".into());
+            return Err(MetadataError::DataPathIncomplete);
         }
         Ok(Self {
             kind,
@@ -534,13 +597,9 @@ impl DataPath {
 }
 
 /// A u32 length, then that many bytes.
-fn len_prefixed<'a>(r: &mut Reader<'a>, what: &'static str) -> Result<&'a [u8], String> {
-    let n = r.u32(what).map_err(truncated)?;
-    r.take(n as usize, what).map_err(truncated)
-}
-
-fn truncated(e: WireError) -> String {
-    format!("BOUNCE metadata: {e}")
+fn len_prefixed<'a>(r: &mut Reader<'a>, what: &'static str) -> Result<&'a [u8], MetadataError> {
+    let n = r.u32(what)?;
+    Ok(r.take(n as usize, what)?)
 }
 
 #[cfg(test)]
@@ -571,7 +630,10 @@ mod tests {
         }
         let mut long = good.clone();
         long.push(0);
-        assert!(ConnInfo::decode(&long).unwrap_err().contains("trailing"));
+        assert!(ConnInfo::decode(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("trailing"));
     }
 
     #[test]
@@ -582,7 +644,7 @@ mod tests {
         }
         .encode();
         b[8] = 9;
-        let e = ConnInfo::decode(&b).unwrap_err();
+        let e = ConnInfo::decode(&b).unwrap_err().to_string();
         assert!(e.contains("version 9"), "{e}");
     }
 
@@ -702,10 +764,10 @@ mod tests {
             }),
             ..vram
         };
-        let e = PublicData::decode(&wrong.encode()).unwrap_err();
+        let e = PublicData::decode(&wrong.encode()).unwrap_err().to_string();
         assert!(e.contains("host-staged") && e.contains("kind 1"), "{e}");
         future[8] = 5;
-        let e = PublicData::decode(&future).unwrap_err();
+        let e = PublicData::decode(&future).unwrap_err().to_string();
         assert!(e.contains("version 5"), "{e}");
     }
 
@@ -730,7 +792,7 @@ mod tests {
                 ..export()
             }),
         };
-        let e = PublicData::decode(&p.encode()).unwrap_err();
+        let e = PublicData::decode(&p.encode()).unwrap_err().to_string();
         assert!(e.contains("impossible allocation"), "{e}");
         let p = PublicData {
             peer_map: Some(IpcExport {
@@ -788,18 +850,23 @@ mod tests {
             }
             let mut long = bytes.clone();
             long.push(0);
-            assert!(DataPath::decode(&long).unwrap_err().contains("trailing"));
+            assert!(DataPath::decode(&long)
+                .unwrap_err()
+                .to_string()
+                .contains("trailing"));
             let mut later = bytes.clone();
             later[8] = 3;
             assert!(DataPath::decode(&later)
                 .unwrap_err()
+                .to_string()
                 .contains("data-path version 3"));
             // A plugin that speaks only version 1 reads the plain one alone.
             match version {
                 1 => assert_eq!(DataPath::decode_up_to(&bytes, 1).unwrap(), d),
                 _ => assert!(DataPath::decode_up_to(&bytes, 1)
                     .unwrap_err()
-                    .contains("version 2, this plugin speaks 1 to 1")),
+                    .to_string()
+                    .ends_with("version 2, this plugin speaks 1")),
             }
         }
     }
@@ -808,6 +875,7 @@ mod tests {
     fn rejects_foreign_blobs() {
         assert!(ConnInfo::decode(b"UCX-worker-address-bytes")
             .unwrap_err()
+            .to_string()
             .contains("not BOUNCE"));
     }
 }
