@@ -55,12 +55,52 @@ pub const MAX_MESSAGE_RUNS: usize = MAX_MESSAGE_BYTES / RUN_BYTES;
 const CREDIT_LEN: usize = 4 + 8 + 8;
 const RUN_LEN: usize = 8 + 8 + 8 + 4 + 8 + 8;
 
+/// Declares a wire enum whose codes are written once: the `#[repr(u8)]`
+/// enum with its discriminants, [`WireCode`] (the code to write) and
+/// `TryFrom<u8>` (`Err(code)` for a code of no variant), which
+/// [`Reader::code`] decodes with.
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident = $code:literal,)*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        #[repr(u8)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant = $code,)*
+        }
+
+        impl TryFrom<u8> for $name {
+            type Error = u8;
+            fn try_from(code: u8) -> Result<Self, u8> {
+                match code {
+                    $($code => Ok(Self::$variant),)*
+                    other => Err(other),
+                }
+            }
+        }
+
+        impl WireCode for $name {
+            fn code(self) -> u8 {
+                self as u8
+            }
+        }
+    };
+}
+
+/// A one-byte code on the wire (declared with `wire_enum!`).
+pub trait WireCode: TryFrom<u8, Error = u8> + Copy {
+    fn code(self) -> u8;
+}
+
+wire_enum! {
 /// Message type codes. 1-5 serve WRITE flows; 16-21 serve READ flows
 /// (22-31 stay reserved for the READ direction). A READ flow's GRANT, DATA,
 /// ACK and REFUSE are their WRITE twins with 16 added to the type code, in
 /// the opposite direction (the reader grants, the data owner writes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
 pub enum MessageType {
     /// Sender asks for credits (an empty WANT is a CANCEL).
     Want = 1,
@@ -86,27 +126,6 @@ pub enum MessageType {
     /// Reader aborts a READ (REFUSE's payload).
     ReadRefuse = 21,
 }
-
-impl TryFrom<u8> for MessageType {
-    type Error = u8;
-    /// The type of a wire code; `Err(code)` for a code of no message.
-    fn try_from(code: u8) -> Result<Self, u8> {
-        use MessageType::*;
-        Ok(match code {
-            1 => Want,
-            2 => Grant,
-            3 => Data,
-            4 => Ack,
-            5 => Refuse,
-            16 => Read,
-            17 => ReadEnd,
-            18 => ReadGrant,
-            19 => ReadData,
-            20 => ReadAck,
-            21 => ReadRefuse,
-            other => return Err(other),
-        })
-    }
 }
 
 /// The type code, request id and (for DATA and ACK) chunk index of an
@@ -258,6 +277,14 @@ impl<'a> Reader<'a> {
     /// Reads a u8.
     pub fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
         Ok(self.array::<1>(what)?[0])
+    }
+
+    /// Reads a one-byte code of `T`; an unknown code is invalid.
+    pub fn code<T: WireCode>(&mut self, what: &'static str) -> Result<T, WireError> {
+        T::try_from(self.u8(what)?).map_err(|other| WireError::Invalid {
+            what,
+            why: format!("unknown code {other}"),
+        })
     }
 
     /// Reads a little-endian u16.
@@ -431,9 +458,8 @@ pub struct Credit {
     pub len: u64,
 }
 
+wire_enum! {
 /// Why a receiver refuses or aborts a flow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
 pub enum RefuseReason {
     /// The receiver's arena is poisoned.
     Poisoned = 1,
@@ -455,27 +481,6 @@ pub enum RefuseReason {
     /// READ: the reader gave up (cancelled, timed out, deadline).
     Cancelled = 9,
 }
-
-impl RefuseReason {
-    fn from_u8(v: u8) -> Result<RefuseReason, WireError> {
-        Ok(match v {
-            1 => RefuseReason::Poisoned,
-            2 => RefuseReason::ShuttingDown,
-            3 => RefuseReason::ChunkTooLarge,
-            4 => RefuseReason::ProtocolViolation,
-            5 => RefuseReason::ScatterFailed,
-            6 => RefuseReason::Expired,
-            7 => RefuseReason::SourceRefused,
-            8 => RefuseReason::SenderFailed,
-            9 => RefuseReason::Cancelled,
-            other => {
-                return Err(WireError::Invalid {
-                    what: "refuse reason",
-                    why: format!("unknown code {other}"),
-                })
-            }
-        })
-    }
 }
 
 /// One chunk of a READ: its size in the reader's arena and the copies the
@@ -658,7 +663,7 @@ impl Message {
         let mut p = Writer::with_capacity(HEADER_LEN + self.payload_len_bound());
         p.bytes(&MESSAGE_MAGIC);
         p.u16(WIRE_VERSION);
-        p.u8(self.message_type() as u8);
+        p.u8(self.message_type().code());
         p.u8(0);
         p.u32(0); // payload length, patched below
         match self {
@@ -710,7 +715,7 @@ impl Message {
             | Message::ReadEnd { request, reason }
             | Message::ReadRefuse { request, reason } => {
                 p.u64(request.0);
-                p.u8(*reason as u8);
+                p.u8(reason.code());
             }
             Message::Read {
                 request,
@@ -821,12 +826,12 @@ impl Message {
             },
             5 => Message::Refuse {
                 request: RequestId(r.u64("request id")?),
-                reason: RefuseReason::from_u8(r.u8("refuse reason")?)?,
+                reason: r.code::<RefuseReason>("refuse reason")?,
             },
             16 => decode_read(&mut r)?,
             17 => Message::ReadEnd {
                 request: RequestId(r.u64("request id")?),
-                reason: RefuseReason::from_u8(r.u8("READ_END reason")?)?,
+                reason: r.code::<RefuseReason>("READ_END reason")?,
             },
             18 => {
                 let (request, credits) = decode_grant(&mut r)?;
@@ -844,7 +849,7 @@ impl Message {
             },
             21 => Message::ReadRefuse {
                 request: RequestId(r.u64("request id")?),
-                reason: RefuseReason::from_u8(r.u8("READ_REFUSE reason")?)?,
+                reason: r.code::<RefuseReason>("READ_REFUSE reason")?,
             },
             other => return Err(WireError::UnknownType(other)),
         };
@@ -908,14 +913,13 @@ fn decode_grant(r: &mut Reader<'_>) -> Result<(RequestId, Vec<Credit>), WireErro
 /// Bytes of one encoded run in the full form.
 const RUN_BYTES: usize = 44;
 
+wire_enum! {
 /// How a run list is laid out (wire version 3): the encoder takes the most
 /// compact form the list allows. A list's copies are all of one length in
 /// real clients' transfers (vLLM's blocks), and the plan packs them back
 /// to back in the region, so a copy is its address alone: 8 bytes on the
 /// wire instead of a run's 44. DATA and READ carry these lists; at 16,384
 /// blocks a READ shrinks from about 0.5 MB to 131 KB.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
 enum RunForm {
     /// Every field of every run (`RUN_BYTES` a run).
     Full = 0,
@@ -926,6 +930,7 @@ enum RunForm {
     /// first region offset, which copies are a run's second, then the
     /// address a copy.
     Packed = 2,
+}
 }
 
 /// A run list's encoding: its form and how many entries it writes (runs
@@ -1035,7 +1040,7 @@ fn write_copies<const WIDTH: usize>(runs: &[Run], marks: &mut [u8], entries: &mu
 
 fn encode_runs(p: &mut Writer, runs: &[Run]) {
     let w = run_wire(runs);
-    p.u8(w.form as u8);
+    p.u8(w.form.code());
     p.u32(w.entries as u32);
     match w.form {
         RunForm::Full => {
@@ -1082,8 +1087,8 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
         })?;
         Ok::<usize, WireError>(n)
     };
-    match r.u8("run list form")? {
-        0 => {
+    match r.code::<RunForm>("run list form")? {
+        RunForm::Full => {
             let n = charge(r.count("run", MAX_DATA_RUNS, RUN_LEN)?)?;
             // `count` checked that the n runs are all there: parse them
             // from one slice straight into the shared list (one
@@ -1091,14 +1096,14 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
             let raw = r.take(n * RUN_LEN, "runs")?;
             Ok(raw.chunks_exact(RUN_LEN).map(parse_run).collect())
         }
-        1 => {
+        RunForm::Copies => {
             let n = charge(r.count("copy", MAX_DATA_RUNS, 16)?)?;
             let len = r.u64("copy length")?;
             let marks = r.take(n.div_ceil(8), "second-copy marks")?;
             let raw = r.take(n * 16, "copies")?;
             rebuild_runs::<16>(n, len, 0, marks, raw)
         }
-        2 => {
+        RunForm::Packed => {
             let n = charge(r.count("copy", MAX_DATA_RUNS, 8)?)?;
             let len = r.u64("copy length")?;
             let first = r.u64("first region offset")?;
@@ -1116,10 +1121,6 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
             let raw = r.take(n * 8, "copies")?;
             rebuild_runs::<8>(n, len, first, marks, raw)
         }
-        other => Err(WireError::Invalid {
-            what: "run list form",
-            why: format!("unknown code {other}"),
-        }),
     }
 }
 
@@ -1247,9 +1248,8 @@ fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
     })
 }
 
+wire_enum! {
 /// The control transport an agent uses; peers must agree.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
 pub enum ControlKind {
     /// ZMQ over TCP.
     Zmq = 1,
@@ -1257,6 +1257,7 @@ pub enum ControlKind {
     NixlNotif = 2,
     /// TCP sockets the reactor owns (`control::tcp`).
     Tcp = 3,
+}
 }
 
 /// Capability flags advertised in the handshake.
@@ -1374,7 +1375,7 @@ impl Handshake {
         w.bytes(&HANDSHAKE_MAGIC);
         w.u16(HANDSHAKE_FORMAT);
         w.u16(self.wire_version);
-        w.u8(self.control as u8);
+        w.u8(self.control.code());
         w.u64(self.capabilities.0);
         w.u64(self.arena_usable_capacity);
         w.u64(self.max_chunk_size);
@@ -1395,17 +1396,7 @@ impl Handshake {
             "handshake format",
         )?;
         let wire_version = r.u16("wire version")?;
-        let control = match r.u8("control kind")? {
-            1 => ControlKind::Zmq,
-            2 => ControlKind::NixlNotif,
-            3 => ControlKind::Tcp,
-            other => {
-                return Err(WireError::Invalid {
-                    what: "control kind",
-                    why: format!("unknown code {other}"),
-                })
-            }
-        };
+        let control = r.code::<ControlKind>("control kind")?;
         let capabilities = Capabilities(r.u64("capabilities")?);
         let arena_usable_capacity = r.u64("arena usable capacity")?;
         let max_chunk_size = r.u64("max chunk size")?;
@@ -1575,7 +1566,7 @@ mod tests {
             }),
             (rid.clone(), 1u8..=9).prop_map(|(request, code)| Message::Refuse {
                 request,
-                reason: RefuseReason::from_u8(code).unwrap()
+                reason: RefuseReason::try_from(code).unwrap()
             }),
             (
                 rid.clone(),
@@ -1598,7 +1589,7 @@ mod tests {
                         .collect()
                 }),
             (rid.clone(), 1u8..=9, any::<bool>()).prop_map(|(request, code, end)| {
-                let reason = RefuseReason::from_u8(code).unwrap();
+                let reason = RefuseReason::try_from(code).unwrap();
                 if end {
                     Message::ReadEnd { request, reason }
                 } else {
