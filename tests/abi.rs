@@ -4,9 +4,9 @@
 //! disagreement shows up as a wrong value, a failed transfer or a crash here,
 //! never silently.
 
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 use nixl_sys::{MemType, XferDescList, XferOp};
 use serial_test::serial;
 

@@ -1,9 +1,9 @@
 //! Bad input: each case must give a NIXL error status (never a crash or a
 //! hang), and the process and the agents must stay usable afterwards (each
 //! test ends with a correct transfer through the same agents).
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 use nixl_sys::{Agent, NixlError, XferOp};
 use serial_test::serial;
 

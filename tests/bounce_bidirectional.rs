@@ -8,12 +8,10 @@
 //! sent and scattered. Run with the default arena, and with 4 MiB arenas
 //! where each side's arena is contended by its own gathers and the peer's
 //! grants at once (the cycle the local reserve must break).
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};

@@ -9,14 +9,10 @@
 //! terminal state (counted as cancelled) within its bound; both arenas end
 //! with nothing held and every byte accounted for; no byte outside the
 //! transfer's destinations changed; then the next transfer is byte-exact.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/faults.rs"]
-mod faults;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use faults::*;
 use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};

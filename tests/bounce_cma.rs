@@ -13,17 +13,13 @@
 //! - a released copy stops and its memory can be deregistered; the next
 //!   transfer works.
 //!
-//! The rest of the suite runs with the CMA path off (tests/common's
+//! The rest of the suite runs with the CMA path off (tests/support's
 //! `backend_params`): its two agents share one host too, and it is about
 //! the bounce arena.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/peer.rs"]
-mod peer;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
 use std::time::Duration;

@@ -22,14 +22,10 @@
 //! other than a socket must stay flat, sockets may grow only by UCX's share,
 //! and the control connections (TCP to or from a control port) are counted
 //! directly: flat.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/faults.rs"]
-mod faults;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use faults::*;
 use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};

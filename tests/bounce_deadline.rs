@@ -2,12 +2,10 @@
 //! backend custom parameter; past it the request fails with a distinct
 //! error, long before the no-progress timeout, and the engine stays usable.
 
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
 

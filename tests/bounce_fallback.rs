@@ -14,12 +14,10 @@
 //! also for a READ) between two compatible peers, and an engine whose
 //! bounce set-up failed (its control socket cannot bind) working through
 //! UCX. (A peer without the READ capability: tests/bounce_read_one_process.rs.)
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::Duration;
 

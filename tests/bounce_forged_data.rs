@@ -28,14 +28,10 @@
 //! registered memory is scattered and ACKed, writing whatever the granted
 //! arena region holds (zeros, or a previous flow's bytes) to an address of
 //! its choosing. Nothing plays the part of the UCX path's remote key.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/fake_sender.rs"]
-mod fake_sender;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Message, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, Run};

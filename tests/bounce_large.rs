@@ -6,12 +6,10 @@
 //! not fill its last chunk and straddles chunk boundaries (odd descriptor
 //! size), descriptors larger than a chunk (split into pieces), and the
 //! same 64 MiB over the NIXL-notification control channel.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::ThreadSync;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -14,12 +14,10 @@
 //!   arena, new control endpoint): the initiator must use the new one;
 //! - the peer destroyed while a transfer to it runs: the transfer fails
 //!   within its timeout instead of hanging.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp, XferRequest};
 use std::time::{Duration, Instant};
 

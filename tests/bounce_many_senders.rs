@@ -11,12 +11,10 @@
 //! chunks the senders wrote, and completion is fair: no sender is served
 //! ahead of the others (every sender finishes after at least half the
 //! slowest sender's time; the completion order is printed).
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::sync::Barrier;
 use std::time::Instant;

@@ -10,12 +10,10 @@
 //! Meanwhile another thread of the initiator registers and deregisters
 //! memory: the requests are routed and planned at their first posts
 //! (`prepare_at_post`), which read the registrations it changes.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;

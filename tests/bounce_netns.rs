@@ -20,16 +20,10 @@
 //! `SKIP:` and passes (even with NIXL_BOUNCE_REQUIRE_RUNTIME=1: that is a
 //! property of the machine); any other failure to set them up fails under
 //! NIXL_BOUNCE_REQUIRE_RUNTIME=1 and skips otherwise.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/faults.rs"]
-mod faults;
-#[path = "support/peer.rs"]
-mod peer;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use peer::*;
 use std::process::Command;
 use std::time::Duration;

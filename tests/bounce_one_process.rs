@@ -13,12 +13,10 @@
 //! - a timeline (`NIXL_BOUNCE_TRACE`) whose steps line up across both sides;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
 

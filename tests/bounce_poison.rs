@@ -8,14 +8,10 @@
 //!   request at once and poisons the arena (reported, leaked);
 //! - a peer that does not advertise CANCEL (`no_cancel_capability`) is
 //!   served through UCX, counted by reason.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/faults.rs"]
-mod faults;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use faults::*;
 use nixl_sys::ThreadSync;
 use std::time::Duration;

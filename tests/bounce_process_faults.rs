@@ -14,16 +14,10 @@
 //!
 //! Each asserts: every request terminal within its bound, no byte outside
 //! the destinations changed, arena bytes conserved, processes alive.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/faults.rs"]
-mod faults;
-#[path = "support/peer.rs"]
-mod peer;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use faults::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;

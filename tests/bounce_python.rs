@@ -10,11 +10,9 @@
 //! The control socket binds loopback through the environment
 //! (NIXL_BOUNCE_CONTROL_BIND_LOOPBACK=1): the Python API has no per-backend
 //! parameter for it.
-mod common;
-#[path = "support/python.rs"]
-mod python;
+mod support;
 
-use common::*;
+use support::*;
 use python::*;
 
 /// Runs the script expecting `path` ("arena" or "cma") to carry every

@@ -21,14 +21,10 @@
 //! it succeeds afterwards). A READ of registered memory by the same client,
 //! for contrast, is accepted (gathered) and ends only because the client
 //! has no arena to write into.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/fake_sender.rs"]
-mod fake_sender;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Credit, Message, ReadChunk, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, RequestId, Run};

@@ -6,12 +6,10 @@
 //! - a READ released (cancelled) while it runs: the release returns at
 //!   once, the owner never gets the READ's notification, nothing is
 //!   poisoned, and READs both ways succeed afterwards.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};
 

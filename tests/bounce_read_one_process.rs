@@ -15,12 +15,10 @@
 //!   arenas;
 //! - a peer whose handshake lacks the READ capability is read through UCX
 //!   (`fallback_peer_lacks_read`), as is a READ of few descriptors.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
 

@@ -13,16 +13,10 @@
 //! - a reader killed mid-READ: the owner ends its serve within the liveness
 //!   bound, drains its arena, forgets the reader (it never loaded it) and
 //!   serves the next reader.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/faults.rs"]
-mod faults;
-#[path = "support/peer.rs"]
-mod peer;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use faults::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;

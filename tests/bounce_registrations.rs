@@ -15,12 +15,10 @@
 //! (runs whose span leaves one registration are checked copy by copy
 //! against the union of registrations); the same transfers always passed
 //! with one run per descriptor (`disable_scatter_run_merging=true`).
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, ThreadSync, XferOp};
 
 const MANY: usize = 4096;

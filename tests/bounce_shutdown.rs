@@ -22,14 +22,10 @@
 //!   once. The ZMQ channel now tracks each peer's connection (socket
 //!   monitor + ZMTP heartbeats); a peer without one for
 //!   `peer_liveness_timeout_ms` (1 s) is unreachable and its requests fail.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/fake_sender.rs"]
-mod fake_sender;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Message, RefuseReason};
 use nixl_sys::{ThreadSync, XferOp};

@@ -9,14 +9,10 @@
 //!   show the bounce submission, ours the scatter);
 //! - with the CMA path on (its own route gated off): the same, each chunk
 //!   written into the peer's arena by cross-memory attach.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
-#[path = "support/peer.rs"]
-mod peer;
+mod support;
 
 use bounce::*;
-use common::*;
+use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
 

@@ -4,7 +4,7 @@
 //! Needs the NIXL runtime: prints `SKIP:` without it, fails when
 //! `NIXL_BOUNCE_REQUIRE_RUNTIME=1`.
 
-mod common;
+mod support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,8 +15,8 @@ use serial_test::serial;
 
 /// An agent named like an engine's inner agent, with a UCX backend.
 fn inner_agent(outer: &str) -> nixl_sys::Agent {
-    let name = format!("{}/bounce", common::unique_name(outer));
-    common::Node::new(&name, "UCX", &[])
+    let name = format!("{}/bounce", support::unique_name(outer));
+    support::Node::new(&name, "UCX", &[])
         .unwrap_or_else(|e| panic!("creating agent {name}: {e}"))
         .agent
 }
@@ -37,10 +37,10 @@ fn recv_within(ch: &mut dyn ControlChannel, limit: Duration) -> Incoming {
 #[test]
 #[serial]
 fn notification_channels_exchange_over_the_reverse_path_and_keep_user_notifications() {
-    if !common::ready("UCX") {
+    if !support::ready("UCX") {
         return;
     }
-    let limit = common::wait_timeout().min(Duration::from_secs(30));
+    let limit = support::wait_timeout().min(Duration::from_secs(30));
     let a_agent = inner_agent("sender");
     let b_agent = inner_agent("receiver");
     let a_hub = Arc::new(NotifHub::new(Arc::new(a_agent.clone())));
@@ -130,7 +130,7 @@ fn run_for(span: Duration, live: &mut [&mut NotifChannel]) {
 #[test]
 #[serial]
 fn heartbeats_over_real_notifications_find_a_stopped_peer() {
-    if !common::ready("UCX") {
+    if !support::ready("UCX") {
         return;
     }
     const T: Duration = Duration::from_millis(400);

@@ -17,15 +17,13 @@
 //!   other, both ways (skips with one).
 //!
 //! Run: `cargo test --release --test gpu_peer_map -- --nocapture`.
-#[path = "support/bounce.rs"]
-mod bounce;
-mod common;
+mod support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bounce::{stats, take_notifs};
-use common::*;
+use support::*;
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_sys::{MemType, OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest};

@@ -1,9 +1,9 @@
 //! Checks of the test harness itself (no NIXL runtime needed): the verifier
 //! catches wrong bytes inside and outside the destination blocks, plans are
 //! scattered subsets without repeats, patterns depend on the seed.
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 use std::collections::HashSet;
 
 #[test]

@@ -3,9 +3,9 @@
 //! reads both once, when NIXL loads it, so this test binary (one process)
 //! sets them before its first BOUNCE agent.
 
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 
 #[test]
 fn nixl_bounce_log_file_receives_the_engine_log() {

@@ -2,9 +2,9 @@
 //! and READ of 1 descriptor and of 4096 scattered 4 KiB descriptors,
 //! byte-exact (including bytes outside the destination blocks), and
 //! notifications (with a transfer and standalone).
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 use nixl_sys::XferOp;
 
 const BLOCK: usize = 4096;

@@ -3,9 +3,9 @@
 //! new work with an error while teardown (disconnect, deregistration,
 //! release) still runs.
 
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 use nixl_sys::XferOp;
 use serial_test::serial;
 

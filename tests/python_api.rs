@@ -11,11 +11,9 @@
 //! `NIXL_TELEMETRY_DIR`), as NIXL's own tests do: BOUNCE must be created and
 //! each agent's telemetry file written, as with UCX (BOUNCE's inner agent
 //! once collided with the outer agent's file).
-mod common;
-#[path = "support/python.rs"]
-mod python;
+mod support;
 
-use common::*;
+use support::*;
 use python::*;
 
 /// Runs the script for `backend` (with NIXL's file telemetry into

@@ -11,11 +11,9 @@
 //! NIXL_PLUGIN_DIR only, WITHOUT LD_LIBRARY_PATH (how Python users run). Like
 //! tests/bounce_python.rs, the control socket binds loopback through the
 //! environment (single-host test).
-mod common;
-#[path = "support/python.rs"]
-mod python;
+mod support;
 
-use common::*;
+use support::*;
 use python::*;
 
 backend_tests! {

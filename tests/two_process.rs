@@ -4,9 +4,9 @@
 //! prefixed `@@TP `; everything else on stdout is libtest noise). Both sides
 //! compute the same seeded plans and patterns, so each side verifies its own
 //! buffer byte-exact: the target after a WRITE, the initiator after a READ.
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 use nixl_sys::XferOp;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};

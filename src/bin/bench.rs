@@ -12,7 +12,7 @@
 //! (one configuration through one variant), [`report`] (rows, table, JSON),
 //! [`sysinfo`] (machine metadata, per-thread CPU time).
 
-#[path = "../../tests/common/harness.rs"]
+#[path = "../../tests/support/harness.rs"]
 mod harness;
 
 #[path = "bench/cli.rs"]

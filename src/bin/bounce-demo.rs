@@ -5,7 +5,7 @@
 //! Run with `scripts/demo.sh [flags]` (sets up the runtime) or
 //! `cargo run --release --bin bounce-demo -- [flags]` once set up.
 
-#[path = "../../tests/common/harness.rs"]
+#[path = "../../tests/support/harness.rs"]
 mod harness;
 
 use harness::*;

@@ -1,5 +1,5 @@
 //! Shared helpers of the `tests/bounce_*.rs` suites (included with
-//! `#[path = "support/bounce.rs"] mod bounce;` after `mod common;`).
+//! `#[path = "support/bounce.rs"] mod bounce;` after `mod support;`).
 //!
 //! - agents with a chosen NIXL thread-sync mode (the harness' `Node::new`
 //!   uses the C API's default, which serialises nothing);
@@ -10,7 +10,7 @@
 //! - bounded waits over several requests at once.
 #![allow(dead_code)]
 
-use crate::common::*;
+use super::*;
 use nixl_sys::{Agent, AgentConfig, NotificationMap, ThreadSync, XferOp, XferRequest, XferStatus};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -4,8 +4,8 @@
 //! that no byte outside a transfer's destinations changed.
 #![allow(dead_code)]
 
-use crate::bounce::*;
-use crate::common::*;
+use super::bounce::*;
+use super::*;
 use std::time::{Duration, Instant};
 
 /// Creates something (an agent) with `NIXL_BOUNCE_FAILPOINTS=spec`; the

@@ -37,8 +37,8 @@
 //! - `QUIT`.
 #![allow(dead_code)]
 
-use crate::bounce::*;
-use crate::common::*;
+use super::bounce::*;
+use super::*;
 use nixl_sys::{ThreadSync, XferOp, XferStatus};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};

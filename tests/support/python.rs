@@ -4,7 +4,7 @@
 //! Include after `common`: `#[path = "support/python.rs"] mod python;`
 #![allow(dead_code)]
 
-use crate::common::*;
+use super::*;
 use std::io::Read;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};

@@ -1,5 +1,8 @@
-//! Test support: runtime discovery with SKIP/FAIL policy, plus the transfer
-//! harness in `harness.rs` (re-exported).
+//! Test support, one module for every integration test (`mod support;`):
+//! runtime discovery with SKIP/FAIL policy, the transfer harness in
+//! `harness.rs` (re-exported), and the helpers of the bounce tests
+//! (`bounce`, `faults`, `peer` (the child-process peer), `python`,
+//! `fake_sender`).
 //!
 //! Policy: when the NIXL runtime (or the plugin a test needs) is missing, a
 //! test prints `SKIP: <reason>` and returns, unless
@@ -7,7 +10,12 @@
 //! which case it fails with that reason.
 #![allow(dead_code)]
 
+pub mod bounce;
+pub mod fake_sender;
+pub mod faults;
 pub mod harness;
+pub mod peer;
+pub mod python;
 pub use harness::*;
 
 use std::path::{Path, PathBuf};
@@ -117,7 +125,7 @@ macro_rules! backend_tests {
                 #[test]
                 #[serial_test::serial]
                 fn $name() {
-                    if $crate::common::ready("BOUNCE") { super::cases::$name("BOUNCE") }
+                    if $crate::support::ready("BOUNCE") { super::cases::$name("BOUNCE") }
                 }
             )*
         }
@@ -126,7 +134,7 @@ macro_rules! backend_tests {
                 #[test]
                 #[serial_test::serial]
                 fn $name() {
-                    if $crate::common::ready("UCX") { super::cases::$name("UCX") }
+                    if $crate::support::ready("UCX") { super::cases::$name("UCX") }
                 }
             )*
         }

@@ -1,5 +1,5 @@
 //! Transfer harness around `nixl-sys`, shared by the integration tests
-//! (`tests/common/mod.rs` re-exports it) and by `src/bin/bounce-demo.rs`
+//! (`tests/support/mod.rs` re-exports it) and by `src/bin/bounce-demo.rs`
 //! (included with `#[path]`). It only uses `std`, `libc` and `nixl-sys`, so it
 //! compiles in both places.
 //!
