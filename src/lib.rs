@@ -68,6 +68,8 @@ pub mod dataplane;
 pub mod engine;
 pub mod failpoint;
 pub mod ffi;
+#[cfg(feature = "harness")]
+pub mod harness;
 pub mod logging;
 pub mod nixl_capi;
 pub mod nvtx;

@@ -31,7 +31,7 @@ fn load_capi() -> Result<PathBuf, String> {
     if let Some(core) = loaded_object_path(CORE) {
         if let Some(dir) = core.parent() {
             let candidate = dir.join(CAPI);
-            match dlopen_global(&candidate) {
+            match load_global(&candidate) {
                 Ok(()) => return Ok(candidate),
                 Err(e) => tried.push(format!("{}: {e}", candidate.display())),
             }
@@ -40,7 +40,7 @@ fn load_capi() -> Result<PathBuf, String> {
         tried.push(format!("{CORE} is not loaded in this process"));
     }
     // Fall back to the normal search path (LD_LIBRARY_PATH, ld.so.cache).
-    match dlopen_global(Path::new(CAPI)) {
+    match load_global(Path::new(CAPI)) {
         Ok(()) => Ok(loaded_object_path(CAPI).unwrap_or_else(|| PathBuf::from(CAPI))),
         Err(e) => {
             tried.push(format!("{CAPI} on the library search path: {e}"));
@@ -58,7 +58,9 @@ pub fn loader_error(e: &libloading::Error) -> String {
     }
 }
 
-fn dlopen_global(path: &Path) -> Result<(), String> {
+/// Loads the library at `path` for the life of the process, its symbols
+/// global (as NIXL's C API must be for nixl-sys's later by-name load).
+pub fn load_global(path: &Path) -> Result<(), String> {
     // SAFETY: loading NIXL's C API runs only its own initialisers, as
     // nixl-sys's own load of it would. The handle is deliberately leaked
     // (`into_raw`): the library must stay loaded for the life of the process
@@ -116,7 +118,7 @@ mod tests {
 
     #[test]
     fn a_failed_load_says_why() {
-        let e = dlopen_global(Path::new("/nonexistent/libnixl_capi.so")).unwrap_err();
+        let e = load_global(Path::new("/nonexistent/libnixl_capi.so")).unwrap_err();
         assert!(e.contains("No such file"), "{e}");
     }
 }

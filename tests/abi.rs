@@ -6,9 +6,9 @@
 
 mod support;
 
-use support::*;
 use nixl_sys::{MemType, XferDescList, XferOp};
 use serial_test::serial;
+use support::*;
 
 /// NIXL reads the backend's custom parameters and memory types out of OUR
 /// engine object (nixlBackendEngine's data members, slot of

@@ -3,9 +3,9 @@
 //! test ends with a correct transfer through the same agents).
 mod support;
 
-use support::*;
 use nixl_sys::{Agent, NixlError, XferOp};
 use serial_test::serial;
+use support::*;
 
 const BLOCK: usize = 4096;
 const N: usize = 8;

@@ -11,10 +11,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
+use support::*;
 
 const THREADS: usize = 8;
 const DESCS: usize = 1024;

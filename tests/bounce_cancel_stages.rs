@@ -12,10 +12,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use faults::*;
 use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};
+use support::*;
 
 const MANY: usize = 4096;
 const ARENA: u64 = 4 << 20;

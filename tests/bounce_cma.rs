@@ -19,10 +19,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 const CMA_ON: (&str, &str) = ("enable_cma", "true");

@@ -25,10 +25,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use faults::*;
 use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};
+use support::*;
 
 const ARENA: u64 = 1 << 20;
 /// Small transfers take the bounce path (64 descriptors).

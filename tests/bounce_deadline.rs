@@ -5,9 +5,9 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
+use support::*;
 
 #[test]
 #[serial_test::serial]

@@ -17,9 +17,9 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 /// Far below `request_timeout_ms` (30 s by default, 60 s set here).

@@ -31,12 +31,12 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Message, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, Run};
 use nixl_sys::ThreadSync;
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 

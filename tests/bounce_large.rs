@@ -9,11 +9,11 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::ThreadSync;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::*;
 
 const ARENA: (&str, &str) = ("arena_size_bytes", "4MiB");
 const CHUNK: (&str, &str) = ("max_chunk_size_bytes", "512KiB");

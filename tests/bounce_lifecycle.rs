@@ -17,9 +17,9 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp, XferRequest};
 use std::time::{Duration, Instant};
+use support::*;
 
 const MANY: usize = 4096;
 

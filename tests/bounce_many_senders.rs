@@ -14,10 +14,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::sync::Barrier;
 use std::time::Instant;
+use support::*;
 
 const SENDERS: usize = 4;
 const REQS: usize = 4;

@@ -13,11 +13,11 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
+use support::*;
 
 const THREADS: usize = 8;
 const PER_THREAD: usize = 2;

@@ -23,10 +23,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use peer::*;
 use std::process::Command;
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 

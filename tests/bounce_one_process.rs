@@ -16,9 +16,9 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
+use support::*;
 
 const MANY: usize = 4096;
 

@@ -11,10 +11,10 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use faults::*;
 use nixl_sys::ThreadSync;
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 const ARENA: u64 = 4 << 20;

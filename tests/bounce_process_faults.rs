@@ -17,11 +17,11 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use faults::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 /// 256 KiB chunks in a 4 MiB arena: a 16 MiB transfer is 64 chunks, still

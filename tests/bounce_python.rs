@@ -12,8 +12,8 @@
 //! parameter for it.
 mod support;
 
-use support::*;
 use python::*;
+use support::*;
 
 /// Runs the script expecting `path` ("arena" or "cma") to carry every
 /// transfer; `cma` says whether the CMA path is left at its default (on)

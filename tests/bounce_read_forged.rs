@@ -24,12 +24,12 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Credit, Message, ReadChunk, RefuseReason};
 use nixl_bounce::proto::{RegionHandle, RequestId, Run};
 use nixl_sys::ThreadSync;
 use std::time::Duration;
+use support::*;
 
 const MANY: usize = 4096;
 

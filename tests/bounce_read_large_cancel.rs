@@ -9,9 +9,9 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::ThreadSync;
 use std::time::{Duration, Instant};
+use support::*;
 
 const SMALL_ARENA: [(&str, &str); 3] = [
     ("arena_size_bytes", "4MiB"),

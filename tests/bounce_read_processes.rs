@@ -16,11 +16,11 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use faults::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
 use std::time::{Duration, Instant};
+use support::*;
 
 const MANY: usize = 4096;
 

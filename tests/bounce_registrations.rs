@@ -18,8 +18,8 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, ThreadSync, XferOp};
+use support::*;
 
 const MANY: usize = 4096;
 

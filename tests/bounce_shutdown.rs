@@ -25,11 +25,11 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use fake_sender::*;
 use nixl_bounce::proto::wire::{Message, RefuseReason};
 use nixl_sys::{ThreadSync, XferOp};
 use std::time::{Duration, Instant};
+use support::*;
 
 #[test]
 #[serial_test::serial]

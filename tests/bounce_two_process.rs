@@ -12,9 +12,9 @@
 mod support;
 
 use bounce::*;
-use support::*;
 use nixl_sys::{ThreadSync, XferOp};
 use peer::*;
+use support::*;
 
 const MANY: usize = 4096;
 

@@ -23,10 +23,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bounce::{stats, take_notifs};
-use support::*;
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
 use nixl_bounce::dataplane::vram::DeviceArena;
 use nixl_sys::{MemType, OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest};
+use support::*;
 
 const BLOCK: usize = 4096;
 

@@ -3,8 +3,8 @@
 //! scattered subsets without repeats, patterns depend on the seed.
 mod support;
 
-use support::*;
 use std::collections::HashSet;
+use support::*;
 
 #[test]
 fn plans_are_scattered_without_repeats() {

@@ -4,8 +4,8 @@
 //! notifications (with a transfer and standalone).
 mod support;
 
-use support::*;
 use nixl_sys::XferOp;
+use support::*;
 
 const BLOCK: usize = 4096;
 const MANY: usize = 4096;

@@ -5,9 +5,9 @@
 
 mod support;
 
-use support::*;
 use nixl_sys::XferOp;
 use serial_test::serial;
+use support::*;
 
 #[test]
 #[serial]

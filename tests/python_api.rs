@@ -13,8 +13,8 @@
 //! once collided with the outer agent's file).
 mod support;
 
-use support::*;
 use python::*;
+use support::*;
 
 /// Runs the script for `backend` (with NIXL's file telemetry into
 /// `telemetry`, if given) and asserts that it passed.

@@ -13,8 +13,8 @@
 //! environment (single-host test).
 mod support;
 
-use support::*;
 use python::*;
+use support::*;
 
 backend_tests! {
     fn python_vllm_pattern(backend) {

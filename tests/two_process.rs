@@ -6,12 +6,12 @@
 //! buffer byte-exact: the target after a WRITE, the initiator after a READ.
 mod support;
 
-use support::*;
 use nixl_sys::XferOp;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
+use support::*;
 
 const BLOCK: usize = 4096;
 const MANY: usize = 4096;

@@ -12,9 +12,6 @@
 //! (one configuration through one variant), [`report`] (rows, table, JSON),
 //! [`sysinfo`] (machine metadata, per-thread CPU time).
 
-#[path = "../../tests/support/harness.rs"]
-mod harness;
-
 #[path = "bench/cli.rs"]
 mod cli;
 #[path = "bench/mem.rs"]
@@ -325,7 +322,7 @@ fn close(v: Variant, timeout: Duration) -> Result<Duration, String> {
 
 fn run_all(o: &Options, args: &[String]) -> Result<bool, String> {
     let started = Instant::now();
-    harness::preload_capi(Some(Path::new(ROOT))).map_err(|e| {
+    nixl_bounce::harness::preload_capi(Some(Path::new(ROOT))).map_err(|e| {
         format!("NIXL runtime not found: {e}\n(run scripts/bench.sh, which sets it up)")
     })?;
     sysinfo::claim_new_threads("main");

@@ -5,10 +5,7 @@
 //! Run with `scripts/demo.sh [flags]` (sets up the runtime) or
 //! `cargo run --release --bin bounce-demo -- [flags]` once set up.
 
-#[path = "../../tests/support/harness.rs"]
-mod harness;
-
-use harness::*;
+use nixl_bounce::harness::*;
 use nixl_sys::XferOp;
 use std::path::Path;
 use std::process::ExitCode;

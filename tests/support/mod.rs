@@ -13,10 +13,9 @@
 pub mod bounce;
 pub mod fake_sender;
 pub mod faults;
-pub mod harness;
 pub mod peer;
 pub mod python;
-pub use harness::*;
+pub use nixl_bounce::harness::*;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -44,6 +43,13 @@ pub fn plugin_dir() -> Option<PathBuf> {
     }
     let d = repo_root().join(".nixl/site/.nixl_cu13.mesonpy.libs/plugins");
     d.is_dir().then_some(d)
+}
+
+/// [`nixl_bounce::harness::preload_capi`] with the suites' defaults on
+/// (every test and child peer loads NIXL through this).
+pub fn preload_capi(repo_root: Option<&Path>) -> Result<PathBuf, String> {
+    nixl_bounce::harness::use_suite_defaults();
+    nixl_bounce::harness::preload_capi(repo_root)
 }
 
 fn capi_status() -> &'static Result<PathBuf, String> {

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use nixl_sys::{MemType, RegistrationHandle};
 
 use crate::cli::MemKind;
-use crate::harness::{fill_pattern, DramBuffer, Node};
+use nixl_bounce::harness::{fill_pattern, DramBuffer, Node};
 
 /// One side's buffer: registered with every variant's agent on that side.
 pub trait BenchMemory {

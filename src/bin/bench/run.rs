@@ -9,10 +9,10 @@ use nixl_bounce::stats::Snapshot;
 use nixl_sys::{Agent, XferDescList, XferOp, XferRequest, XferStatus};
 
 use crate::cli::{Op, Options, Poll};
-use crate::harness::{blocks_for, pattern, verify_bytes, Plan, Rng};
 use crate::mem::BenchMemory;
 use crate::sysinfo::{CpuSample, CpuUse};
 use crate::variant::Variant;
+use nixl_bounce::harness::{blocks_for, pattern, verify_bytes, Plan, Rng};
 
 /// One configuration of the sweep.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

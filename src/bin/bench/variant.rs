@@ -7,9 +7,9 @@ use nixl_bounce::stats::{plugin_stats, Snapshot};
 use nixl_sys::{Agent, AgentConfig, RegistrationHandle};
 
 use crate::cli::{BackendKind, VariantSpec};
-use crate::harness::{backend_params, unique_name, Node};
 use crate::mem::BenchMemory;
 use crate::sysinfo::claim_new_threads;
+use nixl_bounce::harness::{backend_params, unique_name, Node};
 
 /// Parameters every BOUNCE row gets: the control socket binds 127.0.0.1.
 /// `control_interface` is set to empty explicitly: before e4e0e48 the plugin

@@ -1,7 +1,6 @@
-//! Transfer harness around `nixl-sys`, shared by the integration tests
-//! (`tests/support/mod.rs` re-exports it) and by `src/bin/bounce-demo.rs`
-//! (included with `#[path]`). It only uses `std`, `libc` and `nixl-sys`, so it
-//! compiles in both places.
+//! Transfer harness around `nixl-sys` (feature `harness`, on by default),
+//! shared by the integration tests (`tests/support/mod.rs` re-exports it)
+//! and the binaries (`bounce-demo`, `bench`). The plugin does not use it.
 //!
 //! What it provides:
 //! - `preload_capi`: makes `libnixl_capi.so` resolvable without
@@ -11,18 +10,16 @@
 //! - agent/backend construction, metadata exchange, post + bounded wait,
 //!   notifications, byte-exact verification that also checks every byte
 //!   outside the destination blocks.
-#![allow(dead_code)]
 
 use nixl_sys::{
     Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
     Params, RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
 };
 use std::alloc::{alloc, dealloc, Layout};
-use std::ffi::CString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub const PAGE: usize = 4096;
@@ -64,6 +61,15 @@ pub fn capi_dir(repo_root: Option<&Path>) -> Option<PathBuf> {
         .find(|d| d.join("libnixl_capi.so").is_file())
 }
 
+static SUITE_DEFAULTS: AtomicBool = AtomicBool::new(false);
+
+/// Makes the agents this process creates from now on take the test suites'
+/// defaults (the CMA path off for BOUNCE, [`backend_params`]); the
+/// integration tests' support module calls it before loading NIXL.
+pub fn use_suite_defaults() {
+    SUITE_DEFAULTS.store(true, Ordering::Relaxed);
+}
+
 /// Load `libnixl_capi.so` by absolute path (RTLD_GLOBAL) so that nixl-sys'
 /// later `dlopen("libnixl_capi.so")` finds the already-loaded object by its
 /// soname. Returns the path loaded, or an error string. Harmless if
@@ -74,22 +80,8 @@ pub fn preload_capi(repo_root: Option<&Path>) -> Result<PathBuf, String> {
             .to_string()
     })?;
     let path = dir.join("libnixl_capi.so");
-    let c = CString::new(path.to_string_lossy().as_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: plain dlopen of a library path; the handle is intentionally leaked
-    // (the library stays loaded for the life of the process).
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a thread-local C string or null.
-        let err = unsafe {
-            let e = libc::dlerror();
-            if e.is_null() {
-                "unknown dlopen error".to_string()
-            } else {
-                std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned()
-            }
-        };
-        return Err(format!("dlopen({}) failed: {err}", path.display()));
-    }
+    crate::nixl_capi::load_global(&path)
+        .map_err(|e| format!("dlopen({}) failed: {e}", path.display()))?;
     if nixl_sys::is_stub() {
         return Err(format!(
             "{} was loaded but nixl-sys still cannot resolve libnixl_capi.so",
@@ -103,9 +95,9 @@ pub fn preload_capi(repo_root: Option<&Path>) -> Result<PathBuf, String> {
 // Deterministic randomness and patterns
 // ---------------------------------------------------------------------------
 
-use nixl_bounce::splitmix::mix;
+use crate::splitmix::mix;
 /// The crate's one PRNG (layouts and orders of the tests' plans).
-pub use nixl_bounce::splitmix::SplitMix64 as Rng;
+pub use crate::splitmix::SplitMix64 as Rng;
 
 const PATTERN_TABLE: usize = 64 * 1024;
 
@@ -192,6 +184,9 @@ impl DramBuffer {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
     pub fn addr(&self) -> usize {
         self.data_ptr() as usize
@@ -320,6 +315,9 @@ impl Plan {
     pub fn len(&self) -> usize {
         self.src.len()
     }
+    pub fn is_empty(&self) -> bool {
+        self.src.is_empty()
+    }
     pub fn bytes(&self) -> usize {
         self.src.len() * self.block
     }
@@ -412,7 +410,7 @@ pub fn backend_params(
     // are about: there it is off unless a test asks for it (tests/bounce_cma.rs)
     // or the environment sets it. The binaries (demo, bench) keep the
     // product's default.
-    if cfg!(test)
+    if SUITE_DEFAULTS.load(Ordering::Relaxed)
         && backend == "BOUNCE"
         && !extra.iter().any(|(k, _)| *k == "enable_cma")
         && std::env::var_os("NIXL_BOUNCE_ENABLE_CMA").is_none()
