@@ -29,7 +29,7 @@ mod workers;
 mod writes;
 pub(crate) use reactor::precise_timers;
 use reactor::Reactor;
-pub use targets::{InUse, ScatterTargets};
+pub use targets::{InUse, Refused, ScatterTargets};
 pub use ticket::Ticket;
 pub use trace::ENV as TRACE_ENV;
 use trace::{Step, Trace};
@@ -236,7 +236,7 @@ struct RegisteredSources(Arc<ScatterTargets>);
 
 impl crate::proto::read::SourceCheck for RegisteredSources {
     fn check(&self, _reader: &PeerId, runs: &[Run]) -> Result<(), String> {
-        self.0.admits(runs)
+        self.0.admits(runs).map_err(|e| e.to_string())
     }
 }
 

@@ -3,6 +3,16 @@
 
 use super::*;
 
+/// Why a copy's runs were refused: they reach outside the memory
+/// registered with BOUNCE (the addresses came over the network).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("run {run} wraps around the address space")]
+    Wraps { run: usize },
+    #[error("run {run} touches [{start:#x}, {end:#x}), outside every memory region registered with BOUNCE")]
+    Outside { run: usize, start: u64, end: u64 },
+}
+
 /// Application memory the copies may touch, and what they touch now.
 ///
 /// The receiver scatters only into memory registered with this backend at
@@ -64,15 +74,13 @@ impl Targets {
     /// Checks `runs` (see [`ScatterTargets::admits`]) and returns the
     /// application range they span, [lowest start, highest end) ((0, 0)
     /// for none), in the same pass.
-    fn admits(&self, runs: &[Run]) -> Result<(u64, u64), String> {
+    fn admits(&self, runs: &[Run]) -> Result<(u64, u64), Refused> {
         // A request's runs mostly lie in one registration: the interval
         // that held the last run is tried before the search.
         let mut last = (1u64, 0u64); // empty
         let mut span = (u64::MAX, 0u64);
         for (i, run) in runs.iter().enumerate() {
-            let end = run
-                .addr_end()
-                .ok_or_else(|| format!("run {i} wraps around"))?;
+            let end = run.addr_end().ok_or(Refused::Wraps { run: i })?;
             span = (span.0.min(run.addr), span.1.max(end));
             if last.0 <= run.addr && end <= last.1 {
                 continue;
@@ -82,13 +90,13 @@ impl Targets {
                 continue;
             }
             for (_, addr, len) in run.copies() {
-                let copy_end = addr
-                    .checked_add(len)
-                    .ok_or_else(|| format!("run {i} wraps around"))?;
+                let copy_end = addr.checked_add(len).ok_or(Refused::Wraps { run: i })?;
                 if !self.covers(addr, copy_end) {
-                    return Err(format!(
-                        "run {i} touches [{addr:#x}, {copy_end:#x}), outside every memory region registered with BOUNCE"
-                    ));
+                    return Err(Refused::Outside {
+                        run: i,
+                        start: addr,
+                        end: copy_end,
+                    });
                 }
             }
         }
@@ -136,13 +144,13 @@ impl ScatterTargets {
     /// whose whole span is registered passes at once; otherwise (a strided
     /// run over several registrations, or across a gap between them) each
     /// copy is checked on its own.
-    pub fn admits(&self, runs: &[Run]) -> Result<(), String> {
+    pub fn admits(&self, runs: &[Run]) -> Result<(), Refused> {
         self.inner.locked().admits(runs).map(|_| ())
     }
 
     /// Admits a scatter and marks its destinations in use, atomically with
     /// respect to deregistration.
-    pub fn admit_scatter(&self, runs: &[Run]) -> Result<InUse, String> {
+    pub fn admit_scatter(&self, runs: &[Run]) -> Result<InUse, Refused> {
         let mut t = self.inner.locked();
         let span = t.admits(runs)?;
         Ok(t.track(span))
@@ -151,7 +159,7 @@ impl ScatterTargets {
     /// Admits a gather (its sources must be registered memory: for a
     /// served READ they come from the network) and marks them in use,
     /// atomically with respect to deregistration.
-    pub fn admit_gather(&self, runs: &[Run]) -> Result<InUse, String> {
+    pub fn admit_gather(&self, runs: &[Run]) -> Result<InUse, Refused> {
         self.admit_scatter(runs)
     }
 
