@@ -554,33 +554,42 @@ impl Node {
         }
     }
 
+    /// Drains the notifications received so far, as (agent, message).
+    pub fn take_notifs(&self) -> Result<Vec<(String, Vec<u8>)>, String> {
+        let mut map = NotificationMap::new().map_err(|e| err("NotificationMap::new", e))?;
+        self.agent
+            .get_notifications(&mut map, None)
+            .map_err(|e| err("get_notifications", e))?;
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(|s| s.to_string()))
+            .collect();
+        let mut out = Vec::new();
+        for a in agents {
+            let n = map
+                .get_notifications_size(&a)
+                .map_err(|e| err("notifs size", e))?;
+            for i in 0..n {
+                let b = map
+                    .get_notification_bytes(&a, i)
+                    .map_err(|e| err("notif bytes", e))?;
+                out.push((a.clone(), b));
+            }
+        }
+        Ok(out)
+    }
+
     /// Wait until a notification equal to `msg` from agent `from` arrives.
     /// Other notifications seen meanwhile are returned in the error message.
     pub fn wait_notif(&self, from: &str, msg: &[u8], timeout: Duration) -> Result<(), String> {
         let t0 = Instant::now();
         let mut seen: Vec<(String, Vec<u8>)> = Vec::new();
         loop {
-            let mut map = NotificationMap::new().map_err(|e| err("NotificationMap::new", e))?;
-            self.agent
-                .get_notifications(&mut map, None)
-                .map_err(|e| err("get_notifications", e))?;
-            let agents: Vec<String> = map
-                .agents()
-                .filter_map(|a| a.ok().map(|s| s.to_string()))
-                .collect();
-            for a in agents {
-                let n = map
-                    .get_notifications_size(&a)
-                    .map_err(|e| err("notifs size", e))?;
-                for i in 0..n {
-                    let b = map
-                        .get_notification_bytes(&a, i)
-                        .map_err(|e| err("notif bytes", e))?;
-                    if a == from && b == msg {
-                        return Ok(());
-                    }
-                    seen.push((a.clone(), b));
+            for (a, b) in self.take_notifs()? {
+                if a == from && b == msg {
+                    return Ok(());
                 }
+                seen.push((a, b));
             }
             if t0.elapsed() > timeout {
                 let seen: Vec<String> = seen

@@ -11,7 +11,7 @@
 #![allow(dead_code)]
 
 use super::*;
-use nixl_sys::{Agent, AgentConfig, NotificationMap, ThreadSync, XferOp, XferRequest, XferStatus};
+use nixl_sys::{Agent, AgentConfig, ThreadSync, XferOp, XferRequest, XferStatus};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -356,28 +356,7 @@ pub fn post(node: &Node, req: &XferRequest) -> Result<(), String> {
 
 /// Drain the notifications `node` has received, as (agent, message).
 pub fn take_notifs(node: &Node) -> Result<Vec<(String, Vec<u8>)>, String> {
-    let mut map = NotificationMap::new().map_err(|e| format!("NotificationMap::new: {e:?}"))?;
-    node.agent
-        .get_notifications(&mut map, None)
-        .map_err(|e| format!("get_notifications: {e:?}"))?;
-    let mut out = Vec::new();
-    let agents: Vec<String> = map
-        .agents()
-        .filter_map(|a| a.ok().map(|s| s.to_string()))
-        .collect();
-    for a in agents {
-        let n = map
-            .get_notifications_size(&a)
-            .map_err(|e| format!("{e:?}"))?;
-        for i in 0..n {
-            out.push((
-                a.clone(),
-                map.get_notification_bytes(&a, i)
-                    .map_err(|e| format!("{e:?}"))?,
-            ));
-        }
-    }
-    Ok(out)
+    node.take_notifs()
 }
 
 /// Sleep-free short pause between polls.
