@@ -7,7 +7,8 @@
 //! export and must be refused without a byte read). The harness plays the runtime: it carries
 //! control messages (with seeded random delay, reordering and loss),
 //! executes gathers, writes and scatters on simulated memory at simulated
-//! times (with seeded failures), and injects cancels, deadlines, peer
+//! times (with seeded failures; the bytes move and messages are encoded
+//! by `proto::driver`, the endpoint unit tests' driver), and injects cancels, deadlines, peer
 //! crashes and restarts, peers found unreachable while they live on (a
 //! transient partition), and operations that never finish (poisoning).
 //! An agent loads a peer (its key) only before it first sends to it or
@@ -34,9 +35,9 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::Duration;
 
 use nixl_bounce::proto::credit::Owner;
+use nixl_bounce::proto::driver::{carry, Memory};
 use nixl_bounce::proto::plan::Descriptor;
 use nixl_bounce::proto::read::SourceCheck;
-use nixl_bounce::proto::wire::Message;
 use nixl_bounce::proto::{
     Action, ChunkRef, Endpoint, EndpointConfig, FailureReason, FlowId, FlowKind, Outcome, PeerId,
     RegionHandle, RequestId, Run, Time,
@@ -195,8 +196,7 @@ impl Faults {
 struct Agent {
     name: PeerId,
     ep: Endpoint,
-    arena: Vec<u8>,
-    mem: Vec<u8>,
+    memory: Memory,
     initial_mem: Vec<u8>,
     alive: bool,
     inc: u32,
@@ -337,9 +337,11 @@ impl Sim {
             agents.push(Agent {
                 name,
                 ep: endpoint(c, i, 0),
-                arena: vec![0u8; capacity as usize],
                 initial_mem: mem.clone(),
-                mem,
+                memory: Memory {
+                    mem,
+                    arena: vec![0u8; capacity as usize],
+                },
                 alive: true,
                 inc: 0,
                 src_bump: 0,
@@ -560,10 +562,7 @@ impl Sim {
                 let Some(&to) = self.by_name.get(&peer) else {
                     return Err(format!("send to unknown peer {peer}"));
                 };
-                let bytes = message.encode();
-                if Message::decode(&bytes).as_ref() != Ok(&message) {
-                    return Err(format!("message does not round-trip: {message:?}"));
-                }
+                let bytes = carry(&message)?;
                 if self.rng.chance(self.faults.drop_p) {
                     self.log(|| "   (dropped)".into());
                     return Ok(());
@@ -734,19 +733,10 @@ impl Sim {
         region: RegionHandle,
         runs: &[Run],
     ) -> Result<(), String> {
-        for run in runs {
-            for (off, addr, len) in run.copies() {
-                let (off, addr, len) = ((region.0 + off) as usize, addr as usize, len as usize);
-                if addr + len > SRC_AREA || off + len > self.agents[a].arena.len() {
-                    return Err(format!(
-                        "a{a}: gather out of bounds {off}+{len} <- {addr} (an unexported READ source?)"
-                    ));
-                }
-                let src = self.agents[a].mem[addr..addr + len].to_vec();
-                self.agents[a].arena[off..off + len].copy_from_slice(&src);
-            }
-        }
-        Ok(())
+        self.agents[a]
+            .memory
+            .gather(region, runs, SRC_AREA as u64)
+            .map_err(|e| format!("a{a}: {e} (an unexported READ source?)"))
     }
 
     fn step(&mut self, ev: Ev) -> Result<(), String> {
@@ -775,7 +765,7 @@ impl Sim {
                 let expected: Vec<Vec<u8>> = descs
                     .iter()
                     .map(|d| {
-                        let mem = &self.agents[source].mem;
+                        let mem = &self.agents[source].memory.mem;
                         let end = ((d.src_addr + d.len) as usize).min(mem.len());
                         mem[(d.src_addr as usize).min(end)..end].to_vec()
                     })
@@ -938,11 +928,8 @@ impl Sim {
                             ))
                         }
                     }
-                    let data = self.agents[agent].arena
-                        [local.0 as usize..(local.0 + landed) as usize]
-                        .to_vec();
-                    self.agents[peer].arena[remote.0 as usize..(remote.0 + landed) as usize]
-                        .copy_from_slice(&data);
+                    let data = self.agents[agent].memory.staged(local, landed)?.to_vec();
+                    self.agents[peer].memory.land(remote, &data)?;
                 }
                 match end {
                     OpEnd::Ok => self.agents[agent].ep.handle_write_done(now, chunk),
@@ -990,16 +977,15 @@ impl Sim {
                     let keep = self.rng.below(copies.len() as u64 + 1) as usize;
                     copies.truncate(keep);
                 }
-                for (off, addr, len) in copies {
-                    let inside = covered(&dsts, addr, len);
-                    if !inside {
-                        return Err(format!("a{agent}: scatter for {flow} writes {addr}+{len}, outside its destinations"));
-                    }
-                    let src = (region.0 + off) as usize;
-                    let data = self.agents[agent].arena[src..src + len as usize].to_vec();
-                    self.agents[agent].mem[addr as usize..(addr + len) as usize]
-                        .copy_from_slice(&data);
+                if let Some((_, addr, len)) =
+                    copies.iter().find(|&&(_, a, l)| !covered(&dsts, a, l))
+                {
+                    return Err(format!("a{agent}: scatter for {flow} writes {addr}+{len}, outside its destinations"));
                 }
+                self.agents[agent]
+                    .memory
+                    .scatter(region, copies)
+                    .map_err(|e| format!("a{agent}: {e}"))?;
                 match end {
                     OpEnd::Ok => self.agents[agent].ep.handle_scatter_done(now, region),
                     OpEnd::Fail => self.agents[agent]
@@ -1096,7 +1082,7 @@ impl Sim {
                 ag.ep = endpoint(c, agent, ag.inc);
                 ag.loaded_paths.clear();
                 ag.loaded.clear();
-                ag.arena.iter_mut().for_each(|b| *b = 0);
+                ag.memory.arena.fill(0);
                 ag.alive = true;
             }
         }
@@ -1190,7 +1176,7 @@ impl Sim {
                 continue;
             }
             if outcome == Outcome::Success {
-                let mem = &self.agents[r.receiver].mem;
+                let mem = &self.agents[r.receiver].memory.mem;
                 for (d, want) in r.descs.iter().zip(&r.expected) {
                     let got = &mem[d.dst_addr as usize..(d.dst_addr + d.len) as usize];
                     if got != &want[..] {
@@ -1209,7 +1195,11 @@ impl Sim {
             // No byte outside the destinations changed (sources included).
             let ranges = touched.get(&i).cloned().unwrap_or_default();
             const BLOCK: usize = 256;
-            let blocks = ag.mem.chunks(BLOCK).zip(ag.initial_mem.chunks(BLOCK));
+            let blocks = ag
+                .memory
+                .mem
+                .chunks(BLOCK)
+                .zip(ag.initial_mem.chunks(BLOCK));
             for (k, (now, before)) in blocks.enumerate() {
                 if now == before {
                     continue;

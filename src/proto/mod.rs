@@ -18,6 +18,7 @@
 //! | [`receiver`] | flow state machine (the target role) |
 //! | [`read`] | the READ direction: the reader's requests (flows it grants itself) |
 //! | [`endpoint`] | one local agent: shared scheduler + both roles, actions out |
+//! | `driver` | (tests, feature `harness`) plays the runtime for two endpoints |
 
 #![forbid(unsafe_code)]
 
@@ -29,6 +30,8 @@ use crate::sync::Locked;
 
 pub mod buddy;
 pub mod credit;
+#[cfg(any(test, feature = "harness"))]
+pub mod driver;
 pub mod endpoint;
 pub mod plan;
 pub mod read;

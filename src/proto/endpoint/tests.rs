@@ -3,6 +3,10 @@
 
 use super::*;
 use crate::proto::credit::Owner;
+use crate::proto::driver::{
+    Gather, Pair,
+    Side::{A, B},
+};
 use crate::proto::wire::{Credit, RefuseReason};
 
 /// Copy launches wait behind every other action (each line in its
@@ -134,72 +138,104 @@ fn t(ms: u64) -> Time {
     Time::from_millis(ms)
 }
 
-/// Drives one chunk end to end between two endpoints by hand.
+/// A pair of endpoints with the tests' configuration: `a` and `b` by name.
+fn pair(a: &str, b: &str, eager: bool) -> Pair {
+    Pair::new(
+        (a, Endpoint::new(cfg(eager)).unwrap()),
+        (b, Endpoint::new(cfg(eager)).unwrap()),
+    )
+}
+
+/// A reader `R` (side A, its data path `dp`) and an owner `O` (side B)
+/// that exports `[0x1000, 0x2000)`.
+fn read_pair() -> Pair {
+    let mut reader = Endpoint::new(cfg(false)).unwrap();
+    reader.set_read_data_path(b"dp".to_vec());
+    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
+    Pair::new(("R", reader), ("O", owner))
+}
+
+/// Both endpoints' invariants hold.
+fn check(p: &Pair) {
+    p.a.ep.check_invariants().unwrap();
+    p.b.ep.check_invariants().unwrap();
+}
+
+/// One chunk end to end, one step at a time.
 #[test]
 fn one_chunk_end_to_end() {
-    let (a, b) = (PeerId::new("A"), PeerId::new("B"));
-    let mut tx = Endpoint::new(cfg(false)).unwrap();
-    let mut rx = Endpoint::new(cfg(false)).unwrap();
-    let id = tx.submit(t(0), &b, &descs(4, 100)).unwrap();
+    let mut p = pair("A", "B", false);
+    let d = descs(4, 100);
+    let id = p.a.ep.submit(p.now, &p.b.name, &d).unwrap();
     assert_eq!(id, RequestId(100));
-    let acts = drain(&mut tx);
-    let [Action::Send { message: want, .. }] = &acts[..] else {
-        panic!("{acts:?}")
-    };
-    rx.handle_message(t(1), &a, want.clone());
-    let acts = drain(&mut rx);
+    p.deliver(B);
     assert!(
-        matches!(&acts[0], Action::Connect { peer, endpoint } if *peer == a && endpoint == b"ep")
+        matches!(&p.b.take_events()[..], [Action::Connect { peer, endpoint }] if *peer == p.a.name && endpoint == b"ep")
     );
-    let grant = sent(&acts)[0].clone();
-    tx.handle_message(t(2), &b, grant);
-    let acts = drain(&mut tx);
-    let Action::StartGather {
-        chunk,
-        region,
-        runs,
-    } = &acts[0]
-    else {
-        panic!("{acts:?}")
+    assert!(matches!(&p.b.sent[..], [Message::Grant { .. }]));
+    p.deliver(A);
+    let [g] = p.a.gathers.make_contiguous() else {
+        panic!("{:?}", p.a.gathers)
     };
     assert_eq!(
-        runs.len(),
+        g.runs.len(),
         1,
         "4 dense descriptors gather as one strided run"
     );
     assert!(matches!(
-        tx.region_owner(*region),
+        p.a.ep.region_owner(g.region),
         Some(Owner::Local { eager: false })
     ));
-    tx.handle_gather_done(t(3), *chunk);
-    let acts = drain(&mut tx);
-    let Action::PostWrite { remote, len, .. } = &acts[0] else {
-        panic!("{acts:?}")
-    };
-    assert_eq!(*len, 3 * 128 + 100);
-    assert!(matches!(rx.region_owner(*remote), Some(Owner::Flow(f)) if f.peer == a));
-    tx.handle_write_done(t(4), *chunk);
-    tx.check_invariants().unwrap();
-    let acts = drain(&mut tx);
+    p.gather(A);
+    let w = p.a.writes[0].clone();
+    assert_eq!(w.len, 3 * 128 + 100);
+    assert!(matches!(p.b.ep.region_owner(w.remote), Some(Owner::Flow(f)) if f.peer == p.a.name));
+    p.write(A);
     assert_eq!(
-        tx.arena_usage().local,
+        p.a.ep.arena_usage().local,
         0,
         "staging released at write completion"
     );
-    rx.handle_message(t(5), &a, sent(&acts)[0].clone());
-    let acts = drain(&mut rx);
-    let Action::StartScatter { region, .. } = &acts[0] else {
-        panic!("{acts:?}")
-    };
-    rx.handle_scatter_done(t(6), *region);
-    let acts = drain(&mut rx);
-    assert!(matches!(sent(&acts)[0], Message::Ack { .. }));
-    assert_eq!(rx.flow_count(), 0);
-    tx.handle_message(t(7), &b, sent(&acts)[0].clone());
-    assert_eq!(completes(&drain(&mut tx)), vec![(id, Outcome::Success)]);
-    assert_eq!(tx.request_count(), 0);
-    tx.check_invariants().unwrap();
-    rx.check_invariants().unwrap();
+    p.deliver(B);
+    assert_eq!(p.b.scatters.len(), 1);
+    p.scatter(B);
+    assert!(matches!(p.b.sent.last(), Some(Message::Ack { .. })));
+    assert_eq!(p.b.ep.flow_count(), 0);
+    p.deliver(A);
+    assert_eq!(p.a.completed, vec![(id, Outcome::Success)]);
+    assert_eq!(p.a.ep.request_count(), 0);
+    assert!(p.b.holds_copy_of(&p.a, &d));
+    check(&p);
+}
+
+/// WRITEs and READs of several chunks each, both ways at once, driven to
+/// the end: byte-exact, nothing left behind.
+#[test]
+fn writes_and_reads_both_ways_drive_to_the_end() {
+    let mut p = pair("A", "B", true);
+    for side in [A, B] {
+        p.node(side)
+            .ep
+            .set_source_check(Box::new(Allow(0x1000, 0x9000)));
+        p.node(side).ep.set_read_data_path(b"dp".to_vec());
+    }
+    // 20 x 150 bytes: 3 chunks of at most 1024 each way.
+    let d = descs(20, 150);
+    let w = p.a.ep.submit(p.now, &p.b.name, &d).unwrap();
+    let r = p.b.ep.submit_read(p.now, &p.a.name, &d, None).unwrap();
+    p.drive();
+    assert_eq!(p.a.completed, vec![(w, Outcome::Success)]);
+    assert_eq!(p.b.completed, vec![(r, Outcome::Success)]);
+    // B's destinations hold A's sources twice over (the WRITE and the
+    // READ moved the same bytes).
+    assert!(p.b.holds_copy_of(&p.a, &d));
+    assert_eq!(p.a.ep.stats().reads_served, 1);
+    for node in [&p.a, &p.b] {
+        assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
+        assert_eq!(node.ep.arena_usage().local, 0);
+    }
+    check(&p);
 }
 
 /// Admits sources inside [lo, hi).
@@ -247,127 +283,92 @@ fn a_peer_s_own_data_path_goes_only_to_it() {
     assert_eq!(path_to(&mut reader, &o, 5), b"v2");
 }
 
-/// Drives one READ end to end between a reader and an owner by hand
-/// (`descs`: the owner's memory, the source, at 0x1000.., the reader's
-/// destinations at 0x9000..).
+/// One READ end to end, one step at a time (`descs`: the owner's memory,
+/// the source, at 0x1000.., the reader's destinations at 0x9000..).
 #[test]
 fn one_read_end_to_end() {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
-    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
-    reader.set_read_data_path(b"dp".to_vec());
-    let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
-    let acts = drain(&mut reader);
-    let msgs = sent(&acts);
-    let Message::Read {
+    let mut p = read_pair();
+    let d = descs(4, 100);
+    let id = p.a.ep.submit_read(p.now, &p.b.name, &d, None).unwrap();
+    p.poll();
+    let [Message::Read {
         chunks, data_path, ..
-    } = msgs[0]
+    }, Message::ReadGrant { credits, .. }] = &p.a.sent[..]
     else {
-        panic!("{acts:?}")
+        panic!("a READ, then its READ_GRANT: {:?}", p.a.sent)
     };
     assert_eq!(data_path, b"dp");
     assert_eq!(chunks.len(), 1);
     assert_eq!(chunks[0].size, 3 * 128 + 100);
-    let Message::ReadGrant { credits, .. } = msgs[1] else {
-        panic!("READ_GRANT follows READ: {acts:?}")
-    };
     let region = credits[0].region;
     assert!(
-        matches!(reader.region_owner(region), Some(Owner::Flow(f)) if f.kind == crate::proto::FlowKind::Read && f.peer == o)
+        matches!(p.a.ep.region_owner(region), Some(Owner::Flow(f)) if f.kind == crate::proto::FlowKind::Read && f.peer == p.b.name)
     );
-    owner.handle_message(t(1), &r, msgs[0].clone());
-    let acts = drain(&mut owner);
-    assert!(acts
-        .iter()
-        .any(|a| matches!(a, Action::LoadDataPath { peer, data_path } if *peer == r && data_path == b"dp")));
-    owner.handle_message(t(2), &r, msgs[1].clone());
-    let acts = drain(&mut owner);
-    let Some(Action::StartGather { chunk, runs, .. }) = acts
-        .iter()
-        .find(|a| matches!(a, Action::StartGather { .. }))
-        .cloned()
-    else {
-        panic!("{acts:?}")
-    };
-    assert_eq!(runs[0].addr, 0x1000, "the owner gathers its own memory");
-    assert_eq!(owner.serves_read(chunk.request), Some(id));
-    owner.handle_gather_done(t(3), chunk);
-    let acts = drain(&mut owner);
-    let Action::PostWrite { remote, peer, .. } = &acts[0] else {
-        panic!("{acts:?}")
-    };
-    assert_eq!((*remote, peer), (region, &r));
-    owner.handle_write_done(t(4), chunk);
-    let acts = drain(&mut owner);
-    let data = sent(&acts)[0].clone();
+    p.deliver(B);
+    assert!(p.b.events.iter().any(
+        |a| matches!(a, Action::LoadDataPath { peer, data_path } if *peer == p.a.name && data_path == b"dp")
+    ));
+    let g = p.b.gathers[0].clone();
+    assert_eq!(g.runs[0].addr, 0x1000, "the owner gathers its own memory");
+    assert_eq!(p.b.ep.serves_read(g.chunk.request), Some(id));
+    p.gather(B);
+    let w = p.b.writes[0].clone();
+    assert_eq!((w.remote, &w.peer), (region, &p.a.name));
+    p.write(B);
     assert_eq!(
-        data,
-        Message::ReadData {
+        p.b.sent,
+        vec![Message::ReadData {
             request: id,
             chunk: 0,
             region
-        }
+        }]
     );
-    reader.handle_message(t(5), &o, data);
-    let acts = drain(&mut reader);
-    let Action::StartScatter { runs, .. } = &acts[0] else {
-        panic!("{acts:?}")
-    };
-    assert_eq!(runs[0].addr, 0x9000, "the reader scatters by its own plan");
-    reader.handle_scatter_done(t(6), region);
-    let acts = drain(&mut reader);
-    assert_eq!(completes(&acts), vec![(id, Outcome::Success)]);
-    let ack = sent(&acts)[0].clone();
-    assert!(matches!(ack, Message::ReadAck { .. }));
-    owner.handle_message(t(7), &r, ack);
+    p.deliver(A);
+    assert_eq!(
+        p.a.scatters[0].runs[0].addr, 0x9000,
+        "the reader scatters by its own plan"
+    );
+    p.scatter(A);
+    assert_eq!(p.a.completed, vec![(id, Outcome::Success)]);
+    assert!(matches!(p.a.sent.last(), Some(Message::ReadAck { .. })));
+    p.deliver(B);
     assert!(
-        completes(&drain(&mut owner)).is_empty(),
+        p.b.completed.is_empty(),
         "nothing local waits on a served READ"
     );
-    assert_eq!(owner.stats().reads_served, 1);
-    assert_eq!((owner.request_count(), reader.request_count()), (0, 0));
-    assert_eq!(reader.flow_count(), 0);
-    owner.check_invariants().unwrap();
-    reader.check_invariants().unwrap();
+    assert_eq!(p.b.ep.stats().reads_served, 1);
+    assert_eq!((p.b.ep.request_count(), p.a.ep.request_count()), (0, 0));
+    assert_eq!(p.a.ep.flow_count(), 0);
+    assert!(p.a.holds_copy_of(&p.b, &d));
+    check(&p);
 }
 
 #[test]
 fn a_grant_for_a_serve_that_ended_is_ignored_not_held() {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
-    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
-    reader.set_read_data_path(b"dp".to_vec());
-    reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
-    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
-    let (read, grant) = (msgs[0].clone(), msgs[1].clone());
-    owner.handle_message(t(1), &r, read);
-    owner.handle_message(t(2), &r, grant.clone());
-    let Some(Action::StartGather { chunk, .. }) = drain(&mut owner)
-        .into_iter()
-        .find(|a| matches!(a, Action::StartGather { .. }))
-    else {
-        panic!("no gather")
-    };
+    let mut p = read_pair();
+    p.a.ep
+        .submit_read(p.now, &p.b.name, &descs(4, 100), None)
+        .unwrap();
+    p.deliver(B);
+    let grant = p.a.sent[1].clone();
     // The gather fails: the serve ends (READ_END) and is removed.
-    owner.handle_gather_failed(t(3), chunk, true);
-    let acts = drain(&mut owner);
+    let g = p.b.gathers.pop_front().expect("a gather");
+    p.b.ep.handle_gather_failed(p.now, g.chunk, true);
+    p.poll();
+    let sent = p.b.take_sent();
     assert!(
-        sent(&acts)
-            .iter()
-            .any(|m| matches!(m, Message::ReadEnd { .. })),
-        "{acts:?}"
+        sent.iter().any(|m| matches!(m, Message::ReadEnd { .. })),
+        "{sent:?}"
     );
-    assert_eq!(owner.request_count(), 0);
+    assert_eq!(p.b.ep.request_count(), 0);
     // A READ_GRANT the reader sent meanwhile arrives late: nothing is
     // held for it (it would wait a request timeout for a READ that never
     // comes) and no second READ_END is sent.
-    owner.handle_message(t(4), &r, grant);
-    let acts = drain(&mut owner);
-    assert!(sent(&acts).is_empty(), "{acts:?}");
-    assert_eq!(owner.request_count(), 0, "credits held for an ended serve");
-    owner.check_invariants().unwrap();
+    p.b.ep.handle_message(p.now, &p.a.name, grant);
+    p.poll();
+    assert!(p.b.sent.is_empty(), "{:?}", p.b.sent);
+    assert_eq!(p.b.ep.request_count(), 0, "credits held for an ended serve");
+    check(&p);
 }
 
 #[test]
@@ -407,23 +408,15 @@ fn a_read_whose_message_would_not_fit_the_channel_is_refused() {
 
 #[test]
 fn write_messages_naming_a_serve_are_ignored() {
-    let r = PeerId::new("R");
-    let o = PeerId::new("O");
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
-    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
-    reader.set_read_data_path(b"dp".to_vec());
-    reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
-    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
-    owner.handle_message(t(1), &r, msgs[0].clone());
-    owner.handle_message(t(2), &r, msgs[1].clone());
-    let Some(Action::StartGather { chunk, region, .. }) = drain(&mut owner)
-        .into_iter()
-        .find(|a| matches!(a, Action::StartGather { .. }))
-    else {
-        panic!("no gather")
-    };
-    let ignored = owner.stats().ignored;
+    let mut p = read_pair();
+    p.a.ep
+        .submit_read(p.now, &p.b.name, &descs(4, 100), None)
+        .unwrap();
+    p.deliver(B);
+    let Gather { chunk, region, .. } = p.b.gathers[0].clone();
+    let ignored = p.b.ep.stats().ignored;
+    p.b.take_sent();
+    p.b.take_events();
     // A faulty reader names the owner's local serve id in WRITE messages.
     for m in [
         Message::Ack {
@@ -436,128 +429,114 @@ fn write_messages_naming_a_serve_are_ignored() {
             reason: super::super::wire::RefuseReason::Expired,
         },
     ] {
-        owner.handle_message(t(3), &r, m);
+        p.b.ep.handle_message(p.now, &p.a.name, m);
     }
-    assert!(drain(&mut owner).is_empty());
-    assert_eq!(owner.stats().ignored, ignored + 2);
+    p.poll();
+    assert!(p.b.sent.is_empty() && p.b.events.is_empty());
+    assert_eq!(p.b.ep.stats().ignored, ignored + 2);
     // The serve goes on.
-    owner.handle_gather_done(t(4), chunk);
-    assert!(matches!(drain(&mut owner)[0], Action::PostWrite { .. }));
-    owner.check_invariants().unwrap();
+    p.gather(B);
+    assert_eq!(p.b.writes.len(), 1);
+    check(&p);
 }
 
 #[test]
 fn read_of_unregistered_memory_is_refused_before_anything_is_read() {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
+    let mut p = read_pair();
     // Registered: only the first 200 bytes of the 4 x 100 sources.
-    owner.set_source_check(Box::new(Allow(0x1000, 0x1000 + 200)));
-    let id = reader.submit_read(t(0), &o, &descs(4, 100), None).unwrap();
-    let acts = drain(&mut reader);
-    let msgs: Vec<Message> = sent(&acts).into_iter().cloned().collect();
-    for m in &msgs {
-        owner.handle_message(t(1), &r, m.clone());
-    }
-    let acts = drain(&mut owner);
+    p.b.ep
+        .set_source_check(Box::new(Allow(0x1000, 0x1000 + 200)));
+    let id =
+        p.a.ep
+            .submit_read(p.now, &p.b.name, &descs(4, 100), None)
+            .unwrap();
+    p.deliver(B);
     assert!(
-        !acts
-            .iter()
-            .any(|a| matches!(a, Action::StartGather { .. } | Action::LoadDataPath { .. })),
-        "nothing is read: {acts:?}"
+        p.b.gathers.is_empty()
+            && !p
+                .b
+                .events
+                .iter()
+                .any(|a| matches!(a, Action::LoadDataPath { .. })),
+        "nothing is read"
     );
-    let ends: Vec<Message> = sent(&acts).into_iter().cloned().collect();
     assert_eq!(
-        ends[0],
+        p.b.sent[0],
         Message::ReadEnd {
             request: id,
             reason: RefuseReason::SourceRefused
         }
     );
-    assert_eq!(owner.stats().reads_refused, 1);
-    for m in ends {
-        reader.handle_message(t(2), &o, m);
-    }
+    assert_eq!(p.b.ep.stats().reads_refused, 1);
+    p.deliver(A);
     assert_eq!(
-        completes(&drain(&mut reader)),
+        p.a.completed,
         vec![(id, Outcome::Failure(FailureReason::SourceRefused))]
     );
-    assert_eq!(
-        reader.arena_usage().flows + reader.arena_usage().quarantine,
-        0
-    );
-    reader.check_invariants().unwrap();
+    let usage = p.a.ep.arena_usage();
+    assert_eq!(usage.flows + usage.quarantine, 0);
+    check(&p);
 }
 
 #[test]
 fn cancelled_read_quarantines_until_the_owner_ends() {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
-    owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
-    let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
-    for m in sent(&drain(&mut reader)) {
-        owner.handle_message(t(1), &r, m.clone());
-    }
-    let acts = drain(&mut owner);
-    let Some(Action::StartGather { chunk, .. }) = acts
-        .iter()
-        .find(|a| matches!(a, Action::StartGather { .. }))
-        .cloned()
-    else {
-        panic!("{acts:?}")
-    };
-    owner.handle_gather_done(t(2), chunk);
-    assert!(matches!(drain(&mut owner)[0], Action::PostWrite { .. }));
+    let mut p = read_pair();
+    let id =
+        p.a.ep
+            .submit_read(p.now, &p.b.name, &descs(2, 64), None)
+            .unwrap();
+    p.deliver(B);
+    p.gather(B);
+    assert_eq!(p.b.writes.len(), 1);
     // The reader gives up while the owner's write is in flight.
-    assert!(reader.cancel(t(3), id));
-    let acts = drain(&mut reader);
+    assert!(p.a.ep.cancel(p.now, id));
+    p.a.take_sent();
+    p.poll();
     assert_eq!(
-        completes(&acts),
+        p.a.completed,
         vec![(id, Outcome::Failure(FailureReason::Cancelled))]
     );
     assert!(
-        reader.arena_usage().quarantine > 0,
+        p.a.ep.arena_usage().quarantine > 0,
         "the owner may still write"
     );
-    let refuse = sent(&acts)[0].clone();
-    assert!(matches!(refuse, Message::ReadRefuse { .. }));
-    owner.handle_message(t(4), &r, refuse);
+    assert!(matches!(p.a.sent[..], [Message::ReadRefuse { .. }]));
+    p.b.take_sent();
+    p.deliver(B);
+    assert!(p.b.sent.is_empty(), "no READ_END while the write may land");
+    p.write(B);
     assert!(
-        sent(&drain(&mut owner)).is_empty(),
-        "no READ_END while the write may land"
+        matches!(p.b.sent[..], [Message::ReadEnd { .. }]),
+        "{:?}",
+        p.b.sent
     );
-    owner.handle_write_done(t(5), chunk);
-    let acts = drain(&mut owner);
-    let end = sent(&acts)[0].clone();
-    assert!(matches!(end, Message::ReadEnd { .. }), "{acts:?}");
-    assert_eq!(owner.request_count(), 0);
-    reader.handle_message(t(6), &o, end);
-    assert_eq!(reader.arena_usage().quarantine, 0);
-    assert_eq!(reader.request_count(), 0);
-    reader.check_invariants().unwrap();
-    owner.check_invariants().unwrap();
+    assert_eq!(p.b.ep.request_count(), 0);
+    p.deliver(A);
+    assert_eq!(p.a.ep.arena_usage().quarantine, 0);
+    assert_eq!(p.a.ep.request_count(), 0);
+    check(&p);
 }
 
 #[test]
 fn read_with_a_wrong_key_is_refused() {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
     let mut c = cfg(false);
     c.access_key = 77;
     let mut owner = Endpoint::new(c).unwrap();
     owner.set_source_check(Box::new(Allow(0, u64::MAX / 2)));
-    let id = reader.submit_read(t(0), &o, &descs(2, 64), None).unwrap();
-    let read = sent(&drain(&mut reader))[0].clone();
-    owner.handle_message(t(1), &r, read);
+    let mut p = Pair::new(("R", Endpoint::new(cfg(false)).unwrap()), ("O", owner));
+    let id =
+        p.a.ep
+            .submit_read(p.now, &p.b.name, &descs(2, 64), None)
+            .unwrap();
+    p.deliver(B);
     assert_eq!(
-        sent(&drain(&mut owner)),
-        vec![&Message::ReadEnd {
+        p.b.sent,
+        vec![Message::ReadEnd {
             request: id,
             reason: RefuseReason::ProtocolViolation
         }]
     );
-    assert_eq!(owner.stats().unauthorized, 1);
+    assert_eq!(p.b.ep.stats().unauthorized, 1);
 }
 
 #[test]
@@ -613,85 +592,82 @@ fn cancel_is_deferred_until_the_write_ends() {
 
 #[test]
 fn unreachable_peer_fails_its_requests_and_cancels_once_writes_end() {
-    let (a, b) = (PeerId::new("A"), PeerId::new("B"));
-    let mut tx = Endpoint::new(cfg(false)).unwrap();
-    let mut rx = Endpoint::new(cfg(false)).unwrap();
-    let id = tx.submit(t(0), &b, &descs(2, 64)).unwrap();
-    let want = sent(&drain(&mut tx))[0].clone();
-    rx.handle_message(t(1), &a, want);
-    let grant = sent(&drain(&mut rx))[0].clone();
-    tx.handle_message(t(2), &b, grant);
-    let Action::StartGather { chunk, .. } = drain(&mut tx)[0].clone() else {
-        panic!()
-    };
-    tx.handle_gather_done(t(3), chunk);
-    assert!(matches!(drain(&mut tx)[0], Action::PostWrite { .. }));
+    let mut p = pair("A", "B", false);
+    let id = p.a.ep.submit(p.now, &p.b.name, &descs(2, 64)).unwrap();
+    p.deliver(B);
+    p.deliver(A);
+    p.gather(A);
+    assert_eq!(p.a.writes.len(), 1);
+    p.a.take_sent();
+    p.b.take_sent();
     // Both sides lose the control channel while the write runs.
-    tx.peer_unreachable(t(4), &b);
-    let acts = drain(&mut tx);
+    let (a, b) = (p.a.name.clone(), p.b.name.clone());
+    p.a.ep.peer_unreachable(p.now, &b);
+    p.poll();
     assert_eq!(
-        completes(&acts),
+        p.a.completed,
         vec![(id, Outcome::Failure(FailureReason::PeerUnreachable))]
     );
-    assert!(sent(&acts).is_empty(), "no CANCEL while the write runs");
-    rx.peer_unreachable(t(4), &a);
-    let acts = drain(&mut rx);
+    assert!(p.a.sent.is_empty(), "no CANCEL while the write runs");
+    p.b.ep.peer_unreachable(p.now, &a);
+    p.poll();
     assert!(matches!(
-        sent(&acts)[..],
+        p.b.sent[..],
         [Message::Refuse {
             reason: RefuseReason::Expired,
             ..
         }]
     ));
     assert!(
-        rx.arena_usage().quarantine > 0,
+        p.b.ep.arena_usage().quarantine > 0,
         "a stopped sender may still write"
     );
-    tx.handle_write_done(t(5), chunk);
-    let cancel = sent(&drain(&mut tx))[0].clone();
-    assert_eq!(cancel, Message::cancel(id, b"ep".to_vec(), 0));
+    // The REFUSE is lost with the channel.
+    p.a.inbound.clear();
+    p.write(A);
+    assert_eq!(p.a.sent, vec![Message::cancel(id, b"ep".to_vec(), 0)]);
     // The peer comes back: its CANCEL frees the quarantine.
-    rx.handle_message(t(6), &a, cancel);
-    drain(&mut rx);
-    assert_eq!(rx.arena_usage().quarantine, 0);
-    assert_eq!(tx.request_count(), 0);
-    tx.check_invariants().unwrap();
-    rx.check_invariants().unwrap();
+    p.deliver(B);
+    assert_eq!(p.b.ep.arena_usage().quarantine, 0);
+    assert_eq!(p.a.ep.request_count(), 0);
+    check(&p);
 }
 
-fn forgets(actions: &[Action]) -> Vec<&PeerId> {
-    actions
+/// A reader and an owner that never loaded it, after the READ of two
+/// chunks (`descs(2, 1000)`) reached the owner; its READ_GRANT is on the
+/// way. Returns the reader's request.
+fn read_in_progress(p: &mut Pair) -> RequestId {
+    let id =
+        p.a.ep
+            .submit_read(p.now, &p.b.name, &descs(2, 1000), None)
+            .unwrap();
+    p.poll();
+    assert!(matches!(
+        p.a.sent[..],
+        [Message::Read { .. }, Message::ReadGrant { .. }]
+    ));
+    let grant = p.b.inbound.pop_back().expect("the READ_GRANT");
+    p.deliver(B);
+    p.b.inbound.push_back(grant);
+    let r = p.a.name.clone();
+    let events = p.b.take_events();
+    assert!(events
+        .iter()
+        .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r)));
+    assert!(events
+        .iter()
+        .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)));
+    id
+}
+
+fn forgets(events: &[Action]) -> Vec<&PeerId> {
+    events
         .iter()
         .filter_map(|a| match a {
             Action::ForgetPeer { peer } => Some(peer),
             _ => None,
         })
         .collect()
-}
-
-/// A reader and an owner that never loaded it, after the READ of two
-/// chunks (`descs(2, 1000)`) and its READ_GRANT reached the owner:
-/// (reader, owner, R, O, the reader's request, the READ_GRANT).
-fn read_in_progress() -> (Endpoint, Endpoint, PeerId, PeerId, RequestId, Message) {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
-    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
-    reader.set_read_data_path(b"dp".to_vec());
-    let id = reader.submit_read(t(0), &o, &descs(2, 1000), None).unwrap();
-    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
-    let [read, grant] = &msgs[..] else {
-        panic!("{msgs:?}")
-    };
-    owner.handle_message(t(1), &r, read.clone());
-    let acts = drain(&mut owner);
-    assert!(acts
-        .iter()
-        .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r)));
-    assert!(acts
-        .iter()
-        .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)));
-    (reader, owner, r, o, id, grant.clone())
 }
 
 /// The reader of a served READ becomes unreachable (killed): the serve
@@ -702,116 +678,95 @@ fn read_in_progress() -> (Endpoint, Endpoint, PeerId, PeerId, RequestId, Message
 /// new READ is served normally.
 #[test]
 fn an_unreachable_reader_is_forgotten_once_its_serve_ended() {
-    let (mut reader, mut owner, r, o, id, grant) = read_in_progress();
-    owner.handle_message(t(2), &r, grant);
-    let gathers: Vec<ChunkRef> = drain(&mut owner)
-        .iter()
-        .filter_map(|a| match a {
-            Action::StartGather { chunk, .. } => Some(*chunk),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(gathers.len(), 2, "both chunks credited and gathering");
-    owner.handle_gather_done(t(3), gathers[0]);
-    assert!(matches!(drain(&mut owner)[..], [Action::PostWrite { .. }]));
-    let staged = owner.arena_usage().local;
+    let mut p = read_pair();
+    let id = read_in_progress(&mut p);
+    let r = p.a.name.clone();
+    p.deliver(B);
+    assert_eq!(p.b.gathers.len(), 2, "both chunks credited and gathering");
+    let second = p.b.gathers.pop_back().unwrap();
+    p.gather(B);
+    assert_eq!(p.b.writes.len(), 1);
+    let staged = p.b.ep.arena_usage().local;
     assert!(staged > 0);
+    p.b.take_sent();
 
     // Chunk 0 is being written, chunk 1 gathered, when the reader dies.
-    owner.peer_unreachable(t(4), &r);
-    let acts = drain(&mut owner);
+    p.b.ep.peer_unreachable(p.now, &r);
+    p.poll();
+    assert!(p.b.sent.is_empty(), "no READ_END while a write runs");
     assert!(
-        sent(&acts).is_empty(),
-        "no READ_END while a write runs: {acts:?}"
+        forgets(&p.b.events).is_empty(),
+        "a write and a gather still run"
     );
-    assert!(forgets(&acts).is_empty(), "a write and a gather still run");
-    assert!(
-        completes(&acts).is_empty(),
-        "nothing local waits on a serve"
-    );
+    assert!(p.b.completed.is_empty(), "nothing local waits on a serve");
     assert_eq!(
-        owner.arena_usage().local,
+        p.b.ep.arena_usage().local,
         staged,
         "staging held, not reused"
     );
-    assert!(owner.holds_peer(&r));
+    assert!(p.b.ep.holds_peer(&r));
     // Asked again (the runtime does while the peer stays unreachable):
     // still held.
-    owner.peer_unreachable(t(5), &r);
-    assert!(forgets(&drain(&mut owner)).is_empty());
+    p.b.ep.peer_unreachable(p.now, &r);
+    p.poll();
+    assert!(forgets(&p.b.events).is_empty());
 
     // The gather ends: its staging is freed, no write starts.
-    owner.handle_gather_done(t(6), gathers[1]);
-    let acts = drain(&mut owner);
-    assert!(
-        !acts.iter().any(|a| matches!(a, Action::PostWrite { .. })),
-        "{acts:?}"
-    );
-    assert!(owner.arena_usage().local < staged);
+    p.b.ep.handle_gather_done(p.now, second.chunk);
+    p.poll();
+    assert_eq!(p.b.writes.len(), 1, "no second write");
+    assert!(p.b.ep.arena_usage().local < staged);
     // The write fails (the reader is dead): READ_END, staging freed.
-    owner.handle_write_failed(t(7), gathers[0]);
-    let acts = drain(&mut owner);
-    let end = match sent(&acts)[..] {
-        [m @ Message::ReadEnd { request, .. }] if *request == id => m.clone(),
-        _ => panic!("READ_END once no write can land: {acts:?}"),
-    };
-    assert!(forgets(&acts).is_empty(), "decided at the next check");
-    assert_eq!(owner.request_count(), 0);
-    assert_eq!(owner.arena_usage().local, 0, "the arena drained");
-    owner.check_invariants().unwrap();
+    let w = p.b.writes.pop_front().unwrap();
+    p.b.ep.handle_write_failed(p.now, w.chunk);
+    p.poll();
+    match &p.b.take_sent()[..] {
+        [Message::ReadEnd { request, .. }] if *request == id => {}
+        other => panic!("READ_END once no write can land: {other:?}"),
+    }
+    assert!(forgets(&p.b.events).is_empty(), "decided at the next check");
+    assert_eq!(p.b.ep.request_count(), 0);
+    assert_eq!(p.b.ep.arena_usage().local, 0, "the arena drained");
+    p.b.ep.check_invariants().unwrap();
 
     // The next check: nothing of the reader is left, forget it.
-    owner.peer_unreachable(t(8), &r);
-    let acts = drain(&mut owner);
-    assert_eq!(forgets(&acts), vec![&r]);
-    assert!(sent(&acts).is_empty(), "{acts:?}");
-    owner.forget_peer(t(9), &r);
-    assert!(drain(&mut owner).is_empty());
-    assert!(!owner.knows_peer(&r), "no state about the reader is left");
+    p.b.ep.peer_unreachable(p.now, &r);
+    p.poll();
+    assert_eq!(forgets(&p.b.take_events()), vec![&r]);
+    assert!(p.b.sent.is_empty(), "{:?}", p.b.sent);
+    p.b.ep.forget_peer(p.now, &r);
+    p.poll();
+    assert!(p.b.events.is_empty() && p.b.sent.is_empty());
+    assert!(!p.b.ep.knows_peer(&r), "no state about the reader is left");
 
     // The reader was only cut off: it hears the READ_END, then READs
     // again and is served like a new reader.
-    reader.handle_message(t(10), &o, end);
+    assert_eq!(p.a.inbound.len(), 1);
+    p.deliver(A);
     assert_eq!(
-        completes(&drain(&mut reader)),
+        p.a.take_completed(),
         vec![(id, Outcome::Failure(FailureReason::Rejected))]
     );
-    let id2 = reader.submit_read(t(11), &o, &descs(1, 100), None).unwrap();
-    let msgs: Vec<Message> = sent(&drain(&mut reader)).into_iter().cloned().collect();
-    owner.handle_message(t(12), &r, msgs[0].clone());
-    let acts = drain(&mut owner);
+    let d = descs(1, 100);
+    let id2 = p.a.ep.submit_read(p.now, &p.b.name, &d, None).unwrap();
+    p.deliver(B);
+    let events = p.b.take_events();
     assert!(
-        acts.iter()
+        events
+            .iter()
             .any(|a| matches!(a, Action::Connect { peer, .. } if *peer == r))
-            && acts
+            && events
                 .iter()
                 .any(|a| matches!(a, Action::LoadDataPath { peer, .. } if *peer == r)),
-        "the reader's endpoint and data path are loaded anew: {acts:?}"
+        "the reader's endpoint and data path are loaded anew: {events:?}"
     );
-    owner.handle_message(t(13), &r, msgs[1].clone());
-    let Some(Action::StartGather { chunk, .. }) = drain(&mut owner)
-        .into_iter()
-        .find(|a| matches!(a, Action::StartGather { .. }))
-    else {
-        panic!("the new READ is not served")
-    };
-    owner.handle_gather_done(t(14), chunk);
-    assert!(matches!(drain(&mut owner)[..], [Action::PostWrite { .. }]));
-    owner.handle_write_done(t(15), chunk);
-    let data = sent(&drain(&mut owner))[0].clone();
-    reader.handle_message(t(16), &o, data);
-    let Action::StartScatter { region, .. } = drain(&mut reader)[0].clone() else {
-        panic!()
-    };
-    reader.handle_scatter_done(t(17), region);
-    let acts = drain(&mut reader);
-    assert_eq!(completes(&acts), vec![(id2, Outcome::Success)]);
-    owner.handle_message(t(18), &r, sent(&acts)[0].clone());
-    drain(&mut owner);
-    assert_eq!(owner.stats().reads_served, 1);
-    assert_eq!(owner.request_count(), 0);
-    owner.check_invariants().unwrap();
-    reader.check_invariants().unwrap();
+    assert_eq!(p.b.gathers.len(), 1, "the new READ is served");
+    p.drive();
+    assert_eq!(p.a.completed, vec![(id2, Outcome::Success)]);
+    assert!(p.a.holds_copy_of(&p.b, &d));
+    assert_eq!(p.b.ep.stats().reads_served, 1);
+    assert_eq!(p.b.ep.request_count(), 0);
+    check(&p);
 }
 
 /// A serve with nothing running (its READ_GRANT was lost) ends at once
@@ -819,10 +774,14 @@ fn an_unreachable_reader_is_forgotten_once_its_serve_ended() {
 /// forgotten in the same step.
 #[test]
 fn an_idle_serve_ends_at_once_when_its_reader_is_unreachable() {
-    let (_reader, mut owner, r, _o, id, _grant) = read_in_progress();
-    assert!(owner.holds_peer(&r));
-    owner.peer_unreachable(t(2), &r);
-    let acts = drain(&mut owner);
+    let mut p = read_pair();
+    let id = read_in_progress(&mut p);
+    let r = p.a.name.clone();
+    p.b.inbound.clear();
+    assert!(p.b.ep.holds_peer(&r));
+    p.b.take_sent();
+    p.b.ep.peer_unreachable(p.now, &r);
+    let acts = drain(&mut p.b.ep);
     assert!(
         matches!(
             &acts[..],
@@ -831,10 +790,10 @@ fn an_idle_serve_ends_at_once_when_its_reader_is_unreachable() {
         ),
         "{acts:?}"
     );
-    assert_eq!(owner.request_count(), 0);
-    owner.forget_peer(t(3), &r);
-    assert!(!owner.knows_peer(&r));
-    owner.check_invariants().unwrap();
+    assert_eq!(p.b.ep.request_count(), 0);
+    p.b.ep.forget_peer(p.now, &r);
+    assert!(!p.b.ep.knows_peer(&r));
+    check(&p);
 }
 
 /// Found by the simulation: a READ_REFUSE that overtook its READ
@@ -843,31 +802,39 @@ fn an_idle_serve_ends_at_once_when_its_reader_is_unreachable() {
 /// has given back.
 #[test]
 fn a_forgotten_reader_s_late_read_is_not_served_after_its_refusal() {
-    let (r, o) = (PeerId::new("R"), PeerId::new("O"));
-    let mut reader = Endpoint::new(cfg(false)).unwrap();
-    let mut owner = Endpoint::new(cfg(false)).unwrap();
-    owner.set_source_check(Box::new(Allow(0x1000, 0x2000)));
-    reader.set_read_data_path(b"dp".to_vec());
-    let id = reader.submit_read(t(0), &o, &descs(1, 100), None).unwrap();
-    let read = sent(&drain(&mut reader))[0].clone();
-    assert!(reader.cancel(t(1), id));
-    let refuse = sent(&drain(&mut reader))[0].clone();
-    assert!(matches!(refuse, Message::ReadRefuse { .. }));
-    owner.handle_message(t(2), &r, refuse);
-    let end = sent(&drain(&mut owner))[0].clone();
-    assert!(matches!(end, Message::ReadEnd { .. }));
-    owner.peer_unreachable(t(3), &r);
-    assert_eq!(forgets(&drain(&mut owner)), vec![&r]);
-    owner.forget_peer(t(4), &r);
-    owner.handle_message(t(5), &r, read);
-    let acts = drain(&mut owner);
+    let mut p = read_pair();
+    let r = p.a.name.clone();
+    let id =
+        p.a.ep
+            .submit_read(p.now, &p.b.name, &descs(1, 100), None)
+            .unwrap();
+    p.poll();
+    // The READ (and its READ_GRANT) is held back ...
+    let late: Vec<_> = p.b.inbound.drain(..).collect();
+    assert!(p.a.ep.cancel(p.now, id));
+    p.a.take_sent();
+    p.poll();
+    assert!(matches!(p.a.sent[..], [Message::ReadRefuse { .. }]));
+    // ... and the READ_REFUSE overtakes it.
+    p.deliver(B);
+    assert!(matches!(p.b.take_sent()[..], [Message::ReadEnd { .. }]));
+    p.b.ep.peer_unreachable(p.now, &r);
+    p.poll();
+    assert_eq!(forgets(&p.b.take_events()), vec![&r]);
+    p.b.ep.forget_peer(p.now, &r);
+    p.b.inbound.extend(late);
+    p.deliver(B);
     assert!(
-        !acts
-            .iter()
-            .any(|a| matches!(a, Action::LoadDataPath { .. } | Action::StartGather { .. })),
-        "a READ refused before it arrived is served: {acts:?}"
+        p.b.gathers.is_empty()
+            && !p
+                .b
+                .events
+                .iter()
+                .any(|a| matches!(a, Action::LoadDataPath { .. })),
+        "a READ refused before it arrived is served: {:?}",
+        p.b.events
     );
-    assert_eq!(owner.request_count(), 0);
+    assert_eq!(p.b.ep.request_count(), 0);
 }
 
 /// Only peers the application never loaded are forgotten by the
@@ -876,15 +843,21 @@ fn a_forgotten_reader_s_late_read_is_not_served_after_its_refusal() {
 /// stays until its CANCEL frees them.
 #[test]
 fn unreachable_peers_are_forgotten_only_when_unloaded_and_empty() {
-    let (_reader, mut owner, r, _o, _id, _grant) = read_in_progress();
-    owner.set_peer_key(&r, 7);
-    owner.peer_unreachable(t(2), &r);
-    let acts = drain(&mut owner);
-    assert!(forgets(&acts).is_empty(), "a loaded peer: {acts:?}");
-    assert!(!owner.holds_peer(&r) && owner.knows_peer(&r));
+    let mut p = read_pair();
+    read_in_progress(&mut p);
+    let r = p.a.name.clone();
+    p.b.ep.set_peer_key(&r, 7);
+    p.b.ep.peer_unreachable(p.now, &r);
+    p.poll();
+    assert!(
+        forgets(&p.b.events).is_empty(),
+        "a loaded peer: {:?}",
+        p.b.events
+    );
+    assert!(!p.b.ep.holds_peer(&r) && p.b.ep.knows_peer(&r));
     // The application forgets it; it is not loaded any more.
-    owner.forget_peer(t(3), &r);
-    assert!(!owner.knows_peer(&r));
+    p.b.ep.forget_peer(p.now, &r);
+    assert!(!p.b.ep.knows_peer(&r));
 
     let (mut rx, a, _region) = receiver_with_grant();
     rx.peer_unreachable(t(1), &a);
