@@ -9,7 +9,11 @@
 //! - deterministic seeded patterns and scattered block plans;
 //! - agent/backend construction, metadata exchange, post + bounded wait,
 //!   notifications, byte-exact verification that also checks every byte
-//!   outside the destination blocks.
+//!   outside the destination blocks;
+//! - [`child`]: the line protocol to a peer process a test or benchmark
+//!   starts.
+
+pub mod child;
 
 use nixl_sys::{
     Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,

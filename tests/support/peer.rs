@@ -2,12 +2,10 @@
 //! re-exec pattern of tests/two_process.rs): a test binary re-executes
 //! itself (`<exe> --exact peer_helper --nocapture`) with
 //! `NIXL_BOUNCE_BP_ROLE=peer`; its `peer_helper` test calls [`peer_main`].
-//! Replies are lines tagged `@@BP `; everything else on stdout is libtest
-//! noise. Both sides compute the same seeded plans and patterns, so each
-//! side checks its own buffer byte-exact.
-//!
-//! Include after `common` and `bounce`:
-//! `#[path = "support/peer.rs"] mod peer;`
+//! It speaks `nixl_bounce::harness::child`'s line protocol. Both sides
+//! compute the same seeded plans and patterns, so each side checks its own
+//! buffer byte-exact. Its agent's backend is BOUNCE, or the one named by
+//! `NIXL_BOUNCE_BP_BACKEND` (then without parameters).
 //!
 //! Commands (one line each; every reply is `OK ...` or `ERR ...`):
 //! - `PEER <md hex>`: load a peer's metadata, reply with its name;
@@ -23,6 +21,7 @@
 //!   wait for the notification (if any) from `from`, then verify the buffer
 //!   (also the check after a READ into this buffer);
 //! - `WAIT_NOTIF <from> <notif hex>`;
+//! - `SEND_NOTIF <to> <notif hex>`: a notification through the backend;
 //! - `CHECK_UNCHANGED <seed>`;
 //! - `WRITE_BG <peer> <peer addr> <n> <plan seed>`: post that WRITE and
 //!   reply at once, leaving it running (fault tests kill the process then);
@@ -39,10 +38,9 @@
 
 use super::bounce::*;
 use super::*;
+use nixl_bounce::harness::child::{self, reply, ChildPeer};
 use nixl_sys::{ThreadSync, XferOp, XferStatus};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 pub const ROLE_ENV: &str = "NIXL_BOUNCE_BP_ROLE";
@@ -50,7 +48,8 @@ pub const ROLE_ENV: &str = "NIXL_BOUNCE_BP_ROLE";
 pub const EXTRA_ENV: &str = "NIXL_BOUNCE_BP_EXTRA";
 pub const LEN_ENV: &str = "NIXL_BOUNCE_BP_LEN";
 pub const PREFIX_ENV: &str = "NIXL_BOUNCE_BP_PREFIX";
-const TAG: &str = "@@BP ";
+/// Another backend than BOUNCE for the peer's agent.
+pub const BACKEND_ENV: &str = "NIXL_BOUNCE_BP_BACKEND";
 
 /// The plan every process computes for (`n`, `seed`) over buffers of `len`.
 pub fn plan(len: usize, n: usize, seed: u64) -> Plan {
@@ -95,12 +94,6 @@ pub fn peer_main() {
     if std::env::var(ROLE_ENV).as_deref() != Ok("peer") {
         return;
     }
-    let reply = |s: &str| {
-        let mut out = std::io::stdout().lock();
-        // Leading newline: libtest may have printed "test peer_helper ... ".
-        write!(out, "\n{TAG}{s}\n").unwrap();
-        out.flush().unwrap();
-    };
     let len: usize = std::env::var(LEN_ENV).expect("len").parse().expect("len");
     let prefix = std::env::var(PREFIX_ENV).unwrap_or_else(|_| "bp".into());
     if let Err(e) = preload_capi(Some(&repo_root())) {
@@ -112,7 +105,11 @@ pub fn peer_main() {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    let node = match node_with(&unique_name(&prefix), &extra, ThreadSync::Default) {
+    let node = match std::env::var(BACKEND_ENV) {
+        Ok(backend) => Node::new(&unique_name(&prefix), &backend, &[]),
+        Err(_) => node_with(&unique_name(&prefix), &extra, ThreadSync::Default),
+    };
+    let node = match node {
         Ok(n) => n,
         Err(e) => {
             reply(&format!("ERR setup: {e}"));
@@ -137,10 +134,7 @@ pub fn peer_main() {
         buf.len(),
         hex(&md)
     ));
-    let stdin = std::io::stdin();
-    for line in stdin.lock().lines() {
-        let Ok(line) = line else { break };
-        let w: Vec<&str> = line.split_whitespace().collect();
+    child::serve(|w| {
         let num = |i: usize| -> u64 { w[i].parse().expect("number") };
         let notif_arg = |i: usize| -> Result<Option<Vec<u8>>, String> {
             if w[i] == "-" {
@@ -149,7 +143,7 @@ pub fn peer_main() {
                 unhex(w[i]).map(Some)
             }
         };
-        let res: Result<String, String> = match w.first().copied() {
+        match w.first().copied() {
             Some("PEER") => unhex(w[1]).and_then(|m| node.load_md(&m)),
             Some("FILL") => {
                 buf.fill_pattern(num(1));
@@ -179,6 +173,12 @@ pub fn peer_main() {
             Some("WAIT_NOTIF") => unhex(w[2]).and_then(|m| {
                 node.wait_notif(w[1], &m, wait_timeout())
                     .map(|_| String::new())
+            }),
+            Some("SEND_NOTIF") => unhex(w[2]).and_then(|m| {
+                node.agent
+                    .send_notification(w[1], &m, Some(&node.backend))
+                    .map(|_| String::new())
+                    .map_err(|e| format!("send_notification: {e:?}"))
             }),
             Some("CHECK_WRITE") => (|| {
                 if let Some(m) = notif_arg(6)? {
@@ -246,26 +246,16 @@ pub fn peer_main() {
             Some("STATS") => nixl_bounce::stats::plugin_stats(&node.name)
                 .map(|s| serde_json::to_string(&s.counters).expect("json")),
             Some("NETDEV") => netdev(w[1]),
-            Some("QUIT") => {
-                reply("BYE");
-                break;
-            }
-            _ => Err(format!("unknown command {line:?}")),
-        };
-        match res {
-            Ok(s) => reply(&format!("OK {s}")),
-            Err(e) => reply(&format!("ERR {e}")),
+            _ => Err(format!("unknown command {:?}", w.join(" "))),
         }
-    }
+    });
     drop(reg);
 }
 
 /// The parent's handle on a peer process.
 pub struct Peer {
     pub label: String,
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
+    child: ChildPeer,
     pub name: String,
     pub addr: usize,
     pub len: usize,
@@ -298,67 +288,25 @@ pub fn peer_command(
 
 impl Peer {
     /// Starts `cmd` (from [`peer_command`]) and waits for its HELLO.
-    pub fn spawn(label: &str, mut cmd: Command) -> Result<Peer, String> {
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("spawn the {label} peer: {e}"))?;
-        let stdin = child.stdin.take().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(at) = line.find(TAG) {
-                    if tx.send(line[at + TAG.len()..].to_string()).is_err() {
-                        break;
-                    }
-                }
-            }
-        });
-        let mut p = Peer {
+    pub fn spawn(label: &str, cmd: Command) -> Result<Peer, String> {
+        let timeout = wait_timeout() + Duration::from_secs(30);
+        let (child, hello) = ChildPeer::spawn(&format!("{label} peer"), cmd, timeout)?;
+        let w: Vec<&str> = hello.split_whitespace().collect();
+        let ["HELLO", name, addr, len, md] = w[..] else {
+            return Err(format!("{label} peer: unexpected greeting {hello:?}"));
+        };
+        Ok(Peer {
             label: label.to_string(),
             child,
-            stdin,
-            lines: rx,
-            name: String::new(),
-            addr: 0,
-            len: 0,
-            md: Vec::new(),
-        };
-        let hello = p.recv("HELLO")?;
-        let w: Vec<&str> = hello.split_whitespace().collect();
-        if w.len() != 5 || w[0] != "HELLO" {
-            return Err(format!("{label} peer: unexpected greeting {hello:?}"));
-        }
-        p.name = w[1].to_string();
-        p.addr = w[2].parse().map_err(|e| format!("{e}"))?;
-        p.len = w[3].parse().map_err(|e| format!("{e}"))?;
-        p.md = unhex(w[4])?;
-        Ok(p)
-    }
-
-    fn recv(&mut self, what: &str) -> Result<String, String> {
-        let timeout = wait_timeout() + Duration::from_secs(30);
-        match self.lines.recv_timeout(timeout) {
-            Ok(l) if l.starts_with("ERR") => {
-                Err(format!("{} peer failed at {what}: {l}", self.label))
-            }
-            Ok(l) => Ok(l),
-            Err(RecvTimeoutError::Timeout) => Err(format!(
-                "{} peer: no reply to {what} within {timeout:?}",
-                self.label
-            )),
-            Err(RecvTimeoutError::Disconnected) => {
-                let st = self.child.wait().ok();
-                Err(format!(
-                    "{} peer exited during {what} (status {st:?})",
-                    self.label
-                ))
-            }
-        }
+            name: name.to_string(),
+            addr: addr
+                .parse()
+                .map_err(|e| format!("{label} peer's address: {e}"))?,
+            len: len
+                .parse()
+                .map_err(|e| format!("{label} peer's length: {e}"))?,
+            md: unhex(md)?,
+        })
     }
 
     /// Sends a command; returns the text after `OK `, or panics with the
@@ -372,40 +320,26 @@ impl Peer {
 
     /// Sends a command without waiting for its reply (see [`Peer::reply`]):
     /// several peers can then work at once.
+    #[track_caller]
     pub fn send(&mut self, line: &str) {
-        writeln!(self.stdin, "{line}").expect("write to the peer");
-        self.stdin.flush().unwrap();
+        self.child.send(line).unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// The reply to the command sent last (`what` names it in errors).
     #[track_caller]
     pub fn reply(&mut self, what: &str) -> String {
-        let r = self.recv(what).unwrap_or_else(|e| panic!("{e}"));
-        match r.strip_prefix("OK") {
-            Some(rest) => rest.trim().to_string(),
-            None if r == "BYE" => r,
-            None => panic!("{} peer: unexpected reply to {what}: {r}", self.label),
-        }
+        self.child.ok(what).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Sends `signal` to the peer process.
+    #[track_caller]
     pub fn signal(&self, signal: i32) {
-        // SAFETY: kill(2) on our own child's pid (not yet reaped: we hold
-        // the Child and only wait for it in kill9/finish/drop).
-        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
-        assert_eq!(
-            rc,
-            0,
-            "kill({}, {signal}): {}",
-            self.child.id(),
-            std::io::Error::last_os_error()
-        );
+        self.child.signal(signal).unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// `kill -9`, then reaps the process.
-    pub fn kill9(mut self) {
-        self.signal(libc::SIGKILL);
-        let _ = self.child.wait();
+    pub fn kill9(self) {
+        self.child.kill();
     }
 
     pub fn stats(&mut self) -> Counters {
@@ -414,36 +348,17 @@ impl Peer {
     }
 
     /// Kills the peer process (SIGKILL: no goodbye of any kind).
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    pub fn kill(self) {
+        self.child.kill();
     }
 
     /// Quits and waits (bounded) for a clean exit.
-    pub fn finish(mut self) {
-        self.cmd("QUIT");
-        let t0 = Instant::now();
-        loop {
-            match self.child.try_wait().expect("try_wait") {
-                Some(st) => {
-                    assert!(st.success(), "{} peer exited with {st}", self.label);
-                    return;
-                }
-                None if t0.elapsed() > Duration::from_secs(30) => {
-                    panic!("{} peer did not exit within 30 s after QUIT", self.label)
-                }
-                None => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        // Never leave a child behind (e.g. when an assertion failed).
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+    #[track_caller]
+    pub fn finish(self) {
+        let label = self.label;
+        match self.child.quit(Duration::from_secs(30)) {
+            Ok(st) => assert!(st.success(), "{label} peer exited with {st}"),
+            Err(e) => panic!("{e}"),
         }
     }
 }

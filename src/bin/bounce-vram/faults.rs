@@ -138,8 +138,7 @@ pub(super) fn killed_target_drill(args: &Args) -> Result<String, String> {
     wait_until(Duration::from_secs(20), "a chunk written", || {
         since(&plugin_counters(&name), &b0, "chunks_written") > 0
     })?;
-    init.target.child.kill().map_err(|e| format!("kill: {e}"))?;
-    let _ = init.target.child.wait();
+    init.target.kill();
     let t0 = Instant::now();
     let outcome = loop {
         match init.agent.get_xfer_status(&req) {
@@ -213,8 +212,7 @@ pub(super) fn peer_killed_target_drill(args: &Args) -> Result<String, String> {
     let first = init.request(&p, None)?;
     let second = init.request(&p, None)?;
     post(&init.agent, &first)?;
-    init.target.child.kill().map_err(|e| format!("kill: {e}"))?;
-    let _ = init.target.child.wait();
+    init.target.kill();
     let o1 = terminal(&init.agent, &first)?;
     let o2 = match post(&init.agent, &second) {
         Ok(()) => terminal(&init.agent, &second)?,

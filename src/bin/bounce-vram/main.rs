@@ -61,8 +61,7 @@ use plans::*;
 use target::*;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,12 +69,12 @@ use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use nixl_bounce::copy::cuda::{CudaDevice, CudaRuntime};
 use nixl_bounce::copy::ipc::{IpcCopier, IpcMapping, IpcTable, IPC_HANDLE_LEN};
 use nixl_bounce::dataplane::vram::DeviceArena;
+use nixl_bounce::harness::child::{self, ChildPeer};
 use nixl_sys::{
     Agent, MemType, OptArgs, Params, RegistrationHandle, XferDescList, XferOp, XferRequest,
     XferStatus,
 };
 
-const TAG: &str = "@@VR ";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn main() {
