@@ -32,8 +32,8 @@ use cudarc::driver::{result, sys, CudaStream};
 
 use super::cuda::{
     fill_table, launch_copy, launch_pairs, launch_pairs_inline, pairs_shape, pairs_table_bytes,
-    table_parts, CopyKernel, CudaDevice, CudaRuntime, LaunchShape, TableLayout, DEFAULT_TILE_BYTES,
-    WARPS_PER_BLOCK,
+    table_parts, CopyKernel, CudaDevice, CudaError, CudaRuntime, LaunchShape, TableLayout,
+    DEFAULT_TILE_BYTES, WARPS_PER_BLOCK,
 };
 use super::{Direction, RegionSpan};
 use crate::proto::plan::RunBuilder;
@@ -106,17 +106,17 @@ struct ContextScope {
 
 impl ContextScope {
     /// Remembers the thread's current context.
-    fn save() -> Result<ContextScope, String> {
+    fn save() -> Result<ContextScope, CudaError> {
         let mut previous: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: one out pointer.
         unsafe { sys::cuCtxGetCurrent(&mut previous) }
             .result()
-            .map_err(|e| format!("cuCtxGetCurrent: {e}"))?;
+            .map_err(|e| CudaError::call("cuCtxGetCurrent", e))?;
         Ok(ContextScope { previous })
     }
 
     /// Remembers the thread's current context and makes `device`'s current.
-    fn enter(device: &CudaDevice) -> Result<ContextScope, String> {
+    fn enter(device: &CudaDevice) -> Result<ContextScope, CudaError> {
         let scope = Self::save()?;
         let ours = device.context().cu_ctx();
         if scope.previous != ours {
@@ -124,7 +124,12 @@ impl ContextScope {
             // CudaDevice for the life of the process.
             unsafe { sys::cuCtxSetCurrent(ours) }
                 .result()
-                .map_err(|e| format!("making CUDA device {} current: {e}", device.ordinal()))?;
+                .map_err(|e| {
+                    CudaError::call(
+                        format!("making CUDA device {} current", device.ordinal()),
+                        e,
+                    )
+                })?;
         }
         Ok(scope)
     }
@@ -145,17 +150,17 @@ impl Drop for ContextScope {
 }
 
 /// The UUID of device `ordinal`.
-fn device_uuid(ordinal: usize) -> Result<[u8; 16], String> {
+fn device_uuid(ordinal: usize) -> Result<[u8; 16], CudaError> {
     let mut dev: sys::CUdevice = 0;
     // SAFETY: writes one CUdevice through a valid pointer.
     unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }
         .result()
-        .map_err(|e| format!("cuDeviceGet({ordinal}): {e}"))?;
+        .map_err(|e| CudaError::call(format!("cuDeviceGet({ordinal})"), e))?;
     let mut uuid = sys::CUuuid { bytes: [0; 16] };
     // SAFETY: writes one CUuuid through a valid pointer.
     unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) }
         .result()
-        .map_err(|e| format!("cuDeviceGetUuid({ordinal}): {e}"))?;
+        .map_err(|e| CudaError::call(format!("cuDeviceGetUuid({ordinal})"), e))?;
     Ok(uuid.bytes.map(|b| b as u8))
 }
 
@@ -172,7 +177,7 @@ pub fn device_with_uuid(cuda: &CudaRuntime, uuid: &[u8; 16]) -> Option<usize> {
 pub fn export_allocation(
     ordinal: usize,
     addr: u64,
-) -> Result<(u64, u64, [u8; IPC_HANDLE_LEN], [u8; 16]), String> {
+) -> Result<(u64, u64, [u8; IPC_HANDLE_LEN], [u8; 16]), CudaError> {
     let cuda = CudaRuntime::probe()?;
     // Opening the device may make its context current: restore the
     // application's afterwards.
@@ -187,7 +192,7 @@ pub fn export_allocation(
     // looked up).
     unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
         .result()
-        .map_err(|e| format!("cuIpcGetMemHandle({base:#x}): {e}"))?;
+        .map_err(|e| CudaError::call(format!("cuIpcGetMemHandle({base:#x})"), e))?;
     Ok((
         base,
         len,
@@ -264,14 +269,17 @@ impl std::fmt::Debug for IpcCopier {
 impl IpcCopier {
     /// The copier of device `ordinal`: compiles the copy kernel (if not
     /// yet) and creates `streams` streams.
-    pub fn for_device(ordinal: usize, streams: usize) -> Result<Arc<Self>, String> {
+    pub fn for_device(ordinal: usize, streams: usize) -> Result<Arc<Self>, CudaError> {
         let cuda = CudaRuntime::probe()?;
         let _saved = ContextScope::save()?;
         let device = cuda.device(ordinal)?;
         let kernel = device.copy_kernel()?;
         let _ctx = ContextScope::enter(&device)?;
         let ctx = device.context();
-        let make = || ctx.new_stream().map_err(|e| format!("cuStreamCreate: {e}"));
+        let make = || {
+            ctx.new_stream()
+                .map_err(|e| CudaError::call("cuStreamCreate", e))
+        };
         let streams = (0..streams.max(1))
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
@@ -303,13 +311,18 @@ impl IpcCopier {
     /// a gather into address 0, so `addr` is each source and
     /// `region_offset` each destination). `started` is when the caller
     /// began building the runs (for the table-fill time).
-    pub fn prepare(self: &Arc<Self>, runs: &[Run], started: Instant) -> Result<IpcTable, String> {
+    pub fn prepare(
+        self: &Arc<Self>,
+        runs: &[Run],
+        started: Instant,
+    ) -> Result<IpcTable, CudaError> {
         if runs.is_empty() {
-            return Err("a peer-mapped copy of no bytes".into());
+            return Err(CudaError::Invalid("a peer-mapped copy of no bytes".into()));
         }
         let max_warps = self.max_warps();
-        let layout = TableLayout::new(runs.len())
-            .ok_or_else(|| format!("{} runs overflow the run table", runs.len()))?;
+        let layout = TableLayout::new(runs.len()).ok_or_else(|| {
+            CudaError::Invalid(format!("{} runs overflow the run table", runs.len()))
+        })?;
         let built = self.build(layout.capacity, started, |host| {
             // SAFETY: `host` holds `layout.capacity` bytes, 8-aligned, used by
             // nothing else while the fill runs (`build`'s promise).
@@ -325,7 +338,7 @@ impl IpcCopier {
                 out_tile_start,
                 out_strides,
             )
-            .map_err(|e| e.reason)?;
+            .map_err(|e| CudaError::Invalid(e.reason))?;
             Ok(Some((TableForm::Runs(layout), shape, shape.table_bytes())))
         })?;
         Ok(built.expect("a run table is never declined"))
@@ -343,8 +356,8 @@ impl IpcCopier {
         n: usize,
         len: u64,
         started: Instant,
-        fill: impl FnOnce(&mut [u64]) -> Result<bool, String>,
-    ) -> Result<Option<IpcTable>, String> {
+        fill: impl FnOnce(&mut [u64]) -> Result<bool, CudaError>,
+    ) -> Result<Option<IpcTable>, CudaError> {
         let shape = pairs_shape(n, len, DEFAULT_TILE_BYTES, self.max_warps())?;
         let inline = (n <= self.inline_limit.load(Ordering::Relaxed))
             .then(|| self.kernel.inline_pairs_function(n))
@@ -403,8 +416,8 @@ impl IpcCopier {
         self: &Arc<Self>,
         capacity: usize,
         started: Instant,
-        fill: impl FnOnce(&mut [u64]) -> Result<Option<(TableForm, LaunchShape, usize)>, String>,
-    ) -> Result<Option<IpcTable>, String> {
+        fill: impl FnOnce(&mut [u64]) -> Result<Option<(TableForm, LaunchShape, usize)>, CudaError>,
+    ) -> Result<Option<IpcTable>, CudaError> {
         let _range = crate::nvtx::range(c"bounce peer-mapped prepare");
         let t0 = started;
         let _ctx = ContextScope::enter(&self.device)?;
@@ -456,7 +469,7 @@ impl IpcCopier {
                 result::memcpy_htod_sync(table.ptr, bytes)
             }
         }
-        .map_err(|e| format!("uploading a peer-copy table (cuMemcpyHtoD): {e}"));
+        .map_err(|e| CudaError::call("uploading a peer-copy table (cuMemcpyHtoD)", e));
         let t2 = Instant::now();
         if let Err(e) = copied {
             // The upload may have been queued: the memory goes back behind
@@ -614,7 +627,7 @@ impl IpcTable {
     /// on that stream is the one queued last. (The engine refuses to repost
     /// a request whose copy still runs; were it not to, the copies would
     /// only queue on the stream.) On an error nothing runs any more.
-    pub fn launch(&mut self, mappings: &[Arc<IpcMapping>]) -> Result<Arc<IpcLaunch>, String> {
+    pub fn launch(&mut self, mappings: &[Arc<IpcMapping>]) -> Result<Arc<IpcLaunch>, CudaError> {
         let _range = crate::nvtx::range(c"bounce peer-mapped launch");
         let c = &self.copier;
         let i = self.stream;
@@ -664,9 +677,12 @@ impl IpcTable {
         };
         if let Err(e) = launched {
             c.events.put(event);
-            return Err(format!(
-                "launching the peer-mapped copy ({} runs, {} blocks): {e}",
-                self.shape.nruns, self.shape.grid
+            return Err(CudaError::call(
+                format!(
+                    "launching the peer-mapped copy ({} runs, {} blocks)",
+                    self.shape.nruns, self.shape.grid
+                ),
+                e,
             ));
         }
         // SAFETY: an event of this context (the pool's) and a live stream of it.
@@ -680,8 +696,9 @@ impl IpcTable {
                 }
             }
             c.events.put(event);
-            return Err(format!(
-                "cuEventRecord after the peer-mapped copy: {e} (waiting for the copy: {waited:?})"
+            return Err(CudaError::call(
+                "cuEventRecord after the peer-mapped copy",
+                format!("{e} (waiting for the copy: {waited:?})"),
             ));
         }
         let launch = Arc::new(IpcLaunch {
@@ -807,7 +824,7 @@ impl TableCache {
     /// Memory for a table of `bytes`: the smallest kept table that is large
     /// enough and no longer read, else a new allocation (a power of two, at
     /// least 64 KiB). Needs the device's context current.
-    fn take(&mut self, bytes: usize) -> Result<CachedTable, String> {
+    fn take(&mut self, bytes: usize) -> Result<CachedTable, CudaError> {
         // Smallest first; a table known free needs no query, the others one
         // each, stopping at the first whose last use ended.
         let mut fitting: Vec<usize> = (0..self.free.len())
@@ -820,7 +837,12 @@ impl TableCache {
                 match unsafe { sys::cuEventQuery(self.free[i].event) } {
                     sys::CUresult::CUDA_SUCCESS => {}
                     sys::CUresult::CUDA_ERROR_NOT_READY => continue,
-                    e => return Err(format!("cuEventQuery on a peer-copy table: {e:?}")),
+                    e => {
+                        return Err(CudaError::call(
+                            "cuEventQuery on a peer-copy table",
+                            format!("{e:?}"),
+                        ))
+                    }
                 }
             }
             let mut t = self.free.swap_remove(i);
@@ -839,8 +861,9 @@ impl TableCache {
             Err(e) => {
                 // SAFETY: created above, never recorded.
                 let _ = unsafe { sys::cuEventDestroy_v2(event) };
-                return Err(format!(
-                    "cuMemAlloc({want} bytes) for a peer-copy table: {e}"
+                return Err(CudaError::call(
+                    format!("cuMemAlloc({want} bytes) for a peer-copy table"),
+                    e,
                 ));
             }
         };
@@ -903,7 +926,7 @@ pub struct IpcLaunch {
     posted: Instant,
     /// The request was released before its copy ended: send no notification.
     pub cancelled: AtomicBool,
-    failure: Mutex<Option<String>>,
+    failure: Mutex<Option<CudaError>>,
     /// The kernel was seen to end (no query needed any more).
     ended: AtomicBool,
 }
@@ -924,7 +947,7 @@ impl Drop for IpcLaunch {
 }
 
 /// A plain event without timing, for `what`. Needs a context current.
-fn new_event(what: &str) -> Result<sys::CUevent, String> {
+fn new_event(what: &str) -> Result<sys::CUevent, CudaError> {
     let mut event: sys::CUevent = std::ptr::null_mut();
     // SAFETY: one out pointer; a plain event without timing.
     unsafe {
@@ -934,7 +957,7 @@ fn new_event(what: &str) -> Result<sys::CUevent, String> {
         )
     }
     .result()
-    .map_err(|e| format!("cuEventCreate for {what}: {e}"))?;
+    .map_err(|e| CudaError::call(format!("cuEventCreate for {what}"), e))?;
     Ok(event)
 }
 
@@ -961,7 +984,7 @@ impl EventPool {
     }
 
     /// A free event, or a new one. Needs the device's context current.
-    fn take(&self) -> Result<sys::CUevent, String> {
+    fn take(&self) -> Result<sys::CUevent, CudaError> {
         if let Some(e) = self.free.locked().pop() {
             return Ok(e);
         }
@@ -997,7 +1020,9 @@ impl IpcLaunch {
         if self.posted.elapsed() > limit && self.poll().is_none() {
             self.cancelled.store(true, Ordering::SeqCst);
             self.failure.locked().get_or_insert_with(|| {
-                format!("the peer-mapped copy still runs {limit:?} after its launch")
+                CudaError::Timeout(format!(
+                    "the peer-mapped copy still runs {limit:?} after its launch"
+                ))
             });
         }
     }
@@ -1005,7 +1030,7 @@ impl IpcLaunch {
     /// `None` while the request is open, then its result (never blocks).
     /// A request failed by [`expire`](Self::expire) has a result while its
     /// copy may still run: see [`running`](Self::running).
-    pub fn poll(&self) -> Option<Result<(), String>> {
+    pub fn poll(&self) -> Option<Result<(), CudaError>> {
         let mut failure = self.failure.locked();
         if let Some(f) = failure.as_ref() {
             return Some(Err(f.clone()));
@@ -1014,7 +1039,7 @@ impl IpcLaunch {
             Ok(false) => None,
             Ok(true) => Some(Ok(())),
             Err(e) => {
-                let f = format!("the peer-mapped copy failed: {e}");
+                let f = CudaError::call("the peer-mapped copy failed", e);
                 *failure = Some(f.clone());
                 Some(Err(f))
             }
@@ -1027,7 +1052,7 @@ impl IpcLaunch {
         matches!(self.query(), Ok(false))
     }
 
-    fn query(&self) -> Result<bool, String> {
+    fn query(&self) -> Result<bool, CudaError> {
         if self.ended.load(Ordering::Acquire) {
             return Ok(true);
         }
@@ -1036,7 +1061,7 @@ impl IpcLaunch {
         let ended = match unsafe { sys::cuEventQuery(self.event) } {
             sys::CUresult::CUDA_SUCCESS => true,
             sys::CUresult::CUDA_ERROR_NOT_READY => false,
-            e => return Err(format!("cuEventQuery: {e:?}")),
+            e => return Err(CudaError::call("cuEventQuery", format!("{e:?}"))),
         };
         if ended {
             self.ended.store(true, Ordering::Release);
@@ -1055,18 +1080,18 @@ impl IpcLaunch {
 // ---------------------------------------------------------------------------
 
 /// The allocation holding `addr` in the current context: (base, length).
-fn allocation_of(addr: u64) -> Result<(u64, u64), String> {
+fn allocation_of(addr: u64) -> Result<(u64, u64), CudaError> {
     let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: two out pointers; the driver only reads `addr` as a number.
     unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, addr) }
         .result()
-        .map_err(|e| format!("cuMemGetAddressRange({addr:#x}): {e}"))?;
+        .map_err(|e| CudaError::call(format!("cuMemGetAddressRange({addr:#x})"), e))?;
     Ok((base, len as u64))
 }
 
 /// Whether GPU `local` can address GPU `owner`'s memory (NVLink or PCIe
 /// peer access); an error saying which pair cannot.
-fn check_peer_access(local: usize, owner: usize) -> Result<(), String> {
+fn check_peer_access(local: usize, owner: usize) -> Result<(), CudaError> {
     let (mut a, mut b): (sys::CUdevice, sys::CUdevice) = (0, 0);
     let mut can: std::ffi::c_int = 0;
     // SAFETY: out pointers for plain integers.
@@ -1076,9 +1101,11 @@ fn check_peer_access(local: usize, owner: usize) -> Result<(), String> {
             .and_then(|_| sys::cuDeviceGet(&mut b, owner as i32).result())
             .and_then(|_| sys::cuDeviceCanAccessPeer(&mut can, a, b).result())
     };
-    probed.map_err(|e| format!("cuDeviceCanAccessPeer({local}, {owner}): {e}"))?;
+    probed.map_err(|e| CudaError::call(format!("cuDeviceCanAccessPeer({local}, {owner})"), e))?;
     if can == 0 {
-        return Err(format!("GPU {local} cannot access GPU {owner}'s memory"));
+        return Err(CudaError::Unavailable(format!(
+            "GPU {local} cannot access GPU {owner}'s memory"
+        )));
     }
     Ok(())
 }
@@ -1087,7 +1114,7 @@ fn check_peer_access(local: usize, owner: usize) -> Result<(), String> {
 /// `owner`'s primary context, where this process's memory on that GPU
 /// lives. Already enabled (by an earlier mapping, or by the application) is
 /// success.
-fn enable_peer_access(owner: &CudaDevice, local: usize) -> Result<(), String> {
+fn enable_peer_access(owner: &CudaDevice, local: usize) -> Result<(), CudaError> {
     // SAFETY: the owner's primary context is retained by CudaDevice for the
     // life of the process; the call only changes the current context's
     // peer table.
@@ -1095,9 +1122,12 @@ fn enable_peer_access(owner: &CudaDevice, local: usize) -> Result<(), String> {
         sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
             Ok(())
         }
-        e => Err(format!(
-            "cuCtxEnablePeerAccess(GPU {local} -> GPU {}): {e:?}",
-            owner.ordinal()
+        e => Err(CudaError::call(
+            format!(
+                "cuCtxEnablePeerAccess(GPU {local} -> GPU {})",
+                owner.ordinal()
+            ),
+            format!("{e:?}"),
         )),
     }
 }
@@ -1144,11 +1174,12 @@ impl IpcMapping {
         alloc_len: u64,
         ipc_handle: &[u8; IPC_HANDLE_LEN],
         same_process: bool,
-    ) -> Result<IpcMapping, String> {
+    ) -> Result<IpcMapping, CudaError> {
         let local = copier.device.ordinal();
         let cuda = CudaRuntime::probe()?;
-        let owner = device_with_uuid(&cuda, device_uuid)
-            .ok_or_else(|| "the peer's GPU is not visible to this process".to_string())?;
+        let owner = device_with_uuid(&cuda, device_uuid).ok_or_else(|| {
+            CudaError::Unavailable("the peer's GPU is not visible to this process".into())
+        })?;
         let mapping = |base: u64, opened: bool| IpcMapping {
             copier: copier.clone(),
             base,
@@ -1174,9 +1205,9 @@ impl IpcMapping {
             // process must start there and be that long.
             let (base, len) = allocation_of(alloc_base)?;
             if base != alloc_base || len < alloc_len {
-                return Err(format!(
+                return Err(CudaError::Invalid(format!(
                     "no allocation of {alloc_len} bytes at {alloc_base:#x} in this process"
-                ));
+                )));
             }
             return Ok(mapping(alloc_base, false));
         }
@@ -1194,14 +1225,14 @@ impl IpcMapping {
             )
         }
         .result()
-        .map_err(|e| format!("cuIpcOpenMemHandle: {e}"))?;
+        .map_err(|e| CudaError::call("cuIpcOpenMemHandle", e))?;
         let opened = mapping(ptr, true);
         // The length is the peer's word; what the driver mapped decides.
         match allocation_of(ptr) {
             Ok((base, len)) if base == ptr && len >= alloc_len => Ok(opened),
-            Ok((_, len)) => Err(format!(
+            Ok((_, len)) => Err(CudaError::Invalid(format!(
                 "the peer exported {alloc_len} bytes, but its handle maps {len}"
-            )),
+            ))),
             Err(e) => Err(e),
         }
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor};
 
-use crate::copy::cuda::CudaDevice;
+use crate::copy::cuda::{CudaDevice, CudaError};
 use crate::copy::RegionSpan;
 
 /// `len` bytes of device memory on device `ordinal`, freed on drop.
@@ -26,16 +26,19 @@ pub struct DeviceArena {
 impl DeviceArena {
     /// Allocates the arena on `device`. Also sets `SYNC_MEMOPS` on the
     /// allocation (as GPUDirect RDMA users should), best effort.
-    pub fn new(device: &CudaDevice, len: usize) -> Result<Self, String> {
+    pub fn new(device: &CudaDevice, len: usize) -> Result<Self, CudaError> {
         if len == 0 {
-            return Err("device arena size is zero".into());
+            return Err(CudaError::Invalid("device arena size is zero".into()));
         }
         device.bind()?;
         // SAFETY: a plain device allocation of len bytes; checked.
         let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| {
-            format!(
-                "cuMemAlloc of a {len}-byte arena on CUDA device {}: {e}",
-                device.ordinal()
+            CudaError::call(
+                format!(
+                    "cuMemAlloc of a {len}-byte arena on CUDA device {}",
+                    device.ordinal()
+                ),
+                e,
             )
         })?;
         let one: u32 = 1;
@@ -83,51 +86,51 @@ impl DeviceArena {
         })
     }
 
-    fn check(&self, offset: usize, len: usize) -> Result<(), String> {
+    fn check(&self, offset: usize, len: usize) -> Result<(), CudaError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(format!(
+            _ => Err(CudaError::Invalid(format!(
                 "{len} bytes at offset {offset} leave the {}-byte device arena",
                 self.len
-            )),
+            ))),
         }
     }
 
     /// Copies `data` to `offset` (synchronous; for set-up, tests and tools).
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), String> {
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
         self.check(offset, data.len())?;
         self.ctx
             .bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+            .map_err(|e| CudaError::call("binding the CUDA context", e))?;
         // SAFETY: the destination range lies inside this allocation (checked).
         unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, data) }
-            .map_err(|e| format!("cuMemcpyHtoD into the device arena: {e}"))
+            .map_err(|e| CudaError::call("cuMemcpyHtoD into the device arena", e))
     }
 
     /// Copies `out.len()` bytes from `offset` (synchronous).
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), String> {
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
         self.check(offset, out.len())?;
         self.ctx
             .bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+            .map_err(|e| CudaError::call("binding the CUDA context", e))?;
         // SAFETY: the source range lies inside this allocation (checked).
         unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
-            .map_err(|e| format!("cuMemcpyDtoH from the device arena: {e}"))
+            .map_err(|e| CudaError::call("cuMemcpyDtoH from the device arena", e))
     }
 
     /// Sets every byte to `byte` (synchronous).
-    pub fn fill(&self, byte: u8) -> Result<(), String> {
+    pub fn fill(&self, byte: u8) -> Result<(), CudaError> {
         self.ctx
             .bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+            .map_err(|e| CudaError::call("binding the CUDA context", e))?;
         // SAFETY: exactly this allocation.
         unsafe { result::memset_d8_sync(self.ptr, byte, self.len) }
-            .map_err(|e| format!("cuMemsetD8 on the device arena: {e}"))?;
+            .map_err(|e| CudaError::call("cuMemsetD8 on the device arena", e))?;
         // cuMemsetD8 may return before the memory is set when the target is
         // device memory; make it visible to the caller's next step.
         self.ctx
             .synchronize()
-            .map_err(|e| format!("cuCtxSynchronize after cuMemsetD8: {e}"))
+            .map_err(|e| CudaError::call("cuCtxSynchronize after cuMemsetD8", e))
     }
 }
 
@@ -187,9 +190,10 @@ impl PinnedArena {
     /// Allocates `len` bytes of host memory and pins them for `device`.
     /// Refused where the device would address them at another address than
     /// the host does (the kernels and the chunk writes share one address).
-    pub fn new(device: &CudaDevice, len: usize) -> Result<Self, String> {
-        let host = super::HostArena::new(len)
-            .map_err(|e| format!("allocating the {len}-byte host-staged arena: {e}"))?;
+    pub fn new(device: &CudaDevice, len: usize) -> Result<Self, CudaError> {
+        let host = super::HostArena::new(len).map_err(|e| {
+            CudaError::call(format!("allocating the {len}-byte host-staged arena"), e)
+        })?;
         device.bind()?;
         let ptr = host.base() as *mut std::ffi::c_void;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
@@ -198,9 +202,12 @@ impl PinnedArena {
         unsafe { sys::cuMemHostRegister_v2(ptr, len, flags) }
             .result()
             .map_err(|e| {
-                format!(
-                    "cuMemHostRegister of the {len}-byte host-staged arena for CUDA device {}: {e}",
-                    device.ordinal()
+                CudaError::call(
+                    format!(
+                        "cuMemHostRegister of the {len}-byte host-staged arena for CUDA device {}",
+                        device.ordinal()
+                    ),
+                    e,
                 )
             })?;
         let arena = PinnedArena {
@@ -212,13 +219,15 @@ impl PinnedArena {
         // above; writes one CUdeviceptr through a valid pointer.
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, ptr, 0) }
             .result()
-            .map_err(|e| format!("cuMemHostGetDevicePointer of the host-staged arena: {e}"))?;
+            .map_err(|e| {
+                CudaError::call("cuMemHostGetDevicePointer of the host-staged arena", e)
+            })?;
         if dev_ptr as usize != arena.host.base() {
-            return Err(format!(
+            return Err(CudaError::Invalid(format!(
                 "CUDA device {} addresses the host-staged arena at {dev_ptr:#x}, not at its host address {:#x}",
                 device.ordinal(),
                 arena.host.base()
-            ));
+            )));
         }
         Ok(arena)
     }

@@ -22,6 +22,7 @@ use super::bounce::{peer_map_gate, Fallback};
 use super::conn_info::IpcExport;
 use super::{Descs, MemKind, Op, Range, RawDesc, Shape};
 use crate::config::Config;
+use crate::copy::cuda::CudaError;
 use crate::copy::ipc::{self, Identity, IpcCopier, IpcCopy, IpcLaunch, IpcMapping};
 use crate::proto::plan::RunBuilder;
 use crate::sync::Locked;
@@ -111,13 +112,13 @@ pub fn gate(cfg: &Config, g: &Shape) -> Result<(), &'static str> {
 pub struct RemoteAlloc {
     pub export: IpcExport,
     same_process: bool,
-    mappings: Mutex<HashMap<usize, Result<Arc<IpcMapping>, String>>>,
+    mappings: Mutex<HashMap<usize, Result<Arc<IpcMapping>, CudaError>>>,
 }
 
 impl RemoteAlloc {
     /// The mapping for copies on `copier`'s device, opened at first use (a
     /// failure is remembered and not retried for this allocation).
-    fn mapping(&self, copier: &Arc<IpcCopier>) -> Result<Arc<IpcMapping>, String> {
+    fn mapping(&self, copier: &Arc<IpcCopier>) -> Result<Arc<IpcMapping>, CudaError> {
         let dev = copier.device().ordinal();
         let mut map = self.mappings.locked();
         map.entry(dev)
@@ -744,7 +745,7 @@ impl Notifier {
                         }
                         p.launch.expire(p.limit);
                         if let Some(r) = p.launch.poll() {
-                            break r;
+                            break r.map_err(String::from);
                         }
                         if stop.load(Ordering::SeqCst) {
                             let since = *stop_seen.get_or_insert_with(std::time::Instant::now);

@@ -102,7 +102,7 @@ pub trait OrFail<T> {
     fn or_fail(self, what: &str) -> T;
 }
 
-impl<T> OrFail<T> for Result<T, String> {
+impl<T, E: std::fmt::Display> OrFail<T> for Result<T, E> {
     #[track_caller]
     fn or_fail(self, what: &str) -> T {
         match self {

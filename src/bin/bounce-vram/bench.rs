@@ -155,7 +155,7 @@ pub(super) fn run_bench(args: &Args) -> bool {
                         }
                     }
                     if t0.elapsed() > TIMEOUT {
-                        die("concurrent requests still running after 60 s".into());
+                        die("concurrent requests still running after 60 s");
                     }
                 }
                 let wall = t0.elapsed().as_secs_f64() * 1e3;

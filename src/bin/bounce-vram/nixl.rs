@@ -2,7 +2,7 @@
 
 use super::*;
 
-pub(super) fn die(msg: String) -> ! {
+pub(super) fn die(msg: impl std::fmt::Display) -> ! {
     eprintln!("bounce-vram: {msg}");
     std::process::exit(1)
 }

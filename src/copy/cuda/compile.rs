@@ -37,9 +37,10 @@ pub fn arch_number(major: i32, minor: i32) -> Option<u32> {
 /// Picks the NVRTC target: machine code for the device's own architecture
 /// when NVRTC supports it (or when the supported list is unknown), otherwise
 /// PTX for the newest older architecture NVRTC knows.
-pub fn choose_target(major: i32, minor: i32, supported: &[i32]) -> Result<NvrtcTarget, String> {
-    let want = arch_number(major, minor)
-        .ok_or_else(|| format!("unusable compute capability {major}.{minor}"))?;
+pub fn choose_target(major: i32, minor: i32, supported: &[i32]) -> Result<NvrtcTarget, CudaError> {
+    let want = arch_number(major, minor).ok_or_else(|| {
+        CudaError::Unavailable(format!("unusable compute capability {major}.{minor}"))
+    })?;
     if supported.is_empty() || supported.contains(&(want as i32)) {
         return Ok(NvrtcTarget::Cubin(want));
     }
@@ -50,9 +51,9 @@ pub fn choose_target(major: i32, minor: i32, supported: &[i32]) -> Result<NvrtcT
         .max()
         .map(|s| NvrtcTarget::Ptx(s as u32))
         .ok_or_else(|| {
-            format!(
+            CudaError::Unavailable(format!(
                 "NVRTC supports none of the architectures up to sm_{want} (it knows {supported:?})"
-            )
+            ))
         })
 }
 
@@ -82,12 +83,13 @@ pub(super) fn c_chars_to_string(v: &[std::ffi::c_char]) -> String {
 }
 
 /// Compiles `src` and returns the cubin (or the PTX text, NUL-free).
-pub(super) fn nvrtc_compile(src: &str, target: NvrtcTarget) -> Result<Vec<u8>, String> {
-    let csrc = CString::new(src).map_err(|_| "kernel source contains a NUL byte".to_string())?;
+pub(super) fn nvrtc_compile(src: &str, target: NvrtcTarget) -> Result<Vec<u8>, CudaError> {
+    let csrc = CString::new(src)
+        .map_err(|_| CudaError::Invalid("kernel source contains a NUL byte".into()))?;
     let name = CString::new("gather_scatter.cu").expect("no NUL in a literal");
     let prog = Program(
         nvrtc::result::create_program(&csrc, Some(&name))
-            .map_err(|e| format!("nvrtcCreateProgram: {e}"))?,
+            .map_err(|e| CudaError::call("nvrtcCreateProgram", e))?,
     );
     let options = nvrtc_options(target);
     // SAFETY: prog is a live program; options are plain strings.
@@ -96,8 +98,9 @@ pub(super) fn nvrtc_compile(src: &str, target: NvrtcTarget) -> Result<Vec<u8>, S
         let log = unsafe { nvrtc::result::get_program_log(prog.0) }
             .map(|l| c_chars_to_string(&l))
             .unwrap_or_else(|le| format!("(no log: {le})"));
-        return Err(format!(
-            "NVRTC failed to compile the copy kernel with {options:?}: {e}\n{log}"
+        return Err(CudaError::call(
+            format!("NVRTC failed to compile the copy kernel with {options:?}"),
+            format!("{e}\n{log}"),
         ));
     }
     match target {
@@ -107,18 +110,18 @@ pub(super) fn nvrtc_compile(src: &str, target: NvrtcTarget) -> Result<Vec<u8>, S
             // cubin; the size is written through a valid pointer.
             unsafe { nvrtc::sys::nvrtcGetCUBINSize(prog.0, &mut size) }
                 .result()
-                .map_err(|e| format!("nvrtcGetCUBINSize: {e}"))?;
+                .map_err(|e| CudaError::call("nvrtcGetCUBINSize", e))?;
             let mut cubin = vec![0u8; size];
             // SAFETY: cubin has exactly the size NVRTC reported.
             unsafe { nvrtc::sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut _) }
                 .result()
-                .map_err(|e| format!("nvrtcGetCUBIN: {e}"))?;
+                .map_err(|e| CudaError::call("nvrtcGetCUBIN", e))?;
             Ok(cubin)
         }
         NvrtcTarget::Ptx(_) => {
             // SAFETY: prog is compiled and live.
             let ptx = unsafe { nvrtc::result::get_ptx(prog.0) }
-                .map_err(|e| format!("nvrtcGetPTX: {e}"))?;
+                .map_err(|e| CudaError::call("nvrtcGetPTX", e))?;
             Ok(c_chars_to_string(&ptx).into_bytes())
         }
     }
@@ -127,10 +130,12 @@ pub(super) fn nvrtc_compile(src: &str, target: NvrtcTarget) -> Result<Vec<u8>, S
 /// Compiles the copy kernel for `target` without any device (NVRTC only):
 /// the image (cubin, or PTX text) and the compile time. Err when NVRTC is
 /// absent or rejects the source (with its log).
-pub fn compile_copy_kernel(target: NvrtcTarget) -> Result<(Vec<u8>, Duration), String> {
+pub fn compile_copy_kernel(target: NvrtcTarget) -> Result<(Vec<u8>, Duration), CudaError> {
     // SAFETY: only tries to dlopen the candidate library names.
     if !unsafe { nvrtc::sys::is_culib_present() } {
-        return Err("NVRTC is not available: libnvrtc.so could not be loaded".into());
+        return Err(CudaError::Unavailable(
+            "NVRTC is not available: libnvrtc.so could not be loaded".into(),
+        ));
     }
     guarded("compiling the copy kernel", || {
         let t = Instant::now();

@@ -5,9 +5,16 @@
 use super::*;
 
 /// Runs `f`, turning a panic inside cudarc (missing library or symbol) into an error.
-pub(super) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    crate::boundary::catch(f)
-        .unwrap_or_else(|panic| Err(format!("{what}: the CUDA library panicked: {panic}")))
+pub(super) fn guarded<T>(
+    what: &str,
+    f: impl FnOnce() -> Result<T, CudaError>,
+) -> Result<T, CudaError> {
+    crate::boundary::catch(f).unwrap_or_else(|panic| {
+        Err(CudaError::Panicked {
+            what: what.to_string(),
+            panic: panic.to_string(),
+        })
+    })
 }
 
 /// The process's CUDA driver: present, initialised, with at least one device.
@@ -37,8 +44,8 @@ impl CudaRuntime {
     /// Finds and initialises the CUDA driver. Never panics: without
     /// `libcuda.so`, without a device, or when `cuInit` fails, the error says
     /// which. The result is cached for the process.
-    pub fn probe() -> Result<CudaRuntime, String> {
-        static RUNTIME: OnceLock<Result<CudaRuntime, String>> = OnceLock::new();
+    pub fn probe() -> Result<CudaRuntime, CudaError> {
+        static RUNTIME: OnceLock<Result<CudaRuntime, CudaError>> = OnceLock::new();
         RUNTIME.get_or_init(probe_uncached).clone()
     }
 
@@ -52,12 +59,12 @@ impl CudaRuntime {
     }
 
     /// Device `ordinal` (its primary context, retained once per process).
-    pub fn device(&self, ordinal: usize) -> Result<Arc<CudaDevice>, String> {
+    pub fn device(&self, ordinal: usize) -> Result<Arc<CudaDevice>, CudaError> {
         if ordinal >= self.inner.device_count {
-            return Err(format!(
+            return Err(CudaError::Invalid(format!(
                 "CUDA device {ordinal} does not exist ({} present)",
                 self.inner.device_count
-            ));
+            )));
         }
         let mut devices = self.inner.devices.locked();
         if let Some(d) = devices.get(&ordinal) {
@@ -71,23 +78,28 @@ impl CudaRuntime {
     }
 }
 
-pub(super) fn probe_uncached() -> Result<CudaRuntime, String> {
+pub(super) fn probe_uncached() -> Result<CudaRuntime, CudaError> {
     // SAFETY: only tries to dlopen the candidate library names; no symbol
     // is called.
     if !unsafe { sys::is_culib_present() } {
-        return Err("no CUDA driver: libcuda.so could not be loaded".into());
+        return Err(CudaError::Unavailable(
+            "no CUDA driver: libcuda.so could not be loaded".into(),
+        ));
     }
     guarded("probing the CUDA driver", || {
-        result::init().map_err(|e| format!("cuInit failed: {e}"))?;
-        let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e}"))?;
+        result::init().map_err(|e| CudaError::call("cuInit failed", e))?;
+        let count =
+            result::device::get_count().map_err(|e| CudaError::call("cuDeviceGetCount", e))?;
         if count <= 0 {
-            return Err("the CUDA driver reports no device".into());
+            return Err(CudaError::Unavailable(
+                "the CUDA driver reports no device".into(),
+            ));
         }
         let mut version: i32 = 0;
         // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
         unsafe { sys::cuDriverGetVersion(&mut version) }
             .result()
-            .map_err(|e| format!("cuDriverGetVersion: {e}"))?;
+            .map_err(|e| CudaError::call("cuDriverGetVersion", e))?;
         Ok(CudaRuntime {
             inner: Arc::new(RuntimeInner {
                 device_count: count as usize,
@@ -105,7 +117,7 @@ pub struct CudaDevice {
     pub(super) name: String,
     pub(super) cc: (i32, i32),
     pub(super) sm_count: u32,
-    pub(super) kernel: OnceLock<Result<Arc<CopyKernel>, String>>,
+    pub(super) kernel: OnceLock<Result<Arc<CopyKernel>, CudaError>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -120,18 +132,22 @@ impl std::fmt::Debug for CudaDevice {
 }
 
 impl CudaDevice {
-    pub(super) fn open(ordinal: usize) -> Result<CudaDevice, String> {
-        let ctx = CudaContext::new(ordinal)
-            .map_err(|e| format!("retaining the primary context of CUDA device {ordinal}: {e}"))?;
+    pub(super) fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            CudaError::call(
+                format!("retaining the primary context of CUDA device {ordinal}"),
+                e,
+            )
+        })?;
         let name = ctx
             .name()
-            .map_err(|e| format!("cuDeviceGetName({ordinal}): {e}"))?;
+            .map_err(|e| CudaError::call(format!("cuDeviceGetName({ordinal})"), e))?;
         let cc = ctx
             .compute_capability()
-            .map_err(|e| format!("compute capability of device {ordinal}: {e}"))?;
+            .map_err(|e| CudaError::call(format!("compute capability of device {ordinal}"), e))?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| format!("multiprocessor count of device {ordinal}: {e}"))?;
+            .map_err(|e| CudaError::call(format!("multiprocessor count of device {ordinal}"), e))?;
         Ok(CudaDevice {
             ordinal,
             ctx,
@@ -161,15 +177,15 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current on the calling thread.
-    pub fn bind(&self) -> Result<(), String> {
+    pub fn bind(&self) -> Result<(), CudaError> {
         self.ctx
             .bind_to_thread()
-            .map_err(|e| format!("making CUDA device {} current: {e}", self.ordinal))
+            .map_err(|e| CudaError::call(format!("making CUDA device {} current", self.ordinal), e))
     }
 
     /// The copy kernel, compiled with NVRTC at the first call (once per
     /// process and device; a failure is cached too and returned again).
-    pub fn copy_kernel(&self) -> Result<Arc<CopyKernel>, String> {
+    pub fn copy_kernel(&self) -> Result<Arc<CopyKernel>, CudaError> {
         self.kernel
             .get_or_init(|| {
                 guarded("compiling the copy kernel", || CopyKernel::build(self)).map(Arc::new)
@@ -234,10 +250,12 @@ impl CopyKernel {
             .map(|(cap, f)| (*cap, f))
     }
 
-    pub(super) fn build(dev: &CudaDevice) -> Result<CopyKernel, String> {
+    pub(super) fn build(dev: &CudaDevice) -> Result<CopyKernel, CudaError> {
         // SAFETY: only tries to dlopen the candidate library names.
         if !unsafe { nvrtc::sys::is_culib_present() } {
-            return Err("NVRTC is not available: libnvrtc.so could not be loaded".into());
+            return Err(CudaError::Unavailable(
+                "NVRTC is not available: libnvrtc.so could not be loaded".into(),
+            ));
         }
         let started = Instant::now();
         let target = choose_target(dev.cc.0, dev.cc.1, &nvrtc_supported_archs())?;
@@ -248,20 +266,23 @@ impl CopyKernel {
             NvrtcTarget::Ptx(_) => nvrtc::Ptx::from_src(String::from_utf8_lossy(&image)),
         };
         let module = dev.ctx.load_module(ptx).map_err(|e| {
-            format!(
-                "loading the copy kernel ({target:?}) on device {}: {e}",
-                dev.ordinal
+            CudaError::call(
+                format!(
+                    "loading the copy kernel ({target:?}) on device {}",
+                    dev.ordinal
+                ),
+                e,
             )
         })?;
         let func = module
             .load_function(KERNEL_NAME)
-            .map_err(|e| format!("cuModuleGetFunction({KERNEL_NAME}): {e}"))?;
-        let func_zero_copy = module
-            .load_function(ZERO_COPY_KERNEL_NAME)
-            .map_err(|e| format!("cuModuleGetFunction({ZERO_COPY_KERNEL_NAME}): {e}"))?;
+            .map_err(|e| CudaError::call(format!("cuModuleGetFunction({KERNEL_NAME})"), e))?;
+        let func_zero_copy = module.load_function(ZERO_COPY_KERNEL_NAME).map_err(|e| {
+            CudaError::call(format!("cuModuleGetFunction({ZERO_COPY_KERNEL_NAME})"), e)
+        })?;
         let func_pairs = module
             .load_function(PAIRS_KERNEL_NAME)
-            .map_err(|e| format!("cuModuleGetFunction({PAIRS_KERNEL_NAME}): {e}"))?;
+            .map_err(|e| CudaError::call(format!("cuModuleGetFunction({PAIRS_KERNEL_NAME})"), e))?;
         // Absent from the module when NVRTC compiled them out (see the
         // source); unused when the driver predates large kernel parameters.
         let mut driver: std::ffi::c_int = 0;
@@ -293,7 +314,7 @@ impl CopyKernel {
                 0,
             )
         }
-        .map_err(|e| format!("cuOccupancyMaxActiveBlocksPerMultiprocessor: {e}"))?;
+        .map_err(|e| CudaError::call("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
         let blocks_per_sm = occ.clamp(1, 32) as u32;
         Ok(CopyKernel {
             func,

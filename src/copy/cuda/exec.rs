@@ -13,10 +13,10 @@ pub(super) struct PinnedTable {
 }
 
 impl PinnedTable {
-    pub(super) fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, String> {
+    pub(super) fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, CudaError> {
         let cap = cap.max(4096);
         ctx.bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+            .map_err(|e| CudaError::call("binding the CUDA context", e))?;
         // SAFETY: plain allocation of cap bytes; the result is checked.
         let host = unsafe {
             result::malloc_host(
@@ -24,7 +24,7 @@ impl PinnedTable {
                 sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
             )
         }
-        .map_err(|e| format!("cuMemHostAlloc({cap} bytes) for a run table: {e}"))?
+        .map_err(|e| CudaError::call(format!("cuMemHostAlloc({cap} bytes) for a run table"), e))?
             as *mut u8;
         let mut dev: sys::CUdeviceptr = 0;
         // SAFETY: host was just allocated with DEVICEMAP; dev is a valid out pointer.
@@ -33,7 +33,10 @@ impl PinnedTable {
         if let Err(e) = mapped {
             // SAFETY: host came from cuMemHostAlloc and nothing uses it yet.
             let _ = unsafe { result::free_host(host as *mut c_void) };
-            return Err(format!("cuMemHostGetDevicePointer for a run table: {e}"));
+            return Err(CudaError::call(
+                "cuMemHostGetDevicePointer for a run table",
+                e,
+            ));
         }
         Ok(PinnedTable {
             ctx: ctx.clone(),
@@ -45,7 +48,7 @@ impl PinnedTable {
 
     /// Makes room for `need` bytes (the old contents are not kept). Only
     /// called on an idle context, so no kernel reads the old buffer.
-    pub(super) fn ensure(&mut self, need: usize) -> Result<(), String> {
+    pub(super) fn ensure(&mut self, need: usize) -> Result<(), CudaError> {
         if need <= self.cap {
             return Ok(());
         }
@@ -72,20 +75,24 @@ pub(super) struct DeviceScratch {
 }
 
 impl DeviceScratch {
-    pub(super) fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, String> {
+    pub(super) fn new(ctx: &Arc<CudaContext>, cap: usize) -> Result<Self, CudaError> {
         let cap = cap.max(4096);
         ctx.bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+            .map_err(|e| CudaError::call("binding the CUDA context", e))?;
         // SAFETY: plain device allocation, checked.
-        let ptr = unsafe { result::malloc_sync(cap) }
-            .map_err(|e| format!("cuMemAlloc({cap} bytes) for an uploaded run table: {e}"))?;
+        let ptr = unsafe { result::malloc_sync(cap) }.map_err(|e| {
+            CudaError::call(
+                format!("cuMemAlloc({cap} bytes) for an uploaded run table"),
+                e,
+            )
+        })?;
         Ok(DeviceScratch {
             ctx: ctx.clone(),
             ptr,
             cap,
         })
     }
-    pub(super) fn ensure(&mut self, need: usize) -> Result<(), String> {
+    pub(super) fn ensure(&mut self, need: usize) -> Result<(), CudaError> {
         if need <= self.cap {
             return Ok(());
         }
@@ -141,24 +148,28 @@ pub(super) fn kernel_timing() -> bool {
 unsafe impl Send for ExecCtx {}
 
 impl ExecCtx {
-    pub(super) fn new(dev: &CudaDevice, table_cap: usize, zero_copy: bool) -> Result<Self, String> {
+    pub(super) fn new(
+        dev: &CudaDevice,
+        table_cap: usize,
+        zero_copy: bool,
+    ) -> Result<Self, CudaError> {
         dev.bind()?;
         let stream = dev
             .ctx
             .new_stream()
-            .map_err(|e| format!("cuStreamCreate: {e}"))?;
+            .map_err(|e| CudaError::call("cuStreamCreate", e))?;
         let (done, began, queued) = if kernel_timing() {
             let timed = || {
                 dev.ctx
                     .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(|e| format!("cuEventCreate: {e}"))
+                    .map_err(|e| CudaError::call("cuEventCreate", e))
             };
             (timed()?, Some(timed()?), Some(timed()?))
         } else {
             let done = dev
                 .ctx
                 .new_event(None)
-                .map_err(|e| format!("cuEventCreate: {e}"))?;
+                .map_err(|e| CudaError::call("cuEventCreate", e))?;
             (done, None, None)
         };
         let table = PinnedTable::new(&dev.ctx, table_cap)?;
@@ -237,9 +248,11 @@ impl ExecPool {
         device: Arc<CudaDevice>,
         count: usize,
         zero_copy: bool,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, CudaError> {
         if count == 0 {
-            return Err("an execution pool needs at least one context".into());
+            return Err(CudaError::Invalid(
+                "an execution pool needs at least one context".into(),
+            ));
         }
         let kernel = device.copy_kernel()?;
         let cap = table_capacity(INITIAL_TABLE_RUNS).unwrap_or(1 << 20);
@@ -289,7 +302,7 @@ impl ExecPool {
 
     /// A context, waiting up to `timeout` for one to be returned. Err when
     /// the wait timed out or every context was discarded after errors.
-    pub fn acquire(self: &Arc<Self>, timeout: Duration) -> Result<ExecGuard, String> {
+    pub fn acquire(self: &Arc<Self>, timeout: Duration) -> Result<ExecGuard, CudaError> {
         let deadline = Instant::now() + timeout;
         let mut st = self.state.locked();
         loop {
@@ -300,14 +313,16 @@ impl ExecPool {
                 });
             }
             if st.live == 0 {
-                return Err("every execution context was discarded after CUDA errors".into());
+                return Err(CudaError::Unavailable(
+                    "every execution context was discarded after CUDA errors".into(),
+                ));
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(format!(
+                return Err(CudaError::Timeout(format!(
                     "no execution context was free within {timeout:?} ({} in use)",
                     st.live
-                ));
+                )));
             }
             st = crate::sync::wait_timeout(&self.returned, st, deadline - now).0;
         }
@@ -497,14 +512,14 @@ impl ExecGuard {
                 true,
             )
         })?;
-        dev.bind().map_err(|e| err(e, true))?;
+        dev.bind().map_err(|e| err(e.to_string(), true))?;
         let ctx = self
             .ctx
             .as_mut()
             .expect("an ExecGuard holds its context until dropped");
         ctx.table
             .ensure(layout.capacity)
-            .map_err(|e| err(e, true))?;
+            .map_err(|e| err(e.to_string(), true))?;
         let nruns = runs.len();
         let t1 = Instant::now();
         // Every copy of one length (real clients' blocks): the pair
@@ -522,7 +537,7 @@ impl ExecGuard {
                 inline,
             }) => {
                 let shape = pairs_shape(copies, len, opts.tile_bytes, max_warps)
-                    .map_err(|e| err(e, true))?;
+                    .map_err(|e| err(e.to_string(), true))?;
                 match inline {
                     Some(cap) => Form::Inline { len, shape, cap },
                     None => Form::Pairs { len, shape },
@@ -579,7 +594,7 @@ impl ExecGuard {
                 .scratch
                 .as_mut()
                 .expect("an uploading pool has a scratch buffer per context");
-            scratch.ensure(used).map_err(|e| err(e, true))?;
+            scratch.ensure(used).map_err(|e| err(e.to_string(), true))?;
             // SAFETY: table.host holds `used` initialised bytes (filled
             // above: the runs, the tile starts, the alignment gap and the
             // used strides, or the pairs); scratch holds at least `used`
@@ -685,7 +700,7 @@ impl ExecGuard {
             }
         }
         let dev = self.pool.device.clone();
-        dev.bind().map_err(err)?;
+        dev.bind().map_err(|e| err(e.to_string()))?;
         let loc = sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: dev.ordinal as i32,
@@ -747,7 +762,12 @@ impl ExecGuard {
     /// whether the context is quiet. Builds the error; a context that cannot
     /// be synchronised is discarded when the guard is dropped by the caller
     /// (see `finish_failed`).
-    pub(super) fn after_failure(&mut self, direction: Direction, reason: String) -> CopyError {
+    pub(super) fn after_failure(
+        &mut self,
+        direction: Direction,
+        reason: impl Into<String>,
+    ) -> CopyError {
+        let reason = reason.into();
         let quiesced = self.ctx().stream.synchronize();
         match quiesced {
             Ok(()) => CopyError {

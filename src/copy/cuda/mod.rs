@@ -42,11 +42,13 @@ use crate::sync::Locked;
 
 mod compile;
 mod device;
+mod error;
 mod exec;
 mod table;
 
 pub use compile::*;
 pub use device::*;
+pub use error::CudaError;
 pub use exec::*;
 pub use table::*;
 
@@ -198,15 +200,15 @@ impl CudaCopy {
         }
     }
 
-    pub fn with_options(pool: Arc<ExecPool>, opts: CopyOptions) -> Result<Self, String> {
+    pub fn with_options(pool: Arc<ExecPool>, opts: CopyOptions) -> Result<Self, CudaError> {
         if !valid_tile_bytes(opts.tile_bytes) {
-            return Err(format!(
+            return Err(CudaError::Invalid(format!(
                 "tile size {} is not a power of two from 16 to {MAX_TILE_BYTES}",
                 opts.tile_bytes
-            ));
+            )));
         }
         if opts.max_blocks == Some(0) {
-            return Err("max_blocks must be at least 1".into());
+            return Err(CudaError::Invalid("max_blocks must be at least 1".into()));
         }
         Ok(CudaCopy {
             opts,
@@ -254,7 +256,7 @@ impl CudaCopy {
             .acquire(self.opts.acquire_timeout)
             .map_err(|reason| CopyError {
                 direction,
-                reason,
+                reason: reason.into(),
                 quiesced: true,
             })?;
         self.launch_on(g, direction, region, runs)
@@ -416,7 +418,10 @@ impl PendingCopy {
             PendingState::Running(mut g) => {
                 let synced = g.pool.device.bind().and_then(|()| {
                     g.ctx().stream.synchronize().map_err(|e| {
-                        format!("the {direction:?} kernel failed (cuStreamSynchronize): {e}")
+                        CudaError::call(
+                            format!("the {direction:?} kernel failed (cuStreamSynchronize)"),
+                            e,
+                        )
                     })
                 });
                 match synced {

@@ -449,25 +449,30 @@ pub fn pairs_shape(
     len: u64,
     tile_bytes: u64,
     max_warps: u32,
-) -> Result<LaunchShape, String> {
+) -> Result<LaunchShape, CudaError> {
     if n == 0 || len == 0 {
-        return Err("a copy of no bytes".into());
+        return Err(CudaError::Invalid("a copy of no bytes".into()));
     }
     if !valid_tile_bytes(tile_bytes) || max_warps == 0 {
-        return Err(format!(
+        return Err(CudaError::Invalid(format!(
             "tile size {tile_bytes} or launch of {max_warps} warps unusable"
-        ));
+        )));
     }
     let per_copy = len.div_ceil(tile_bytes);
-    let total_tiles = u32::try_from(per_copy.saturating_mul(n as u64))
-        .map_err(|_| format!("{n} copies of {len} bytes: too many tiles for one launch"))?;
+    let total_tiles = u32::try_from(per_copy.saturating_mul(n as u64)).map_err(|_| {
+        CudaError::Invalid(format!(
+            "{n} copies of {len} bytes: too many tiles for one launch"
+        ))
+    })?;
     let nruns = u32::try_from(n)
         .ok()
         .filter(|&r| r < 1 << 31)
-        .ok_or_else(|| format!("{n} copies in one launch (at most 2^31 - 1)"))?;
+        .ok_or_else(|| {
+            CudaError::Invalid(format!("{n} copies in one launch (at most 2^31 - 1)"))
+        })?;
     let total_bytes = len
         .checked_mul(n as u64)
-        .ok_or_else(|| format!("{n} copies of {len} bytes overflow"))?;
+        .ok_or_else(|| CudaError::Invalid(format!("{n} copies of {len} bytes overflow")))?;
     Ok(LaunchShape::spread(
         nruns,
         0,

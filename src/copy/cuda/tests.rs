@@ -725,7 +725,7 @@ fn the_kernel_compiles_with_nvrtc_when_present() {
                 }
                 println!("{target:?}: {} bytes in {t:?}", image.len());
             }
-            Err(e) if e.contains("could not be loaded") => {
+            Err(e @ CudaError::Unavailable(_)) => {
                 println!("SKIP: {e}");
                 return;
             }
@@ -750,6 +750,6 @@ fn handles_cross_threads_as_the_runtime_needs() {
 fn probe_never_panics() {
     match CudaRuntime::probe() {
         Ok(rt) => assert!(rt.device_count() > 0),
-        Err(e) => assert!(!e.is_empty()),
+        Err(e) => assert!(!e.to_string().is_empty()),
     }
 }
