@@ -807,51 +807,51 @@ impl Message {
         if flags != 0 {
             return Err(WireError::BadFlags(flags));
         }
+        let ty = MessageType::try_from(ty).map_err(WireError::UnknownType)?;
         let msg = match ty {
-            1 => decode_want(&mut r)?,
-            2 => {
+            MessageType::Want => decode_want(&mut r)?,
+            MessageType::Grant => {
                 let (request, credits) = decode_grant(&mut r)?;
                 Message::Grant { request, credits }
             }
-            3 => Message::Data {
+            MessageType::Data => Message::Data {
                 request: RequestId(r.u64("request id")?),
                 chunk: r.u32("chunk index")?,
                 region: RegionHandle(r.u64("region")?),
                 runs: decode_runs(&mut r, &mut MAX_MESSAGE_RUNS.clone())?,
             },
-            4 => Message::Ack {
+            MessageType::Ack => Message::Ack {
                 request: RequestId(r.u64("request id")?),
                 chunk: r.u32("chunk index")?,
                 region: RegionHandle(r.u64("region")?),
             },
-            5 => Message::Refuse {
+            MessageType::Refuse => Message::Refuse {
                 request: RequestId(r.u64("request id")?),
                 reason: r.code::<RefuseReason>("refuse reason")?,
             },
-            16 => decode_read(&mut r)?,
-            17 => Message::ReadEnd {
+            MessageType::Read => decode_read(&mut r)?,
+            MessageType::ReadEnd => Message::ReadEnd {
                 request: RequestId(r.u64("request id")?),
                 reason: r.code::<RefuseReason>("READ_END reason")?,
             },
-            18 => {
+            MessageType::ReadGrant => {
                 let (request, credits) = decode_grant(&mut r)?;
                 Message::ReadGrant { request, credits }
             }
-            19 => Message::ReadData {
+            MessageType::ReadData => Message::ReadData {
                 request: RequestId(r.u64("request id")?),
                 chunk: r.u32("chunk index")?,
                 region: RegionHandle(r.u64("region")?),
             },
-            20 => Message::ReadAck {
+            MessageType::ReadAck => Message::ReadAck {
                 request: RequestId(r.u64("request id")?),
                 chunk: r.u32("chunk index")?,
                 region: RegionHandle(r.u64("region")?),
             },
-            21 => Message::ReadRefuse {
+            MessageType::ReadRefuse => Message::ReadRefuse {
                 request: RequestId(r.u64("request id")?),
                 reason: r.code::<RefuseReason>("READ_REFUSE reason")?,
             },
-            other => return Err(WireError::UnknownType(other)),
         };
         r.finish("message")?;
         Ok(msg)
