@@ -12,17 +12,11 @@
 //! (one configuration through one variant), [`report`] (rows, table, JSON),
 //! [`sysinfo`] (machine metadata, per-thread CPU time).
 
-#[path = "bench/cli.rs"]
 mod cli;
-#[path = "bench/mem.rs"]
 mod mem;
-#[path = "bench/report.rs"]
 mod report;
-#[path = "bench/run.rs"]
 mod run;
-#[path = "bench/sysinfo.rs"]
 mod sysinfo;
-#[path = "bench/variant.rs"]
 mod variant;
 
 use std::collections::BTreeMap;
