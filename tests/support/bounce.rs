@@ -1,5 +1,4 @@
-//! Shared helpers of the `tests/bounce_*.rs` suites (included with
-//! `#[path = "support/bounce.rs"] mod bounce;` after `mod support;`).
+//! Shared helpers of the `tests/bounce_*.rs` suites (`support::bounce`).
 //!
 //! - agents with a chosen NIXL thread-sync mode (the harness' `Node::new`
 //!   uses the C API's default, which serialises nothing);

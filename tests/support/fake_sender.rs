@@ -2,10 +2,7 @@
 //! the receiver's kind (ZMQ or direct TCP) speaking the bounce wire
 //! protocol (`nixl_bounce::proto::wire`) to a receiver's control endpoint
 //! (read both with `bounce::handshake_of`). For tests of the receiver's
-//! behaviour towards a misbehaving or silent peer.
-//!
-//! Include after `common` and `bounce`:
-//! `#[path = "support/fake_sender.rs"] mod fake_sender;`
+//! behaviour towards a misbehaving or silent peer (`support::fake_sender`).
 #![allow(dead_code)]
 
 use nixl_bounce::control::{

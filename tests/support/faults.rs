@@ -1,5 +1,4 @@
-//! Helpers of the fault tests (include after `common` and `bounce`:
-//! `#[path = "support/faults.rs"] mod faults;`): failpoints for one agent,
+//! Helpers of the fault tests (`support::faults`): failpoints for one agent,
 //! the arena gauges of the stats, bounded waits that measure, and the check
 //! that no byte outside a transfer's destinations changed.
 #![allow(dead_code)]

@@ -1,7 +1,5 @@
 //! Running the official NIXL Python API (from the project-local wheel) in a
-//! child process, with a hard time limit.
-//!
-//! Include after `common`: `#[path = "support/python.rs"] mod python;`
+//! child process, with a hard time limit (`support::python`).
 #![allow(dead_code)]
 
 use super::*;
