@@ -5,111 +5,102 @@
 //! Run with `scripts/demo.sh [flags]` (sets up the runtime) or
 //! `cargo run --release --bin bounce-demo -- [flags]` once set up.
 
+use clap::{Parser, ValueEnum};
 use nixl_bounce::harness::*;
 use nixl_sys::XferOp;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
-const USAGE: &str = "\
-bounce-demo: move N scattered DRAM descriptors between two agents in one
-process through each backend and print backend, descriptors, bytes, p50 ms,
-GB/s, verified, and for BOUNCE the path its engine took (from the plugin's
-nixl_bounce_stats counters: bounce, or the UCX fallback reasons).
-
-Options:
-  -n, --count N        descriptors per transfer (default 4096)
-  -s, --size BYTES     bytes per descriptor (default 4096)
-  -i, --iters K        timed transfers per backend (default 20)
-  -w, --warmup K       untimed transfers first (default 3)
-  -b, --backends LIST  comma-separated backends (default BOUNCE,UCX)
-  -o, --op OP          write or read (default write)
-  -p, --param [B:]K=V  backend parameter K=V for backend B (default BOUNCE),
-                       repeatable, e.g. -p num_threads=4 -p UCX:num_threads=4
-      --seed S         layout/pattern seed (default 1)
-  -h, --help           this text";
-
+/// Move N scattered DRAM descriptors between two agents in one process
+/// through each backend and print backend, descriptors, bytes, p50 ms, GB/s,
+/// verified, and for BOUNCE the path its engine took (from the plugin's
+/// nixl_bounce_stats counters: bounce, or the UCX fallback reasons).
+#[derive(Parser)]
+#[command(name = "bounce-demo")]
 struct Opts {
+    /// Descriptors per transfer.
+    #[arg(short = 'n', long = "count", default_value = "4096", value_parser = positive)]
     count: usize,
+    /// Bytes per descriptor (4096, 4KiB, ...).
+    #[arg(short, long, default_value = "4096", value_parser = bytes)]
     size: usize,
+    /// Timed transfers per backend.
+    #[arg(short, long, default_value = "20", value_parser = positive)]
     iters: usize,
+    /// Untimed transfers first.
+    #[arg(short, long, default_value = "3")]
     warmup: usize,
+    /// Comma-separated backends.
+    #[arg(
+        short,
+        long,
+        value_delimiter = ',',
+        default_value = "BOUNCE,UCX",
+        value_parser = backend
+    )]
     backends: Vec<String>,
-    op: XferOp,
+    /// The operation.
+    #[arg(short, long, value_enum, default_value = "write")]
+    op: Op,
+    /// Backend parameter K=V for backend B (default BOUNCE), repeatable,
+    /// e.g. -p num_threads=4 -p UCX:num_threads=4.
+    #[arg(short = 'p', long = "param", value_name = "[B:]K=V", value_parser = param)]
     params: Vec<(String, String, String)>,
+    /// Layout and pattern seed.
+    #[arg(long, default_value = "1")]
     seed: u64,
 }
 
-fn parse() -> Result<Opts, String> {
-    let mut o = Opts {
-        count: 4096,
-        size: 4096,
-        iters: 20,
-        warmup: 3,
-        backends: vec!["BOUNCE".into(), "UCX".into()],
-        op: XferOp::Write,
-        params: vec![],
-        seed: 1,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let (flag, inline) = match a.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (a.clone(), None),
-        };
-        let mut val = |name: &str| -> Result<String, String> {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
-        let num = |s: String, name: &str| -> Result<usize, String> {
-            s.replace('_', "")
-                .parse::<usize>()
-                .map_err(|_| format!("{name}: not a number: {s}"))
-        };
-        match flag.as_str() {
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            "-n" | "--count" => o.count = num(val(&flag)?, &flag)?,
-            "-s" | "--size" => o.size = num(val(&flag)?, &flag)?,
-            "-i" | "--iters" => o.iters = num(val(&flag)?, &flag)?,
-            "-w" | "--warmup" => o.warmup = num(val(&flag)?, &flag)?,
-            "--seed" => o.seed = num(val(&flag)?, &flag)? as u64,
-            "-b" | "--backends" => {
-                o.backends = val(&flag)?
-                    .split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            }
-            "-o" | "--op" => {
-                o.op = match val(&flag)?.to_ascii_lowercase().as_str() {
-                    "write" => XferOp::Write,
-                    "read" => XferOp::Read,
-                    other => return Err(format!("--op: expected write or read, got {other}")),
-                }
-            }
-            "-p" | "--param" => {
-                let arg = val(&flag)?;
-                let (k, v) = arg
-                    .split_once('=')
-                    .ok_or_else(|| format!("--param: expected [BACKEND:]KEY=VALUE, got {arg}"))?;
-                let (b, k) = k.split_once(':').unwrap_or(("BOUNCE", k));
-                o.params.push((b.to_string(), k.to_string(), v.to_string()));
-            }
-            other => return Err(format!("unknown argument {other}\n\n{USAGE}")),
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Op {
+    Write,
+    Read,
+}
+
+impl Op {
+    fn xfer(self) -> XferOp {
+        match self {
+            Op::Write => XferOp::Write,
+            Op::Read => XferOp::Read,
         }
     }
-    if o.count == 0 || o.size == 0 || o.iters == 0 {
-        return Err("--count, --size and --iters must be > 0".into());
+}
+
+/// A backend's name (not empty).
+fn backend(s: &str) -> Result<String, String> {
+    match s.trim() {
+        "" => Err("a backend's name is empty".into()),
+        name => Ok(name.to_string()),
     }
-    if o.backends.is_empty() {
-        return Err("--backends is empty".into());
+}
+
+/// A count above zero.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.replace('_', "").parse::<usize>() {
+        Ok(0) => Err("must be above 0".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a number")),
     }
-    Ok(o)
+}
+
+/// A byte count above zero: `4096`, `4KiB` (as the backend's parameters).
+fn bytes(s: &str) -> Result<usize, String> {
+    let n = nixl_bounce::config::parse_bytes(s).map_err(|e| e.to_string())?;
+    match usize::try_from(n) {
+        Ok(0) => Err("must be above 0".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s} does not fit in memory")),
+    }
+}
+
+/// `[BACKEND:]KEY=VALUE`, the backend BOUNCE when none is named.
+fn param(s: &str) -> Result<(String, String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected [BACKEND:]KEY=VALUE, got {s}"))?;
+    let (b, k) = k.split_once(':').unwrap_or(("BOUNCE", k));
+    Ok((b.to_string(), k.to_string(), v.to_string()))
 }
 
 struct Row {
@@ -147,7 +138,7 @@ fn run_backend(o: &Opts, backend: &str) -> Row {
         let target_before = pair.target.buf.as_slice().to_vec();
         let target = pair.target.node.name.clone();
         let req = pair.init.node.create_xfer(
-            o.op,
+            o.op.xfer(),
             &plan,
             pair.init.buf.addr(),
             pair.target.buf.addr(),
@@ -168,8 +159,8 @@ fn run_backend(o: &Opts, backend: &str) -> Row {
         // Every repetition moves the same bytes, so the final state must be
         // exactly one transfer's result.
         let (dst_after, dst_before, src_before) = match o.op {
-            XferOp::Write => (pair.target.buf.as_slice(), &target_before, &init_before),
-            XferOp::Read => (pair.init.buf.as_slice(), &init_before, &target_before),
+            Op::Write => (pair.target.buf.as_slice(), &target_before, &init_before),
+            Op::Read => (pair.init.buf.as_slice(), &init_before, &target_before),
         };
         row.verified = plan
             .verify(dst_after, dst_before, src_before)
@@ -220,13 +211,7 @@ fn bounce_path(agent: &str) -> String {
 }
 
 fn main() -> ExitCode {
-    let o = match parse() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("bounce-demo: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let o = Opts::parse();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     if let Err(e) = preload_capi(Some(root)) {
         eprintln!(
@@ -235,8 +220,8 @@ fn main() -> ExitCode {
         return ExitCode::from(1);
     }
     let op = match o.op {
-        XferOp::Write => "WRITE",
-        XferOp::Read => "READ",
+        Op::Write => "WRITE",
+        Op::Read => "READ",
     };
     eprintln!(
         "bounce-demo: {op} of {} x {} B scattered descriptors, DRAM -> DRAM, two agents in one process; \
