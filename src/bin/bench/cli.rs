@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::{ArgAction, CommandFactory, FromArgMatches, Parser};
 use nixl_bounce::config::parse_bytes;
 
 pub const USAGE: &str = "\
@@ -22,7 +23,7 @@ BOUNCE rows the plugin's counters prove whether the bounce path was used.
 USAGE:
   bench [PRESET] [OPTIONS]
 
-PRESETS (lists and iteration counts; later flags override them):
+PRESETS (lists and iteration counts; the flags given override them):
       --quick            counts 256,1024,4096,16384, size 4KiB, in-flight 1,8;
                          2 rounds of 1 warm-up + 2..10 timed batches, 1 s per run
                          (about 1.5 min on the 2-core machine)
@@ -227,23 +228,6 @@ pub enum Parsed {
     Help,
 }
 
-fn list<T>(
-    text: &str,
-    flag: &str,
-    item: impl Fn(&str) -> Result<T, String>,
-) -> Result<Vec<T>, String> {
-    let v = text
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| item(s).map_err(|e| format!("{flag}: {s:?}: {e}")))
-        .collect::<Result<Vec<T>, String>>()?;
-    if v.is_empty() {
-        return Err(format!("{flag}: empty list"));
-    }
-    Ok(v)
-}
-
 fn positive(s: &str) -> Result<usize, String> {
     match s.replace('_', "").parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
@@ -256,6 +240,50 @@ fn bytes(s: &str) -> Result<usize, String> {
     match parse_bytes(s)? {
         0 => Err("must be at least 1 byte".into()),
         n => usize::try_from(n).map_err(|_| "too large".to_string()),
+    }
+}
+
+fn backend(s: &str) -> Result<BackendKind, String> {
+    match s.trim().to_ascii_uppercase().as_str() {
+        "BOUNCE" => Ok(BackendKind::Bounce),
+        "UCX" => Ok(BackendKind::Ucx),
+        _ => Err("expected BOUNCE or UCX".into()),
+    }
+}
+
+fn op(s: &str) -> Result<Op, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "write" => Ok(Op::Write),
+        "read" => Ok(Op::Read),
+        _ => Err("expected write or read".into()),
+    }
+}
+
+fn mem_kind(s: &str) -> Result<MemKind, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "dram" => Ok(MemKind::Dram),
+        "vram" => Err("this benchmark measures host memory; `bounce-vram bench` \
+                       measures GPU memory (docs/gpu.md)"
+            .into()),
+        _ => Err("expected dram".into()),
+    }
+}
+
+fn cores(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(c) if c > 0.0 && c.is_finite() => Ok(c),
+        _ => Err("expected a positive number of CPU cores".into()),
+    }
+}
+
+fn poll(s: &str) -> Result<Poll, String> {
+    match s {
+        "yield" => Ok(Poll::Yield),
+        "spin" => Ok(Poll::Spin),
+        _ => match s.strip_prefix("sleep=").map(str::parse::<u64>) {
+            Some(Ok(us)) => Ok(Poll::Sleep(Duration::from_micros(us))),
+            _ => Err("expected yield, spin or sleep=US".into()),
+        },
     }
 }
 
@@ -275,8 +303,15 @@ fn key_value(s: &str) -> Result<(String, String), String> {
     Ok((k.to_string(), v.trim().to_string()))
 }
 
-/// `NAME:K=V,K=V` (the parameter list may be empty: `NAME:`).
-fn named_variant(s: &str, backend: BackendKind) -> Result<VariantSpec, String> {
+/// A parser of `NAME:K=V,K=V` for `backend` (the parameter list may be
+/// empty: `NAME:`).
+fn named_variant(
+    backend: BackendKind,
+) -> impl Fn(&str) -> Result<VariantSpec, String> + Clone + Send + Sync + 'static {
+    move |s| variant_of(s, backend)
+}
+
+fn variant_of(s: &str, backend: BackendKind) -> Result<VariantSpec, String> {
     let (name, rest) = s.split_once(':').ok_or("expected NAME:K=V[,K=V...]")?;
     let name = name.trim();
     if name.is_empty()
@@ -302,7 +337,95 @@ fn named_variant(s: &str, backend: BackendKind) -> Result<VariantSpec, String> {
     })
 }
 
+/// The command line as clap reads it; [`parse`] turns it into [`Options`]
+/// (the preset's values, then the flags given). `--help` prints [`USAGE`].
+#[derive(Parser, Debug)]
+#[command(name = "bench", override_help = USAGE, disable_version_flag = true)]
+struct Args {
+    #[arg(long, conflicts_with = "full")]
+    quick: bool,
+    #[arg(long)]
+    full: bool,
+    #[arg(long, value_parser = op)]
+    op: Option<Op>,
+    #[arg(long, value_parser = mem_kind)]
+    mem: Option<MemKind>,
+    #[arg(short = 'c', long, value_delimiter = ',', value_parser = positive, action = ArgAction::Set, overrides_with = "counts")]
+    counts: Option<Vec<usize>>,
+    #[arg(short = 's', long, value_delimiter = ',', value_parser = bytes, action = ArgAction::Set, overrides_with = "sizes")]
+    sizes: Option<Vec<usize>>,
+    #[arg(short = 'f', long, value_delimiter = ',', value_parser = positive, action = ArgAction::Set, overrides_with = "inflight")]
+    inflight: Option<Vec<usize>>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long, value_parser = bytes)]
+    max_buffer: Option<usize>,
+    #[arg(long, value_delimiter = ',', value_parser = backend, action = ArgAction::Set, overrides_with = "backends")]
+    backends: Option<Vec<BackendKind>>,
+    #[arg(long = "bounce-param", value_parser = key_value)]
+    bounce_params: Vec<(String, String)>,
+    #[arg(long = "ucx-param", value_parser = key_value)]
+    ucx_params: Vec<(String, String)>,
+    #[arg(long = "ucx-variant", value_parser = named_variant(BackendKind::Ucx))]
+    ucx_variants: Vec<VariantSpec>,
+    #[arg(long = "bounce-variant", value_parser = named_variant(BackendKind::Bounce))]
+    bounce_variants: Vec<VariantSpec>,
+    #[arg(long)]
+    model: bool,
+    #[arg(short = 'w', long)]
+    warmup: Option<usize>,
+    #[arg(short = 'r', long, value_parser = positive)]
+    rounds: Option<usize>,
+    #[arg(short = 'i', long, value_parser = positive)]
+    iters: Option<usize>,
+    #[arg(long, value_parser = positive)]
+    min_iters: Option<usize>,
+    #[arg(long, value_parser = seconds)]
+    config_budget: Option<Duration>,
+    #[arg(long, value_parser = seconds)]
+    budget: Option<Duration>,
+    #[arg(long, value_parser = seconds)]
+    wait_quiet: Option<Duration>,
+    #[arg(long, value_parser = cores)]
+    quiet_below: Option<f64>,
+    #[arg(long, value_parser = seconds)]
+    timeout: Option<Duration>,
+    #[arg(long, value_parser = poll)]
+    poll: Option<Poll>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    raw: bool,
+    #[arg(short = 'q', long)]
+    quiet: bool,
+}
+
+/// Parses the arguments (without the program name). A usage error is
+/// clap's text (with the usage line); `--help` is [`Parsed::Help`].
 pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
+    let argv = std::iter::once("bench".to_string()).chain(args);
+    let usage = |e: clap::Error| e.to_string().trim_end().to_string();
+    let matches = match Args::command().try_get_matches_from(argv) {
+        Ok(m) => m,
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => return Ok(Parsed::Help),
+        Err(e) => return Err(usage(e)),
+    };
+    let a = Args::from_arg_matches(&matches).map_err(usage)?;
+    // The labelled variants in the order given, whichever their backend.
+    let at = |id: &str| -> Vec<usize> {
+        matches
+            .indices_of(id)
+            .map(Iterator::collect)
+            .unwrap_or_default()
+    };
+    let mut extra: Vec<(usize, VariantSpec)> = at("ucx_variants")
+        .into_iter()
+        .zip(a.ucx_variants)
+        .chain(at("bounce_variants").into_iter().zip(a.bounce_variants))
+        .collect();
+    extra.sort_by_key(|(at, _)| *at);
+    let extra: Vec<VariantSpec> = extra.into_iter().map(|(_, v)| v).collect();
+    // The preset's values; a flag given overrides them.
     let mut o = Options {
         preset: "default",
         op: Op::Write,
@@ -313,7 +436,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
         seed: 1,
         max_buffer: 1536 << 20,
         variants: Vec::new(),
-        model: false,
+        model: a.model,
         rounds: 2,
         warmup: 2,
         iters: 20,
@@ -322,154 +445,50 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
         budget: Duration::from_secs(1800),
         timeout: Duration::from_secs(60),
         poll: Poll::Yield,
-        wait_quiet: None,
+        wait_quiet: a.wait_quiet,
         quiet_below: 0.25,
-        json: None,
-        raw: false,
-        quiet: false,
+        json: a.json,
+        raw: a.raw,
+        quiet: a.quiet,
     };
-    let mut backends = vec![BackendKind::Bounce, BackendKind::Ucx];
-    let mut bounce_params: Vec<(String, String)> = Vec::new();
-    let mut ucx_params: Vec<(String, String)> = Vec::new();
-    let mut extra: Vec<VariantSpec> = Vec::new();
-
-    let mut args = args.into_iter();
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = || -> Result<String, String> {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .ok_or_else(|| format!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "-h" | "--help" => return Ok(Parsed::Help),
-            "--quick" => {
-                o.preset = "quick";
-                o.counts = vec![256, 1024, 4096, 16384];
-                o.sizes = vec![4096];
-                o.inflight = vec![1, 8];
-                o.rounds = 2;
-                o.warmup = 1;
-                o.iters = 10;
-                o.min_iters = 2;
-                o.config_budget = Duration::from_secs(1);
-            }
-            "--full" => {
-                o.preset = "full";
-                o.counts = vec![256, 1024, 4096, 16384];
-                o.sizes = vec![1024, 4096, 16384, 65536];
-                o.inflight = vec![1, 8, 32, 128];
-                o.rounds = 2;
-                o.iters = 20;
-                o.config_budget = Duration::from_secs(2);
-            }
-            "--op" => {
-                o.op = match value()?.to_ascii_lowercase().as_str() {
-                    "write" => Op::Write,
-                    "read" => Op::Read,
-                    other => return Err(format!("--op: expected write or read, got {other:?}")),
-                }
-            }
-            "--mem" => {
-                o.mem =
-                    match value()?.to_ascii_lowercase().as_str() {
-                        "dram" => MemKind::Dram,
-                        "vram" => return Err(
-                            "--mem vram: this benchmark measures host memory; `bounce-vram bench` \
-                             measures GPU memory (docs/gpu.md)"
-                                .into(),
-                        ),
-                        other => return Err(format!("--mem: expected dram, got {other:?}")),
-                    }
-            }
-            "-c" | "--counts" => o.counts = list(&value()?, &flag, positive)?,
-            "-s" | "--sizes" => o.sizes = list(&value()?, &flag, bytes)?,
-            "-f" | "--inflight" => o.inflight = list(&value()?, &flag, positive)?,
-            "--seed" => {
-                o.seed = value()?
-                    .parse()
-                    .map_err(|_| "--seed: not a whole number".to_string())?
-            }
-            "--max-buffer" => {
-                o.max_buffer = bytes(&value()?).map_err(|e| format!("{flag}: {e}"))?
-            }
-            "--backends" => {
-                backends = list(&value()?, &flag, |s| {
-                    match s.to_ascii_uppercase().as_str() {
-                        "BOUNCE" => Ok(BackendKind::Bounce),
-                        "UCX" => Ok(BackendKind::Ucx),
-                        _ => Err("expected BOUNCE or UCX".to_string()),
-                    }
-                })?;
-                backends.dedup();
-            }
-            "--bounce-param" => {
-                bounce_params.push(key_value(&value()?).map_err(|e| format!("{flag}: {e}"))?)
-            }
-            "--ucx-param" => {
-                ucx_params.push(key_value(&value()?).map_err(|e| format!("{flag}: {e}"))?)
-            }
-            "--ucx-variant" => extra.push(
-                named_variant(&value()?, BackendKind::Ucx).map_err(|e| format!("{flag}: {e}"))?,
-            ),
-            "--bounce-variant" => extra.push(
-                named_variant(&value()?, BackendKind::Bounce)
-                    .map_err(|e| format!("{flag}: {e}"))?,
-            ),
-            "--model" => o.model = true,
-            "-w" | "--warmup" => {
-                o.warmup = value()?
-                    .parse()
-                    .map_err(|_| format!("{flag}: not a whole number"))?
-            }
-            "-r" | "--rounds" => {
-                o.rounds = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?
-            }
-            "-i" | "--iters" => {
-                o.iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?
-            }
-            "--min-iters" => {
-                o.min_iters = positive(&value()?).map_err(|e| format!("{flag}: {e}"))?
-            }
-            "--config-budget" => {
-                o.config_budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?
-            }
-            "--budget" => o.budget = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
-            "--wait-quiet" => {
-                o.wait_quiet = Some(seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?)
-            }
-            "--quiet-below" => {
-                o.quiet_below = match value()?.parse::<f64>() {
-                    Ok(c) if c > 0.0 && c.is_finite() => c,
-                    _ => return Err(format!("{flag}: expected a positive number of CPU cores")),
-                }
-            }
-            "--timeout" => o.timeout = seconds(&value()?).map_err(|e| format!("{flag}: {e}"))?,
-            "--poll" => {
-                let v = value()?;
-                o.poll = match v.as_str() {
-                    "yield" => Poll::Yield,
-                    "spin" => Poll::Spin,
-                    s => match s.strip_prefix("sleep=").map(str::parse::<u64>) {
-                        Some(Ok(us)) => Poll::Sleep(Duration::from_micros(us)),
-                        _ => {
-                            return Err(format!(
-                                "--poll: expected yield, spin or sleep=US, got {v:?}"
-                            ))
-                        }
-                    },
-                }
-            }
-            "--json" => o.json = Some(PathBuf::from(value()?)),
-            "--raw" => o.raw = true,
-            "-q" | "--quiet" => o.quiet = true,
-            other => return Err(format!("unknown argument {other:?} (see --help)")),
+    if a.quick {
+        o.preset = "quick";
+        o.warmup = 1;
+        o.iters = 10;
+        o.min_iters = 2;
+        o.config_budget = Duration::from_secs(1);
+    }
+    if a.full {
+        o.preset = "full";
+        o.sizes = vec![1024, 4096, 16384, 65536];
+        o.inflight = vec![1, 8, 32, 128];
+    }
+    fn set<T>(field: &mut T, value: Option<T>) {
+        if let Some(v) = value {
+            *field = v;
         }
     }
+    set(&mut o.op, a.op);
+    set(&mut o.mem, a.mem);
+    set(&mut o.counts, a.counts);
+    set(&mut o.sizes, a.sizes);
+    set(&mut o.inflight, a.inflight);
+    set(&mut o.seed, a.seed);
+    set(&mut o.max_buffer, a.max_buffer);
+    set(&mut o.warmup, a.warmup);
+    set(&mut o.rounds, a.rounds);
+    set(&mut o.iters, a.iters);
+    set(&mut o.min_iters, a.min_iters);
+    set(&mut o.config_budget, a.config_budget);
+    set(&mut o.budget, a.budget);
+    set(&mut o.quiet_below, a.quiet_below);
+    set(&mut o.timeout, a.timeout);
+    set(&mut o.poll, a.poll);
+    let mut backends = a
+        .backends
+        .unwrap_or(vec![BackendKind::Bounce, BackendKind::Ucx]);
+    backends.dedup();
+    let (bounce_params, ucx_params) = (a.bounce_params, a.ucx_params);
 
     for (k, v) in &bounce_params {
         check_loopback(k, v)?;
@@ -586,6 +605,24 @@ mod tests {
             "bounce variants inherit --bounce-param"
         );
         assert!(o.variants[4].contiguous);
+        // A flag given overrides the preset wherever it stands; labelled
+        // variants keep the order given; a repeated list takes the last.
+        let o = run(&[
+            "--counts=4096",
+            "--quick",
+            "--bounce-variant",
+            "a:",
+            "--ucx-variant",
+            "b:",
+            "-s",
+            "1k",
+            "-s",
+            "2k",
+        ])
+        .unwrap();
+        assert_eq!((o.counts, o.sizes, o.iters), (vec![4096], vec![2048], 10));
+        let labels: Vec<String> = o.variants.iter().map(VariantSpec::label).collect();
+        assert_eq!(labels, ["BOUNCE", "UCX", "BOUNCE[a]", "UCX[b]"]);
     }
 
     #[test]
