@@ -797,9 +797,10 @@ impl IpcCopier {
 /// table's stream behind its upload and every launch that reads it, and is
 /// handed out again only once that event completed (a query: nothing
 /// waits, and no stream waits for another). Allocating afresh, or from a
-/// stream-ordered pool, cost 30-40 us per preparation on the H200
-/// (docs/benchmarks.md), and every driver call a preparation makes costs
-/// 3-15 us inside an inference process. It holds at most as many tables as
+/// stream-ordered pool, cost tens of microseconds per preparation, and
+/// every driver call a preparation makes costs microseconds inside an
+/// inference process (docs/benchmarks.md, "Figures behind the code"). It
+/// holds at most as many tables as
 /// were ever live or still being read at once; all are freed with the
 /// copier.
 #[derive(Default)]

@@ -2,7 +2,7 @@
 //! one NIXL WRITE per chunk from a local region into a region of the peer's
 //! arena; or, between two host arenas on one host, one copy by cross-memory
 //! attach on the CMA path's threads (UCX copies those inside its post, one
-//! at a time, at 2-4 GB/s on the H200 host).
+//! at a time).
 
 pub mod vram;
 

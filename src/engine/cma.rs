@@ -156,8 +156,8 @@ pub struct Cma {
 
 /// Pair lists kept for the next preparations: a fresh list of 32,768
 /// pairs is 768 KiB of pages never touched, and on a VM each page's first
-/// touch costs microseconds (4096 pairs took 140 us to write fresh, and as
-/// much again to copy into a shared slice).
+/// touch costs microseconds (docs/benchmarks.md, "Figures behind the
+/// code").
 #[derive(Clone, Default)]
 struct SparePairs(Arc<Mutex<Vec<Vec<Pair>>>>);
 
@@ -337,8 +337,8 @@ impl Cma {
     /// A bounce arena's chunk write into a peer's host arena on this host
     /// (`dataplane::DataPlane::post_write`): `len` bytes from this
     /// process's `local` address to the peer's `remote`, cut into pieces
-    /// the path's threads share (one thread copies at about 5 GB/s, four at
-    /// 18 on the H200 host, docs/benchmarks.md). `None` with the path off.
+    /// the path's threads share (one thread alone falls far short of the
+    /// memory's bandwidth: docs/benchmarks.md). `None` with the path off.
     /// The caller checked both ends against the two arenas.
     pub fn chunk_write(
         &self,

@@ -37,15 +37,14 @@ const MAX_GPUS: usize = 64;
 
 /// The fewest descriptors whose table is filled in parts on several threads
 /// (`peer_map_prepare_threads`) while the workers sleep: a walk long enough
-/// (7-10 ns a descriptor alone, so 110 us or more) for workers woken at its
-/// start to join it (waking one took 60-70 us on the H200 host).
+/// for workers woken at its start to join it (the walk's and the wake-up's
+/// costs: docs/benchmarks.md, "Figures behind the code").
 const PARALLEL_FILL_MIN_DESCRIPTORS: usize = 16_384;
 
-/// The same while they are awake ([`FillPool::warm`]): 8192 descriptors
-/// walk in 60-80 us alone.
+/// The same while they are awake ([`FillPool::warm`]).
 pub const WARM_PARALLEL_FILL_MIN_DESCRIPTORS: usize = 8192;
 
-/// Descriptors in one part of a table filled on several threads: 7-10 us
+/// Descriptors in one part of a table filled on several threads: microseconds
 /// of walk, against one uncontended lock and one atomic to take it.
 const FILL_PART_DESCRIPTORS: usize = 1024;
 
@@ -871,9 +870,9 @@ impl FillPool {
     /// Wakes the workers ahead of a preparation that will share its work
     /// with them (a request admitted in `prepXfer` and prepared at its first
     /// post): each polls the pool for up to `spin`, so that the parts the
-    /// post hands out are taken at once, not after a wake-up (45-70 us on
-    /// the H200 host, against a client's 10-50 us from `prepXfer` to the
-    /// post). A worker that ran a job, or whose time is up, goes back to
+    /// post hands out are taken at once, not after a wake-up (which takes
+    /// longer than a client's time from `prepXfer` to the post). A worker
+    /// that ran a job, or whose time is up, goes back to
     /// sleep; it lets others have its core every 64 polls. Nothing is woken
     /// while any job of the last call is still queued or polling (a second
     /// job on a worker would be run by the first one's poll and end it), nor

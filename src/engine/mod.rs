@@ -54,9 +54,9 @@ pub const INNER_SUFFIX: &str = ".bounce";
 pub const INNER_PROGRESS_DELAY_US: u64 = 5_000;
 
 /// The fewest descriptors whose arena plan is packed in parts on several
-/// threads (`Engine::plan`): 30-40 ns a descriptor cold on one thread (a
-/// vLLM-pattern preparation on the H200 host), so 0.25 ms or more, against
-/// 45-70 us for a worker to wake.
+/// threads (`Engine::plan`): from here, packing on one thread takes several
+/// times a worker's wake-up (docs/benchmarks.md, "Figures behind the
+/// code").
 const PARALLEL_PLAN_MIN_DESCRIPTORS: usize = 8192;
 
 /// How long the preparation pool's workers, woken when a large request is
@@ -73,8 +73,7 @@ struct Remote {
     bounce_peers: HashSet<PeerId>,
     /// The peer arenas its regions carry, one `Arc` for equal ones: a
     /// preparation compares its regions' arenas by pointer, where comparing
-    /// their names read two cold strings per run of descriptors (18 us of a
-    /// 512-descriptor check).
+    /// their names read two cold strings per run of descriptors.
     arenas: Vec<Arc<PeerBounce>>,
 }
 

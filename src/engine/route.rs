@@ -188,7 +188,7 @@ impl Engine {
     /// with a sum of its own over the local list, or after it, with the
     /// byte total the pass finds. After, when the pass runs in parts on
     /// the preparation pool: a serial sum over a list that long (1 MiB
-    /// read cold for 32,768 descriptors, 50-60 us on the H200 host) costs
+    /// read cold for 32,768 descriptors) costs
     /// more than the parallel pass it could spare a transfer the limit
     /// refuses, which then goes to UCX after the pass.
     pub(super) fn sums_first(&self, shape: &Shape) -> bool {

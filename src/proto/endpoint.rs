@@ -340,7 +340,7 @@ pub struct Stats {
 /// (`launches_last`; else one line).
 ///
 /// Why: filling a launch's run table costs the reactor about 10 ns a run
-/// (45-75 us for a 4096-run chunk on the H200 host), so a message or a
+/// (tens of microseconds a large chunk), so a message or a
 /// chunk write queued behind a request's launches waited for all of them.
 /// None of the others depends on a launch still queued: a chunk's write
 /// and DATA follow its gather's *done* event, an ACK its scatter's, a

@@ -358,8 +358,8 @@ impl fmt::Debug for Runs {
 /// Run lists' storage kept for the next plans. A plan of thousands of
 /// descriptors has hundreds of KiB of runs; storage freshly taken from the
 /// system costs a page fault every 4 KiB, which was most of a preparation's
-/// time on the arena path (2-2.5 us a fault on the CPU VM: 0.6 of 1.0 ms
-/// for 8192 descriptors). Bounded: lists beyond [`RunPool::KEPT_RUNS`] runs
+/// time on the arena path (docs/benchmarks.md, "Figures behind the code").
+/// Bounded: lists beyond [`RunPool::KEPT_RUNS`] runs
 /// in all are freed.
 #[derive(Clone, Default)]
 pub struct RunPool(Arc<std::sync::Mutex<Vec<Vec<Run>>>>);

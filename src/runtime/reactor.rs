@@ -5,8 +5,8 @@ use super::workers::{CopyDone, CopyId, CopyJob, Launched, WorkerReport};
 use super::*;
 
 /// Makes this thread's timed waits end when asked: its polling pauses
-/// (the writer's 20 us, the notification channel's 10 us) would otherwise
-/// be stretched by Linux's default timer slack of 50 us, to 60-70 us.
+/// (tens of microseconds) would otherwise be stretched by Linux's default
+/// timer slack of 50 us.
 /// Threads it spawns later inherit the setting.
 pub(crate) fn precise_timers() {
     #[cfg(target_os = "linux")]

@@ -11,9 +11,8 @@
 //! - **On the writer thread**: where a post may carry the whole send (a
 //!   host arena: UCX over TCP sends inside the post, which on the IO thread
 //!   would stall every control message and the next gather), and under
-//!   load, where the IO thread is the bottleneck and a post costs it 15-25
-//!   us (on the H200, 128 requests in flight ran at 52-57 GB/s with every
-//!   write posted on the IO thread against 74-79 on the writer thread).
+//!   load, where the IO thread is the bottleneck and a post costs it tens
+//!   of microseconds (docs/benchmarks.md, "Figures behind the code").
 //!
 //! Either way, a write that may still be running keeps its handle and the
 //! arena's registration: after the quiescence bound they are left to the
@@ -70,8 +69,8 @@ const SLOW_POSTS_OF_LAST: (u32, u32) = (3, 8);
 
 /// Whether the IO thread's posts block it, judged from the durations of
 /// its recent posts. The first post to each peer is not judged: it opens
-/// the peer's mapping (UCX's cuda_ipc: 0.7-0.95 ms on the H200), once,
-/// and a fan-out to new peers would otherwise look like a slow transport.
+/// the peer's mapping (UCX's cuda_ipc: most of a millisecond), once, and a
+/// fan-out to new peers would otherwise look like a slow transport.
 #[derive(Debug, Default)]
 struct SlowPosts {
     /// Bit i: the i-th most recent judged post was slow.

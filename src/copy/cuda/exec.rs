@@ -236,11 +236,11 @@ impl ExecPool {
     /// `zero_copy = false` (the default, `use_zero_copy_arguments = false`):
     /// the run table (36 bytes per run plus 16 per strided run) is uploaded
     /// with one `cuMemcpyHtoDAsync` on the copy's stream right before the
-    /// launch (~0.6 MiB for 16384 runs: ~15 us at PCIe Gen5 speed, ordered
-    /// by the stream, no host wait) and the kernel reads it from device
+    /// launch (ordered by the stream, no host wait) and the kernel reads it
+    /// from device
     /// memory / L2. `zero_copy = true`: the kernel reads the table straight
     /// from mapped pinned host memory. That saves the upload but makes every
-    /// table load a PCIe round trip (~1-2 us), several per warp (the run
+    /// table load a PCIe round trip, several per warp (the run
     /// search, the run entry), and thousands of warps reading the same host
     /// line (one merged run) queue behind each other: it is the slower
     /// option, kept for comparison (`gpu-probe` measures both).
