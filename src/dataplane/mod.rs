@@ -221,7 +221,47 @@ pub enum WriteState {
     InProgress,
     /// Complete at the target (NIXL's UCX backend flushes before reporting success).
     Done,
-    Failed(String),
+    Failed(DataPlaneError),
+}
+
+/// Why the arena's registration or export, or a chunk write, failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DataPlaneError {
+    /// A call of the inner UCX agent failed: `call` says which, and on what.
+    #[error("{call}: {cause}")]
+    Nixl {
+        /// The call and its subject.
+        call: String,
+        /// NIXL's error.
+        cause: String,
+    },
+    /// A chunk write's range leaves one of the two arenas, or wraps.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// The copy by cross-memory attach failed.
+    #[error("{what}: {cause}")]
+    Cma {
+        /// The write.
+        what: String,
+        /// The CMA path's error.
+        cause: String,
+    },
+}
+
+impl DataPlaneError {
+    fn nixl(call: impl Into<String>, cause: impl std::fmt::Display) -> DataPlaneError {
+        DataPlaneError::Nixl {
+            call: call.into(),
+            cause: cause.to_string(),
+        }
+    }
+}
+
+/// For callers whose errors are text (the engine's set-up).
+impl From<DataPlaneError> for String {
+    fn from(e: DataPlaneError) -> String {
+        e.to_string()
+    }
 }
 
 impl DataPlane {
@@ -232,11 +272,14 @@ impl DataPlane {
         agent: Agent,
         arena: &A,
         cma: Option<Arc<Cma>>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, DataPlaneError> {
         let registration = agent.register_memory(&ArenaRef(arena), None).map_err(|e| {
-            format!(
-                "registering the {}-byte arena with the inner UCX agent: {e}",
-                arena.len()
+            DataPlaneError::nixl(
+                format!(
+                    "registering the {}-byte arena with the inner UCX agent",
+                    arena.len()
+                ),
+                e,
             )
         })?;
         Ok(Self {
@@ -252,13 +295,13 @@ impl DataPlane {
 
     /// The inner agent's metadata for the arena alone: what a peer loads to
     /// be able to write into it.
-    pub fn arena_metadata(&self) -> Result<Vec<u8>, String> {
+    pub fn arena_metadata(&self) -> Result<Vec<u8>, DataPlaneError> {
         let mut descs = nixl_sys::RegDescList::new(self.arena_mem)
-            .map_err(|e| format!("descriptor list: {e}"))?;
+            .map_err(|e| DataPlaneError::nixl("descriptor list", e))?;
         descs.add_desc(self.arena_base, self.arena_len, self.arena_dev);
         self.agent
             .get_local_partial_md(&descs, None)
-            .map_err(|e| format!("exporting the arena's metadata: {e}"))
+            .map_err(|e| DataPlaneError::nixl("exporting the arena's metadata", e))
     }
 
     /// Starts writing `len` bytes at local arena offset `local` into the
@@ -269,45 +312,46 @@ impl DataPlane {
         local: u64,
         remote: u64,
         len: u64,
-    ) -> Result<ChunkWrite, String> {
+    ) -> Result<ChunkWrite, DataPlaneError> {
         let end = local
             .checked_add(len)
             .filter(|&e| e <= self.arena_len as u64);
         if end.is_none() || len == 0 {
-            return Err(format!(
+            return Err(DataPlaneError::OutOfRange(format!(
                 "chunk write of {len} bytes at local offset {local} leaves the arena"
-            ));
+            )));
         }
         if let Some(w) = self.post_cma(peer, local, remote, len)? {
             return Ok(w);
         }
-        let mut l =
-            XferDescList::new(self.arena_mem).map_err(|e| format!("descriptor list: {e}"))?;
+        let mut l = XferDescList::new(self.arena_mem)
+            .map_err(|e| DataPlaneError::nixl("descriptor list", e))?;
         l.add_desc(
             self.arena_base + local as usize,
             len as usize,
             self.arena_dev,
         );
-        let mut r = XferDescList::new(peer.mem).map_err(|e| format!("descriptor list: {e}"))?;
+        let mut r =
+            XferDescList::new(peer.mem).map_err(|e| DataPlaneError::nixl("descriptor list", e))?;
         let target = peer
             .base
             .checked_add(remote)
-            .ok_or("remote region address overflows")?;
+            .ok_or_else(|| DataPlaneError::OutOfRange("remote region address overflows".into()))?;
         r.add_desc(target as usize, len as usize, peer.device);
         let req = self
             .agent
             .create_xfer_req(XferOp::Write, &l, &r, &peer.inner_agent, None)
             .map_err(|e| {
-                format!(
-                    "preparing a {len}-byte chunk write to {}: {e}",
-                    peer.inner_agent
+                DataPlaneError::nixl(
+                    format!("preparing a {len}-byte chunk write to {}", peer.inner_agent),
+                    e,
                 )
             })?;
         match self.agent.post_xfer_req(&req, None) {
             Ok(_) => Ok(ChunkWrite::Nixl(req)),
-            Err(e) => Err(format!(
-                "posting a {len}-byte chunk write to {}: {e}",
-                peer.inner_agent
+            Err(e) => Err(DataPlaneError::nixl(
+                format!("posting a {len}-byte chunk write to {}", peer.inner_agent),
+                e,
             )),
         }
     }
@@ -321,7 +365,7 @@ impl DataPlane {
         local: u64,
         remote: u64,
         len: u64,
-    ) -> Result<Option<ChunkWrite>, String> {
+    ) -> Result<Option<ChunkWrite>, DataPlaneError> {
         let (Some(cma), Some(target)) = (&self.cma, &peer.cma) else {
             return Ok(None);
         };
@@ -329,25 +373,30 @@ impl DataPlane {
             return Ok(None);
         }
         if remote.checked_add(len).is_none_or(|e| e > target.len) {
-            return Err(format!(
+            return Err(DataPlaneError::OutOfRange(format!(
                 "chunk write of {len} bytes at offset {remote} leaves {}'s {}-byte arena",
                 peer.inner_agent, target.len
-            ));
+            )));
         }
         let (Some(from), Some(to)) = (
             (self.arena_base as u64).checked_add(local),
             peer.base.checked_add(remote),
         ) else {
-            return Err("chunk write address overflows".into());
+            return Err(DataPlaneError::OutOfRange(
+                "chunk write address overflows".into(),
+            ));
         };
         let Some(mut x) = cma.chunk_write(target.peer.clone(), from, to, len) else {
             return Ok(None);
         };
         match cma.post(&mut x, None) {
-            Some(Err(e)) => Err(format!(
-                "{len}-byte chunk write to {} by cross-memory attach: {e}",
-                peer.inner_agent
-            )),
+            Some(Err(e)) => Err(DataPlaneError::Cma {
+                what: format!(
+                    "{len}-byte chunk write to {} by cross-memory attach",
+                    peer.inner_agent
+                ),
+                cause: e,
+            }),
             _ => Ok(Some(ChunkWrite::Cma(x))),
         }
     }
@@ -357,16 +406,17 @@ impl DataPlane {
             ChunkWrite::Nixl(req) => match self.agent.get_xfer_status(req) {
                 Ok(XferStatus::Success) => WriteState::Done,
                 Ok(XferStatus::InProgress) => WriteState::InProgress,
-                Err(e) => WriteState::Failed(format!("chunk write failed: {e}")),
+                Err(e) => WriteState::Failed(DataPlaneError::nixl("chunk write failed", e)),
             },
             ChunkWrite::Cma(x) => match x.outcome(CMA_WRITE_LIMIT) {
                 // Failed by its time limit, a part may still be copying.
                 None => WriteState::InProgress,
                 Some(_) if x.running() => WriteState::InProgress,
                 Some(Ok(())) => WriteState::Done,
-                Some(Err(e)) => {
-                    WriteState::Failed(format!("chunk write by cross-memory attach: {e}"))
-                }
+                Some(Err(e)) => WriteState::Failed(DataPlaneError::Cma {
+                    what: "chunk write by cross-memory attach".into(),
+                    cause: e,
+                }),
             },
         }
     }

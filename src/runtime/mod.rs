@@ -34,7 +34,7 @@ pub use ticket::Ticket;
 pub use trace::ENV as TRACE_ENV;
 use trace::{Step, Trace};
 use workers::{copy_worker, next_job, CopyJob, WorkerReport};
-use writes::{ChunkWriter, WriteJob, WriteOutcome};
+use writes::{ChunkWriter, PostError, WriteJob, WriteOutcome};
 
 use crate::config::IoThreadUse;
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};

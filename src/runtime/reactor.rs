@@ -740,7 +740,7 @@ impl Reactor {
                 let posting = Instant::now();
                 let posted = match self.peers.get(&peer) {
                     _ if self.failpoints.is_set("fail_chunk_writes") => {
-                        Err("failpoint fail_chunk_writes".to_string())
+                        Err(PostError::Failpoint("fail_chunk_writes"))
                     }
                     // Accepted, never posted, never ending: a hung transport.
                     Some(_) if self.failpoints.is_set("stuck_chunk_writes") => Ok(()),
@@ -754,7 +754,7 @@ impl Reactor {
                         };
                         self.writer.post(job)
                     }
-                    None => Err(format!("no data path to peer {peer}")),
+                    None => Err(PostError::NoDataPath(peer.clone())),
                 };
                 match posted {
                     Ok(()) => self.writes.push((chunk, peer, len, posting)),

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use super::{next_job, precise_timers, Shared, QUIESCE_BOUND};
 use crate::config::IoThreadUse;
-use crate::dataplane::{ChunkWrite, DataPlane, PeerArena, WriteState};
-use crate::proto::ChunkRef;
+use crate::dataplane::{ChunkWrite, DataPlane, DataPlaneError, PeerArena, WriteState};
+use crate::proto::{ChunkRef, PeerId};
 use crate::sync::Locked;
 
 /// A write of `len` bytes from local arena offset `local` into `arena` at
@@ -43,7 +43,27 @@ pub(super) struct WriteJob {
 
 pub(super) enum WriteOutcome {
     Done(ChunkRef),
-    Failed(ChunkRef, String),
+    Failed(ChunkRef, DataPlaneError),
+}
+
+/// Why a chunk write was not posted (it never will be).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum PostError {
+    /// The data plane refused or failed the post.
+    #[error(transparent)]
+    DataPlane(#[from] DataPlaneError),
+    /// No data path to the peer was loaded.
+    #[error("no data path to peer {0}")]
+    NoDataPath(PeerId),
+    /// The writer thread ended (a panic).
+    #[error("the writer thread is gone")]
+    WriterGone,
+    /// The writer is shutting down.
+    #[error("shutting down")]
+    ShuttingDown,
+    /// A failpoint (tests) failed it.
+    #[error("failpoint {0}")]
+    Failpoint(&'static str),
 }
 
 /// How long after the latest post on the IO thread its writes are polled
@@ -118,7 +138,7 @@ struct WriterThread {
 }
 
 /// Posts one write, counting the post's time.
-fn post(data: &DataPlane, shared: &Shared, j: &WriteJob) -> Result<ChunkWrite, String> {
+fn post(data: &DataPlane, shared: &Shared, j: &WriteJob) -> Result<ChunkWrite, DataPlaneError> {
     let t = Instant::now();
     let posted = data.post_write(&j.arena, j.local, j.remote, j.len);
     let c = &shared.counters;
@@ -218,7 +238,7 @@ impl ChunkWriter {
     /// Posts `job` here or hands it to the writer thread. Err: it was not
     /// posted and never will be. A post that fails on the writer thread
     /// comes back from [`poll`](Self::poll) instead.
-    pub(super) fn post(&mut self, job: WriteJob) -> Result<(), String> {
+    pub(super) fn post(&mut self, job: WriteJob) -> Result<(), PostError> {
         let here = match self.posting {
             IoThreadUse::Always => true,
             IoThreadUse::Never => false,
@@ -239,12 +259,11 @@ impl ChunkWriter {
                 Ok(())
             }
             Some(WriterThread { jobs: Some(tx), .. }) => {
-                tx.send(job)
-                    .map_err(|_| "the writer thread is gone".to_string())?;
+                tx.send(job).map_err(|_| PostError::WriterGone)?;
                 self.handed += 1;
                 Ok(())
             }
-            _ => Err("shutting down".into()),
+            _ => Err(PostError::ShuttingDown),
         }
     }
 
