@@ -29,7 +29,7 @@ struct Opts {
     #[arg(short, long, default_value = "20", value_parser = positive)]
     iters: usize,
     /// Untimed transfers first.
-    #[arg(short, long, default_value = "3")]
+    #[arg(short, long, default_value = "3", value_parser = whole::<usize>)]
     warmup: usize,
     /// Comma-separated backends.
     #[arg(
@@ -41,14 +41,14 @@ struct Opts {
     )]
     backends: Vec<String>,
     /// The operation.
-    #[arg(short, long, value_enum, default_value = "write")]
+    #[arg(short, long, value_enum, default_value = "write", ignore_case = true)]
     op: Op,
     /// Backend parameter K=V for backend B (default BOUNCE), repeatable,
     /// e.g. -p num_threads=4 -p UCX:num_threads=4.
     #[arg(short = 'p', long = "param", value_name = "[B:]K=V", value_parser = param)]
     params: Vec<(String, String, String)>,
     /// Layout and pattern seed.
-    #[arg(long, default_value = "1")]
+    #[arg(long, default_value = "1", value_parser = whole::<u64>)]
     seed: u64,
 }
 
@@ -73,6 +73,13 @@ fn backend(s: &str) -> Result<String, String> {
         "" => Err("a backend's name is empty".into()),
         name => Ok(name.to_string()),
     }
+}
+
+/// A whole number (`_` separators allowed).
+fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+    s.replace('_', "")
+        .parse::<T>()
+        .map_err(|_| format!("{s:?} is not a whole number"))
 }
 
 /// A count above zero.

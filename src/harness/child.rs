@@ -48,10 +48,15 @@ pub fn serve(mut handle: impl FnMut(&[&str]) -> Result<String, String>) {
 
 /// The parent's handle on a child process that speaks the protocol. A
 /// child still running when this is dropped is killed (a failed test
-/// leaves none behind).
+/// leaves none behind), and so is one that did not answer in time: a late
+/// reply would otherwise be taken for the next command's, so every call
+/// after that fails.
 pub struct ChildPeer {
     label: String,
     child: Child,
+    /// Why the child was stopped (no reply in time, or its output ended);
+    /// every later call fails with it.
+    broken: Option<String>,
     stdin: ChildStdin,
     /// Behind a mutex only so that the handle is `Sync` (the tools share
     /// it between threads by reference); taken through `&mut self`.
@@ -79,18 +84,25 @@ impl ChildPeer {
         };
         let (tx, lines) = channel();
         std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(at) = line.find(TAG) {
-                    if tx.send(line[at + TAG.len()..].to_string()).is_err() {
+            // Bytes, not text: a line that is not UTF-8 (a library's
+            // output) must not end the reading.
+            let mut out = BufReader::new(stdout);
+            let mut line = Vec::new();
+            while matches!(out.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let text = String::from_utf8_lossy(&line);
+                if let Some(at) = text.find(TAG) {
+                    let reply = text[at + TAG.len()..].trim_end_matches(['\r', '\n']);
+                    if tx.send(reply.to_string()).is_err() {
                         break;
                     }
                 }
+                line.clear();
             }
         });
         let mut peer = ChildPeer {
             label: label.to_string(),
             child,
+            broken: None,
             stdin,
             lines: Mutex::new(lines),
             timeout,
@@ -112,6 +124,9 @@ impl ChildPeer {
     /// Sends a command without waiting for its reply ([`ChildPeer::recv`]
     /// takes it): several children can then work at once.
     pub fn send(&mut self, line: &str) -> Result<(), String> {
+        if let Some(why) = &self.broken {
+            return Err(why.clone());
+        }
         writeln!(self.stdin, "{line}")
             .and_then(|()| self.stdin.flush())
             .map_err(|e| format!("writing to the {}: {e}", self.label))
@@ -120,22 +135,51 @@ impl ChildPeer {
     /// The next reply line as sent; an `ERR` reply is an error naming
     /// the child, `what` (the command) and the child's message.
     pub fn recv(&mut self, what: &str) -> Result<String, String> {
+        if let Some(why) = &self.broken {
+            return Err(why.clone());
+        }
         let lines = self.lines.get_mut().unwrap_or_else(PoisonError::into_inner);
-        match lines.recv_timeout(self.timeout) {
-            Ok(l) if l.starts_with("ERR") => Err(format!("{} failed at {what}: {l}", self.label)),
-            Ok(l) => Ok(l),
-            Err(RecvTimeoutError::Timeout) => Err(format!(
-                "{}: no reply to {what} within {:?}",
+        let why = match lines.recv_timeout(self.timeout) {
+            Ok(l) if l.starts_with("ERR") => {
+                return Err(format!("{} failed at {what}: {l}", self.label))
+            }
+            Ok(l) => return Ok(l),
+            Err(RecvTimeoutError::Timeout) => format!(
+                "{}: no reply to {what} within {:?}; stopped",
                 self.label, self.timeout
-            )),
+            ),
             Err(RecvTimeoutError::Disconnected) => {
-                let st = self.child.wait().ok();
-                Err(format!(
-                    "{} exited during {what} (status {st:?})",
-                    self.label
-                ))
+                // Its output ended: give it a moment to exit, then stop it.
+                let st = self.exit_within(Duration::from_secs(5));
+                format!("{} ended its output during {what} (exit: {st})", self.label)
+            }
+        };
+        self.stop();
+        self.broken = Some(why.clone());
+        Err(why)
+    }
+
+    /// Waits up to `within` for the child to exit; its status, or why none.
+    fn exit_within(&mut self, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(st)) => return st.to_string(),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Ok(None) => return format!("still running after {within:?}"),
+                Err(e) => return format!("waiting for it: {e}"),
             }
         }
+    }
+
+    /// SIGKILL unless it exited, then reaps it.
+    fn stop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
     }
 
     /// The reply to a command sent: the text after `OK`.
@@ -154,12 +198,15 @@ impl ChildPeer {
         self.ok(&what)
     }
 
-    /// Sends `signal` to the child.
-    pub fn signal(&self, signal: i32) -> Result<(), String> {
+    /// Sends `signal` to the child, which must still be running.
+    pub fn signal(&mut self, signal: i32) -> Result<(), String> {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return Err(format!("{} is not running", self.label));
+        }
         let pid = libc::pid_t::try_from(self.child.id()).map_err(|e| e.to_string())?;
-        // SAFETY: kill(2) on our own child's pid, not yet reaped: this
-        // handle holds the Child and waits for it only in quit, kill and
-        // drop, which consume or end it.
+        // SAFETY: kill(2) on our own child's pid, checked just above not to
+        // have exited; it is reaped only through this handle (`&mut self`),
+        // so the pid cannot have been reused by another process.
         let rc = unsafe { libc::kill(pid, signal) };
         if rc != 0 {
             return Err(format!(
@@ -172,33 +219,27 @@ impl ChildPeer {
 
     /// SIGKILL, then reaps the child: no goodbye of any kind.
     pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
     }
 
-    /// `QUIT`, then waits up to `within` for the child to exit (killing it
-    /// after that); its exit status.
+    /// `QUIT`; its `BYE` and the child's exit within `within` in all (it is
+    /// killed after that); its exit status.
     pub fn quit(mut self, within: Duration) -> Result<ExitStatus, String> {
-        let bye = self.send("QUIT").and_then(|()| self.recv("QUIT"));
+        self.timeout = self.timeout.min(within);
         let t0 = Instant::now();
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(st)) => {
-                    return match bye {
-                        Ok(b) if b == "BYE" => Ok(st),
-                        Ok(b) => Err(format!("{}: unexpected reply to QUIT: {b}", self.label)),
-                        Err(e) => Err(e),
-                    }
-                }
-                Ok(None) if t0.elapsed() < within => std::thread::sleep(Duration::from_millis(20)),
-                Ok(None) => {
-                    return Err(format!(
-                        "{} did not exit within {within:?} after QUIT",
-                        self.label
-                    ))
-                }
-                Err(e) => return Err(format!("waiting for the {}: {e}", self.label)),
-            }
+        let bye = self.send("QUIT").and_then(|()| self.recv("QUIT"));
+        let left = within.saturating_sub(t0.elapsed());
+        let exit = self.exit_within(left);
+        match self.child.try_wait() {
+            Ok(Some(st)) => match bye {
+                Ok(b) if b == "BYE" => Ok(st),
+                Ok(b) => Err(format!("{}: unexpected reply to QUIT: {b}", self.label)),
+                Err(e) => Err(e),
+            },
+            _ => Err(format!(
+                "{} did not exit within {within:?} after QUIT ({exit}); killed",
+                self.label
+            )),
         }
     }
 }
@@ -209,5 +250,68 @@ impl Drop for ChildPeer {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A child played by `sh -c script`.
+    fn sh(script: &str, timeout: Duration) -> Result<(ChildPeer, String), String> {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", script]);
+        ChildPeer::spawn("test child", cmd, timeout)
+    }
+
+    #[test]
+    fn replies_are_read_past_noise_and_bytes_that_are_not_text() {
+        let script = r#"printf 'noise\n\377\376 not utf-8\ntest x ... @@NB HELLO 1\n'
+            read cmd; printf '\n@@NB OK got %s\n' "$cmd"
+            read cmd; printf '@@NB ERR no such thing\n'
+            read cmd; printf '@@NB BYE\n'"#;
+        let (mut c, hello) = sh(script, Duration::from_secs(10)).unwrap();
+        assert_eq!(hello, "HELLO 1");
+        assert_eq!(c.call("PING").unwrap(), "got PING");
+        let err = c.call("FROB").unwrap_err();
+        assert!(
+            err.contains("test child failed at FROB: ERR no such thing"),
+            "{err}"
+        );
+        assert!(c.quit(Duration::from_secs(10)).unwrap().success());
+    }
+
+    #[test]
+    fn a_child_that_does_not_answer_in_time_is_stopped_for_good() {
+        let script = "printf '@@NB HELLO\\n'; read cmd; sleep 30; printf '@@NB OK late\\n'";
+        let (mut c, _) = sh(script, Duration::from_millis(300)).unwrap();
+        let t0 = Instant::now();
+        let err = c.call("SLOW").unwrap_err();
+        assert!(err.contains("no reply to SLOW"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        // Its late reply can never be taken for another command's.
+        let again = c.call("NEXT").unwrap_err();
+        assert_eq!(again, err);
+        assert!(c.signal(libc::SIGTERM).is_err(), "stopped and reaped");
+    }
+
+    #[test]
+    fn quit_is_bounded_in_all() {
+        let script = "printf '@@NB HELLO\\n'; read cmd; sleep 30";
+        let (c, _) = sh(script, Duration::from_secs(60)).unwrap();
+        let t0 = Instant::now();
+        let err = c.quit(Duration::from_millis(500)).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert!(err.contains("QUIT"), "{err}");
+    }
+
+    #[test]
+    fn a_child_whose_output_ends_is_an_error_not_a_hang() {
+        let script = "printf '@@NB HELLO\\n'; exec 1>&-; sleep 30";
+        let (mut c, _) = sh(script, Duration::from_secs(60)).unwrap();
+        let t0 = Instant::now();
+        let err = c.call("ANY").unwrap_err();
+        assert!(err.contains("ended its output"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(15));
     }
 }

@@ -207,6 +207,18 @@ impl Node {
         }
     }
 
+    /// Whether nothing was recorded and nothing runs: no message sent, no
+    /// outcome, no other action, no copy (messages on their way to it
+    /// aside).
+    pub fn is_quiet(&self) -> bool {
+        self.sent.is_empty()
+            && self.completed.is_empty()
+            && self.events.is_empty()
+            && self.gathers.is_empty()
+            && self.writes.is_empty()
+            && self.scatters.is_empty()
+    }
+
     /// Takes the messages sent since the last call.
     pub fn take_sent(&mut self) -> Vec<Message> {
         std::mem::take(&mut self.sent)
@@ -283,8 +295,10 @@ impl Pair {
         self.now
     }
 
-    /// Takes both endpoints' actions: messages go to the other node's
-    /// inbound queue, copies to the queues of their kind.
+    /// Takes both endpoints' actions (messages go to the other node's
+    /// inbound queue, copies to the queues of their kind), then checks both
+    /// endpoints' invariants: after every step the driver takes, and
+    /// after whatever a test did to an endpoint before calling it.
     pub fn poll(&mut self) {
         for side in [Side::A, Side::B] {
             let (node, other) = self.both(side);
@@ -335,6 +349,11 @@ impl Pair {
                     other => node.events.push(other),
                 }
             }
+        }
+        for node in [&self.a, &self.b] {
+            node.ep
+                .check_invariants()
+                .unwrap_or_else(|e| panic!("{}: {e}", node.name));
         }
     }
 
@@ -419,17 +438,11 @@ impl Pair {
         done > 0
     }
 
-    /// Steps until nothing is left to carry; checks both endpoints'
-    /// invariants after each step.
+    /// Steps until nothing is left to carry.
     pub fn drive(&mut self) {
         for _ in 0..10_000 {
             if !self.step() {
                 return;
-            }
-            for node in [&self.a, &self.b] {
-                node.ep
-                    .check_invariants()
-                    .unwrap_or_else(|e| panic!("{}: {e}", node.name));
             }
         }
         panic!("the pair did not settle in 10,000 steps");

@@ -339,8 +339,8 @@ pub struct Stats {
 /// each in the order it arose; the second line goes first
 /// (`launches_last`; else one line).
 ///
-/// Why: filling a launch's run table costs the reactor about 10 ns a run
-/// (tens of microseconds a large chunk), so a message or a
+/// Why: filling a launch's run table costs the reactor tens of
+/// microseconds for a large chunk, so a message or a
 /// chunk write queued behind a request's launches waited for all of them.
 /// None of the others depends on a launch still queued: a chunk's write
 /// and DATA follow its gather's *done* event, an ACK its scatter's, a

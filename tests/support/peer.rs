@@ -333,7 +333,7 @@ impl Peer {
 
     /// Sends `signal` to the peer process.
     #[track_caller]
-    pub fn signal(&self, signal: i32) {
+    pub fn signal(&mut self, signal: i32) {
         self.child.signal(signal).unwrap_or_else(|e| panic!("{e}"));
     }
 

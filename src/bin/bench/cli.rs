@@ -229,7 +229,7 @@ pub enum Parsed {
 }
 
 fn positive(s: &str) -> Result<usize, String> {
-    match s.replace('_', "").parse::<usize>() {
+    match s.trim().replace('_', "").parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(_) => Err("not a whole number".into()),
@@ -237,7 +237,7 @@ fn positive(s: &str) -> Result<usize, String> {
 }
 
 fn bytes(s: &str) -> Result<usize, String> {
-    match parse_bytes(s)? {
+    match parse_bytes(s.trim())? {
         0 => Err("must be at least 1 byte".into()),
         n => usize::try_from(n).map_err(|_| "too large".to_string()),
     }
@@ -340,7 +340,12 @@ fn variant_of(s: &str, backend: BackendKind) -> Result<VariantSpec, String> {
 /// The command line as clap reads it; [`parse`] turns it into [`Options`]
 /// (the preset's values, then the flags given). `--help` prints [`USAGE`].
 #[derive(Parser, Debug)]
-#[command(name = "bench", override_help = USAGE, disable_version_flag = true)]
+#[command(
+    name = "bench",
+    override_help = USAGE,
+    disable_version_flag = true,
+    args_override_self = true
+)]
 struct Args {
     #[arg(long, conflicts_with = "full")]
     quick: bool,
@@ -350,17 +355,17 @@ struct Args {
     op: Option<Op>,
     #[arg(long, value_parser = mem_kind)]
     mem: Option<MemKind>,
-    #[arg(short = 'c', long, value_delimiter = ',', value_parser = positive, action = ArgAction::Set, overrides_with = "counts")]
+    #[arg(short = 'c', long, value_delimiter = ',', value_parser = positive, action = ArgAction::Set)]
     counts: Option<Vec<usize>>,
-    #[arg(short = 's', long, value_delimiter = ',', value_parser = bytes, action = ArgAction::Set, overrides_with = "sizes")]
+    #[arg(short = 's', long, value_delimiter = ',', value_parser = bytes, action = ArgAction::Set)]
     sizes: Option<Vec<usize>>,
-    #[arg(short = 'f', long, value_delimiter = ',', value_parser = positive, action = ArgAction::Set, overrides_with = "inflight")]
+    #[arg(short = 'f', long, value_delimiter = ',', value_parser = positive, action = ArgAction::Set)]
     inflight: Option<Vec<usize>>,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long, value_parser = bytes)]
     max_buffer: Option<usize>,
-    #[arg(long, value_delimiter = ',', value_parser = backend, action = ArgAction::Set, overrides_with = "backends")]
+    #[arg(long, value_delimiter = ',', value_parser = backend, action = ArgAction::Set)]
     backends: Option<Vec<BackendKind>>,
     #[arg(long = "bounce-param", value_parser = key_value)]
     bounce_params: Vec<(String, String)>,
@@ -606,7 +611,8 @@ mod tests {
         );
         assert!(o.variants[4].contiguous);
         // A flag given overrides the preset wherever it stands; labelled
-        // variants keep the order given; a repeated list takes the last.
+        // variants keep the order given; a repeated flag takes the last;
+        // list items are trimmed.
         let o = run(&[
             "--counts=4096",
             "--quick",
@@ -618,9 +624,16 @@ mod tests {
             "1k",
             "-s",
             "2k",
+            "--rounds",
+            "2",
+            "--rounds",
+            "3",
+            "-f",
+            "1, 8",
         ])
         .unwrap();
         assert_eq!((o.counts, o.sizes, o.iters), (vec![4096], vec![2048], 10));
+        assert_eq!((o.rounds, o.inflight), (3, vec![1, 8]));
         let labels: Vec<String> = o.variants.iter().map(VariantSpec::label).collect();
         assert_eq!(labels, ["BOUNCE", "UCX", "BOUNCE[a]", "UCX[b]"]);
     }

@@ -87,7 +87,7 @@ pub(super) fn probe_uncached() -> Result<CudaRuntime, CudaError> {
         ));
     }
     guarded("probing the CUDA driver", || {
-        result::init().map_err(|e| CudaError::call("cuInit failed", e))?;
+        result::init().map_err(|e| CudaError::Unavailable(format!("cuInit failed: {e}")))?;
         let count =
             result::device::get_count().map_err(|e| CudaError::call("cuDeviceGetCount", e))?;
         if count <= 0 {

@@ -10,7 +10,8 @@ pub enum CudaError {
     /// failed, or no kernel target for this GPU. The GPU paths are off.
     #[error("{0}")]
     Unavailable(String),
-    /// A driver or NVRTC call failed: `call` says which, and on what.
+    /// A call failed (the driver's, NVRTC's, or an allocation beneath
+    /// them): `call` says which, and on what.
     #[error("{call}: {cause}")]
     Call {
         /// The call and its subject.

@@ -313,8 +313,9 @@ impl ExecPool {
                 });
             }
             if st.live == 0 {
-                return Err(CudaError::Unavailable(
-                    "every execution context was discarded after CUDA errors".into(),
+                return Err(CudaError::call(
+                    "acquiring an execution context",
+                    "every execution context was discarded after CUDA errors",
                 ));
             }
             let now = Instant::now();
