@@ -22,7 +22,7 @@ use crate::failpoint::Failpoints;
 use crate::proto::wire::{Capabilities, ControlKind, Handshake, Incompatible, WIRE_VERSION};
 use crate::proto::PeerId;
 use crate::proto::{Endpoint, EndpointConfig};
-use crate::runtime::{Parts, Runtime};
+use crate::runtime::{Parts, PeerCallError, Runtime};
 use crate::sync::Locked;
 
 use super::{MemKind, Op, TotalBytes};
@@ -284,7 +284,10 @@ impl Bounce {
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier
                     .send_notification(target, msg, None)
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| PeerCallError::Nixl {
+                        call: format!("sending a notification to {target}"),
+                        cause: e.to_string(),
+                    })
             }),
             load_data_path: Box::new(move |bytes: &[u8]| loader.load(bytes)),
             unload_data_path: Box::new(move |bytes: &[u8]| unloader.unload(bytes)),
@@ -421,8 +424,8 @@ impl ReaderAgents {
     /// our inner agent. Loading what the inner agent already knows (a peer
     /// we also write to) fails harmlessly; a data path that really is
     /// unusable makes the chunk writes fail, and with them the READ.
-    fn load(&self, bytes: &[u8]) -> Result<PeerArena, String> {
-        let dp = DataPath::decode_up_to(bytes, self.max_data_path).map_err(|e| e.to_string())?;
+    fn load(&self, bytes: &[u8]) -> Result<PeerArena, PeerCallError> {
+        let dp = DataPath::decode_up_to(bytes, self.max_data_path)?;
         let vram = dp.kind == MemKind::Vram as u8;
         let cma = match &dp.cma {
             Some((export, seal)) if !vram => self.sealed(export, seal, dp.base, &dp.inner_agent),
@@ -478,8 +481,8 @@ impl ReaderAgents {
     /// Undoes one [`ReaderAgents::load`] of `bytes` (nothing writes through
     /// it any more): the reader's agent is invalidated with the last one,
     /// unless the application loaded it or it is our own.
-    fn unload(&self, bytes: &[u8]) -> Result<(), String> {
-        let dp = DataPath::decode(bytes).map_err(|e| e.to_string())?;
+    fn unload(&self, bytes: &[u8]) -> Result<(), PeerCallError> {
+        let dp = DataPath::decode(bytes)?;
         let mut loads = self.loads.locked();
         let Some(n) = loads.get_mut(&dp.inner_agent) else {
             return Ok(());
@@ -509,7 +512,10 @@ impl ReaderAgents {
         }
         self.inner
             .invalidate_remote_md(&dp.inner_agent)
-            .map_err(|e| format!("invalidating reader agent {:?}: {e}", dp.inner_agent))?;
+            .map_err(|e| PeerCallError::Nixl {
+                call: format!("invalidating reader agent {:?}", dp.inner_agent),
+                cause: e.to_string(),
+            })?;
         tracing::debug!(reader = %dp.inner_agent, "reader's agent invalidated");
         Ok(())
     }

@@ -240,17 +240,34 @@ impl crate::proto::read::SourceCheck for RegisteredSources {
     }
 }
 
+/// Why the engine could not do what the reactor asked of it for a peer:
+/// load or unload a reader's data path, or send a notification.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerCallError {
+    /// A data path's bytes do not decode.
+    #[error("the reader's data path: {0}")]
+    DataPath(#[from] crate::engine::conn_info::MetadataError),
+    /// A call of the inner agent failed: `call` says which, and on what.
+    #[error("{call}: {cause}")]
+    Nixl {
+        /// The call and its subject.
+        call: String,
+        /// NIXL's error.
+        cause: String,
+    },
+}
+
 /// Loads a reader's data-path description (from its READ) and returns how
 /// to write into its arena.
-pub type DataPathLoader = Box<dyn Fn(&[u8]) -> Result<PeerArena, String> + Send>;
+pub type DataPathLoader = Box<dyn Fn(&[u8]) -> Result<PeerArena, PeerCallError> + Send>;
 /// Undoes one [`DataPathLoader`] call for that description (once nothing
 /// writes through it any more).
-pub type DataPathUnloader = Box<dyn Fn(&[u8]) -> Result<(), String> + Send>;
+pub type DataPathUnloader = Box<dyn Fn(&[u8]) -> Result<(), PeerCallError> + Send>;
 
 /// Everything the reactor needs, built by the engine.
 /// Sends a user notification (target agent, message) through the inner
 /// agent.
-pub type Notify = Box<dyn Fn(&str, &[u8]) -> Result<(), String> + Send>;
+pub type Notify = Box<dyn Fn(&str, &[u8]) -> Result<(), PeerCallError> + Send>;
 
 pub struct Parts {
     pub name: String,
