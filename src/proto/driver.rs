@@ -357,72 +357,85 @@ impl Pair {
         }
     }
 
-    /// Delivers every message queued to `to`; returns how many.
-    pub fn deliver(&mut self, to: Side) -> usize {
+    /// Takes the queue `queue` of `side`'s node and carries out each entry
+    /// with `each` (one tick apart); how many there were.
+    fn finish<T>(
+        &mut self,
+        side: Side,
+        queue: fn(&mut Node) -> &mut VecDeque<T>,
+        mut each: impl FnMut(&mut Node, &mut Node, Time, &T),
+    ) -> usize {
         self.poll();
-        let messages = std::mem::take(&mut self.node(to).inbound);
-        for (from, bytes) in &messages {
+        let ops = std::mem::take(queue(self.node(side)));
+        for op in &ops {
             let now = self.tick();
-            let node = self.node(to);
-            node.ep
-                .handle_control(now, from, bytes)
-                .unwrap_or_else(|e| panic!("{}: carried bytes failed to decode: {e}", node.name));
+            let (node, other) = self.both(side);
+            each(node, other, now, op);
         }
         self.poll();
-        messages.len()
+        ops.len()
+    }
+
+    /// Delivers every message queued to `to`; returns how many.
+    pub fn deliver(&mut self, to: Side) -> usize {
+        self.finish(
+            to,
+            |n| &mut n.inbound,
+            |node, _, now, (from, bytes)| {
+                node.ep
+                    .handle_control(now, from, bytes)
+                    .unwrap_or_else(|e| {
+                        panic!("{}: carried bytes failed to decode: {e}", node.name)
+                    });
+            },
+        )
     }
 
     /// Finishes every gather running on `side`, moving its bytes; returns
     /// how many.
     pub fn gather(&mut self, side: Side) -> usize {
-        self.poll();
-        let gathers = std::mem::take(&mut self.node(side).gathers);
-        for g in &gathers {
-            let now = self.tick();
-            let node = self.node(side);
-            node.memory
-                .gather(g.region, &g.runs, u64::MAX)
-                .unwrap_or_else(|e| panic!("{}: {e}", node.name));
-            node.ep.handle_gather_done(now, g.chunk);
-        }
-        self.poll();
-        gathers.len()
+        self.finish(
+            side,
+            |n| &mut n.gathers,
+            |node, _, now, g| {
+                node.memory
+                    .gather(g.region, &g.runs, u64::MAX)
+                    .unwrap_or_else(|e| panic!("{}: {e}", node.name));
+                node.ep.handle_gather_done(now, g.chunk);
+            },
+        )
     }
 
     /// Finishes every write running on `side`, landing its bytes in the
     /// other node's arena; returns how many.
     pub fn write(&mut self, side: Side) -> usize {
-        self.poll();
-        let writes = std::mem::take(&mut self.node(side).writes);
-        for w in &writes {
-            let now = self.tick();
-            let (node, other) = self.both(side);
-            assert_eq!(w.peer, other.name, "{} writes to a stranger", node.name);
-            let bytes = node.memory.staged(w.local, w.len).map(<[u8]>::to_vec);
-            bytes
-                .and_then(|b| other.memory.land(w.remote, &b))
-                .unwrap_or_else(|e| panic!("{}: {e}", node.name));
-            node.ep.handle_write_done(now, w.chunk);
-        }
-        self.poll();
-        writes.len()
+        self.finish(
+            side,
+            |n| &mut n.writes,
+            |node, other, now, w| {
+                assert_eq!(w.peer, other.name, "{} writes to a stranger", node.name);
+                let bytes = node.memory.staged(w.local, w.len).map(<[u8]>::to_vec);
+                bytes
+                    .and_then(|b| other.memory.land(w.remote, &b))
+                    .unwrap_or_else(|e| panic!("{}: {e}", node.name));
+                node.ep.handle_write_done(now, w.chunk);
+            },
+        )
     }
 
     /// Finishes every scatter running on `side`, moving its bytes; returns
     /// how many.
     pub fn scatter(&mut self, side: Side) -> usize {
-        self.poll();
-        let scatters = std::mem::take(&mut self.node(side).scatters);
-        for s in &scatters {
-            let now = self.tick();
-            let node = self.node(side);
-            node.memory
-                .scatter(s.region, s.runs.iter().flat_map(Run::copies))
-                .unwrap_or_else(|e| panic!("{}: {e}", node.name));
-            node.ep.handle_scatter_done(now, s.region);
-        }
-        self.poll();
-        scatters.len()
+        self.finish(
+            side,
+            |n| &mut n.scatters,
+            |node, _, now, s| {
+                node.memory
+                    .scatter(s.region, s.runs.iter().flat_map(Run::copies))
+                    .unwrap_or_else(|e| panic!("{}: {e}", node.name));
+                node.ep.handle_scatter_done(now, s.region);
+            },
+        )
     }
 
     /// One round: delivers, then finishes the gathers, writes and scatters
