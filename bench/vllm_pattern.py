@@ -424,8 +424,25 @@ class KVCache:
 # polling its agents' notifications in between
 # ---------------------------------------------------------------------------
 
+def enter_netns(name: str) -> None:
+    """Moves this process (still one thread: nothing NIXL or UCX made yet)
+    into the network namespace `ip netns add NAME` made: a second "host"."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet = 0x40000000
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def owner_main(conn, opts: dict) -> None:
     try:
+        if opts.get("netns"):
+            enter_netns(opts["netns"])
         _Owner(conn, opts).serve()
     except BaseException:  # noqa: BLE001 (report everything to the reader)
         try:
@@ -553,7 +570,8 @@ class Reader:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         owner_opts = dict(device=opts.device, owner_gpu=opts.owner_gpu, ucx_threads=opts.ucx_threads,
-                          owner_poll_sleep_us=opts.owner_poll_sleep_us, bounce_params=opts.bounce_params)
+                          owner_poll_sleep_us=opts.owner_poll_sleep_us, bounce_params=opts.bounce_params,
+                          netns=opts.owner_netns)
         self.proc = ctx.Process(target=owner_main, args=(child, owner_opts), name="nixl-owner", daemon=True)
         self.proc.start()
         child.close()
@@ -1017,6 +1035,10 @@ def parse_args(argv=None):
                     help="BOUNCE backend parameter (repeatable; default: none, BOUNCE's defaults)")
     ap.add_argument("--gpu", type=int, default=0, help="reader's GPU (default 0)")
     ap.add_argument("--owner-gpu", type=int, default=None, help="owner's GPU (default: --gpu)")
+    ap.add_argument("--owner-netns", default=None, metavar="NAME",
+                    help="run the owner in this network namespace (ip netns add NAME): with the reader in "
+                         "another one, two hosts joined by whatever link joins the namespaces "
+                         "(scripts/two-hosts.sh makes them)")
     ap.add_argument("--poll-sleep-us", type=float, default=None,
                     help="reader's sleep between check_xfer_state polls (default 0, busy, on cuda; 50 on cpu, "
                          "where a busy reader takes one of the transfer's cores)")

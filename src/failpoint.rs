@@ -20,6 +20,7 @@
 //! | `advertise_no_heartbeats` | the handshake omits the HEARTBEATS capability (a peer built before the notification channel's heartbeats) |
 //! | `advertise_no_data_path_v2` | the handshake omits the DATA_PATH_V2 capability, and READs' data paths above version 1 are refused by name (an owner built before READs carried the reader's CMA block) |
 //! | `control_send_hwm=N` | ZMQ control sends queue at most N messages per peer (saturation drills) |
+//! | `another_host` | this process names a host of its own (a random boot id) in what it exports: its peers on this machine take it for another host (two-host runs in network namespaces, `scripts/two-hosts.sh`) |
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -42,6 +43,7 @@ pub const KNOWN: &[&str] = &[
     "advertise_no_heartbeats",
     "advertise_no_data_path_v2",
     "control_send_hwm",
+    "another_host",
 ];
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

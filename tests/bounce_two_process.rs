@@ -8,7 +8,11 @@
 //! - peer -> this process (the peer is the initiator: its counters must
 //!   show the bounce submission, ours the scatter);
 //! - with the CMA path on (its own route gated off): the same, each chunk
-//!   written into the peer's arena by cross-memory attach.
+//!   written into the peer's arena by cross-memory attach;
+//! - a peer that names another host (failpoint `another_host`) on a host
+//!   that reaches others over TCP only: the DRAM arena's TCP gate (256
+//!   descriptors) takes 512 x 4 KiB, which the same-host gate (1024)
+//!   leaves to UCX.
 mod support;
 
 use bounce::*;
@@ -157,4 +161,68 @@ fn two_processes_both_ways_over_nixl_notifications() {
         return;
     }
     run(&[NOTIF_CONTROL, ("max_chunk_size_bytes", "1MiB")], 2);
+}
+
+/// 512 x 4 KiB to a peer process: over UCX while it is on this host (the
+/// same-host gate: 1024 descriptors), over the arena once it names another
+/// host and this host reaches others over TCP only (the TCP gate: 256).
+#[test]
+#[serial_test::serial]
+fn a_peer_on_another_host_over_tcp_has_the_tcp_gate() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    if !nixl_bounce::engine::bounce::tcp_only_host() {
+        eprintln!("SKIP: this host has an RDMA device UCX may use (UCX_TLS={:?}): peers on other hosts keep the same-host gate", std::env::var("UCX_TLS").ok());
+        return;
+    }
+    const N: usize = 512;
+    // A region names its host in its CMA block, which only a CMA path that
+    // is on exports; its own route is gated off here.
+    let extra = [
+        LOOPBACK,
+        ("enable_cma", "true"),
+        ("cma_min_descriptor_count", "1000000000"),
+    ];
+    let len = len();
+    for (another_host, seed) in [(false, 7u64), (true, 8)] {
+        let mut c = peer_command(&[], len, &extra, "tcp-peer");
+        if another_host {
+            c.env("NIXL_BOUNCE_FAILPOINTS", "another_host");
+        }
+        let mut p = Peer::spawn("target", c).unwrap_or_else(|e| panic!("{e}"));
+        let mut me = endpoint("tcp-me", &extra, len, seed, ThreadSync::Default);
+        me.node.load_md(&p.md).or_fail("load the peer's metadata");
+        let (my_seed, peer_seed, plan_seed) = (seed * 10 + 1, seed * 10 + 2, seed * 10 + 3);
+        me.buf.fill_pattern(my_seed);
+        p.cmd(&format!("FILL {peer_seed}"));
+        let before = stats(me.name());
+        let plan = plan(len, N, plan_seed);
+        let req = me
+            .node
+            .create_xfer(XferOp::Write, &plan, me.buf.addr(), p.addr, &p.name, None)
+            .or_fail("create_xfer_req");
+        me.node
+            .post_and_wait(&req, wait_timeout())
+            .or_fail("WRITE to the peer process");
+        drop(req);
+        p.cmd(&format!(
+            "CHECK_WRITE {} {N} {plan_seed} {my_seed} {peer_seed} -",
+            me.name()
+        ));
+        let after = stats(me.name());
+        eprintln!("another host {another_host}: {}", after.diff(&before));
+        if another_host {
+            assert_sender_bounced(&before, &after, 1);
+        } else {
+            assert_eq!(after.since(&before, "bounce_submitted"), 0);
+            assert_eq!(
+                after.since(&before, "fallback_too_few_descriptors"),
+                1,
+                "{}",
+                after.diff(&before)
+            );
+        }
+        p.finish();
+    }
 }

@@ -70,11 +70,13 @@ pub fn identity() -> Option<Identity> {
     }
     let id = (|| {
         let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
-        let host = parse_uuid(&text)?;
+        let mut host = parse_uuid(&text)?;
         let mut process = [0u8; 16];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut process))
-            .ok()?;
+        let mut urandom = std::fs::File::open("/dev/urandom").ok()?;
+        urandom.read_exact(&mut process).ok()?;
+        if crate::failpoint::Failpoints::from_env().is_set("another_host") {
+            urandom.read_exact(&mut host).ok()?;
+        }
         Some(Identity { host, process })
     })();
     *known = Some((pid, id));

@@ -558,6 +558,65 @@ pub struct PeerBounce {
     pub heartbeats: bool,
     /// The peer reads data paths of version 2 (`Capabilities::DATA_PATH_V2`).
     pub data_path_v2: bool,
+    /// How UCX reaches the peer, for the DRAM arena's gate.
+    pub reach: Reach,
+}
+
+/// How the UCX delegate reaches a peer, as far as the DRAM arena's gate is
+/// concerned: its gate was measured on one host, where UCX copies through
+/// shared memory; over TCP UCX pays a message per descriptor, and the arena
+/// wins from far fewer descriptors, of any size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reach {
+    /// On this host, or not known to be elsewhere.
+    #[default]
+    Near,
+    /// On another host (its boot id differs from ours) while this host has
+    /// no RDMA device UCX may use ([`tcp_only_host`]).
+    Tcp,
+}
+
+impl Reach {
+    /// A peer whose regions name the host `peer_host` (its boot id; `None`:
+    /// not said, e.g. a build without CMA blocks), seen from `our_host`
+    /// (ours; `None`: unknown) on a host that is `tcp_only` or not.
+    pub fn of(peer_host: Option<[u8; 16]>, our_host: Option<[u8; 16]>, tcp_only: bool) -> Reach {
+        match (peer_host, our_host) {
+            (Some(p), Some(o)) if p != o && tcp_only => Reach::Tcp,
+            _ => Reach::Near,
+        }
+    }
+}
+
+/// Whether UCX on this host can reach another host only over TCP: no RDMA
+/// device in `/sys/class/infiniband`, or `UCX_TLS` naming no RDMA transport
+/// (read once).
+pub fn tcp_only_host() -> bool {
+    static TCP_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TCP_ONLY.get_or_init(|| {
+        let devices = std::fs::read_dir("/sys/class/infiniband")
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false);
+        !devices || !ucx_tls_allows_rdma(std::env::var("UCX_TLS").ok().as_deref())
+    })
+}
+
+/// Whether a `UCX_TLS` value lets UCX use an RDMA transport: unset, `all`,
+/// an exclusion list (`^...`), or a list naming one (rc, dc, ud, ib and
+/// their variants).
+pub fn ucx_tls_allows_rdma(tls: Option<&str>) -> bool {
+    let Some(tls) = tls.map(str::trim).filter(|t| !t.is_empty()) else {
+        return true;
+    };
+    if tls.starts_with('^') {
+        return true;
+    }
+    tls.split(',').map(str::trim).any(|t| {
+        t == "all"
+            || ["rc", "dc", "ud", "ib"]
+                .iter()
+                .any(|r| t == *r || t.starts_with(&format!("{r}_")))
+    })
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
@@ -585,6 +644,7 @@ pub fn admit(
         read: peer.capabilities.contains(Capabilities::READ),
         heartbeats: peer.capabilities.contains(Capabilities::HEARTBEATS),
         data_path_v2: peer.capabilities.contains(Capabilities::DATA_PATH_V2),
+        reach: Reach::Near,
         arena: PeerArena {
             inner_agent: inner_agent.to_string(),
             base: peer.arena_base,
@@ -730,6 +790,8 @@ pub struct RouteInput {
     /// A GPU's own (VRAM) arena is on either side of the chosen pair (for a
     /// mixed transfer: no host-staged arena there).
     pub vram_arena: bool,
+    /// How UCX reaches the peer.
+    pub reach: Reach,
 }
 
 /// The routing rule: a WRITE to, or a READ from, memory of a peer whose
@@ -755,7 +817,7 @@ pub fn route(cfg: &Config, poisoned: bool, r: &RouteInput) -> Result<(), Fallbac
     if r.op == Op::Read && !r.peer_reads {
         return Err(Fallback::PeerLacksRead);
     }
-    let mut gate = arena_gate(cfg, r.local, r.remote);
+    let mut gate = arena_gate(cfg, r.local, r.remote, r.reach);
     if r.local != r.remote && r.vram_arena {
         gate.min_descriptors = gate
             .min_descriptors
@@ -775,6 +837,19 @@ pub struct ShapeGate {
 }
 
 impl ShapeGate {
+    /// The gate that admits whatever either of two admits (for a decision
+    /// made before the peer, and so the gate that applies, is known).
+    pub fn loosest(self, other: ShapeGate) -> ShapeGate {
+        ShapeGate {
+            min_descriptors: self.min_descriptors.min(other.min_descriptors),
+            max_average_bytes: if self.max_average_bytes == 0 || other.max_average_bytes == 0 {
+                0
+            } else {
+                self.max_average_bytes.max(other.max_average_bytes)
+            },
+        }
+    }
+
     /// Admits `descriptors` of `bytes` in all (summed only when this gate
     /// has a size limit), or says why not.
     pub fn admit(self, descriptors: u64, bytes: TotalBytes<'_>) -> Result<(), Fallback> {
@@ -790,13 +865,14 @@ impl ShapeGate {
     }
 }
 
-/// The bounce arena's gate: DRAM on both sides, VRAM on both, or mixed
-/// (the size limit is VRAM's whenever VRAM is on either side). A mixed
+/// The bounce arena's gate: DRAM on both sides (a peer reached over TCP has
+/// its own, [`Reach`]), VRAM on both, or mixed (the size limit is VRAM's
+/// whenever VRAM is on either side). A mixed
 /// transfer's is the host-staged arenas' here; [`route`] raises it to
 /// `mixed_unstaged_min_descriptor_count` once the chosen pair has a VRAM
 /// arena (this lower one is the early decision's, made before the pair
 /// is known, so that it never refuses what the pair would take).
-pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> ShapeGate {
+pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind, reach: Reach) -> ShapeGate {
     if local == MemKind::Vram || remote == MemKind::Vram {
         ShapeGate {
             min_descriptors: if local == remote {
@@ -805,6 +881,11 @@ pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> ShapeGate {
                 cfg.mixed_min_descriptor_count
             },
             max_average_bytes: cfg.vram_max_average_descriptor_size_bytes,
+        }
+    } else if reach == Reach::Tcp {
+        ShapeGate {
+            min_descriptors: cfg.tcp_min_descriptor_count,
+            max_average_bytes: 0,
         }
     } else {
         ShapeGate {
@@ -846,6 +927,7 @@ mod tests {
             local_transfer: false,
             local_arena: true,
             vram_arena: false,
+            reach: Reach::Near,
         }
     }
 
@@ -888,13 +970,103 @@ mod tests {
     fn each_pair_of_memory_kinds_has_its_arena_gate() {
         let cfg = Config::default();
         let (d, v) = (MemKind::Dram, MemKind::Vram);
-        let admits = |l, r, n: u64| arena_gate(&cfg, l, r).admit(n, (n * 4096).into()).is_ok();
+        let admits = |l, r, n: u64| {
+            arena_gate(&cfg, l, r, Reach::Near)
+                .admit(n, (n * 4096).into())
+                .is_ok()
+        };
         // DRAM on both sides: 1024; VRAM on both: 256; mixed: 64.
         assert!(!admits(d, d, 1023) && admits(d, d, 1024));
         assert!(!admits(v, v, 255) && admits(v, v, 256));
         for (l, r) in [(d, v), (v, d)] {
             assert!(!admits(l, r, 63) && admits(l, r, 64), "{l:?} -> {r:?}");
         }
+    }
+
+    #[test]
+    fn a_peer_reached_over_tcp_has_the_tcp_gate_for_dram_only() {
+        let cfg = Config::default();
+        let shape = |n: u64, size: u64, reach| RouteInput {
+            descriptors: n,
+            bytes: n * size,
+            reach,
+            ..input()
+        };
+        // Near: 1024 descriptors of at most 8 KiB on average.
+        let near = |n, size| route(&cfg, false, &shape(n, size, Reach::Near));
+        assert_eq!(near(256, 4096), Err(Fallback::TooFewDescriptors));
+        assert_eq!(near(4096, 32 << 10), Err(Fallback::DescriptorsTooLarge));
+        // Over TCP: from 256 descriptors, of any size.
+        let tcp = |n, size| route(&cfg, false, &shape(n, size, Reach::Tcp));
+        assert_eq!(tcp(255, 4096), Err(Fallback::TooFewDescriptors));
+        assert_eq!(tcp(256, 4096), Ok(()));
+        assert_eq!(tcp(4096, 32 << 10), Ok(()));
+        assert_eq!(tcp(256, 1 << 20), Ok(()));
+        // VRAM keeps its own gate whatever the reach.
+        let vram = |reach| {
+            let r = RouteInput {
+                local: MemKind::Vram,
+                remote: MemKind::Vram,
+                ..shape(255, 4096, reach)
+            };
+            route(&cfg, false, &r)
+        };
+        assert_eq!(vram(Reach::Tcp), Err(Fallback::TooFewDescriptors));
+        assert_eq!(vram(Reach::Tcp), vram(Reach::Near));
+    }
+
+    #[test]
+    fn only_another_host_over_tcp_is_reached_over_tcp() {
+        let (a, b) = (Some([1u8; 16]), Some([2u8; 16]));
+        assert_eq!(Reach::of(b, a, true), Reach::Tcp);
+        // The same host, an RDMA-capable host, or a host not said: near.
+        assert_eq!(Reach::of(a, a, true), Reach::Near);
+        assert_eq!(Reach::of(b, a, false), Reach::Near);
+        assert_eq!(Reach::of(None, a, true), Reach::Near);
+        assert_eq!(Reach::of(b, None, true), Reach::Near);
+    }
+
+    #[test]
+    fn ucx_tls_allows_rdma_unless_it_names_none() {
+        for tls in [
+            None,
+            Some(""),
+            Some("all"),
+            Some("^tcp"),
+            Some("rc,tcp"),
+            Some("dc_x"),
+            Some("ib"),
+        ] {
+            assert!(ucx_tls_allows_rdma(tls), "{tls:?}");
+        }
+        for tls in ["tcp", "tcp,self", "sm,tcp", "cma,posix,tcp", "rcache"] {
+            assert!(!ucx_tls_allows_rdma(Some(tls)), "{tls}");
+        }
+    }
+
+    #[test]
+    fn the_loosest_of_two_gates_admits_what_either_admits() {
+        let near = ShapeGate {
+            min_descriptors: 1024,
+            max_average_bytes: 8192,
+        };
+        let tcp = ShapeGate {
+            min_descriptors: 256,
+            max_average_bytes: 0,
+        };
+        assert_eq!(near.loosest(tcp), tcp);
+        assert_eq!(tcp.loosest(near), tcp);
+        let a = ShapeGate {
+            min_descriptors: 16,
+            max_average_bytes: 4096,
+        };
+        assert_eq!(
+            a.loosest(near),
+            ShapeGate {
+                min_descriptors: 16,
+                max_average_bytes: 8192
+            }
+        );
     }
 
     #[test]

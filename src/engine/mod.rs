@@ -499,6 +499,7 @@ impl Engine {
         inner_remote: &str,
         public: &PublicBounce,
         cma: Option<Arc<cma::CmaPeer>>,
+        reach: bounce::Reach,
     ) -> Option<Arc<PeerBounce>> {
         if !self.config.enabled {
             return None;
@@ -515,7 +516,7 @@ impl Engine {
             }
         };
         let admitted = match bounce::admit(&self.config, kind, inner_remote, &peer, cma) {
-            Ok(p) => p,
+            Ok(p) => PeerBounce { reach, ..p },
             Err((counter, why)) => {
                 EngineStats::bump(counter(&self.stats.counters.rare));
                 tracing::info!(
@@ -575,6 +576,11 @@ impl Engine {
             Some(e) if remote != self.local_name => self.cma.peer(e),
             _ => None,
         };
+        let reach = bounce::Reach::of(
+            public.cma.as_ref().map(|e| e.host),
+            crate::copy::ipc::identity().map(|i| i.host),
+            bounce::tcp_only_host(),
+        );
         let md = Box::new(Md {
             magic: MD_MAGIC,
             range,
@@ -582,11 +588,11 @@ impl Engine {
             owner: MdOwner::Remote {
                 agent: remote.to_string(),
                 bounce: public.bounce.as_ref().and_then(|b| {
-                    self.admit_peer_instance(remote, &inner_remote, b, cma_peer.clone())
+                    self.admit_peer_instance(remote, &inner_remote, b, cma_peer.clone(), reach)
                 }),
                 staged: match kind {
                     MemKind::Vram => public.staged.as_ref().and_then(|b| {
-                        self.admit_peer_instance(remote, &inner_remote, b, cma_peer.clone())
+                        self.admit_peer_instance(remote, &inner_remote, b, cma_peer.clone(), reach)
                     }),
                     MemKind::Dram => None,
                 },

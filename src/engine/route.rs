@@ -96,7 +96,7 @@ pub(super) fn arena_early_gate(
     shape: &Shape,
     sum_first: impl FnOnce() -> bool,
 ) -> std::result::Result<(), Fallback> {
-    let gate = bounce::arena_gate(cfg, shape.local, shape.remote);
+    let gate = early_arena_gate(cfg, shape.local, shape.remote);
     if gate.max_average_bytes == 0 || sum_first() {
         gate.admit(shape.descriptors, shape.bytes)
     } else {
@@ -105,6 +105,18 @@ pub(super) fn arena_early_gate(
             ..gate
         }
         .admit(shape.descriptors, shape.bytes)
+    }
+}
+
+/// The arena's gate before the peer is known: on a host that reaches other
+/// hosts over TCP only, the loosest of the near and the TCP gates (the
+/// peer's own applies in [`bounce::route`]).
+fn early_arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> bounce::ShapeGate {
+    let near = bounce::arena_gate(cfg, local, remote, bounce::Reach::Near);
+    if bounce::tcp_only_host() {
+        near.loosest(bounce::arena_gate(cfg, local, remote, bounce::Reach::Tcp))
+    } else {
+        near
     }
 }
 
@@ -142,9 +154,7 @@ pub fn route_floor(cfg: &Config, local: MemKind, remote: MemKind) -> u64 {
     if !cfg.enabled {
         return u64::MAX;
     }
-    let arena = bounce::arena_gate(cfg, local, remote)
-        .min_descriptors
-        .max(1);
+    let arena = early_arena_gate(cfg, local, remote).min_descriptors.max(1);
     if cfg.enable_peer_map && local == MemKind::Vram && remote == MemKind::Vram {
         arena.min(bounce::peer_map_gate(cfg).min_descriptors.max(1))
     } else if cfg.enable_cma && local == MemKind::Dram && remote == MemKind::Dram {
@@ -286,6 +296,7 @@ impl Engine {
             local_arena: local_instance.is_some(),
             vram_arena: local_instance.is_some_and(|b| b.location.arena_kind() == MemKind::Vram)
                 || peer.is_some_and(|p| p.arena.mem == nixl_sys::MemType::Vram),
+            reach: peer.map_or(bounce::Reach::Near, |p| p.reach),
         };
         let poisoned = local_instance.is_some_and(|b| b.runtime.poisoned().is_some());
         bounce::route(&self.config, poisoned, &input)?;

@@ -147,6 +147,7 @@ mod checked {
             read: true,
             heartbeats: true,
             data_path_v2: true,
+            reach: bounce::Reach::Near,
         })
     }
 
