@@ -74,9 +74,10 @@ pub struct Config {
     pub max_average_descriptor_size_bytes: u64,
     /// Routing gate of the bounce arena for DRAM on both sides when the
     /// peer is on another host and UCX can reach it only over TCP (this
-    /// host has no RDMA device it may use): minimum descriptor count, no
-    /// size limit.
+    /// host has no RDMA device it may use): minimum descriptor count.
     pub tcp_min_descriptor_count: u64,
+    /// The same gate's maximum average descriptor size (bytes).
+    pub tcp_max_average_descriptor_size_bytes: u64,
     /// Routing gate of the bounce arena when both sides are VRAM: minimum
     /// descriptor count.
     pub vram_min_descriptor_count: u64,
@@ -198,6 +199,7 @@ impl Default for Config {
             min_descriptor_count: 1024,
             max_average_descriptor_size_bytes: 8 * KIB,
             tcp_min_descriptor_count: 256,
+            tcp_max_average_descriptor_size_bytes: MIB,
             vram_min_descriptor_count: 256,
             mixed_min_descriptor_count: 64,
             mixed_host_staging: true,
@@ -413,7 +415,8 @@ static SETTINGS: &[Setting] = &[
     setting!(copy_stream_count, "copy_stream_count", "COPY_STREAM_COUNT", Count, false, "Copy execution contexts (GPU kernel concurrency cap)."),
     setting!(scatter_worker_count, "scatter_worker_count", "SCATTER_WORKER_COUNT", Count, false, "Scatter worker thread count."),
     setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides: minimum descriptor count (fewer go to UCX)."),
-    setting!(tcp_min_descriptor_count, "tcp_min_descriptor_count", "TCP_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides, a peer on another host (its boot id differs) while this host has no RDMA device UCX may use (none in /sys/class/infiniband, or UCX_TLS names no RDMA transport): minimum descriptor count, with no size limit (fewer go to UCX, which then sends a TCP message per descriptor). Between two network namespaces of the 2-core CPU machine the arena beat those UCX transfers from 64 x 8 KiB (1.4x) and at 4096 x 32 KiB (1.75x); 256 leaves a margin for hosts where a TCP message costs less."),
+    setting!(tcp_min_descriptor_count, "tcp_min_descriptor_count", "TCP_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides, a peer on another host (its regions name another boot id) while this host has no RDMA device UCX may use (none in /sys/class/infiniband, or UCX_TLS leaving no RDMA transport): minimum descriptor count (fewer go to UCX, which then sends a TCP message per descriptor). Between two network namespaces of the 2-core CPU machine the arena beat those UCX transfers from 32-64 x 8 KiB; 256 leaves a margin for hosts where a TCP message costs less."),
+    setting!(tcp_max_average_descriptor_size_bytes, "tcp_max_average_descriptor_size_bytes", "TCP_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "The same gate (a peer on another host reached over TCP): maximum average descriptor bytes (larger go to UCX; 0 = no limit). Measured up to 1 MiB blocks (4 and 8 x 1 MiB: 1.5-2.7x UCX between two network namespaces); larger blocks, which UCX streams at the link's rate, stay UCX's until measured on a NIC."),
     setting!(max_average_descriptor_size_bytes, "max_average_descriptor_size_bytes", "MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, false, "Bounce arena, DRAM on both sides: maximum average descriptor bytes (larger go to UCX)."),
     setting!(vram_min_descriptor_count, "vram_min_descriptor_count", "VRAM_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on both sides: minimum descriptor count."),
     setting!(mixed_min_descriptor_count, "mixed_min_descriptor_count", "MIXED_MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, VRAM on one side and DRAM on the other: minimum descriptor count (fewer go to UCX). Measured on the H200 with the host-staged instance (mixed_host_staging), vLLM's VRAM -> DRAM READs ran at 2.2-2.4x UCX's speed at 64 x 8 KiB, 4.1x at 128, 1.6x at 256, 13x at 16,384; without it (mixed_host_staging off, or NIXL-notification control) the gate is mixed_unstaged_min_descriptor_count. The average size limit is vram_max_average_descriptor_size_bytes."),
@@ -833,7 +836,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 48);
+        assert_eq!(keys.len(), 49);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));

@@ -163,9 +163,10 @@ fn two_processes_both_ways_over_nixl_notifications() {
     run(&[NOTIF_CONTROL, ("max_chunk_size_bytes", "1MiB")], 2);
 }
 
-/// 512 x 4 KiB to a peer process: over UCX while it is on this host (the
-/// same-host gate: 1024 descriptors), over the arena once it names another
-/// host and this host reaches others over TCP only (the TCP gate: 256).
+/// 512 x 4 KiB to and from a peer process: over UCX while it is on this
+/// host (the same-host gate: 1024 descriptors), over the arena once it
+/// names another host and this host reaches others over TCP only (the TCP
+/// gate: 256). WRITE and READ.
 #[test]
 #[serial_test::serial]
 fn a_peer_on_another_host_over_tcp_has_the_tcp_gate() {
@@ -173,7 +174,10 @@ fn a_peer_on_another_host_over_tcp_has_the_tcp_gate() {
         return;
     }
     if !nixl_bounce::engine::bounce::tcp_only_host() {
-        eprintln!("SKIP: this host has an RDMA device UCX may use (UCX_TLS={:?}): peers on other hosts keep the same-host gate", std::env::var("UCX_TLS").ok());
+        eprintln!(
+            "SKIP: this host has an RDMA device UCX may use (UCX_TLS={:?}): peers on other hosts keep the same-host gate",
+            std::env::var("UCX_TLS").ok()
+        );
         return;
     }
     const N: usize = 512;
@@ -193,35 +197,53 @@ fn a_peer_on_another_host_over_tcp_has_the_tcp_gate() {
         let mut p = Peer::spawn("target", c).unwrap_or_else(|e| panic!("{e}"));
         let mut me = endpoint("tcp-me", &extra, len, seed, ThreadSync::Default);
         me.node.load_md(&p.md).or_fail("load the peer's metadata");
-        let (my_seed, peer_seed, plan_seed) = (seed * 10 + 1, seed * 10 + 2, seed * 10 + 3);
-        me.buf.fill_pattern(my_seed);
-        p.cmd(&format!("FILL {peer_seed}"));
-        let before = stats(me.name());
-        let plan = plan(len, N, plan_seed);
-        let req = me
-            .node
-            .create_xfer(XferOp::Write, &plan, me.buf.addr(), p.addr, &p.name, None)
-            .or_fail("create_xfer_req");
-        me.node
-            .post_and_wait(&req, wait_timeout())
-            .or_fail("WRITE to the peer process");
-        drop(req);
-        p.cmd(&format!(
-            "CHECK_WRITE {} {N} {plan_seed} {my_seed} {peer_seed} -",
-            me.name()
-        ));
-        let after = stats(me.name());
-        eprintln!("another host {another_host}: {}", after.diff(&before));
-        if another_host {
-            assert_sender_bounced(&before, &after, 1);
-        } else {
-            assert_eq!(after.since(&before, "bounce_submitted"), 0);
-            assert_eq!(
-                after.since(&before, "fallback_too_few_descriptors"),
-                1,
-                "{}",
+        for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
+            let s = seed * 100 + 10 * i as u64;
+            let (my_seed, peer_seed, plan_seed) = (s + 1, s + 2, s + 3);
+            me.buf.fill_pattern(my_seed);
+            p.cmd(&format!("FILL {peer_seed}"));
+            let before = stats(me.name());
+            let plan = plan(len, N, plan_seed);
+            let req = me
+                .node
+                .create_xfer(op, &plan, me.buf.addr(), p.addr, &p.name, None)
+                .or_fail("create_xfer_req");
+            me.node
+                .post_and_wait(&req, wait_timeout())
+                .or_fail(&format!("{op:?} with the peer process"));
+            drop(req);
+            if op == XferOp::Write {
+                p.cmd(&format!(
+                    "CHECK_WRITE {} {N} {plan_seed} {my_seed} {peer_seed} -",
+                    me.name()
+                ));
+            } else {
+                plan.verify(
+                    me.buf.as_slice(),
+                    &pattern(len, my_seed),
+                    &pattern(len, peer_seed),
+                )
+                .or_fail("READ's destination");
+                p.cmd(&format!("CHECK_UNCHANGED {peer_seed}"));
+            }
+            let after = stats(me.name());
+            eprintln!(
+                "another host {another_host}, {op:?}: {}",
                 after.diff(&before)
             );
+            match (another_host, op) {
+                (true, XferOp::Write) => assert_sender_bounced(&before, &after, 1),
+                (true, _) => assert_reader_bounced(&before, &after, 1),
+                (false, _) => {
+                    assert_eq!(after.since(&before, "bounce_submitted"), 0);
+                    assert_eq!(
+                        after.since(&before, "fallback_too_few_descriptors"),
+                        1,
+                        "{}",
+                        after.diff(&before)
+                    );
+                }
+            }
         }
         p.finish();
     }

@@ -602,21 +602,32 @@ pub fn tcp_only_host() -> bool {
 }
 
 /// Whether a `UCX_TLS` value lets UCX use an RDMA transport: unset, `all`,
-/// an exclusion list (`^...`), or a list naming one (rc, dc, ud, ib and
-/// their variants).
+/// a list naming one (`rc`, `dc`, `ud`, `ib`, `srd`, `gga` and their
+/// variants, such as `rc_mlx5` or `ud:aux`), or an exclusion list (`^...`)
+/// that leaves one (`^ib` leaves none, nor does excluding `rc`, `dc`, `ud`,
+/// `srd` and `gga` each).
 pub fn ucx_tls_allows_rdma(tls: Option<&str>) -> bool {
+    const RDMA: [&str; 6] = ["rc", "dc", "ud", "ib", "srd", "gga"];
+    let family = |name: &str| {
+        let name = name.trim();
+        let name = name.split(':').next().unwrap_or(name);
+        RDMA.iter()
+            .find(|r| name == **r || name.starts_with(&format!("{r}_")))
+            .copied()
+    };
     let Some(tls) = tls.map(str::trim).filter(|t| !t.is_empty()) else {
         return true;
     };
-    if tls.starts_with('^') {
-        return true;
-    }
-    tls.split(',').map(str::trim).any(|t| {
-        t == "all"
-            || ["rc", "dc", "ud", "ib"]
+    if let Some(excluded) = tls.strip_prefix('^') {
+        let gone: Vec<&str> = excluded.split(',').filter_map(family).collect();
+        return !gone.contains(&"ib")
+            && !RDMA
                 .iter()
-                .any(|r| t == *r || t.starts_with(&format!("{r}_")))
-    })
+                .filter(|r| **r != "ib")
+                .all(|r| gone.contains(r));
+    }
+    tls.split(',')
+        .any(|t| t.trim() == "all" || family(t).is_some())
 }
 
 /// Checks a peer's advertised bounce instance against our configuration.
@@ -885,7 +896,7 @@ pub fn arena_gate(cfg: &Config, local: MemKind, remote: MemKind, reach: Reach) -
     } else if reach == Reach::Tcp {
         ShapeGate {
             min_descriptors: cfg.tcp_min_descriptor_count,
-            max_average_bytes: 0,
+            max_average_bytes: cfg.tcp_max_average_descriptor_size_bytes,
         }
     } else {
         ShapeGate {
@@ -996,12 +1007,13 @@ mod tests {
         let near = |n, size| route(&cfg, false, &shape(n, size, Reach::Near));
         assert_eq!(near(256, 4096), Err(Fallback::TooFewDescriptors));
         assert_eq!(near(4096, 32 << 10), Err(Fallback::DescriptorsTooLarge));
-        // Over TCP: from 256 descriptors, of any size.
+        // Over TCP: from 256 descriptors, of up to 1 MiB on average.
         let tcp = |n, size| route(&cfg, false, &shape(n, size, Reach::Tcp));
         assert_eq!(tcp(255, 4096), Err(Fallback::TooFewDescriptors));
         assert_eq!(tcp(256, 4096), Ok(()));
         assert_eq!(tcp(4096, 32 << 10), Ok(()));
         assert_eq!(tcp(256, 1 << 20), Ok(()));
+        assert_eq!(tcp(256, 2 << 20), Err(Fallback::DescriptorsTooLarge));
         // VRAM keeps its own gate whatever the reach.
         let vram = |reach| {
             let r = RouteInput {

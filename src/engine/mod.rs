@@ -75,6 +75,8 @@ struct Remote {
     /// preparation compares its regions' arenas by pointer, where comparing
     /// their names read two cold strings per run of descriptors.
     arenas: Vec<Arc<PeerBounce>>,
+    /// How UCX reaches it, once a region said (over TCP if any did).
+    reach: Option<bounce::Reach>,
 }
 
 /// Bounce instances by memory location (`None`: set-up failed, not retried).
@@ -483,6 +485,7 @@ impl Engine {
                 inner: inner_remote.into(),
                 bounce_peers: HashSet::new(),
                 arenas: Vec::new(),
+                reach: None,
             },
         );
         tracing::debug!(remote, "loaded connection info");
@@ -581,6 +584,11 @@ impl Engine {
             crate::copy::ipc::identity().map(|i| i.host),
             bounce::tcp_only_host(),
         );
+        if let Some(r) = self.remotes.locked().get_mut(remote) {
+            if r.reach.is_none() || reach == bounce::Reach::Tcp {
+                r.reach = Some(reach);
+            }
+        }
         let md = Box::new(Md {
             magic: MD_MAGIC,
             range,
@@ -675,6 +683,15 @@ impl Engine {
             .locked()
             .get(agent)
             .is_some_and(|r| r.arenas.iter().any(|a| a.arena.cma.is_some()))
+    }
+
+    /// How UCX reaches `agent`, where it matters and is known: on a host
+    /// that reaches others over TCP only, once one of its regions said.
+    pub(super) fn reach_of(&self, agent: &str) -> Option<bounce::Reach> {
+        if !bounce::tcp_only_host() {
+            return Some(bounce::Reach::Near);
+        }
+        self.remotes.locked().get(agent).and_then(|r| r.reach)
     }
 
     fn inner_remote(&self, remote: &str) -> Result<Arc<str>> {
@@ -797,7 +814,10 @@ impl Engine {
             // routing; when the arena's gate already refuses the shape, it
             // is UCX's with no further pass over the descriptors (as
             // `early_fallback` would have decided without the CMA path).
-            if let Err(reason) = arena_early_gate(&self.config, shape, || self.sums_first(shape)) {
+            let reach = self.reach_of(agent);
+            if let Err(reason) =
+                arena_early_gate(&self.config, shape, reach, || self.sums_first(shape))
+            {
                 self.stats.fell_back(reason);
                 return Ok(None);
             }

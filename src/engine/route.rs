@@ -3,6 +3,7 @@
 //! for every path, and the request each path keeps.
 
 use super::*;
+use bounce::{tcp_only_host, Reach};
 
 /// A transfer request owned by NIXL's request handle.
 pub struct Request {
@@ -71,12 +72,14 @@ impl std::fmt::Debug for Request {
 
 /// Why a transfer of this shape goes to the UCX delegate before anything
 /// per descriptor is looked at; `None`: one of BOUNCE's paths may take it.
+/// `reach`: how UCX reaches the peer, where known ([`Engine::reach_of`]).
 /// With `sum_first` false the arena's gate counts descriptors only: its
 /// size limit is then applied by [`bounce::route`] with the byte total
 /// the check's pass finds (see [`Engine::sums_first`]).
 pub fn early_reason(
     cfg: &Config,
     shape: &Shape,
+    reach: Option<Reach>,
     sum_first: impl FnOnce() -> bool,
 ) -> Option<Fallback> {
     if !cfg.enabled || shape.local_transfer {
@@ -84,7 +87,7 @@ pub fn early_reason(
     } else if ipc::gate(cfg, shape).is_ok() || cma_shape(cfg, shape) {
         None
     } else {
-        arena_early_gate(cfg, shape, sum_first).err()
+        arena_early_gate(cfg, shape, reach, sum_first).err()
     }
 }
 
@@ -94,9 +97,10 @@ pub fn early_reason(
 pub(super) fn arena_early_gate(
     cfg: &Config,
     shape: &Shape,
+    reach: Option<Reach>,
     sum_first: impl FnOnce() -> bool,
 ) -> std::result::Result<(), Fallback> {
-    let gate = early_arena_gate(cfg, shape.local, shape.remote);
+    let gate = early_arena_gate(cfg, shape.local, shape.remote, reach, tcp_only_host());
     if gate.max_average_bytes == 0 || sum_first() {
         gate.admit(shape.descriptors, shape.bytes)
     } else {
@@ -108,15 +112,23 @@ pub(super) fn arena_early_gate(
     }
 }
 
-/// The arena's gate before the peer is known: on a host that reaches other
-/// hosts over TCP only, the loosest of the near and the TCP gates (the
-/// peer's own applies in [`bounce::route`]).
-fn early_arena_gate(cfg: &Config, local: MemKind, remote: MemKind) -> bounce::ShapeGate {
-    let near = bounce::arena_gate(cfg, local, remote, bounce::Reach::Near);
-    if bounce::tcp_only_host() {
-        near.loosest(bounce::arena_gate(cfg, local, remote, bounce::Reach::Tcp))
-    } else {
-        near
+/// The arena's gate before the routing: the peer's own where its reach is
+/// known; otherwise, on a host that reaches others over TCP only
+/// (`tcp_only`), the loosest of the near and the TCP gates, so that it
+/// never refuses what the peer's own would take ([`bounce::route`] applies
+/// that one).
+pub(super) fn early_arena_gate(
+    cfg: &Config,
+    local: MemKind,
+    remote: MemKind,
+    reach: Option<Reach>,
+    tcp_only: bool,
+) -> bounce::ShapeGate {
+    match reach {
+        Some(r) => bounce::arena_gate(cfg, local, remote, r),
+        None if tcp_only => bounce::arena_gate(cfg, local, remote, Reach::Near)
+            .loosest(bounce::arena_gate(cfg, local, remote, Reach::Tcp)),
+        None => bounce::arena_gate(cfg, local, remote, Reach::Near),
     }
 }
 
@@ -154,7 +166,9 @@ pub fn route_floor(cfg: &Config, local: MemKind, remote: MemKind) -> u64 {
     if !cfg.enabled {
         return u64::MAX;
     }
-    let arena = early_arena_gate(cfg, local, remote).min_descriptors.max(1);
+    let arena = early_arena_gate(cfg, local, remote, None, tcp_only_host())
+        .min_descriptors
+        .max(1);
     if cfg.enable_peer_map && local == MemKind::Vram && remote == MemKind::Vram {
         arena.min(bounce::peer_map_gate(cfg).min_descriptors.max(1))
     } else if cfg.enable_cma && local == MemKind::Dram && remote == MemKind::Dram {
@@ -183,11 +197,17 @@ impl Engine {
     /// the UCX delegate untouched (counted here as prepared and by reason).
     /// The transfer's custom parameter is checked here already, whichever
     /// path takes it.
-    pub fn early_fallback(&self, shape: &Shape, args: &XferArgs) -> Result<Option<Fallback>> {
+    pub fn early_fallback(
+        &self,
+        shape: &Shape,
+        agent: &str,
+        args: &XferArgs,
+    ) -> Result<Option<Fallback>> {
         if !args.custom_param.is_empty() {
             TransferParams::parse(&args.custom_param)?;
         }
-        let reason = early_reason(&self.config, shape, || self.sums_first(shape));
+        let reach = self.reach_of(agent);
+        let reason = early_reason(&self.config, shape, reach, || self.sums_first(shape));
         if let Some(r) = reason {
             self.count_ucx_routed(r);
         }

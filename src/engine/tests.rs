@@ -41,7 +41,8 @@ proptest::proptest! {
     fn the_route_floor_agrees_with_the_early_decision(
         enabled in proptest::prelude::any::<bool>(),
         peer_map in proptest::prelude::any::<bool>(),
-        mins in proptest::collection::vec(0u64..3000, 4),
+        mins in proptest::collection::vec(0u64..3000, 5),
+        reach in 0u8..3,
         local_vram in proptest::prelude::any::<bool>(),
         remote_vram in proptest::prelude::any::<bool>(),
         local_transfer in proptest::prelude::any::<bool>(),
@@ -56,8 +57,11 @@ proptest::proptest! {
             vram_min_descriptor_count: mins[1],
             peer_map_min_descriptor_count: mins[2],
             mixed_min_descriptor_count: mins[3],
+            tcp_min_descriptor_count: mins[4],
             ..Config::default()
         };
+        // The peer's reach as the engine may know it (or not yet).
+        let reach = [None, Some(bounce::Reach::Near), Some(bounce::Reach::Tcp)][usize::from(reach)];
         let kind = |vram| if vram { MemKind::Vram } else { MemKind::Dram };
         let (local, remote) = (kind(local_vram), kind(remote_vram));
         let shape = |descriptors: u64, local_transfer| Shape {
@@ -70,16 +74,46 @@ proptest::proptest! {
         let floor = route_floor(&cfg, local, remote);
         if descriptors < floor {
             proptest::prop_assert_eq!(
-                early_reason(&cfg, &shape(descriptors, local_transfer), || sum_first),
+                early_reason(&cfg, &shape(descriptors, local_transfer), reach, || sum_first),
                 Some(below_floor_reason(&cfg, local_transfer))
             );
         }
         if floor != u64::MAX {
-            // The smallest shape at the floor is let through.
+            // The smallest shape at the floor is let through while the
+            // peer's reach is not known.
             let small = Shape { bytes: TotalBytes::Known(floor), ..shape(floor, false) };
-            proptest::prop_assert_eq!(early_reason(&cfg, &small, || sum_first), None);
+            proptest::prop_assert_eq!(early_reason(&cfg, &small, None, || sum_first), None);
         }
     }
+}
+
+/// Before the routing, the arena's gate is the peer's own where its reach
+/// is known; unknown, the loosest of the two on a host that reaches others
+/// over TCP only, the same-host one elsewhere.
+#[test]
+fn the_early_gate_is_the_peer_s_own_once_its_reach_is_known() {
+    use bounce::{Reach, ShapeGate};
+    let cfg = Config::default();
+    let d = MemKind::Dram;
+    let near = ShapeGate {
+        min_descriptors: 1024,
+        max_average_bytes: 8 << 10,
+    };
+    let tcp = ShapeGate {
+        min_descriptors: 256,
+        max_average_bytes: 1 << 20,
+    };
+    let gate = |reach, tcp_only| early_arena_gate(&cfg, d, d, reach, tcp_only);
+    assert_eq!(gate(Some(Reach::Near), true), near);
+    assert_eq!(gate(Some(Reach::Tcp), true), tcp);
+    assert_eq!(gate(None, true), tcp);
+    assert_eq!(gate(None, false), near);
+    // VRAM's gate whatever the reach.
+    let v = MemKind::Vram;
+    assert_eq!(
+        early_arena_gate(&cfg, v, v, None, true),
+        early_arena_gate(&cfg, v, v, Some(Reach::Near), false)
+    );
 }
 
 #[test]

@@ -903,7 +903,7 @@ pub unsafe extern "C" fn bounce_engine_prep_xfer(
         // takes it from there.
         // SAFETY: caller contract.
         let args = unsafe { xfer_args(args, false) };
-        if e.early_fallback(&shape, &args)?.is_some() {
+        if e.early_fallback(&shape, agent, &args)?.is_some() {
             to_ucx.set(1);
             return Ok(Status::Success);
         }
