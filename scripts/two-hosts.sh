@@ -47,12 +47,17 @@ for ns in "$A" "$B"; do
     ip -n "$ns" link set lo up
     ip -n "$ns" link set "$DEV" up
     ip -n "$ns" route add default via "10.77.0.$((3 - i))" dev "$DEV"
-    if [ -n "$DELAY" ] && [ -n "$RATE" ]; then
-        ip netns exec "$ns" tc qdisc add dev "$DEV" root netem delay "$DELAY" rate "$RATE"
-    elif [ -n "$DELAY" ]; then
-        ip netns exec "$ns" tc qdisc add dev "$DEV" root netem delay "$DELAY"
+    if [ -n "$DELAY" ]; then
+        # netem shapes both: one-way delay, and the rate when given.
+        ip netns exec "$ns" tc qdisc add dev "$DEV" root netem delay "$DELAY" ${RATE:+rate "$RATE"} || {
+            echo "two-hosts.sh: --delay needs the kernel's netem qdisc (module sch_netem), which tc could not add here" >&2
+            exit 2
+        }
     elif [ -n "$RATE" ]; then
-        ip netns exec "$ns" tc qdisc add dev "$DEV" root tbf rate "$RATE" burst 4mb latency 10ms
+        ip netns exec "$ns" tc qdisc add dev "$DEV" root tbf rate "$RATE" burst 4mb latency 10ms || {
+            echo "two-hosts.sh: --rate needs the kernel's tbf qdisc (module sch_tbf), which tc could not add here" >&2
+            exit 2
+        }
     fi
     i=$((i + 1))
 done
