@@ -283,4 +283,134 @@ mod tests {
             "after deregistration"
         );
     }
+
+    /// Not a benchmark: what one 16 MiB chunk of 4096 scattered 4 KiB
+    /// blocks costs the hosts' passes on the arena path, each alone and
+    /// warm: the sender's check and table fill and its DATA's encoding, the
+    /// receiver's decoding, check and fill; beside them one pass that reads
+    /// the DATA's copies (8 bytes each, as wire version 3 sends them),
+    /// checks each against the registration and writes the address list a
+    /// kernel could read: what is left when no run is made on the way
+    /// (docs/design.md §11, "Runs the GPU reads as they arrive").
+    /// `cargo test --release --lib chunk_passes_cost -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn chunk_passes_cost() {
+        use crate::copy::cuda::{fill_table, table_capacity, table_parts, TableLayout};
+        use crate::copy::{Direction, RegionSpan};
+        use crate::proto::plan::{build_from, Descriptor, PlanOptions};
+        use crate::proto::wire::Message;
+        use crate::proto::{RegionHandle, RequestId, RunPool};
+        use std::hint::black_box;
+        use std::time::Instant;
+
+        let (blocks, len) = (4096u64, 4096u64);
+        let (src, dst) = (1u64 << 32, 1u64 << 40);
+        // vLLM's block tables: blocks taken from a shuffled free list.
+        let mut order: Vec<u64> = (0..blocks * 4).collect();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in (1..order.len()).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            order.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+        let descriptors = (0..blocks).map(|b| Descriptor {
+            src_addr: src + order[b as usize] * len,
+            src_dev: 0,
+            dst_addr: dst + order[(blocks + b) as usize] * len,
+            dst_dev: 0,
+            len,
+        });
+        let options = PlanOptions {
+            max_chunk_bytes: blocks * len,
+            merge_runs: true,
+            min_chunks: 1,
+            min_chunk_bytes: blocks * len,
+        };
+        let plan = build_from(descriptors, options, &RunPool::default()).expect("planned");
+        assert_eq!(plan.chunks.len(), 1);
+        let chunk = &plan.chunks[0];
+        let targets = ScatterTargets::default();
+        targets.add(src as usize, (blocks * 4 * len) as usize);
+        targets.add(dst as usize, (blocks * 4 * len) as usize);
+        let region = RegionSpan {
+            addr: 1 << 44,
+            len: (chunk.bytes) as usize,
+        };
+        let nruns = chunk.scatter_runs.len().max(chunk.gather_runs.len());
+        let layout = TableLayout::new(nruns).expect("layout");
+        let mut table = vec![0u64; table_capacity(nruns).expect("capacity").div_ceil(8)];
+        let data = Message::Data {
+            request: RequestId(1),
+            chunk: 0,
+            region: RegionHandle(0),
+            runs: chunk.scatter_runs.clone(),
+        };
+        let bytes = data.encode();
+        let rounds = 2000;
+        let best = |f: &mut dyn FnMut()| {
+            let mut best = u128::MAX;
+            for _ in 0..rounds {
+                let t = Instant::now();
+                f();
+                best = best.min(t.elapsed().as_nanos());
+            }
+            best as f64 / 1e3
+        };
+        let mut fill = |direction: Direction, runs: &[Run]| {
+            let layout = TableLayout::new(runs.len()).expect("layout");
+            // SAFETY: `table` holds table_capacity(nruns) bytes, 8-aligned,
+            // and nothing else uses it.
+            let (r, t, s) = unsafe { table_parts(table.as_mut_ptr() as *mut u8, &layout) };
+            black_box(fill_table(direction, region, runs, 8192, 1 << 20, r, t, s).expect("filled"));
+        };
+        let gather_check = best(&mut || {
+            black_box(targets.admits(&chunk.gather_runs).expect("admitted"));
+        });
+        let gather_fill = best(&mut || fill(Direction::Gather, &chunk.gather_runs));
+        let encode = best(&mut || {
+            black_box(data.encode());
+        });
+        let mut decoded = None;
+        let decode = best(&mut || decoded = Some(Message::decode(&bytes).expect("decoded")));
+        let Some(Message::Data { runs, .. }) = decoded else {
+            panic!("not a DATA")
+        };
+        let scatter_check = best(&mut || {
+            black_box(targets.admits(&runs).expect("admitted"));
+        });
+        let scatter_fill = best(&mut || fill(Direction::Scatter, &runs));
+        // The lower bound: one pass over the DATA's copies, each checked
+        // against the registration and written to an address list.
+        let copies: Vec<u64> = runs.iter().flat_map(|r| r.copies().map(|c| c.1)).collect();
+        let entries: Vec<u8> = copies.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let mut list = vec![0u64; copies.len()];
+        let (lo, hi) = (dst, dst + blocks * 4 * len);
+        let one_pass = best(&mut || {
+            let mut bad = false;
+            for (out, e) in list.iter_mut().zip(entries.chunks_exact(8)) {
+                let a = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+                bad |= (a < lo) | (a.wrapping_add(len) > hi);
+                *out = a;
+            }
+            assert!(!black_box(bad));
+        });
+        println!(
+            "one chunk of {blocks} x {len} B: {} gather runs, {} scatter runs, DATA {} bytes, table {} bytes",
+            chunk.gather_runs.len(),
+            runs.len(),
+            bytes.len(),
+            layout.capacity
+        );
+        println!(
+            "sender:   check {gather_check:.1} us, fill {gather_fill:.1} us, encode {encode:.1} us: {:.1} us",
+            gather_check + gather_fill + encode
+        );
+        println!(
+            "receiver: decode {decode:.1} us, check {scatter_check:.1} us, fill {scatter_fill:.1} us: {:.1} us",
+            decode + scatter_check + scatter_fill
+        );
+        println!("one pass from the DATA's copies to an address list: {one_pass:.1} us");
+    }
 }
