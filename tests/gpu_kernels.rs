@@ -19,7 +19,7 @@ use nixl_bounce::copy::cuda::{
 use nixl_bounce::copy::host::HostCopy;
 use nixl_bounce::copy::{CopyEngine, Direction, RegionSpan};
 use nixl_bounce::dataplane::vram::DeviceArena;
-use nixl_bounce::proto::Run;
+use nixl_bounce::proto::{Copies, Run, Runs};
 
 fn device() -> Option<Arc<CudaDevice>> {
     match CudaRuntime::probe() {
@@ -71,6 +71,71 @@ fn random_layout(
         ao += aspan + rng.below(70);
     }
     out
+}
+
+/// A chunk as wire version 3 packs it: `n` blocks of `len` bytes back to
+/// back in the region from a random offset, scattered in the application
+/// buffer, some merged into runs of two (the only runs packed copies have).
+fn copies_layout(rng: &mut Rng, region_len: u64, app_len: u64, len: u64, n: usize) -> Layout {
+    let mut out = Vec::new();
+    let (mut ro, mut ao) = (rng.below(64), rng.below(64));
+    let mut left = n;
+    while left > 0 {
+        let count = if left >= 2 && rng.below(3) == 0 { 2 } else { 1 };
+        let as_ = len + rng.below(300);
+        let aspan = (count - 1) * as_ + len;
+        if ro + count * len > region_len || ao + aspan > app_len {
+            break;
+        }
+        out.push((ro, ao, len, count as u32, len, as_));
+        ro += count * len;
+        ao += aspan + rng.below(70);
+        left -= count as usize;
+    }
+    out
+}
+
+/// `runs` as packed copies (every run one or two copies of one length,
+/// back to back in the region), the form the receiver keeps a decoded
+/// DATA in.
+fn packed(runs: &[Run]) -> Runs {
+    let len = runs[0].len;
+    let mut addrs = Vec::new();
+    let mut second = Vec::new();
+    for r in runs {
+        assert!(r.len == len && r.count <= 2 && r.region_stride == len);
+        assert_eq!(
+            r.region_offset,
+            runs[0].region_offset + addrs.len() as u64 * len
+        );
+        for k in 0..r.count as u64 {
+            second.push(k == 1);
+            addrs.push(r.addr + k * r.addr_stride);
+        }
+    }
+    let mut marks = vec![0u8; addrs.len().div_ceil(8)];
+    for (j, _) in second.iter().enumerate().filter(|(_, &m)| m) {
+        marks[j / 8] |= 1 << (j % 8);
+    }
+    let copies = Copies::new(len, runs[0].region_offset, addrs, marks).unwrap();
+    let list = Runs::from_copies(copies);
+    assert_eq!(each_copy(&list), each_copy(runs), "the copies are the runs");
+    list
+}
+
+/// Every copy `runs` make: (region offset, address, length).
+fn each_copy(runs: &[Run]) -> Vec<(u64, u64, u64)> {
+    runs.iter()
+        .flat_map(|r| {
+            (0..r.count as u64).map(move |k| {
+                (
+                    r.region_offset + k * r.region_stride,
+                    r.addr + k * r.addr_stride,
+                    r.len,
+                )
+            })
+        })
+        .collect()
 }
 
 fn runs_for(layout: &Layout, app_base: u64) -> Vec<Run> {
@@ -329,16 +394,33 @@ fn try_launch_polls_to_completion_and_declines_when_busy() {
         let layout = random_layout(&mut rng, region_len as u64, app_len as u64, 20000, 800);
         let what = format!("try_launch case {case}");
         bufs.round_trip(&what, &layout, 0, region_len, |d, span, runs| {
+            let runs = Runs::from(runs.to_vec());
             let mut copy = engine
-                .try_launch(d, span, runs)
+                .try_launch(d, span, &runs)
                 .expect("the only context is idle")
                 .unwrap();
             assert!(
-                engine.try_launch(d, span, runs).is_none(),
+                engine.try_launch(d, span, &runs).is_none(),
                 "{what}: no idle context, so the caller should use a worker"
             );
             poll_until_done(&what, || copy.poll()).unwrap();
             assert_eq!(pool.idle(), 1, "completion returns the context");
+        });
+    }
+    // Packed copies as a decoded DATA keeps them (the pair-table launch),
+    // from one copy to a full chunk of 4 KiB blocks, and odd lengths.
+    for (case, (len, n)) in [(4096, 1), (4096, 2), (4096, 500), (8192, 200), (37, 5000)]
+        .into_iter()
+        .enumerate()
+    {
+        let layout = copies_layout(&mut rng, region_len as u64, app_len as u64, len, n);
+        let what = format!("try_launch copies case {case} ({n} x {len} B)");
+        bufs.round_trip(&what, &layout, 0, region_len, |d, span, runs| {
+            let mut copy = engine
+                .try_launch(d, span, &packed(runs))
+                .expect("the only context is idle")
+                .unwrap();
+            poll_until_done(&what, || copy.poll()).unwrap();
         });
     }
     assert!(counter("gpu_gather_launch_ns") > 0 && counter("gpu_gather_wait_ns") > 0);
@@ -353,12 +435,27 @@ fn try_launch_polls_to_completion_and_declines_when_busy() {
         region_stride: 200,
         addr_stride: 200,
     }];
-    let e = match engine.try_launch(Direction::Gather, span, &bad) {
+    let e = match engine.try_launch(Direction::Gather, span, &Runs::from(bad.to_vec())) {
         Some(Err(e)) => e,
         Some(Ok(_)) => panic!("a run past the region was launched"),
         None => panic!("the context is idle"),
     };
     assert!(e.quiesced, "{e}");
+    assert_eq!(pool.idle(), 1);
+    // So are packed copies past the region, with the run named.
+    let two = Copies::new(
+        4096,
+        0,
+        vec![bufs.src.base(), bufs.src.base() + 8192],
+        vec![0],
+    )
+    .unwrap();
+    let e = match engine.try_launch(Direction::Gather, span, &Runs::from_copies(two)) {
+        Some(Err(e)) => e,
+        Some(Ok(_)) => panic!("copies past the region were launched"),
+        None => panic!("the context is idle"),
+    };
+    assert!(e.quiesced && e.to_string().contains("region"), "{e}");
     assert_eq!(pool.idle(), 1);
 }
 

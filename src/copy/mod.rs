@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::config::Config;
 use crate::dataplane::Arena;
 
-use crate::proto::Run;
+use crate::proto::{Run, Runs};
 
 /// Which way a copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +71,7 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
         &self,
         _direction: Direction,
         _region: RegionSpan,
-        _runs: &[Run],
+        _runs: &Runs,
     ) -> Option<Result<Box<dyn LaunchedCopy>, CopyError>> {
         None
     }

@@ -295,20 +295,165 @@ impl Run {
 /// share the plan's lists instead of copying them per post. A list built
 /// from a [`RunPool`] gives its storage back to it when the last holder
 /// lets go.
+///
+/// A list decoded from a DATA in wire version 3's packed form keeps that
+/// form ([`Copies`]: an address a copy) and makes its runs only when
+/// something reads them as runs (`Deref`): the receiver's check, its
+/// registration check and its table fill read the copies instead, so a
+/// chunk's runs are never built on the way from the message to the GPU
+/// (docs/design.md §4, "Runs the GPU reads as they arrive").
 #[derive(Clone, Default)]
 pub struct Runs(Arc<RunList>);
 
 #[derive(Default)]
 struct RunList {
-    runs: Vec<Run>,
+    runs: std::sync::OnceLock<Vec<Run>>,
+    copies: Option<Copies>,
     home: Option<RunPool>,
 }
 
 impl Drop for RunList {
     fn drop(&mut self) {
-        if let Some(pool) = self.home.take() {
-            pool.put(std::mem::take(&mut self.runs));
+        if let (Some(pool), Some(runs)) = (self.home.take(), self.runs.take()) {
+            pool.put(runs);
         }
+    }
+}
+
+/// Copies of one length packed back to back in a region: copy `j` moves
+/// `len` bytes between region offset `first + j * len` and `addrs[j]`. A
+/// copy marked in `marks` (bit `j % 8` of byte `j / 8`) is the second of a
+/// run of two with the copy before it, which is what the list is as runs
+/// ([`Runs`]' `Deref`). Built only through [`Copies::new`], which checks
+/// that the runs exist.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Copies {
+    len: u64,
+    first: u64,
+    addrs: Vec<u64>,
+    marks: Vec<u8>,
+    /// [`Copies::addresses_fit`], found once when built.
+    fit: bool,
+}
+
+impl Copies {
+    /// The list, checked: at least one copy of at least one byte, region
+    /// offsets that do not overflow, one mark bit a copy and none past the
+    /// copies, and no mark on the first copy or on a copy after a marked
+    /// one (a run is one or two copies).
+    pub fn new(len: u64, first: u64, addrs: Vec<u64>, marks: Vec<u8>) -> Result<Copies, String> {
+        let n = addrs.len();
+        if n == 0 || len == 0 {
+            return Err(format!("{n} copies of {len} bytes"));
+        }
+        if (n as u64)
+            .checked_mul(len)
+            .and_then(|b| b.checked_add(first))
+            .is_none()
+        {
+            return Err(format!(
+                "{n} copies of {len} bytes from offset {first} overflow"
+            ));
+        }
+        if marks.len() != n.div_ceil(8) {
+            return Err(format!("{} mark bytes for {n} copies", marks.len()));
+        }
+        if !n.is_multiple_of(8) && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
+            return Err(format!("marks past its {n} copies"));
+        }
+        // A mark needs an unmarked copy before it: no mark on copy 0 and
+        // no two marks in a row, across byte boundaries too.
+        let mut carry = 1u8; // as if copy -1 were marked
+        for (i, &m) in marks.iter().enumerate() {
+            let after_mark = m & ((m << 1) | carry);
+            if after_mark != 0 {
+                let j = i * 8 + after_mark.trailing_zeros() as usize;
+                return Err(format!(
+                    "copy {j} is marked a run's second copy after no single copy"
+                ));
+            }
+            carry = m >> 7;
+        }
+        // Whether every run's application range fits in 64 bits: each
+        // copy's end does, and a run's second copy lies at or after its
+        // first (the run's address stride is their difference).
+        // Without branches (marks fall anywhere): each copy's "below the
+        // one before" bit, kept where marked.
+        let highest = addrs.iter().copied().max().unwrap_or(0);
+        let mut back = 0u8;
+        let mut prev = addrs[0];
+        for (eight, &m) in addrs.chunks(8).zip(&marks) {
+            let mut below = 0u8;
+            for (k, &a) in eight.iter().enumerate() {
+                below |= u8::from(a < prev) << k;
+                prev = a;
+            }
+            back |= below & m;
+        }
+        let fit = highest <= u64::MAX - len && back == 0;
+        Ok(Copies {
+            len,
+            first,
+            addrs,
+            marks,
+            fit,
+        })
+    }
+
+    /// Bytes a copy.
+    pub fn copy_len(&self) -> u64 {
+        self.len
+    }
+    /// The first copy's region offset.
+    pub fn first(&self) -> u64 {
+        self.first
+    }
+    /// Each copy's application address.
+    pub fn addrs(&self) -> &[u64] {
+        &self.addrs
+    }
+    /// Which copies are a run's second (one bit a copy).
+    pub fn marks(&self) -> &[u8] {
+        &self.marks
+    }
+    /// Whether copy `j` is a run's second.
+    pub fn marked(&self, j: usize) -> bool {
+        self.marks[j / 8] >> (j % 8) & 1 != 0
+    }
+    /// One past the last region byte (checked not to overflow).
+    pub fn region_end(&self) -> u64 {
+        self.first + self.addrs.len() as u64 * self.len
+    }
+
+    /// Whether every run these copies are has an application range that
+    /// does not wrap around the address space ([`Run::addr_end`]): each
+    /// copy's end fits in 64 bits, and a run's second copy lies at or after
+    /// its first (found when the list was built).
+    pub fn addresses_fit(&self) -> bool {
+        self.fit
+    }
+
+    /// The runs these copies are: each copy a run of its own, or with the
+    /// marked copy after it a run of two.
+    fn to_runs(&self) -> Vec<Run> {
+        let (n, len) = (self.addrs.len(), self.len);
+        let pairs: usize = self.marks.iter().map(|m| m.count_ones() as usize).sum();
+        let mut runs = Vec::with_capacity(n - pairs);
+        let mut j = 0;
+        while j < n {
+            let off = self.first + j as u64 * len;
+            let mut run = Run::single(off, self.addrs[j], len);
+            if j + 1 < n && self.marked(j + 1) {
+                run.count = 2;
+                run.region_stride = len;
+                run.addr_stride = self.addrs[j + 1].wrapping_sub(self.addrs[j]);
+                j += 2;
+            } else {
+                j += 1;
+            }
+            runs.push(run);
+        }
+        runs
     }
 }
 
@@ -316,22 +461,43 @@ impl Runs {
     /// `runs`, whose storage goes back to `pool` at the end.
     pub fn pooled(runs: Vec<Run>, pool: &RunPool) -> Runs {
         Runs(Arc::new(RunList {
-            runs,
+            runs: runs.into(),
+            copies: None,
             home: Some(pool.clone()),
         }))
+    }
+
+    /// The runs `copies` are, kept as copies until read as runs.
+    pub fn from_copies(copies: Copies) -> Runs {
+        Runs(Arc::new(RunList {
+            runs: std::sync::OnceLock::new(),
+            copies: Some(copies),
+            home: None,
+        }))
+    }
+
+    /// The list as packed copies, when it was made from them.
+    pub fn copies(&self) -> Option<&Copies> {
+        self.0.copies.as_ref()
     }
 }
 
 impl std::ops::Deref for Runs {
     type Target = [Run];
     fn deref(&self) -> &[Run] {
-        &self.0.runs
+        let list = &self.0;
+        list.runs
+            .get_or_init(|| list.copies.as_ref().map_or_else(Vec::new, Copies::to_runs))
     }
 }
 
 impl From<Vec<Run>> for Runs {
     fn from(runs: Vec<Run>) -> Runs {
-        Runs(Arc::new(RunList { runs, home: None }))
+        Runs(Arc::new(RunList {
+            runs: runs.into(),
+            copies: None,
+            home: None,
+        }))
     }
 }
 
@@ -382,6 +548,109 @@ impl RunPool {
         let held: usize = kept.iter().map(Vec::capacity).sum();
         if held + v.capacity() <= Self::KEPT_RUNS {
             kept.push(v);
+        }
+    }
+}
+
+/// Random packed copies for the tests that check each reader of
+/// [`Copies`] against the same reader of the runs they are.
+#[cfg(test)]
+pub(crate) mod testing {
+    use proptest::prelude::*;
+
+    use super::Copies;
+
+    /// Where [`arb_copies`]' addresses mostly lie: 64 KiB from 1 MiB.
+    pub(crate) const WINDOW: (u64, u64) = (1 << 20, (1 << 20) + (1 << 16));
+
+    /// Valid packed copies: mostly 4 KiB or short copies, each mostly a
+    /// step forward from the one before in [`WINDOW`], now and then
+    /// anywhere in it (so a run's second copy may lie below its first),
+    /// and now and then an address, a length or a first offset at an edge.
+    pub(crate) fn arb_copies() -> impl Strategy<Value = Copies> {
+        let len = prop_oneof![4 => Just(4096u64), 4 => 1..5000u64, 1 => (u64::MAX / 4)..u64::MAX];
+        let first = prop_oneof![8 => 0..1u64 << 16, 1 => (u64::MAX - (1 << 16))..=u64::MAX];
+        // (false, step) steps forward; (true, address) jumps.
+        let addr = prop_oneof![
+            24 => (0..8192u64).prop_map(|d| (false, d)),
+            2 => (WINDOW.0..WINDOW.1).prop_map(|a| (true, a)),
+            1 => ((u64::MAX - 8192)..=u64::MAX).prop_map(|a| (true, a)),
+        ];
+        let copies = proptest::collection::vec((addr, any::<bool>()), 1..40);
+        (len, first, copies).prop_filter_map("no such copies", |(len, first, copies)| {
+            let mut marks = vec![0u8; copies.len().div_ceil(8)];
+            let mut addrs = Vec::with_capacity(copies.len());
+            let mut at = WINDOW.0;
+            let mut after_mark = true; // no mark on copy 0
+            for (j, &((jump, a), mark)) in copies.iter().enumerate() {
+                at = if jump { a } else { at.saturating_add(a) };
+                addrs.push(at);
+                after_mark = mark && !after_mark;
+                if after_mark {
+                    marks[j / 8] |= 1 << (j % 8);
+                }
+            }
+            Copies::new(len, first, addrs, marks).ok()
+        })
+    }
+}
+
+#[cfg(test)]
+mod copies_tests {
+    use proptest::prelude::*;
+
+    use super::testing::arb_copies;
+    use super::*;
+
+    #[test]
+    fn a_list_that_is_no_runs_is_refused_with_what_is_wrong() {
+        let bad = |n: usize, len, first, marks: Vec<u8>| {
+            Copies::new(len, first, vec![0x1000; n], marks).unwrap_err()
+        };
+        assert_eq!(bad(0, 4096, 0, vec![]), "0 copies of 4096 bytes");
+        assert_eq!(bad(3, 0, 0, vec![0]), "3 copies of 0 bytes");
+        assert!(bad(4, u64::MAX / 4, 8, vec![0]).contains("overflow"));
+        assert_eq!(bad(9, 4096, 0, vec![0]), "1 mark bytes for 9 copies");
+        assert_eq!(bad(3, 4096, 0, vec![0b1000]), "marks past its 3 copies");
+        let no_first = "is marked a run's second copy after no single copy";
+        assert_eq!(bad(3, 4096, 0, vec![0b001]), format!("copy 0 {no_first}"));
+        assert_eq!(bad(3, 4096, 0, vec![0b110]), format!("copy 2 {no_first}"));
+        // Copies 7 and 8 marked: a run of three across a mark byte.
+        assert_eq!(
+            bad(10, 4096, 0, vec![0b1000_0000, 0b01]),
+            format!("copy 8 {no_first}")
+        );
+        // Marks on copies 1, 3 and 8 are three runs of two.
+        let ok = Copies::new(
+            4096,
+            0,
+            (0..10).map(|j| j * 8192).collect(),
+            vec![0b1010, 0b10],
+        );
+        assert_eq!(Runs::from_copies(ok.unwrap()).len(), 7);
+    }
+
+    proptest! {
+        /// The runs a list of copies is moves exactly its copies, in
+        /// order, with runs of two only where marked.
+        #[test]
+        fn copies_are_the_runs_they_make(c in arb_copies()) {
+            let runs = Runs::from_copies(c.clone());
+            prop_assert!(runs.copies().is_some());
+            let mut j = 0usize;
+            for r in runs.iter() {
+                prop_assert!(r.count == 1 || r.count == 2);
+                prop_assert_eq!(r.count == 2, j + 1 < c.addrs().len() && c.marked(j + 1));
+                for k in 0..u64::from(r.count) {
+                    prop_assert_eq!(r.len, c.copy_len());
+                    prop_assert_eq!(r.region_offset + k * r.region_stride, c.first() + j as u64 * c.copy_len());
+                    prop_assert_eq!(r.addr.wrapping_add(k.wrapping_mul(r.addr_stride)), c.addrs()[j]);
+                    j += 1;
+                }
+            }
+            prop_assert_eq!(j, c.addrs().len());
+            // Fit exactly when no run's application range wraps.
+            prop_assert_eq!(c.addresses_fit(), runs.iter().all(|r| r.addr_end().is_some()));
         }
     }
 }

@@ -435,7 +435,7 @@ pub(crate) fn validate_read(
                 format!("chunk {i} has {} bytes (must be 1..={max_chunk})", c.size),
             ));
         }
-        super::receiver::validate_runs(&c.runs, c.size)
+        super::receiver::validate_run_list(&c.runs, c.size)
             .map_err(|why| (RefuseReason::ProtocolViolation, format!("chunk {i}: {why}")))?;
     }
     let Some(check) = check else {

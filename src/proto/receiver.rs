@@ -44,6 +44,19 @@ pub(crate) struct Receiver {
     known_peers: BTreeSet<PeerId>,
 }
 
+/// [`validate_runs`] for a run list, read as packed copies when it is
+/// ([`Copies`](super::Copies)): the same verdict without building its runs (they are built
+/// only to word an error).
+pub(crate) fn validate_run_list(runs: &Runs, region_len: u64) -> Result<(), String> {
+    if let Some(c) = runs.copies() {
+        let n = c.addrs().len() as u64;
+        if c.region_end() <= region_len && n <= MAX_COPIES_PER_CHUNK && c.addresses_fit() {
+            return Ok(());
+        }
+    }
+    validate_runs(runs, region_len)
+}
+
 /// Why DATA runs are invalid.
 pub(crate) fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String> {
     if runs.is_empty() {
@@ -212,7 +225,7 @@ impl Receiver {
             tracing::debug!(target: "nixl_bounce::proto", "dropping late DATA {flow}#{chunk} {region}");
             return false;
         };
-        if let Err(why) = validate_runs(&runs, held.len) {
+        if let Err(why) = validate_run_list(&runs, held.len) {
             tracing::warn!(target: "nixl_bounce::proto", "invalid DATA from {from} for {flow}#{chunk}: {why}");
             self.abort(ctx, now, &flow, RefuseReason::ProtocolViolation);
             return false;
@@ -351,5 +364,29 @@ impl Receiver {
     #[allow(dead_code)]
     pub fn tombstone_count(&self) -> usize {
         self.tombstones.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::proto::testing::arb_copies;
+
+    proptest! {
+        /// The check of a DATA's packed copies gives the check of its
+        /// runs' verdict, in a region that now holds them and now not.
+        #[test]
+        fn packed_copies_are_checked_as_their_runs(
+            c in arb_copies(),
+            slack in prop_oneof![Just(0i64), -8192..8192i64],
+        ) {
+            let region_len = c.region_end().saturating_add_signed(slack);
+            let list = Runs::from_copies(c);
+            let fast = validate_run_list(&list, region_len);
+            let slow = validate_runs(&Runs::from(list.to_vec()), region_len);
+            prop_assert_eq!(fast.is_ok(), slow.is_ok(), "{:?} / {:?}", fast, slow);
+        }
     }
 }

@@ -16,7 +16,7 @@
 
 use thiserror::Error;
 
-use super::{RegionHandle, RequestId, Run, Runs};
+use super::{Copies, RegionHandle, RequestId, Run, Runs};
 
 /// Message header magic.
 pub const MESSAGE_MAGIC: [u8; 4] = *b"NXBM";
@@ -1119,7 +1119,16 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
             }
             let marks = r.take(n.div_ceil(8), "second-copy marks")?;
             let raw = r.take(n * 8, "copies")?;
-            rebuild_runs::<8>(n, len, first, marks, raw)
+            // Kept as copies: the receiver's checks and its table read
+            // them so, and no run is built (one pass over the addresses).
+            // A list that is no runs of copies (none, empty, past the end
+            // of the address space) is decoded as runs, as before, for the
+            // receiver's check to refuse with what is wrong.
+            let addrs = raw.chunks_exact(8).map(le_u64).collect();
+            match Copies::new(len, first, addrs, marks.to_vec()) {
+                Ok(copies) => Ok(Runs::from_copies(copies)),
+                Err(_) => rebuild_runs::<8>(n, len, first, marks, raw),
+            }
         }
     }
 }

@@ -103,6 +103,32 @@ impl Targets {
         Ok(if runs.is_empty() { (0, 0) } else { span })
     }
 
+    /// [`Targets::admits`] for a run list, read as packed copies when it
+    /// is ([`Copies`](crate::proto::Copies)): the same verdict and span without building its runs
+    /// (they are built only to word a refusal). A list's runs are all
+    /// admitted exactly when every copy lies in registered memory.
+    fn admits_list(&self, runs: &Runs) -> Result<(u64, u64), Refused> {
+        let Some(c) = runs.copies().filter(|c| c.addresses_fit()) else {
+            return self.admits(runs);
+        };
+        let len = c.copy_len();
+        let mut last = (1u64, 0u64); // empty
+        let mut span = (u64::MAX, 0u64);
+        for &a in c.addrs() {
+            // Fits: `addresses_fit`.
+            let end = a + len;
+            span = (span.0.min(a), span.1.max(end));
+            if last.0 <= a && end <= last.1 {
+                continue;
+            }
+            match self.covering(a, end) {
+                Some(interval) => last = interval,
+                None => return self.admits(runs),
+            }
+        }
+        Ok(span)
+    }
+
     /// Marks the application range [start, end) in use.
     fn track(&mut self, (start, end): (u64, u64)) -> InUse {
         self.next_token += 1;
@@ -150,16 +176,16 @@ impl ScatterTargets {
 
     /// Admits a scatter and marks its destinations in use, atomically with
     /// respect to deregistration.
-    pub fn admit_scatter(&self, runs: &[Run]) -> Result<InUse, Refused> {
+    pub fn admit_scatter(&self, runs: &Runs) -> Result<InUse, Refused> {
         let mut t = self.inner.locked();
-        let span = t.admits(runs)?;
+        let span = t.admits_list(runs)?;
         Ok(t.track(span))
     }
 
     /// Admits a gather (its sources must be registered memory: for a
     /// served READ they come from the network) and marks them in use,
     /// atomically with respect to deregistration.
-    pub fn admit_gather(&self, runs: &[Run]) -> Result<InUse, Refused> {
+    pub fn admit_gather(&self, runs: &Runs) -> Result<InUse, Refused> {
         self.admit_scatter(runs)
     }
 
@@ -189,7 +215,9 @@ mod tests {
     fn deregistration_waits_for_copies_in_flight() {
         let t = Arc::new(ScatterTargets::default());
         t.add(0x1000, 0x1000);
-        let token = t.admit_scatter(&[run(0x1100, 0x100, 1, 0)]).unwrap();
+        let token = t
+            .admit_scatter(&Runs::from(vec![run(0x1100, 0x100, 1, 0)]))
+            .unwrap();
         assert!(
             !t.remove(0x1000, 0x1000, Duration::from_millis(20)),
             "a scatter still writes there"
@@ -205,9 +233,12 @@ mod tests {
         );
         releaser.join().unwrap();
         t.add(0x9000, 0x100);
-        let other = t.admit_gather(&[run(0x9000, 0x10, 1, 0)]).unwrap();
+        let other = t
+            .admit_gather(&Runs::from(vec![run(0x9000, 0x10, 1, 0)]))
+            .unwrap();
         assert!(
-            t.admit_gather(&[run(0x9000, 0x10, 2, 0x100)]).is_err(),
+            t.admit_gather(&Runs::from(vec![run(0x9000, 0x10, 2, 0x100)]))
+                .is_err(),
             "a gather (a served READ's sources) outside registered memory is refused"
         );
         assert!(
@@ -264,7 +295,10 @@ mod tests {
         // The range marked in use spans every run: deregistering any part
         // of it waits for the copy.
         let in_use = t
-            .admit_scatter(&[run(0x5800, 0x100, 1, 0), run(0x1000, 0x100, 1, 0)])
+            .admit_scatter(&Runs::from(vec![
+                run(0x5800, 0x100, 1, 0),
+                run(0x1000, 0x100, 1, 0),
+            ]))
             .expect("admitted");
         assert!(
             !t.remove(0x5000, 0x1000, Duration::ZERO),
@@ -286,19 +320,22 @@ mod tests {
 
     /// Not a benchmark: what one 16 MiB chunk of 4096 scattered 4 KiB
     /// blocks costs the hosts' passes on the arena path, each alone and
-    /// warm: the sender's check and table fill and its DATA's encoding, the
-    /// receiver's decoding, check and fill; beside them one pass that reads
-    /// the DATA's copies (8 bytes each, as wire version 3 sends them),
-    /// checks each against the registration and writes the address list a
-    /// kernel could read: what is left when no run is made on the way
-    /// (docs/design.md §11, "Runs the GPU reads as they arrive").
+    /// warm: the sender's check and table fill and its DATA's encoding; the
+    /// receiver's decoding, checks and pair-table fill reading the DATA's
+    /// packed copies, against the same passes over the runs the receiver
+    /// built before (docs/design.md §4, "Runs the GPU reads as they
+    /// arrive"); beside them one pass that reads the copies, checks each
+    /// against the registration and writes an address list: the floor.
     /// `cargo test --release --lib chunk_passes_cost -- --ignored --nocapture`
     #[test]
     #[ignore]
     fn chunk_passes_cost() {
-        use crate::copy::cuda::{fill_table, table_capacity, table_parts, TableLayout};
+        use crate::copy::cuda::{
+            fill_pairs_from_copies, fill_table, table_capacity, table_parts, TableLayout,
+        };
         use crate::copy::{Direction, RegionSpan};
         use crate::proto::plan::{build_from, Descriptor, PlanOptions};
+        use crate::proto::receiver::{validate_run_list, validate_runs};
         use crate::proto::wire::Message;
         use crate::proto::{RegionHandle, RequestId, RunPool};
         use std::hint::black_box;
@@ -366,7 +403,7 @@ mod tests {
             black_box(fill_table(direction, region, runs, 8192, 1 << 20, r, t, s).expect("filled"));
         };
         let gather_check = best(&mut || {
-            black_box(targets.admits(&chunk.gather_runs).expect("admitted"));
+            targets.admits(&chunk.gather_runs).expect("admitted");
         });
         let gather_fill = best(&mut || fill(Direction::Gather, &chunk.gather_runs));
         let encode = best(&mut || {
@@ -377,10 +414,31 @@ mod tests {
         let Some(Message::Data { runs, .. }) = decoded else {
             panic!("not a DATA")
         };
-        let scatter_check = best(&mut || {
-            black_box(targets.admits(&runs).expect("admitted"));
+        let c = runs.copies().expect("decoded as packed copies");
+        // As before: the runs built from the copies, checked and filled.
+        let decode_build = best(&mut || {
+            let Ok(Message::Data { runs, .. }) = Message::decode(&bytes) else {
+                panic!("not a DATA")
+            };
+            black_box(runs.len()); // the runs, built
         });
-        let scatter_fill = best(&mut || fill(Direction::Scatter, &runs));
+        let as_runs = runs.to_vec();
+        let runs_check = best(&mut || {
+            validate_runs(&as_runs, chunk.bytes).expect("valid");
+            targets.admits(&as_runs).expect("admitted");
+        });
+        let runs_fill = best(&mut || fill(Direction::Scatter, &as_runs));
+        // Now: the copies read as they arrived.
+        let scatter_check = best(&mut || {
+            validate_run_list(&runs, chunk.bytes).expect("valid");
+            black_box(targets.inner.locked().admits_list(&runs).expect("admitted"));
+        });
+        let mut pairs = vec![0u64; 2 * c.addrs().len()];
+        let scatter_fill = best(&mut || {
+            black_box(
+                fill_pairs_from_copies(Direction::Scatter, region, c, &mut pairs).expect("filled"),
+            );
+        });
         // The lower bound: one pass over the DATA's copies, each checked
         // against the registration and written to an address list.
         let copies: Vec<u64> = runs.iter().flat_map(|r| r.copies().map(|c| c.1)).collect();
@@ -408,9 +466,33 @@ mod tests {
             gather_check + gather_fill + encode
         );
         println!(
-            "receiver: decode {decode:.1} us, check {scatter_check:.1} us, fill {scatter_fill:.1} us: {:.1} us",
+            "receiver, runs as before: decode and build {decode_build:.1} us, check {runs_check:.1} us, fill {runs_fill:.1} us: {:.1} us",
+            decode_build + runs_check + runs_fill
+        );
+        println!(
+            "receiver, copies kept:    decode {decode:.1} us, check {scatter_check:.1} us, pair fill {scatter_fill:.1} us: {:.1} us",
             decode + scatter_check + scatter_fill
         );
         println!("one pass from the DATA's copies to an address list: {one_pass:.1} us");
+    }
+
+    proptest::proptest! {
+        /// Admitting packed copies gives admitting their runs' verdict
+        /// and span, whatever of them is registered.
+        #[test]
+        fn packed_copies_are_admitted_as_their_runs(
+            c in crate::proto::testing::arb_copies(),
+            regs in proptest::collection::vec((0..1u64 << 16, 1..1u64 << 15), 0..4),
+        ) {
+            let t = ScatterTargets::default();
+            let base = crate::proto::testing::WINDOW.0;
+            for (off, len) in regs {
+                t.add((base + off) as usize, len as usize);
+            }
+            let list = Runs::from_copies(c);
+            let runs = list.to_vec();
+            let targets = t.inner.locked();
+            proptest::prop_assert_eq!(targets.admits_list(&list), targets.admits(&runs));
+        }
     }
 }

@@ -486,12 +486,18 @@ impl ExecGuard {
         &mut self,
         direction: Direction,
         region: RegionSpan,
-        runs: &[Run],
+        list: RunsArg<'_>,
         opts: &CopyOptions,
     ) -> Result<(), CopyError> {
         if opts.batch_memcpy {
-            return self.launch_batch(direction, region, runs);
+            return self.launch_batch(direction, region, list.runs());
         }
+        // Packed copies (a DATA's, as wire version 3 sends them): their
+        // pair table straight from the addresses, no run read or built.
+        if let Some(c) = list.copies().filter(|_| !self.pool.zero_copy) {
+            return self.launch_copies(direction, region, c, opts);
+        }
+        let runs = list.runs();
         let kernel = self.pool.kernel.clone();
         let zero_copy = self.pool.zero_copy;
         let dev = self.pool.device.clone();
@@ -521,7 +527,6 @@ impl ExecGuard {
         ctx.table
             .ensure(layout.capacity)
             .map_err(|e| err(e.to_string(), true))?;
-        let nruns = runs.len();
         let t1 = Instant::now();
         // Every copy of one length (real clients' blocks): the pair
         // kernel's table, the launch's own parameter when it fits one.
@@ -563,7 +568,86 @@ impl ExecGuard {
                 )?)
             }
         };
-        let t2 = Instant::now();
+        self.submit(direction, form, &layout, [t0, t1, Instant::now()])
+    }
+
+    /// Fills the pair table of packed copies ([`fill_pairs_from_copies`])
+    /// in the context's pinned table and launches it as [`launch`] does.
+    ///
+    /// [`launch`]: ExecGuard::launch
+    fn launch_copies(
+        &mut self,
+        direction: Direction,
+        region: RegionSpan,
+        copies: &Copies,
+        opts: &CopyOptions,
+    ) -> Result<(), CopyError> {
+        let err = |reason: String| CopyError {
+            direction,
+            reason,
+            quiesced: true,
+        };
+        let kernel = self.pool.kernel.clone();
+        let max_grid = opts
+            .max_blocks
+            .unwrap_or(kernel.max_grid)
+            .clamp(1, i32::MAX as u32);
+        let max_warps = max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let t0 = Instant::now();
+        let n = copies.addrs().len();
+        let bytes = pairs_table_bytes(n);
+        self.pool.device.bind().map_err(|e| err(e.to_string()))?;
+        let ctx = self
+            .ctx
+            .as_mut()
+            .expect("an ExecGuard holds its context until dropped");
+        ctx.table.ensure(bytes).map_err(|e| err(e.to_string()))?;
+        let t1 = Instant::now();
+        // SAFETY: the pinned table holds at least `bytes` = 16 n bytes
+        // (ensured above), page-aligned (cuMemHostAlloc), so 8-aligned for
+        // u64; the context is borrowed exclusively and idle, so no kernel
+        // reads the table while it is rewritten.
+        let out = unsafe { std::slice::from_raw_parts_mut(ctx.table.host as *mut u64, 2 * n) };
+        let (len, copies) =
+            fill_pairs_from_copies(direction, region, copies, out)?.ok_or_else(|| {
+                err(format!(
+                    "a table of {n} copies does not fit its {bytes} bytes"
+                ))
+            })?;
+        let shape =
+            pairs_shape(copies, len, opts.tile_bytes, max_warps).map_err(|e| err(e.to_string()))?;
+        let layout = TableLayout::new(0).expect("an empty layout");
+        self.submit(
+            direction,
+            Form::Pairs { len, shape },
+            &layout,
+            [t0, t1, Instant::now()],
+        )
+    }
+
+    /// Uploads the table filled in the context's pinned memory (unless
+    /// mapped or the parameter), launches its kernel and records the
+    /// context's event after it; `marks` are when the launch began, its
+    /// table was sized and filled.
+    fn submit(
+        &mut self,
+        direction: Direction,
+        form: Form,
+        layout: &TableLayout,
+        [t0, t1, t2]: [Instant; 3],
+    ) -> Result<(), CopyError> {
+        let kernel = self.pool.kernel.clone();
+        let zero_copy = self.pool.zero_copy;
+        let err = |reason: String, quiesced: bool| CopyError {
+            direction,
+            reason,
+            quiesced,
+        };
+        let nruns = layout.nruns;
+        let ctx = self
+            .ctx
+            .as_mut()
+            .expect("an ExecGuard holds its context until dropped");
         if let Some(queued) = &ctx.queued {
             // Timed: from here to `began` is the upload (and any wait).
             let _ = queued.record(&ctx.stream);
@@ -632,7 +716,7 @@ impl ExecGuard {
                     } else {
                         &kernel.func
                     };
-                    launch_copy(func, table_dev, &layout, shape, stream)
+                    launch_copy(func, table_dev, layout, shape, stream)
                 }
                 Form::Pairs { len, shape } => {
                     launch_pairs(kernel.pairs_function(), table_dev, *len, shape, stream)

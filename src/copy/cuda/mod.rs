@@ -37,7 +37,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModu
 use cudarc::nvrtc;
 
 use super::{check_runs, CopyEngine, CopyError, Direction, LaunchedCopy, RegionSpan};
-use crate::proto::Run;
+use crate::proto::{Copies, Run, Runs};
 use crate::sync::Locked;
 
 mod compile;
@@ -232,6 +232,16 @@ impl CudaCopy {
         region: RegionSpan,
         runs: &[Run],
     ) -> Result<Option<PendingCopy>, CopyError> {
+        self.try_start_list(direction, region, RunsArg::Slice(runs))
+    }
+
+    /// [`try_start`](Self::try_start) of a slice or a shared list.
+    pub fn try_start_list(
+        &self,
+        direction: Direction,
+        region: RegionSpan,
+        runs: RunsArg<'_>,
+    ) -> Result<Option<PendingCopy>, CopyError> {
         if runs.is_empty() {
             return Ok(Some(PendingCopy::finished(direction)));
         }
@@ -259,7 +269,7 @@ impl CudaCopy {
                 reason: reason.into(),
                 quiesced: true,
             })?;
-        self.launch_on(g, direction, region, runs)
+        self.launch_on(g, direction, region, RunsArg::Slice(runs))
     }
 
     fn launch_on(
@@ -267,7 +277,7 @@ impl CudaCopy {
         mut g: ExecGuard,
         direction: Direction,
         region: RegionSpan,
-        runs: &[Run],
+        runs: RunsArg<'_>,
     ) -> Result<PendingCopy, CopyError> {
         let _range = crate::nvtx::range(match direction {
             Direction::Gather => c"bounce.gather.launch",
@@ -301,10 +311,12 @@ impl CopyEngine for CudaCopy {
         &self,
         direction: Direction,
         region: RegionSpan,
-        runs: &[Run],
+        runs: &Runs,
     ) -> Option<Result<Box<dyn LaunchedCopy>, CopyError>> {
         let t0 = Instant::now();
-        let started = self.try_start(direction, region, runs).transpose()?;
+        let started = self
+            .try_start_list(direction, region, RunsArg::List(runs))
+            .transpose()?;
         let launched = Instant::now();
         self.phases.add(direction, Some(launched - t0), None);
         Some(started.map(|pending| {
@@ -336,6 +348,40 @@ impl CopyEngine for CudaCopy {
             ("gpu_gather_upload_ns", upload(0)),
             ("gpu_scatter_upload_ns", upload(1)),
         ]
+    }
+}
+
+/// The runs a launch copies: a slice, or a shared list that may be packed
+/// copies ([`Runs::copies`]), whose table is then filled from the copies
+/// without their runs being built.
+#[derive(Clone, Copy, Debug)]
+pub enum RunsArg<'a> {
+    Slice(&'a [Run]),
+    List(&'a Runs),
+}
+
+impl<'a> RunsArg<'a> {
+    /// The packed copies, when the list is made of them.
+    pub fn copies(self) -> Option<&'a Copies> {
+        match self {
+            RunsArg::Slice(_) => None,
+            RunsArg::List(l) => l.copies(),
+        }
+    }
+
+    /// The runs (built from packed copies on first use).
+    pub fn runs(self) -> &'a [Run] {
+        match self {
+            RunsArg::Slice(r) => r,
+            RunsArg::List(l) => l,
+        }
+    }
+
+    fn is_empty(self) -> bool {
+        match self {
+            RunsArg::Slice(r) => r.is_empty(),
+            RunsArg::List(l) => l.copies().is_none() && l.is_empty(),
+        }
     }
 }
 

@@ -438,6 +438,45 @@ pub fn fill_pairs(
     Ok(Some((len, copies)))
 }
 
+/// The pair table of packed copies ([`Copies`]: copy j between region
+/// offset `first + j * len` and `addrs[j]`), as [`fill_pairs`] would fill
+/// it from the runs the copies are: one pass over the addresses, no run
+/// read. `Ok(None)` when `out` holds fewer than the copies; `Err` (worded
+/// from the runs) when a copy leaves the region or an address range wraps.
+pub fn fill_pairs_from_copies(
+    direction: Direction,
+    region: RegionSpan,
+    copies: &Copies,
+    out: &mut [u64],
+) -> Result<Option<(u64, usize)>, CopyError> {
+    let (len, addrs) = (copies.copy_len(), copies.addrs());
+    let n = addrs.len();
+    if out.len() < 2 * n {
+        return Ok(None);
+    }
+    let region_base = region.addr as u64;
+    let fits = copies.region_end() <= region.len as u64
+        && region_base.checked_add(copies.region_end()).is_some()
+        && copies.addresses_fit();
+    if !fits {
+        let runs = Runs::from_copies(copies.clone());
+        check_runs(direction, region.len, &runs)?;
+        return Err(CopyError {
+            direction,
+            reason: "the copies' region addresses overflow".into(),
+            quiesced: true,
+        });
+    }
+    // Checked above: no region address below overflows.
+    let mut at = region_base + copies.first();
+    let gather = direction == Direction::Gather;
+    for (pair, &a) in out[..2 * n].chunks_exact_mut(2).zip(addrs) {
+        (pair[0], pair[1]) = if gather { (a, at) } else { (at, a) };
+        at += len;
+    }
+    Ok(Some((len, n)))
+}
+
 /// The launch of a pair table (`bounce_copy_pairs` in
 /// `kernels/gather_scatter.cu`): `n` copies of `len` bytes each, table
 /// entry i the (source, destination) of copy i, 16 bytes per copy. The

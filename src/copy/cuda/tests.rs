@@ -468,6 +468,36 @@ fn a_run_of_many_copies_is_one_table_entry() {
 }
 
 proptest::proptest! {
+    /// Packed copies fill the pair table their runs fill, and are refused
+    /// where their runs are, in a region that now holds them and now not
+    /// (a region that itself wraps around the address space is none).
+    #[test]
+    fn packed_copies_fill_the_pair_table_of_their_runs(
+        c in crate::proto::testing::arb_copies(),
+        slack in proptest::prop_oneof![proptest::strategy::Just(0i64), -8192..8192i64],
+        high in proptest::bool::ANY,
+        gather in proptest::bool::ANY,
+    ) {
+        use proptest::prelude::*;
+        let direction = if gather { Direction::Gather } else { Direction::Scatter };
+        let len = c.region_end().saturating_add_signed(slack);
+        let region = RegionSpan { addr: if high { u64::MAX - len } else { 1 << 40 } as usize, len: len as usize };
+        prop_assume!(region.addr.checked_add(region.len).is_some());
+        let runs = crate::proto::Runs::from_copies(c.clone()).to_vec();
+        let mut fast = vec![0u64; 2 * c.addrs().len()];
+        let mut slow = fast.clone();
+        let a = fill_pairs_from_copies(direction, region, &c, &mut fast);
+        let b = fill_pairs(direction, region, &runs, &mut slow);
+        prop_assert_eq!(a.is_ok(), b.is_ok(), "{:?} / {:?}", a, b);
+        if let (Ok(a), Ok(b)) = (a, b) {
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(fast, slow);
+        }
+        // Short of room for every copy: none.
+        let mut short = vec![0u64; 2 * c.addrs().len() - 1];
+        prop_assert!(matches!(fill_pairs_from_copies(direction, region, &c, &mut short), Ok(None)));
+    }
+
     /// The one pass (with its short form for single copies) refuses
     /// exactly what `check_runs` refuses, near every overflow edge, and
     /// otherwise writes the table entry by entry as the definition

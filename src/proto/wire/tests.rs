@@ -450,6 +450,24 @@ fn bad_block_lists_are_errors() {
 }
 
 proptest! {
+    /// A DATA whose runs are packed copies decodes to those copies, kept
+    /// as copies (the receiver reads them so, docs/design.md §4), when
+    /// their runs exist (no address range wraps).
+    #[test]
+    fn packed_data_decodes_to_its_copies(c in crate::proto::testing::arb_copies()) {
+        prop_assume!(c.addresses_fit());
+        let m = Message::Data {
+            request: RequestId(1),
+            chunk: 2,
+            region: RegionHandle(3),
+            runs: Runs::from_copies(c.clone()),
+        };
+        let Ok(Message::Data { runs, .. }) = Message::decode(&m.encode()) else {
+            panic!("a DATA decodes");
+        };
+        prop_assert_eq!(runs.copies(), Some(&c));
+    }
+
     #[test]
     fn messages_round_trip(m in arb_message()) {
         let bytes = m.encode();
