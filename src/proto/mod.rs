@@ -355,25 +355,7 @@ impl Copies {
                 "{n} copies of {len} bytes from offset {first} overflow"
             ));
         }
-        if marks.len() != n.div_ceil(8) {
-            return Err(format!("{} mark bytes for {n} copies", marks.len()));
-        }
-        if !n.is_multiple_of(8) && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
-            return Err(format!("marks past its {n} copies"));
-        }
-        // A mark needs an unmarked copy before it: no mark on copy 0 and
-        // no two marks in a row, across byte boundaries too.
-        let mut carry = 1u8; // as if copy -1 were marked
-        for (i, &m) in marks.iter().enumerate() {
-            let after_mark = m & ((m << 1) | carry);
-            if after_mark != 0 {
-                let j = i * 8 + after_mark.trailing_zeros() as usize;
-                return Err(format!(
-                    "copy {j} is marked a run's second copy after no single copy"
-                ));
-            }
-            carry = m >> 7;
-        }
+        check_marks(n, &marks)?;
         // Whether every run's application range fits in 64 bits: each
         // copy's end does, and a run's second copy lies at or after its
         // first (the run's address stride is their difference).
@@ -412,10 +394,6 @@ impl Copies {
     pub fn addrs(&self) -> &[u64] {
         &self.addrs
     }
-    /// Which copies are a run's second (one bit a copy).
-    pub fn marks(&self) -> &[u8] {
-        &self.marks
-    }
     /// Whether copy `j` is a run's second.
     pub fn marked(&self, j: usize) -> bool {
         self.marks[j / 8] >> (j % 8) & 1 != 0
@@ -436,25 +414,71 @@ impl Copies {
     /// The runs these copies are: each copy a run of its own, or with the
     /// marked copy after it a run of two.
     fn to_runs(&self) -> Vec<Run> {
-        let (n, len) = (self.addrs.len(), self.len);
-        let pairs: usize = self.marks.iter().map(|m| m.count_ones() as usize).sum();
-        let mut runs = Vec::with_capacity(n - pairs);
-        let mut j = 0;
-        while j < n {
-            let off = self.first + j as u64 * len;
-            let mut run = Run::single(off, self.addrs[j], len);
-            if j + 1 < n && self.marked(j + 1) {
-                run.count = 2;
-                run.region_stride = len;
-                run.addr_stride = self.addrs[j + 1].wrapping_sub(self.addrs[j]);
-                j += 2;
-            } else {
-                j += 1;
-            }
-            runs.push(run);
-        }
-        runs
+        let (first, len) = (self.first, self.len);
+        runs_of_marked_copies(self.addrs.len(), len, &self.marks, |j| {
+            (first + j as u64 * len, self.addrs[j])
+        })
     }
+}
+
+/// Checks the marks of `n` copies (bit `j % 8` of byte `j / 8` marks copy
+/// `j` a run's second): one byte for every eight copies, none past the
+/// copies, and a mark only on a copy after an unmarked one (a run is one
+/// or two copies). Shared by [`Copies::new`] and the wire's compact run
+/// lists.
+pub(crate) fn check_marks(n: usize, marks: &[u8]) -> Result<(), String> {
+    if marks.len() != n.div_ceil(8) {
+        return Err(format!("{} mark bytes for {n} copies", marks.len()));
+    }
+    if !n.is_multiple_of(8) && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
+        return Err(format!("marks past its {n} copies"));
+    }
+    // No mark on copy 0 and no two marks in a row, across byte boundaries
+    // too.
+    let mut carry = 1u8; // as if copy -1 were marked
+    for (i, &m) in marks.iter().enumerate() {
+        let after_mark = m & ((m << 1) | carry);
+        if after_mark != 0 {
+            let j = i * 8 + after_mark.trailing_zeros() as usize;
+            return Err(format!(
+                "copy {j} is marked a run's second copy after no single copy"
+            ));
+        }
+        carry = m >> 7;
+    }
+    Ok(())
+}
+
+/// The runs of `n` copies of `len` bytes, copy `j` at `copy(j)` (region
+/// offset, address), marks checked ([`check_marks`]): each copy a run of
+/// its own, or with the marked copy after it a run of two whose strides
+/// are the differences (wrapping: a run that then overflows is refused by
+/// the checks of runs). One indexed loop.
+pub(crate) fn runs_of_marked_copies(
+    n: usize,
+    len: u64,
+    marks: &[u8],
+    copy: impl Fn(usize) -> (u64, u64),
+) -> Vec<Run> {
+    let marked = |j: usize| marks[j / 8] >> (j % 8) & 1 != 0;
+    let pairs: usize = marks.iter().map(|m| m.count_ones() as usize).sum();
+    let mut runs = Vec::with_capacity(n - pairs);
+    let mut j = 0;
+    while j < n {
+        let (off, addr) = copy(j);
+        let mut run = Run::single(off, addr, len);
+        if j + 1 < n && marked(j + 1) {
+            let (off2, addr2) = copy(j + 1);
+            run.count = 2;
+            run.region_stride = off2.wrapping_sub(off);
+            run.addr_stride = addr2.wrapping_sub(addr);
+            j += 2;
+        } else {
+            j += 1;
+        }
+        runs.push(run);
+    }
+    runs
 }
 
 impl Runs {

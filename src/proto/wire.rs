@@ -16,7 +16,7 @@
 
 use thiserror::Error;
 
-use super::{Copies, RegionHandle, RequestId, Run, Runs};
+use super::{check_marks, runs_of_marked_copies, Copies, RegionHandle, RequestId, Run, Runs};
 
 /// Message header magic.
 pub const MESSAGE_MAGIC: [u8; 4] = *b"NXBM";
@@ -1137,9 +1137,9 @@ fn decode_runs(r: &mut Reader<'_>, left: &mut usize) -> Result<Runs, WireError> 
 /// each in `raw`: the region offset and the address, or with `WIDTH` 8
 /// the address alone, copy j at `first + j * len`, checked by the caller
 /// not to overflow), each starting a run of its own unless marked the
-/// second of a run of two. A mark where no single copy precedes, or past
-/// the copies, is an error; strides that wrap are left for the receiver's
-/// checks to refuse (the run then overflows). One indexed loop.
+/// second of a run of two. Marks that make no runs are an error
+/// ([`check_marks`]); strides that wrap are left for the receiver's
+/// checks to refuse (the run then overflows).
 fn rebuild_runs<const WIDTH: usize>(
     n: usize,
     len: u64,
@@ -1147,13 +1147,10 @@ fn rebuild_runs<const WIDTH: usize>(
     marks: &[u8],
     raw: &[u8],
 ) -> Result<Runs, WireError> {
-    let invalid = |why: String| WireError::Invalid {
+    check_marks(n, marks).map_err(|why| WireError::Invalid {
         what: "run list",
         why,
-    };
-    if !n.is_multiple_of(8) && marks.last().is_some_and(|&m| m >> (n % 8) != 0) {
-        return Err(invalid(format!("marks past its {n} copies")));
-    }
+    })?;
     let copy = |j: usize| {
         let e = &raw[j * WIDTH..(j + 1) * WIDTH];
         let off = if WIDTH == 16 {
@@ -1163,30 +1160,7 @@ fn rebuild_runs<const WIDTH: usize>(
         };
         (off, le_u64(&e[WIDTH - 8..]))
     };
-    let marked = |j: usize| marks[j / 8] >> (j % 8) & 1 != 0;
-    let pairs: usize = marks.iter().map(|m| m.count_ones() as usize).sum();
-    let mut runs: Vec<Run> = Vec::with_capacity(n - pairs.min(n));
-    let mut j = 0;
-    while j < n {
-        if marked(j) {
-            return Err(invalid(format!(
-                "copy {j} is marked a run's second copy after no single copy"
-            )));
-        }
-        let (off, addr) = copy(j);
-        let mut run = Run::single(off, addr, len);
-        if j + 1 < n && marked(j + 1) {
-            let (off2, addr2) = copy(j + 1);
-            run.count = 2;
-            run.region_stride = off2.wrapping_sub(off);
-            run.addr_stride = addr2.wrapping_sub(addr);
-            j += 2;
-        } else {
-            j += 1;
-        }
-        runs.push(run);
-    }
-    Ok(runs.into())
+    Ok(runs_of_marked_copies(n, len, marks, copy).into())
 }
 
 fn decode_read(r: &mut Reader<'_>) -> Result<Message, WireError> {

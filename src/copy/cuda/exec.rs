@@ -479,6 +479,16 @@ impl ExecGuard {
         )
     }
 
+    /// The warps a launch may use: `opts.max_blocks` or the kernel's
+    /// largest grid (a grid's x dimension is at most 2^31 - 1 blocks).
+    fn max_warps(kernel: &CopyKernel, opts: &CopyOptions) -> u32 {
+        let max_grid = opts
+            .max_blocks
+            .unwrap_or(kernel.max_grid)
+            .clamp(1, i32::MAX as u32);
+        max_grid.saturating_mul(WARPS_PER_BLOCK)
+    }
+
     /// Fills the copy's table (a run table, or a pair table with
     /// `pair_tables`) and launches the copy; records the context's event
     /// after it. Err: nothing launched (`quiesced`) or a launch error.
@@ -494,6 +504,9 @@ impl ExecGuard {
         }
         // Packed copies (a DATA's, as wire version 3 sends them): their
         // pair table straight from the addresses, no run read or built.
+        // Not on a zero-copy pool, whose kernels read their table from
+        // mapped host memory: there a pinned pair table is never used
+        // (`fill_pair_form`), and the runs are built instead.
         if let Some(c) = list.copies().filter(|_| !self.pool.zero_copy) {
             return self.launch_copies(direction, region, c, opts);
         }
@@ -506,12 +519,7 @@ impl ExecGuard {
             reason,
             quiesced,
         };
-        // A grid's x dimension is at most 2^31 - 1 blocks.
-        let max_grid = opts
-            .max_blocks
-            .unwrap_or(kernel.max_grid)
-            .clamp(1, i32::MAX as u32);
-        let max_warps = max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let max_warps = Self::max_warps(&kernel, opts);
         let t0 = Instant::now();
         let layout = TableLayout::new(runs.len()).ok_or_else(|| {
             err(
@@ -587,12 +595,7 @@ impl ExecGuard {
             reason,
             quiesced: true,
         };
-        let kernel = self.pool.kernel.clone();
-        let max_grid = opts
-            .max_blocks
-            .unwrap_or(kernel.max_grid)
-            .clamp(1, i32::MAX as u32);
-        let max_warps = max_grid.saturating_mul(WARPS_PER_BLOCK);
+        let max_warps = Self::max_warps(&self.pool.kernel, opts);
         let t0 = Instant::now();
         let n = copies.addrs().len();
         let bytes = pairs_table_bytes(n);
