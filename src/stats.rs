@@ -110,6 +110,9 @@ typed_counters! {
         peer_prepared => "peer_map_prepared",
         peer_prepare_ns => "peer_map_prepare_ns",
         peer_inline_tables => "peer_map_inline_tables",
+        /// Inline tables uploaded at their request's second post (a
+        /// request posted again is taken to be posted many times).
+        peer_inline_uploaded => "peer_map_inline_tables_uploaded",
         peer_fill_ns => "peer_map_fill_ns",
         peer_setup_ns => "peer_map_setup_ns",
         peer_upload_ns => "peer_map_upload_ns",

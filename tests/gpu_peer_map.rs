@@ -7,6 +7,8 @@
 //!   over the whole buffers, counted as peer-mapped on the initiator and
 //!   never seen by the target's bounce path (the one-pass pair table);
 //! - the same with descriptors of two lengths (the merged run table);
+//! - a small request posted four times: its inline table is uploaded at
+//!   the second post (none inline when prepared in prepXfer), byte-exact;
 //! - a WRITE with a notification: the target checks its destination the
 //!   moment the notification arrives, without the initiator polling first;
 //! - `enable_peer_map=false` on the target: the region is not exported and
@@ -302,6 +304,60 @@ fn descriptors_of_several_lengths_take_the_run_table() {
         assert_eq!(path, "peer", "{op:?} of {n} x (1000 + 3096) bytes");
     }
     println!("{n} blocks as 1000 + 3096 bytes: WRITE and READ peer-mapped, byte-exact");
+}
+
+/// A small request's table is the launch's parameter when the request is
+/// prepared at its first post (the default), and uploaded at its second
+/// post; every post after moves new bytes exactly. Prepared in prepXfer
+/// (`prepare_at_post=false`), the table is uploaded from the start.
+#[test]
+#[serial_test::serial]
+fn a_reposted_small_table_is_uploaded_once_and_copies_the_same() {
+    let Some(dev) = gpu_and_plugin() else { return };
+    let n = 1024;
+    for (at_post, inline, uploaded) in [("true", 1, 1), ("false", 0, 0)] {
+        let len = blocks_for(n) * BLOCK;
+        let extra = [("prepare_at_post", at_post)];
+        let a = Side::new(&dev, "pm-repost", len, &extra);
+        let b = Side::new(&dev, "pm-repost-target", len, &[]);
+        introduce(&a, &b);
+        for (i, op) in [XferOp::Write, XferOp::Read].into_iter().enumerate() {
+            let (src, dst) = match op {
+                XferOp::Write => (&a, &b),
+                _ => (&b, &a),
+            };
+            let plan = Plan::standard(n, BLOCK, 900 + i as u64);
+            let before = stats(a.name());
+            let req = vram_xfer(op, &plan, &a, &b, None);
+            for post in 0..4u64 {
+                let seed = 1000 * (i as u64 + 1) + 10 * post;
+                let src_data = src.fill(seed);
+                let dst_before = dst.fill(seed + 1);
+                a.node
+                    .post_and_wait(&req, wait_timeout())
+                    .or_fail("transfer");
+                plan.verify(&dst.contents(), &dst_before, &src_data)
+                    .or_fail("destination");
+            }
+            let after = stats(a.name());
+            let what = format!("{op:?}, prepare_at_post={at_post}");
+            assert_eq!(after.since(&before, "peer_map_succeeded"), 4, "{what}");
+            assert_eq!(
+                after.since(&before, "peer_map_inline_tables"),
+                inline,
+                "{what}"
+            );
+            assert_eq!(
+                after.since(&before, "peer_map_inline_tables_uploaded"),
+                uploaded,
+                "{what}"
+            );
+        }
+        println!(
+            "{n} x 4 KiB posted 4 times, prepare_at_post={at_post}: byte-exact, \
+             {inline} inline table, {uploaded} uploaded at a repost"
+        );
+    }
 }
 
 #[test]

@@ -623,6 +623,36 @@ impl IpcTable {
         matches!(self.form, TableForm::InlinePairs { .. })
     }
 
+    /// Uploads a table that was the launch's parameter, so that its later
+    /// launches pass a pointer instead of up to 32 KiB (design.md §3, "Small
+    /// tables ride in the launch"). `Ok(true)`: uploaded; `Ok(false)`: it
+    /// was not inline, or no table memory was had (it stays inline). On an
+    /// error it stays inline and usable. Call it only between launches:
+    /// the engine reposts a transfer only once its copy ended.
+    pub fn upload(&mut self) -> Result<bool, CudaError> {
+        let TableForm::InlinePairs { len, words } = &self.form else {
+            return Ok(false);
+        };
+        let (len, shape) = (*len, self.shape);
+        let n = shape.nruns as usize;
+        let bytes = pairs_table_bytes(n);
+        let uploaded = self.copier.build(bytes, Instant::now(), |host| {
+            // Only the table's own pairs: the words past them are a kept
+            // buffer's leftovers (`take_inline_words`).
+            host[..2 * n].copy_from_slice(&words[..2 * n]);
+            Ok(Some((TableForm::Pairs { len }, shape, bytes)))
+        })?;
+        let Some(mut uploaded) = uploaded else {
+            return Ok(false);
+        };
+        // The preparation's breakdown stays the preparation's.
+        uploaded.times = self.times;
+        // The inline table goes (its words back to the copier): nothing
+        // reads it, since it was only ever a launch's parameter.
+        drop(std::mem::replace(self, uploaded));
+        Ok(true)
+    }
+
     /// Launches the copy on the table's stream, records an event after it
     /// and notes it in every mapping its addresses point into (`mappings`),
     /// all under the stream's launch lock, so that each mapping's last copy

@@ -309,7 +309,16 @@ impl IpcMaps {
             notifier: Mutex::new(None),
             runs: Mutex::new(RunBuilder::default()),
             windows: Mutex::new(WindowCache::default()),
-            inline_limit: cfg.peer_map_inline_table_max_descriptors as usize,
+            // Small tables ride in the launch only where the preparation
+            // runs inside the first post (`prepare_at_post`), whose timed
+            // span then saves the upload's driver calls. A client that has
+            // BOUNCE prepare in prepXfer prepares ahead of its posts, and
+            // there an uploaded table halves each post (design.md §3).
+            inline_limit: if cfg.prepare_at_post {
+                cfg.peer_map_inline_table_max_descriptors as usize
+            } else {
+                0
+            },
             // Half the cores by default, at most 8 (the preparing thread
             // among them): the arena's fused pass of 32,768 descriptors,
             // 8 parts of whole chunks, went from 392 to 313 us on the H200

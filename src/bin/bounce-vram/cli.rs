@@ -79,6 +79,12 @@ struct Cli {
     /// `bench`: idle microseconds before each request (outside the timing).
     #[arg(long, default_value_t = 0)]
     gap_us: u64,
+    /// `bench`: prepare each shape's request once and post it again every
+    /// iteration (and the concurrent requests once for their three rounds),
+    /// as a client with a fixed pattern does; default: a new request each
+    /// time, as vLLM makes them.
+    #[arg(long)]
+    repost: bool,
 }
 
 #[derive(Clone)]
@@ -102,6 +108,8 @@ pub(super) struct Args {
     pub(super) op: XferOp,
     /// `bench`: idle microseconds before each request (outside the timing).
     pub(super) gap_us: u64,
+    /// `bench`: one request per shape, posted again every iteration.
+    pub(super) repost: bool,
 }
 
 impl Args {
@@ -132,6 +140,7 @@ impl Args {
             },
             target_params: cli.target_params,
             gap_us: cli.gap_us,
+            repost: cli.repost,
         };
         if a.backend != "BOUNCE" {
             a.params.retain(|(k, _)| k != "control_bind_loopback");

@@ -12,9 +12,11 @@
 //!   bounce-vram bench [--backend BOUNCE|UCX] [--label L] [--param K=V]...
 //!                     [--counts 1024,4096,16384] [--sizes 4096] [--iters N]
 //!                     [--concurrent 128] [--json PATH] [--op write|read]
-//!                     [--gap-us N]
+//!                     [--gap-us N] [--repost]
 //!                     (--gap-us: an idle pause before each request, outside
 //!                     the timing, as between a real client's requests)
+//!                     (--repost: one request per shape, prepared once and
+//!                     posted every iteration; default: a new one each time)
 //!                     (--op read: the initiator READs the target's buffer; the
 //!                     target is the data owner)
 //!   bounce-vram faults [--device N] [--target-device N] [--param K=V]...
