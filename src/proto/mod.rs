@@ -382,6 +382,23 @@ impl Copies {
         })
     }
 
+    /// Copies a plan packed (`proto::plan`): from region offset 0, the
+    /// marks made as its runs were merged, no copy's end past the address
+    /// space (its descriptors were checked) and every run's second copy
+    /// after its first (the merge rule), so none of [`Copies::new`]'s
+    /// passes is needed (checked in debug builds and by the planner's
+    /// property test).
+    pub(crate) fn planned(len: u64, addrs: Vec<u64>, marks: Vec<u8>) -> Copies {
+        debug_assert!(Copies::new(len, 0, addrs.clone(), marks.clone()).is_ok_and(|c| c.fit));
+        Copies {
+            len,
+            first: 0,
+            addrs,
+            marks,
+            fit: true,
+        }
+    }
+
     /// Bytes a copy.
     pub fn copy_len(&self) -> u64 {
         self.len
@@ -393,6 +410,10 @@ impl Copies {
     /// Each copy's application address.
     pub fn addrs(&self) -> &[u64] {
         &self.addrs
+    }
+    /// The marks (bit `j % 8` of byte `j / 8`: copy `j` is a run's second).
+    pub(crate) fn marks(&self) -> &[u8] {
+        &self.marks
     }
     /// Whether copy `j` is a run's second.
     pub fn marked(&self, j: usize) -> bool {
@@ -487,6 +508,20 @@ impl Runs {
         Runs(Arc::new(RunList {
             runs: runs.into(),
             copies: None,
+            home: Some(pool.clone()),
+        }))
+    }
+
+    /// `runs` (storage back to `pool` at the end), with the packed
+    /// `copies` they are when there are such (the planner's chunks of
+    /// equal blocks): the wire encodes them and the GPU's table is filled
+    /// from them without a pass over the runs. `copies` must be exactly
+    /// `runs` ([`Copies`]' runs).
+    pub fn pooled_with_copies(runs: Vec<Run>, copies: Option<Copies>, pool: &RunPool) -> Runs {
+        debug_assert!(copies.as_ref().is_none_or(|c| c.to_runs() == runs));
+        Runs(Arc::new(RunList {
+            runs: runs.into(),
+            copies,
             home: Some(pool.clone()),
         }))
     }

@@ -18,7 +18,7 @@
 
 use thiserror::Error;
 
-use super::{Run, RunPool, Runs};
+use super::{Copies, Run, RunPool, Runs};
 
 /// Alignment of every piece inside a region.
 pub const REGION_ALIGN: u64 = 32;
@@ -359,6 +359,11 @@ pub fn pack(
         Some(average) if average > 0 => (cap / average + 1).min(survey.pieces as u64) as usize,
         _ => 0,
     };
+    // Descriptors of one length that packs back to back (a multiple of
+    // the region's alignment, as real clients' blocks are) make chunks
+    // that are also packed copies, kept beside their runs.
+    let copies =
+        survey.one_len && survey.first_len > 0 && align_up(survey.first_len) == survey.first_len;
     let mut builder = ChunkBuilder {
         merge,
         pool,
@@ -367,6 +372,8 @@ pub fn pack(
         pieces: 0,
         gather: RunBuilder::default(),
         scatter: RunBuilder::default(),
+        copies: copies.then(PackedCopies::default),
+        packed: None,
     };
     let mut chunks = Vec::new();
     for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
@@ -424,6 +431,98 @@ struct ChunkBuilder<'p> {
     pieces: u32,
     gather: RunBuilder,
     scatter: RunBuilder,
+    /// `Some` when the transfer's pieces may be packed copies: the
+    /// storage the chunks' copies are built in ...
+    copies: Option<PackedCopies>,
+    /// ... and the chunk being packed, while its pieces still are.
+    packed: Option<PackedCopies>,
+}
+
+/// Both sides of a chunk as packed copies ([`Copies`]) while it is packed:
+/// pieces of `len` bytes back to back from region offset 0, each a run of
+/// its own or the second of a run of two (marked). The mark bits of the
+/// eight copies being added are kept in `bits` until their byte is full.
+#[derive(Debug, Default)]
+struct PackedCopies {
+    len: u64,
+    /// Where the next copy must lie in the region.
+    next: u64,
+    gather: Vec<u64>,
+    scatter: Vec<u64>,
+    gather_marks: Vec<u8>,
+    scatter_marks: Vec<u8>,
+    bits: [u8; 2],
+}
+
+impl PackedCopies {
+    /// Empty lists with room for `n` copies (kept storage when it has it).
+    fn ready(mut self, len: u64, n: usize) -> Self {
+        for v in [&mut self.gather, &mut self.scatter] {
+            v.clear();
+            v.reserve(n);
+        }
+        for m in [&mut self.gather_marks, &mut self.scatter_marks] {
+            m.clear();
+            m.reserve(n.div_ceil(8));
+        }
+        (self.len, self.next, self.bits) = (len, 0, [0, 0]);
+        self
+    }
+
+    /// Appends copy `(at, src, dst, len)`, which the run lists took as
+    /// `gather` and `scatter`; false when the chunk is no longer packed
+    /// copies (a gap, another length, a run grown past two copies).
+    #[inline(always)]
+    fn push(
+        &mut self,
+        at: u64,
+        src: u64,
+        dst: u64,
+        len: u64,
+        gather: Added,
+        scatter: Added,
+    ) -> bool {
+        if len != self.len || at != self.next || gather == Added::Grown || scatter == Added::Grown {
+            return false;
+        }
+        let k = self.gather.len() % 8;
+        self.next += len;
+        self.gather.push(src);
+        self.scatter.push(dst);
+        self.bits[0] |= u8::from(gather == Added::Paired) << k;
+        self.bits[1] |= u8::from(scatter == Added::Paired) << k;
+        if k == 7 {
+            self.flush();
+        }
+        true
+    }
+
+    /// Moves the bits of the copies added since the last full byte into
+    /// the marks.
+    fn flush(&mut self) {
+        self.gather_marks.push(self.bits[0]);
+        self.scatter_marks.push(self.bits[1]);
+        self.bits = [0, 0];
+    }
+
+    /// The two sides' copies.
+    fn finish(&mut self) -> (Option<Copies>, Option<Copies>) {
+        if !self.gather.len().is_multiple_of(8) {
+            self.flush();
+        }
+        let len = self.len;
+        let side = |addrs: &mut Vec<u64>, marks: &mut Vec<u8>| {
+            Some(Copies::planned(
+                len,
+                std::mem::take(addrs),
+                std::mem::take(marks),
+            ))
+        };
+        (
+            side(&mut self.gather, &mut self.gather_marks),
+            side(&mut self.scatter, &mut self.scatter_marks),
+        )
+    }
 }
 
 impl ChunkBuilder<'_> {
@@ -432,13 +531,24 @@ impl ChunkBuilder<'_> {
         if self.pieces == 0 {
             self.gather = RunBuilder::new(self.pool.take(self.per_chunk));
             self.scatter = RunBuilder::new(self.pool.take(self.per_chunk));
+            self.packed = self.copies.take().map(|c| c.ready(len, self.per_chunk));
         }
-        if self.merge {
-            self.gather.add(at, src, len);
-            self.scatter.add(at, dst, len);
+        let (g, s) = if self.merge {
+            (
+                self.gather.add(at, src, len),
+                self.scatter.add(at, dst, len),
+            )
         } else {
             self.gather.push(at, src, len);
             self.scatter.push(at, dst, len);
+            (Added::Single, Added::Single)
+        };
+        if let Some(p) = &mut self.packed {
+            if !p.push(at, src, dst, len, g, s) {
+                // Not packed copies: runs alone, the storage kept for the
+                // next chunk.
+                self.copies = self.packed.take();
+            }
         }
         self.used = at + len;
         self.pieces += 1;
@@ -451,10 +561,18 @@ impl ChunkBuilder<'_> {
         if chunks.len() >= MAX_CHUNKS {
             return Err(PlanError::TooManyChunks);
         }
+        let (gather, scatter) = match self.packed.take() {
+            Some(mut p) => {
+                let sides = p.finish();
+                self.copies = Some(p);
+                sides
+            }
+            None => (None, None),
+        };
         chunks.push(Chunk {
             bytes: self.used,
-            gather_runs: Runs::pooled(self.gather.take(), self.pool),
-            scatter_runs: Runs::pooled(self.scatter.take(), self.pool),
+            gather_runs: Runs::pooled_with_copies(self.gather.take(), gather, self.pool),
+            scatter_runs: Runs::pooled_with_copies(self.scatter.take(), scatter, self.pool),
             pieces: self.pieces,
         });
         self.used = 0;
@@ -485,9 +603,10 @@ impl RunBuilder {
         RunBuilder { runs, next: None }
     }
 
-    /// Appends the piece `(region_offset, addr, len)`.
+    /// Appends the piece `(region_offset, addr, len)`; says what became
+    /// of it.
     #[inline(always)]
-    pub fn add(&mut self, region_offset: u64, addr: u64, len: u64) {
+    pub fn add(&mut self, region_offset: u64, addr: u64, len: u64) -> Added {
         if let Some(run) = self.runs.last_mut() {
             if run.count == 1 {
                 // Contiguous on both sides: extend.
@@ -495,7 +614,7 @@ impl RunBuilder {
                     && run.addr.checked_add(run.len) == Some(addr)
                 {
                     run.len += len;
-                    return;
+                    return Added::Grown;
                 }
                 // Equal lengths, both sides moving forward without
                 // overlap: start a strided run.
@@ -507,7 +626,7 @@ impl RunBuilder {
                     run.addr_stride = addr - run.addr;
                     run.count = 2;
                     self.next = step(region_offset, addr, run);
-                    return;
+                    return Added::Paired;
                 }
             } else if len == run.len
                 && run.count < u32::MAX
@@ -515,10 +634,11 @@ impl RunBuilder {
             {
                 run.count += 1;
                 self.next = step(region_offset, addr, run);
-                return;
+                return Added::Grown;
             }
         }
         self.runs.push(Run::single(region_offset, addr, len));
+        Added::Single
     }
 
     /// Appends the piece as a run of its own (a plan without merging).
@@ -548,6 +668,18 @@ impl RunBuilder {
         self.next = None;
         std::mem::take(&mut self.runs)
     }
+}
+
+/// What [`RunBuilder::add`] made of a piece.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Added {
+    /// A run of its own.
+    Single,
+    /// The second copy of a strided run begun by the piece before.
+    Paired,
+    /// Longer run: appended to a contiguous run, or a strided run's third
+    /// copy or later.
+    Grown,
 }
 
 /// The copy after the one at `(region_offset, addr)` of a strided `run`.
@@ -824,6 +956,42 @@ mod tests {
                 (at, i) = (end, i + 1);
             }
             prop_assert_eq!(assemble(&survey, chunks).unwrap(), whole);
+        }
+
+        /// A chunk's packed copies are exactly its runs, and a chunk of
+        /// one length's blocks back to back whose runs on both sides are
+        /// of one or two copies has them on both sides, merged or not.
+        #[test]
+        fn chunks_of_equal_blocks_are_packed_copies_of_their_runs(
+            n in 1usize..200,
+            unit in 1u64..5,
+            cap_blocks in 1u64..64,
+            picks in proptest::collection::vec((0u64..400, 0u64..400), 200),
+            merge in any::<bool>(),
+        ) {
+            let len = unit * REGION_ALIGN * 4;
+            // Blocks drawn from a 400-block pool on each side (repeats
+            // allowed): pairs, strides, contiguous runs and gaps all occur.
+            let descs: Vec<_> = picks[..n]
+                .iter()
+                .map(|&(a, b)| d((1 << 24) + a * len, (1 << 34) + b * len, len))
+                .collect();
+            let options = PlanOptions { max_chunk_bytes: cap_blocks.max(1) * len, merge_runs: merge, min_chunks: 1, min_chunk_bytes: 64 };
+            let plan = build(&descs, options).unwrap();
+            for (i, c) in plan.chunks.iter().enumerate() {
+                let sides = [("gather", &c.gather_runs), ("scatter", &c.scatter_runs)];
+                let packable = sides
+                    .iter()
+                    .all(|(_, runs)| runs.iter().all(|r| r.len == len && r.count <= 2));
+                for (side, runs) in sides {
+                    match runs.copies() {
+                        Some(copies) => {
+                            prop_assert_eq!(copies.to_runs(), runs.to_vec(), "chunk {} {}", i, side);
+                        }
+                        None => prop_assert!(!packable, "chunk {} {}: runs {:?} have no copies", i, side, runs),
+                    }
+                }
+            }
         }
 
         /// [`RunBuilder`] (the next copy kept at hand) and the rule as

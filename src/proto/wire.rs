@@ -743,15 +743,18 @@ impl Message {
     /// At least the payload's encoded size, without looking at the runs
     /// (every run list in its full form): what `encode` reserves.
     fn payload_len_bound(&self) -> usize {
-        self.payload_len_with(|runs| 5 + RUN_LEN * runs.len())
+        self.payload_len_with(|runs| match packed_copies(runs) {
+            Some(c) => packed_len(c.addrs().len()),
+            None => 5 + RUN_LEN * runs.len(),
+        })
     }
 
     /// The run-list entries the encoding carries (runs, or copies in the
     /// compact forms), at most [`MAX_MESSAGE_RUNS`] for the receiver.
     pub fn run_entries(&self) -> usize {
         match self {
-            Message::Data { runs, .. } => run_wire(runs).entries,
-            Message::Read { chunks, .. } => chunks.iter().map(|c| run_wire(&c.runs).entries).sum(),
+            Message::Data { runs, .. } => list_wire(runs).entries,
+            Message::Read { chunks, .. } => chunks.iter().map(|c| list_wire(&c.runs).entries).sum(),
             _ => 0,
         }
     }
@@ -762,7 +765,7 @@ impl Message {
     }
 
     /// The payload's size with each run list taking `list(runs)` bytes.
-    fn payload_len_with(&self, list: impl Fn(&[Run]) -> usize) -> usize {
+    fn payload_len_with(&self, list: impl Fn(&Runs) -> usize) -> usize {
         match self {
             Message::Want {
                 chunk_sizes,
@@ -999,14 +1002,39 @@ fn run_wire(runs: &[Run]) -> RunWire {
     }
 }
 
+/// The packed copies a list is encoded from, when it has them (the
+/// planner's chunks of equal blocks, a decoded packed list): those whose
+/// runs [`run_wire`] would find packed, so that the bytes are the same
+/// either way (`copies_encode_as_their_runs`), without a pass over runs.
+fn packed_copies(list: &Runs) -> Option<&Copies> {
+    list.copies()
+        .filter(|c| c.addresses_fit() && c.addrs().len() <= MAX_DATA_RUNS as usize)
+}
+
+/// The form of a list: its packed copies', else its runs' ([`run_wire`]).
+fn list_wire(list: &Runs) -> RunWire {
+    match packed_copies(list) {
+        Some(c) => RunWire {
+            form: RunForm::Packed,
+            entries: c.addrs().len(),
+        },
+        None => run_wire(list),
+    }
+}
+
+/// The encoded bytes of a packed list of `n` copies.
+fn packed_len(n: usize) -> usize {
+    5 + 16 + n.div_ceil(8) + 8 * n
+}
+
 /// The encoded bytes of `runs` (form, count and entries).
-fn runs_len(runs: &[Run]) -> usize {
-    let w = run_wire(runs);
+fn runs_len(runs: &Runs) -> usize {
+    let w = list_wire(runs);
     let marks = w.entries.div_ceil(8);
-    5 + match w.form {
-        RunForm::Full => RUN_BYTES * w.entries,
-        RunForm::Copies => 8 + marks + 16 * w.entries,
-        RunForm::Packed => 16 + marks + 8 * w.entries,
+    match w.form {
+        RunForm::Full => 5 + RUN_BYTES * w.entries,
+        RunForm::Copies => 5 + 8 + marks + 16 * w.entries,
+        RunForm::Packed => packed_len(w.entries),
     }
 }
 
@@ -1038,7 +1066,23 @@ fn write_copies<const WIDTH: usize>(runs: &[Run], marks: &mut [u8], entries: &mu
     }
 }
 
-fn encode_runs(p: &mut Writer, runs: &[Run]) {
+fn encode_runs(p: &mut Writer, list: &Runs) {
+    if let Some(c) = packed_copies(list) {
+        // Straight from the copies: the marks as they are, an address a
+        // copy (the same bytes as from their runs).
+        let n = c.addrs().len();
+        p.u8(RunForm::Packed.code());
+        p.u32(n as u32);
+        p.u64(c.copy_len());
+        p.u64(c.first());
+        let (m, e) = p.room(n.div_ceil(8) + 8 * n).split_at_mut(n.div_ceil(8));
+        m.copy_from_slice(c.marks());
+        for (b, a) in e.chunks_exact_mut(8).zip(c.addrs()) {
+            b.copy_from_slice(&a.to_le_bytes());
+        }
+        return;
+    }
+    let runs: &[Run] = list;
     let w = run_wire(runs);
     p.u8(w.form.code());
     p.u32(w.entries as u32);

@@ -468,6 +468,36 @@ proptest! {
         prop_assert_eq!(runs.copies(), Some(&c));
     }
 
+    /// A list kept as packed copies encodes to the bytes its runs alone
+    /// encode to (the encoder writes copies straight out only where that
+    /// holds), with an exact size hint; READ chunks too.
+    #[test]
+    fn copies_encode_as_their_runs(c in crate::proto::testing::arb_copies()) {
+        let data = |runs: Runs| Message::Data {
+            request: RequestId(1),
+            chunk: 2,
+            region: RegionHandle(3),
+            runs,
+        };
+        let read = |runs: Runs| Message::Read {
+            request: RequestId(4),
+            key: 5,
+            endpoint: b"ep".to_vec(),
+            data_path: b"dp".to_vec(),
+            chunks: vec![ReadChunk { size: c.region_end(), runs }],
+        };
+        let as_runs = || Runs::from(Runs::from_copies(c.clone()).to_vec());
+        for (kept, plain) in [
+            (data(Runs::from_copies(c.clone())), data(as_runs())),
+            (read(Runs::from_copies(c.clone())), read(as_runs())),
+        ] {
+            let bytes = kept.encode();
+            prop_assert_eq!(&bytes, &plain.encode());
+            prop_assert_eq!(bytes.len(), HEADER_LEN + kept.payload_len_hint());
+            prop_assert_eq!(kept.run_entries(), plain.run_entries());
+        }
+    }
+
     #[test]
     fn messages_round_trip(m in arb_message()) {
         let bytes = m.encode();
