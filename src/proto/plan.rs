@@ -455,7 +455,8 @@ struct PackedCopies {
 }
 
 impl PackedCopies {
-    /// Empty lists with room for `n` copies (kept storage when it has it).
+    /// Empty lists with room for `n` copies (reusing the storage of a
+    /// chunk that stopped being packed copies).
     fn ready(mut self, len: u64, n: usize) -> Self {
         for v in [&mut self.gather, &mut self.scatter] {
             v.clear();
@@ -505,18 +506,14 @@ impl PackedCopies {
         self.bits = [0, 0];
     }
 
-    /// The two sides' copies.
-    fn finish(&mut self) -> (Option<Copies>, Option<Copies>) {
+    /// The two sides' copies (their storage goes with them).
+    fn finish(&mut self) -> (Copies, Copies) {
         if !self.gather.len().is_multiple_of(8) {
             self.flush();
         }
         let len = self.len;
         let side = |addrs: &mut Vec<u64>, marks: &mut Vec<u8>| {
-            Some(Copies::planned(
-                len,
-                std::mem::take(addrs),
-                std::mem::take(marks),
-            ))
+            Copies::planned(len, std::mem::take(addrs), std::mem::take(marks))
         };
         (
             side(&mut self.gather, &mut self.gather_marks),
@@ -563,9 +560,9 @@ impl ChunkBuilder<'_> {
         }
         let (gather, scatter) = match self.packed.take() {
             Some(mut p) => {
-                let sides = p.finish();
+                let (g, s) = p.finish();
                 self.copies = Some(p);
-                sides
+                (Some(g), Some(s))
             }
             None => (None, None),
         };
