@@ -427,7 +427,8 @@ impl IpcCopier {
         let table = self.tables.locked().take(capacity)?;
         let t_setup = Instant::now();
         // Pinned memory of the table's own, else (none to be had) a
-        // pageable buffer of this call's, uploaded synchronously.
+        // pageable buffer of this call's, which the driver stages before
+        // the upload call returns.
         let words = capacity.div_ceil(8);
         let pinned = !table.host.is_null();
         let mut pageable = Vec::new();
@@ -457,21 +458,18 @@ impl IpcCopier {
         // before.
         let on = self.next_stream();
         let stream = &self.streams[on];
-        // SAFETY: the table's device memory holds `used` bytes. Pinned
-        // `bytes` stay unchanged until the upload completed: they go back
-        // to the cache only behind everything queued on this stream
-        // (`IpcTable`'s drop). A pageable buffer is copied synchronously
-        // (`cuMemcpyHtoD` returns once it was read, and does not wait for
-        // the copy streams, which do not block on the legacy stream); the
-        // launch, queued later, reads the finished table.
-        let copied = unsafe {
-            if pinned {
-                result::memcpy_htod_async(table.ptr, bytes, stream.cu_stream())
-            } else {
-                result::memcpy_htod_sync(table.ptr, bytes)
-            }
-        }
-        .map_err(|e| CudaError::call("uploading a peer-copy table (cuMemcpyHtoD)", e));
+        // SAFETY: the table's device memory holds `used` bytes, and the
+        // upload is queued on the stream the table's launches go to, so
+        // every launch reads the finished table. Pinned `bytes` stay
+        // unchanged until the upload completed: they go back to the cache
+        // only behind everything queued on this stream (`IpcTable`'s drop).
+        // A pageable buffer is staged by the driver before the call
+        // returns (CUDA's rule for pageable sources), so it may be dropped
+        // then. (A synchronous cuMemcpyHtoD from pageable memory may also
+        // return before its DMA ends, and the copy streams are not ordered
+        // after it: the table's own stream is what orders the launch.)
+        let copied = unsafe { result::memcpy_htod_async(table.ptr, bytes, stream.cu_stream()) }
+            .map_err(|e| CudaError::call("uploading a peer-copy table (cuMemcpyHtoDAsync)", e));
         let t2 = Instant::now();
         if let Err(e) = copied {
             // The upload may have been queued: the memory goes back behind
@@ -626,9 +624,9 @@ impl IpcTable {
     /// Uploads a table that was the launch's parameter, so that its later
     /// launches pass a pointer instead of up to 32 KiB (design.md §3, "Small
     /// tables ride in the launch"). `Ok(true)`: uploaded; `Ok(false)`: it
-    /// was not inline, or no table memory was had (it stays inline). On an
-    /// error it stays inline and usable. Call it only between launches:
-    /// the engine reposts a transfer only once its copy ended.
+    /// was not inline. On an error (no device memory for the table, a
+    /// failed upload) it stays inline and usable. Call it only between
+    /// launches: the engine reposts a transfer only once its copy ended.
     pub fn upload(&mut self) -> Result<bool, CudaError> {
         let TableForm::InlinePairs { len, words } = &self.form else {
             return Ok(false);
