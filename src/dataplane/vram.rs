@@ -104,7 +104,13 @@ impl DeviceArena {
             .map_err(|e| CudaError::call("binding the CUDA context", e))?;
         // SAFETY: the destination range lies inside this allocation (checked).
         unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, data) }
-            .map_err(|e| CudaError::call("cuMemcpyHtoD into the device arena", e))
+            .map_err(|e| CudaError::call("cuMemcpyHtoD into the device arena", e))?;
+        // From pageable memory cuMemcpyHtoD may return before its DMA ends,
+        // and the copies that read the arena next run on other streams:
+        // finish it here, as `fill` does.
+        self.ctx
+            .synchronize()
+            .map_err(|e| CudaError::call("cuCtxSynchronize after cuMemcpyHtoD", e))
     }
 
     /// Copies `out.len()` bytes from `offset` (synchronous).
