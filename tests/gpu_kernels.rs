@@ -459,6 +459,108 @@ fn try_launch_polls_to_completion_and_declines_when_busy() {
     assert_eq!(pool.idle(), 1);
 }
 
+/// Chunks of packed copies launched together (one table, one launch, as
+/// the IO thread launches a burst) gather and scatter what each would
+/// alone, every byte of the buffers compared with the host reference; lists
+/// of different lengths, or one leaving its region, are not launched
+/// together (the caller launches them one by one, which words the refusal).
+#[test]
+fn copies_launched_together_match_the_host_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(9090);
+    let (part_region, part_app) = (1usize << 20, 2usize << 20);
+    let parts = 3;
+    let mut bufs = Buffers::new(&dev, parts * part_region, parts * part_app, &mut rng);
+    let pool = ExecPool::new(dev.clone(), 1, false).unwrap();
+    let engine = CudaCopy::new(pool.clone());
+    let host = HostCopy {
+        threads: 1,
+        parallel_threshold: u64::MAX,
+    };
+    for (case, (len, counts)) in [
+        (4096u64, [1usize, 2, 3]),
+        (4096, [200, 1, 250]),
+        (8192, [100, 120, 90]),
+        (37, [3000, 10, 2000]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let what = format!("together case {case} ({counts:?} x {len} B)");
+        bufs.poison();
+        let layouts: Vec<Layout> = counts
+            .iter()
+            .map(|&n| copies_layout(&mut rng, part_region as u64, part_app as u64, len, n))
+            .collect();
+        let spans: Vec<(RegionSpan, RegionSpan)> = (0..parts)
+            .map(|k| bufs.spans(k * part_region, part_region))
+            .collect();
+        for (direction, dev_app, host_app) in [
+            (
+                Direction::Gather,
+                bufs.src.base(),
+                bufs.src_h.as_ptr() as u64,
+            ),
+            (
+                Direction::Scatter,
+                bufs.dst.base(),
+                bufs.dst_h.as_mut_ptr() as u64,
+            ),
+        ] {
+            let lists: Vec<Runs> = layouts
+                .iter()
+                .enumerate()
+                .map(|(k, l)| packed(&runs_for(l, dev_app + (k * part_app) as u64)))
+                .collect();
+            let args: Vec<(RegionSpan, &Runs)> =
+                spans.iter().map(|s| s.0).zip(lists.iter()).collect();
+            let mut copy = engine
+                .try_launch_together(direction, &args)
+                .expect("one length, inside their regions, the context idle")
+                .unwrap();
+            poll_until_done(&what, || copy.poll()).unwrap();
+            assert_eq!(pool.idle(), 1, "{what}: completion returns the context");
+            for (k, l) in layouts.iter().enumerate() {
+                let runs = runs_for(l, host_app + (k * part_app) as u64);
+                host.copy(direction, spans[k].1, &runs).unwrap();
+            }
+        }
+        let mut got = vec![0u8; bufs.region_h.len()];
+        bufs.region.read(0, &mut got).unwrap();
+        assert_same(&format!("{what}: gather"), &got, &bufs.region_h);
+        let mut got = vec![0u8; bufs.dst_h.len()];
+        bufs.dst.read(0, &mut got).unwrap();
+        assert_same(&format!("{what}: scatter"), &got, &bufs.dst_h);
+    }
+    // Not together: one copy of another length, or one list past its
+    // region (nothing launched, the context idle; alone it is refused).
+    let base = bufs.src.base();
+    let list = |len: u64, first: u64, n: u64| {
+        let addrs = (0..n).map(|i| base + i * 2 * len).collect();
+        Runs::from_copies(
+            Copies::new(len, first, addrs, vec![0; (n as usize).div_ceil(8)]).unwrap(),
+        )
+    };
+    let (span, _) = bufs.spans(0, part_region);
+    let (a, b) = (list(4096, 0, 4), list(8192, 0, 4));
+    assert!(engine
+        .try_launch_together(Direction::Gather, &[(span, &a), (span, &b)])
+        .is_none());
+    let past = list(4096, part_region as u64 - 4096, 2);
+    assert!(engine
+        .try_launch_together(Direction::Gather, &[(span, &a), (span, &past)])
+        .is_none());
+    assert_eq!(pool.idle(), 1);
+    match engine.try_launch(Direction::Gather, span, &past) {
+        Some(Err(e)) => assert!(e.quiesced && e.to_string().contains("region"), "{e}"),
+        _ => panic!("copies past the region were not refused"),
+    }
+    // One list is not a group.
+    assert!(engine
+        .try_launch_together(Direction::Gather, &[(span, &a)])
+        .is_none());
+}
+
 #[test]
 fn concurrent_copies_through_one_pool() {
     let Some(dev) = device() else { return };

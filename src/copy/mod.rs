@@ -76,6 +76,22 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Launches copies of one direction together, without waiting: one
+    /// table, one launch and one completion for all of them (a burst of
+    /// chunks the IO thread launches in one pass). `None`: not together
+    /// (this engine cannot, the lists are not packed copies of one length,
+    /// one of them is refused, or nothing is free to launch on); nothing
+    /// was launched, and the caller launches them one by one, which words
+    /// any refusal. `Some(Err(_))`: the launch failed after it began, for
+    /// every one of them.
+    fn try_launch_together(
+        &self,
+        _direction: Direction,
+        _copies: &[(RegionSpan, &Runs)],
+    ) -> Option<Result<Box<dyn LaunchedCopy>, CopyError>> {
+        None
+    }
+
     /// Engine-specific time counters for the stats export (name, value),
     /// e.g. the CUDA engine's host launch time against its device wait.
     fn phase_counters(&self) -> Vec<(&'static str, u64)> {

@@ -280,6 +280,7 @@ impl Bounce {
                 .unwrap_or(IoThreadUse::Never),
             chunk_writer_threads: config.chunk_writer_threads as usize,
             copy_launches: config.copy_launches().unwrap_or(IoThreadUse::Always),
+            group_copy_launches: config.group_copy_launches,
             failpoints: shared.failpoints.clone(),
             notify: Box::new(move |target: &str, msg: &[u8]| {
                 notifier

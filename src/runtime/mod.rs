@@ -98,6 +98,9 @@ crate::stats::typed_counters! {
         scatter_refused => "scatter_refused",
         write_failures => "write_failures",
         copy_failures => "copy_failures",
+        /// Gathers and scatters the IO thread launched together with others
+        /// of its pass, one launch for them all (`group_copy_launches`).
+        copies_launched_together => "copies_launched_together",
         control_send_drops => "control_send_drops",
         grants => "grants",
         malformed_messages => "malformed_messages",
@@ -288,6 +291,9 @@ pub struct Parts {
     pub chunk_writer_threads: usize,
     /// Where CUDA copies are launched (`Config::copy_launches`).
     pub copy_launches: IoThreadUse,
+    /// Copies launched in one pass go as one launch per direction
+    /// (`Config::group_copy_launches`).
+    pub group_copy_launches: bool,
     pub failpoints: crate::failpoint::Failpoints,
     /// Sends a user notification through the inner agent.
     pub notify: Notify,
@@ -372,6 +378,9 @@ impl Runtime {
             launched: Vec::new(),
             launch_here,
             copy_launches: parts.copy_launches,
+            group_copy_launches: parts.group_copy_launches,
+            held: Vec::new(),
+            holding: false,
             writes: Vec::new(),
             peers: HashMap::new(),
             handles: HashMap::new(),

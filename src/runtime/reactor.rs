@@ -28,6 +28,16 @@ pub(super) struct PeerState {
     pub(super) heartbeats: bool,
 }
 
+/// A copy the IO thread will launch at the end of the current pass, with
+/// the others held there (`group_copy_launches`).
+pub(super) struct HeldCopy {
+    id: CopyId,
+    direction: Direction,
+    span: RegionSpan,
+    runs: Runs,
+    in_use: InUse,
+}
+
 /// Which copy launches [`Reactor::execute_actions`] carries out when
 /// `copy_launches_last` holds them back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +83,14 @@ pub(super) struct Reactor {
     pub(super) launch_here: [bool; 2],
     /// Which of those the IO thread launches itself.
     pub(super) copy_launches: IoThreadUse,
+    /// Copies the IO thread launches in one pass go as one launch per
+    /// direction where the engine can (`group_copy_launches`).
+    pub(super) group_copy_launches: bool,
+    /// Launches held until the end of the pass (see `group_copy_launches`).
+    pub(super) held: Vec<HeldCopy>,
+    /// Set while a loop reads messages or commands: launches are held
+    /// until it ends, so that a burst of them goes as one.
+    pub(super) holding: bool,
     /// Chunk writes posted or handed to the writer thread: chunk, peer,
     /// bytes, when.
     pub(super) writes: Vec<(ChunkRef, PeerId, u64, Instant)>,
@@ -226,6 +244,19 @@ impl Reactor {
     fn drain_commands(&mut self) -> bool {
         let cmds = std::mem::take(&mut *self.shared.commands.locked());
         let any = !cmds.is_empty();
+        if any {
+            // Nested in `receive`, whose own end launches what is held.
+            let outer = std::mem::replace(&mut self.holding, true);
+            self.run_commands(cmds);
+            self.holding = outer;
+            if !outer && !self.held.is_empty() {
+                self.execute_actions(Launches::None);
+            }
+        }
+        any
+    }
+
+    fn run_commands(&mut self, cmds: Vec<Command>) {
         for c in cmds {
             let now = self.now();
             match c {
@@ -295,7 +326,6 @@ impl Reactor {
             }
             self.execute_actions(Launches::None);
         }
-        any
     }
 
     fn forget_peer(&mut self, peer: &PeerId) {
@@ -398,6 +428,9 @@ impl Reactor {
             };
             any = true;
             let l = self.launched.swap_remove(i);
+            for (id, in_use) in l.together {
+                self.launched_copy_ended(id, in_use, l.queued, l.started, result.clone());
+            }
             self.launched_copy_ended(l.id, l.in_use, l.queued, l.started, result);
         }
         any
@@ -504,6 +537,18 @@ impl Reactor {
     }
 
     fn receive(&mut self, wait: Duration) -> bool {
+        let outer = std::mem::replace(&mut self.holding, true);
+        let any = self.receive_all(wait);
+        self.holding = outer;
+        if !outer && !self.held.is_empty() {
+            self.execute_actions(Launches::None);
+        }
+        any
+    }
+
+    /// Reads every message that is ready, waiting at most `wait` for the
+    /// first.
+    fn receive_all(&mut self, wait: Duration) -> bool {
         let mut any = false;
         let mut wait = wait;
         // Take everything that is ready, blocking at most once.
@@ -603,10 +648,24 @@ impl Reactor {
 
     /// Carries out the endpoint's pending actions, copy launches as `launches`
     /// says when `copy_launches_last` holds them back (otherwise every
-    /// action, in order).
+    /// action, in order). The copies held for grouping (`launch_held`) are
+    /// launched at the end, unless a loop reading a batch of input holds
+    /// them until its own end (`holding`).
     fn execute_actions(&mut self, launches: Launches) {
         let held_back = self.endpoint.config().launches_last;
         let mut launched = false;
+        loop {
+            self.execute_pending(launches, held_back, &mut launched);
+            if self.holding || self.held.is_empty() {
+                break;
+            }
+            // A launch that fails gives the endpoint more to do.
+            self.launch_held();
+        }
+        self.publish_stats();
+    }
+
+    fn execute_pending(&mut self, launches: Launches, held_back: bool, launched: &mut bool) {
         loop {
             let action = match launches {
                 // At most one copy launch per pass of the run loop, once
@@ -614,7 +673,7 @@ impl Reactor {
                 // GRANT, a finished gather) before the next launch, and the
                 // endpoint hands the actions that follow from it out before
                 // the remaining launches.
-                Launches::One if held_back && launched => self.endpoint.poll_action_not_launch(),
+                Launches::One if held_back && *launched => self.endpoint.poll_action_not_launch(),
                 // Reading a message or a command: no launch, the run loop's
                 // own pass launches.
                 Launches::None if held_back => self.endpoint.poll_action_not_launch(),
@@ -622,13 +681,12 @@ impl Reactor {
             };
             let Some(action) = action else { break };
             let now = self.now();
-            launched |= matches!(
+            *launched |= matches!(
                 action,
                 Action::StartGather { .. } | Action::StartScatter { .. }
             );
             self.execute(now, action);
         }
-        self.publish_stats();
     }
 
     /// Carries out one of the endpoint's actions.
@@ -865,9 +923,15 @@ impl Reactor {
         in_use: InUse,
     ) {
         let offset = region.0 as usize;
-        let span = RegionSpan {
-            addr: self.arena.addr + offset,
-            len: self.arena.len.saturating_sub(offset),
+        let copy = HeldCopy {
+            id,
+            direction,
+            span: RegionSpan {
+                addr: self.arena.addr + offset,
+                len: self.arena.len.saturating_sub(offset),
+            },
+            runs,
+            in_use,
         };
         // Copies go on the GPU from here when the engine can launch without
         // blocking (the CUDA engine: completion is seen by polling the
@@ -884,24 +948,121 @@ impl Reactor {
         };
         let launchable = self.launch_here[direction as usize];
         if launchable && here {
-            let started = Instant::now();
-            if let Some(launched) = self.copier.try_launch(direction, span, &runs) {
-                self.copies_in_flight += 1;
-                match launched {
-                    Ok(copy) => self.launched.push(Launched {
-                        id,
-                        copy,
-                        in_use,
-                        queued: Duration::ZERO,
-                        started,
-                    }),
-                    // Refused or failed to launch: it ends here.
-                    Err(e) => self.launched_copy_ended(id, in_use, Duration::ZERO, started, Err(e)),
-                }
+            // Launched with the pass's others at its end (`launch_held`).
+            if self.group_copy_launches {
+                self.held.push(copy);
                 return;
             }
-            // Not now (or not this engine): a worker takes it.
+            match self.launch_now(copy) {
+                Ok(()) => return,
+                // Not now (or not this engine): a worker takes it.
+                Err(copy) => return self.hand_to_worker(copy, true),
+            }
         }
+        self.hand_to_worker(copy, launchable)
+    }
+
+    /// Launches the copies held in this pass: those of one direction
+    /// together where the engine can (one table, launch and event for a
+    /// burst of chunks), else one by one.
+    fn launch_held(&mut self) {
+        let held = std::mem::take(&mut self.held);
+        let (gathers, scatters): (Vec<_>, Vec<_>) = held
+            .into_iter()
+            .partition(|c| c.direction == Direction::Gather);
+        for group in [gathers, scatters] {
+            let group = match self.launch_together(group) {
+                Ok(()) => continue,
+                Err(group) => group,
+            };
+            for copy in group {
+                if let Err(copy) = self.launch_now(copy) {
+                    self.hand_to_worker(copy, true);
+                }
+            }
+        }
+    }
+
+    /// Launches `group` (copies of one direction) as one copy; gives it
+    /// back when the engine does not take it so.
+    fn launch_together(&mut self, group: Vec<HeldCopy>) -> Result<(), Vec<HeldCopy>> {
+        let Some(direction) = group
+            .first()
+            .map(|c| c.direction)
+            .filter(|_| group.len() > 1)
+        else {
+            return Err(group);
+        };
+        let started = Instant::now();
+        let lists: Vec<(RegionSpan, &Runs)> = group.iter().map(|c| (c.span, &c.runs)).collect();
+        let Some(launched) = self.copier.try_launch_together(direction, &lists) else {
+            return Err(group);
+        };
+        self.copies_in_flight += group.len();
+        self.shared
+            .counters
+            .copies_launched_together
+            .fetch_add(group.len() as u64, Ordering::Relaxed);
+        let mut members = group.into_iter().map(|c| (c.id, c.in_use));
+        let (id, in_use) = members.next().expect("a group of two or more");
+        match launched {
+            Ok(copy) => self.launched.push(Launched {
+                id,
+                copy,
+                in_use,
+                together: members.collect(),
+                queued: Duration::ZERO,
+                started,
+            }),
+            // It failed once begun: every copy of it ends so.
+            Err(e) => {
+                for (id, in_use) in members {
+                    self.launched_copy_ended(id, in_use, Duration::ZERO, started, Err(e.clone()));
+                }
+                self.launched_copy_ended(id, in_use, Duration::ZERO, started, Err(e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Launches one copy here; gives it back when the engine cannot now
+    /// (no context free, or an engine that copies on workers).
+    fn launch_now(&mut self, copy: HeldCopy) -> Result<(), HeldCopy> {
+        let started = Instant::now();
+        let Some(launched) = self
+            .copier
+            .try_launch(copy.direction, copy.span, &copy.runs)
+        else {
+            return Err(copy);
+        };
+        self.copies_in_flight += 1;
+        match launched {
+            Ok(c) => self.launched.push(Launched {
+                id: copy.id,
+                copy: c,
+                in_use: copy.in_use,
+                together: Vec::new(),
+                queued: Duration::ZERO,
+                started,
+            }),
+            // Refused or failed to launch: it ends here.
+            Err(e) => {
+                self.launched_copy_ended(copy.id, copy.in_use, Duration::ZERO, started, Err(e))
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a copy for the copy workers (`launch`: a worker may launch it
+    /// and hand it back to be polled here).
+    fn hand_to_worker(&mut self, copy: HeldCopy, launchable: bool) {
+        let HeldCopy {
+            id,
+            direction,
+            span,
+            runs,
+            in_use,
+        } = copy;
         let job = CopyJob {
             id,
             // With `copy_launches=io_thread` a worker only takes what the IO

@@ -38,6 +38,9 @@ pub(super) struct Launched {
     pub(super) id: CopyId,
     pub(super) copy: Box<dyn crate::copy::LaunchedCopy>,
     pub(super) in_use: InUse,
+    /// The other copies launched together with this one
+    /// ([`CopyEngine::try_launch_together`]): they end with it.
+    pub(super) together: Vec<(CopyId, InUse)>,
     /// Queued (for a worker) -> started.
     pub(super) queued: Duration,
     pub(super) started: Instant,
@@ -110,6 +113,7 @@ pub(super) fn copy_worker(
                 id: job.id,
                 copy,
                 in_use: job.in_use,
+                together: Vec::new(),
                 queued,
                 started,
             }),

@@ -299,6 +299,16 @@ pub(super) fn print_breakdown(
         both("gpu_launch_upload_ns"),
         both("gpu_launch_call_ns"),
     );
+    // Chunks whose copy went out in one launch with others of its pass
+    // (`group_copy_launches`), per request.
+    let count = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| {
+        d(a, b, "copies_launched_together") as f64 / iters.max(1) as f64
+    };
+    println!(
+        "    copies launched together with others per request: initiator {:.2} | target {:.2}",
+        count(after, before),
+        count(tafter, tbefore),
+    );
     // Timed only with NIXL_BOUNCE_TIME_KERNELS set.
     let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
     let (gu, su) = (i("gpu_gather_upload_ns"), t("gpu_scatter_upload_ns"));

@@ -360,6 +360,17 @@ pub(super) enum Form {
     },
 }
 
+/// What [`ExecGuard::launch_copies_together`] did.
+pub(super) enum Together {
+    /// One launch copies every list.
+    Launched,
+    /// Nothing launched: a list leaves its region (this error, worded from
+    /// its runs).
+    Refused(CopyError),
+    /// Nothing launched: the lists' copies are not all of one length.
+    MixedLengths,
+}
+
 /// A pair table filled by [`ExecGuard::fill_pair_form`].
 pub(super) struct PairForm {
     pub(super) len: u64,
@@ -590,14 +601,40 @@ impl ExecGuard {
         copies: &Copies,
         opts: &CopyOptions,
     ) -> Result<(), CopyError> {
+        match self.launch_copies_together(direction, &[(region, copies)], opts)? {
+            Together::Launched => Ok(()),
+            // One list is always of one length; its refusal is worded.
+            Together::Refused(e) => Err(e),
+            Together::MixedLengths => unreachable!("one list of packed copies has one length"),
+        }
+    }
+
+    /// The pair tables of several lists of packed copies of one length,
+    /// each in its region, one after another in the context's pinned table,
+    /// launched as one copy ([`CopyEngine::try_launch_together`]): one
+    /// upload, one launch, one event for all of them. Nothing is launched
+    /// when a list is refused or the lengths differ.
+    pub(super) fn launch_copies_together(
+        &mut self,
+        direction: Direction,
+        lists: &[(RegionSpan, &Copies)],
+        opts: &CopyOptions,
+    ) -> Result<Together, CopyError> {
         let err = |reason: String| CopyError {
             direction,
             reason,
             quiesced: true,
         };
+        let Some(((_, first), rest)) = lists.split_first() else {
+            return Err(err("no copies to launch".into()));
+        };
+        let len = first.copy_len();
+        if rest.iter().any(|(_, c)| c.copy_len() != len) {
+            return Ok(Together::MixedLengths);
+        }
         let max_warps = Self::max_warps(&self.pool.kernel, opts);
         let t0 = Instant::now();
-        let n = copies.addrs().len();
+        let n: usize = lists.iter().map(|(_, c)| c.addrs().len()).sum();
         let bytes = pairs_table_bytes(n);
         self.pool.device.bind().map_err(|e| err(e.to_string()))?;
         let ctx = self
@@ -611,21 +648,29 @@ impl ExecGuard {
         // u64; the context is borrowed exclusively and idle, so no kernel
         // reads the table while it is rewritten.
         let out = unsafe { std::slice::from_raw_parts_mut(ctx.table.host as *mut u64, 2 * n) };
-        let (len, copies) =
-            fill_pairs_from_copies(direction, region, copies, out)?.ok_or_else(|| {
-                err(format!(
+        let mut at = 0;
+        for (region, copies) in lists {
+            let filled = match fill_pairs_from_copies(direction, *region, copies, &mut out[at..]) {
+                Ok(f) => f,
+                Err(e) => return Ok(Together::Refused(e)),
+            };
+            let Some((_, k)) = filled else {
+                return Err(err(format!(
                     "a table of {n} copies does not fit its {bytes} bytes"
-                ))
-            })?;
+                )));
+            };
+            at += 2 * k;
+        }
         let shape =
-            pairs_shape(copies, len, opts.tile_bytes, max_warps).map_err(|e| err(e.to_string()))?;
+            pairs_shape(n, len, opts.tile_bytes, max_warps).map_err(|e| err(e.to_string()))?;
         let layout = TableLayout::new(0).expect("an empty layout");
         self.submit(
             direction,
             Form::Pairs { len, shape },
             &layout,
             [t0, t1, Instant::now()],
-        )
+        )?;
+        Ok(Together::Launched)
     }
 
     /// Uploads the table filled in the context's pinned memory (unless

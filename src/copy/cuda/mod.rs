@@ -328,6 +328,70 @@ impl CopyEngine for CudaCopy {
         }))
     }
 
+    fn try_launch_together(
+        &self,
+        direction: Direction,
+        copies: &[(RegionSpan, &Runs)],
+    ) -> Option<Result<Box<dyn LaunchedCopy>, CopyError>> {
+        // Packed copies only (real clients' chunks: blocks of one size),
+        // and not where tables are read over the bus or copied by the
+        // driver's batched memcpy.
+        if copies.len() < 2 || self.opts.batch_memcpy || self.pool.zero_copy {
+            return None;
+        }
+        let Some(lists) = copies
+            .iter()
+            .map(|(region, runs)| runs.copies().map(|c| (*region, c)))
+            .collect::<Option<Vec<_>>>()
+        else {
+            tracing::debug!(
+                ?direction,
+                n = copies.len(),
+                "not launched together: not all packed copies"
+            );
+            return None;
+        };
+        let t0 = Instant::now();
+        let Some(mut g) = self.pool.try_acquire() else {
+            tracing::debug!(
+                ?direction,
+                n = copies.len(),
+                "not launched together: no context free"
+            );
+            return None;
+        };
+        let _range = crate::nvtx::range(match direction {
+            Direction::Gather => c"bounce.gather.launch",
+            Direction::Scatter => c"bounce.scatter.launch",
+        });
+        let launched = match g.launch_copies_together(direction, &lists, &self.opts) {
+            Ok(exec::Together::Launched) => Instant::now(),
+            // Not together: the guard goes back idle, nothing launched.
+            Ok(exec::Together::Refused(e)) => {
+                tracing::debug!(?direction, n = copies.len(), "not launched together: {e}");
+                return None;
+            }
+            Ok(exec::Together::MixedLengths) => {
+                tracing::debug!(
+                    ?direction,
+                    n = copies.len(),
+                    "not launched together: lengths differ"
+                );
+                return None;
+            }
+            Err(e) => return Some(Err(e)),
+        };
+        self.phases.add(direction, Some(launched - t0), None);
+        Some(Ok(Box::new(TimedCopy {
+            pending: PendingCopy {
+                direction,
+                state: PendingState::Running(g),
+            },
+            launched,
+            phases: self.phases.clone(),
+        })))
+    }
+
     fn phase_counters(&self) -> Vec<(&'static str, u64)> {
         let get = |a: &[AtomicU64; 2], i: usize| a[i].load(Ordering::Relaxed);
         let p = &self.phases;
