@@ -324,8 +324,10 @@ impl Drop for RunList {
 /// `len` bytes between region offset `first + j * len` and `addrs[j]`. A
 /// copy marked in `marks` (bit `j % 8` of byte `j / 8`) is the second of a
 /// run of two with the copy before it, which is what the list is as runs
-/// ([`Runs`]' `Deref`). Built only through [`Copies::new`], which checks
-/// that the runs exist.
+/// when made from the copies ([`Runs::from_copies`]; a plan's own runs may
+/// hold two contiguous copies as one run twice as long,
+/// [`Copies::same_copies_as`]). Built only through [`Copies::new`], which
+/// checks that the runs exist, or by the planner.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Copies {
     len: u64,
@@ -432,6 +434,39 @@ impl Copies {
         self.fit
     }
 
+    /// Whether `runs` move exactly these copies, in order: each run cut
+    /// into pieces of the copies' length. The planner's runs are these
+    /// copies' own runs ([`Copies::to_runs`]) except that a run of two
+    /// contiguous copies is one run twice as long.
+    pub fn same_copies_as(&self, runs: &[Run]) -> bool {
+        let (len, mut j) = (self.len, 0usize);
+        for r in runs {
+            if r.len == 0 || !r.len.is_multiple_of(len) {
+                return false;
+            }
+            for k in 0..u64::from(r.count) {
+                for p in 0..r.len / len {
+                    let piece = |base: u64, stride: u64| {
+                        k.checked_mul(stride)?
+                            .checked_add(base)?
+                            .checked_add(p * len)
+                    };
+                    let want = (j as u64)
+                        .checked_mul(len)
+                        .and_then(|o| o.checked_add(self.first));
+                    if j >= self.addrs.len()
+                        || piece(r.region_offset, r.region_stride) != want
+                        || piece(r.addr, r.addr_stride) != Some(self.addrs[j])
+                    {
+                        return false;
+                    }
+                    j += 1;
+                }
+            }
+        }
+        j == self.addrs.len()
+    }
+
     /// The runs these copies are: each copy a run of its own, or with the
     /// marked copy after it a run of two.
     fn to_runs(&self) -> Vec<Run> {
@@ -515,10 +550,12 @@ impl Runs {
     /// `runs` (storage back to `pool` at the end), with the packed
     /// `copies` they are when there are such (the planner's chunks of
     /// equal blocks): the wire encodes them and the GPU's table is filled
-    /// from them without a pass over the runs. `copies` must be exactly
-    /// `runs` ([`Copies`]' runs).
+    /// from them without a pass over the runs. `copies` must move exactly
+    /// what `runs` move ([`Copies::same_copies_as`]: their own runs, or
+    /// with a run of two contiguous copies as one run twice as long, which
+    /// the host's memcpy takes in one piece).
     pub fn pooled_with_copies(runs: Vec<Run>, copies: Option<Copies>, pool: &RunPool) -> Runs {
-        debug_assert!(copies.as_ref().is_none_or(|c| c.to_runs() == runs));
+        debug_assert!(copies.as_ref().is_none_or(|c| c.same_copies_as(&runs)));
         Runs(Arc::new(RunList {
             runs: runs.into(),
             copies,

@@ -326,7 +326,11 @@ mod tests {
     /// built before (docs/design.md §4, "Runs the GPU reads as they
     /// arrive"); beside them one pass that reads the copies, checks each
     /// against the registration and writes an address list: the floor.
-    /// `cargo test --release --lib chunk_passes_cost -- --ignored --nocapture`
+    /// `cargo test --release --lib chunk_passes_cost -- --ignored --nocapture`;
+    /// with `CHUNK_PASSES_LAYOUT=vllm` the blocks are drawn as
+    /// `bench/vllm_pattern.py` draws them, where a pair of neighbours in
+    /// memory is common (the "as before" passes are then what such a chunk
+    /// paid before the planner kept contiguous pairs as packed copies).
     #[test]
     #[ignore]
     fn chunk_passes_cost() {
@@ -343,19 +347,46 @@ mod tests {
 
         let (blocks, len) = (4096u64, 4096u64);
         let (src, dst) = (1u64 << 32, 1u64 << 40);
-        // vLLM's block tables: blocks taken from a shuffled free list.
-        let mut order: Vec<u64> = (0..blocks * 4).collect();
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for i in (1..order.len()).rev() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            order.swap(i, (x % (i as u64 + 1)) as usize);
-        }
+        let mut shuffle = |order: &mut [u64]| {
+            for i in (1..order.len()).rev() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+        };
+        // Block numbers on each side (in slots of 4 * blocks).
+        let (src_blocks, dst_blocks): (Vec<u64>, Vec<u64>) =
+            if std::env::var("CHUNK_PASSES_LAYOUT").as_deref() == Ok("vllm") {
+                // vLLM's pattern (bench/vllm_pattern.py): per layer region
+                // of 1024 cache blocks, 512 distinct ones in random order,
+                // regions one after another: now and then two blocks in a
+                // row are neighbours in memory.
+                let mut side = || {
+                    (0..blocks / 512)
+                        .flat_map(|r| {
+                            let mut pool: Vec<u64> = (0..1024).collect();
+                            shuffle(&mut pool);
+                            pool.truncate(512);
+                            pool.into_iter().map(move |b| r * 1024 + b)
+                        })
+                        .collect()
+                };
+                (side(), side())
+            } else {
+                // Blocks taken from a shuffled free list four times larger.
+                let mut order: Vec<u64> = (0..blocks * 4).collect();
+                shuffle(&mut order);
+                (
+                    order[..blocks as usize].to_vec(),
+                    order[blocks as usize..2 * blocks as usize].to_vec(),
+                )
+            };
         let descriptors = (0..blocks).map(|b| Descriptor {
-            src_addr: src + order[b as usize] * len,
+            src_addr: src + src_blocks[b as usize] * len,
             src_dev: 0,
-            dst_addr: dst + order[(blocks + b) as usize] * len,
+            dst_addr: dst + dst_blocks[b as usize] * len,
             dst_dev: 0,
             len,
         });
@@ -454,7 +485,12 @@ mod tests {
         let encode = best(&mut || {
             black_box(data.encode());
         });
-        assert_eq!(data.encode(), runs_data.encode());
+        // The same bytes as the runs', unless the plan holds contiguous
+        // pairs of copies as runs twice as long: those the runs' encoding
+        // writes in its general form, and a chunk with one had no copies
+        // before the planner kept such pairs.
+        let plain_bytes = runs_data.encode();
+        let joined = plain_bytes != bytes;
         let mut decoded = None;
         let decode = best(&mut || decoded = Some(Message::decode(&bytes).expect("decoded")));
         let Some(Message::Data { runs, .. }) = decoded else {
@@ -463,12 +499,12 @@ mod tests {
         let c = runs.copies().expect("decoded as packed copies");
         // As before: the runs built from the copies, checked and filled.
         let decode_build = best(&mut || {
-            let Ok(Message::Data { runs, .. }) = Message::decode(&bytes) else {
+            let Ok(Message::Data { runs, .. }) = Message::decode(&plain_bytes) else {
                 panic!("not a DATA")
             };
             black_box(runs.len()); // the runs, built
         });
-        let as_runs = runs.to_vec();
+        let as_runs = chunk.scatter_runs.to_vec();
         let runs_check = best(&mut || {
             validate_runs(&as_runs, chunk.bytes).expect("valid");
             targets.admits(&as_runs).expect("admitted");
@@ -501,10 +537,12 @@ mod tests {
             assert!(!black_box(bad));
         });
         println!(
-            "one chunk of {blocks} x {len} B: {} gather runs, {} scatter runs, DATA {} bytes, table {} bytes",
+            "one chunk of {blocks} x {len} B: {} gather runs, {} scatter runs, DATA {} bytes ({} as runs{}), table {} bytes",
             chunk.gather_runs.len(),
-            runs.len(),
+            chunk.scatter_runs.len(),
             bytes.len(),
+            plain_bytes.len(),
+            if joined { ": contiguous pairs joined" } else { "" },
             layout.capacity
         );
         println!(
