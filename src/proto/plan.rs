@@ -439,11 +439,21 @@ struct ChunkBuilder<'p> {
 }
 
 /// A chunk keeps its packed copies beside its runs while the copies are
-/// at most this many times the runs (on the side with more runs). On the
-/// 2-core VM (`chunk_passes_cost`) a 4096-copy chunk's passes cost the
-/// sender 9.5 us as copies against 29 us as 2590 runs, and the receiver
-/// 14 against 50.
-const COPIES_PER_RUN: usize = 4;
+/// at most this many times the runs (on the side with more runs): as
+/// many wire entries at most as a list of runs of one or two copies
+/// (the bound the control message limits were set for). On the 2-core
+/// VM (`chunk_passes_cost`) a 4096-copy chunk's passes cost the sender
+/// 6 us as copies against 29 us as 2590 runs, and the receiver 14
+/// against 43.
+const COPIES_PER_RUN: usize = 2;
+
+/// Whether `runs` are all of one length longer than `len` and of one or
+/// two copies each: packed copies of that length themselves, which the
+/// wire carries in fewer entries than the copies of `len`.
+fn coarser_copies(runs: &[Run], len: u64) -> bool {
+    runs.first()
+        .is_some_and(|f| f.len > len && runs.iter().all(|r| r.len == f.len && r.count <= 2))
+}
 
 /// Both sides of a chunk as packed copies ([`Copies`]) while it is packed:
 /// pieces of `len` bytes back to back from region offset 0, each a run of
@@ -573,10 +583,16 @@ impl ChunkBuilder<'_> {
         // Packed copies pay where runs hardly merge (scattered blocks: a
         // copy costs the hosts' passes and the wire about a quarter of what
         // a run does); where the runs are much fewer (blocks mostly in
-        // order) the runs are kept alone.
+        // order), or are themselves packed copies of a longer length (the
+        // wire's compact form, fewer entries), the runs are kept alone.
         let runs = self.gather.runs().len().max(self.scatter.runs().len());
+        let keep = |p: &PackedCopies| {
+            runs.saturating_mul(COPIES_PER_RUN) >= p.gather.len()
+                && !(coarser_copies(self.gather.runs(), p.len)
+                    && coarser_copies(self.scatter.runs(), p.len))
+        };
         let (gather, scatter) = match self.packed.take() {
-            Some(mut p) if runs.saturating_mul(COPIES_PER_RUN) >= p.gather.len() => {
+            Some(mut p) if keep(&p) => {
                 let (g, s) = p.finish();
                 self.copies = Some(p);
                 (Some(g), Some(s))
@@ -988,7 +1004,7 @@ mod tests {
         /// of their own), their marks are what `Copies::new` takes, and a
         /// chunk of one length's blocks back to back has them on both
         /// sides, merged or not, unless its runs are far fewer
-        /// (`COPIES_PER_RUN`).
+        /// (`COPIES_PER_RUN`) or packed copies of a longer length.
         #[test]
         fn chunks_of_equal_blocks_are_packed_copies_of_their_runs(
             n in 1usize..200,
@@ -1009,9 +1025,11 @@ mod tests {
             for (i, c) in plan.chunks.iter().enumerate() {
                 let sides = [("gather", &c.gather_runs), ("scatter", &c.scatter_runs)];
                 // Every piece is a whole block here (a chunk holds whole
-                // blocks): packed copies unless the runs are much fewer.
+                // blocks): packed copies unless the runs are much fewer or
+                // packed copies of a longer length themselves.
                 let most_runs = sides.iter().map(|(_, runs)| runs.len()).max().unwrap_or(0);
-                let packable = most_runs * COPIES_PER_RUN >= c.pieces as usize;
+                let packable = most_runs * COPIES_PER_RUN >= c.pieces as usize
+                    && !sides.iter().all(|(_, runs)| coarser_copies(runs, len));
                 for (side, runs) in sides {
                     match runs.copies() {
                         Some(copies) => {

@@ -1003,9 +1003,12 @@ fn run_wire(runs: &[Run]) -> RunWire {
 }
 
 /// The packed copies a list is encoded from, when it has them (the
-/// planner's chunks of equal blocks, a decoded packed list): those whose
-/// runs [`run_wire`] would find packed, so that the bytes are the same
-/// either way (`copies_encode_as_their_runs`), without a pass over runs.
+/// planner's chunks of equal blocks, a decoded packed list): the bytes
+/// [`run_wire`] would write from the copies' own runs
+/// (`copies_encode_as_their_runs`), without a pass over runs. A plan's
+/// runs may differ from those (two neighbouring copies as one run, a run
+/// of three strided copies or more): the same bytes move either way
+/// (`Copies::same_copies_as`).
 fn packed_copies(list: &Runs) -> Option<&Copies> {
     list.copies()
         .filter(|c| c.addresses_fit() && c.addrs().len() <= MAX_DATA_RUNS as usize)

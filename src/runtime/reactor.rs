@@ -28,6 +28,9 @@ pub(super) struct PeerState {
     pub(super) heartbeats: bool,
 }
 
+/// The most copies launched as one (`launch_held`).
+const MAX_COPIES_TOGETHER: usize = 1 << 16;
+
 /// A copy the IO thread will launch at the end of the current pass, with
 /// the others held there (`group_copy_launches`).
 pub(super) struct HeldCopy {
@@ -329,6 +332,10 @@ impl Reactor {
     }
 
     fn forget_peer(&mut self, peer: &PeerId) {
+        // What is held for other peers runs while this one's writes drain.
+        if !self.held.is_empty() {
+            self.launch_held();
+        }
         // A peer added again later is new: its outages count and log anew.
         self.unreachable.remove(peer);
         // Tell the peer its flows here are over (it may be alive: a local
@@ -944,7 +951,8 @@ impl Reactor {
         let here = match self.copy_launches {
             IoThreadUse::Always => true,
             IoThreadUse::Never => false,
-            IoThreadUse::WhenIdle => self.copies_in_flight == 0,
+            // Held copies count: under load they go to the workers.
+            IoThreadUse::WhenIdle => self.copies_in_flight == 0 && self.held.is_empty(),
         };
         let launchable = self.launch_here[direction as usize];
         if launchable && here {
@@ -970,15 +978,31 @@ impl Reactor {
         let (gathers, scatters): (Vec<_>, Vec<_>) = held
             .into_iter()
             .partition(|c| c.direction == Direction::Gather);
-        for group in [gathers, scatters] {
-            let group = match self.launch_together(group) {
-                Ok(()) => continue,
-                Err(group) => group,
-            };
-            for copy in group {
-                if let Err(copy) = self.launch_now(copy) {
-                    self.hand_to_worker(copy, true);
+        for mut copies in [gathers, scatters] {
+            // Groups of at most MAX_COPIES_TOGETHER copies (a 1 MiB pair
+            // table), so that a long burst neither waits for its last
+            // message nor grows the tables without bound.
+            while !copies.is_empty() {
+                let mut total = 0usize;
+                let take = copies
+                    .iter()
+                    .take_while(|c| {
+                        total += c.runs.copies().map_or(1, |c| c.addrs().len());
+                        total <= MAX_COPIES_TOGETHER
+                    })
+                    .count()
+                    .max(1);
+                let rest = copies.split_off(take);
+                let group = match self.launch_together(copies) {
+                    Ok(()) => Vec::new(),
+                    Err(group) => group,
+                };
+                for copy in group {
+                    if let Err(copy) = self.launch_now(copy) {
+                        self.hand_to_worker(copy, true);
+                    }
                 }
+                copies = rest;
             }
         }
     }

@@ -369,6 +369,9 @@ pub(super) enum Together {
     Refused(CopyError),
     /// Nothing launched: the lists' copies are not all of one length.
     MixedLengths,
+    /// Nothing launched: the launch could not be prepared (this error:
+    /// binding the device, room for the table, the launch's shape).
+    Declined(CopyError),
 }
 
 /// A pair table filled by [`ExecGuard::fill_pair_form`].
@@ -604,7 +607,7 @@ impl ExecGuard {
         match self.launch_copies_together(direction, &[(region, copies)], opts)? {
             Together::Launched => Ok(()),
             // One list is always of one length; its refusal is worded.
-            Together::Refused(e) => Err(e),
+            Together::Refused(e) | Together::Declined(e) => Err(e),
             Together::MixedLengths => unreachable!("one list of packed copies has one length"),
         }
     }
@@ -636,12 +639,25 @@ impl ExecGuard {
         let t0 = Instant::now();
         let n: usize = lists.iter().map(|(_, c)| c.addrs().len()).sum();
         let bytes = pairs_table_bytes(n);
-        self.pool.device.bind().map_err(|e| err(e.to_string()))?;
+        // Until the launch begins, a failure launches nothing: declined
+        // (one list alone may still fit what is there).
+        let declined = |e: String| Ok(Together::Declined(err(e)));
+        if let Err(e) = self.pool.device.bind() {
+            return declined(e.to_string());
+        }
+        let zero_copy = self.pool.zero_copy;
         let ctx = self
             .ctx
             .as_mut()
             .expect("an ExecGuard holds its context until dropped");
-        ctx.table.ensure(bytes).map_err(|e| err(e.to_string()))?;
+        if let Err(e) = ctx.table.ensure(bytes) {
+            return declined(e.to_string());
+        }
+        if let (false, Some(scratch)) = (zero_copy, ctx.scratch.as_mut()) {
+            if let Err(e) = scratch.ensure(bytes) {
+                return declined(e.to_string());
+            }
+        }
         let t1 = Instant::now();
         // SAFETY: the pinned table holds at least `bytes` = 16 n bytes
         // (ensured above), page-aligned (cuMemHostAlloc), so 8-aligned for
@@ -655,15 +671,18 @@ impl ExecGuard {
                 Err(e) => return Ok(Together::Refused(e)),
             };
             let Some((_, k)) = filled else {
-                return Err(err(format!(
+                return declined(format!(
                     "a table of {n} copies does not fit its {bytes} bytes"
-                )));
+                ));
             };
             at += 2 * k;
         }
-        let shape =
-            pairs_shape(n, len, opts.tile_bytes, max_warps).map_err(|e| err(e.to_string()))?;
+        let shape = match pairs_shape(n, len, opts.tile_bytes, max_warps) {
+            Ok(shape) => shape,
+            Err(e) => return declined(e.to_string()),
+        };
         let layout = TableLayout::new(0).expect("an empty layout");
+        // Begun: a failure from here fails every list.
         self.submit(
             direction,
             Form::Pairs { len, shape },

@@ -371,6 +371,10 @@ impl CopyEngine for CudaCopy {
                 tracing::debug!(?direction, n = copies.len(), "not launched together: {e}");
                 return None;
             }
+            Ok(exec::Together::Declined(e)) => {
+                tracing::debug!(?direction, n = copies.len(), "not launched together: {e}");
+                return None;
+            }
             Ok(exec::Together::MixedLengths) => {
                 tracing::debug!(
                     ?direction,
