@@ -436,8 +436,9 @@ impl Copies {
 
     /// Whether `runs` move exactly these copies, in order: each run cut
     /// into pieces of the copies' length. The planner's runs are these
-    /// copies' own runs ([`Copies::to_runs`]) except that a run of two
-    /// contiguous copies is one run twice as long.
+    /// copies' own runs ([`Copies::to_runs`]) except where they merge
+    /// further: contiguous copies as one longer run, three strided copies
+    /// or more as one run.
     pub fn same_copies_as(&self, runs: &[Run]) -> bool {
         let (len, mut j) = (self.len, 0usize);
         for r in runs {

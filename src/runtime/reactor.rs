@@ -1,7 +1,7 @@
 //! The reactor: the one thread that owns the endpoint, the control channel
 //! and the data plane, and carries out every action the endpoint emits.
 
-use super::workers::{CopyDone, CopyId, CopyJob, Launched, WorkerReport};
+use super::workers::{CopyDone, CopyId, CopyJob, CopyWork, Launched, WorkerReport};
 use super::*;
 
 /// Makes this thread's timed waits end when asked: its polling pauses
@@ -30,16 +30,6 @@ pub(super) struct PeerState {
 
 /// The most copies launched as one (`launch_held`).
 const MAX_COPIES_TOGETHER: usize = 1 << 16;
-
-/// A copy the IO thread will launch at the end of the current pass, with
-/// the others held there (`group_copy_launches`).
-pub(super) struct HeldCopy {
-    id: CopyId,
-    direction: Direction,
-    span: RegionSpan,
-    runs: Runs,
-    in_use: InUse,
-}
 
 /// Which copy launches [`Reactor::execute_actions`] carries out when
 /// `copy_launches_last` holds them back.
@@ -90,7 +80,7 @@ pub(super) struct Reactor {
     /// direction where the engine can (`group_copy_launches`).
     pub(super) group_copy_launches: bool,
     /// Launches held until the end of the pass (see `group_copy_launches`).
-    pub(super) held: Vec<HeldCopy>,
+    pub(super) held: Vec<CopyWork>,
     /// Set while a loop reads messages or commands: launches are held
     /// until it ends, so that a burst of them goes as one.
     pub(super) holding: bool,
@@ -930,7 +920,7 @@ impl Reactor {
         in_use: InUse,
     ) {
         let offset = region.0 as usize;
-        let copy = HeldCopy {
+        let copy = CopyWork {
             id,
             direction,
             span: RegionSpan {
@@ -961,13 +951,17 @@ impl Reactor {
                 self.held.push(copy);
                 return;
             }
-            match self.launch_now(copy) {
-                Ok(()) => return,
-                // Not now (or not this engine): a worker takes it.
-                Err(copy) => return self.hand_to_worker(copy, true),
-            }
+            return self.launch_now_or_hand_over(copy);
         }
         self.hand_to_worker(copy, launchable)
+    }
+
+    /// Launches a copy here, or, when the engine cannot now (no context
+    /// free, or an engine that copies on workers), hands it to a worker.
+    fn launch_now_or_hand_over(&mut self, copy: CopyWork) {
+        if let Err(copy) = self.launch_now(copy) {
+            self.hand_to_worker(copy, true);
+        }
     }
 
     /// Launches the copies held in this pass: those of one direction
@@ -998,9 +992,7 @@ impl Reactor {
                     Err(group) => group,
                 };
                 for copy in group {
-                    if let Err(copy) = self.launch_now(copy) {
-                        self.hand_to_worker(copy, true);
-                    }
+                    self.launch_now_or_hand_over(copy);
                 }
                 copies = rest;
             }
@@ -1009,7 +1001,7 @@ impl Reactor {
 
     /// Launches `group` (copies of one direction) as one copy; gives it
     /// back when the engine does not take it so.
-    fn launch_together(&mut self, group: Vec<HeldCopy>) -> Result<(), Vec<HeldCopy>> {
+    fn launch_together(&mut self, group: Vec<CopyWork>) -> Result<(), Vec<CopyWork>> {
         let Some(direction) = group
             .first()
             .map(|c| c.direction)
@@ -1022,13 +1014,40 @@ impl Reactor {
         let Some(launched) = self.copier.try_launch_together(direction, &lists) else {
             return Err(group);
         };
-        self.copies_in_flight += group.len();
         self.shared
             .counters
             .copies_launched_together
             .fetch_add(group.len() as u64, Ordering::Relaxed);
-        let mut members = group.into_iter().map(|c| (c.id, c.in_use));
-        let (id, in_use) = members.next().expect("a group of two or more");
+        self.track_launch(group, started, launched);
+        Ok(())
+    }
+
+    /// Launches one copy here; gives it back when the engine cannot now
+    /// (no context free, or an engine that copies on workers).
+    fn launch_now(&mut self, copy: CopyWork) -> Result<(), CopyWork> {
+        let started = Instant::now();
+        let Some(launched) = self
+            .copier
+            .try_launch(copy.direction, copy.span, &copy.runs)
+        else {
+            return Err(copy);
+        };
+        self.track_launch(vec![copy], started, launched);
+        Ok(())
+    }
+
+    /// Polls `launched`, the one copy of `copies` (one or more) launched
+    /// here at `started`; when it was refused or failed to launch, every
+    /// one of them ends here with that error.
+    fn track_launch(
+        &mut self,
+        copies: Vec<CopyWork>,
+        started: Instant,
+        launched: Result<Box<dyn crate::copy::LaunchedCopy>, crate::copy::CopyError>,
+    ) {
+        self.copies_in_flight += copies.len();
+        let mut members = copies.into_iter().map(|c| (c.id, c.in_use));
+        let (id, in_use) = members.next().expect("a launch copies at least one");
         match launched {
             Ok(copy) => self.launched.push(Launched {
                 id,
@@ -1038,7 +1057,6 @@ impl Reactor {
                 queued: Duration::ZERO,
                 started,
             }),
-            // It failed once begun: every copy of it ends so.
             Err(e) => {
                 for (id, in_use) in members {
                     self.launched_copy_ended(id, in_use, Duration::ZERO, started, Err(e.clone()));
@@ -1046,57 +1064,18 @@ impl Reactor {
                 self.launched_copy_ended(id, in_use, Duration::ZERO, started, Err(e));
             }
         }
-        Ok(())
-    }
-
-    /// Launches one copy here; gives it back when the engine cannot now
-    /// (no context free, or an engine that copies on workers).
-    fn launch_now(&mut self, copy: HeldCopy) -> Result<(), HeldCopy> {
-        let started = Instant::now();
-        let Some(launched) = self
-            .copier
-            .try_launch(copy.direction, copy.span, &copy.runs)
-        else {
-            return Err(copy);
-        };
-        self.copies_in_flight += 1;
-        match launched {
-            Ok(c) => self.launched.push(Launched {
-                id: copy.id,
-                copy: c,
-                in_use: copy.in_use,
-                together: Vec::new(),
-                queued: Duration::ZERO,
-                started,
-            }),
-            // Refused or failed to launch: it ends here.
-            Err(e) => {
-                self.launched_copy_ended(copy.id, copy.in_use, Duration::ZERO, started, Err(e))
-            }
-        }
-        Ok(())
     }
 
     /// Queues a copy for the copy workers (`launch`: a worker may launch it
     /// and hand it back to be polled here).
-    fn hand_to_worker(&mut self, copy: HeldCopy, launchable: bool) {
-        let HeldCopy {
-            id,
-            direction,
-            span,
-            runs,
-            in_use,
-        } = copy;
+    fn hand_to_worker(&mut self, copy: CopyWork, launchable: bool) {
+        let id = copy.id;
         let job = CopyJob {
-            id,
+            work: copy,
             // With `copy_launches=io_thread` a worker only takes what the IO
             // thread could not launch (no context free): it copies, blocking.
             launch: launchable && self.copy_launches != IoThreadUse::Always,
             queued_at: Instant::now(),
-            in_use,
-            direction,
-            span,
-            runs,
         };
         let sent = match &self.jobs {
             Some(jobs) => jobs.send(job).map_err(|e| e.0),
@@ -1105,7 +1084,7 @@ impl Reactor {
         let sent = match sent {
             Ok(()) => true,
             Err(job) => {
-                self.targets.release(job.in_use);
+                self.targets.release(job.work.in_use);
                 false
             }
         };

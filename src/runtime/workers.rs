@@ -3,18 +3,24 @@
 
 use super::*;
 
-pub(super) struct CopyJob {
+/// A gather or scatter to carry out: which, where, and the application
+/// range it touches.
+pub(super) struct CopyWork {
     pub(super) id: CopyId,
+    pub(super) direction: Direction,
+    pub(super) span: RegionSpan,
+    pub(super) runs: Runs,
+    /// The application range it touches, released when the copy is over.
+    pub(super) in_use: InUse,
+}
+
+pub(super) struct CopyJob {
+    pub(super) work: CopyWork,
     /// Launch it and hand it back to the reactor to poll
     /// ([`CopyEngine::try_launch`]) when the engine can; else (or when no
     /// execution context is free) copy it here, blocking.
     pub(super) launch: bool,
     pub(super) queued_at: Instant,
-    /// The application range it touches, released when the copy is over.
-    pub(super) in_use: InUse,
-    pub(super) direction: Direction,
-    pub(super) span: RegionSpan,
-    pub(super) runs: Runs,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -88,7 +94,12 @@ pub(super) fn copy_worker(
         quiesced: false,
     };
     loop {
-        let Some(job) = next_job(&jobs, spin) else {
+        let Some(CopyJob {
+            work: job,
+            launch,
+            queued_at,
+        }) = next_job(&jobs, spin)
+        else {
             return; // the reactor is gone
         };
         let delay = match job.id {
@@ -99,10 +110,10 @@ pub(super) fn copy_worker(
             std::thread::sleep(delay);
         }
         let started = Instant::now();
-        let queued = started.duration_since(job.queued_at);
+        let queued = started.duration_since(queued_at);
         // Launched here, polled by the reactor: this worker only fills the
         // table and launches (the host's share of a large copy).
-        let launched = if job.launch {
+        let launched = if launch {
             crate::boundary::catch(|| copier.try_launch(job.direction, job.span, &job.runs))
                 .unwrap_or_else(|panic| Some(Err(failed(job.direction, panic))))
         } else {

@@ -364,14 +364,11 @@ pub(super) enum Form {
 pub(super) enum Together {
     /// One launch copies every list.
     Launched,
-    /// Nothing launched: a list leaves its region (this error, worded from
-    /// its runs).
-    Refused(CopyError),
-    /// Nothing launched: the lists' copies are not all of one length.
-    MixedLengths,
-    /// Nothing launched: the launch could not be prepared (this error:
-    /// binding the device, room for the table, the launch's shape).
-    Declined(CopyError),
+    /// Nothing launched, for this reason: the lists' copies are not all of
+    /// one length, a list leaves its region (worded from its runs), or the
+    /// launch could not be prepared (binding the device, room for the
+    /// table, the launch's shape).
+    NotLaunched(CopyError),
 }
 
 /// A pair table filled by [`ExecGuard::fill_pair_form`].
@@ -606,9 +603,7 @@ impl ExecGuard {
     ) -> Result<(), CopyError> {
         match self.launch_copies_together(direction, &[(region, copies)], opts)? {
             Together::Launched => Ok(()),
-            // One list is always of one length; its refusal is worded.
-            Together::Refused(e) | Together::Declined(e) => Err(e),
-            Together::MixedLengths => unreachable!("one list of packed copies has one length"),
+            Together::NotLaunched(e) => Err(e),
         }
     }
 
@@ -628,20 +623,20 @@ impl ExecGuard {
             reason,
             quiesced: true,
         };
+        // Until the launch begins, a failure launches nothing (one list
+        // alone may still fit what is there).
+        let declined = |e: String| Ok(Together::NotLaunched(err(e)));
         let Some(((_, first), rest)) = lists.split_first() else {
             return Err(err("no copies to launch".into()));
         };
         let len = first.copy_len();
         if rest.iter().any(|(_, c)| c.copy_len() != len) {
-            return Ok(Together::MixedLengths);
+            return declined("lengths differ".into());
         }
         let max_warps = Self::max_warps(&self.pool.kernel, opts);
         let t0 = Instant::now();
         let n: usize = lists.iter().map(|(_, c)| c.addrs().len()).sum();
         let bytes = pairs_table_bytes(n);
-        // Until the launch begins, a failure launches nothing: declined
-        // (one list alone may still fit what is there).
-        let declined = |e: String| Ok(Together::Declined(err(e)));
         if let Err(e) = self.pool.device.bind() {
             return declined(e.to_string());
         }
@@ -668,7 +663,7 @@ impl ExecGuard {
         for (region, copies) in lists {
             let filled = match fill_pairs_from_copies(direction, *region, copies, &mut out[at..]) {
                 Ok(f) => f,
-                Err(e) => return Ok(Together::Refused(e)),
+                Err(e) => return Ok(Together::NotLaunched(e)),
             };
             let Some((_, k)) = filled else {
                 return declined(format!(

@@ -191,7 +191,34 @@ impl std::fmt::Debug for CudaCopy {
     }
 }
 
+/// The NVTX range of a copy's launch.
+fn launch_range(direction: Direction) -> crate::nvtx::Range {
+    crate::nvtx::range(match direction {
+        Direction::Gather => c"bounce.gather.launch",
+        Direction::Scatter => c"bounce.scatter.launch",
+    })
+}
+
 impl CudaCopy {
+    /// A copy started at `t0` (or its failure), its launch time counted,
+    /// as the IO thread polls it ([`CopyEngine::try_launch`]).
+    fn timed(
+        &self,
+        direction: Direction,
+        t0: Instant,
+        started: Result<PendingCopy, CopyError>,
+    ) -> Result<Box<dyn LaunchedCopy>, CopyError> {
+        let launched = Instant::now();
+        self.phases.add(direction, Some(launched - t0), None);
+        started.map(|pending| {
+            Box::new(TimedCopy {
+                pending,
+                launched,
+                phases: self.phases.clone(),
+            }) as Box<dyn LaunchedCopy>
+        })
+    }
+
     pub fn new(pool: Arc<ExecPool>) -> Self {
         CudaCopy {
             pool,
@@ -279,10 +306,7 @@ impl CudaCopy {
         region: RegionSpan,
         runs: RunsArg<'_>,
     ) -> Result<PendingCopy, CopyError> {
-        let _range = crate::nvtx::range(match direction {
-            Direction::Gather => c"bounce.gather.launch",
-            Direction::Scatter => c"bounce.scatter.launch",
-        });
+        let _range = launch_range(direction);
         g.launch(direction, region, runs, &self.opts)?;
         Ok(PendingCopy {
             direction,
@@ -317,15 +341,7 @@ impl CopyEngine for CudaCopy {
         let started = self
             .try_start_list(direction, region, RunsArg::List(runs))
             .transpose()?;
-        let launched = Instant::now();
-        self.phases.add(direction, Some(launched - t0), None);
-        Some(started.map(|pending| {
-            Box::new(TimedCopy {
-                pending,
-                launched,
-                phases: self.phases.clone(),
-            }) as Box<dyn LaunchedCopy>
-        }))
+        Some(self.timed(direction, t0, started))
     }
 
     fn try_launch_together(
@@ -360,40 +376,20 @@ impl CopyEngine for CudaCopy {
             );
             return None;
         };
-        let _range = crate::nvtx::range(match direction {
-            Direction::Gather => c"bounce.gather.launch",
-            Direction::Scatter => c"bounce.scatter.launch",
-        });
-        let launched = match g.launch_copies_together(direction, &lists, &self.opts) {
-            Ok(exec::Together::Launched) => Instant::now(),
-            // Not together: the guard goes back idle, nothing launched.
-            Ok(exec::Together::Refused(e)) => {
-                tracing::debug!(?direction, n = copies.len(), "not launched together: {e}");
-                return None;
-            }
-            Ok(exec::Together::Declined(e)) => {
-                tracing::debug!(?direction, n = copies.len(), "not launched together: {e}");
-                return None;
-            }
-            Ok(exec::Together::MixedLengths) => {
-                tracing::debug!(
-                    ?direction,
-                    n = copies.len(),
-                    "not launched together: lengths differ"
-                );
-                return None;
-            }
-            Err(e) => return Some(Err(e)),
-        };
-        self.phases.add(direction, Some(launched - t0), None);
-        Some(Ok(Box::new(TimedCopy {
-            pending: PendingCopy {
+        let _range = launch_range(direction);
+        let started = match g.launch_copies_together(direction, &lists, &self.opts) {
+            Ok(exec::Together::Launched) => Ok(PendingCopy {
                 direction,
                 state: PendingState::Running(g),
-            },
-            launched,
-            phases: self.phases.clone(),
-        })))
+            }),
+            // Not together: the guard goes back idle, nothing launched.
+            Ok(exec::Together::NotLaunched(e)) => {
+                tracing::debug!(?direction, n = copies.len(), "not launched together: {e}");
+                return None;
+            }
+            Err(e) => Err(e),
+        };
+        Some(self.timed(direction, t0, started))
     }
 
     fn phase_counters(&self) -> Vec<(&'static str, u64)> {
