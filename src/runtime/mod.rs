@@ -72,6 +72,9 @@ enum Command {
         ticket: Arc<Ticket>,
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
+        /// When the client's thread queued it ([`trace::monotonic_ns`]),
+        /// for the timeline.
+        queued_ns: u64,
     },
     Cancel {
         ticket: Arc<Ticket>,
@@ -472,6 +475,7 @@ impl Runtime {
             ticket: ticket.clone(),
             notif,
             deadline,
+            queued_ns: trace::monotonic_ns(),
         });
         ticket
     }

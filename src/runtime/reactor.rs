@@ -260,6 +260,7 @@ impl Reactor {
                     ticket,
                     notif,
                     deadline,
+                    queued_ns,
                 } => {
                     let bytes = match self.trace {
                         Some(_) => plan.chunks.iter().map(|c| c.bytes).sum(),
@@ -273,7 +274,7 @@ impl Reactor {
                     match submitted {
                         Ok(id) => {
                             if let Some(t) = &mut self.trace {
-                                t.submitted(id, bytes);
+                                t.submitted(id, bytes, queued_ns);
                             }
                             *ticket.request.locked() = Some(id);
                             let now = Instant::now();

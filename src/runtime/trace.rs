@@ -31,6 +31,9 @@ pub const MAX_EVENTS: usize = 1 << 22;
 /// One step of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Step {
+    /// The client's thread queued the request for the IO thread (after
+    /// its preparation, when that waits for the first post).
+    Queued,
     Submit,
     /// A control message sent, by wire type code.
     Send(u8),
@@ -62,6 +65,7 @@ impl Step {
             }
         };
         match self {
+            Step::Queued => "queued".into(),
             Step::Submit => "submit".into(),
             Step::Send(ty) => format!("send_{}", msg(ty)),
             Step::Recv(ty) => format!("recv_{}", msg(ty)),
@@ -93,7 +97,7 @@ pub(super) struct Trace {
 }
 
 /// The host's monotonic clock, in ns.
-fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -130,15 +134,28 @@ impl Trace {
         self.push(step, request, chunk, 0);
     }
 
-    /// A request submitted, of `bytes` bytes.
-    pub(super) fn submitted(&mut self, request: RequestId, bytes: u64) {
+    /// A request submitted, of `bytes` bytes, queued by the client's
+    /// thread at `queued_ns` ([`monotonic_ns`]).
+    pub(super) fn submitted(&mut self, request: RequestId, bytes: u64, queued_ns: u64) {
+        self.push_at(queued_ns, Step::Queued, request, None, 0);
         self.push(Step::Submit, request, None, bytes);
     }
 
     fn push(&mut self, step: Step, request: RequestId, chunk: Option<u32>, bytes: u64) {
+        self.push_at(monotonic_ns(), step, request, chunk, bytes);
+    }
+
+    fn push_at(
+        &mut self,
+        t_ns: u64,
+        step: Step,
+        request: RequestId,
+        chunk: Option<u32>,
+        bytes: u64,
+    ) {
         if self.events.len() < MAX_EVENTS {
             self.events.push(Event {
-                t_ns: monotonic_ns(),
+                t_ns,
                 step,
                 request: request.0,
                 chunk: chunk.unwrap_or(u32::MAX),
