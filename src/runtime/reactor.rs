@@ -1047,6 +1047,18 @@ impl Reactor {
         launched: Result<Box<dyn crate::copy::LaunchedCopy>, crate::copy::CopyError>,
     ) {
         self.copies_in_flight += copies.len();
+        if self.trace.is_some() && launched.is_ok() {
+            for c in &copies {
+                match c.id {
+                    CopyId::Gather(chunk) => self.trace_chunk(Step::GatherLaunched, chunk),
+                    CopyId::Scatter(region) => {
+                        if let Some(t) = &mut self.trace {
+                            t.scatter_launched(region);
+                        }
+                    }
+                }
+            }
+        }
         let mut members = copies.into_iter().map(|c| (c.id, c.in_use));
         let (id, in_use) = members.next().expect("a launch copies at least one");
         match launched {

@@ -40,10 +40,14 @@ pub(super) enum Step {
     /// A control message received, by wire type code.
     Recv(u8),
     GatherStart,
+    /// A copy's launch returned (alone or in a group): the time between
+    /// its start and this is the IO thread's hold, table and launch.
+    GatherLaunched,
     GatherDone,
     WritePost,
     WriteDone,
     ScatterStart,
+    ScatterLaunched,
     ScatterDone,
     Complete,
 }
@@ -70,10 +74,12 @@ impl Step {
             Step::Send(ty) => format!("send_{}", msg(ty)),
             Step::Recv(ty) => format!("recv_{}", msg(ty)),
             Step::GatherStart => "gather_start".into(),
+            Step::GatherLaunched => "gather_launched".into(),
             Step::GatherDone => "gather_done".into(),
             Step::WritePost => "write_post".into(),
             Step::WriteDone => "write_done".into(),
             Step::ScatterStart => "scatter_start".into(),
+            Step::ScatterLaunched => "scatter_launched".into(),
             Step::ScatterDone => "scatter_done".into(),
             Step::Complete => "complete".into(),
         }
@@ -167,6 +173,12 @@ impl Trace {
     pub(super) fn scatter_started(&mut self, region: RegionHandle, request: RequestId, chunk: u32) {
         self.scatters.insert(region, (request, chunk));
         self.record(Step::ScatterStart, request, Some(chunk));
+    }
+
+    pub(super) fn scatter_launched(&mut self, region: RegionHandle) {
+        if let Some(&(request, chunk)) = self.scatters.get(&region) {
+            self.record(Step::ScatterLaunched, request, Some(chunk));
+        }
     }
 
     pub(super) fn scatter_done(&mut self, region: RegionHandle) {
