@@ -111,14 +111,16 @@ pub(super) fn run_bench(args: &Args) -> bool {
             if bounced {
                 // The initiator prepares (at the first post by default:
                 // inside the timed post, unless reposting).
-                let per =
-                    |k: &str| since(&after, &before, k) as f64 / args.iters.max(1) as f64 / 1e6;
+                let count = |k: &str| since(&after, &before, k) as f64 / args.iters.max(1) as f64;
+                let per = |k: &str| count(k) / 1e6;
                 println!(
-                    "    plugin's preparation per request: {:.3} ms (check {:.3}, plan {:.3}; plans in parts {:.2}, first helper after {:.3} ms)",
+                    "    plugin's preparation per request: {:.3} ms (check {:.3}, plan {:.3}; plans in parts {:.2}, parts {:.1} of which helped {:.1}, first helper after {:.3} ms)",
                     per("prepare_ns"),
                     per("arena_check_ns"),
                     per("arena_plan_ns"),
-                    since(&after, &before, "arena_plans_in_parts") as f64 / args.iters.max(1) as f64,
+                    count("arena_plans_in_parts"),
+                    count("arena_plan_parts"),
+                    count("arena_plan_parts_helped"),
                     per("arena_plan_first_help_ns"),
                 );
                 // The side that gathers and writes: the initiator of a
