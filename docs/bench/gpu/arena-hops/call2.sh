@@ -30,9 +30,9 @@ done
 echo quit | nvidia-cuda-mps-control
 t0=$SECONDS
 st() { local name=$1; shift; local s=$SECONDS; timeout 150 "$@" >"$work/$name.log" 2>&1; echo "$name rc=$? ($((SECONDS-s)) s)" >>"$work/tests-summary.txt"; pack; }
+st vram-faults "$v" faults --buffer 268435456
 st vram-test-small-arena "$v" test --param enable_peer_map=false --param arena_size_bytes=16MiB --param max_chunk_size_bytes=2MiB
 st vram-test-fallback "$v" test --target-param enable=false --expect-fallback
-st vram-faults "$v" faults --buffer 268435456
 for dirs in "cuda torch-cpu" "torch-cpu cuda"; do
   set -- $dirs
   st "mixed-$1-$2" python3 bench/vllm_pattern.py --device "$1" --reader-device "$2" \
