@@ -1164,12 +1164,32 @@ mod cost {
     /// `cargo test --release --lib plan_cost -- --ignored --nocapture`;
     /// `PLAN_COST_ROUNDS=N` plans N times (1000), e.g. under callgrind,
     /// whose counts are steady where this VM's times are not.
+    /// `PLAN_COST_RANDOM=N`: N blocks of 4 KiB in a random order on both
+    /// sides instead (as `bounce-vram bench` makes them);
+    /// `PLAN_COST_COLD=1`: the caches evicted before each plan (64 MiB
+    /// touched), as a lone request's plan finds them.
     #[test]
     #[ignore]
     fn plan_cost() {
         let (regions, blocks, len) = (64u64, 128u64, 4096u64);
         let mut v = Vec::new();
-        for r in 0..regions {
+        let random: Option<u64> = std::env::var("PLAN_COST_RANDOM")
+            .ok()
+            .and_then(|n| n.parse().ok());
+        if let Some(n) = random {
+            let mut r = crate::splitmix::SplitMix64::new(7);
+            let (mut a, mut b): (Vec<u64>, Vec<u64>) = ((0..4 * n).collect(), (0..4 * n).collect());
+            r.shuffle(&mut a);
+            r.shuffle(&mut b);
+            v.extend(a.iter().zip(&b).take(n as usize).map(|(a, b)| Descriptor {
+                src_addr: (1 << 32) + a * len,
+                src_dev: 0,
+                dst_addr: (1 << 40) + b * len,
+                dst_dev: 0,
+                len,
+            }));
+        }
+        for r in 0..if random.is_some() { 0 } else { regions } {
             for b in 0..blocks {
                 v.push(Descriptor {
                     src_addr: (1 << 32) + r * (1 << 24) + ((b * 7919) % 256) * len,
@@ -1187,21 +1207,32 @@ mod cost {
             min_chunk_bytes: 4 << 20,
         };
         let pool = RunPool::default();
-        let mut best = u128::MAX;
         let rounds: usize = std::env::var("PLAN_COST_ROUNDS")
             .ok()
             .and_then(|r| r.parse().ok())
-            .unwrap_or(1000);
-        for _ in 0..rounds {
+            .unwrap_or(1000)
+            .max(1);
+        let cold = std::env::var_os("PLAN_COST_COLD").is_some();
+        let mut evict = vec![0u8; if cold { 64 << 20 } else { 0 }];
+        let mut times = Vec::with_capacity(rounds);
+        for i in 0..rounds {
+            for b in evict.iter_mut().step_by(64) {
+                *b = b.wrapping_add(i as u8);
+            }
+            std::hint::black_box(&evict);
             let t = std::time::Instant::now();
             let p = build_from(v.iter().copied(), options, &pool).expect("planned");
-            best = best.min(t.elapsed().as_nanos());
+            times.push(t.elapsed().as_nanos());
             std::hint::black_box(p);
         }
+        times.sort_unstable();
+        let us = |ns: u128| ns as f64 / 1e3;
         println!(
-            "plan of {} descriptors: {:.1} us (best of {rounds})",
+            "plan of {} descriptors{}: {:.1} us best, {:.1} us median (of {rounds})",
             v.len(),
-            best as f64 / 1e3
+            if cold { ", caches evicted" } else { "" },
+            us(times[0]),
+            us(times[times.len() / 2])
         );
     }
 }
