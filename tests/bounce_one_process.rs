@@ -395,8 +395,8 @@ fn chunk_writes_on_the_io_thread_or_the_writer_thread() {
 
 /// With `NIXL_BOUNCE_TRACE` set, each engine writes its timeline when it
 /// ends, and a 16 MiB WRITE's steps (four chunks) line up across the two
-/// sides in causal order: submit, WANT, GRANT, each chunk's gather, write,
-/// DATA, scatter and ACK, the completion.
+/// sides in causal order: the client's queueing, submit, WANT, GRANT,
+/// each chunk's gather, write, DATA, scatter and ACK, the completion.
 #[test]
 #[serial_test::serial]
 fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
@@ -421,6 +421,7 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
     };
     let first_grant = at(s, "recv_GRANT", None);
     let mut chain = vec![
+        ("queued", at(s, "queued", None)),
         ("submit", at(s, "submit", None)),
         ("send_WANT", at(s, "send_WANT", None)),
         ("recv_WANT", at(r, "recv_WANT", None)),
@@ -451,9 +452,9 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
         chain.push(links.pop().expect("recv_ACK"));
     }
     chain.push(("complete", at(s, "complete", None)));
-    let last_ack = chain[5..9].iter().map(|l| l.1).max().expect("acks");
-    for w in chain[..5].windows(2) {
+    let last_ack = chain[6..10].iter().map(|l| l.1).max().expect("acks");
+    for w in chain[..6].windows(2) {
         assert!(w[0].1 <= w[1].1, "{} after {}", w[0].0, w[1].0);
     }
-    assert!(last_ack <= chain[9].1, "complete before the last ACK");
+    assert!(last_ack <= chain[10].1, "complete before the last ACK");
 }

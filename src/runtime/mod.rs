@@ -73,7 +73,7 @@ enum Command {
         notif: Option<DeferredNotif>,
         deadline: Option<Duration>,
         /// When the client's thread queued it ([`trace::monotonic_ns`]),
-        /// for the timeline.
+        /// for the timeline (0 when none is kept).
         queued_ns: u64,
     },
     Cancel {
@@ -226,6 +226,9 @@ pub struct Runtime {
     copier: Arc<dyn CopyEngine>,
     thread: Option<JoinHandle<()>>,
     pub targets: Arc<ScatterTargets>,
+    /// Whether the IO thread keeps a timeline (`NIXL_BOUNCE_TRACE`): only
+    /// then does a submission read the clock for it.
+    traced: bool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -394,6 +397,7 @@ impl Runtime {
             awaiting_ack: HashMap::new(),
             workers,
         };
+        let traced = reactor.trace.is_some();
         let thread = std::thread::Builder::new()
             .name(format!("bounce-io-{}", parts.name))
             .spawn(move || reactor.run())?;
@@ -404,6 +408,7 @@ impl Runtime {
             copier: parts.copier.clone(),
             thread: Some(thread),
             targets,
+            traced,
         })
     }
 
@@ -475,7 +480,11 @@ impl Runtime {
             ticket: ticket.clone(),
             notif,
             deadline,
-            queued_ns: trace::monotonic_ns(),
+            queued_ns: if self.traced {
+                trace::monotonic_ns()
+            } else {
+                0
+            },
         });
         ticket
     }

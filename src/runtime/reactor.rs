@@ -125,6 +125,26 @@ impl Reactor {
         }
     }
 
+    /// Records that a gather or scatter launched, or (`done`) was seen
+    /// finished, if a timeline is kept.
+    fn trace_copy(&mut self, id: CopyId, done: bool) {
+        match id {
+            CopyId::Gather(chunk) => {
+                let step = if done {
+                    Step::GatherDone
+                } else {
+                    Step::GatherLaunched
+                };
+                self.trace_chunk(step, chunk);
+            }
+            CopyId::Scatter(region) => {
+                if let Some(t) = &mut self.trace {
+                    t.scatter_step(region, done);
+                }
+            }
+        }
+    }
+
     /// Records a control message sent or received (`send`), if a timeline
     /// is kept.
     fn trace_message(&mut self, send: bool, bytes: &[u8]) {
@@ -458,14 +478,7 @@ impl Reactor {
 
     fn copy_finished(&mut self, done: CopyDone) {
         self.copies_in_flight -= 1;
-        match done.id {
-            CopyId::Gather(chunk) => self.trace_chunk(Step::GatherDone, chunk),
-            CopyId::Scatter(region) => {
-                if let Some(t) = &mut self.trace {
-                    t.scatter_done(region);
-                }
-            }
-        }
+        self.trace_copy(done.id, true);
         let now = self.now();
         let c = &self.shared.counters;
         c.copy_queue_ns
@@ -1049,14 +1062,7 @@ impl Reactor {
         self.copies_in_flight += copies.len();
         if self.trace.is_some() && launched.is_ok() {
             for c in &copies {
-                match c.id {
-                    CopyId::Gather(chunk) => self.trace_chunk(Step::GatherLaunched, chunk),
-                    CopyId::Scatter(region) => {
-                        if let Some(t) = &mut self.trace {
-                            t.scatter_launched(region);
-                        }
-                    }
-                }
+                self.trace_copy(c.id, false);
             }
         }
         let mut members = copies.into_iter().map(|c| (c.id, c.in_use));

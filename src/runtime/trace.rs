@@ -175,15 +175,16 @@ impl Trace {
         self.record(Step::ScatterStart, request, Some(chunk));
     }
 
-    pub(super) fn scatter_launched(&mut self, region: RegionHandle) {
-        if let Some(&(request, chunk)) = self.scatters.get(&region) {
-            self.record(Step::ScatterLaunched, request, Some(chunk));
-        }
-    }
-
-    pub(super) fn scatter_done(&mut self, region: RegionHandle) {
-        if let Some((request, chunk)) = self.scatters.remove(&region) {
-            self.record(Step::ScatterDone, request, Some(chunk));
+    /// The scatter into `region` launched, or (`done`) was seen finished,
+    /// which ends its entry.
+    pub(super) fn scatter_step(&mut self, region: RegionHandle, done: bool) {
+        let (step, known) = if done {
+            (Step::ScatterDone, self.scatters.remove(&region))
+        } else {
+            (Step::ScatterLaunched, self.scatters.get(&region).copied())
+        };
+        if let Some((request, chunk)) = known {
+            self.record(step, request, Some(chunk));
         }
     }
 
