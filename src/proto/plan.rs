@@ -353,6 +353,21 @@ pub fn pack(
     merge: bool,
     pool: &RunPool,
 ) -> Result<Vec<Chunk>, PlanError> {
+    pack_chunks(descriptors, first, survey, cap, merge, pool, true)
+}
+
+/// [`pack`], with or without packing chunks of packed copies copies
+/// first ([`CopiesFirst`]; without: every chunk through the merge rule,
+/// the reference the tests hold it to).
+fn pack_chunks(
+    descriptors: impl Iterator<Item = Descriptor>,
+    first: usize,
+    survey: &Survey,
+    cap: u64,
+    merge: bool,
+    pool: &RunPool,
+    copies_first: bool,
+) -> Result<Vec<Chunk>, PlanError> {
     // A chunk holds about cap / (the average piece) pieces: room for that
     // many runs is taken for each.
     let per_chunk = match survey.payload.checked_div(survey.pieces as u64) {
@@ -374,6 +389,8 @@ pub fn pack(
         scatter: RunBuilder::default(),
         copies: copies.then(PackedCopies::default),
         packed: None,
+        first: None,
+        copies_first,
     };
     let mut chunks = Vec::new();
     for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
@@ -436,6 +453,81 @@ struct ChunkBuilder<'p> {
     copies: Option<PackedCopies>,
     /// ... and the chunk being packed, while its pieces still are.
     packed: Option<PackedCopies>,
+    /// `Some` while the chunk is packed copies first ([`CopiesFirst`]):
+    /// no run lists, only what bounds them.
+    first: Option<CopiesFirst>,
+    /// Whether chunks of packed copies start copies first.
+    copies_first: bool,
+}
+
+/// A chunk of packed copies is packed copies first, without run lists,
+/// while that provably keeps its copies: the planner's merge rule
+/// ([`RunBuilder`]) costs a descriptor most of a plan's time (two merge
+/// decisions, each a load and store of the last run), and a chunk of
+/// scattered blocks, which keeps its copies ([`COPIES_PER_RUN`]), never
+/// needs its merged runs: the wire, the registration check and the GPU's
+/// tables read its copies, and whatever reads it as runs gets the copies'
+/// own runs of one or two copies ([`Runs::from_copies`]). The copies are
+/// marked as pairs greedily (a copy after an unmarked one that lies
+/// forward of it, by at least its length, on that side), which is what
+/// the merge rule makes of them where no three copies continue one
+/// step; what it would make otherwise is bounded below here.
+///
+/// The bound, per side: the merge rule extends a run only with a copy
+/// that lies forward of the one before it, and extends it with two copies
+/// in a row only where the second continues the first's step. So of `n`
+/// copies at most `pairs + continuing` extend a run, where `pairs` is the
+/// greedy marking's count (the most copies no two in a row of a stretch
+/// of forward copies) and `continuing` counts the forward copies whose
+/// step equals the one before: the rule makes at least `n - pairs -
+/// continuing` runs. Where that is more than half the copies on either
+/// side, the chunk keeps its copies as the rule would (and neither side
+/// is packed copies of a longer length, which needs at most half); where
+/// it is not, after [`CopiesFirst::CHECKPOINT`] copies or at the chunk's
+/// end, the chunk's copies so far are packed again through the merge
+/// rule, as every chunk was before (blocks mostly in order, whose runs
+/// are few).
+#[derive(Debug, Default)]
+struct CopiesFirst {
+    /// Per side (gather, scatter): the last copy's address ...
+    last: [u64; 2],
+    /// ... its step from the one before, when forward ...
+    step: [Option<u64>; 2],
+    /// ... and whether it is marked.
+    marked: [bool; 2],
+    pairs: [usize; 2],
+    continuing: [usize; 2],
+}
+
+impl CopiesFirst {
+    /// Copies after which a chunk not on course to keep its copies is
+    /// packed through the merge rule instead.
+    const CHECKPOINT: usize = 32;
+
+    /// Takes copy `index` (> 0) at `addrs` (gather, scatter) of `len`
+    /// bytes; whether it is marked on each side.
+    #[inline(always)]
+    fn add(&mut self, addrs: [u64; 2], len: u64) -> [bool; 2] {
+        let mut second = [false; 2];
+        for s in 0..2 {
+            let (a, last) = (addrs[s], self.last[s]);
+            // `last + len` does not overflow: every range was checked.
+            let forward = a >= last + len;
+            let step = a.wrapping_sub(last);
+            self.continuing[s] += usize::from(forward && self.step[s] == Some(step));
+            self.step[s] = forward.then_some(step);
+            second[s] = forward && !self.marked[s];
+            self.marked[s] = second[s];
+            self.pairs[s] += usize::from(second[s]);
+            self.last[s] = a;
+        }
+        second
+    }
+
+    /// Whether `n` copies so far provably keep their copies.
+    fn keeps(&self, n: usize) -> bool {
+        (0..2).any(|s| n.saturating_sub(self.pairs[s] + self.continuing[s]) * 2 > n)
+    }
 }
 
 /// A chunk keeps its packed copies beside its runs while the copies are
@@ -548,10 +640,85 @@ impl ChunkBuilder<'_> {
     #[inline(always)]
     fn push(&mut self, at: u64, src: u64, dst: u64, len: u64) {
         if self.pieces == 0 {
-            self.gather = RunBuilder::new(self.pool.take(self.per_chunk));
-            self.scatter = RunBuilder::new(self.pool.take(self.per_chunk));
             self.packed = self.copies.take().map(|c| c.ready(len, self.per_chunk));
+            if self.copies_first && self.merge && self.packed.is_some() {
+                // Copies first: no run lists unless it turns out they
+                // are needed.
+                self.first = Some(CopiesFirst::default());
+            } else {
+                self.take_run_lists();
+            }
         }
+        if self.first.is_some() {
+            if self.push_copy_first(at, src, dst, len) {
+                self.used = at + len;
+                self.pieces += 1;
+                if self.pieces as usize == CopiesFirst::CHECKPOINT
+                    && self
+                        .first
+                        .as_ref()
+                        .is_some_and(|f| !f.keeps(CopiesFirst::CHECKPOINT))
+                {
+                    self.runs_after_all();
+                }
+                return;
+            }
+            // A piece that is not the next packed copy: the chunk is
+            // runs from here, its copies so far included.
+            self.runs_after_all();
+        }
+        self.push_run(at, src, dst, len);
+    }
+
+    /// Run lists for the chunk being packed, from the pool.
+    fn take_run_lists(&mut self) {
+        self.gather = RunBuilder::new(self.pool.take(self.per_chunk));
+        self.scatter = RunBuilder::new(self.pool.take(self.per_chunk));
+    }
+
+    /// Adds the next packed copy of a chunk packed copies first; false
+    /// when the piece is not one.
+    #[inline(always)]
+    fn push_copy_first(&mut self, at: u64, src: u64, dst: u64, len: u64) -> bool {
+        let (Some(p), Some(f)) = (&mut self.packed, &mut self.first) else {
+            return false;
+        };
+        if len != p.len || at != p.next {
+            return false;
+        }
+        let second = if p.gather.is_empty() {
+            (f.last, f.marked) = ([src, dst], [false; 2]);
+            [false; 2]
+        } else {
+            f.add([src, dst], len)
+        };
+        let added = |m: bool| if m { Added::Paired } else { Added::Single };
+        p.push(at, src, dst, len, added(second[0]), added(second[1]))
+    }
+
+    /// Ends copies first for the chunk being packed: its copies so far are
+    /// packed again through the merge rule, runs and copies, as a chunk
+    /// packed the rule's way from its first piece.
+    fn runs_after_all(&mut self) {
+        self.first = None;
+        self.take_run_lists();
+        let Some(so_far) = self.packed.take() else {
+            return;
+        };
+        let (len, pieces) = (so_far.len, self.pieces);
+        self.packed = Some(PackedCopies::default().ready(len, self.per_chunk));
+        for (j, (&src, &dst)) in so_far.gather.iter().zip(&so_far.scatter).enumerate() {
+            self.push_run(j as u64 * len, src, dst, len);
+        }
+        // `push_run` counted them again.
+        self.pieces = pieces;
+        self.copies = Some(so_far);
+    }
+
+    /// Adds a piece to the run lists (and the packed copies, while the
+    /// chunk still is).
+    #[inline(always)]
+    fn push_run(&mut self, at: u64, src: u64, dst: u64, len: u64) {
         let (g, s) = if self.merge {
             (
                 self.gather.add(at, src, len),
@@ -579,6 +746,29 @@ impl ChunkBuilder<'_> {
         }
         if chunks.len() >= MAX_CHUNKS {
             return Err(PlanError::TooManyChunks);
+        }
+        if let Some(f) = self.first.take() {
+            let n = self.pieces as usize;
+            match self.packed.take() {
+                Some(mut p) if f.keeps(n) => {
+                    let (gather, scatter) = p.finish();
+                    self.copies = Some(p);
+                    chunks.push(Chunk {
+                        bytes: self.used,
+                        gather_runs: Runs::from_copies(gather),
+                        scatter_runs: Runs::from_copies(scatter),
+                        pieces: self.pieces,
+                    });
+                    self.used = 0;
+                    self.pieces = 0;
+                    return Ok(());
+                }
+                packed => {
+                    self.packed = packed;
+                    self.first = Some(f);
+                    self.runs_after_all();
+                }
+            }
         }
         // Packed copies pay where runs hardly merge (scattered blocks: a
         // copy costs the hosts' passes and the wire about a quarter of what
@@ -962,6 +1152,30 @@ mod tests {
         assert_eq!(p.chunks[0].bytes, 9 * 128 + 100);
     }
 
+    /// Scattered blocks keep their copies copies first (their runs are
+    /// the copies' own: one run a copy or a marked pair); blocks in
+    /// order go through the merge rule after the checkpoint (one run).
+    #[test]
+    fn scattered_blocks_are_packed_copies_first_and_blocks_in_order_are_not() {
+        let len = 4096;
+        let mut r = crate::splitmix::SplitMix64::new(3);
+        let (mut a, mut b): (Vec<u64>, Vec<u64>) = ((0..4096).collect(), (0..4096).collect());
+        r.shuffle(&mut a);
+        r.shuffle(&mut b);
+        let scattered: Vec<_> = (0..1024).map(|i| d((1 << 32) + a[i] * len, (1 << 40) + b[i] * len, len)).collect();
+        let in_order: Vec<_> = (0..1024u64).map(|i| d((1 << 32) + i * len, (1 << 40) + i * len, len)).collect();
+        let options = PlanOptions::capped(1 << 20, true);
+        for c in &build(&scattered, options).unwrap().chunks {
+            let copies = c.gather_runs.copies().expect("kept");
+            let pairs = (0..copies.addrs().len()).filter(|&j| copies.marked(j)).count();
+            assert_eq!(c.gather_runs.len(), copies.addrs().len() - pairs);
+        }
+        for c in &build(&in_order, options).unwrap().chunks {
+            assert!(c.gather_runs.copies().is_none());
+            assert_eq!(c.gather_runs.len(), 1);
+        }
+    }
+
     proptest! {
         /// Descriptors of one length packed in runs of whole chunks (as the
         /// engine packs them on several threads) and assembled make the
@@ -1040,6 +1254,63 @@ mod tests {
                             prop_assert!(own.as_ref().is_ok_and(Copies::addresses_fit), "chunk {} {}: {:?}", i, side, own);
                         }
                         None => prop_assert!(!packable, "chunk {} {}: runs {:?} have no copies", i, side, runs),
+                    }
+                }
+            }
+        }
+
+        /// Chunks packed copies first ([`CopiesFirst`]) are what the
+        /// merge rule makes of them, whatever the layout: the same chunks
+        /// (bytes, pieces), the same copies kept or not, at the same
+        /// addresses, the same bytes moved; a chunk that kept its copies
+        /// copies first reads as the copies' own runs, with marks
+        /// `Copies::new` takes.
+        #[test]
+        fn copies_first_keeps_what_the_merge_rule_keeps(
+            n in 1usize..300,
+            cap_blocks in 1u64..160,
+            layout in 0u8..4,
+            picks in proptest::collection::vec((0u64..600, 0u64..600), 300),
+        ) {
+            let len = 4 * REGION_ALIGN * 32;
+            // Random blocks, blocks in order with gaps, strides with
+            // jumps, or in order then random.
+            let block = |i: usize| -> (u64, u64) {
+                let (a, b) = picks[i];
+                let i = i as u64;
+                match layout {
+                    0 => (a, b),
+                    1 => (i + a / 200, 2 * i + b / 300),
+                    2 => if a % 17 == 0 { (a, b) } else { (3 * i, 5 * i + 1) },
+                    _ => if (i as usize) < n / 2 { (i, i) } else { (a, b) },
+                }
+            };
+            let descs: Vec<_> = (0..n)
+                .map(|i| { let (a, b) = block(i); d((1 << 24) + a * len, (1 << 36) + b * len, len) })
+                .collect();
+            let options = PlanOptions { max_chunk_bytes: cap_blocks * len, merge_runs: true, min_chunks: 1, min_chunk_bytes: 64 };
+            let mut survey = Survey::default();
+            for x in &descs {
+                survey.add(x).unwrap();
+            }
+            let cap = cut(&survey, &options).cap;
+            let pool = RunPool::default();
+            let first = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, true).unwrap();
+            let rule = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, false).unwrap();
+            prop_assert_eq!(first.len(), rule.len());
+            // Each side's bytes in pieces of one block, in order.
+            let pieces = |runs: &Runs| -> Vec<(u64, u64)> {
+                expand(runs).into_iter().flat_map(|(o, a, l)| (0..l / len).map(move |k| (o + k * len, a + k * len))).collect()
+            };
+            for (i, (a, b)) in first.iter().zip(&rule).enumerate() {
+                prop_assert_eq!((a.bytes, a.pieces), (b.bytes, b.pieces), "chunk {}", i);
+                for (x, y) in [(&a.gather_runs, &b.gather_runs), (&a.scatter_runs, &b.scatter_runs)] {
+                    prop_assert_eq!(x.copies().map(Copies::addrs), y.copies().map(Copies::addrs), "chunk {}", i);
+                    prop_assert_eq!(pieces(x), pieces(y), "chunk {}", i);
+                    if let Some(c) = x.copies() {
+                        prop_assert!(c.same_copies_as(x), "chunk {}", i);
+                        let own = Copies::new(len, 0, c.addrs().to_vec(), c.marks().to_vec());
+                        prop_assert!(own.is_ok_and(|o| o.addresses_fit()), "chunk {}", i);
                     }
                 }
             }
