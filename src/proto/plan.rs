@@ -401,6 +401,13 @@ fn pack_chunks(
                 index: first + index,
             });
         }
+        // The common case: the whole descriptor fits the chunk being
+        // packed (what the loop below does with it then).
+        let at = align_up(builder.used);
+        if at <= cap && d.len <= cap - at {
+            builder.push(at, d.src_addr, d.dst_addr, d.len);
+            continue;
+        }
         let mut done = 0u64;
         while done < d.len {
             let left = d.len - done;
@@ -1162,12 +1169,18 @@ mod tests {
         let (mut a, mut b): (Vec<u64>, Vec<u64>) = ((0..4096).collect(), (0..4096).collect());
         r.shuffle(&mut a);
         r.shuffle(&mut b);
-        let scattered: Vec<_> = (0..1024).map(|i| d((1 << 32) + a[i] * len, (1 << 40) + b[i] * len, len)).collect();
-        let in_order: Vec<_> = (0..1024u64).map(|i| d((1 << 32) + i * len, (1 << 40) + i * len, len)).collect();
+        let scattered: Vec<_> = (0..1024)
+            .map(|i| d((1 << 32) + a[i] * len, (1 << 40) + b[i] * len, len))
+            .collect();
+        let in_order: Vec<_> = (0..1024u64)
+            .map(|i| d((1 << 32) + i * len, (1 << 40) + i * len, len))
+            .collect();
         let options = PlanOptions::capped(1 << 20, true);
         for c in &build(&scattered, options).unwrap().chunks {
             let copies = c.gather_runs.copies().expect("kept");
-            let pairs = (0..copies.addrs().len()).filter(|&j| copies.marked(j)).count();
+            let pairs = (0..copies.addrs().len())
+                .filter(|&j| copies.marked(j))
+                .count();
             assert_eq!(c.gather_runs.len(), copies.addrs().len() - pairs);
         }
         for c in &build(&in_order, options).unwrap().chunks {
