@@ -385,7 +385,8 @@ impl Copies {
     }
 
     /// Copies a plan packed (`proto::plan`): from region offset 0, the
-    /// marks made as its runs were merged, no copy's end past the address
+    /// marks made as its runs were merged (or, packed copies first, its
+    /// greedy pairs of forward copies), no copy's end past the address
     /// space (its descriptors were checked) and every run's second copy
     /// after its first (the merge rule), so none of [`Copies::new`]'s
     /// passes is needed (checked in debug builds and by the planner's

@@ -391,6 +391,7 @@ fn pack_chunks(
         packed: None,
         first: None,
         copies_first,
+        spare: None,
     };
     let mut chunks = Vec::new();
     for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
@@ -465,6 +466,10 @@ struct ChunkBuilder<'p> {
     first: Option<CopiesFirst>,
     /// Whether chunks of packed copies start copies first.
     copies_first: bool,
+    /// A second storage for packed copies, which a chunk packed again
+    /// through the merge rule ([`ChunkBuilder::runs_after_all`]) fills
+    /// while it reads its first.
+    spare: Option<PackedCopies>,
 }
 
 /// A chunk of packed copies is packed copies first, without run lists,
@@ -713,13 +718,24 @@ impl ChunkBuilder<'_> {
             return;
         };
         let (len, pieces) = (so_far.len, self.pieces);
-        self.packed = Some(PackedCopies::default().ready(len, self.per_chunk));
+        let fresh = self.spare.take().unwrap_or_default();
+        self.packed = Some(fresh.ready(len, self.per_chunk));
         for (j, (&src, &dst)) in so_far.gather.iter().zip(&so_far.scatter).enumerate() {
             self.push_run(j as u64 * len, src, dst, len);
         }
         // `push_run` counted them again.
         self.pieces = pieces;
-        self.copies = Some(so_far);
+        self.park(so_far);
+    }
+
+    /// Keeps `storage` for the next chunk's packed copies, or as the
+    /// spare when that is taken.
+    fn park(&mut self, storage: PackedCopies) {
+        if self.copies.is_none() {
+            self.copies = Some(storage);
+        } else {
+            self.spare = Some(storage);
+        }
     }
 
     /// Adds a piece to the run lists (and the packed copies, while the
@@ -740,7 +756,9 @@ impl ChunkBuilder<'_> {
             if !p.push(at, src, dst, len, g, s) {
                 // Not packed copies: runs alone, the storage kept for the
                 // next chunk.
-                self.copies = self.packed.take();
+                if let Some(p) = self.packed.take() {
+                    self.park(p);
+                }
             }
         }
         self.used = at + len;
@@ -759,7 +777,7 @@ impl ChunkBuilder<'_> {
             match self.packed.take() {
                 Some(mut p) if f.keeps(n) => {
                     let (gather, scatter) = p.finish();
-                    self.copies = Some(p);
+                    self.park(p);
                     chunks.push(Chunk {
                         bytes: self.used,
                         gather_runs: Runs::from_copies(gather),
@@ -791,11 +809,11 @@ impl ChunkBuilder<'_> {
         let (gather, scatter) = match self.packed.take() {
             Some(mut p) if keep(&p) => {
                 let (g, s) = p.finish();
-                self.copies = Some(p);
+                self.park(p);
                 (Some(g), Some(s))
             }
             Some(p) => {
-                self.copies = Some(p);
+                self.park(p);
                 (None, None)
             }
             None => (None, None),
@@ -1159,9 +1177,10 @@ mod tests {
         assert_eq!(p.chunks[0].bytes, 9 * 128 + 100);
     }
 
-    /// Scattered blocks keep their copies copies first (their runs are
-    /// the copies' own: one run a copy or a marked pair); blocks in
-    /// order go through the merge rule after the checkpoint (one run).
+    /// Scattered blocks keep their copies copies first: their runs are
+    /// the copies' own (one copy, or a marked pair), where the merge rule
+    /// makes three blocks one step apart one run; blocks in order go
+    /// through the merge rule after the checkpoint (one run).
     #[test]
     fn scattered_blocks_are_packed_copies_first_and_blocks_in_order_are_not() {
         let len = 4096;
@@ -1169,19 +1188,44 @@ mod tests {
         let (mut a, mut b): (Vec<u64>, Vec<u64>) = ((0..4096).collect(), (0..4096).collect());
         r.shuffle(&mut a);
         r.shuffle(&mut b);
-        let scattered: Vec<_> = (0..1024)
-            .map(|i| d((1 << 32) + a[i] * len, (1 << 40) + b[i] * len, len))
+        // Blocks 0, 2 and 4 on one side and 0, 3 and 6 on the other
+        // first (one strided run to the rule), then scattered ones.
+        let mut scattered: Vec<_> = (0..3u64)
+            .map(|i| d((1 << 30) + 2 * i * len, (1 << 38) + 3 * i * len, len))
             .collect();
+        scattered.extend((0..1021).map(|i| d((1 << 32) + a[i] * len, (1 << 40) + b[i] * len, len)));
         let in_order: Vec<_> = (0..1024u64)
             .map(|i| d((1 << 32) + i * len, (1 << 40) + i * len, len))
             .collect();
         let options = PlanOptions::capped(1 << 20, true);
+        let mut survey = Survey::default();
+        for x in &scattered {
+            survey.add(x).unwrap();
+        }
+        let pool = RunPool::default();
+        let rule = pack_chunks(
+            scattered.iter().copied(),
+            0,
+            &survey,
+            1 << 20,
+            true,
+            &pool,
+            false,
+        );
+        assert_eq!(
+            rule.unwrap()[0].gather_runs[0].count,
+            3,
+            "the rule's strided run"
+        );
         for c in &build(&scattered, options).unwrap().chunks {
-            let copies = c.gather_runs.copies().expect("kept");
-            let pairs = (0..copies.addrs().len())
-                .filter(|&j| copies.marked(j))
-                .count();
-            assert_eq!(c.gather_runs.len(), copies.addrs().len() - pairs);
+            for runs in [&c.gather_runs, &c.scatter_runs] {
+                let copies = runs.copies().expect("kept");
+                let pairs = (0..copies.addrs().len())
+                    .filter(|&j| copies.marked(j))
+                    .count();
+                assert_eq!(runs.len(), copies.addrs().len() - pairs);
+                assert!(runs.iter().all(|r| r.count <= 2), "the copies' own runs");
+            }
         }
         for c in &build(&in_order, options).unwrap().chunks {
             assert!(c.gather_runs.copies().is_none());
@@ -1281,13 +1325,15 @@ mod tests {
         #[test]
         fn copies_first_keeps_what_the_merge_rule_keeps(
             n in 1usize..300,
-            cap_blocks in 1u64..160,
-            layout in 0u8..4,
+            cap_blocks in 0u64..160,
+            cap_rest in 1u64..128,
+            layout in 0u8..6,
+            high in any::<bool>(),
             picks in proptest::collection::vec((0u64..600, 0u64..600), 300),
         ) {
             let len = 4 * REGION_ALIGN * 32;
             // Random blocks, blocks in order with gaps, strides with
-            // jumps, or in order then random.
+            // jumps, in order then random, contiguous, one step.
             let block = |i: usize| -> (u64, u64) {
                 let (a, b) = picks[i];
                 let i = i as u64;
@@ -1295,13 +1341,20 @@ mod tests {
                     0 => (a, b),
                     1 => (i + a / 200, 2 * i + b / 300),
                     2 => if a % 17 == 0 { (a, b) } else { (3 * i, 5 * i + 1) },
-                    _ => if (i as usize) < n / 2 { (i, i) } else { (a, b) },
+                    3 => if (i as usize) < n / 2 { (i, i) } else { (a, b) },
+                    4 => (i, i),
+                    _ => (2 * i, 3 * i),
                 }
             };
+            // Now and then addresses at the top of the address space.
+            let (src0, dst0) = if high { (u64::MAX - 2048 * len, u64::MAX - 1024 * len) } else { (1 << 24, 1 << 36) };
             let descs: Vec<_> = (0..n)
-                .map(|i| { let (a, b) = block(i); d((1 << 24) + a * len, (1 << 36) + b * len, len) })
+                .map(|i| { let (a, b) = block(i); d(src0 + a * len, dst0 + b * len, len) })
                 .collect();
-            let options = PlanOptions { max_chunk_bytes: cap_blocks * len, merge_runs: true, min_chunks: 1, min_chunk_bytes: 64 };
+            // A cap that is not whole blocks, and at times less than one
+            // (every block split across chunks: no packed copies).
+            let cap = cap_blocks * len + cap_rest * REGION_ALIGN;
+            let options = PlanOptions { max_chunk_bytes: cap, merge_runs: true, min_chunks: 1, min_chunk_bytes: 64 };
             let mut survey = Survey::default();
             for x in &descs {
                 survey.add(x).unwrap();
@@ -1311,15 +1364,22 @@ mod tests {
             let first = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, true).unwrap();
             let rule = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, false).unwrap();
             prop_assert_eq!(first.len(), rule.len());
-            // Each side's bytes in pieces of one block, in order.
-            let pieces = |runs: &Runs| -> Vec<(u64, u64)> {
-                expand(runs).into_iter().flat_map(|(o, a, l)| (0..l / len).map(move |k| (o + k * len, a + k * len))).collect()
+            // Each side's bytes in pieces of at most one block, in order.
+            let pieces = |runs: &Runs| -> Vec<(u64, u64, u64)> {
+                expand(runs)
+                    .into_iter()
+                    .flat_map(|(o, a, l)| (0..l.div_ceil(len)).map(move |k| (o + k * len, a + k * len, len.min(l - k * len))))
+                    .collect()
             };
             for (i, (a, b)) in first.iter().zip(&rule).enumerate() {
                 prop_assert_eq!((a.bytes, a.pieces), (b.bytes, b.pieces), "chunk {}", i);
                 for (x, y) in [(&a.gather_runs, &b.gather_runs), (&a.scatter_runs, &b.scatter_runs)] {
                     prop_assert_eq!(x.copies().map(Copies::addrs), y.copies().map(Copies::addrs), "chunk {}", i);
                     prop_assert_eq!(pieces(x), pieces(y), "chunk {}", i);
+                    if y.copies().is_none() {
+                        // Runs alone: the merge rule's, exactly.
+                        prop_assert_eq!(x, y, "chunk {}", i);
+                    }
                     if let Some(c) = x.copies() {
                         prop_assert!(c.same_copies_as(x), "chunk {}", i);
                         let own = Copies::new(len, 0, c.addrs().to_vec(), c.marks().to_vec());
@@ -1450,6 +1510,7 @@ mod cost {
     /// whose counts are steady where this VM's times are not.
     /// `PLAN_COST_RANDOM=N`: N blocks of 4 KiB in a random order on both
     /// sides instead (as `bounce-vram bench` makes them);
+    /// `PLAN_COST_IN_ORDER=N`: N blocks in order on both sides instead;
     /// `PLAN_COST_COLD=1`: the caches evicted before each plan (64 MiB
     /// touched), as a lone request's plan finds them.
     #[test]
@@ -1473,7 +1534,25 @@ mod cost {
                 len,
             }));
         }
-        for r in 0..if random.is_some() { 0 } else { regions } {
+        // `PLAN_COST_IN_ORDER=N`: N blocks in order on both sides (the
+        // layout copies first leaves to the merge rule).
+        let in_order: Option<u64> = std::env::var("PLAN_COST_IN_ORDER")
+            .ok()
+            .and_then(|n| n.parse().ok());
+        if let Some(n) = in_order {
+            v.extend((0..n).map(|i| Descriptor {
+                src_addr: (1 << 32) + i * len,
+                src_dev: 0,
+                dst_addr: (1 << 40) + i * len,
+                dst_dev: 0,
+                len,
+            }));
+        }
+        for r in 0..if random.is_some() || in_order.is_some() {
+            0
+        } else {
+            regions
+        } {
             for b in 0..blocks {
                 v.push(Descriptor {
                     src_addr: (1 << 32) + r * (1 << 24) + ((b * 7919) % 256) * len,
