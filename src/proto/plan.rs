@@ -1347,7 +1347,7 @@ mod tests {
                 }
             };
             // Now and then addresses at the top of the address space.
-            let (src0, dst0) = if high { (u64::MAX - 2048 * len, u64::MAX - 1024 * len) } else { (1 << 24, 1 << 36) };
+            let (src0, dst0) = if high { (u64::MAX - 4096 * len, u64::MAX - 4096 * len) } else { (1 << 24, 1 << 36) };
             let descs: Vec<_> = (0..n)
                 .map(|i| { let (a, b) = block(i); d(src0 + a * len, dst0 + b * len, len) })
                 .collect();
