@@ -772,56 +772,58 @@ impl ChunkBuilder<'_> {
         if chunks.len() >= MAX_CHUNKS {
             return Err(PlanError::TooManyChunks);
         }
-        if let Some(f) = self.first.take() {
-            let n = self.pieces as usize;
-            match self.packed.take() {
-                Some(mut p) if f.keeps(n) => {
-                    let (gather, scatter) = p.finish();
-                    self.park(p);
-                    chunks.push(Chunk {
-                        bytes: self.used,
-                        gather_runs: Runs::from_copies(gather),
-                        scatter_runs: Runs::from_copies(scatter),
-                        pieces: self.pieces,
-                    });
-                    self.used = 0;
-                    self.pieces = 0;
-                    return Ok(());
-                }
-                packed => {
-                    self.packed = packed;
-                    self.first = Some(f);
-                    self.runs_after_all();
-                }
+        // A chunk packed copies first that provably keeps its copies is
+        // its copies' own runs; one that does not is packed again through
+        // the merge rule, and decided as every other chunk.
+        let kept_first = match self.first.take() {
+            Some(f) if f.keeps(self.pieces as usize) => self.packed.take(),
+            Some(_) => {
+                self.runs_after_all();
+                None
             }
-        }
-        // Packed copies pay where runs hardly merge (scattered blocks: a
-        // copy costs the hosts' passes and the wire about a quarter of what
-        // a run does); where the runs are much fewer (blocks mostly in
-        // order), or are themselves packed copies of a longer length (the
-        // wire's compact form, fewer entries), the runs are kept alone.
-        let runs = self.gather.runs().len().max(self.scatter.runs().len());
-        let keep = |p: &PackedCopies| {
-            runs.saturating_mul(COPIES_PER_RUN) >= p.gather.len()
-                && !(coarser_copies(self.gather.runs(), p.len)
-                    && coarser_copies(self.scatter.runs(), p.len))
+            None => None,
         };
-        let (gather, scatter) = match self.packed.take() {
-            Some(mut p) if keep(&p) => {
+        let (gather_runs, scatter_runs) = match kept_first {
+            Some(mut p) => {
                 let (g, s) = p.finish();
                 self.park(p);
-                (Some(g), Some(s))
+                (Runs::from_copies(g), Runs::from_copies(s))
             }
-            Some(p) => {
-                self.park(p);
-                (None, None)
+            None => {
+                // Packed copies pay where runs hardly merge (scattered
+                // blocks: a copy costs the hosts' passes and the wire
+                // about a quarter of what a run does); where the runs are
+                // much fewer (blocks mostly in order), or are themselves
+                // packed copies of a longer length (the wire's compact
+                // form, fewer entries), the runs are kept alone.
+                let runs = self.gather.runs().len().max(self.scatter.runs().len());
+                let keep = |p: &PackedCopies| {
+                    runs.saturating_mul(COPIES_PER_RUN) >= p.gather.len()
+                        && !(coarser_copies(self.gather.runs(), p.len)
+                            && coarser_copies(self.scatter.runs(), p.len))
+                };
+                let (gather, scatter) = match self.packed.take() {
+                    Some(mut p) if keep(&p) => {
+                        let (g, s) = p.finish();
+                        self.park(p);
+                        (Some(g), Some(s))
+                    }
+                    Some(p) => {
+                        self.park(p);
+                        (None, None)
+                    }
+                    None => (None, None),
+                };
+                (
+                    Runs::pooled_with_copies(self.gather.take(), gather, self.pool),
+                    Runs::pooled_with_copies(self.scatter.take(), scatter, self.pool),
+                )
             }
-            None => (None, None),
         };
         chunks.push(Chunk {
             bytes: self.used,
-            gather_runs: Runs::pooled_with_copies(self.gather.take(), gather, self.pool),
-            scatter_runs: Runs::pooled_with_copies(self.scatter.take(), scatter, self.pool),
+            gather_runs,
+            scatter_runs,
             pieces: self.pieces,
         });
         self.used = 0;
