@@ -156,6 +156,10 @@ pub struct Config {
     /// The gathers (and the scatters) the IO thread launches in one pass go
     /// as one launch: one table upload, launch and event for a burst.
     pub group_copy_launches: bool,
+    /// How long the IO thread reads control messages in one pass before it
+    /// launches what they started and polls its copies and writes (us);
+    /// 0 = until none is ready.
+    pub receive_pass_us: u64,
     /// VRAM peers on the same host: one kernel moves a transfer straight
     /// between this process's memory and the peer's, mapped with CUDA IPC
     /// (the peer-mapped path); off: such transfers take the bounce path.
@@ -236,6 +240,7 @@ impl Default for Config {
             chunk_writer_threads: 1,
             copy_launches: "io_thread".into(),
             group_copy_launches: true,
+            receive_pass_us: 25,
             enable_peer_map: true,
             prepare_at_post: true,
             ucx_progress_delay_us: 1000,
@@ -450,6 +455,7 @@ static SETTINGS: &[Setting] = &[
     setting!(chunk_writer_threads, "chunk_writer_threads", "CHUNK_WRITER_THREADS", Count, false, "Writer threads per bounce instance (1 to 16), taking chunk writes from one queue. Between two processes of one host UCX copies a host-to-host chunk write inside its post (cross-memory attach), one at a time per thread: with several writer threads and as many inner-agent workers (the UCX parameter num_workers), several copies may run at once. Not yet measured where it would pay (the 2-core CPU machine cannot show it); 1: one writer thread, as before."),
     setting!(copy_launches, "copy_launches", "COPY_LAUNCHES", Text, true, "Which threads launch the bounce arena's CUDA gathers and scatters (fill the kernel's run table, upload it, launch; the IO thread polls every launched copy's event either way): io_thread (the default), io_thread_when_idle (the IO thread while no other copy runs, else a copy worker, so that a large request's chunks and concurrent requests fill their tables in parallel) or copy_workers (always); on the H200 the workers' launches gained nothing measurable (their hand-off costs 30-35 us and the driver serialises launches; docs/benchmarks.md). Host memcpy copies always run on the copy workers."),
     setting!(group_copy_launches, "group_copy_launches", "GROUP_COPY_LAUNCHES", Bool, true, "The bounce arena's CUDA gathers (and scatters) that the IO thread launches in one pass of its loop, such as a large request's eager gathers or the scatters of DATA messages read together, go as one kernel launch when they are packed copies of one block size: one table upload, launch and event instead of one each (each costs the IO thread 5-15 us of driver calls); they then end together. A lone chunk launches as before. Off: one launch per chunk."),
+    setting!(receive_pass_us, "receive_pass_us", "RECEIVE_PASS_US", Count, true, "Microseconds the IO thread reads control messages in one pass of its loop before it launches the copies they started (grouped, group_copy_launches) and polls its copies and chunk writes; then it reads on. A receiver fed DATA messages faster than it reads them otherwise held every scatter until the stream paused: on an H100, 64 MiB in 8 chunks, seven scatters waited ~200 us for the last DATA (docs/benchmarks.md). 0 = read until none is ready."),
     setting!(reactor_busy_poll_us, "reactor_busy_poll_us", "REACTOR_BUSY_POLL_US", Count, true, "Microseconds the IO thread alone (not the copy workers or the chunk writer) keeps polling after its last event while transfers are live, waiting for a GRANT, an ACK or a write's completion; 0 = as busy_poll_us."),
     setting!(ucx_progress_delay_us, "ucx_progress_delay_us", "UCX_PROGRESS_DELAY_US", Count, true, "Progress-thread delay of the UCX delegate (the UCX engine that carries the transfers BOUNCE does not accelerate), in us: the thread waits in poll() for UCX events, at most this long (rounded up to 1 ms); 0 = the application's own setting (NIXL's default 0 spins a core)."),
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
@@ -841,9 +847,10 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 50);
+        assert_eq!(keys.len(), 51);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"group_copy_launches"));
+        assert!(keys.contains(&"receive_pass_us"));
         assert!(keys.contains(&"copy_launches_last"));
         assert!(keys.contains(&"chunk_writes"));
         assert!(keys.contains(&"direct_tcp_control"));

@@ -275,6 +275,7 @@ impl Bounce {
                     us => us,
                 },
             ),
+            receive_pass: std::time::Duration::from_micros(config.receive_pass_us),
             chunk_writes: config
                 .chunk_writes_for(location.arena_kind() == MemKind::Vram)
                 .unwrap_or(IoThreadUse::Never),

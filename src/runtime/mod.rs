@@ -291,6 +291,9 @@ pub struct Parts {
     pub busy_poll: Duration,
     /// The IO thread's own (see `Config::reactor_busy_poll_us`).
     pub reactor_busy_poll: Duration,
+    /// The longest pass of reading control messages (see
+    /// `Config::receive_pass_us`); zero: until none is ready.
+    pub receive_pass: Duration,
     /// Which thread posts and polls chunk writes (`Config::chunk_writes`).
     pub chunk_writes: IoThreadUse,
     /// Writer threads (`Config::chunk_writer_threads`).
@@ -372,6 +375,7 @@ impl Runtime {
             write_outcomes: Vec::new(),
             arena: parts.arena,
             busy_poll: parts.reactor_busy_poll,
+            receive_pass: parts.receive_pass,
             notify: parts.notify,
             failpoints: parts.failpoints,
             shared: shared.clone(),

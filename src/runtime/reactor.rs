@@ -54,6 +54,8 @@ pub(super) struct Reactor {
     pub(super) write_outcomes: Vec<WriteOutcome>,
     pub(super) arena: RegionSpan,
     pub(super) busy_poll: Duration,
+    /// The longest pass of `receive_all` (zero: until no message is ready).
+    pub(super) receive_pass: Duration,
     pub(super) notify: Notify,
     pub(super) load_data_path: DataPathLoader,
     pub(super) unload_data_path: DataPathUnloader,
@@ -558,16 +560,29 @@ impl Reactor {
     }
 
     /// Reads every message that is ready, waiting at most `wait` for the
-    /// first.
+    /// first, for at most `receive_pass` from the first read on: the
+    /// copies the messages started are held until the pass ends (one
+    /// launch for a burst), and nothing launched or written is polled
+    /// during it, so a stream of messages that never lets up (a large
+    /// request's DATAs, each read more slowly than they are sent) must not
+    /// hold them all until its last message. What is left is read in the
+    /// loop's next pass, after those launches and polls.
     fn receive_all(&mut self, wait: Duration) -> bool {
         let mut any = false;
         let mut wait = wait;
+        let mut first_read: Option<Instant> = None;
         // Take everything that is ready, blocking at most once.
         loop {
+            if let Some(t) = first_read {
+                if !self.receive_pass.is_zero() && t.elapsed() >= self.receive_pass {
+                    return any;
+                }
+            }
             match self.channel.recv(wait) {
                 Ok(Some(incoming)) => {
                     any = true;
                     wait = Duration::ZERO;
+                    first_read.get_or_insert_with(Instant::now);
                     // Commands queued before this message arrived apply
                     // first: forgetting a peer, then loading it again, must
                     // not forget the flow its next WANT opens.
