@@ -1,0 +1,31 @@
+# Sourced by the device-call scripts beside it (bash docs/bench/gpu/X/callN.sh,
+# from the repository root, .gpu and .py312 carried): the preamble they
+# all repeat.
+#   gpu_call NAME      $work=/tmp/NAME (emptied), $out ($OUT or /tmp/out),
+#                      the bundle unpacked with the Python API's environment
+#                      (.gpu/run.sh python), $v the bounce-vram binary,
+#                      $work/gpu.txt the GPU and driver
+#   pack               $work as $OUT/all.tgz (after every stage: a call cut
+#                      by its time limit keeps what it measured)
+#   mps_start/mps_stop the MPS daemon (../shared/FACTS.md)
+#   old_plugin_dir     a plugin directory with .gpu/old/libplugin_BOUNCE.so
+#                      in place of the new one; prints its path
+gpu_call() {
+    out="${OUT:-/tmp/out}"; mkdir -p "$out"
+    work="/tmp/$1"; rm -rf "$work"; mkdir -p "$work"
+    source .gpu/run.sh python || return 1
+    v=/tmp/nixl-bounce-gpu/bin/bounce-vram
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$work/gpu.txt" 2>&1
+}
+pack() { tar czf "$out/all.tgz" -C "$work" . 2>/dev/null; }
+mps_start() {
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+    mkdir -p /tmp/mps /tmp/mpslog
+    nvidia-cuda-mps-control -d
+}
+mps_stop() { echo quit | nvidia-cuda-mps-control; }
+old_plugin_dir() {
+    local new="$NIXL_PLUGIN_DIR" old="$NIXL_PLUGIN_DIR/../plugins_old"
+    rm -rf "$old"; cp -a "$new" "$old"; cp .gpu/old/libplugin_BOUNCE.so "$old/"
+    echo "$old"
+}
