@@ -975,14 +975,30 @@ impl Reactor {
         };
         let launchable = self.launch_here[direction as usize];
         if launchable && here {
-            // Launched with the pass's others at its end (`launch_held`).
-            if self.group_copy_launches {
+            // Launched with the pass's others at its end (`launch_held`)
+            // while a copy of its direction runs or waits there; else at
+            // once (as Nagle's rule sends a segment while nothing is
+            // unacknowledged): a burst's first copy does not wait for the
+            // others' checks and their group's table, and the rest are
+            // grouped while it runs.
+            if self.group_copy_launches && self.copies_under_way(direction) {
                 self.held.push(copy);
                 return;
             }
             return self.launch_now_or_hand_over(copy);
         }
         self.hand_to_worker(copy, launchable)
+    }
+
+    /// Whether a copy of `direction` is held for launch or launched on
+    /// this thread and not yet seen done.
+    fn copies_under_way(&self, direction: Direction) -> bool {
+        let of = |id: &CopyId| match id {
+            CopyId::Gather(_) => direction == Direction::Gather,
+            CopyId::Scatter(_) => direction == Direction::Scatter,
+        };
+        self.held.iter().any(|c| c.direction == direction)
+            || self.launched.iter().any(|l| of(&l.id))
     }
 
     /// Launches a copy here, or, when the engine cannot now (no context
