@@ -8,8 +8,9 @@
 #   pack               $work as $OUT/all.tgz (after every stage: a call cut
 #                      by its time limit keeps what it measured)
 #   mps_start/mps_stop the MPS daemon (../shared/FACTS.md)
-#   old_plugin_dir     a plugin directory with .gpu/old/libplugin_BOUNCE.so
-#                      in place of the new one; prints its path
+#   old_plugin_dir [F] a plugin directory with .gpu/old/F (default
+#                      libplugin_BOUNCE.so) in place of the new plugin;
+#                      prints its path
 gpu_call() {
     out="${OUT:-/tmp/out}"; mkdir -p "$out"
     work="/tmp/$1"; rm -rf "$work"; mkdir -p "$work"
@@ -25,7 +26,8 @@ mps_start() {
 }
 mps_stop() { echo quit | nvidia-cuda-mps-control; }
 old_plugin_dir() {
-    local new="$NIXL_PLUGIN_DIR" old="$NIXL_PLUGIN_DIR/../plugins_old"
-    rm -rf "$old"; cp -a "$new" "$old"; cp .gpu/old/libplugin_BOUNCE.so "$old/"
+    local f="${1:-libplugin_BOUNCE.so}"
+    local new="$NIXL_PLUGIN_DIR" old="$NIXL_PLUGIN_DIR/../plugins_${f%.so}"
+    rm -rf "$old"; cp -a "$new" "$old"; cp ".gpu/old/$f" "$old/libplugin_BOUNCE.so"
     echo "$old"
 }
