@@ -991,7 +991,9 @@ impl Reactor {
     }
 
     /// Whether a copy of `direction` is held for launch or launched on
-    /// this thread and not yet seen done.
+    /// this thread and not yet seen done. Copies on the workers do not
+    /// count: one is there only when no execution context was free, and
+    /// then a launch here would go to a worker too.
     fn copies_under_way(&self, direction: Direction) -> bool {
         let of = |id: &CopyId| match id {
             CopyId::Gather(_) => direction == Direction::Gather,
