@@ -5,7 +5,8 @@
 //! transfer (nothing stages the whole request). Variants: a size that does
 //! not fill its last chunk and straddles chunk boundaries (odd descriptor
 //! size), descriptors larger than a chunk (split into pieces), and the
-//! same 64 MiB over the NIXL-notification control channel.
+//! same 64 MiB over the NIXL-notification control channel and with the
+//! IO threads' reading passes cut after every message or never.
 mod support;
 
 use bounce::*;
@@ -174,6 +175,28 @@ fn descriptors_larger_than_a_chunk_are_split() {
         ],
     };
     stream(&c, 3);
+}
+
+/// The IO threads' passes of reading control messages cut short after
+/// each message (`receive_pass_us` 1) and not cut at all (0): every chunk's
+/// DATA and ACK still arrive, in any number of passes, byte-exact.
+#[test]
+#[serial_test::serial]
+fn request_16x_the_arena_streams_whatever_the_receive_pass() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    for (seed, pass) in [(6, "1"), (7, "0")] {
+        let c = Case {
+            what: "16384 x 4 KiB through a 4 MiB arena, receive_pass_us",
+            n: 16384,
+            block: BLOCK,
+            chunk: 512 * KIB,
+            extra: vec![LOOPBACK, ARENA, CHUNK, GRAN, ("receive_pass_us", pass)],
+        };
+        let g = stream(&c, seed);
+        assert_bounded(c.what, g, c.n * c.block);
+    }
 }
 
 #[test]
