@@ -28,13 +28,13 @@ for t in "arena --param enable_peer_map=false"; do
   echo "vram-test-$name rc=$? ($((SECONDS-s)) s)" | tee -a "$work/tests-summary.txt"; pack
 done
 mps_start
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for k in old pre new; do
     dir=${!k}
     s=$SECONDS
     NIXL_PLUGIN_DIR=$dir timeout 100 "$v" bench --backend BOUNCE --label "$k-r$round" \
       --param enable_peer_map=false --param min_chunks_per_request=8 --sizes 4096 \
-      --counts 1024,16384 --concurrent 128 --iters 15 >"$work/bench-$k-r$round.log" 2>&1
+      --counts 1024,16384 --concurrent 128 --iters "${ITERS:-15}" >"$work/bench-$k-r$round.log" 2>&1
     echo "bench-$k-r$round rc=$? ($((SECONDS-s)) s)" >>"$work/tests-summary.txt"
     grep -h "inflight\|preparation\|launch steps" "$work/bench-$k-r$round.log" | cut -c1-170
     pack
