@@ -356,9 +356,9 @@ pub fn pack(
     pack_chunks(descriptors, first, survey, cap, merge, pool, true)
 }
 
-/// [`pack`], with or without packing chunks of packed copies copies
-/// first ([`CopiesFirst`]; without: every chunk through the merge rule,
-/// the reference the tests hold it to).
+/// [`pack`]; with `copies_first` false every chunk goes through the
+/// merge rule, without [`CopiesFirst`] (the reference the tests hold
+/// copies first to).
 fn pack_chunks(
     descriptors: impl Iterator<Item = Descriptor>,
     first: usize,

@@ -995,12 +995,8 @@ impl Reactor {
     /// count: one is there only when no execution context was free, and
     /// then a launch here would go to a worker too.
     fn copies_under_way(&self, direction: Direction) -> bool {
-        let of = |id: &CopyId| match id {
-            CopyId::Gather(_) => direction == Direction::Gather,
-            CopyId::Scatter(_) => direction == Direction::Scatter,
-        };
         self.held.iter().any(|c| c.direction == direction)
-            || self.launched.iter().any(|l| of(&l.id))
+            || self.launched.iter().any(|l| l.id.direction() == direction)
     }
 
     /// Launches a copy here, or, when the engine cannot now (no context

@@ -29,6 +29,15 @@ pub(super) enum CopyId {
     Scatter(RegionHandle),
 }
 
+impl CopyId {
+    pub(super) fn direction(&self) -> Direction {
+        match self {
+            CopyId::Gather(_) => Direction::Gather,
+            CopyId::Scatter(_) => Direction::Scatter,
+        }
+    }
+}
+
 pub(super) struct CopyDone {
     pub(super) id: CopyId,
     pub(super) result: Result<(), crate::copy::CopyError>,

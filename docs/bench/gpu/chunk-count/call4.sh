@@ -7,14 +7,9 @@
 # reactor's look). Everything lands in $OUT/all.tgz, re-packed after each
 # stage. Run from the repository root with .gpu carried: bash THIS.
 set -uo pipefail
-out="${OUT:-/tmp/out}"; mkdir -p "$out"
-work=/tmp/call4; rm -rf "$work"; mkdir -p "$work"
-pack() { tar czf "$out/all.tgz" -C "$work" . 2>/dev/null; }
-source .gpu/run.sh python   # unpacks the bundle; the environment
-v=/tmp/nixl-bounce-gpu/bin/bounce-vram
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$work/gpu.txt" 2>&1
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p /tmp/mps /tmp/mpslog; nvidia-cuda-mps-control -d
+source docs/bench/gpu/lib.sh
+gpu_call call4 || exit 1
+mps_start
 bench() { # tag, extra params...
   local tag=$1; shift
   timeout 100 "$v" bench --backend BOUNCE --label "$tag" --param enable_peer_map=false "$@" \
@@ -34,4 +29,4 @@ for cw in auto io_thread; do
   grep -h "inflight\|kernel" "$work/bench-traced-w8-$cw.log" | cut -c1-200
   pack
 done
-echo quit | nvidia-cuda-mps-control
+mps_stop

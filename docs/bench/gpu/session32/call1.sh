@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Thirty-second session, device call 1 (what the thirty-first's call4.sh
-# and call5.sh were to run), at the working tree's plugin:
+# Thirty-second session, device call 1 (what the thirty-first's
+# copies-first/call5.sh and call6.sh, never run and now removed, were to
+# run, and call4.sh's kernel-timed trace), at the working tree's plugin:
 # 1. byte-exact: `bounce-vram test` over the arena (copies-first packing,
 #    the bounded receive pass and the launch rule had not run on a GPU);
 # 2. under MPS, lone arena WRITEs of 1024 and 16,384 x 4 KiB and 128
