@@ -334,8 +334,14 @@ pub(super) fn print_breakdown(
 }
 
 pub(super) fn print_row(r: &Row) {
+    // Requests in flight are prepared before the timing: no preparation.
+    let prep = if r.prep_p50_ms.is_nan() {
+        String::new()
+    } else {
+        format!("  (prepare p50 {:.3} ms)", r.prep_p50_ms)
+    };
     println!(
-        "{:<14} {:>6} x {:>6} B  inflight {:>4}  p50 {:>9.3} ms  p90 {:>9.3}  p99 {:>9.3}  {:>8.2} GB/s  {}  (prepare p50 {:.3} ms)",
+        "{:<14} {:>6} x {:>6} B  inflight {:>4}  p50 {:>9.3} ms  p90 {:>9.3}  p99 {:>9.3}  {:>8.2} GB/s  {}{prep}",
         r.label,
         r.descriptors,
         r.size,
@@ -345,6 +351,5 @@ pub(super) fn print_row(r: &Row) {
         r.p99_ms,
         r.gbps,
         r.path.name(),
-        r.prep_p50_ms,
     );
 }
