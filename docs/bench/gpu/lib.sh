@@ -14,6 +14,10 @@
 gpu_call() {
     out="${OUT:-/tmp/out}"; mkdir -p "$out"
     work="/tmp/$1"; rm -rf "$work"; mkdir -p "$work"
+    if [[ ! -f .gpu/run.sh ]]; then
+        echo "gpu_call: no .gpu/run.sh here: run scripts/gpu.sh pack, and carry .gpu and .py312 (docs/gpu.md)" >&2
+        return 1
+    fi
     source .gpu/run.sh python || return 1
     v=/tmp/nixl-bounce-gpu/bin/bounce-vram
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$work/gpu.txt" 2>&1
