@@ -1343,8 +1343,9 @@ impl Capabilities {
 /// | 25..33 | max chunk size |
 /// | 33..41 | arena base address |
 /// | 41..45 | arena device id |
-/// | 45..49 | endpoint length n |
-/// | 49..49+n | endpoint |
+/// | 45..53 | access key |
+/// | 53..57 | endpoint length n |
+/// | 57..57+n | endpoint |
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Handshake {
     /// Wire version spoken.
