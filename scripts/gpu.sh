@@ -5,7 +5,7 @@
 #       builds release binaries (library, bench, gpu-probe, the GPU test
 #       binaries), strips them, and packs them with a trimmed NIXL runtime
 #       (the UCX plugin and its libraries, no storage/cloud plugins) into
-#       .gpu/ (ignored by git; about 20 MB), with .gpu/run.sh.
+#       .gpu/ (ignored by git; about 15 MB), with .gpu/run.sh.
 #   bash .gpu/run.sh [quick|full]   (on the GPU machine, repository root)
 #       unpacks into /tmp, runs gpu-probe, every GPU test binary, and the
 #       two-process VRAM benchmark, writing logs and JSON under $OUT (or

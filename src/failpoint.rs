@@ -19,7 +19,7 @@
 //! | `no_cancel_capability` | the handshake does not advertise CANCEL (a peer without it) |
 //! | `advertise_no_heartbeats` | the handshake omits the HEARTBEATS capability (a peer built before the notification channel's heartbeats) |
 //! | `advertise_no_data_path_v2` | the handshake omits the DATA_PATH_V2 capability, and READs' data paths above version 1 are refused by name (an owner built before READs carried the reader's CMA block) |
-//! | `control_send_hwm=N` | ZMQ control sends queue at most N messages per peer (saturation drills) |
+//! | `control_send_hwm=N` | control sends queue at most N messages per peer (the direct TCP channel's send queue, or ZMQ's high-water mark; saturation drills) |
 //! | `another_host` | this process names a host of its own (a random boot id) in what it exports: its peers on this machine take it for another host (two-host runs in network namespaces, `scripts/two-hosts.sh`) |
 
 use std::collections::BTreeMap;

@@ -3,7 +3,8 @@
 //! one BOUNCE peer process in each (`ip netns exec`, this test binary
 //! re-executed, see tests/support/peer.rs). UCX is restricted to TCP over
 //! the veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES=<veth>`: no shared memory
-//! between the "hosts"), ZMQ binds the veth address
+//! between the "hosts"), the control channel (direct TCP, the default)
+//! binds the veth address
 //! (`control_interface=<veth>`). 4096 scattered 4 KiB WRITEs both ways,
 //! byte-exact, counted on both sides as bounce transfers; the handshakes
 //! must advertise the veth addresses, and the veth's byte counters must
@@ -12,7 +13,7 @@
 //!
 //! A second test takes the link down mid-transfer (`ip link set <veth>
 //! down`): the sender's request must end within its bound (peer liveness:
-//! ZMQ heartbeats go unanswered), nothing outside the destinations may
+//! the control channel's beats stop), nothing outside the destinations may
 //! change; with the link up again, both arenas drain and fresh transfers
 //! both ways are byte-exact.
 //!

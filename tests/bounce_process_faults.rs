@@ -8,7 +8,7 @@
 //! - the receiver stopped (SIGSTOP) mid-transfer: the sender's request fails
 //!   within its bound; resumed (SIGCONT), nothing outside the destinations
 //!   changed, both arenas drain and both directions work again;
-//! - control high-water mark saturated (`control_send_hwm=16`): a burst of
+//! - control send queue saturated (`control_send_hwm=64`): a burst of
 //!   requests to a live peer, then requests to a stopped peer: every request
 //!   terminal within its bound, no hang, both sides fine afterwards.
 //!
