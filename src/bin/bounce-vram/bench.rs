@@ -323,6 +323,18 @@ pub(super) fn print_breakdown(
         count(after, before),
         count(tafter, tbefore),
     );
+    // Kernel launches per request (a group counts once): with the chunks
+    // and the count above, the groups' sizes.
+    let per = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
+        d(a, b, k) as f64 / iters.max(1) as f64
+    };
+    println!(
+        "    kernel launches per request: initiator {:.2} gathers, {:.2} scatters | target {:.2} gathers, {:.2} scatters",
+        per(after, before, "gpu_gather_launches"),
+        per(after, before, "gpu_scatter_launches"),
+        per(tafter, tbefore, "gpu_gather_launches"),
+        per(tafter, tbefore, "gpu_scatter_launches"),
+    );
     // Timed only with NIXL_BOUNCE_TIME_KERNELS set.
     let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
     let (gu, su) = (i("gpu_gather_upload_ns"), t("gpu_scatter_upload_ns"));

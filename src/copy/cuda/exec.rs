@@ -202,6 +202,9 @@ pub struct ExecPool {
     /// Host time of a launch's steps, summed: [context bind and table
     /// sizing, table fill, upload call, launch and event record].
     pub(super) launch_steps_ns: [AtomicU64; 4],
+    /// Kernel launches made: [gather, scatter] (a group launched together
+    /// counts once).
+    pub(super) launches: [AtomicU64; 2],
     /// Device time of timed kernels, summed: [gather, scatter].
     pub(super) kernel_ns: [AtomicU64; 2],
     /// Device time from a timed kernel's upload to its start, summed:
@@ -268,6 +271,7 @@ impl ExecPool {
             state: Mutex::new(PoolState { idle, live: count }),
             returned: Condvar::new(),
             launch_steps_ns: Default::default(),
+            launches: Default::default(),
             kernel_ns: Default::default(),
             upload_ns: Default::default(),
         }))
@@ -814,6 +818,8 @@ impl ExecGuard {
         for (sum, d) in self.pool.launch_steps_ns.iter().zip(steps) {
             sum.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         }
+        self.pool.launches[usize::from(direction == Direction::Scatter)]
+            .fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

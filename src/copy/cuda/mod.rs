@@ -407,6 +407,14 @@ impl CopyEngine for CudaCopy {
             ("gpu_launch_fill_ns", step(1)),
             ("gpu_launch_upload_ns", step(2)),
             ("gpu_launch_call_ns", step(3)),
+            (
+                "gpu_gather_launches",
+                self.pool.launches[0].load(Ordering::Relaxed),
+            ),
+            (
+                "gpu_scatter_launches",
+                self.pool.launches[1].load(Ordering::Relaxed),
+            ),
             ("gpu_gather_kernel_ns", kernel(0)),
             ("gpu_scatter_kernel_ns", kernel(1)),
             ("gpu_gather_upload_ns", upload(0)),
