@@ -503,8 +503,9 @@ struct ChunkBuilder<'p> {
 struct CopiesFirst {
     /// Per side (gather, scatter): the last copy's address ...
     last: [u64; 2],
-    /// ... its step from the one before, when forward ...
-    step: [Option<u64>; 2],
+    /// ... its step from the one before when forward, else 0 (a forward
+    /// step is at least the copies' length, never 0) ...
+    step: [u64; 2],
     /// ... and whether it is marked.
     marked: [bool; 2],
     pairs: [usize; 2],
@@ -521,14 +522,16 @@ impl CopiesFirst {
     #[inline(always)]
     fn add(&mut self, addrs: [u64; 2], len: u64) -> [bool; 2] {
         let mut second = [false; 2];
+        // Without branches on `forward` (`&`, not `&&`): for scattered
+        // blocks it is a coin toss, which a branch predictor loses.
         for s in 0..2 {
             let (a, last) = (addrs[s], self.last[s]);
             // `last + len` does not overflow: every range was checked.
             let forward = a >= last + len;
             let step = a.wrapping_sub(last);
-            self.continuing[s] += usize::from(forward && self.step[s] == Some(step));
-            self.step[s] = forward.then_some(step);
-            second[s] = forward && !self.marked[s];
+            self.continuing[s] += usize::from(forward & (self.step[s] == step));
+            self.step[s] = step & u64::from(forward).wrapping_neg();
+            second[s] = forward & !self.marked[s];
             self.marked[s] = second[s];
             self.pairs[s] += usize::from(second[s]);
             self.last[s] = a;
@@ -611,17 +614,24 @@ impl PackedCopies {
         if len != self.len || at != self.next {
             return false;
         }
+        let second = |a: Added| matches!(a, Added::Paired | Added::Joined);
+        self.push_marked(src, dst, len, [second(gather), second(scatter)]);
+        true
+    }
+
+    /// Appends the next copy (the caller checked it is: `len` bytes at
+    /// `next`), marked on each side as `second` says.
+    #[inline(always)]
+    fn push_marked(&mut self, src: u64, dst: u64, len: u64, second: [bool; 2]) {
         let k = self.gather.len() % 8;
         self.next += len;
         self.gather.push(src);
         self.scatter.push(dst);
-        let second = |a: Added| u8::from(matches!(a, Added::Paired | Added::Joined));
-        self.bits[0] |= second(gather) << k;
-        self.bits[1] |= second(scatter) << k;
+        self.bits[0] |= u8::from(second[0]) << k;
+        self.bits[1] |= u8::from(second[1]) << k;
         if k == 7 {
             self.flush();
         }
-        true
     }
 
     /// Moves the bits of the copies added since the last full byte into
@@ -704,8 +714,9 @@ impl ChunkBuilder<'_> {
         } else {
             f.add([src, dst], len)
         };
-        let added = |m: bool| if m { Added::Paired } else { Added::Single };
-        p.push(at, src, dst, len, added(second[0]), added(second[1]))
+        // Checked above: the next packed copy.
+        p.push_marked(src, dst, len, second);
+        true
     }
 
     /// Ends copies first for the chunk being packed: its copies so far are
@@ -1523,19 +1534,34 @@ mod cost {
         let random: Option<u64> = std::env::var("PLAN_COST_RANDOM")
             .ok()
             .and_then(|n| n.parse().ok());
-        if let Some(n) = random {
-            let mut r = crate::splitmix::SplitMix64::new(7);
+        let random_layout = |n: u64, seed: u64| {
+            let mut r = crate::splitmix::SplitMix64::new(seed);
             let (mut a, mut b): (Vec<u64>, Vec<u64>) = ((0..4 * n).collect(), (0..4 * n).collect());
             r.shuffle(&mut a);
             r.shuffle(&mut b);
-            v.extend(a.iter().zip(&b).take(n as usize).map(|(a, b)| Descriptor {
-                src_addr: (1 << 32) + a * len,
-                src_dev: 0,
-                dst_addr: (1 << 40) + b * len,
-                dst_dev: 0,
-                len,
-            }));
+            a.iter()
+                .zip(&b)
+                .take(n as usize)
+                .map(|(a, b)| Descriptor {
+                    src_addr: (1 << 32) + a * len,
+                    src_dev: 0,
+                    dst_addr: (1 << 40) + b * len,
+                    dst_dev: 0,
+                    len,
+                })
+                .collect::<Vec<_>>()
+        };
+        if let Some(n) = random {
+            v.extend(random_layout(n, 7));
         }
+        // `PLAN_COST_FRESH=1` (with PLAN_COST_RANDOM): each plan of
+        // another of 16 random layouts, as every real request brings its
+        // own blocks; one layout planned again and again lets the branch
+        // predictor learn it, which no client's requests allow.
+        let fresh: Vec<Vec<Descriptor>> = match (random, std::env::var_os("PLAN_COST_FRESH")) {
+            (Some(n), Some(_)) => (0..16).map(|i| random_layout(n, 100 + i)).collect(),
+            _ => Vec::new(),
+        };
         // `PLAN_COST_IN_ORDER=N`: N blocks in order on both sides (the
         // layout copies first leaves to the merge rule).
         let in_order: Option<u64> = std::env::var("PLAN_COST_IN_ORDER")
@@ -1585,8 +1611,9 @@ mod cost {
                 *b = b.wrapping_add(i as u8);
             }
             std::hint::black_box(&evict);
+            let list = fresh.get(i % 16).unwrap_or(&v);
             let t = std::time::Instant::now();
-            let p = build_from(v.iter().copied(), options, &pool).expect("planned");
+            let p = build_from(list.iter().copied(), options, &pool).expect("planned");
             times.push(t.elapsed().as_nanos());
             std::hint::black_box(p);
         }
