@@ -8,6 +8,7 @@
 #    H100 only): lone arena WRITEs of 1024 and 16,384 x 4 KiB and 128 in
 #    flight under MPS, then without MPS (issue 15: 16,384 x 4 KiB at least
 #    80 GB/s), ITERS (20) timed each.
+# 3. (optional) the plan without branches against the plugin before it.
 # $OUT/all.tgz. From the repository root, .gpu and .py312 carried: bash THIS.
 set -uo pipefail
 source docs/bench/gpu/lib.sh
@@ -32,4 +33,16 @@ bench() { # tag
 }
 mps_start; bench arena-mps; mps_stop
 bench arena-nomps
+# 3. With .gpu/old/libplugin_BOUNCE.so (3355d8d's plugin, before the plan
+#    without branches, 48c62d6; copied there after the pack), both
+#    alternating under MPS, two rounds: the preparation lines compare the
+#    plan's cost on the GPU host.
+if [[ -f .gpu/old/libplugin_BOUNCE.so ]]; then
+  new=$NIXL_PLUGIN_DIR old=$(old_plugin_dir)
+  mps_start
+  for round in 1 2; do
+    for k in old new; do NIXL_PLUGIN_DIR=${!k} bench "plan-$k-r$round"; done
+  done
+  mps_stop
+fi
 cat "$summary"
