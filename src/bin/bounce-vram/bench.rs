@@ -313,21 +313,19 @@ pub(super) fn print_breakdown(
         both("gpu_launch_upload_ns"),
         both("gpu_launch_call_ns"),
     );
-    // Chunks whose copy went out in one launch with others of its pass
-    // (`group_copy_launches`), per request.
-    let count = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| {
-        d(a, b, "copies_launched_together") as f64 / iters.max(1) as f64
-    };
-    println!(
-        "    copies launched together with others per request: initiator {:.2} | target {:.2}",
-        count(after, before),
-        count(tafter, tbefore),
-    );
-    // Kernel launches per request (a group counts once): with the chunks
-    // and the count above, the groups' sizes.
+    // A counter's growth per request on one side.
     let per = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>, k: &str| {
         d(a, b, k) as f64 / iters.max(1) as f64
     };
+    // Chunks whose copy went out in one launch with others of its pass
+    // (`group_copy_launches`).
+    println!(
+        "    copies launched together with others per request: initiator {:.2} | target {:.2}",
+        per(after, before, "copies_launched_together"),
+        per(tafter, tbefore, "copies_launched_together"),
+    );
+    // Kernel launches per request (a group counts once): with the chunks
+    // and the count above, the groups' sizes.
     println!(
         "    kernel launches per request: initiator {:.2} gathers, {:.2} scatters | target {:.2} gathers, {:.2} scatters",
         per(after, before, "gpu_gather_launches"),

@@ -818,8 +818,7 @@ impl ExecGuard {
         for (sum, d) in self.pool.launch_steps_ns.iter().zip(steps) {
             sum.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         }
-        self.pool.launches[usize::from(direction == Direction::Scatter)]
-            .fetch_add(1, Ordering::Relaxed);
+        self.pool.launches[direction as usize].fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

@@ -398,6 +398,7 @@ impl CopyEngine for CudaCopy {
         let step = |i: usize| self.pool.launch_steps_ns[i].load(Ordering::Relaxed);
         let kernel = |i: usize| self.pool.kernel_ns[i].load(Ordering::Relaxed);
         let upload = |i: usize| self.pool.upload_ns[i].load(Ordering::Relaxed);
+        let launches = |i: usize| self.pool.launches[i].load(Ordering::Relaxed);
         vec![
             ("gpu_gather_launch_ns", get(&p.launch_ns, 0)),
             ("gpu_gather_wait_ns", get(&p.wait_ns, 0)),
@@ -407,14 +408,8 @@ impl CopyEngine for CudaCopy {
             ("gpu_launch_fill_ns", step(1)),
             ("gpu_launch_upload_ns", step(2)),
             ("gpu_launch_call_ns", step(3)),
-            (
-                "gpu_gather_launches",
-                self.pool.launches[0].load(Ordering::Relaxed),
-            ),
-            (
-                "gpu_scatter_launches",
-                self.pool.launches[1].load(Ordering::Relaxed),
-            ),
+            ("gpu_gather_launches", launches(0)),
+            ("gpu_scatter_launches", launches(1)),
             ("gpu_gather_kernel_ns", kernel(0)),
             ("gpu_scatter_kernel_ns", kernel(1)),
             ("gpu_gather_upload_ns", upload(0)),
