@@ -60,8 +60,9 @@
 // volatile loads (so a reused pinned buffer is never served from a stale
 // cache line); every table load is then a PCIe round trip, which makes it
 // the slow option (see `ExecPool::new`). `bounce_copy_pairs_inline<N>`
-// takes a pair table of at most N copies as its own parameter (the end of
-// this file).
+// takes a pair table of at most N copies as its own parameter, and
+// `bounce_copy_packed_inline<N>` the application addresses of at most N
+// packed copies (the end of this file).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -297,6 +298,42 @@ __device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_co
     }
 }
 
+// Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of packed
+// copies (a chunk of one length's blocks, as the arena packs them): copy i
+// is `len` bytes between addrs[i] (the application's side) and region +
+// i * len (the arena's, back to back), application -> region for a gather,
+// region -> application for a scatter. Half a pair table's bytes: the
+// region side is computed, not read.
+__device__ __forceinline__ void copy_packed(const u64* addrs, u64 region, u64 len, u32 per_copy,
+                                            u32 total_tiles, u32 tiles_per_warp, u32 tile_shift,
+                                            u32 gather)
+{
+    const u32 lane = threadIdx.x & 31;
+    const u64 warp = (u64)blockIdx.x * BOUNCE_WARPS + (threadIdx.x >> 5);
+    const u64 first = warp * tiles_per_warp;
+    if (first >= total_tiles) return;  // the whole warp: no work left
+    const u64 last = first + tiles_per_warp;
+    const u32 t_end = last < total_tiles ? (u32)last : total_tiles;
+    const u64 tile_bytes = (u64)1 << tile_shift;
+    for (u32 t = (u32)first; t < t_end; ++t) {
+        u32 i = t, j = 0;
+        if (per_copy != 1) {
+            i = t / per_copy;
+            j = t - i * per_copy;
+        }
+        // Every lane loads the same word: one broadcast transaction.
+        const u64 app = addrs[i];
+        const u64 reg = region + (u64)i * len;
+        const u64 off = (u64)j << tile_shift;
+        const u64 left = len - off;
+        const u32 n = (u32)(left < tile_bytes ? left : tile_bytes);
+        if (gather)
+            warp_copy(reg + off, app + off, n, lane);
+        else
+            warp_copy(app + off, reg + off, n, lane);
+    }
+}
+
 // The pair table in device memory (uploaded before the launch).
 extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
 bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 tiles_per_warp,
@@ -339,4 +376,32 @@ BOUNCE_INLINE_PAIRS_KERNEL(256)
 BOUNCE_INLINE_PAIRS_KERNEL(512)
 BOUNCE_INLINE_PAIRS_KERNEL(1024)
 BOUNCE_INLINE_PAIRS_KERNEL(2040)
+
+// Packed copies with their application addresses as the launch's own
+// parameter (`bounce_copy_packed_inline<N>`, N copies at most; the region
+// side computed, `copy_packed`): a chunk's gather or a DATA's scatter of
+// up to 1024 blocks with no table filled, allocated or uploaded, where an
+// uploaded table costs a driver call of its own (~9 us under MPS on an
+// H100). The sizes are `INLINE_PACKED` in src/copy/cuda/mod.rs: 2, 4 and
+// 8 KiB of addresses. Not larger: on an H100 a lone 16,384-block request
+// (chunks of 2048) took 0.94-0.98 ms with 16 KiB parameters against
+// 0.83-0.87 uploaded (docs/benchmarks.md), while 1024 blocks gained.
+template <u32 N>
+struct InlineAddrs {
+    u64 addrs[N];
+};
+
+#define BOUNCE_INLINE_PACKED_KERNEL(N)                                                          \
+    extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)            \
+        bounce_copy_packed_inline##N(const __grid_constant__ InlineAddrs<N> table, u64 region,  \
+                                     u64 len, u32 per_copy, u32 total_tiles,                    \
+                                     u32 tiles_per_warp, u32 tile_shift, u32 gather)            \
+    {                                                                                           \
+        copy_packed(table.addrs, region, len, per_copy, total_tiles, tiles_per_warp, tile_shift, \
+                    gather);                                                                    \
+    }
+
+BOUNCE_INLINE_PACKED_KERNEL(256)
+BOUNCE_INLINE_PACKED_KERNEL(512)
+BOUNCE_INLINE_PACKED_KERNEL(1024)
 #endif

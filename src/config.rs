@@ -127,6 +127,10 @@ pub struct Config {
     /// Arena copies all of one length use the pair kernel's 16-byte table
     /// (the launch's parameter up to 2040); off by default.
     pub copy_pair_tables: bool,
+    /// A single list of packed copies (a chunk's gather, a DATA's
+    /// scatter) of up to 1024 copies passes its addresses as the launch's
+    /// parameter (no table filled or uploaded); on by default.
+    pub copy_inline_packed: bool,
     /// DEBUG ONLY: one run per descriptor instead of coalesced runs.
     pub disable_scatter_run_merging: bool,
     /// Absolute per-request deadline from submission (ms); 0 = none.
@@ -229,6 +233,7 @@ impl Default for Config {
             use_zero_copy_arguments: false,
             use_cub_copy: false,
             copy_pair_tables: false,
+            copy_inline_packed: true,
             disable_scatter_run_merging: false,
             request_deadline_ms: 0,
             peer_liveness_timeout_ms: 1000,
@@ -444,7 +449,8 @@ static SETTINGS: &[Setting] = &[
     setting!(direct_tcp_control, "direct_tcp_control", "DIRECT_TCP_CONTROL", Bool, true, "Control plane (unless use_nixl_notifications) over TCP sockets the IO thread owns; off: over ZMQ's sockets, whose own I/O thread every message crosses on both sides (six thread wake-ups a control round trip instead of two: on the H200 under MPS the GRANT round trip measured 0.10-0.12 ms over ZMQ against 0.04-0.06 direct); the same addresses and liveness; must match the peer (handshake-checked)."),
     setting!(use_zero_copy_arguments, "use_zero_copy_arguments", "USE_ZERO_COPY_ARGUMENTS", Bool, true, "Copy kernel reads its plan directly from pinned host memory (no upload); slower than the default upload (one async copy before the launch)."),
     setting!(use_cub_copy, "use_cub_copy", "USE_CUB_COPY", Bool, true, "Library batched memcpy instead of the custom copy kernel (experimental)."),
-    setting!(copy_pair_tables, "copy_pair_tables", "COPY_PAIR_TABLES", Bool, true, "The bounce arena's gathers and scatters whose copies are all of one length (real clients' blocks) take the pair kernel's table: 16 bytes a copy instead of 36 a run, and up to 2040 copies the launch's own parameter (no upload). Off by default: on the H200 it measured no gain (the fill costs the same there, the pair kernel ran slower: 1024 x 4 KiB within the spread, a 4096-block chunk 0.76-0.82 ms against 0.62-0.67; docs/benchmarks.md). Applies to run lists: packed copies (a DATA's as decoded, and the sender's plans of equal aligned blocks) always take the pair kernel, uploaded, which measured faster than the runs' host passes it replaces (design.md §4)."),
+    setting!(copy_pair_tables, "copy_pair_tables", "COPY_PAIR_TABLES", Bool, true, "The bounce arena's gathers and scatters whose copies are all of one length (real clients' blocks) take the pair kernel's table: 16 bytes a copy instead of 36 a run, and up to 2040 copies the launch's own parameter (no upload). Off by default: on the H200 it measured no gain (the fill costs the same there, the pair kernel ran slower: 1024 x 4 KiB within the spread, a 4096-block chunk 0.76-0.82 ms against 0.62-0.67; docs/benchmarks.md). Applies to run lists: packed copies (a DATA's as decoded, and the sender's plans of equal aligned blocks) always take the pair kernel, uploaded (or, up to 1024 copies launched alone, their addresses as the launch's parameter: `copy_inline_packed`), which measured faster than the runs' host passes it replaces (design.md §4)."),
+    setting!(copy_inline_packed, "copy_inline_packed", "COPY_INLINE_PACKED", Bool, true, "The bounce arena's packed copies (a chunk of one length's blocks) launched as one list (a chunk's gather, a DATA's scatter) of up to 1024 copies pass their application addresses as the kernel launch's own parameter, the arena side computed on the GPU: no pair table filled, no upload call before the launch (a driver call of its own, ~9 us under MPS on an H100): 1024 x 4 KiB 0.17 ms against 0.19-0.22 under MPS on an H100, 128 in flight 90-94 GB/s against 69-81 (docs/benchmarks.md). Off: every packed list uploads a pair table. Lists launched together (`group_copy_launches`) always upload theirs."),
     setting!(disable_scatter_run_merging, "disable_scatter_run_merging", "DISABLE_SCATTER_RUN_MERGING", Bool, true, "DEBUG ONLY: one run per descriptor instead of coalesced runs."),
     setting!(request_deadline_ms, "request_deadline_ms", "REQUEST_DEADLINE_MS", Millis, true, "Absolute per-request deadline from submission; 0 = none."),
     setting!(peer_liveness_timeout_ms, "peer_liveness_timeout_ms", "PEER_LIVENESS_TIMEOUT_MS", Millis, true, "A peer whose control channel is down this long (heartbeats every quarter of it) is unreachable: its requests fail, its flows are aborted. Over direct TCP and NIXL notifications a silent peer is noticed this long after its last answer; over ZMQ after about twice this (the ZMTP heartbeat must time out first); 0 = off."),
@@ -847,7 +853,7 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 51);
+        assert_eq!(keys.len(), 52);
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"group_copy_launches"));
         assert!(keys.contains(&"receive_pass_us"));

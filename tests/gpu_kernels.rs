@@ -571,6 +571,110 @@ fn copies_launched_together_match_the_host_reference() {
         .is_none());
 }
 
+/// One list of packed copies (a chunk's gather, a DATA's scatter): with
+/// `inline_packed` its addresses are the launch's parameter up to 1024
+/// copies (the region side computed on the GPU), else a pair table is
+/// uploaded; both match the host reference at every size around the
+/// kernels' capacities, and the counters say which launches were inline.
+/// Also times a launch call of each (host side, medians).
+#[test]
+fn single_packed_lists_inline_and_uploaded_match_the_host_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(4242);
+    let (region_len, app_len) = (24usize << 20, 32usize << 20);
+    let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
+    let host = HostCopy {
+        threads: 1,
+        parallel_threshold: u64::MAX,
+    };
+    let counter = |e: &CudaCopy, name: &str| {
+        e.phase_counters()
+            .into_iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+            .unwrap()
+    };
+    for inline in [true, false] {
+        let pool = ExecPool::new(dev.clone(), 1, false).unwrap();
+        let opts = CopyOptions {
+            inline_packed: inline,
+            ..CopyOptions::default()
+        };
+        let engine = CudaCopy::with_options(pool.clone(), opts).unwrap();
+        let mut launch_us: Vec<f64> = Vec::new();
+        for (len, n) in [
+            (4096u64, 1usize),
+            (4096, 255),
+            (4096, 256),
+            (4096, 257),
+            (4096, 1024),
+            (4096, 1025),
+            (4096, 2048),
+            (4096, 2049),
+            (64, 4080),
+            (64, 4081),
+            (37, 3000),
+            (8192, 700),
+        ] {
+            let what = format!("{n} x {len} B, inline {inline}");
+            bufs.poison();
+            let layout = copies_layout(&mut rng, region_len as u64, app_len as u64, len, n);
+            let count: u64 = layout.iter().map(|r| r.3 as u64).sum();
+            assert_eq!(count, n as u64, "{what}: the layout holds every copy");
+            let (dspan, hspan) = bufs.spans(0, region_len);
+            let before = [
+                counter(&engine, "gpu_gather_inline_launches"),
+                counter(&engine, "gpu_scatter_inline_launches"),
+            ];
+            for (direction, dev_app, host_app) in [
+                (
+                    Direction::Gather,
+                    bufs.src.base(),
+                    bufs.src_h.as_ptr() as u64,
+                ),
+                (
+                    Direction::Scatter,
+                    bufs.dst.base(),
+                    bufs.dst_h.as_mut_ptr() as u64,
+                ),
+            ] {
+                let list = packed(&runs_for(&layout, dev_app));
+                let t = Instant::now();
+                let mut copy = engine
+                    .try_launch(direction, dspan, &list)
+                    .expect("the context idle")
+                    .unwrap();
+                launch_us.push(t.elapsed().as_secs_f64() * 1e6);
+                poll_until_done(&what, || copy.poll()).unwrap();
+                host.copy(direction, hspan, &runs_for(&layout, host_app))
+                    .unwrap();
+            }
+            let mut got = vec![0u8; bufs.region_h.len()];
+            bufs.region.read(0, &mut got).unwrap();
+            assert_same(&format!("{what}: gather"), &got, &bufs.region_h);
+            let mut got = vec![0u8; bufs.dst_h.len()];
+            bufs.dst.read(0, &mut got).unwrap();
+            assert_same(&format!("{what}: scatter"), &got, &bufs.dst_h);
+            let after = [
+                counter(&engine, "gpu_gather_inline_launches"),
+                counter(&engine, "gpu_scatter_inline_launches"),
+            ];
+            let want = u64::from(inline && n <= 1024);
+            assert_eq!(
+                [after[0] - before[0], after[1] - before[1]],
+                [want, want],
+                "{what}: inline launches"
+            );
+        }
+        launch_us.sort_by(|a, b| a.total_cmp(b));
+        println!(
+            "single packed lists, inline {inline}: launch call (table, upload, launch) median {:.1} us over {}",
+            launch_us[launch_us.len() / 2],
+            launch_us.len()
+        );
+    }
+}
+
 #[test]
 fn concurrent_copies_through_one_pool() {
     let Some(dev) = device() else { return };

@@ -400,6 +400,136 @@ mod checked {
         std::hint::black_box(&sweep);
     }
 
+    /// Not a benchmark: the arena preparation's check and packing of
+    /// `PREP_N` (16,384) scattered 4 KiB blocks (random slots of one
+    /// 1 GiB region a side, as `bounce-vram bench` makes them), new lists
+    /// written by this thread before each round as a client makes them:
+    /// in one pass here, then in parts on a pool of `PREP_THREADS` (8)
+    /// threads with this one (as `Engine::check`), each part timed where it
+    /// runs. Medians of `PREP_ROUNDS` (200). It tells whether the parts
+    /// themselves or their sharing out bound the preparation on a host
+    /// with cores to spare. `cargo test --release --lib prep_cost --
+    /// --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn prep_cost() {
+        let env = |k: &str, d: usize| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
+        let (n, threads, rounds) = (
+            env("PREP_N", 16_384),
+            env("PREP_THREADS", 8),
+            env("PREP_ROUNDS", 200),
+        );
+        let (len, slots) = (4096usize, (1usize << 30) / 4096);
+        let region = |base: usize, owner: MdOwner| -> &'static Md {
+            let mut m = md(base, owner);
+            m.range.len = 1 << 30;
+            Box::leak(Box::new(m))
+        };
+        let (lm, rm) = (
+            region(1 << 40, registered()),
+            region(1 << 41, remote("peer")),
+        );
+        let resolve = |p: *const std::ffi::c_void| p as *const Md;
+        let options = plan::PlanOptions::capped(8 << 20, true);
+        let run_pool = crate::proto::RunPool::default();
+        let rayon_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(2) - 1)
+            .build()
+            .unwrap();
+        let fill = ipc::FillPool::new(rayon_pool, 1024);
+        let mut rng = crate::splitmix::SplitMix64::new(7);
+        let mut slots_l: Vec<usize> = (0..slots).collect();
+        let mut slots_r = slots_l.clone();
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let (mut one, mut wall, mut part_mean, mut part_max, mut caller_parts) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            rng.shuffle(&mut slots_l[..]);
+            rng.shuffle(&mut slots_r[..]);
+            let l: Vec<RawDesc> = slots_l[..n].iter().map(|&s| at(lm, s * len, len)).collect();
+            let r: Vec<RawDesc> = slots_r[..n].iter().map(|&s| at(rm, s * len, len)).collect();
+            // SAFETY: every handle is a leaked `Md`.
+            let (ld, rd) = unsafe {
+                (
+                    Descs::new(MemKind::Dram, &l, &resolve),
+                    Descs::new(MemKind::Dram, &r, &resolve),
+                )
+            };
+            let first = pair_descriptor(Op::Write, l[0].range(), r[0].range());
+            let spec = PackSpec::new(Survey::uniform(&first, n), options, run_pool.clone())
+                .expect("cut by whole chunks");
+            if round % 2 == 0 {
+                // One pass on this thread: the check, then the plan.
+                let t = std::time::Instant::now();
+                let c = Checked::new(Op::Write, ld, rd).expect("checked");
+                let survey = c.survey.clone().expect("plannable");
+                let chunks = plan::pack(
+                    c.descriptors(Op::Write),
+                    0,
+                    &survey,
+                    spec.cap,
+                    true,
+                    &run_pool,
+                )
+                .expect("packed");
+                one.push(t.elapsed().as_secs_f64() * 1e6);
+                drop(chunks);
+                continue;
+            }
+            // In parts, as `Checked::in_parts` shares them, each timed.
+            let parts = fill.parts(n, spec.per_chunk);
+            let caller = std::thread::current().id();
+            let t = std::time::Instant::now();
+            let (done, _help) = fill
+                .share(parts, |range| {
+                    let t = std::time::Instant::now();
+                    let survey = Survey::part(&first, range.start);
+                    let facts = Facts::of(Op::Write, ld, rd, range.clone(), survey, None).ok()?;
+                    let descriptors = pair_descriptors(Op::Write, ld, rd, range.clone());
+                    let chunks = plan::pack(
+                        descriptors,
+                        range.start,
+                        &spec.survey,
+                        spec.cap,
+                        true,
+                        &spec.pool,
+                    )
+                    .ok()?;
+                    let us = t.elapsed().as_secs_f64() * 1e6;
+                    Some((
+                        facts.survey.is_ok(),
+                        chunks,
+                        us,
+                        std::thread::current().id() == caller,
+                    ))
+                })
+                .expect("the pool is free");
+            wall.push(t.elapsed().as_secs_f64() * 1e6);
+            let us: Vec<f64> = done.iter().map(|d| d.2).collect();
+            part_mean.push(us.iter().sum::<f64>() / us.len() as f64);
+            part_max.push(us.iter().cloned().fold(0.0, f64::max));
+            caller_parts.push(done.iter().filter(|d| d.3).count() as f64);
+            assert!(done.iter().all(|d| d.0));
+        }
+        println!(
+            "prep_cost {n} x 4 KiB, {threads} threads: one pass {:.1} us | in parts: wall {:.1} us, a part {:.1} us (longest {:.1}), parts on the caller {:.1} (medians of {} rounds each)",
+            median(&mut one),
+            median(&mut wall),
+            median(&mut part_mean),
+            median(&mut part_max),
+            median(&mut caller_parts),
+            rounds / 2
+        );
+    }
+
     /// Two local and two remote regions, alive for the test.
     fn regions() -> &'static [Md; 4] {
         Box::leak(Box::new([

@@ -333,6 +333,14 @@ pub(super) fn print_breakdown(
         per(tafter, tbefore, "gpu_gather_launches"),
         per(tafter, tbefore, "gpu_scatter_launches"),
     );
+    // Of those, the launches that passed their table as the parameter.
+    println!(
+        "    of which their table the parameter: initiator {:.2} gathers, {:.2} scatters | target {:.2} gathers, {:.2} scatters",
+        per(after, before, "gpu_gather_inline_launches"),
+        per(after, before, "gpu_scatter_inline_launches"),
+        per(tafter, tbefore, "gpu_gather_inline_launches"),
+        per(tafter, tbefore, "gpu_scatter_inline_launches"),
+    );
     // Timed only with NIXL_BOUNCE_TIME_KERNELS set.
     let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
     let (gu, su) = (i("gpu_gather_upload_ns"), t("gpu_scatter_upload_ns"));

@@ -206,6 +206,9 @@ pub struct CopyKernel {
     /// when NVRTC compiled them out, older than CUDA 12.1 or for a GPU
     /// before Volta, or when the driver is older than 12.1).
     pub(super) func_pairs_inline: Vec<(usize, CudaFunction)>,
+    /// `bounce_copy_packed_inline<N>` for each N of [`INLINE_PACKED`]
+    /// (none where the pair kernels above are none).
+    pub(super) func_packed_inline: Vec<(usize, CudaFunction)>,
     pub(super) _module: Arc<CudaModule>,
     /// What NVRTC compiled for (e.g. `sm_90`).
     pub target: NvrtcTarget,
@@ -245,6 +248,16 @@ impl CopyKernel {
     /// `n` copies, with its capacity ([`launch_pairs_inline`]).
     pub(crate) fn inline_pairs_function(&self, n: usize) -> Option<(usize, &CudaFunction)> {
         self.func_pairs_inline
+            .iter()
+            .find(|(cap, _)| n <= *cap)
+            .map(|(cap, f)| (*cap, f))
+    }
+
+    /// The smallest packed-copies kernel taking the application addresses
+    /// as a parameter that holds `n` copies, with its capacity
+    /// ([`launch_packed_inline`]).
+    pub(crate) fn inline_packed_function(&self, n: usize) -> Option<(usize, &CudaFunction)> {
+        self.func_packed_inline
             .iter()
             .find(|(cap, _)| n <= *cap)
             .map(|(cap, f)| (*cap, f))
@@ -299,6 +312,14 @@ impl CopyKernel {
                 Some((n, f))
             })
             .collect();
+        let func_packed_inline: Vec<(usize, CudaFunction)> = INLINE_PACKED
+            .iter()
+            .filter(|_| driver_ok)
+            .filter_map(|&n| {
+                let f = module.load_function(&inline_packed_kernel_name(n)).ok()?;
+                Some((n, f))
+            })
+            .collect();
         if func_pairs_inline.is_empty() {
             tracing::info!(
                 driver,
@@ -321,6 +342,7 @@ impl CopyKernel {
             func_zero_copy,
             func_pairs,
             func_pairs_inline,
+            func_packed_inline,
             _module: module,
             target,
             compile_time,

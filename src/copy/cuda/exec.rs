@@ -205,6 +205,9 @@ pub struct ExecPool {
     /// Kernel launches made: [gather, scatter] (a group launched together
     /// counts once).
     pub(super) launches: [AtomicU64; 2],
+    /// Of those, the launches whose table was their parameter (nothing
+    /// uploaded): [gather, scatter].
+    pub(super) inline_launches: [AtomicU64; 2],
     /// Device time of timed kernels, summed: [gather, scatter].
     pub(super) kernel_ns: [AtomicU64; 2],
     /// Device time from a timed kernel's upload to its start, summed:
@@ -272,6 +275,7 @@ impl ExecPool {
             returned: Condvar::new(),
             launch_steps_ns: Default::default(),
             launches: Default::default(),
+            inline_launches: Default::default(),
             kernel_ns: Default::default(),
             upload_ns: Default::default(),
         }))
@@ -362,6 +366,17 @@ pub(super) enum Form {
         shape: LaunchShape,
         cap: usize,
     },
+    /// Packed copies' application addresses passed as the launch's
+    /// parameter, the region side from `region` on: the
+    /// `bounce_copy_packed_inline<cap>` kernel over the context's
+    /// `inline_words`.
+    InlinePacked {
+        len: u64,
+        shape: LaunchShape,
+        cap: usize,
+        region: u64,
+        direction: Direction,
+    },
 }
 
 /// What [`ExecGuard::launch_copies_together`] did.
@@ -386,7 +401,10 @@ pub(super) struct PairForm {
 impl Form {
     pub(super) fn shape(&self) -> &LaunchShape {
         match self {
-            Form::Runs(shape) | Form::Pairs { shape, .. } | Form::Inline { shape, .. } => shape,
+            Form::Runs(shape)
+            | Form::Pairs { shape, .. }
+            | Form::Inline { shape, .. }
+            | Form::InlinePacked { shape, .. } => shape,
         }
     }
 }
@@ -644,6 +662,13 @@ impl ExecGuard {
         if let Err(e) = self.pool.device.bind() {
             return declined(e.to_string());
         }
+        if let ([(region, copies)], true) = (lists, opts.inline_packed) {
+            if let Some(launched) =
+                self.launch_packed_inline(direction, *region, copies, max_warps, opts, t0)
+            {
+                return launched;
+            }
+        }
         let zero_copy = self.pool.zero_copy;
         let ctx = self
             .ctx
@@ -691,6 +716,61 @@ impl ExecGuard {
         Ok(Together::Launched)
     }
 
+    /// One list of packed copies launched with its application addresses
+    /// as the kernel's parameter ([`launch_packed_inline`]), when a
+    /// packed-copies kernel holds that many; `None`: no such kernel (the
+    /// caller uploads a pair table instead). The region side is checked
+    /// first ([`packed_region_start`]): a copy outside `region` launches
+    /// nothing.
+    fn launch_packed_inline(
+        &mut self,
+        direction: Direction,
+        region: RegionSpan,
+        copies: &Copies,
+        max_warps: u32,
+        opts: &CopyOptions,
+        t0: Instant,
+    ) -> Option<Result<Together, CopyError>> {
+        let addrs = copies.addrs();
+        let (cap, _) = self.pool.kernel.inline_packed_function(addrs.len())?;
+        let start = match packed_region_start(direction, region, copies) {
+            Ok(start) => start,
+            Err(e) => return Some(Ok(Together::NotLaunched(e))),
+        };
+        let len = copies.copy_len();
+        let shape = match pairs_shape(addrs.len(), len, opts.tile_bytes, max_warps) {
+            Ok(shape) => shape,
+            Err(e) => {
+                return Some(Ok(Together::NotLaunched(CopyError {
+                    direction,
+                    reason: e.to_string(),
+                    quiesced: true,
+                })))
+            }
+        };
+        let t1 = Instant::now();
+        let ctx = self
+            .ctx
+            .as_mut()
+            .expect("an ExecGuard holds its context until dropped");
+        if ctx.inline_words.len() < cap {
+            ctx.inline_words.resize(cap, 0);
+        }
+        ctx.inline_words[..addrs.len()].copy_from_slice(addrs);
+        let form = Form::InlinePacked {
+            len,
+            shape,
+            cap,
+            region: start,
+            direction,
+        };
+        let layout = TableLayout::new(0).expect("an empty layout");
+        Some(
+            self.submit(direction, form, &layout, [t0, t1, Instant::now()])
+                .map(|()| Together::Launched),
+        )
+    }
+
     /// Uploads the table filled in the context's pinned memory (unless
     /// mapped or the parameter), launches its kernel and records the
     /// context's event after it; `marks` are when the launch began, its
@@ -736,7 +816,7 @@ impl ExecGuard {
                 shape.table_bytes()
             }
             Form::Pairs { shape, .. } => pairs_table_bytes(shape.nruns as usize),
-            Form::Inline { .. } => 0,
+            Form::Inline { .. } | Form::InlinePacked { .. } => 0,
         };
         let table_dev = if zero_copy || used == 0 {
             ctx.table.dev
@@ -795,6 +875,24 @@ impl ExecGuard {
                     }
                     _ => Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)),
                 },
+                Form::InlinePacked {
+                    len,
+                    shape,
+                    cap,
+                    region,
+                    direction,
+                } => match kernel.inline_packed_function(shape.nruns as usize) {
+                    Some((c, func)) if c == *cap => launch_packed_inline(
+                        func,
+                        &ctx.inline_words[..c],
+                        *region,
+                        *direction,
+                        *len,
+                        shape,
+                        stream,
+                    ),
+                    _ => Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)),
+                },
             }
         };
         if let Err(e) = launched {
@@ -819,6 +917,9 @@ impl ExecGuard {
             sum.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         }
         self.pool.launches[direction as usize].fetch_add(1, Ordering::Relaxed);
+        if used == 0 && !zero_copy {
+            self.pool.inline_launches[direction as usize].fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -1041,6 +1142,53 @@ pub(crate) unsafe fn launch_pairs_inline(
     // The first parameter is InlinePairs<N> itself, read from `table` (2N
     // words, the caller's promise); the driver only reads the parameters.
     pair_launch(func, table.as_ptr() as *mut c_void, len, shape, stream)
+}
+
+/// Launches `func` (the packed-copies kernel for `addrs.len()` copies,
+/// from [`CopyKernel::inline_packed_function`]) with `addrs` as its
+/// parameter: copy i is `len` bytes between `addrs[i]` and `region + i *
+/// len`, application -> region for a gather, the reverse for a scatter.
+/// The driver copies the parameters into the launch, so nothing needs to
+/// stay allocated for them. The grid is `shape`'s ([`pairs_shape`]).
+///
+/// # Safety
+/// `func` must be the inline packed-copies kernel of the current context's
+/// module whose parameter holds exactly `addrs.len()` addresses,
+/// `shape.nruns` of them filled; every range they and the region side name
+/// valid for the kernel to read (sources) or write (destinations) until it
+/// ended.
+pub(crate) unsafe fn launch_packed_inline(
+    func: &CudaFunction,
+    addrs: &[u64],
+    region: u64,
+    direction: Direction,
+    len: u64,
+    shape: &LaunchShape,
+    stream: sys::CUstream,
+) -> Result<(), result::DriverError> {
+    let mut a_region: u64 = region;
+    let mut a_len: u64 = len;
+    // ceil(len / tile_bytes) * nruns == total_tiles < 2^32 (pairs_shape).
+    let mut a_per_copy: u32 = len.div_ceil(shape.tile_bytes) as u32;
+    let mut a_total: u32 = shape.total_tiles;
+    let mut a_tpw: u32 = shape.tiles_per_warp;
+    let mut a_shift: u32 = shape.tile_shift();
+    let mut a_gather: u32 = u32::from(direction == Direction::Gather);
+    let mut params: [*mut c_void; 8] = [
+        // InlineAddrs<N> itself, read from `addrs` (N words, the caller's
+        // promise); the driver only reads the parameters.
+        addrs.as_ptr() as *mut c_void,
+        &mut a_region as *mut u64 as *mut c_void,
+        &mut a_len as *mut u64 as *mut c_void,
+        &mut a_per_copy as *mut u32 as *mut c_void,
+        &mut a_total as *mut u32 as *mut c_void,
+        &mut a_tpw as *mut u32 as *mut c_void,
+        &mut a_shift as *mut u32 as *mut c_void,
+        &mut a_gather as *mut u32 as *mut c_void,
+    ];
+    // The kernels' parameters are (InlineAddrs<N>, u64, u64, u32, u32, u32,
+    // u32, u32), matching `params`; the rest is the caller's promise.
+    launch_grid(func, shape, stream, &mut params)
 }
 
 /// Launches `func` (one of the copy kernels) over the table at device

@@ -64,6 +64,15 @@ pub const PAIRS_KERNEL_NAME: &str = "bounce_copy_pairs";
 /// launch parameter (`bounce_copy_pairs_inline<N>`), smallest first: a
 /// table of at most the largest needs no device memory and no upload.
 pub const INLINE_PAIRS: [usize; 4] = [256, 512, 1024, 2040];
+/// The sizes (in copies) of the packed-copies kernels that take the
+/// application addresses as a launch parameter
+/// (`bounce_copy_packed_inline<N>`, the region side computed), smallest
+/// first: a single list of packed copies of at most the largest (a
+/// chunk's gather, a DATA's scatter) is launched with no table filled or
+/// uploaded ([`CopyOptions::inline_packed`]). Not larger: 16 KiB of
+/// parameter made a lone 16,384-block request (chunks of 2048) ~0.1 ms
+/// slower on an H100, where 1024 blocks gained (docs/benchmarks.md).
+pub const INLINE_PACKED: [usize; 3] = [256, 512, 1024];
 /// Threads per block (matches `BOUNCE_THREADS` / `__launch_bounds__` in the source).
 pub const BLOCK_THREADS: u32 = 256;
 /// Warps per block: the kernel's unit of work is one warp.
@@ -111,6 +120,12 @@ pub struct CopyOptions {
     /// of [`INLINE_PAIRS`] copies (`copy_pair_tables`; off by default: no
     /// gain measured on the H200).
     pub pair_tables: bool,
+    /// A single list of packed copies (a chunk's gather, a DATA's scatter)
+    /// of at most the largest of [`INLINE_PACKED`] copies (1024) passes its
+    /// application addresses as the launch's parameter, the region side
+    /// computed on the device: no table filled or uploaded
+    /// (`copy_inline_packed`, on by default).
+    pub inline_packed: bool,
 }
 
 impl CopyOptions {
@@ -120,6 +135,7 @@ impl CopyOptions {
         CopyOptions {
             batch_memcpy: cfg.use_cub_copy,
             pair_tables: cfg.copy_pair_tables,
+            inline_packed: cfg.copy_inline_packed,
             ..Default::default()
         }
     }
@@ -133,6 +149,7 @@ impl Default for CopyOptions {
             acquire_timeout: Duration::from_secs(10),
             batch_memcpy: false,
             pair_tables: false,
+            inline_packed: true,
         }
     }
 }
@@ -399,6 +416,7 @@ impl CopyEngine for CudaCopy {
         let kernel = |i: usize| self.pool.kernel_ns[i].load(Ordering::Relaxed);
         let upload = |i: usize| self.pool.upload_ns[i].load(Ordering::Relaxed);
         let launches = |i: usize| self.pool.launches[i].load(Ordering::Relaxed);
+        let inline = |i: usize| self.pool.inline_launches[i].load(Ordering::Relaxed);
         vec![
             ("gpu_gather_launch_ns", get(&p.launch_ns, 0)),
             ("gpu_gather_wait_ns", get(&p.wait_ns, 0)),
@@ -410,6 +428,8 @@ impl CopyEngine for CudaCopy {
             ("gpu_launch_call_ns", step(3)),
             ("gpu_gather_launches", launches(0)),
             ("gpu_scatter_launches", launches(1)),
+            ("gpu_gather_inline_launches", inline(0)),
+            ("gpu_scatter_inline_launches", inline(1)),
             ("gpu_gather_kernel_ns", kernel(0)),
             ("gpu_scatter_kernel_ns", kernel(1)),
             ("gpu_gather_upload_ns", upload(0)),

@@ -454,6 +454,26 @@ pub fn fill_pairs_from_copies(
     if out.len() < 2 * n {
         return Ok(None);
     }
+    // No region address below overflows.
+    let mut at = packed_region_start(direction, region, copies)?;
+    let gather = direction == Direction::Gather;
+    for (pair, &a) in out[..2 * n].chunks_exact_mut(2).zip(addrs) {
+        (pair[0], pair[1]) = if gather { (a, at) } else { (at, a) };
+        at += len;
+    }
+    Ok(Some((len, n)))
+}
+
+/// The device address of `copies`' first region-side copy in `region`,
+/// once every copy is checked to lie inside it (and every application
+/// range to fit the address space): the region side of copy i is this
+/// plus i times the copies' length, with no overflow. Err: a copy leaves
+/// the region (named as [`check_runs`] names it) or an address overflows.
+pub fn packed_region_start(
+    direction: Direction,
+    region: RegionSpan,
+    copies: &Copies,
+) -> Result<u64, CopyError> {
     let region_base = region.addr as u64;
     let fits = copies.region_end() <= region.len as u64
         && region_base.checked_add(copies.region_end()).is_some()
@@ -467,14 +487,7 @@ pub fn fill_pairs_from_copies(
             quiesced: true,
         });
     }
-    // Checked above: no region address below overflows.
-    let mut at = region_base + copies.first();
-    let gather = direction == Direction::Gather;
-    for (pair, &a) in out[..2 * n].chunks_exact_mut(2).zip(addrs) {
-        (pair[0], pair[1]) = if gather { (a, at) } else { (at, a) };
-        at += len;
-    }
-    Ok(Some((len, n)))
+    Ok(region_base + copies.first())
 }
 
 /// The launch of a pair table (`bounce_copy_pairs` in
@@ -530,4 +543,10 @@ pub const fn pairs_table_bytes(n: usize) -> usize {
 /// The name of the pair kernel whose table parameter holds `n` copies.
 pub fn inline_pairs_kernel_name(n: usize) -> String {
     format!("bounce_copy_pairs_inline{n}")
+}
+
+/// The name of the packed-copies kernel whose parameter holds the
+/// application addresses of `n` copies.
+pub fn inline_packed_kernel_name(n: usize) -> String {
+    format!("bounce_copy_packed_inline{n}")
 }

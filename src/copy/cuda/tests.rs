@@ -728,6 +728,13 @@ fn the_kernel_source_matches_the_host_constants() {
         assert!(n * 16 + 8 + 4 * 4 <= 32_764, "{n}");
     }
     assert!(INLINE_PAIRS.windows(2).all(|w| w[0] < w[1]));
+    for n in INLINE_PACKED {
+        assert!(KERNEL_SOURCE.contains(&format!("BOUNCE_INLINE_PACKED_KERNEL({n})\n")));
+        // The addresses and the other seven parameters (region, len, five
+        // u32) fit in CUDA's 32,764 bytes of kernel parameters.
+        assert!(n * 8 + 2 * 8 + 5 * 4 <= 32_764, "{n}");
+    }
+    assert!(INLINE_PACKED.windows(2).all(|w| w[0] < w[1]));
     assert!(
         !KERNEL_SOURCE.contains("#include"),
         "NVRTC has no toolkit headers"
@@ -749,6 +756,13 @@ fn the_kernel_compiles_with_nvrtc_when_present() {
                 for n in INLINE_PAIRS {
                     assert_eq!(
                         has(&inline_pairs_kernel_name(n)),
+                        (major, minor) >= (12, 1),
+                        "{n}: NVRTC {major}.{minor}"
+                    );
+                }
+                for n in INLINE_PACKED {
+                    assert_eq!(
+                        has(&inline_packed_kernel_name(n)),
                         (major, minor) >= (12, 1),
                         "{n}: NVRTC {major}.{minor}"
                     );
