@@ -405,13 +405,13 @@ mod checked {
     /// 1 GiB region a side, as `bounce-vram bench` makes them), new lists
     /// written by this thread before each round as a client makes them:
     /// in one pass here, then in parts on a pool of `PREP_THREADS` (8)
-    /// threads with this one (as `Engine::check`), each part timed where it
-    /// runs; each with the plan packed a whole chunk at a time (`pack`)
-    /// and block by block (`pack_block_by_block`, the way before it),
-    /// round after round in turn. Medians of `PREP_ROUNDS` (200) rounds
-    /// in all. It tells whether the parts themselves or their sharing out
-    /// bound the preparation on a host with cores to spare. `cargo test
-    /// --release --lib prep_cost -- --ignored --nocapture`
+    /// threads with this one (as `Checked::in_parts` shares them when the
+    /// parts outnumber the pool's threads, which with 8 parts of whole
+    /// chunks means `PREP_THREADS` of 8 or fewer), each part timed where
+    /// it runs. Medians of `PREP_ROUNDS` (200). It tells whether the parts
+    /// themselves or their sharing out bound the preparation on a host
+    /// with cores to spare. `cargo test --release --lib prep_cost --
+    /// --ignored --nocapture`
     #[test]
     #[ignore]
     fn prep_cost() {
@@ -424,7 +424,7 @@ mod checked {
         let (n, threads, rounds) = (
             env("PREP_N", 16_384),
             env("PREP_THREADS", 8),
-            env("PREP_ROUNDS", 200),
+            env("PREP_ROUNDS", 200).max(2),
         );
         let (len, slots) = (4096usize, (1usize << 30) / 4096);
         let region = |base: usize, owner: MdOwner| -> &'static Md {
@@ -451,17 +451,8 @@ mod checked {
             v.sort_by(|a, b| a.total_cmp(b));
             v[v.len() / 2]
         };
-        /// Per way of packing: one pass, and in parts its wall, a part's
-        /// mean and longest time, and the parts the caller did.
-        #[derive(Default)]
-        struct Times {
-            one: Vec<f64>,
-            wall: Vec<f64>,
-            part: Vec<f64>,
-            longest: Vec<f64>,
-            caller: Vec<f64>,
-        }
-        let mut times = [Times::default(), Times::default()];
+        let (mut one, mut wall, mut part_mean, mut part_max, mut caller_parts) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {
             rng.shuffle(&mut slots_l[..]);
             rng.shuffle(&mut slots_r[..]);
@@ -477,69 +468,68 @@ mod checked {
             let first = pair_descriptor(Op::Write, l[0].range(), r[0].range());
             let spec = PackSpec::new(Survey::uniform(&first, n), options, run_pool.clone())
                 .expect("cut by whole chunks");
-            // Round 4k: one pass, whole chunks; 4k + 1: in parts, whole
-            // chunks; 4k + 2 and 4k + 3: the same block by block.
-            let way = round / 2 % 2;
-            // Generic, as the engine's call is (no dynamic dispatch a
-            // descriptor).
-            fn pack_way(
-                way: usize,
-                d: impl Iterator<Item = plan::Descriptor>,
-                at: usize,
-                s: &Survey,
-                spec: &PackSpec,
-            ) -> std::result::Result<Vec<plan::Chunk>, PlanError> {
-                match way {
-                    0 => plan::pack(d, at, s, spec.cap, true, &spec.pool),
-                    _ => plan::pack_block_by_block(d, at, s, spec.cap, true, &spec.pool),
-                }
-            }
-            let t = &mut times[way];
             if round % 2 == 0 {
-                let started = std::time::Instant::now();
+                // One pass on this thread: the check, then the plan.
+                let t = std::time::Instant::now();
                 let c = Checked::new(Op::Write, ld, rd).expect("checked");
                 let survey = c.survey.clone().expect("plannable");
-                let chunks =
-                    pack_way(way, c.descriptors(Op::Write), 0, &survey, &spec).expect("packed");
-                t.one.push(started.elapsed().as_secs_f64() * 1e6);
+                let chunks = plan::pack(
+                    c.descriptors(Op::Write),
+                    0,
+                    &survey,
+                    spec.cap,
+                    true,
+                    &run_pool,
+                )
+                .expect("packed");
+                one.push(t.elapsed().as_secs_f64() * 1e6);
                 drop(chunks);
                 continue;
             }
             // In parts, as `Checked::in_parts` shares them, each timed.
             let parts = fill.parts(n, spec.per_chunk);
             let caller = std::thread::current().id();
-            let started = std::time::Instant::now();
+            let t = std::time::Instant::now();
             let (done, _help) = fill
                 .share(parts, |range| {
                     let t = std::time::Instant::now();
                     let survey = Survey::part(&first, range.start);
                     let facts = Facts::of(Op::Write, ld, rd, range.clone(), survey, None).ok()?;
                     let descriptors = pair_descriptors(Op::Write, ld, rd, range.clone());
-                    let chunks =
-                        pack_way(way, descriptors, range.start, &spec.survey, &spec).ok()?;
+                    let chunks = plan::pack(
+                        descriptors,
+                        range.start,
+                        &spec.survey,
+                        spec.cap,
+                        true,
+                        &spec.pool,
+                    )
+                    .ok()?;
                     let us = t.elapsed().as_secs_f64() * 1e6;
-                    let here = std::thread::current().id() == caller;
-                    Some((facts.survey.is_ok(), chunks, us, here))
+                    Some((
+                        facts.survey.is_ok(),
+                        chunks,
+                        us,
+                        std::thread::current().id() == caller,
+                    ))
                 })
                 .expect("the pool is free");
-            t.wall.push(started.elapsed().as_secs_f64() * 1e6);
+            wall.push(t.elapsed().as_secs_f64() * 1e6);
             let us: Vec<f64> = done.iter().map(|d| d.2).collect();
-            t.part.push(us.iter().sum::<f64>() / us.len() as f64);
-            t.longest.push(us.iter().cloned().fold(0.0, f64::max));
-            t.caller.push(done.iter().filter(|d| d.3).count() as f64);
+            part_mean.push(us.iter().sum::<f64>() / us.len() as f64);
+            part_max.push(us.iter().cloned().fold(0.0, f64::max));
+            caller_parts.push(done.iter().filter(|d| d.3).count() as f64);
             assert!(done.iter().all(|d| d.0));
         }
-        for (way, t) in ["whole chunks", "block by block"].iter().zip(&mut times) {
-            println!(
-                "prep_cost {n} x 4 KiB, {threads} threads, {way}: one pass {:.1} us | in parts: wall {:.1} us, a part {:.1} us (longest {:.1}), parts on the caller {:.1} (medians of {} rounds each)",
-                median(&mut t.one),
-                median(&mut t.wall),
-                median(&mut t.part),
-                median(&mut t.longest),
-                median(&mut t.caller),
-                t.one.len()
-            );
-        }
+        println!(
+            "prep_cost {n} x 4 KiB, {threads} threads: one pass {:.1} us | in parts: wall {:.1} us, a part {:.1} us (longest {:.1}), parts on the caller {:.1} (medians of {} rounds each)",
+            median(&mut one),
+            median(&mut wall),
+            median(&mut part_mean),
+            median(&mut part_max),
+            median(&mut caller_parts),
+            rounds / 2
+        );
     }
 
     /// Two local and two remote regions, alive for the test.

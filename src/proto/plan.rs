@@ -353,55 +353,12 @@ pub fn pack(
     merge: bool,
     pool: &RunPool,
 ) -> Result<Vec<Chunk>, PlanError> {
-    pack_chunks(
-        descriptors,
-        first,
-        survey,
-        cap,
-        merge,
-        pool,
-        Way::WholeChunks,
-    )
+    pack_chunks(descriptors, first, survey, cap, merge, pool, true)
 }
 
-/// [`pack`] block by block, as before whole chunks were packed at a
-/// time ([`Way::CopiesFirst`]): for timings beside it.
-#[cfg(test)]
-pub(crate) fn pack_block_by_block(
-    descriptors: impl Iterator<Item = Descriptor>,
-    first: usize,
-    survey: &Survey,
-    cap: u64,
-    merge: bool,
-    pool: &RunPool,
-) -> Result<Vec<Chunk>, PlanError> {
-    pack_chunks(
-        descriptors,
-        first,
-        survey,
-        cap,
-        merge,
-        pool,
-        Way::CopiesFirst,
-    )
-}
-
-/// How [`pack_chunks`] packs chunks of packed copies (the tests hold each
-/// to the one before).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Way {
-    /// Every chunk through the merge rule ([`RunBuilder`]).
-    Rule,
-    /// Copies first ([`CopiesFirst`]), block by block.
-    #[cfg_attr(not(test), allow(dead_code))]
-    CopiesFirst,
-    /// While every block is one length that packs back to back, a whole
-    /// chunk at a time ([`pack_whole_chunks`]): the same chunks as
-    /// [`Way::CopiesFirst`], in a pass per side.
-    WholeChunks,
-}
-
-/// [`pack`], chunks of packed copies packed `way`.
+/// [`pack`]; with `copies_first` false every chunk goes through the
+/// merge rule, without [`CopiesFirst`] (the reference the tests hold
+/// copies first to).
 fn pack_chunks(
     descriptors: impl Iterator<Item = Descriptor>,
     first: usize,
@@ -409,7 +366,7 @@ fn pack_chunks(
     cap: u64,
     merge: bool,
     pool: &RunPool,
-    way: Way,
+    copies_first: bool,
 ) -> Result<Vec<Chunk>, PlanError> {
     // A chunk holds about cap / (the average piece) pieces: room for that
     // many runs is taken for each.
@@ -433,24 +390,11 @@ fn pack_chunks(
         copies: copies.then(PackedCopies::default),
         packed: None,
         first: None,
-        copies_first: way != Way::Rule,
+        copies_first,
         spare: None,
     };
     let mut chunks = Vec::new();
-    let mut descriptors = descriptors.enumerate().filter(|(_, d)| d.len > 0);
-    // Blocks of one length that pack back to back, a whole chunk at a
-    // time, up to the first that is not (then block by block from it).
-    let odd = match way == Way::WholeChunks && merge && copies && survey.first_len <= cap {
-        true => pack_whole_chunks(
-            &mut descriptors,
-            &mut builder,
-            &mut chunks,
-            survey.first_len,
-            cap,
-        )?,
-        false => None,
-    };
-    for (index, d) in odd.into_iter().chain(descriptors) {
+    for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
         // The survey checked these: a caller that fed it others is refused
         // here rather than packing a range that wraps.
         if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
@@ -484,130 +428,6 @@ fn pack_chunks(
     }
     builder.finish_into(&mut chunks)?;
     Ok(chunks)
-}
-
-/// Packs `descriptors` a whole chunk at a time while each is `len` bytes
-/// (a multiple of the region's alignment, at most `cap`) and ends inside
-/// the address space: a chunk's `cap / len` blocks are read into its two
-/// address lists, and both sides are marked in one pass ([`mark_sides`]),
-/// as [`CopiesFirst`] marks it block by block. A chunk that keeps its
-/// copies (by the checkpoint's rule and at its end) is pushed as they are;
-/// one that does not goes through `builder` block by block, as every
-/// chunk would without this; so does a chunk followed by a descriptor
-/// that is not such a block (it may take the room left at the chunk's
-/// end). Returns that descriptor, with its index (the chunk being packed
-/// is then in `builder`, to go on from it), or `None` at the end. The same chunks
-/// as [`Way::CopiesFirst`] (property-tested), in a fraction of the work:
-/// no per-block builder state, room checks or merge decisions.
-fn pack_whole_chunks(
-    descriptors: &mut impl Iterator<Item = (usize, Descriptor)>,
-    builder: &mut ChunkBuilder<'_>,
-    chunks: &mut Vec<Chunk>,
-    len: u64,
-    cap: u64,
-) -> Result<Option<(usize, Descriptor)>, PlanError> {
-    let whole = (cap / len) as usize;
-    // The next chunk's first block, read to see that a full chunk is
-    // followed by a block (which starts a chunk of its own), not by a
-    // descriptor that might take the room left at its end.
-    let mut next: Option<Descriptor> = None;
-    loop {
-        let room = whole.min(builder.per_chunk.max(1));
-        let (mut gather, mut scatter) = (Vec::with_capacity(room), Vec::with_capacity(room));
-        if let Some(d) = next.take() {
-            gather.push(d.src_addr);
-            scatter.push(d.dst_addr);
-        }
-        let mut odd = None;
-        for (index, d) in descriptors.by_ref() {
-            let block = d.len == len
-                && d.src_addr.checked_add(len).is_some()
-                && d.dst_addr.checked_add(len).is_some();
-            if !block {
-                odd = Some((index, d));
-                break;
-            }
-            if gather.len() == whole {
-                next = Some(d);
-                break;
-            }
-            gather.push(d.src_addr);
-            scatter.push(d.dst_addr);
-        }
-        let n = gather.len();
-        if n == 0 {
-            return Ok(odd);
-        }
-        let ([gather_marks, scatter_marks], [at_checkpoint, at_end]) =
-            mark_sides([&gather, &scatter], len);
-        // What `ChunkBuilder::push` and `finish_into` decide: runs after
-        // all at the checkpoint, or at the end.
-        let kept = (n < CopiesFirst::CHECKPOINT || at_checkpoint.keeps(CopiesFirst::CHECKPOINT))
-            && at_end.keeps(n);
-        if kept && odd.is_none() {
-            if chunks.len() >= MAX_CHUNKS {
-                return Err(PlanError::TooManyChunks);
-            }
-            chunks.push(Chunk {
-                bytes: n as u64 * len,
-                gather_runs: Runs::from_copies(Copies::planned(len, gather, gather_marks)),
-                scatter_runs: Runs::from_copies(Copies::planned(len, scatter, scatter_marks)),
-                pieces: n as u32,
-            });
-        } else {
-            // Block by block, as without this pass.
-            for (j, (&src, &dst)) in gather.iter().zip(&scatter).enumerate() {
-                builder.push(j as u64 * len, src, dst, len);
-            }
-            if odd.is_some() {
-                return Ok(odd);
-            }
-            builder.finish_into(chunks)?;
-        }
-        if next.is_none() {
-            return Ok(None);
-        }
-    }
-}
-
-/// Both sides of a chunk of packed copies marked by [`CopiesFirst::add`],
-/// copy by copy as the block-by-block packing marks them: each side's
-/// marks (bit `j % 8` of byte `j / 8`), and the marking's counts after
-/// the checkpoint's copies and after all of them. The sides are not empty
-/// and of one length; every `addr + len` fits (checked by the caller).
-/// Each copy's two marks go into bytes kept in registers, stored every
-/// eighth copy.
-fn mark_sides(sides: [&[u64]; 2], len: u64) -> ([Vec<u8>; 2], [CopiesFirst; 2]) {
-    let n = sides[0].len();
-    debug_assert!(n > 0 && sides[1].len() == n);
-    let mut marks = [
-        Vec::with_capacity(n.div_ceil(8)),
-        Vec::with_capacity(n.div_ceil(8)),
-    ];
-    let mut f = CopiesFirst {
-        last: [sides[0][0], sides[1][0]],
-        ..CopiesFirst::default()
-    };
-    let mut at_checkpoint = CopiesFirst::default();
-    let mut byte = [0u8; 2];
-    for (j, (&g, &s)) in sides[0].iter().zip(sides[1]).enumerate().skip(1) {
-        let second = f.add([g, s], len);
-        byte[0] |= u8::from(second[0]) << (j % 8);
-        byte[1] |= u8::from(second[1]) << (j % 8);
-        if j % 8 == 7 {
-            marks[0].push(byte[0]);
-            marks[1].push(byte[1]);
-            byte = [0; 2];
-        }
-        if j + 1 == CopiesFirst::CHECKPOINT {
-            at_checkpoint = f.counts();
-        }
-    }
-    if !n.is_multiple_of(8) {
-        marks[0].push(byte[0]);
-        marks[1].push(byte[1]);
-    }
-    (marks, [at_checkpoint, f.counts()])
 }
 
 /// The plan of the descriptors `survey` was fed, from their chunks (packed
@@ -717,16 +537,6 @@ impl CopiesFirst {
             self.last[s] = a;
         }
         second
-    }
-
-    /// The counts alone (what [`CopiesFirst::keeps`] reads), as they are
-    /// now.
-    fn counts(&self) -> CopiesFirst {
-        CopiesFirst {
-            pairs: self.pairs,
-            continuing: self.continuing,
-            ..CopiesFirst::default()
-        }
     }
 
     /// Whether `n` copies so far provably keep their copies.
@@ -1413,7 +1223,7 @@ mod tests {
             1 << 20,
             true,
             &pool,
-            Way::Rule,
+            false,
         );
         assert_eq!(
             rule.unwrap()[0].gather_runs[0].count,
@@ -1564,8 +1374,8 @@ mod tests {
             }
             let cap = cut(&survey, &options).cap;
             let pool = RunPool::default();
-            let first = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, Way::CopiesFirst).unwrap();
-            let rule = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, Way::Rule).unwrap();
+            let first = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, true).unwrap();
+            let rule = pack_chunks(descs.iter().copied(), 0, &survey, cap, true, &pool, false).unwrap();
             prop_assert_eq!(first.len(), rule.len());
             // Each side's bytes in pieces of at most one block, in order.
             let pieces = |runs: &Runs| -> Vec<(u64, u64, u64)> {
@@ -1589,71 +1399,6 @@ mod tests {
                         prop_assert!(own.is_ok_and(|o| o.addresses_fit()), "chunk {}", i);
                     }
                 }
-            }
-        }
-
-        /// Whole chunks at a time ([`pack_whole_chunks`]) make exactly
-        /// the chunks copies first makes block by block, whatever the
-        /// layout, the cap, and wherever a block of another length or a
-        /// piece split across chunks comes (from there on block by block).
-        #[test]
-        fn whole_chunks_are_the_chunks_copies_first_makes(
-            n in 1usize..400,
-            cap_blocks in 0u64..160,
-            cap_rest in 0u64..3,
-            layout in 0u8..6,
-            odd_at in proptest::option::of(0usize..400),
-            odd_len in 1u64..3,
-            high in any::<bool>(),
-            picks in proptest::collection::vec((0u64..600, 0u64..600), 400),
-        ) {
-            let len = 4 * REGION_ALIGN;
-            let block = |i: usize| -> (u64, u64) {
-                let (a, b) = picks[i];
-                let i = i as u64;
-                match layout {
-                    0 => (a, b),
-                    1 => (i + a / 200, 2 * i + b / 300),
-                    2 => if a % 17 == 0 { (a, b) } else { (3 * i, 5 * i + 1) },
-                    3 => if (i as usize) < n / 2 { (i, i) } else { (a, b) },
-                    4 => (i, i),
-                    _ => (2 * i, 3 * i),
-                }
-            };
-            let (src0, dst0) = if high { (u64::MAX - 4096 * len, u64::MAX - 4096 * len) } else { (1 << 24, 1 << 36) };
-            let descs: Vec<_> = (0..n)
-                .map(|i| {
-                    let (a, b) = block(i);
-                    // Now and then one of another length (at times
-                    // longer than the cap: split across chunks).
-                    let l = if odd_at == Some(i) { odd_len * len + REGION_ALIGN } else { len };
-                    d(src0 + a * len, dst0 + b * len, l)
-                })
-                .collect();
-            // At times a cap of no whole block: no packed copies.
-            let cap = cap_blocks * len + cap_rest * REGION_ALIGN;
-            prop_assume!(cap > 0);
-            let mut surveyed = Survey::default();
-            for x in &descs {
-                surveyed.add(x).unwrap();
-            }
-            // Also every block assumed the first's length, as a check in
-            // parts packs before the survey is known (`Survey::uniform`).
-            let assumed = Survey::uniform(&descs[0], descs.len());
-            let pool = RunPool::default();
-            for s in [&surveyed, &assumed] {
-                let whole = pack_chunks(descs.iter().copied(), 0, s, cap, true, &pool, Way::WholeChunks);
-                let first = pack_chunks(descs.iter().copied(), 0, s, cap, true, &pool, Way::CopiesFirst);
-                // The same chunks, and the same packed copies with the
-                // same marks (the wire sends them; runs read from marks
-                // would not tell two marks in a row from the greedy ones).
-                if let (Ok(w), Ok(f)) = (&whole, &first) {
-                    for (a, b) in w.iter().zip(f) {
-                        prop_assert_eq!(a.gather_runs.copies(), b.gather_runs.copies());
-                        prop_assert_eq!(a.scatter_runs.copies(), b.scatter_runs.copies());
-                    }
-                }
-                prop_assert_eq!(whole, first);
             }
         }
 
