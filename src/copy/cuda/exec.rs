@@ -852,8 +852,8 @@ impl ExecGuard {
         // filled (uploaded, mapped, or the parameter itself), which stays
         // allocated and unchanged until the context is idle again. Every
         // address in it was checked: the region side against `region`
-        // (fill_table, fill_pairs), the application side by the caller (see
-        // CopyEngine).
+        // (fill_table, fill_pairs, packed_region_start), the application
+        // side by the caller (see CopyEngine).
         let launched = unsafe {
             match &form {
                 Form::Runs(shape) => {
@@ -917,7 +917,7 @@ impl ExecGuard {
             sum.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         }
         self.pool.launches[direction as usize].fetch_add(1, Ordering::Relaxed);
-        if used == 0 && !zero_copy {
+        if matches!(form, Form::Inline { .. } | Form::InlinePacked { .. }) {
             self.pool.inline_launches[direction as usize].fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
@@ -1166,6 +1166,7 @@ pub(crate) unsafe fn launch_packed_inline(
     shape: &LaunchShape,
     stream: sys::CUstream,
 ) -> Result<(), result::DriverError> {
+    debug_assert!(INLINE_PACKED.contains(&addrs.len()) && shape.nruns as usize <= addrs.len());
     let mut a_region: u64 = region;
     let mut a_len: u64 = len;
     // ceil(len / tile_bytes) * nruns == total_tiles < 2^32 (pairs_shape).
