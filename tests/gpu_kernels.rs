@@ -583,10 +583,6 @@ fn single_packed_lists_inline_and_uploaded_match_the_host_reference() {
     let mut rng = Rng::new(4242);
     let (region_len, app_len) = (24usize << 20, 32usize << 20);
     let mut bufs = Buffers::new(&dev, region_len, app_len, &mut rng);
-    let host = HostCopy {
-        threads: 1,
-        parallel_threshold: u64::MAX,
-    };
     let counter = |e: &CudaCopy, name: &str| {
         e.phase_counters()
             .into_iter()
@@ -625,44 +621,23 @@ fn single_packed_lists_inline_and_uploaded_match_the_host_reference() {
             (20000, 300),
         ] {
             let what = format!("{n} x {len} B, inline {inline}");
-            bufs.poison();
             let layout = copies_layout(&mut rng, region_len as u64, app_len as u64, len, n);
             let count: u64 = layout.iter().map(|r| r.3 as u64).sum();
             assert_eq!(count, n as u64, "{what}: the layout holds every copy");
-            let (dspan, hspan) = bufs.spans(0, region_len);
             let before = [
                 counter(&engine, "gpu_gather_inline_launches"),
                 counter(&engine, "gpu_scatter_inline_launches"),
             ];
-            for (direction, dev_app, host_app) in [
-                (
-                    Direction::Gather,
-                    bufs.src.base(),
-                    bufs.src_h.as_ptr() as u64,
-                ),
-                (
-                    Direction::Scatter,
-                    bufs.dst.base(),
-                    bufs.dst_h.as_mut_ptr() as u64,
-                ),
-            ] {
-                let list = packed(&runs_for(&layout, dev_app));
+            bufs.round_trip(&what, &layout, 0, region_len, |direction, span, runs| {
+                let list = packed(runs);
                 let t = Instant::now();
                 let mut copy = engine
-                    .try_launch(direction, dspan, &list)
+                    .try_launch(direction, span, &list)
                     .expect("the context idle")
                     .unwrap();
                 launch_us.push(t.elapsed().as_secs_f64() * 1e6);
                 poll_until_done(&what, || copy.poll()).unwrap();
-                host.copy(direction, hspan, &runs_for(&layout, host_app))
-                    .unwrap();
-            }
-            let mut got = vec![0u8; bufs.region_h.len()];
-            bufs.region.read(0, &mut got).unwrap();
-            assert_same(&format!("{what}: gather"), &got, &bufs.region_h);
-            let mut got = vec![0u8; bufs.dst_h.len()];
-            bufs.dst.read(0, &mut got).unwrap();
-            assert_same(&format!("{what}: scatter"), &got, &bufs.dst_h);
+            });
             let after = [
                 counter(&engine, "gpu_gather_inline_launches"),
                 counter(&engine, "gpu_scatter_inline_launches"),

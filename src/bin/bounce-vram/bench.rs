@@ -324,23 +324,23 @@ pub(super) fn print_breakdown(
         per(after, before, "copies_launched_together"),
         per(tafter, tbefore, "copies_launched_together"),
     );
+    // A `gpu_<direction>_<what>` counter per request, each direction on
+    // each side.
+    let launches = |label: &str, what: &str| {
+        let (g, s) = (format!("gpu_gather_{what}"), format!("gpu_scatter_{what}"));
+        println!(
+            "    {label}: initiator {:.2} gathers, {:.2} scatters | target {:.2} gathers, {:.2} scatters",
+            per(after, before, &g),
+            per(after, before, &s),
+            per(tafter, tbefore, &g),
+            per(tafter, tbefore, &s),
+        );
+    };
     // Kernel launches per request (a group counts once): with the chunks
-    // and the count above, the groups' sizes.
-    println!(
-        "    kernel launches per request: initiator {:.2} gathers, {:.2} scatters | target {:.2} gathers, {:.2} scatters",
-        per(after, before, "gpu_gather_launches"),
-        per(after, before, "gpu_scatter_launches"),
-        per(tafter, tbefore, "gpu_gather_launches"),
-        per(tafter, tbefore, "gpu_scatter_launches"),
-    );
-    // Of those, the launches that passed their table as the parameter.
-    println!(
-        "    of which their table the parameter: initiator {:.2} gathers, {:.2} scatters | target {:.2} gathers, {:.2} scatters",
-        per(after, before, "gpu_gather_inline_launches"),
-        per(after, before, "gpu_scatter_inline_launches"),
-        per(tafter, tbefore, "gpu_gather_inline_launches"),
-        per(tafter, tbefore, "gpu_scatter_inline_launches"),
-    );
+    // and the count above, the groups' sizes; and of those, the launches
+    // that passed their table as the parameter.
+    launches("kernel launches per request", "launches");
+    launches("of which their table the parameter", "inline_launches");
     // Timed only with NIXL_BOUNCE_TIME_KERNELS set.
     let (gk, sk) = (i("gpu_gather_kernel_ns"), t("gpu_scatter_kernel_ns"));
     let (gu, su) = (i("gpu_gather_upload_ns"), t("gpu_scatter_upload_ns"));

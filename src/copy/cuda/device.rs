@@ -304,22 +304,16 @@ impl CopyKernel {
             .result()
             .is_ok()
             && driver >= 12010;
-        let func_pairs_inline: Vec<(usize, CudaFunction)> = INLINE_PAIRS
-            .iter()
-            .filter(|_| driver_ok)
-            .filter_map(|&n| {
-                let f = module.load_function(&inline_pairs_kernel_name(n)).ok()?;
-                Some((n, f))
-            })
-            .collect();
-        let func_packed_inline: Vec<(usize, CudaFunction)> = INLINE_PACKED
-            .iter()
-            .filter(|_| driver_ok)
-            .filter_map(|&n| {
-                let f = module.load_function(&inline_packed_kernel_name(n)).ok()?;
-                Some((n, f))
-            })
-            .collect();
+        // The inline kernels of `sizes`, named by `name`.
+        let inline = |sizes: &[usize], name: fn(usize) -> String| -> Vec<(usize, CudaFunction)> {
+            sizes
+                .iter()
+                .filter(|_| driver_ok)
+                .filter_map(|&n| Some((n, module.load_function(&name(n)).ok()?)))
+                .collect()
+        };
+        let func_pairs_inline = inline(&INLINE_PAIRS, inline_pairs_kernel_name);
+        let func_packed_inline = inline(&INLINE_PACKED, inline_packed_kernel_name);
         if func_pairs_inline.is_empty() {
             tracing::info!(
                 driver,
