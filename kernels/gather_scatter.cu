@@ -270,10 +270,13 @@ bounce_copy_zero_copy(const u64* runs, const u32* tile_start, const u64* strides
     copy_tiles<true>(runs, tile_start, strides, total_tiles, tiles_per_warp, tile_shift, nruns);
 }
 
-// Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of a pair
-// table, warp w (see the top of this file).
-__device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_copy,
-                                           u32 total_tiles, u32 tiles_per_warp, u32 tile_shift)
+// Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of copies
+// that all have one length, warp w (see the top of this file): tile t is
+// copy t / per_copy, window t % per_copy. `ends(i, src, dst)` gives copy
+// i's source and destination (`PairEnds`, `PackedEnds`).
+template <typename Ends>
+__device__ __forceinline__ void copy_each(const Ends& ends, u64 len, u32 per_copy,
+                                          u32 total_tiles, u32 tiles_per_warp, u32 tile_shift)
 {
     const u32 lane = threadIdx.x & 31;
     const u64 warp = (u64)blockIdx.x * BOUNCE_WARPS + (threadIdx.x >> 5);
@@ -288,9 +291,8 @@ __device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_co
             i = t / per_copy;
             j = t - i * per_copy;
         }
-        // Every lane loads the same two words: one broadcast transaction each.
-        const u64 src = pairs[2 * (u64)i];
-        const u64 dst = pairs[2 * (u64)i + 1];
+        u64 src, dst;
+        ends(i, src, dst);
         const u64 off = (u64)j << tile_shift;
         const u64 left = len - off;
         const u32 n = (u32)(left < tile_bytes ? left : tile_bytes);
@@ -298,48 +300,43 @@ __device__ __forceinline__ void copy_pairs(const u64* pairs, u64 len, u32 per_co
     }
 }
 
-// Copies tiles [w * tiles_per_warp, (w + 1) * tiles_per_warp) of packed
-// copies (a chunk of one length's blocks, as the arena packs them): copy i
-// is `len` bytes between addrs[i] (the application's side) and region +
-// i * len (the arena's, back to back), application -> region for a gather,
-// region -> application for a scatter. Half a pair table's bytes: the
-// region side is computed, not read.
-__device__ __forceinline__ void copy_packed(const u64* addrs, u64 region, u64 len, u32 per_copy,
-                                            u32 total_tiles, u32 tiles_per_warp, u32 tile_shift,
-                                            u32 gather)
-{
-    const u32 lane = threadIdx.x & 31;
-    const u64 warp = (u64)blockIdx.x * BOUNCE_WARPS + (threadIdx.x >> 5);
-    const u64 first = warp * tiles_per_warp;
-    if (first >= total_tiles) return;  // the whole warp: no work left
-    const u64 last = first + tiles_per_warp;
-    const u32 t_end = last < total_tiles ? (u32)last : total_tiles;
-    const u64 tile_bytes = (u64)1 << tile_shift;
-    for (u32 t = (u32)first; t < t_end; ++t) {
-        u32 i = t, j = 0;
-        if (per_copy != 1) {
-            i = t / per_copy;
-            j = t - i * per_copy;
-        }
+// A pair table: pairs[2i] and pairs[2i + 1] are copy i's source and
+// destination.
+struct PairEnds {
+    const u64* pairs;
+    __device__ __forceinline__ void operator()(u32 i, u64& src, u64& dst) const
+    {
+        // Every lane loads the same two words: one broadcast transaction each.
+        src = pairs[2 * (u64)i];
+        dst = pairs[2 * (u64)i + 1];
+    }
+};
+
+// Packed copies (a chunk of one length's blocks, as the arena packs them):
+// copy i is `len` bytes between addrs[i] (the application's side) and
+// region + i * len (the arena's, back to back), application -> region for
+// a gather, region -> application for a scatter. Half a pair table's
+// bytes: the region side is computed, not read.
+struct PackedEnds {
+    const u64* addrs;
+    u64 region, len;
+    u32 gather;
+    __device__ __forceinline__ void operator()(u32 i, u64& src, u64& dst) const
+    {
         // Every lane loads the same word: one broadcast transaction.
         const u64 app = addrs[i];
         const u64 reg = region + (u64)i * len;
-        const u64 off = (u64)j << tile_shift;
-        const u64 left = len - off;
-        const u32 n = (u32)(left < tile_bytes ? left : tile_bytes);
-        if (gather)
-            warp_copy(reg + off, app + off, n, lane);
-        else
-            warp_copy(app + off, reg + off, n, lane);
+        src = gather ? app : reg;
+        dst = gather ? reg : app;
     }
-}
+};
 
 // The pair table in device memory (uploaded before the launch).
 extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)
 bounce_copy_pairs(const u64* pairs, u64 len, u32 per_copy, u32 total_tiles, u32 tiles_per_warp,
                   u32 tile_shift)
 {
-    copy_pairs(pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);
+    copy_each(PairEnds{pairs}, len, per_copy, total_tiles, tiles_per_warp, tile_shift);
 }
 
 // The pair table as the launch's own parameter (`bounce_copy_pairs_inline<N>`,
@@ -364,7 +361,7 @@ struct InlinePairs {
                                     u32 per_copy, u32 total_tiles, u32 tiles_per_warp,          \
                                     u32 tile_shift)                                             \
     {                                                                                           \
-        copy_pairs(table.pairs, len, per_copy, total_tiles, tiles_per_warp, tile_shift);        \
+        copy_each(PairEnds{table.pairs}, len, per_copy, total_tiles, tiles_per_warp, tile_shift); \
     }
 
 // The sizes are `INLINE_PAIRS` in src/copy/cuda/mod.rs: 4, 8, 16 and 31.9 KiB
@@ -379,7 +376,7 @@ BOUNCE_INLINE_PAIRS_KERNEL(2040)
 
 // Packed copies with their application addresses as the launch's own
 // parameter (`bounce_copy_packed_inline<N>`, N copies at most; the region
-// side computed, `copy_packed`): a chunk's gather or a DATA's scatter of
+// side computed, `PackedEnds`): a chunk's gather or a DATA's scatter of
 // up to 1024 blocks with no table filled, allocated or uploaded, where an
 // uploaded table costs a driver call of its own (~9 us under MPS on an
 // H100). The sizes are `INLINE_PACKED` in src/copy/cuda/mod.rs: 2, 4 and
@@ -393,12 +390,12 @@ struct InlineAddrs {
 
 #define BOUNCE_INLINE_PACKED_KERNEL(N)                                                          \
     extern "C" __global__ void __launch_bounds__(BOUNCE_THREADS, BOUNCE_MIN_BLOCKS)            \
-        bounce_copy_packed_inline##N(const __grid_constant__ InlineAddrs<N> table, u64 region,  \
-                                     u64 len, u32 per_copy, u32 total_tiles,                    \
-                                     u32 tiles_per_warp, u32 tile_shift, u32 gather)            \
+        bounce_copy_packed_inline##N(const __grid_constant__ InlineAddrs<N> table, u64 len,     \
+                                     u32 per_copy, u32 total_tiles, u32 tiles_per_warp,         \
+                                     u32 tile_shift, u64 region, u32 gather)                    \
     {                                                                                           \
-        copy_packed(table.addrs, region, len, per_copy, total_tiles, tiles_per_warp, tile_shift, \
-                    gather);                                                                    \
+        copy_each(PackedEnds{table.addrs, region, len, gather}, len, per_copy, total_tiles,     \
+                  tiles_per_warp, tile_shift);                                                  \
     }
 
 BOUNCE_INLINE_PACKED_KERNEL(256)

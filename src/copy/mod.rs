@@ -34,6 +34,18 @@ pub struct CopyError {
     pub quiesced: bool,
 }
 
+impl CopyError {
+    /// A copy refused before anything was launched: nothing was copied and
+    /// nothing touches the memory.
+    pub fn refused(direction: Direction, reason: impl Into<String>) -> Self {
+        CopyError {
+            direction,
+            reason: reason.into(),
+            quiesced: true,
+        }
+    }
+}
+
 /// A region of the local arena, as an address range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionSpan {
@@ -104,11 +116,7 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
 pub fn check_runs(direction: Direction, region_len: usize, runs: &[Run]) -> Result<u64, CopyError> {
     let mut total = 0u64;
     for (i, run) in runs.iter().enumerate() {
-        let bad = |why: String| CopyError {
-            direction,
-            reason: format!("run {i}: {why}"),
-            quiesced: true,
-        };
+        let bad = |why: String| CopyError::refused(direction, format!("run {i}: {why}"));
         let end = run
             .region_end()
             .ok_or_else(|| bad("empty or overflowing run".into()))?;

@@ -11,6 +11,10 @@
 #   old_plugin_dir [F] a plugin directory with .gpu/old/F (default
 #                      libplugin_BOUNCE.so) in place of the new plugin;
 #                      prints its path
+#   vbench TAG ARGS... `bounce-vram bench --backend BOUNCE --label TAG ARGS`
+#                      into $work/bench-TAG.log (NIXL_PLUGIN_DIR as set),
+#                      its rc into $work/summary.txt, the lines matching
+#                      $BENCH_GREP printed, then pack
 gpu_call() {
     out="${OUT:-/tmp/out}"; mkdir -p "$out"
     work="/tmp/$1"; rm -rf "$work"; mkdir -p "$work"
@@ -20,6 +24,7 @@ gpu_call() {
     fi
     source .gpu/run.sh python || return 1
     v=/tmp/nixl-bounce-gpu/bin/bounce-vram
+    summary="$work/summary.txt"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$work/gpu.txt" 2>&1
 }
 pack() { tar czf "$out/all.tgz" -C "$work" . 2>/dev/null; }
@@ -34,4 +39,12 @@ old_plugin_dir() {
     local new="$NIXL_PLUGIN_DIR" old="$NIXL_PLUGIN_DIR/../plugins_${f%.so}"
     rm -rf "$old"; cp -a "$new" "$old"; cp ".gpu/old/$f" "$old/libplugin_BOUNCE.so"
     echo "$old"
+}
+vbench() {
+    local tag=$1; shift
+    timeout "${BENCH_TIMEOUT:-100}" "$v" bench --backend BOUNCE --label "$tag" "$@" \
+        >"$work/bench-$tag.log" 2>&1
+    echo "bench-$tag rc=$?" >>"$summary"
+    grep -h "${BENCH_GREP:-inflight\|launch steps\|preparation}" "$work/bench-$tag.log" | cut -c1-160
+    pack
 }

@@ -640,11 +640,7 @@ impl ExecGuard {
         lists: &[(RegionSpan, &Copies)],
         opts: &CopyOptions,
     ) -> Result<Together, CopyError> {
-        let err = |reason: String| CopyError {
-            direction,
-            reason,
-            quiesced: true,
-        };
+        let err = |reason: String| CopyError::refused(direction, reason);
         // Until the launch begins, a failure launches nothing (one list
         // alone may still fit what is there).
         let declined = |e: String| Ok(Together::NotLaunched(err(e)));
@@ -733,20 +729,15 @@ impl ExecGuard {
     ) -> Option<Result<Together, CopyError>> {
         let addrs = copies.addrs();
         let (cap, _) = self.pool.kernel.inline_packed_function(addrs.len())?;
-        let start = match packed_region_start(direction, region, copies) {
-            Ok(start) => start,
-            Err(e) => return Some(Ok(Together::NotLaunched(e))),
-        };
         let len = copies.copy_len();
-        let shape = match pairs_shape(addrs.len(), len, opts.tile_bytes, max_warps) {
-            Ok(shape) => shape,
-            Err(e) => {
-                return Some(Ok(Together::NotLaunched(CopyError {
-                    direction,
-                    reason: e.to_string(),
-                    quiesced: true,
-                })))
-            }
+        let checked = packed_region_start(direction, region, copies).and_then(|start| {
+            pairs_shape(addrs.len(), len, opts.tile_bytes, max_warps)
+                .map(|shape| (start, shape))
+                .map_err(|e| CopyError::refused(direction, e.to_string()))
+        });
+        let (start, shape) = match checked {
+            Ok(checked) => checked,
+            Err(e) => return Some(Ok(Together::NotLaunched(e))),
         };
         let t1 = Instant::now();
         let ctx = self
@@ -931,11 +922,7 @@ impl ExecGuard {
         region: RegionSpan,
         runs: &[Run],
     ) -> Result<(), CopyError> {
-        let err = |reason: String| CopyError {
-            direction,
-            reason,
-            quiesced: true,
-        };
+        let err = |reason: String| CopyError::refused(direction, reason);
         check_runs(direction, region.len, runs)?;
         let mut srcs: Vec<sys::CUdeviceptr> = Vec::new();
         let mut dsts: Vec<sys::CUdeviceptr> = Vec::new();
@@ -1085,22 +1072,28 @@ pub(crate) unsafe fn launch_pairs(
         len,
         shape,
         stream,
+        &[],
     )
 }
 
 /// Launches a pair kernel whose first parameter is at `table` (the table's
 /// address, or the table itself), then (len u64, per_copy u32, total_tiles
-/// u32, tiles_per_warp u32, tile_shift u32).
+/// u32, tiles_per_warp u32, tile_shift u32): the tile walk every pair and
+/// packed-copies kernel shares (`copy_each` in
+/// `kernels/gather_scatter.cu`), then `extra` (at most two: the
+/// packed-copies kernels' region and direction).
 ///
 /// # Safety
 /// As for [`launch_pairs`]; `table` points at the first parameter's value,
-/// as large as `func` declares it.
+/// as large as `func` declares it, and `extra` at values of the types
+/// `func` declares after the tile walk's.
 pub(super) unsafe fn pair_launch(
     func: &CudaFunction,
     table: *mut c_void,
     len: u64,
     shape: &LaunchShape,
     stream: sys::CUstream,
+    extra: &[*mut c_void],
 ) -> Result<(), result::DriverError> {
     let mut a_len: u64 = len;
     // ceil(len / tile_bytes) * nruns == total_tiles < 2^32 (pairs_shape).
@@ -1108,17 +1101,21 @@ pub(super) unsafe fn pair_launch(
     let mut a_total: u32 = shape.total_tiles;
     let mut a_tpw: u32 = shape.tiles_per_warp;
     let mut a_shift: u32 = shape.tile_shift();
-    let mut params: [*mut c_void; 6] = [
+    let mut params: [*mut c_void; 8] = [
         table,
         &mut a_len as *mut u64 as *mut c_void,
         &mut a_per_copy as *mut u32 as *mut c_void,
         &mut a_total as *mut u32 as *mut c_void,
         &mut a_tpw as *mut u32 as *mut c_void,
         &mut a_shift as *mut u32 as *mut c_void,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
     ];
-    // The kernels' parameters are (table, u64, u32, u32, u32, u32), matching
-    // `params`; the rest is the caller's promise.
-    launch_grid(func, shape, stream, &mut params)
+    let n = 6 + extra.len();
+    params[6..n].copy_from_slice(extra);
+    // The kernels' parameters are (table, u64, u32, u32, u32, u32, extra),
+    // matching `params[..n]`; the rest is the caller's promise.
+    launch_grid(func, shape, stream, &mut params[..n])
 }
 
 /// Launches `func` (the pair kernel for `table.len() / 2` copies, from
@@ -1141,7 +1138,7 @@ pub(crate) unsafe fn launch_pairs_inline(
 ) -> Result<(), result::DriverError> {
     // The first parameter is InlinePairs<N> itself, read from `table` (2N
     // words, the caller's promise); the driver only reads the parameters.
-    pair_launch(func, table.as_ptr() as *mut c_void, len, shape, stream)
+    pair_launch(func, table.as_ptr() as *mut c_void, len, shape, stream, &[])
 }
 
 /// Launches `func` (the packed-copies kernel for `addrs.len()` copies,
@@ -1168,28 +1165,20 @@ pub(crate) unsafe fn launch_packed_inline(
 ) -> Result<(), result::DriverError> {
     debug_assert!(INLINE_PACKED.contains(&addrs.len()) && shape.nruns as usize <= addrs.len());
     let mut a_region: u64 = region;
-    let mut a_len: u64 = len;
-    // ceil(len / tile_bytes) * nruns == total_tiles < 2^32 (pairs_shape).
-    let mut a_per_copy: u32 = len.div_ceil(shape.tile_bytes) as u32;
-    let mut a_total: u32 = shape.total_tiles;
-    let mut a_tpw: u32 = shape.tiles_per_warp;
-    let mut a_shift: u32 = shape.tile_shift();
     let mut a_gather: u32 = u32::from(direction == Direction::Gather);
-    let mut params: [*mut c_void; 8] = [
-        // InlineAddrs<N> itself, read from `addrs` (N words, the caller's
-        // promise); the driver only reads the parameters.
+    // The first parameter is InlineAddrs<N> itself, read from `addrs` (N
+    // words, the caller's promise); the driver only reads the parameters.
+    pair_launch(
+        func,
         addrs.as_ptr() as *mut c_void,
-        &mut a_region as *mut u64 as *mut c_void,
-        &mut a_len as *mut u64 as *mut c_void,
-        &mut a_per_copy as *mut u32 as *mut c_void,
-        &mut a_total as *mut u32 as *mut c_void,
-        &mut a_tpw as *mut u32 as *mut c_void,
-        &mut a_shift as *mut u32 as *mut c_void,
-        &mut a_gather as *mut u32 as *mut c_void,
-    ];
-    // The kernels' parameters are (InlineAddrs<N>, u64, u64, u32, u32, u32,
-    // u32, u32), matching `params`; the rest is the caller's promise.
-    launch_grid(func, shape, stream, &mut params)
+        len,
+        shape,
+        stream,
+        &[
+            &mut a_region as *mut u64 as *mut c_void,
+            &mut a_gather as *mut u32 as *mut c_void,
+        ],
+    )
 }
 
 /// Launches `func` (one of the copy kernels) over the table at device

@@ -308,11 +308,7 @@ impl CudaCopy {
         let g = self
             .pool
             .acquire(self.opts.acquire_timeout)
-            .map_err(|reason| CopyError {
-                direction,
-                reason: reason.into(),
-                quiesced: true,
-            })?;
+            .map_err(|reason| CopyError::refused(direction, reason))?;
         self.launch_on(g, direction, region, RunsArg::Slice(runs))
     }
 

@@ -161,11 +161,7 @@ pub fn fill_table(
     out_tile_start: &mut [u32],
     out_strides: &mut [DevStrides],
 ) -> Result<LaunchShape, CopyError> {
-    let fail = |reason: String| CopyError {
-        direction,
-        reason,
-        quiesced: true,
-    };
+    let fail = |reason: String| CopyError::refused(direction, reason);
     if !valid_tile_bytes(tile_bytes) {
         return Err(fail(format!(
             "tile size {tile_bytes} is not a power of two from 16 to {MAX_TILE_BYTES}"
@@ -429,11 +425,10 @@ pub fn fill_pairs(
     let copies = at / 2;
     if bad || len.checked_mul(copies as u64).is_none() {
         check_runs(direction, region.len, runs)?;
-        return Err(CopyError {
+        return Err(CopyError::refused(
             direction,
-            reason: "the runs' total size or region addresses overflow".into(),
-            quiesced: true,
-        });
+            "the runs' total size or region addresses overflow",
+        ));
     }
     Ok(Some((len, copies)))
 }
@@ -481,11 +476,10 @@ pub fn packed_region_start(
     if !fits {
         let runs = Runs::from_copies(copies.clone());
         check_runs(direction, region.len, &runs)?;
-        return Err(CopyError {
+        return Err(CopyError::refused(
             direction,
-            reason: "the copies' region addresses overflow".into(),
-            quiesced: true,
-        });
+            "the copies' region addresses overflow",
+        ));
     }
     Ok(region_base + copies.first())
 }
