@@ -404,13 +404,15 @@ mod checked {
     /// `PREP_N` (16,384) scattered 4 KiB blocks (random slots of one
     /// 1 GiB region a side, as `bounce-vram bench` makes them), new lists
     /// written by this thread before each round as a client makes them:
-    /// in one pass here, then in parts on a pool of `PREP_THREADS` (8)
-    /// threads with this one (as `Checked::in_parts` shares them when the
-    /// parts outnumber the pool's threads, which with 8 parts of whole
-    /// chunks means `PREP_THREADS` of 8 or fewer), each part timed where
-    /// it runs. Medians of `PREP_ROUNDS` (200). It tells whether the parts
-    /// themselves or their sharing out bound the preparation on a host
-    /// with cores to spare. `cargo test --release --lib prep_cost --
+    /// in one pass here, in parts of whole chunks on a pool of
+    /// `PREP_THREADS` (8) threads with this one (as `Checked::in_parts`
+    /// shared them before chunks were packed in slices), each part timed
+    /// where it runs, and by `Checked::in_parts` itself (slices of
+    /// `PREP_PART` / 2, default 512, stitched), the three in turn
+    /// (`PREP_IN_ORDER=1`: blocks in order, packed whole). Medians
+    /// of `PREP_ROUNDS` (300) rounds, a third each. It tells whether the
+    /// parts themselves or their sharing out bound the preparation on a
+    /// host with cores to spare. `cargo test --release --lib prep_cost --
     /// --ignored --nocapture`
     #[test]
     #[ignore]
@@ -424,7 +426,7 @@ mod checked {
         let (n, threads, rounds) = (
             env("PREP_N", 16_384),
             env("PREP_THREADS", 8),
-            env("PREP_ROUNDS", 200).max(2),
+            env("PREP_ROUNDS", 300).max(3),
         );
         let (len, slots) = (4096usize, (1usize << 30) / 4096);
         let region = |base: usize, owner: MdOwner| -> &'static Md {
@@ -443,7 +445,7 @@ mod checked {
             .num_threads(threads.max(2) - 1)
             .build()
             .unwrap();
-        let fill = ipc::FillPool::new(rayon_pool, 1024);
+        let fill = ipc::FillPool::new(rayon_pool, env("PREP_PART", 1024));
         let mut rng = crate::splitmix::SplitMix64::new(7);
         let mut slots_l: Vec<usize> = (0..slots).collect();
         let mut slots_r = slots_l.clone();
@@ -451,11 +453,22 @@ mod checked {
             v.sort_by(|a, b| a.total_cmp(b));
             v[v.len() / 2]
         };
-        let (mut one, mut wall, mut part_mean, mut part_max, mut caller_parts) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut one, mut wall, mut part_mean, mut part_max, mut caller_parts, mut sliced) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        // `PREP_IN_ORDER=1`: blocks in order (no chunk is packed copies
+        // first), the same slots every round.
+        let in_order = env("PREP_IN_ORDER", 0) == 1;
         for round in 0..rounds {
-            rng.shuffle(&mut slots_l[..]);
-            rng.shuffle(&mut slots_r[..]);
+            if !in_order {
+                rng.shuffle(&mut slots_l[..]);
+                rng.shuffle(&mut slots_r[..]);
+            }
             let l: Vec<RawDesc> = slots_l[..n].iter().map(|&s| at(lm, s * len, len)).collect();
             let r: Vec<RawDesc> = slots_r[..n].iter().map(|&s| at(rm, s * len, len)).collect();
             // SAFETY: every handle is a leaked `Md`.
@@ -468,7 +481,19 @@ mod checked {
             let first = pair_descriptor(Op::Write, l[0].range(), r[0].range());
             let spec = PackSpec::new(Survey::uniform(&first, n), options, run_pool.clone())
                 .expect("cut by whole chunks");
-            if round % 2 == 0 {
+            if round % 3 == 2 {
+                // The engine's own: in slices, stitched.
+                let t = std::time::Instant::now();
+                let (checked, _, chunks) = Checked::in_parts(Op::Write, ld, rd, &fill, Some(&spec))
+                    .expect("the pool is free");
+                sliced.push(t.elapsed().as_secs_f64() * 1e6);
+                assert!(
+                    checked.is_ok()
+                        && chunks.is_some_and(|c| c.len() == n.div_ceil(spec.per_chunk))
+                );
+                continue;
+            }
+            if round % 3 == 0 {
                 // One pass on this thread: the check, then the plan.
                 let t = std::time::Instant::now();
                 let c = Checked::new(Op::Write, ld, rd).expect("checked");
@@ -522,13 +547,14 @@ mod checked {
             assert!(done.iter().all(|d| d.0));
         }
         println!(
-            "prep_cost {n} x 4 KiB, {threads} threads: one pass {:.1} us | in parts: wall {:.1} us, a part {:.1} us (longest {:.1}), parts on the caller {:.1} (medians of {} rounds each)",
+            "prep_cost {n} x 4 KiB, {threads} threads: one pass {:.1} us | in parts of whole chunks: wall {:.1} us, a part {:.1} us (longest {:.1}), parts on the caller {:.1} | in slices (Checked::in_parts): wall {:.1} us (medians of {} rounds each)",
             median(&mut one),
             median(&mut wall),
             median(&mut part_mean),
             median(&mut part_max),
             median(&mut caller_parts),
-            rounds / 2
+            median(&mut sliced),
+            rounds / 3
         );
     }
 
@@ -666,23 +692,32 @@ mod checked {
 
     proptest::proptest! {
         /// The plan packed in the check's pass is the plan made after
-        /// it, for every part length; a list that is not what the
-        /// packing assumed (one descriptor of another length) gives no
-        /// chunks.
+        /// it, for every part length, in parts of whole chunks or (blocks
+        /// that pack back to back) in slices stitched; a list that is not
+        /// what the packing assumed (one descriptor of another length)
+        /// gives no chunks.
         #[test]
         fn the_plan_packed_in_the_check_is_the_plan(
-            n in 1usize..80,
-            len in 1usize..100,
-            cap in 64u64..600,
+            n in 1usize..160,
+            // Half of them lengths that pack back to back (sliced).
+            len in proptest::prop_oneof![1usize..100, proptest::strategy::Strategy::prop_map(1usize..4, |k| 32 * k)],
+            cap in 64u64..6000,
             min_chunks in 1u64..4,
-            part_len in 1usize..12,
+            part_len in 1usize..80,
             odd in proptest::option::of(0usize..40),
             read in proptest::bool::ANY,
+            scattered in proptest::option::of(proptest::num::u64::ANY),
         ) {
             let op = if read { Op::Read } else { Op::Write };
             let [l0, _, r0, _] = regions();
-            let mut l: Vec<_> = (0..n).map(|i| at(l0, 128 * i, len)).collect();
-            let mut r: Vec<_> = (0..n).map(|i| at(r0, 256 * i + 64, len)).collect();
+            // In order, or each side's blocks shuffled.
+            let mut order = [(0..n).collect::<Vec<_>>(), (0..n).collect()];
+            if let Some(seed) = scattered {
+                let mut rng = crate::splitmix::SplitMix64::new(seed);
+                order.iter_mut().for_each(|o| rng.shuffle(&mut o[..]));
+            }
+            let mut l: Vec<_> = (0..n).map(|i| at(l0, 128 * order[0][i], len)).collect();
+            let mut r: Vec<_> = (0..n).map(|i| at(r0, 256 * order[1][i] + 64, len)).collect();
             if let Some(i) = odd {
                 (l[i % n].len, r[i % n].len) = (len + 1, len + 1);
             }
@@ -716,12 +751,15 @@ mod checked {
                     }
                     proptest::prop_assert_eq!(assembled, made);
                 }
-                // Not packed: fewer parts of whole chunks than the
-                // pool's three threads, or not the list assumed.
+                // Not packed: not the list assumed, or (not in slices)
+                // fewer parts of whole chunks than the pool's three
+                // threads.
                 None => {
                     let step = spec.per_chunk * part_len.div_ceil(spec.per_chunk);
+                    let cut = plan::Cut { cap: spec.cap, per_chunk: Some(spec.per_chunk) };
+                    let sliced = plan::sliceable(&spec.survey, &cut, true);
                     proptest::prop_assert!(
-                        n.div_ceil(step) < 3 || (odd.is_some() && survey != spec.survey)
+                        (!sliced && n.div_ceil(step) < 3) || (odd.is_some() && survey != spec.survey)
                     )
                 }
             }

@@ -539,6 +539,19 @@ impl CopiesFirst {
         second
     }
 
+    /// Takes the next copy at `addrs` (gather, scatter) of `len` bytes,
+    /// the first of a chunk or slice when `first`; whether it is marked on
+    /// each side.
+    #[inline(always)]
+    fn take(&mut self, first: bool, addrs: [u64; 2], len: u64) -> [bool; 2] {
+        if first {
+            (self.last, self.marked) = (addrs, [false; 2]);
+            [false; 2]
+        } else {
+            self.add(addrs, len)
+        }
+    }
+
     /// Whether `n` copies so far provably keep their copies.
     fn keeps(&self, n: usize) -> bool {
         (0..2).any(|s| n.saturating_sub(self.pairs[s] + self.continuing[s]) * 2 > n)
@@ -658,6 +671,208 @@ impl PackedCopies {
     }
 }
 
+/// The descriptors of a slice ([`pack_slice`]) of about `about`: a whole
+/// number of mark bytes, and at least [`CopiesFirst::CHECKPOINT`], so
+/// that a chunk's first slice decides there as [`pack`] does.
+pub fn slice_len(about: usize) -> usize {
+    about.next_multiple_of(8).max(CopiesFirst::CHECKPOINT)
+}
+
+/// Whether the chunks of `cut` may be packed in slices on several threads
+/// ([`pack_slice`], [`stitch`]): every descriptor of `survey` is one
+/// length that packs back to back, and the plan merges runs (so that its
+/// chunks of packed copies are packed copies first).
+pub fn sliceable(survey: &Survey, cut: &Cut, merge: bool) -> bool {
+    let len = survey.first_len;
+    merge && cut.per_chunk.is_some() && survey.one_len && len > 0 && align_up(len) == len
+}
+
+/// One slice of a chunk of packed copies, packed copies first as if it
+/// began its chunk ([`pack_slice`]); [`stitch`] joins a chunk's slices.
+#[derive(Debug)]
+pub struct Slice {
+    copies: PackedCopies,
+    first: CopiesFirst,
+    /// A chunk's first slice whose first [`CopiesFirst::CHECKPOINT`]
+    /// copies do not keep their copies: the chunk is packed through the
+    /// merge rule, as [`pack`] would (the slice stopped there).
+    gave_up: bool,
+}
+
+/// Packs `descriptors`, of one length that packs back to back (the
+/// survey's, [`sliceable`]), as one slice of a chunk: packed copies
+/// first, from the slice's own first copy. `first` numbers the first
+/// descriptor among all (for errors), `starts_chunk` says whether it
+/// begins its chunk (which then decides at the checkpoint, as [`pack`]
+/// does), and `room` is the copies to make room for (its chunk's, for a
+/// first slice, so that [`stitch`] appends the rest without moving it).
+pub fn pack_slice(
+    descriptors: impl Iterator<Item = Descriptor>,
+    first: usize,
+    starts_chunk: bool,
+    room: usize,
+) -> Result<Slice, PlanError> {
+    let mut descriptors = descriptors.peekable();
+    let len = descriptors.peek().map_or(0, |d| d.len);
+    let mut slice = Slice {
+        copies: PackedCopies::default().ready(len, room),
+        first: CopiesFirst::default(),
+        gave_up: false,
+    };
+    for (index, d) in descriptors.enumerate() {
+        if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
+            return Err(PlanError::AddressOverflow {
+                index: first + index,
+            });
+        }
+        let (p, f) = (&mut slice.copies, &mut slice.first);
+        if d.len != len {
+            // Not what the caller promised: let the chunk be packed whole.
+            slice.gave_up = true;
+            break;
+        }
+        let second = f.take(index == 0, [d.src_addr, d.dst_addr], len);
+        p.push_marked(d.src_addr, d.dst_addr, len, second);
+        if starts_chunk && index + 1 == CopiesFirst::CHECKPOINT && !f.keeps(CopiesFirst::CHECKPOINT)
+        {
+            slice.gave_up = true;
+            break;
+        }
+    }
+    // The marks whole, a partial last byte included ([`stitch`] appends
+    // nothing after it).
+    if !slice.copies.gather.len().is_multiple_of(8) {
+        slice.copies.flush();
+    }
+    Ok(slice)
+}
+
+/// Whether a chunk of `descriptors` (one length that packs back to back,
+/// as [`pack_slice`] takes them) is still packed copies first after the
+/// checkpoint: what its first slice decides there, from the chunk's
+/// first [`CopiesFirst::CHECKPOINT`] descriptors alone, so that its other
+/// slices need not wait for that slice to know.
+pub fn copies_first_past_checkpoint(descriptors: impl Iterator<Item = Descriptor>) -> bool {
+    let mut f = CopiesFirst::default();
+    let mut n = 0;
+    for d in descriptors.take(CopiesFirst::CHECKPOINT) {
+        f.take(n == 0, [d.src_addr, d.dst_addr], d.len);
+        n += 1;
+    }
+    n < CopiesFirst::CHECKPOINT || f.keeps(n)
+}
+
+impl Slice {
+    /// Whether this is a chunk's first slice that stopped at the
+    /// checkpoint: the chunk is packed whole, through the merge rule.
+    pub fn gave_up(&self) -> bool {
+        self.gave_up
+    }
+
+    /// Copies in the slice.
+    fn len(&self) -> usize {
+        self.copies.gather.len()
+    }
+
+    /// Appends `next`, the slice right after this one's last copy: its
+    /// copies and marks, the marks at the seam made what one pass over
+    /// both would make (`next`'s first copy was packed as if it began a
+    /// chunk), and the counts and last copy of both. False when `next`
+    /// cannot follow (another length, or a slice that gave up).
+    fn append(&mut self, next: Slice) -> bool {
+        let (p, q) = (&mut self.copies, &next.copies);
+        let base = p.gather.len();
+        if next.gave_up || q.len != p.len || q.gather.is_empty() || !base.is_multiple_of(8) {
+            return false;
+        }
+        let len = p.len;
+        let (f, g) = (&mut self.first, &next.first);
+        let mut marks = [
+            std::mem::take(&mut p.gather_marks),
+            std::mem::take(&mut p.scatter_marks),
+        ];
+        for (s, (addrs, next_marks)) in
+            [(&q.gather, &q.gather_marks), (&q.scatter, &q.scatter_marks)]
+                .into_iter()
+                .enumerate()
+        {
+            marks[s].extend_from_slice(next_marks);
+            let bit = |marks: &[u8], j: usize| marks[j / 8] >> (j % 8) & 1 != 0;
+            let forward = |j: usize| addrs[j] >= addrs[j - 1] + len;
+            // The seam's copy as one pass takes it ([`CopiesFirst::add`]).
+            let (a, last) = (addrs[0], f.last[s]);
+            let seam_forward = a >= last + len;
+            let seam_step = a.wrapping_sub(last);
+            f.continuing[s] += usize::from(seam_forward & (f.step[s] == seam_step));
+            // The copy after it continues the seam's step (its slice saw
+            // no step before it).
+            if addrs.len() > 1 {
+                f.continuing[s] += usize::from(
+                    seam_forward & forward(1) & (addrs[1].wrapping_sub(addrs[0]) == seam_step),
+                );
+            }
+            // The greedy marks from the seam on, until they agree with the
+            // slice's own (then all after agree).
+            let mut mark = seam_forward & !f.marked[s];
+            let mut j = 0;
+            let mut pairs = f.pairs[s] + g.pairs[s];
+            loop {
+                let own = bit(next_marks, j);
+                if j > 0 && mark == own {
+                    break;
+                }
+                pairs = pairs + usize::from(mark) - usize::from(own);
+                marks[s][(base + j) / 8] ^= u8::from(mark != own) << ((base + j) % 8);
+                j += 1;
+                if j == addrs.len() {
+                    break;
+                }
+                mark = forward(j) & !mark;
+            }
+            f.pairs[s] = pairs;
+            f.continuing[s] += g.continuing[s];
+            f.step[s] = if addrs.len() > 1 {
+                g.step[s]
+            } else {
+                seam_step & u64::from(seam_forward).wrapping_neg()
+            };
+            f.marked[s] = if j == addrs.len() { mark } else { g.marked[s] };
+            f.last[s] = g.last[s];
+        }
+        [p.gather_marks, p.scatter_marks] = marks;
+        p.gather.extend_from_slice(&q.gather);
+        p.scatter.extend_from_slice(&q.scatter);
+        p.next += q.next;
+        true
+    }
+}
+
+/// The chunk `slices` (one chunk's, in order, each from [`pack_slice`])
+/// make: what [`pack`] makes of their descriptors, packed copies first.
+/// `None` when that chunk is not its packed copies alone (the first slice
+/// gave up, or the whole does not provably keep its copies): the caller
+/// packs the chunk with [`pack`], as one pass would have.
+pub fn stitch(slices: impl IntoIterator<Item = Slice>) -> Option<Chunk> {
+    let mut slices = slices.into_iter();
+    let mut whole = slices.next().filter(|s| !s.gave_up)?;
+    for next in slices {
+        if !whole.append(next) {
+            return None;
+        }
+    }
+    let n = whole.len();
+    if n == 0 || !whole.first.keeps(n) {
+        return None;
+    }
+    let p = whole.copies;
+    Some(Chunk {
+        bytes: p.next,
+        gather_runs: Runs::from_copies(Copies::planned(p.len, p.gather, p.gather_marks)),
+        scatter_runs: Runs::from_copies(Copies::planned(p.len, p.scatter, p.scatter_marks)),
+        pieces: u32::try_from(n).ok()?,
+    })
+}
+
 impl ChunkBuilder<'_> {
     #[inline(always)]
     fn push(&mut self, at: u64, src: u64, dst: u64, len: u64) {
@@ -708,12 +923,7 @@ impl ChunkBuilder<'_> {
         if len != p.len || at != p.next {
             return false;
         }
-        let second = if p.gather.is_empty() {
-            (f.last, f.marked) = ([src, dst], [false; 2]);
-            [false; 2]
-        } else {
-            f.add([src, dst], len)
-        };
+        let second = f.take(p.gather.is_empty(), [src, dst], len);
         // Checked above: the next packed copy.
         p.push_marked(src, dst, len, second);
         true
@@ -1246,6 +1456,58 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_chunk_of_scattered_blocks_stitched_from_slices_is_the_one_pass_chunk() {
+        let (len, n) = (4096u64, 2048usize + 100);
+        let mut r = crate::splitmix::SplitMix64::new(11);
+        let (mut a, mut b): (Vec<u64>, Vec<u64>) = ((0..1 << 16).collect(), (0..1 << 16).collect());
+        r.shuffle(&mut a);
+        r.shuffle(&mut b);
+        let descs: Vec<_> = (0..n)
+            .map(|i| d((1 << 32) + a[i] * len, (1 << 40) + b[i] * len, len))
+            .collect();
+        let mut survey = Survey::default();
+        for x in &descs {
+            survey.add(x).unwrap();
+        }
+        let cap = n as u64 * len;
+        let rule = pack(
+            descs.iter().copied(),
+            0,
+            &survey,
+            cap,
+            true,
+            &RunPool::default(),
+        )
+        .unwrap();
+        // Slices of 512, the last a partial mark byte.
+        let slice = slice_len(512);
+        let slices = (0..n).step_by(slice).map(|at| {
+            let end = (at + slice).min(n);
+            pack_slice(
+                descs[at..end].iter().copied(),
+                at,
+                at == 0,
+                if at == 0 { n } else { end - at },
+            )
+            .unwrap()
+        });
+        let chunk = stitch(slices).expect("scattered blocks keep their copies");
+        assert_eq!(chunk, rule[0]);
+        assert_eq!(chunk.gather_runs.copies(), rule[0].gather_runs.copies());
+        assert_eq!(chunk.scatter_runs.copies(), rule[0].scatter_runs.copies());
+        assert!(chunk.gather_runs.copies().is_some());
+        assert!(copies_first_past_checkpoint(descs.iter().copied()));
+        // Blocks in order: the first slice gives up at the checkpoint.
+        let in_order: Vec<_> = (0..n as u64)
+            .map(|i| d((1 << 32) + i * len, (1 << 40) + i * len, len))
+            .collect();
+        let first = pack_slice(in_order[..slice].iter().copied(), 0, true, n).unwrap();
+        assert!(first.gave_up && first.len() == CopiesFirst::CHECKPOINT);
+        assert!(!copies_first_past_checkpoint(in_order.iter().copied()));
+        assert!(stitch([first]).is_none());
+    }
+
     proptest! {
         /// Descriptors of one length packed in runs of whole chunks (as the
         /// engine packs them on several threads) and assembled make the
@@ -1399,6 +1661,71 @@ mod tests {
                         prop_assert!(own.is_ok_and(|o| o.addresses_fit()), "chunk {}", i);
                     }
                 }
+            }
+        }
+
+        /// A chunk packed in slices ([`pack_slice`]) and stitched is the
+        /// chunk [`pack`] makes of the same descriptors, its copies and
+        /// marks included, whatever the layout and wherever the slices
+        /// are cut (whole mark bytes, the first at least the checkpoint);
+        /// and where `stitch` declines, so does the chunk as one slice
+        /// (slicing never changes the decision).
+        #[test]
+        fn slices_stitch_into_the_chunk_one_pass_makes(
+            n in 1usize..400,
+            layout in 0u8..6,
+            high in any::<bool>(),
+            picks in proptest::collection::vec((0u64..600, 0u64..600), 400),
+            cuts in proptest::collection::vec(1usize..12, 1..12),
+        ) {
+            let len = 4 * REGION_ALIGN * 32;
+            let block = |i: usize| -> (u64, u64) {
+                let (a, b) = picks[i];
+                let i = i as u64;
+                match layout {
+                    0 => (a, b),
+                    1 => (i + a / 200, 2 * i + b / 300),
+                    2 => if a % 17 == 0 { (a, b) } else { (3 * i, 5 * i + 1) },
+                    3 => if (i as usize) < n / 2 { (a, b) } else { (i, i) },
+                    4 => if a % 5 == 0 { (i, i) } else { (a, b) },
+                    _ => (2 * i, 3 * i),
+                }
+            };
+            let (src0, dst0) = if high { (u64::MAX - 4096 * len, u64::MAX - 4096 * len) } else { (1 << 24, 1 << 36) };
+            let descs: Vec<_> = (0..n)
+                .map(|i| { let (a, b) = block(i); d(src0 + a * len, dst0 + b * len, len) })
+                .collect();
+            let mut survey = Survey::default();
+            for x in &descs {
+                survey.add(x).unwrap();
+            }
+            // One chunk of all n.
+            let cap = n as u64 * len;
+            let one_chunk = Cut { cap, per_chunk: Some(n) };
+            prop_assert!(sliceable(&survey, &one_chunk, true));
+            let rule = pack(descs.iter().copied(), 0, &survey, cap, true, &RunPool::default()).unwrap();
+            prop_assert_eq!(rule.len(), 1);
+            // Slices of whole mark bytes, the first at least the checkpoint.
+            let (mut slices, mut at, mut i) = (Vec::new(), 0, 0);
+            while at < n {
+                let size = 8 * cuts[i % cuts.len()];
+                let size = if at == 0 { size.max(CopiesFirst::CHECKPOINT) } else { size };
+                let end = (at + size).min(n);
+                let room = if at == 0 { n } else { end - at };
+                slices.push(pack_slice(descs[at..end].iter().copied(), at, at == 0, room).unwrap());
+                (at, i) = (end, i + 1);
+            }
+            let count = slices.len();
+            prop_assert_eq!(copies_first_past_checkpoint(descs.iter().copied()), !slices[0].gave_up());
+            let whole = stitch([pack_slice(descs.iter().copied(), 0, true, n).unwrap()]);
+            match stitch(slices) {
+                Some(c) => {
+                    prop_assert_eq!(&c, &rule[0], "{} slices", count);
+                    prop_assert_eq!(c.gather_runs.copies(), rule[0].gather_runs.copies());
+                    prop_assert_eq!(c.scatter_runs.copies(), rule[0].scatter_runs.copies());
+                    prop_assert!(whole.is_some());
+                }
+                None => prop_assert!(whole.is_none(), "{} slices declined, one took it", count),
             }
         }
 
