@@ -426,10 +426,10 @@ impl PackSpec {
 }
 
 /// A plan's chunks packed in slices ([`plan::pack_slice`], of half the
-/// pool's part length, never across a chunk) on the preparation pool's threads,
-/// each chunk stitched ([`plan::stitch`]) by the thread that packs its last
-/// slice, or packed whole as one pass would when stitching declines
-/// (blocks mostly in order). Parts of whole chunks end with the longest
+/// pool's part length, never across a chunk) on the preparation pool's
+/// threads, each chunk stitched ([`plan::stitch`]) by the thread whose
+/// slice of it finishes last, or packed whole as one pass would when it
+/// is not packed copies first (blocks mostly in order). Parts of whole chunks end with the longest
 /// part and the workers' late start (a 64 MiB request of 4 KiB blocks is
 /// 8 parts of 2048 descriptors on 8 threads); slices of 512 share the
 /// same work in 32.
@@ -450,23 +450,20 @@ struct SlicedChunk {
     slices: Vec<Mutex<Option<plan::Slice>>>,
     left: AtomicUsize,
     unchecked: AtomicBool,
-    whole: Mutex<Option<Vec<plan::Chunk>>>,
+    packed_whole: Mutex<Option<Vec<plan::Chunk>>>,
     done: Mutex<Option<Vec<plan::Chunk>>>,
 }
 
 impl<'s> Sliced<'s> {
     /// The slicing of `n` descriptors packed by `spec` in slices of about
     /// `about`, when its chunks may be packed in slices
-    /// ([`plan::sliceable`]).
+    /// ([`plan::sliceable`]) and are longer than one: chunks of a slice or
+    /// less are better shared out several to a part, as whole chunks.
     pub(super) fn new(spec: &'s PackSpec, n: usize, about: usize) -> Option<Self> {
-        let cut = plan::Cut {
-            cap: spec.cap,
-            per_chunk: Some(spec.per_chunk),
-        };
-        if !plan::sliceable(&spec.survey, &cut, spec.merge) {
+        let (k, slice) = (spec.per_chunk, plan::slice_len(about));
+        if !plan::sliceable(&spec.survey, spec.merge) || k <= slice {
             return None;
         }
-        let (k, slice) = (spec.per_chunk, plan::slice_len(about));
         let chunks = (0..n.div_ceil(k))
             .map(|c| {
                 let slices = (k.min(n - c * k)).div_ceil(slice);
@@ -474,7 +471,7 @@ impl<'s> Sliced<'s> {
                     slices: (0..slices).map(|_| Mutex::new(None)).collect(),
                     left: AtomicUsize::new(slices),
                     unchecked: AtomicBool::new(false),
-                    whole: Mutex::new(None),
+                    packed_whole: Mutex::new(None),
                     done: Mutex::new(None),
                 }
             })
@@ -523,12 +520,12 @@ impl<'s> Sliced<'s> {
         let k = self.spec.per_chunk;
         let (c, at) = (range.start / k, range.start % k);
         let chunk = &self.chunks[c];
-        let whole = self.chunk_range(c);
+        let chunk_range = self.chunk_range(c);
         let p = self.spec;
         let pack_whole = || {
             plan::pack(
-                descriptors(whole.clone()),
-                whole.start,
+                descriptors(chunk_range.clone()),
+                chunk_range.start,
                 &p.survey,
                 p.cap,
                 p.merge,
@@ -539,11 +536,16 @@ impl<'s> Sliced<'s> {
         if !checked {
             chunk.unchecked.store(true, Ordering::Relaxed);
         } else if at == 0 {
-            match plan::pack_slice(descriptors(range.clone()), range.start, true, whole.len()) {
-                Ok(slice) if slice.gave_up() => *chunk.whole.locked() = pack_whole(),
+            match plan::pack_slice(
+                descriptors(range.clone()),
+                range.start,
+                true,
+                chunk_range.len(),
+            ) {
+                Ok(slice) if slice.gave_up() => *chunk.packed_whole.locked() = pack_whole(),
                 slice => *chunk.slices[0].locked() = slice.ok(),
             }
-        } else if plan::copies_first_past_checkpoint(descriptors(whole.clone())) {
+        } else if plan::copies_first_past_checkpoint(descriptors(chunk_range.clone())) {
             let slice =
                 plan::pack_slice(descriptors(range.clone()), range.start, false, range.len());
             *chunk.slices[at / self.slice].locked() = slice.ok();
@@ -552,8 +554,8 @@ impl<'s> Sliced<'s> {
             return;
         }
         // The last slice: every other is in (or missing: not packed).
-        let whole_chunk = chunk.whole.locked().take();
-        let done = match whole_chunk {
+        let packed_whole = chunk.packed_whole.locked().take();
+        let done = match packed_whole {
             _ if chunk.unchecked.load(Ordering::Relaxed) => None,
             Some(chunks) => Some(chunks),
             None => {
@@ -622,10 +624,12 @@ impl<'a> Checked<'a> {
     /// together in order, so the first error is the one a single pass
     /// names; how the pool's workers helped; and, with `packing`, the
     /// chunks each part packed right after checking them (while its
-    /// descriptors are in the cache), when every part could. A packing
-    /// whose parts of whole chunks would be fewer than the pool's threads
-    /// is not done (the check would lose its threads to it). `None`: the
-    /// lists are empty or the pool declined (held by another preparation).
+    /// descriptors are in the cache), when every part could. Blocks that
+    /// pack back to back in chunks longer than a slice are packed in
+    /// slices ([`Sliced`]); otherwise the parts are whole chunks, and a
+    /// packing whose parts would be fewer than the pool's threads is not
+    /// done (the check would lose its threads to it). `None`: the lists
+    /// are empty or the pool declined (held by another preparation).
     pub fn in_parts(
         op: Op,
         local: Descs<'a>,
@@ -635,8 +639,8 @@ impl<'a> Checked<'a> {
     ) -> Option<(Result<Self>, ipc::FillHelp, Option<Vec<plan::Chunk>>)> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
-        // Slices of chunks when packing copies first ([`Sliced`]), else
-        // parts of whole chunks, unless they would be fewer than the
+        // Slices of chunks when the blocks pack back to back ([`Sliced`]),
+        // else parts of whole chunks, unless they would be fewer than the
         // pool's threads.
         let sliced = packing.and_then(|p| Sliced::new(p, n, fill.part_len / 2));
         let (mut packing, mut parts) = match &sliced {

@@ -1111,6 +1111,10 @@ pub(super) unsafe fn pair_launch(
         std::ptr::null_mut(),
         std::ptr::null_mut(),
     ];
+    assert!(
+        extra.len() <= 2,
+        "pair_launch takes at most two extra parameters"
+    );
     let n = 6 + extra.len();
     params[6..n].copy_from_slice(extra);
     // The kernels' parameters are (table, u64, u32, u32, u32, u32, extra),
