@@ -1511,6 +1511,51 @@ mod tests {
         assert!(stitch([first]).is_none());
     }
 
+    /// Layouts of `len`-byte blocks for the packing proptests.
+    const LAYOUTS: u8 = 9;
+
+    /// `picks.len()` descriptors of `len` bytes (a pick `(a, b)` of 0..600
+    /// each) in `layout`: random blocks, blocks in order with gaps, strides
+    /// with jumps, in order then random, contiguous, one step, random then
+    /// in order, random with contiguous stretches, and blocks that start
+    /// inside the one before (quarter blocks: not forward, a step all the
+    /// same); with `high`, at the top of the address space.
+    fn layout_descs(layout: u8, picks: &[(u64, u64)], len: u64, high: bool) -> Vec<Descriptor> {
+        let n = picks.len();
+        let (src0, dst0) = if high {
+            (u64::MAX - 4096 * len, u64::MAX - 4096 * len)
+        } else {
+            (1 << 24, 1 << 36)
+        };
+        let block = |i: usize, (a, b): (u64, u64)| -> (u64, u64) {
+            let (first_half, i) = (i < n / 2, i as u64);
+            let (x, y) = match layout {
+                0 => (a, b),
+                1 => (i + a / 200, 2 * i + b / 300),
+                2 if a % 17 == 0 => (a, b),
+                2 => (3 * i, 5 * i + 1),
+                3 if first_half => (i, i),
+                3 => (a, b),
+                4 => (i, i),
+                5 => (2 * i, 3 * i),
+                6 if first_half => (a, b),
+                6 => (i, i),
+                7 if a % 5 == 0 => (i, i),
+                7 => (a, b),
+                _ => return ((2 * i + a % 3) * (len / 4), b * len),
+            };
+            (x * len, y * len)
+        };
+        picks
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| {
+                let (x, y) = block(i, p);
+                d(src0 + x, dst0 + y, len)
+            })
+            .collect()
+    }
+
     proptest! {
         /// Descriptors of one length packed in runs of whole chunks (as the
         /// engine packs them on several threads) and assembled make the
@@ -1605,30 +1650,12 @@ mod tests {
             n in 1usize..300,
             cap_blocks in 0u64..160,
             cap_rest in 1u64..128,
-            layout in 0u8..6,
+            layout in 0u8..LAYOUTS,
             high in any::<bool>(),
             picks in proptest::collection::vec((0u64..600, 0u64..600), 300),
         ) {
             let len = 4 * REGION_ALIGN * 32;
-            // Random blocks, blocks in order with gaps, strides with
-            // jumps, in order then random, contiguous, one step.
-            let block = |i: usize| -> (u64, u64) {
-                let (a, b) = picks[i];
-                let i = i as u64;
-                match layout {
-                    0 => (a, b),
-                    1 => (i + a / 200, 2 * i + b / 300),
-                    2 => if a % 17 == 0 { (a, b) } else { (3 * i, 5 * i + 1) },
-                    3 => if (i as usize) < n / 2 { (i, i) } else { (a, b) },
-                    4 => (i, i),
-                    _ => (2 * i, 3 * i),
-                }
-            };
-            // Now and then addresses at the top of the address space.
-            let (src0, dst0) = if high { (u64::MAX - 4096 * len, u64::MAX - 4096 * len) } else { (1 << 24, 1 << 36) };
-            let descs: Vec<_> = (0..n)
-                .map(|i| { let (a, b) = block(i); d(src0 + a * len, dst0 + b * len, len) })
-                .collect();
+            let descs = layout_descs(layout, &picks[..n], len, high);
             // A cap that is not whole blocks, and at times less than one
             // (every block split across chunks: no packed copies).
             let cap = cap_blocks * len + cap_rest * REGION_ALIGN;
@@ -1677,32 +1704,13 @@ mod tests {
         #[test]
         fn slices_stitch_into_the_chunk_one_pass_makes(
             n in 1usize..400,
-            layout in 0u8..7,
+            layout in 0u8..LAYOUTS,
             high in any::<bool>(),
             picks in proptest::collection::vec((0u64..600, 0u64..600), 400),
             cuts in proptest::collection::vec(1usize..12, 1..12),
         ) {
             let len = 4 * REGION_ALIGN * 32;
-            let block = |i: usize| -> (u64, u64) {
-                let (a, b) = picks[i];
-                let i = i as u64;
-                match layout {
-                    0 => (a, b),
-                    1 => (i + a / 200, 2 * i + b / 300),
-                    2 => if a % 17 == 0 { (a, b) } else { (3 * i, 5 * i + 1) },
-                    3 => if (i as usize) < n / 2 { (a, b) } else { (i, i) },
-                    4 => if a % 5 == 0 { (i, i) } else { (a, b) },
-                    5 => (2 * i, 3 * i),
-                    // In quarter blocks: blocks that start inside the one
-                    // before (not forward, a step all the same).
-                    _ => (2 * i + a % 3, b),
-                }
-            };
-            let unit = if layout == 6 { len / 4 } else { len };
-            let (src0, dst0) = if high { (u64::MAX - 4096 * len, u64::MAX - 4096 * len) } else { (1 << 24, 1 << 36) };
-            let descs: Vec<_> = (0..n)
-                .map(|i| { let (a, b) = block(i); d(src0 + a * unit, dst0 + b * unit, len) })
-                .collect();
+            let descs = layout_descs(layout, &picks[..n], len, high);
             let mut survey = Survey::default();
             for x in &descs {
                 survey.add(x).unwrap();
