@@ -429,10 +429,10 @@ impl PackSpec {
 /// pool's part length, never across a chunk) on the preparation pool's
 /// threads, each chunk stitched ([`plan::stitch`]) by the thread whose
 /// slice of it finishes last, or packed whole as one pass would when it
-/// is not packed copies first (blocks mostly in order). Parts of whole chunks end with the longest
-/// part and the workers' late start (a 64 MiB request of 4 KiB blocks is
-/// 8 parts of 2048 descriptors on 8 threads); slices of 512 share the
-/// same work in 32.
+/// is not packed copies first (blocks mostly in order). Parts of whole
+/// chunks end with the longest part and the workers' late start (a 64 MiB
+/// request of 4 KiB blocks is 8 parts of 2048 descriptors on 8 threads);
+/// slices of 512 share the same work in 32.
 pub(super) struct Sliced<'s> {
     spec: &'s PackSpec,
     n: usize,
@@ -442,15 +442,14 @@ pub(super) struct Sliced<'s> {
 }
 
 /// One chunk being packed in slices: the slices packed so far, how many
-/// are still to come, whether one was not what the packing assumed, the
-/// chunk packed whole by its first slice when that gave up at the
-/// checkpoint, and (once every slice came) its chunk, or `None` when a
-/// slice could not be packed (the plan is then made the usual way).
+/// are still to come, whether one was not what the packing assumed, and
+/// its chunk: packed whole by its first slice when that gave up at the
+/// checkpoint, else stitched once every slice came; `None` when a slice
+/// could not be packed (the plan is then made the usual way).
 struct SlicedChunk {
     slices: Vec<Mutex<Option<plan::Slice>>>,
     left: AtomicUsize,
     unchecked: AtomicBool,
-    packed_whole: Mutex<Option<Vec<plan::Chunk>>>,
     done: Mutex<Option<Vec<plan::Chunk>>>,
 }
 
@@ -471,7 +470,6 @@ impl<'s> Sliced<'s> {
                     slices: (0..slices).map(|_| Mutex::new(None)).collect(),
                     left: AtomicUsize::new(slices),
                     unchecked: AtomicBool::new(false),
-                    packed_whole: Mutex::new(None),
                     done: Mutex::new(None),
                 }
             })
@@ -542,7 +540,7 @@ impl<'s> Sliced<'s> {
                 true,
                 chunk_range.len(),
             ) {
-                Ok(slice) if slice.gave_up() => *chunk.packed_whole.locked() = pack_whole(),
+                Ok(slice) if slice.gave_up() => *chunk.done.locked() = pack_whole(),
                 slice => *chunk.slices[0].locked() = slice.ok(),
             }
         } else if plan::copies_first_past_checkpoint(descriptors(chunk_range.clone())) {
@@ -553,23 +551,21 @@ impl<'s> Sliced<'s> {
         if chunk.left.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
-        // The last slice: every other is in (or missing: not packed).
-        let packed_whole = chunk.packed_whole.locked().take();
-        let done = match packed_whole {
-            _ if chunk.unchecked.load(Ordering::Relaxed) => None,
-            Some(chunks) => Some(chunks),
-            None => {
-                let slices: Option<Vec<plan::Slice>> =
-                    chunk.slices.iter().map(|s| s.locked().take()).collect();
-                // Copies first to the end of the chunk, or packed whole
-                // when it turns out not to keep its copies after all.
-                slices.and_then(|s| match plan::stitch(s) {
-                    Some(stitched) => Some(vec![stitched]),
-                    None => pack_whole(),
-                })
-            }
-        };
-        *chunk.done.locked() = done;
+        // The last slice: every other is in (or missing: not packed), and
+        // a chunk its first slice packed whole is done already.
+        let mut done = chunk.done.locked();
+        if chunk.unchecked.load(Ordering::Relaxed) {
+            *done = None;
+        } else if done.is_none() {
+            let slices: Option<Vec<plan::Slice>> =
+                chunk.slices.iter().map(|s| s.locked().take()).collect();
+            // Copies first to the end of the chunk, or packed whole when
+            // it turns out not to keep its copies after all.
+            *done = slices.and_then(|s| match plan::stitch(s) {
+                Some(stitched) => Some(vec![stitched]),
+                None => pack_whole(),
+            });
+        }
     }
 
     /// The chunks, in order, once every slice was packed; `None` when one

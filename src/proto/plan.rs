@@ -41,6 +41,19 @@ pub struct Descriptor {
     pub len: u64,
 }
 
+impl Descriptor {
+    /// Ok when neither side's range wraps around the address space; the
+    /// error names the descriptor as `index`.
+    fn fits(&self, index: usize) -> Result<(), PlanError> {
+        if self.src_addr.checked_add(self.len).is_none()
+            || self.dst_addr.checked_add(self.len).is_none()
+        {
+            return Err(PlanError::AddressOverflow { index });
+        }
+        Ok(())
+    }
+}
+
 /// Why a plan could not be built.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum PlanError {
@@ -226,9 +239,7 @@ impl Survey {
                 found: d.dst_dev,
             });
         }
-        if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
-            return Err(PlanError::AddressOverflow { index });
-        }
+        d.fits(index)?;
         if index == 0 {
             (self.first_len, self.one_len) = (d.len, true);
         }
@@ -397,11 +408,7 @@ fn pack_chunks(
     for (index, d) in descriptors.enumerate().filter(|(_, d)| d.len > 0) {
         // The survey checked these: a caller that fed it others is refused
         // here rather than packing a range that wraps.
-        if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
-            return Err(PlanError::AddressOverflow {
-                index: first + index,
-            });
-        }
+        d.fits(first + index)?;
         // The common case: the whole descriptor fits the chunk being
         // packed (what the loop below does with it then).
         let at = align_up(builder.used);
@@ -721,11 +728,7 @@ pub fn pack_slice(
         gave_up: false,
     };
     for (index, d) in descriptors.enumerate() {
-        if d.src_addr.checked_add(d.len).is_none() || d.dst_addr.checked_add(d.len).is_none() {
-            return Err(PlanError::AddressOverflow {
-                index: first + index,
-            });
-        }
+        d.fits(first + index)?;
         let (p, f) = (&mut slice.copies, &mut slice.counts);
         if d.len != len {
             // Not what the caller promised: let the chunk be packed whole.
