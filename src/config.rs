@@ -175,6 +175,9 @@ pub struct Config {
     /// table built) at its first post, as UCX does its per-descriptor work
     /// at post; off: in prepXfer.
     pub prepare_at_post: bool,
+    /// A WRITE over the arena prepared at its first post sends its WANT
+    /// before its descriptors are checked and packed.
+    pub announce_writes: bool,
     /// DRAM peers on the same host: one copy by cross-memory attach straight
     /// between this process's memory and the peer's (the CMA path); off:
     /// such transfers take the bounce arena or UCX.
@@ -248,6 +251,7 @@ impl Default for Config {
             receive_pass_us: 25,
             enable_peer_map: true,
             prepare_at_post: true,
+            announce_writes: true,
             ucx_progress_delay_us: 1000,
             notif_poll_us: 10,
         }
@@ -467,6 +471,7 @@ static SETTINGS: &[Setting] = &[
     setting!(notif_poll_us, "notif_poll_us", "NOTIF_POLL_US", Count, true, "NIXL-notification control (use_nixl_notifications): while a control exchange is under way (a message sent or received in the last 5 ms) the channel polls the inner agent for the reply this often, in us; idle, and with 0 always, it backs off from 50 us to 1 ms (NIXL has no blocking wait for notifications)."),
     setting!(enable_peer_map, "enable_peer_map", "ENABLE_PEER_MAP", Bool, true, "VRAM peers on the same host: one kernel moves an eligible transfer straight between this process's memory and the peer's, mapped with CUDA IPC (no arena, no kernel in the peer); off: such transfers take the bounce path."),
     setting!(prepare_at_post, "prepare_at_post", "PREPARE_AT_POST", Bool, true, "A request's per-descriptor work (its route, the check of both lists, the arena's plan or the peer-mapped copy table) is done at its first post and kept for its re-posts, as UCX does its own at post, so that prepXfer costs what UCX's does (a handle); errors of the descriptors are then reported by the post. Off: done in prepXfer."),
+    setting!(announce_writes, "announce_writes", "ANNOUNCE_WRITES", Bool, true, "A WRITE over the bounce arena prepared at its first post (prepare_at_post), whose descriptors are of one length, sends its WANT (the chunks' sizes, known from the count and the length) before its descriptors are checked and its chunks packed, so that the GRANT's round trip runs under that work; nothing is gathered or written before the check has passed, and a request that takes another route after all is withdrawn. Off: the WANT follows the plan."),
     setting!(enable_cma, "enable_cma", "ENABLE_CMA", Bool, true, "DRAM peers on the same host (proven by reading a token in the peer's memory): one copy moves an eligible transfer straight between this process's memory and the peer's by cross-memory attach, 1024 descriptors a system call (a memory copy between two agents of one process); and the bounce arena's chunk writes between two host arenas on one host (mixed DRAM/VRAM transfers through a GPU's host-staged arena) go the same way, on the CMA threads (on the H200 host 16,384 x 4 KiB mixed READs took 11.5 ms against 25 with UCX's writes); off: such transfers take the bounce arena or UCX, and chunk writes go through UCX."),
     setting!(cma_min_descriptor_count, "cma_min_descriptor_count", "CMA_MIN_DESCRIPTOR_COUNT", Count, false, "CMA path: minimum descriptor count (fewer go to UCX)."),
     setting!(cma_max_average_descriptor_size_bytes, "cma_max_average_descriptor_size_bytes", "CMA_MAX_AVERAGE_DESCRIPTOR_SIZE_BYTES", Bytes, true, "CMA path between two processes: maximum average descriptor bytes (larger go to UCX); 0 = no limit, the default (on the CPU machine, one backend alive at a time, CMA ran at 1.0-1.9x UCX with vLLM's num_threads=4 and 1.5-2.1x UCX without, from 16 KiB to 1 MiB blocks); within one process there is no limit."),
@@ -853,7 +858,8 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 52);
+        assert_eq!(keys.len(), 53);
+        assert!(keys.contains(&"announce_writes"));
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"group_copy_launches"));
         assert!(keys.contains(&"receive_pass_us"));

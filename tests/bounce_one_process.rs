@@ -54,6 +54,10 @@ fn write_once(a: &mut Endpoint, b: &mut Endpoint, plan_seed: u64, seeds: (u64, u
         eb.diff(&sb)
     );
     assert_sender_bounced(&sa, &ea, 1);
+    // Descriptors of one length, prepared at the post: the WANT went out
+    // before the plan (`announce_writes`), and the plan matched it.
+    assert_eq!(ea.since(&sa, "bounce_announced"), 1, "announced");
+    assert_eq!(ea.since(&sa, "bounce_withdrawn"), 0, "withdrawn");
     assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
     assert_eq!(
         ea.since(&sa, "bytes_written"),

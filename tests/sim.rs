@@ -160,6 +160,14 @@ enum Ev {
     Restart {
         agent: usize,
     },
+    /// The chunks' copies of WRITE `id`, which `agent` submitted by their
+    /// sizes alone (`Endpoint::submit_sized`), packed at last.
+    Plan {
+        agent: usize,
+        inc: u32,
+        id: RequestId,
+        plan: std::sync::Arc<nixl_bounce::proto::plan::Plan>,
+    },
     /// `agent`'s reactor comes back to the actions it left queued behind a
     /// copy launch (`launches_last`: one launch per pass of its loop).
     Resume {
@@ -219,6 +227,8 @@ struct ReqInfo {
     read: bool,
     /// A READ of memory the owner does not export: must be refused.
     forged: bool,
+    /// A WRITE submitted by its chunks' sizes, its plan given later.
+    by_sizes: bool,
     descs: Vec<Descriptor>,
     expected: Vec<Vec<u8>>,
     chunks: u64,
@@ -247,6 +257,9 @@ struct Sim {
     /// Draws for the faults added after the first seeds were recorded (so
     /// the scenarios of those seeds did not change).
     extra_rng: Rng,
+    /// Which WRITEs are submitted by their chunks' sizes before their plan
+    /// (a stream of its own: the other draws stay those of each seed).
+    plan_rng: Rng,
     /// Peers the endpoints forgot by themselves during the run.
     forgotten: u64,
     /// Set while the final checks run (forgets then are not counted).
@@ -368,6 +381,7 @@ impl Sim {
             receivers: BTreeSet::new(),
             refused_submits: 0,
             extra_rng,
+            plan_rng: Rng::new(seed.wrapping_mul(0xA24B_AED4_963E_E407) ^ 0x00B1_A4E5),
             forgotten: 0,
             finishing: false,
         };
@@ -771,8 +785,34 @@ impl Sim {
                     })
                     .collect();
                 let now = self.now;
+                // A third of the WRITEs go out by their chunks' sizes, the
+                // plan following after a while (as the engine packs it
+                // while the WANT travels).
+                let late = !read && self.plan_rng.chance(0.3);
                 let submitted = if read {
                     self.agents[agent].ep.submit_read(now, &peer, &descs, None)
+                } else if late {
+                    let ep = &mut self.agents[agent].ep;
+                    ep.plan(&descs)
+                        .map_err(Into::into)
+                        .and_then(|plan| {
+                            let id = ep.submit_sized(now, &peer, &plan.chunk_sizes(), None)?;
+                            Ok((id, plan))
+                        })
+                        .map(|(id, plan)| {
+                            let after = Duration::from_nanos(self.plan_rng.below(400 * US));
+                            let inc = self.agents[agent].inc;
+                            self.at(
+                                now.after(after),
+                                Ev::Plan {
+                                    agent,
+                                    inc,
+                                    id,
+                                    plan,
+                                },
+                            );
+                            id
+                        })
                 } else {
                     self.agents[agent].ep.submit(now, &peer, &descs)
                 };
@@ -792,6 +832,7 @@ impl Sim {
                                 receiver: dest,
                                 read,
                                 forged,
+                                by_sizes: late,
                                 descs,
                                 expected,
                                 chunks,
@@ -1070,6 +1111,19 @@ impl Sim {
                     .after(Duration::from_micros(self.rng.range(10, 500)));
                 self.at(t, Ev::Restart { agent });
             }
+            Ev::Plan {
+                agent,
+                inc,
+                id,
+                plan,
+            } => {
+                if self.agents[agent].alive && self.agents[agent].inc == inc {
+                    let now = self.now;
+                    let taken = self.agents[agent].ep.plan_ready(now, id, plan);
+                    self.log(|| format!("a{agent} plan of {id} ready (taken: {taken})"));
+                    self.run_actions(agent)?;
+                }
+            }
             Ev::Restart { agent } => {
                 self.log(|| format!("a{agent} RESTARTS"));
                 let ag = &mut self.agents[agent];
@@ -1320,6 +1374,10 @@ struct Tally {
     steps: u64,
     /// Unreachable peers the endpoints forgot by themselves during runs.
     forgotten: u64,
+    /// WRITEs submitted by their chunks' sizes before their plan, and of
+    /// them those that succeeded.
+    by_sizes: u64,
+    by_sizes_succeeded: u64,
 }
 
 fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
@@ -1335,10 +1393,12 @@ fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
     for r in sim.reqs.values() {
         tally.requests += 1;
         tally.reads += u64::from(r.read);
+        tally.by_sizes += u64::from(r.by_sizes);
         match r.outcome {
             Some((Outcome::Success, _)) => {
                 tally.succeeded += 1;
                 tally.reads_succeeded += u64::from(r.read);
+                tally.by_sizes_succeeded += u64::from(r.by_sizes);
             }
             Some((Outcome::Failure(FailureReason::SourceRefused), _)) if r.forged => {
                 tally.forged_reads_refused += 1;
@@ -1391,6 +1451,10 @@ fn run_range(first: u64) {
     }
     assert!(tally.succeeded > 0, "no request ever succeeded");
     assert!(tally.reads_succeeded > 0, "no READ ever succeeded");
+    assert!(
+        tally.by_sizes_succeeded > 0,
+        "no WRITE submitted by its sizes ever succeeded"
+    );
     assert!(
         tally.forged_reads_refused > 0,
         "no READ of unexported memory was refused"

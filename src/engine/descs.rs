@@ -360,8 +360,10 @@ impl<'a> Facts<'a> {
 /// What the pass finds otherwise is dropped (the run lists go back to
 /// their pool) and the plan is made the usual way, after routing.
 pub struct Packing {
-    /// The local regions' bounce instance the plan is for.
+    /// The local regions' bounce instance the plan is for ...
     pub(super) instance: Arc<Bounce>,
+    /// ... and the peer's arena it goes to.
+    pub(super) peer: Arc<PeerBounce>,
     pub(super) spec: PackSpec,
 }
 
@@ -373,7 +375,7 @@ impl Packing {
         let (l0, r0) = (local.raw.first()?, remote.raw.first()?);
         let mixed = local.kind != remote.kind;
         let instance = local.md(l0.md)?.instance_for(mixed)?.clone();
-        remote.md(r0.md)?.arena_for(mixed)?;
+        let peer = remote.md(r0.md)?.arena_for(mixed)?.clone();
         let first = pair_descriptor(op, l0.range(), r0.range());
         let runtime = &instance.runtime;
         let spec = PackSpec::new(
@@ -381,7 +383,11 @@ impl Packing {
             runtime.plan_options(),
             runtime.run_pool().clone(),
         )?;
-        Some(Packing { instance, spec })
+        Some(Packing {
+            instance,
+            peer,
+            spec,
+        })
     }
 }
 

@@ -822,10 +822,15 @@ impl Engine {
                 return Ok(None);
             }
         }
-        let check_began = std::time::Instant::now();
         // The arena is the likely route of what comes this far when the
-        // peer-mapped path is not open to it: its plan may be packed in
-        // the check's pass.
+        // peer-mapped path is not open to it: a WRITE's WANT may go out now,
+        // and its plan may be packed in the check's pass.
+        let announced = if peer_gate {
+            None
+        } else {
+            self.announce(op, &local, &remote, shape, &args)
+        };
+        let check_began = std::time::Instant::now();
         let (checked, early) = self.check(op, local, remote, !peer_gate)?;
         let check_ns = check_began.elapsed().as_nanos() as u64;
         // The byte total the routing's size limit needs, from the pass.
@@ -867,6 +872,9 @@ impl Engine {
                 });
                 match plan {
                     Ok(plan) => {
+                        // Dropped (withdrawn) unless the transfer is the
+                        // one it announced.
+                        let announced = announced.filter(|a| a.fits(&instance, &peer, &plan));
                         let c = &self.stats.counters.hot;
                         EngineStats::add(&c.arena_prepared, 1);
                         EngineStats::add(&c.arena_check_ns, check_ns);
@@ -879,6 +887,7 @@ impl Engine {
                                 peer_arena: peer,
                                 peer_inner: inner_remote,
                                 plan,
+                                announced,
                                 ticket: None,
                                 reported: false,
                             }),
@@ -895,6 +904,51 @@ impl Engine {
         }
 
         Ok(None)
+    }
+
+    /// Sends the WANT of a WRITE over the arena before its descriptors are
+    /// checked and packed (`announce_writes`, with `prepare_at_post`: the
+    /// post that prepares it submits it next), so that the GRANT's round
+    /// trip runs under that work. Only where its first pair of descriptors
+    /// and its count foretell the route and the chunk sizes: the local
+    /// instance and the peer's arena of that pair, which the routing
+    /// admits for the bytes of `count` descriptors of its length, and a
+    /// cut by whole chunks ([`Packing::of`]). The caller keeps the result
+    /// only if the transfer turns out so ([`Announced::fits`]); dropped, it
+    /// is withdrawn.
+    fn announce(
+        &self,
+        op: Op,
+        local: &Descs<'_>,
+        remote: &Descs<'_>,
+        shape: &Shape,
+        args: &XferArgs,
+    ) -> Option<Announced> {
+        if !(self.config.prepare_at_post && self.config.announce_writes && op == Op::Write) {
+            return None;
+        }
+        let Packing {
+            instance,
+            peer,
+            spec,
+        } = Packing::of(op, local, remote)?;
+        let cut = plan::Cut {
+            cap: spec.cap,
+            per_chunk: Some(spec.per_chunk),
+        };
+        let sizes = cut.sizes(&spec.survey)?;
+        let payload = spec.survey.payload();
+        self.route_between(op, shape, Some(&instance), Some(&peer), payload)
+            .ok()?;
+        let deadline = TransferParams::parse(&args.custom_param)
+            .ok()?
+            .deadline_ms
+            .map(std::time::Duration::from_millis);
+        instance.ensure_peer(&peer);
+        let ticket = instance
+            .runtime
+            .announce(peer.id.clone(), sizes.clone(), deadline);
+        Some(Announced::new(ticket, instance, peer, sizes))
     }
 
     /// Counts a transfer prepared on the peer-mapped path, with the time
@@ -1050,10 +1104,16 @@ impl Engine {
                     .deadline_ms
                     .map(std::time::Duration::from_millis);
                 let (peer, plan) = (b.peer.clone(), b.plan.clone());
-                b.ticket = Some(if b.read {
-                    runtime.submit_read(peer, plan, notif, deadline)
-                } else {
-                    runtime.submit(peer, plan, notif, deadline)
+                b.ticket = Some(match b.announced.take() {
+                    // Its WANT went out while it was prepared; the deadline
+                    // came with it (the same custom parameter).
+                    Some(announced) => {
+                        let ticket = announced.take();
+                        runtime.plan_ready(&ticket, plan, notif);
+                        ticket
+                    }
+                    None if b.read => runtime.submit_read(peer, plan, notif, deadline),
+                    None => runtime.submit(peer, plan, notif, deadline),
                 });
                 b.reported = false;
                 let c = &self.stats.counters.hot;

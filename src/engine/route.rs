@@ -40,8 +40,67 @@ pub(super) struct BounceXfer {
     pub(super) peer_inner: Arc<str>,
     /// Made when the request is prepared; every post submits it.
     pub(super) plan: Arc<Plan>,
+    /// A WRITE announced before its plan ([`Announced`]): its first post
+    /// brings the plan to this request rather than submitting another.
+    pub(super) announced: Option<Announced>,
     pub(super) ticket: Option<Arc<Ticket>>,
     pub(super) reported: bool,
+}
+
+/// A WRITE whose WANT went out before its descriptors were checked and its
+/// chunks packed ([`Runtime::announce`](crate::runtime::Runtime::announce),
+/// `announce_writes`): the route and the chunk sizes it assumed, foretold
+/// from its first pair of descriptors and its count. Withdrawn when
+/// dropped unless its ticket was taken ([`Announced::take`]).
+pub(super) struct Announced {
+    ticket: Option<Arc<Ticket>>,
+    instance: Arc<Bounce>,
+    peer: Arc<PeerBounce>,
+    sizes: Vec<u64>,
+}
+
+impl Announced {
+    pub(super) fn new(
+        ticket: Arc<Ticket>,
+        instance: Arc<Bounce>,
+        peer: Arc<PeerBounce>,
+        sizes: Vec<u64>,
+    ) -> Self {
+        Announced {
+            ticket: Some(ticket),
+            instance,
+            peer,
+            sizes,
+        }
+    }
+
+    /// Whether the transfer took the route it was announced for, with the
+    /// chunk sizes announced.
+    pub(super) fn fits(&self, instance: &Arc<Bounce>, peer: &Arc<PeerBounce>, plan: &Plan) -> bool {
+        Arc::ptr_eq(&self.instance, instance)
+            && Arc::ptr_eq(&self.peer, peer)
+            && plan.chunks.len() == self.sizes.len()
+            && plan
+                .chunks
+                .iter()
+                .zip(&self.sizes)
+                .all(|(c, &s)| c.bytes == s)
+    }
+
+    /// The request's ticket, to bring it its plan.
+    pub(super) fn take(mut self) -> Arc<Ticket> {
+        self.ticket
+            .take()
+            .expect("an announced request's ticket is taken once")
+    }
+}
+
+impl Drop for Announced {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            self.instance.runtime.withdraw(&ticket);
+        }
+    }
 }
 
 impl Request {
@@ -300,16 +359,39 @@ impl Engine {
         checked: &Checked<'_>,
         shape: &Shape,
     ) -> std::result::Result<(Arc<Bounce>, Arc<PeerBounce>), Fallback> {
+        let (local_instance, peer) = (checked.local_instance, checked.peer);
+        self.route_between(op, shape, local_instance, peer, shape.bytes.get())?;
+        let vram_arena = local_instance.is_some_and(|b| b.location.arena_kind() == MemKind::Vram)
+            || peer.is_some_and(|p| p.arena.mem == nixl_sys::MemType::Vram);
+        if shape.local != shape.remote && !vram_arena {
+            EngineStats::bump(&self.stats.counters.rare.arena_mixed_staged);
+        }
+        match (local_instance, peer) {
+            (Some(b), Some(p)) => Ok((b.clone(), p.clone())),
+            (None, _) => Err(Fallback::NoLocalArena),
+            (_, None) => Err(Fallback::PeerNotBounceCapable),
+        }
+    }
+
+    /// Whether the arena may carry a transfer of `shape` (`bytes` in all)
+    /// from `local_instance` to `peer` ([`bounce::route`]).
+    pub(super) fn route_between(
+        &self,
+        op: Op,
+        shape: &Shape,
+        local_instance: Option<&Arc<Bounce>>,
+        peer: Option<&Arc<PeerBounce>>,
+        bytes: u64,
+    ) -> std::result::Result<(), Fallback> {
         if !self.config.enabled {
             return Err(Fallback::BounceDisabled);
         }
-        let (local_instance, peer) = (checked.local_instance, checked.peer);
         let input = RouteInput {
             op,
             local: shape.local,
             remote: shape.remote,
             descriptors: shape.descriptors,
-            bytes: shape.bytes.get(),
+            bytes,
             peer_capable: peer.is_some(),
             peer_reads: peer.is_some_and(|p| p.read),
             local_transfer: shape.local_transfer,
@@ -319,14 +401,6 @@ impl Engine {
             reach: peer.map_or(bounce::Reach::Near, |p| p.reach),
         };
         let poisoned = local_instance.is_some_and(|b| b.runtime.poisoned().is_some());
-        bounce::route(&self.config, poisoned, &input)?;
-        if shape.local != shape.remote && !input.vram_arena {
-            EngineStats::bump(&self.stats.counters.rare.arena_mixed_staged);
-        }
-        match (local_instance, peer) {
-            (Some(b), Some(p)) => Ok((b.clone(), p.clone())),
-            (None, _) => Err(Fallback::NoLocalArena),
-            (_, None) => Err(Fallback::PeerNotBounceCapable),
-        }
+        bounce::route(&self.config, poisoned, &input)
     }
 }

@@ -682,6 +682,38 @@ impl Endpoint {
         Ok(id)
     }
 
+    /// Starts a transfer known so far by its chunks' sizes (what the WANT
+    /// carries), so that the GRANT's round trip runs while the caller
+    /// still packs the chunks' copies; they come with
+    /// [`Endpoint::plan_ready`], and until then nothing is gathered or
+    /// written. The caller that cannot finish the plan cancels the request
+    /// ([`Endpoint::cancel`]); one that never comes back is ended by the
+    /// request timeout, as a request whose credits never come.
+    pub fn submit_sized(
+        &mut self,
+        now: Time,
+        peer: &PeerId,
+        sizes: &[u64],
+        deadline: Option<Duration>,
+    ) -> Result<RequestId, SubmitError> {
+        self.check_submission(&Plan::sized(sizes))?;
+        let id = self
+            .sender
+            .submit_sized(&mut self.ctx, now, peer, sizes, deadline)?;
+        self.pump(now);
+        Ok(id)
+    }
+
+    /// The chunks' copies of a request from [`Endpoint::submit_sized`].
+    /// Returns whether they were taken: not when the request is not
+    /// waiting for them (unknown, ended or planned), nor when the plan's
+    /// chunk sizes are not those the WANT carried, which cancels it.
+    pub fn plan_ready(&mut self, now: Time, request: RequestId, plan: Arc<Plan>) -> bool {
+        let taken = self.sender.on_plan(&mut self.ctx, now, request, plan);
+        self.pump(now);
+        taken
+    }
+
     /// Cancels a request (it fails with [`FailureReason::Cancelled`]).
     /// Returns false if it is unknown or already terminal.
     pub fn cancel(&mut self, now: Time, request: RequestId) -> bool {

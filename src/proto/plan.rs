@@ -124,6 +124,24 @@ impl Plan {
     pub fn chunk_sizes(&self) -> Vec<u64> {
         self.chunks.iter().map(|c| c.bytes).collect()
     }
+
+    /// A plan of chunks known by their sizes alone (no copies yet), which
+    /// holds the place of a request's plan while it is packed.
+    pub fn sized(sizes: &[u64]) -> Plan {
+        Plan {
+            chunks: sizes
+                .iter()
+                .map(|&bytes| Chunk {
+                    bytes,
+                    gather_runs: Runs::default(),
+                    scatter_runs: Runs::default(),
+                    pieces: 0,
+                })
+                .collect(),
+            payload_bytes: sizes.iter().fold(0, |a, &b| a.saturating_add(b)),
+            ..Plan::default()
+        }
+    }
 }
 
 /// Plan options.
@@ -326,6 +344,27 @@ pub struct Cut {
     /// then descriptors `c * k ..`, so that runs of whole chunks can be
     /// packed apart ([`pack`]) and put together ([`assemble`]).
     pub per_chunk: Option<usize>,
+}
+
+impl Cut {
+    /// The chunks' byte sizes (what a WANT carries) of a transfer cut by
+    /// whole chunks, known from `survey` alone, before any chunk is packed:
+    /// chunk `c` holds descriptors `c k ..` of one length `len`, each
+    /// placed at the region's alignment after the one before, so it takes
+    /// `(m - 1) align(len) + len` bytes for its `m` of them. `None` when the
+    /// cut is not by whole chunks, or the transfer would need more than
+    /// [`MAX_CHUNKS`] (planning refuses it).
+    pub fn sizes(&self, survey: &Survey) -> Option<Vec<u64>> {
+        let k = self.per_chunk?;
+        let n = survey.descriptors;
+        let len = survey.first_len;
+        let chunks = n.div_ceil(k);
+        if chunks > MAX_CHUNKS {
+            return None;
+        }
+        let bytes = |m: usize| (m as u64 - 1) * align_up(len) + len;
+        Some((0..chunks).map(|c| bytes(k.min(n - c * k))).collect())
+    }
 }
 
 /// How the descriptors `survey` was fed are cut into chunks.
@@ -1584,8 +1623,11 @@ mod tests {
             let c = cut(&survey, &options);
             let Some(k) = c.per_chunk else {
                 prop_assert!(len > c.cap);
+                prop_assert_eq!(c.sizes(&survey), None);
                 return Ok(());
             };
+            // The sizes a WANT sent before the packing carries.
+            prop_assert_eq!(c.sizes(&survey), Some(whole.chunk_sizes()));
             let pool = RunPool::default();
             let (mut chunks, mut at, mut i) = (Vec::new(), 0, 0);
             while at < n {

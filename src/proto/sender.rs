@@ -10,6 +10,12 @@
 //! Gathered (no credit) --a remote flow or parked credit waits--> Idle (evicted)
 //! ```
 //!
+//! A request may be submitted by its chunks' sizes alone
+//! ([`Sender::submit_sized`]): its WANT goes out at once, while the caller
+//! still packs the chunks' copies, so the GRANT's round trip runs under
+//! the packing. Until [`Sender::on_plan`] brings them, its chunks stay
+//! Idle: credits are kept, nothing is gathered, nothing written.
+//!
 //! A request succeeds when every chunk is acked. It fails (exactly once) on
 //! timeout, deadline, cancel, peer loss, write or gather failure, refusal,
 //! protocol error, poisoning or shutdown. After a failure the request stays
@@ -58,6 +64,9 @@ struct Request {
     /// The reader's request id when this request serves a READ.
     serves: Option<RequestId>,
     plan: Arc<Plan>,
+    /// Whether `plan` has the chunks' copies; `false` while only their
+    /// sizes are known ([`Sender::submit_sized`]).
+    planned: bool,
     slots: Vec<Slot>,
     acked: usize,
     last_progress: Time,
@@ -215,6 +224,7 @@ impl Sender {
                 peer: peer.clone(),
                 serves,
                 plan,
+                planned: true,
                 slots: vec![
                     Slot {
                         credit: None,
@@ -312,6 +322,33 @@ impl Sender {
         plan: Arc<Plan>,
         deadline: Option<std::time::Duration>,
     ) -> Result<RequestId, SubmitError> {
+        self.submit_as(ctx, now, peer, plan, true, deadline)
+    }
+
+    /// Submits a request known by its chunks' sizes alone (the WANT's
+    /// content): the WANT goes out now, the chunks' copies come with
+    /// [`Sender::on_plan`].
+    pub fn submit_sized(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        peer: &PeerId,
+        sizes: &[u64],
+        deadline: Option<std::time::Duration>,
+    ) -> Result<RequestId, SubmitError> {
+        let plan = Plan::sized(sizes);
+        self.submit_as(ctx, now, peer, Arc::new(plan), false, deadline)
+    }
+
+    fn submit_as(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        peer: &PeerId,
+        plan: Arc<Plan>,
+        planned: bool,
+        deadline: Option<std::time::Duration>,
+    ) -> Result<RequestId, SubmitError> {
         let id = self.next_id();
         ctx.stats.submitted += 1;
         if plan.chunks.is_empty() {
@@ -333,7 +370,47 @@ impl Sender {
         );
         let deadline = deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d));
         self.insert(id, peer, None, plan, now, deadline);
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.planned = planned;
+        }
         Ok(id)
+    }
+
+    /// Brings the chunks' copies of request `id`, submitted by its sizes
+    /// ([`Sender::submit_sized`]): each chunk already credited is staged
+    /// as its credit would have been, the others wait for theirs (or the
+    /// eager gather). Returns whether they were taken: not when `id` is
+    /// not waiting for its plan (unknown, ended, planned), nor when the
+    /// plan's chunks are not the sizes its WANT carried, which fails the
+    /// request (cancelled: the receiver's regions were granted for those
+    /// sizes).
+    pub fn on_plan(&mut self, ctx: &mut Ctx, now: Time, id: RequestId, plan: Arc<Plan>) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        if req.planned || !req.active() {
+            return false;
+        }
+        let same = plan.chunks.len() == req.plan.chunks.len()
+            && plan
+                .chunks
+                .iter()
+                .zip(&req.plan.chunks)
+                .all(|(a, b)| a.bytes == b.bytes);
+        if !same {
+            tracing::warn!(target: "nixl_bounce::proto", "the plan of {id} does not have the chunk sizes its WANT carried; cancelled");
+            self.fail(ctx, id, FailureReason::Cancelled);
+            return false;
+        }
+        req.plan = plan;
+        req.planned = true;
+        req.last_progress = now;
+        for c in 0..req.slots.len() {
+            if req.slots[c].credit.is_some() && req.slots[c].stage == Stage::Idle {
+                Self::stage_credited(ctx, &mut self.parked, id, req, c);
+            }
+        }
+        true
     }
 
     fn start_gather(
@@ -393,7 +470,7 @@ impl Sender {
         }
         let window = ctx.cfg.window;
         for (&id, req) in self.requests.iter_mut() {
-            if !req.active() {
+            if !req.active() || !req.planned {
                 continue;
             }
             while req.staged < window {
@@ -480,24 +557,10 @@ impl Sender {
             req.slots[c].credit = Some(*credit);
             req.last_progress = now;
             match req.slots[c].stage {
-                Stage::Idle => {
-                    // Never overtake older parked credits.
-                    let region = if self.parked.is_empty() {
-                        ctx.sched.acquire_local(req.plan.chunks[c].bytes, false)
-                    } else {
-                        None
-                    };
-                    match region {
-                        Some(region) => Self::start_gather(ctx, id, req, c, region),
-                        None => {
-                            req.slots[c].stage = Stage::Parked;
-                            ctx.stats.parked += 1;
-                            self.parked.push_back(ChunkRef {
-                                request: id,
-                                chunk: credit.chunk,
-                            });
-                        }
-                    }
+                // Without its copies yet, the chunk keeps its credit until
+                // `on_plan`.
+                Stage::Idle if req.planned => {
+                    Self::stage_credited(ctx, &mut self.parked, id, req, c);
                 }
                 Stage::Gathering(region) => {
                     let _ = ctx.sched.promote_local(region);
@@ -515,6 +578,34 @@ impl Sender {
         }
         if bad {
             self.fail(ctx, id, FailureReason::ProtocolError);
+        }
+    }
+
+    /// Stages idle chunk `c` of request `id`, which has its credit and its
+    /// copies: gathered at once where the arena has room, else parked
+    /// behind the credits parked before it (never overtaking them).
+    fn stage_credited(
+        ctx: &mut Ctx,
+        parked: &mut VecDeque<ChunkRef>,
+        id: RequestId,
+        req: &mut Request,
+        c: usize,
+    ) {
+        let region = if parked.is_empty() {
+            ctx.sched.acquire_local(req.plan.chunks[c].bytes, false)
+        } else {
+            None
+        };
+        match region {
+            Some(region) => Self::start_gather(ctx, id, req, c, region),
+            None => {
+                req.slots[c].stage = Stage::Parked;
+                ctx.stats.parked += 1;
+                parked.push_back(ChunkRef {
+                    request: id,
+                    chunk: c as u32,
+                });
+            }
         }
     }
 

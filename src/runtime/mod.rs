@@ -40,7 +40,7 @@ use crate::config::IoThreadUse;
 use crate::control::{ControlChannel, Endpoint as ControlEndpoint, PeerHandle};
 use crate::copy::{CopyEngine, Direction, RegionSpan};
 use crate::dataplane::{DataPlane, PeerArena};
-use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome};
+use crate::proto::endpoint::{Action, Endpoint, FailureReason, Outcome, SubmitError};
 use crate::proto::plan::{self, Descriptor, Plan, PlanError, PlanOptions, Survey};
 use crate::proto::wire::{Message, MessageType};
 use crate::proto::{ChunkRef, PeerId, RegionHandle, RequestId, Run, RunPool, Runs, Time};
@@ -76,8 +76,26 @@ enum Command {
         /// for the timeline (0 when none is kept).
         queued_ns: u64,
     },
+    /// A WRITE to `peer` known so far by its chunks' sizes: its WANT goes
+    /// out now; [`Command::Planned`] follows.
+    Announce {
+        peer: PeerId,
+        sizes: Vec<u64>,
+        ticket: Arc<Ticket>,
+        deadline: Option<Duration>,
+        queued_ns: u64,
+    },
+    /// The plan, and the notification, of an announced WRITE.
+    Planned {
+        ticket: Arc<Ticket>,
+        plan: Arc<Plan>,
+        notif: Option<DeferredNotif>,
+    },
     Cancel {
         ticket: Arc<Ticket>,
+        /// Withdrawn by the engine itself (an announced WRITE that took
+        /// another route): not counted or logged as a failed transfer.
+        withdrawn: bool,
     },
     AddPeer {
         peer: PeerId,
@@ -119,6 +137,11 @@ crate::stats::typed_counters! {
         /// Requests that passed their deadline.
         deadlines => "bounce_deadlines_exceeded",
         cancelled => "bounce_cancels",
+        /// WRITEs whose WANT went out before their plan (`announce_writes`),
+        /// and of them those withdrawn (the transfer took another route,
+        /// or its preparation failed).
+        announced => "bounce_announced",
+        withdrawn => "bounce_withdrawn",
         /// Times a peer was found unreachable (control connection down too
         /// long; once per outage).
         peers_unreachable => "peers_unreachable",
@@ -398,6 +421,7 @@ impl Runtime {
             liveness_checked: Instant::now(),
             tickets: HashMap::new(),
             awaiting_grant: HashMap::new(),
+            withdrawn: HashSet::new(),
             awaiting_ack: HashMap::new(),
             workers,
         };
@@ -468,6 +492,61 @@ impl Runtime {
         self.submit_command(true, peer, plan, notif, deadline)
     }
 
+    /// Starts a WRITE to `peer` known so far by its chunks' sizes
+    /// ([`plan::Cut::sizes`]): its WANT goes out now, so that the GRANT's
+    /// round trip runs while the caller packs the plan, which
+    /// [`Runtime::plan_ready`] then brings (with the notification). A
+    /// caller that ends up not sending it withdraws it
+    /// ([`Runtime::withdraw`]).
+    pub fn announce(
+        &self,
+        peer: PeerId,
+        sizes: Vec<u64>,
+        deadline: Option<Duration>,
+    ) -> Arc<Ticket> {
+        let ticket = Ticket::new();
+        self.push(Command::Announce {
+            peer,
+            sizes,
+            ticket: ticket.clone(),
+            deadline,
+            queued_ns: self.queued_ns(),
+        });
+        ticket
+    }
+
+    /// The plan of a WRITE started by [`Runtime::announce`], whose chunk
+    /// sizes must be those announced (else the request fails, cancelled),
+    /// and the notification its success sends.
+    pub fn plan_ready(&self, ticket: &Arc<Ticket>, plan: Arc<Plan>, notif: Option<DeferredNotif>) {
+        self.push(Command::Planned {
+            ticket: ticket.clone(),
+            plan,
+            notif,
+        });
+    }
+
+    /// Ends an announced WRITE that will not be sent after all (its
+    /// transfer took another route, or its preparation failed): cancelled
+    /// as [`Runtime::cancel`] does, its regions reclaimed safely, but not
+    /// counted as a failed transfer.
+    pub fn withdraw(&self, ticket: &Arc<Ticket>) {
+        if ticket.outcome().is_none() {
+            self.push(Command::Cancel {
+                ticket: ticket.clone(),
+                withdrawn: true,
+            });
+        }
+    }
+
+    fn queued_ns(&self) -> u64 {
+        if self.traced {
+            trace::monotonic_ns()
+        } else {
+            0
+        }
+    }
+
     fn submit_command(
         &self,
         read: bool,
@@ -484,11 +563,7 @@ impl Runtime {
             ticket: ticket.clone(),
             notif,
             deadline,
-            queued_ns: if self.traced {
-                trace::monotonic_ns()
-            } else {
-                0
-            },
+            queued_ns: self.queued_ns(),
         });
         ticket
     }
@@ -498,6 +573,7 @@ impl Runtime {
         if ticket.outcome().is_none() {
             self.push(Command::Cancel {
                 ticket: ticket.clone(),
+                withdrawn: false,
             });
         }
     }

@@ -102,6 +102,9 @@ pub(super) struct Reactor {
     /// first GRANT, and DATA messages waiting for their ACK.
     pub(super) awaiting_grant: HashMap<RequestId, Instant>,
     pub(super) awaiting_ack: HashMap<(RequestId, u32), Instant>,
+    /// Requests the engine withdrew ([`super::Runtime::withdraw`]): their
+    /// end is not a failed transfer.
+    pub(super) withdrawn: HashSet<RequestId>,
     pub(super) workers: Vec<JoinHandle<()>>,
 }
 
@@ -293,27 +296,43 @@ impl Reactor {
                     } else {
                         self.endpoint.submit_plan(now, &peer, plan, deadline)
                     };
-                    match submitted {
-                        Ok(id) => {
-                            if let Some(t) = &mut self.trace {
-                                t.submitted(id, bytes, queued_ns);
-                            }
-                            *ticket.request.locked() = Some(id);
-                            let now = Instant::now();
-                            self.tickets.insert(id, (ticket, notif, now));
-                            if !read {
-                                // READs are granted by this side.
-                                self.awaiting_grant.insert(id, now);
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(agent = %self.name, "bounce submission refused: {e}");
-                            ticket.finish(Err(FailureReason::Rejected));
-                        }
-                    }
+                    self.submitted(submitted, read, ticket, notif, bytes, queued_ns);
                 }
-                Command::Cancel { ticket } => {
+                Command::Announce {
+                    peer,
+                    sizes,
+                    ticket,
+                    deadline,
+                    queued_ns,
+                } => {
+                    let bytes = sizes.iter().sum();
+                    self.shared
+                        .counters
+                        .announced
+                        .fetch_add(1, Ordering::Relaxed);
+                    let submitted = self.endpoint.submit_sized(now, &peer, &sizes, deadline);
+                    self.submitted(submitted, false, ticket, None, bytes, queued_ns);
+                }
+                Command::Planned {
+                    ticket,
+                    plan,
+                    notif,
+                } => {
+                    // Nothing to do for a request that was refused, or has
+                    // ended (it failed, and its ticket says so).
+                    let Some(id) = *ticket.request.locked() else {
+                        continue;
+                    };
+                    if let Some(entry) = self.tickets.get_mut(&id) {
+                        entry.1 = notif;
+                    }
+                    self.endpoint.plan_ready(now, id, plan);
+                }
+                Command::Cancel { ticket, withdrawn } => {
                     if let Some(id) = *ticket.request.locked() {
+                        if withdrawn {
+                            self.withdrawn.insert(id);
+                        }
                         self.endpoint.cancel(now, id);
                     }
                 }
@@ -1147,6 +1166,37 @@ impl Reactor {
         }
     }
 
+    /// Keeps the ticket of a request the endpoint took (`submitted`), or
+    /// fails it.
+    fn submitted(
+        &mut self,
+        submitted: Result<RequestId, SubmitError>,
+        read: bool,
+        ticket: Arc<Ticket>,
+        notif: Option<DeferredNotif>,
+        bytes: u64,
+        queued_ns: u64,
+    ) {
+        match submitted {
+            Ok(id) => {
+                if let Some(t) = &mut self.trace {
+                    t.submitted(id, bytes, queued_ns);
+                }
+                *ticket.request.locked() = Some(id);
+                let now = Instant::now();
+                self.tickets.insert(id, (ticket, notif, now));
+                if !read {
+                    // READs are granted by this side.
+                    self.awaiting_grant.insert(id, now);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(agent = %self.name, "bounce submission refused: {e}");
+                ticket.finish(Err(FailureReason::Rejected));
+            }
+        }
+    }
+
     fn complete(&mut self, request: RequestId, outcome: Outcome) {
         self.trace(Step::Complete, request, None);
         self.awaiting_grant.remove(&request);
@@ -1154,6 +1204,18 @@ impl Reactor {
         let Some((ticket, notif, submitted)) = self.tickets.remove(&request) else {
             return;
         };
+        if self.withdrawn.remove(&request) {
+            // The engine's own: no transfer failed.
+            self.shared
+                .counters
+                .withdrawn
+                .fetch_add(1, Ordering::Relaxed);
+            ticket.finish(match outcome {
+                Outcome::Success => Ok(()),
+                Outcome::Failure(reason) => Err(reason),
+            });
+            return;
+        }
         self.shared
             .counters
             .request_ns

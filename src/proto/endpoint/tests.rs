@@ -1171,3 +1171,101 @@ fn deadline_and_malformed_input() {
     assert!(tx.handle_control(t(4), &b, b"garbage").is_err());
     assert_eq!(tx.stats().malformed, 1);
 }
+
+/// A request submitted by its chunks' sizes sends its WANT at once and
+/// keeps the credits that come before its plan; nothing is gathered until
+/// the plan comes, whether it comes after the GRANT or before, and the
+/// transfer then ends byte-exact.
+#[test]
+fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
+    for plan_first in [false, true] {
+        let mut p = pair("A", "B", true);
+        // 20 x 128 bytes: 3 chunks of at most 1024.
+        let d = descs(20, 128);
+        let plan = p.a.ep.plan(&d).unwrap();
+        assert_eq!(plan.chunks.len(), 3);
+        let id =
+            p.a.ep
+                .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
+                .unwrap();
+        p.poll();
+        assert!(
+            matches!(&p.a.sent[..], [Message::Want { chunk_sizes, .. }] if *chunk_sizes == plan.chunk_sizes())
+        );
+        assert!(p.a.gathers.is_empty(), "no eager gather without the copies");
+        if plan_first {
+            assert!(p.a.ep.plan_ready(p.now, id, plan.clone()));
+            p.poll();
+            assert!(!p.a.gathers.is_empty(), "eager gathers once planned");
+        } else {
+            p.deliver(B);
+            p.deliver(A);
+            p.poll();
+            assert!(p.a.gathers.is_empty(), "credits kept, nothing gathered");
+            assert!(p.a.ep.plan_ready(p.now, id, plan.clone()));
+            p.poll();
+            assert_eq!(p.a.gathers.len(), 2, "the credited chunks staged");
+        }
+        assert!(!p.a.ep.plan_ready(p.now, id, plan.clone()), "planned once");
+        p.drive();
+        assert_eq!(p.a.completed, vec![(id, Outcome::Success)], "{plan_first}");
+        assert!(p.b.holds_copy_of(&p.a, &d));
+        for node in [&p.a, &p.b] {
+            assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
+            assert_eq!(node.ep.arena_usage().local, 0);
+        }
+        check(&p);
+    }
+}
+
+/// A request submitted by its sizes that does not get its plan ends as
+/// any other: cancelled by its caller, refused a plan of other sizes, or
+/// timed out; its CANCEL frees the receiver's regions and nothing is left.
+#[test]
+fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
+    for how in ["cancel", "other sizes", "timeout"] {
+        let mut p = pair("A", "B", true);
+        let d = descs(20, 128);
+        let plan = p.a.ep.plan(&d).unwrap();
+        let id =
+            p.a.ep
+                .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
+                .unwrap();
+        p.deliver(B);
+        p.deliver(A);
+        let want = match how {
+            "cancel" => {
+                assert!(p.a.ep.cancel(p.now, id));
+                FailureReason::Cancelled
+            }
+            "other sizes" => {
+                let other = p.a.ep.plan(&descs(19, 128)).unwrap();
+                assert!(!p.a.ep.plan_ready(p.now, id, other));
+                FailureReason::Cancelled
+            }
+            _ => {
+                p.a.ep
+                    .handle_timeout(p.now.after(Duration::from_millis(11)));
+                FailureReason::Timeout
+            }
+        };
+        p.drive();
+        assert_eq!(p.a.completed, vec![(id, Outcome::Failure(want))], "{how}");
+        assert!(p.a.writes.is_empty() && p.a.gathers.is_empty(), "{how}");
+        for node in [&p.a, &p.b] {
+            assert_eq!(
+                (node.ep.request_count(), node.ep.flow_count()),
+                (0, 0),
+                "{how}"
+            );
+            assert_eq!(node.ep.arena_usage().local, 0, "{how}");
+        }
+        let all = Endpoint::new(cfg(true)).unwrap().arena_free();
+        assert_eq!(
+            p.b.ep.arena_free(),
+            all,
+            "{how}: the receiver's regions are free"
+        );
+        check(&p);
+    }
+}
