@@ -11,6 +11,8 @@
 //!   with the split off);
 //! - chunk writes posted by the IO thread or by the writer thread;
 //! - a timeline (`NIXL_BOUNCE_TRACE`) whose steps line up across both sides;
+//! - every WRITE announced before its plan (`announce_writes`), and one
+//!   whose plan differs from its announcement withdrawn and sent anew;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 mod support;
@@ -461,4 +463,66 @@ fn a_trace_lines_up_each_chunks_steps_across_both_sides() {
         assert!(w[0].1 <= w[1].1, "{} after {}", w[0].0, w[1].0);
     }
     assert!(last_ack <= chain[10].1, "complete before the last ACK");
+}
+
+/// A WRITE announced before its plan (`announce_writes`) that is not what
+/// its first descriptor foretold: its last block is half as long, so its
+/// plan's last chunk is not the size announced. The announcement is
+/// withdrawn (not counted as a failed transfer), the target's regions
+/// granted for it are freed, and the WRITE itself goes through as a
+/// request of its own, byte-exact.
+#[test]
+#[serial_test::serial]
+fn a_write_whose_plan_differs_from_its_announcement_is_withdrawn() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let mut a = endpoint("wd-a", &[LOOPBACK], len(), 61, ThreadSync::Default);
+    let mut b = endpoint("wd-b", &[LOOPBACK], len(), 62, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    let plan = Plan::standard(MANY, BLOCK, 63);
+    a.buf.fill_pattern(64);
+    b.buf.fill_pattern(65);
+    let lens: Vec<usize> = (0..MANY)
+        .map(|i| if i + 1 == MANY { BLOCK / 2 } else { BLOCK })
+        .collect();
+    let list = |base: usize, offsets: &[usize]| {
+        let mut l = nixl_sys::XferDescList::new(nixl_sys::MemType::Dram).expect("a list");
+        for (o, len) in offsets.iter().zip(&lens) {
+            l.add_desc(base + o, *len, 0);
+        }
+        l
+    };
+    let (local, remote) = (list(a.buf.addr(), &plan.src), list(b.buf.addr(), &plan.dst));
+    let (sa, sb) = (stats(a.name()), stats(b.name()));
+    let req = a
+        .node
+        .agent
+        .create_xfer_req(XferOp::Write, &local, &remote, &b.node.name.clone(), None)
+        .expect("create_xfer_req");
+    a.node
+        .post_and_wait(&req, wait_timeout())
+        .or_fail("the WRITE with a shorter last block");
+    drop(req);
+    let (src, dst) = (a.buf.as_slice(), b.buf.as_slice());
+    for ((s, d), len) in plan.src.iter().zip(&plan.dst).zip(&lens) {
+        assert_eq!(&dst[*d..d + len], &src[*s..s + len], "block at {d:#x}");
+    }
+    b.buf.check_guards().or_fail("destination guards");
+    let ea = stats_once(a.name(), &sa, "bounce_withdrawn", 1, Duration::from_secs(5));
+    assert_sender_bounced(&sa, &ea, 1);
+    assert_eq!(ea.since(&sa, "bounce_announced"), 1, "announced");
+    assert_eq!(ea.since(&sa, "bounce_withdrawn"), 1, "withdrawn");
+    assert_eq!(ea.since(&sa, "bounce_failed"), 0, "not a failed transfer");
+    // The target granted regions for the WANT, and frees them at the CANCEL.
+    let t0 = Instant::now();
+    let full = sb.get("arena_free_bytes");
+    while stats(b.name()).get("arena_free_bytes") != full {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the target's arena stays held"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    write_once(&mut a, &mut b, 66, (67, 68));
 }
