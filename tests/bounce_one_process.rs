@@ -12,7 +12,9 @@
 //! - chunk writes posted by the IO thread or by the writer thread;
 //! - a timeline (`NIXL_BOUNCE_TRACE`) whose steps line up across both sides;
 //! - every WRITE announced before its plan (`announce_writes`), and one
-//!   whose plan differs from its announcement withdrawn and sent anew;
+//!   whose plan differs from its announcement withdrawn and sent anew; a
+//!   64 MiB WRITE whose chunks are all taken ahead of its plan as the
+//!   preparation's threads pack them;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 mod support;
@@ -525,4 +527,50 @@ fn a_write_whose_plan_differs_from_its_announcement_is_withdrawn() {
         std::thread::sleep(Duration::from_millis(1));
     }
     write_once(&mut a, &mut b, 66, (67, 68));
+}
+
+/// A 64 MiB WRITE of 16,384 blocks prepared on the pool's threads, its
+/// chunks packed in slices: each chunk is handed to the announced request
+/// as soon as it is packed (`bounce_chunks_ahead`), gathered and written
+/// ahead of the plan, and the transfer is byte-exact.
+#[test]
+#[serial_test::serial]
+fn a_large_write_takes_its_chunks_ahead_of_its_plan() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    const N: usize = 16_384;
+    let ex = [LOOPBACK, ("peer_map_prepare_threads", "3")];
+    let size = blocks_for(N) * BLOCK;
+    let mut a = endpoint("ca-a", &ex, size, 71, ThreadSync::Default);
+    let mut b = endpoint("ca-b", &ex, size, 72, ThreadSync::Default);
+    pair_up(&a.node, &b.node);
+    for seed in [73, 74] {
+        let plan = Plan::standard(N, BLOCK, seed);
+        a.buf.fill_pattern(seed + 10);
+        b.buf.fill_pattern(seed + 20);
+        let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
+        let sa = stats(a.name());
+        let req = write_request(&a, &b, &plan);
+        a.node
+            .post_and_wait(&req, wait_timeout())
+            .or_fail("the 64 MiB WRITE");
+        drop(req);
+        plan.verify(b.buf.as_slice(), &dst_before, &src)
+            .or_fail("destination");
+        b.buf.check_guards().or_fail("destination guards");
+        let ea = stats(a.name());
+        assert_sender_bounced(&sa, &ea, 1);
+        assert_eq!(ea.since(&sa, "bounce_announced"), 1, "announced");
+        assert_eq!(ea.since(&sa, "bounce_withdrawn"), 0, "withdrawn");
+        let (ahead, chunks) = (
+            ea.since(&sa, "bounce_chunks_ahead"),
+            ea.since(&sa, "chunks_written"),
+        );
+        eprintln!("{seed}: {ahead} of {chunks} chunks taken ahead of the plan");
+        assert!(
+            chunks > 1 && ahead == chunks,
+            "{ahead} of {chunks} chunks ahead"
+        );
+    }
 }

@@ -160,8 +160,17 @@ enum Ev {
     Restart {
         agent: usize,
     },
-    /// The chunks' copies of WRITE `id`, which `agent` submitted by their
-    /// sizes alone (`Endpoint::submit_sized`), packed at last.
+    /// Chunk `c`'s copies of WRITE `id`, submitted by its sizes, brought
+    /// ahead of its plan (`Endpoint::chunk_ready`).
+    Chunk {
+        agent: usize,
+        inc: u32,
+        id: RequestId,
+        c: usize,
+        chunk: nixl_bounce::proto::plan::Chunk,
+    },
+    /// The whole plan of WRITE `id`, which `agent` submitted by its chunks'
+    /// sizes alone (`Endpoint::submit_sized`), checked and packed at last.
     Plan {
         agent: usize,
         inc: u32,
@@ -800,17 +809,31 @@ impl Sim {
                             Ok((id, plan))
                         })
                         .map(|(id, plan)| {
-                            let after = Duration::from_nanos(self.plan_rng.below(400 * US));
                             let inc = self.agents[agent].inc;
-                            self.at(
-                                now.after(after),
-                                Ev::Plan {
-                                    agent,
-                                    inc,
-                                    id,
-                                    plan,
-                                },
-                            );
+                            let last = self.plan_rng.below(400 * US);
+                            // Most chunks come ahead of the plan, in any
+                            // order.
+                            for (c, chunk) in plan.chunks.iter().enumerate() {
+                                if self.plan_rng.chance(0.7) {
+                                    let ahead = self.plan_rng.below(last + 1);
+                                    let chunk = chunk.clone();
+                                    let ev = Ev::Chunk {
+                                        agent,
+                                        inc,
+                                        id,
+                                        c,
+                                        chunk,
+                                    };
+                                    self.at(now.after(Duration::from_nanos(ahead)), ev);
+                                }
+                            }
+                            let ev = Ev::Plan {
+                                agent,
+                                inc,
+                                id,
+                                plan,
+                            };
+                            self.at(now.after(Duration::from_nanos(last)), ev);
                             id
                         })
                 } else {
@@ -1110,6 +1133,20 @@ impl Sim {
                     .now
                     .after(Duration::from_micros(self.rng.range(10, 500)));
                 self.at(t, Ev::Restart { agent });
+            }
+            Ev::Chunk {
+                agent,
+                inc,
+                id,
+                c,
+                chunk,
+            } => {
+                if self.agents[agent].alive && self.agents[agent].inc == inc {
+                    let now = self.now;
+                    let taken = self.agents[agent].ep.chunk_ready(now, id, c, chunk);
+                    self.log(|| format!("a{agent} chunk {c} of {id} ready (taken: {taken})"));
+                    self.run_actions(agent)?;
+                }
             }
             Ev::Plan {
                 agent,

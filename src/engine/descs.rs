@@ -445,7 +445,15 @@ pub(super) struct Sliced<'s> {
     /// Descriptors a slice ([`plan::slice_len`]).
     slice: usize,
     chunks: Vec<SlicedChunk>,
+    /// Handed each chunk as soon as it is packed, every descriptor of it
+    /// checked ([`ChunkHook`]).
+    hook: Option<&'s ChunkHook<'s>>,
 }
+
+/// What [`Checked::in_parts`] hands each chunk of a plan packed in slices
+/// as soon as it is packed (its index and the chunk), from the thread that
+/// finished it: an announced WRITE's sender takes it ahead of the plan.
+pub(super) type ChunkHook<'h> = dyn Fn(usize, &plan::Chunk) + Sync + 'h;
 
 /// One chunk being packed in slices: the slices packed so far, how many
 /// are still to come, whether one was not what the packing assumed, and
@@ -464,7 +472,12 @@ impl<'s> Sliced<'s> {
     /// `about`, when its chunks may be packed in slices
     /// ([`plan::sliceable`]) and are longer than one: chunks of a slice or
     /// less are better shared out several to a part, as whole chunks.
-    pub(super) fn new(spec: &'s PackSpec, n: usize, about: usize) -> Option<Self> {
+    pub(super) fn new(
+        spec: &'s PackSpec,
+        n: usize,
+        about: usize,
+        hook: Option<&'s ChunkHook<'s>>,
+    ) -> Option<Self> {
         let (k, slice) = (spec.per_chunk, plan::slice_len(about));
         if !plan::sliceable(&spec.survey, spec.merge) || k <= slice {
             return None;
@@ -485,6 +498,7 @@ impl<'s> Sliced<'s> {
             n,
             slice,
             chunks,
+            hook,
         })
     }
 
@@ -572,6 +586,9 @@ impl<'s> Sliced<'s> {
                 None => pack_whole(),
             });
         }
+        if let (Some(hook), Some([whole])) = (self.hook, done.as_deref()) {
+            hook(c, whole);
+        }
     }
 
     /// The chunks, in order, once every slice was packed; `None` when one
@@ -638,13 +655,14 @@ impl<'a> Checked<'a> {
         remote: Descs<'a>,
         fill: &ipc::FillPool,
         packing: Option<&PackSpec>,
+        hook: Option<&ChunkHook<'_>>,
     ) -> Option<(Result<Self>, ipc::FillHelp, Option<Vec<plan::Chunk>>)> {
         let n = local.len().min(remote.len());
         let first = pair_descriptor(op, local.raw.first()?.range(), remote.raw.first()?.range());
         // Slices of chunks when the blocks pack back to back ([`Sliced`]),
         // else parts of whole chunks, unless they would be fewer than the
         // pool's threads.
-        let sliced = packing.and_then(|p| Sliced::new(p, n, fill.part_len / 2));
+        let sliced = packing.and_then(|p| Sliced::new(p, n, fill.part_len / 2, hook));
         let (mut packing, mut parts) = match &sliced {
             Some(s) => (None, s.parts()),
             None => (packing, fill.parts(n, packing.map_or(1, |p| p.per_chunk))),

@@ -831,7 +831,7 @@ impl Engine {
             self.announce(op, &local, &remote, shape, &args)
         };
         let check_began = std::time::Instant::now();
-        let (checked, early) = self.check(op, local, remote, !peer_gate)?;
+        let (checked, early) = self.check(op, local, remote, !peer_gate, announced.as_ref())?;
         let check_ns = check_began.elapsed().as_nanos() as u64;
         // The byte total the routing's size limit needs, from the pass.
         if let (Ok(survey), TotalBytes::Of(_, total)) = (&checked.survey, shape.bytes) {
@@ -852,6 +852,9 @@ impl Engine {
                 // Planned straight from NIXL's lists, once here, reused by
                 // every post.
                 let plan_began = std::time::Instant::now();
+                // Whether the plan is the chunks packed in the check (then
+                // those an announced WRITE was handed ahead of it).
+                let mut from_check = false;
                 let plan = checked.survey.clone().and_then(|survey| match early {
                     // Packed in the check's pass, for this instance and
                     // these descriptors (the survey assumed is the one
@@ -861,6 +864,7 @@ impl Engine {
                             && e.packing.spec.survey == survey =>
                     {
                         let plan = plan::assemble(&survey, e.chunks)?;
+                        from_check = true;
                         let c = &self.stats.counters.hot;
                         EngineStats::add(&c.arena_plans_in_parts, 1);
                         EngineStats::add(&c.arena_plans_with_check, 1);
@@ -873,8 +877,11 @@ impl Engine {
                 match plan {
                     Ok(plan) => {
                         // Dropped (withdrawn) unless the transfer is the
-                        // one it announced.
-                        let announced = announced.filter(|a| a.fits(&instance, &peer, &plan));
+                        // one it announced; one that was handed chunks
+                        // ahead must have them in its plan.
+                        let announced = announced.filter(|a| {
+                            a.fits(&instance, &peer, &plan) && (from_check || !a.handed_any())
+                        });
                         let c = &self.stats.counters.hot;
                         EngineStats::add(&c.arena_prepared, 1);
                         EngineStats::add(&c.arena_check_ns, check_ns);
@@ -986,21 +993,35 @@ impl Engine {
     /// pool (a cold list is read at several threads' pace). With `pack`
     /// (the arena is the likely route), each part also packs its chunks of
     /// the plan while its descriptors are in the cache ([`Packing`]); those
-    /// come back with the packing they assumed.
+    /// come back with the packing they assumed. A WRITE `announced` for
+    /// that packing is handed each chunk as soon as it is packed
+    /// ([`Announced::chunk_ready`]).
     fn check<'a>(
         &self,
         op: Op,
         local: Descs<'a>,
         remote: Descs<'a>,
         pack: bool,
+        announced: Option<&Announced>,
     ) -> Result<(Checked<'a>, Option<EarlyPlan>)> {
         if let Some(fill) = self
             .peer
             .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)
         {
             let packing = pack.then(|| Packing::of(op, &local, &remote)).flatten();
+            let hook = |c: usize, chunk: &plan::Chunk| {
+                if let Some(a) = announced {
+                    a.chunk_ready(c, chunk);
+                }
+            };
+            let hook = packing
+                .as_ref()
+                .zip(announced)
+                .filter(|(p, a)| a.announced_for(p))
+                .map(|_| &hook as &descs::ChunkHook<'_>);
+            let spec = packing.as_ref().map(|p| &p.spec);
             if let Some((checked, help, chunks)) =
-                Checked::in_parts(op, local, remote, fill, packing.as_ref().map(|p| &p.spec))
+                Checked::in_parts(op, local, remote, fill, spec, hook)
             {
                 let c = &self.stats.counters.hot;
                 EngineStats::add(&c.arena_check_parts, help.parts);

@@ -57,6 +57,8 @@ pub(super) struct Announced {
     instance: Arc<Bounce>,
     peer: Arc<PeerBounce>,
     sizes: Vec<u64>,
+    /// Whether a chunk was handed to it ahead of its plan.
+    handed: std::sync::atomic::AtomicBool,
 }
 
 impl Announced {
@@ -71,7 +73,13 @@ impl Announced {
             instance,
             peer,
             sizes,
+            handed: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Whether a chunk was handed to it ahead of its plan.
+    pub(super) fn handed_any(&self) -> bool {
+        self.handed.load(Ordering::Relaxed)
     }
 
     /// Whether the transfer took the route it was announced for, with the
@@ -85,6 +93,27 @@ impl Announced {
                 .iter()
                 .zip(&self.sizes)
                 .all(|(c, &s)| c.bytes == s)
+    }
+
+    /// Whether it was announced for the chunks `packing` packs (the same
+    /// instance, peer and chunk sizes).
+    pub(super) fn announced_for(&self, packing: &Packing) -> bool {
+        let cut = plan::Cut {
+            cap: packing.spec.cap,
+            per_chunk: Some(packing.spec.per_chunk),
+        };
+        Arc::ptr_eq(&self.instance, &packing.instance)
+            && Arc::ptr_eq(&self.peer, &packing.peer)
+            && cut.sizes(&packing.spec.survey).as_ref() == Some(&self.sizes)
+    }
+
+    /// Hands chunk `c`, packed ahead of the plan (every descriptor of it
+    /// checked), to the request ([`Runtime::chunk_ready`](crate::runtime::Runtime::chunk_ready)).
+    pub(super) fn chunk_ready(&self, c: usize, chunk: &plan::Chunk) {
+        if let Some(ticket) = &self.ticket {
+            self.handed.store(true, Ordering::Relaxed);
+            self.instance.runtime.chunk_ready(ticket, c, chunk.clone());
+        }
     }
 
     /// The request's ticket, to bring it its plan.

@@ -294,7 +294,7 @@ mod checked {
         for part_len in 1..=l.len() {
             fill.part_len = part_len;
             let (parts, _, _) =
-                Checked::in_parts(Op::Write, ld, rd, &fill, None).expect("the pool is free");
+                Checked::in_parts(Op::Write, ld, rd, &fill, None, None).expect("the pool is free");
             assert_eq!(facts(&parts), facts(&one_pass), "in parts of {part_len}");
         }
         f(one_pass)
@@ -484,8 +484,9 @@ mod checked {
             if round % 3 == 2 {
                 // The engine's own: in slices, stitched.
                 let t = std::time::Instant::now();
-                let (checked, _, chunks) = Checked::in_parts(Op::Write, ld, rd, &fill, Some(&spec))
-                    .expect("the pool is free");
+                let (checked, _, chunks) =
+                    Checked::in_parts(Op::Write, ld, rd, &fill, Some(&spec), None)
+                        .expect("the pool is free");
                 sliced.push(t.elapsed().as_secs_f64() * 1e6);
                 assert!(
                     checked.is_ok()
@@ -733,11 +734,31 @@ mod checked {
                 return Ok(());
             };
             let fill = ipc::FillPool { part_len, ..fill_pool() };
-            let (checked, _, chunks) =
-                Checked::in_parts(op, ld, rd, &fill, Some(&spec)).expect("the pool is free");
+            // Each chunk as the slices finish it, for an announced WRITE.
+            let handed = Mutex::new(Vec::new());
+            let hook = |c: usize, chunk: &plan::Chunk| handed.lock().unwrap().push((c, chunk.clone()));
+            let (checked, _, chunks) = Checked::in_parts(op, ld, rd, &fill, Some(&spec), Some(&hook))
+                .expect("the pool is free");
             let checked = checked.expect("checked");
             let survey = checked.survey.clone().expect("plannable");
             let made = plan::build_surveyed(checked.descriptors(op), survey, options, &pool).unwrap();
+            // Each chunk handed once; where the list is what the packing
+            // assumed, a chunk handed ahead is the plan's, and where the
+            // slices packed the whole plan, every chunk was handed (a list
+            // that is not as assumed is withdrawn: Engine::prep_xfer).
+            let mut handed = handed.into_inner().unwrap();
+            handed.sort_by_key(|(c, _)| *c);
+            proptest::prop_assert!(handed.windows(2).all(|w| w[0].0 < w[1].0), "each chunk once");
+            for (c, chunk) in handed.iter().filter(|_| survey == spec.survey) {
+                proptest::prop_assert_eq!(Some(chunk), made.chunks.get(*c), "chunk {}", c);
+            }
+            let sliced = plan::sliceable(&spec.survey, true) && spec.per_chunk > plan::slice_len(part_len / 2);
+            if sliced && chunks.is_some() {
+                proptest::prop_assert_eq!(handed.len(), made.chunks.len());
+            }
+            if !sliced {
+                proptest::prop_assert!(handed.is_empty(), "whole-chunk parts hand nothing ahead");
+            }
             match chunks {
                 Some(chunks) => {
                     proptest::prop_assert_eq!(&survey, &spec.survey);

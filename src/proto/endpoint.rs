@@ -704,10 +704,29 @@ impl Endpoint {
         Ok(id)
     }
 
-    /// The chunks' copies of a request from [`Endpoint::submit_sized`].
-    /// Returns whether they were taken: not when the request is not
-    /// waiting for them (unknown, ended or planned), nor when the plan's
-    /// chunk sizes are not those the WANT carried, which cancels it.
+    /// Chunk `c`'s copies of a request from [`Endpoint::submit_sized`],
+    /// ahead of its whole plan: gathered and written as any chunk's, its
+    /// DATA held until [`Endpoint::plan_ready`]. Returns whether they were
+    /// taken: not when the request is not waiting for them, nor when the
+    /// chunk is not the size the WANT carried, which cancels the request.
+    pub fn chunk_ready(
+        &mut self,
+        now: Time,
+        request: RequestId,
+        c: usize,
+        chunk: plan::Chunk,
+    ) -> bool {
+        let taken = self.sender.on_chunk(&mut self.ctx, now, request, c, chunk);
+        self.pump(now);
+        taken
+    }
+
+    /// The whole plan of a request from [`Endpoint::submit_sized`], every
+    /// descriptor checked: the chunks not brought yet are staged, and the
+    /// DATA of those written goes out. Returns whether it was taken: not
+    /// when the request is not waiting for it (unknown, ended or planned),
+    /// nor when the plan's chunk sizes are not those the WANT carried,
+    /// which cancels it.
     pub fn plan_ready(&mut self, now: Time, request: RequestId, plan: Arc<Plan>) -> bool {
         let taken = self.sender.on_plan(&mut self.ctx, now, request, plan);
         self.pump(now);

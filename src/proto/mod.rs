@@ -546,6 +546,12 @@ pub(crate) fn runs_of_marked_copies(
 }
 
 impl Runs {
+    /// Whether `other` is the same list: the one shared (a clone of it,
+    /// which is a pointer's compare), or one equal to it.
+    pub fn same(&self, other: &Runs) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self == other
+    }
+
     /// `runs`, whose storage goes back to `pool` at the end.
     pub fn pooled(runs: Vec<Run>, pool: &RunPool) -> Runs {
         Runs(Arc::new(RunList {

@@ -12,9 +12,14 @@
 //!
 //! A request may be submitted by its chunks' sizes alone
 //! ([`Sender::submit_sized`]): its WANT goes out at once, while the caller
-//! still packs the chunks' copies, so the GRANT's round trip runs under
-//! the packing. Until [`Sender::on_plan`] brings them, its chunks stay
-//! Idle: credits are kept, nothing is gathered, nothing written.
+//! still checks and packs the descriptors, so the GRANT's round trip runs
+//! under that work. A chunk without its copies stays Idle (a credit that
+//! comes is kept); [`Sender::on_chunk`] brings one chunk's copies as soon
+//! as they are packed, and that chunk is gathered and written as any
+//! other, but its DATA (which makes the receiver scatter into the
+//! destination) is held (`Held`) until [`Sender::on_plan`] brings the whole
+//! plan: every descriptor checked, so that a transfer refused by its check
+//! moves no byte into its destination.
 //!
 //! A request succeeds when every chunk is acked. It fails (exactly once) on
 //! timeout, deadline, cancel, peer loss, write or gather failure, refusal,
@@ -47,6 +52,8 @@ enum Stage {
     Gathering(RegionHandle),
     Gathered(RegionHandle),
     Writing(RegionHandle),
+    /// Written, its DATA held until the request's plan is whole.
+    Held,
     Written,
     Acked,
     Abandoned,
@@ -56,6 +63,8 @@ enum Stage {
 struct Slot {
     credit: Option<Credit>,
     stage: Stage,
+    /// Whether the chunk's copies are known (always, once planned).
+    ready: bool,
 }
 
 #[derive(Debug)]
@@ -64,8 +73,9 @@ struct Request {
     /// The reader's request id when this request serves a READ.
     serves: Option<RequestId>,
     plan: Arc<Plan>,
-    /// Whether `plan` has the chunks' copies; `false` while only their
-    /// sizes are known ([`Sender::submit_sized`]).
+    /// Whether the whole plan is known, every descriptor checked; `false`
+    /// while only the chunks' sizes, and the copies of those chunks that
+    /// are `ready`, are ([`Sender::submit_sized`]): their DATA is held.
     planned: bool,
     slots: Vec<Slot>,
     acked: usize,
@@ -228,7 +238,8 @@ impl Sender {
                 slots: vec![
                     Slot {
                         credit: None,
-                        stage: Stage::Idle
+                        stage: Stage::Idle,
+                        ready: true,
                     };
                     n
                 ],
@@ -372,18 +383,58 @@ impl Sender {
         self.insert(id, peer, None, plan, now, deadline);
         if let Some(req) = self.requests.get_mut(&id) {
             req.planned = planned;
+            for slot in &mut req.slots {
+                slot.ready = planned;
+            }
         }
         Ok(id)
     }
 
-    /// Brings the chunks' copies of request `id`, submitted by its sizes
-    /// ([`Sender::submit_sized`]): each chunk already credited is staged
-    /// as its credit would have been, the others wait for theirs (or the
-    /// eager gather). Returns whether they were taken: not when `id` is
-    /// not waiting for its plan (unknown, ended, planned), nor when the
-    /// plan's chunks are not the sizes its WANT carried, which fails the
-    /// request (cancelled: the receiver's regions were granted for those
-    /// sizes).
+    /// Brings the copies of chunk `c` of request `id`, submitted by its
+    /// sizes ([`Sender::submit_sized`]), ahead of its whole plan: the chunk
+    /// is staged if credited, else left to the eager gather and its credit;
+    /// once written, its DATA waits for [`Sender::on_plan`]. Returns whether
+    /// they were taken: not when `id` is not waiting for its plan, when the
+    /// chunk has its copies already, or when they are not the size the
+    /// WANT carried, which fails the request (cancelled).
+    pub fn on_chunk(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        id: RequestId,
+        c: usize,
+        chunk: Chunk,
+    ) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        if req.planned || !req.active() || req.slots.get(c).is_none_or(|s| s.ready) {
+            return false;
+        }
+        if chunk.bytes != req.plan.chunks[c].bytes {
+            tracing::warn!(target: "nixl_bounce::proto", "chunk {c} of {id} does not have the size its WANT carried; cancelled");
+            self.fail(ctx, id, FailureReason::Cancelled);
+            return false;
+        }
+        Arc::make_mut(&mut req.plan).chunks[c] = chunk;
+        req.slots[c].ready = true;
+        req.last_progress = now;
+        if req.slots[c].credit.is_some() && req.slots[c].stage == Stage::Idle {
+            Self::stage_credited(ctx, &mut self.parked, id, req, c);
+        }
+        true
+    }
+
+    /// Brings the whole plan of request `id`, submitted by its sizes
+    /// ([`Sender::submit_sized`]), every descriptor checked: each credited
+    /// chunk not staged yet is staged as its credit would have been, the
+    /// others wait for theirs (or the eager gather), and the DATA of every
+    /// chunk already written goes out. Returns whether it was taken: not
+    /// when `id` is not waiting for its plan (unknown, ended, planned), nor
+    /// when the plan's chunks are not the sizes its WANT carried (the
+    /// receiver's regions were granted for those) or not the chunks
+    /// brought ahead of it (which may be written already), which fails the
+    /// request (cancelled).
     pub fn on_plan(&mut self, ctx: &mut Ctx, now: Time, id: RequestId, plan: Arc<Plan>) -> bool {
         let Some(req) = self.requests.get_mut(&id) else {
             return false;
@@ -391,14 +442,23 @@ impl Sender {
         if req.planned || !req.active() {
             return false;
         }
+        // The sizes the WANT carried, and the chunks brought ahead (which
+        // may be gathered and written already) as they are in the plan:
+        // their DATA scatters by the plan's copies.
         let same = plan.chunks.len() == req.plan.chunks.len()
             && plan
                 .chunks
                 .iter()
                 .zip(&req.plan.chunks)
-                .all(|(a, b)| a.bytes == b.bytes);
+                .zip(&req.slots)
+                .all(|((a, b), slot)| {
+                    a.bytes == b.bytes
+                        && (!slot.ready
+                            || (a.gather_runs.same(&b.gather_runs)
+                                && a.scatter_runs.same(&b.scatter_runs)))
+                });
         if !same {
-            tracing::warn!(target: "nixl_bounce::proto", "the plan of {id} does not have the chunk sizes its WANT carried; cancelled");
+            tracing::warn!(target: "nixl_bounce::proto", "the plan of {id} is not the chunks its WANT and the chunks brought ahead of it said; cancelled");
             self.fail(ctx, id, FailureReason::Cancelled);
             return false;
         }
@@ -406,8 +466,13 @@ impl Sender {
         req.planned = true;
         req.last_progress = now;
         for c in 0..req.slots.len() {
-            if req.slots[c].credit.is_some() && req.slots[c].stage == Stage::Idle {
-                Self::stage_credited(ctx, &mut self.parked, id, req, c);
+            req.slots[c].ready = true;
+            match req.slots[c].stage {
+                Stage::Idle if req.slots[c].credit.is_some() => {
+                    Self::stage_credited(ctx, &mut self.parked, id, req, c);
+                }
+                Stage::Held => Self::send_data(ctx, id, req, c),
+                _ => {}
             }
         }
         true
@@ -470,7 +535,7 @@ impl Sender {
         }
         let window = ctx.cfg.window;
         for (&id, req) in self.requests.iter_mut() {
-            if !req.active() || !req.planned {
+            if !req.active() {
                 continue;
             }
             while req.staged < window {
@@ -480,7 +545,8 @@ impl Sender {
                     req.next_idle += 1;
                 }
                 let c = req.next_idle;
-                if c >= req.slots.len() {
+                // In order: a chunk without its copies yet stops it.
+                if c >= req.slots.len() || !req.slots[c].ready {
                     break;
                 }
                 let Some(region) = ctx.sched.acquire_local(req.plan.chunks[c].bytes, true) else {
@@ -559,7 +625,7 @@ impl Sender {
             match req.slots[c].stage {
                 // Without its copies yet, the chunk keeps its credit until
                 // `on_plan`.
-                Stage::Idle if req.planned => {
+                Stage::Idle if req.slots[c].ready => {
                     Self::stage_credited(ctx, &mut self.parked, id, req, c);
                 }
                 Stage::Gathering(region) => {
@@ -706,19 +772,28 @@ impl Sender {
             self.settle(ctx, cref.request);
             return;
         }
-        req.slots[c].stage = Stage::Written;
         req.last_progress = now;
+        if req.planned {
+            Self::send_data(ctx, cref.request, req, c);
+        } else {
+            req.slots[c].stage = Stage::Held;
+        }
+    }
+
+    /// Sends the DATA (or READ_DATA) of written chunk `c`.
+    fn send_data(ctx: &mut Ctx, id: RequestId, req: &mut Request, c: usize) {
+        req.slots[c].stage = Stage::Written;
         if let Some(credit) = req.slots[c].credit {
             let msg = match req.serves {
                 None => Message::Data {
-                    request: cref.request,
-                    chunk: cref.chunk,
+                    request: id,
+                    chunk: c as u32,
                     region: credit.region,
                     runs: req.plan.chunks[c].scatter_runs.clone(),
                 },
                 Some(request) => Message::ReadData {
                     request,
-                    chunk: cref.chunk,
+                    chunk: c as u32,
                     region: credit.region,
                 },
             };
@@ -836,7 +911,7 @@ impl Sender {
         req.failed = Some(reason);
         for slot in req.slots.iter_mut() {
             match slot.stage {
-                Stage::Idle | Stage::Parked => slot.stage = Stage::Abandoned,
+                Stage::Idle | Stage::Parked | Stage::Held => slot.stage = Stage::Abandoned,
                 Stage::Gathered(region) => {
                     let _ = ctx.sched.release_local(region);
                     req.staged -= 1;

@@ -85,6 +85,12 @@ enum Command {
         deadline: Option<Duration>,
         queued_ns: u64,
     },
+    /// Chunk `c`'s copies of an announced WRITE, ahead of its plan.
+    ChunkReady {
+        ticket: Arc<Ticket>,
+        c: usize,
+        chunk: plan::Chunk,
+    },
     /// The plan, and the notification, of an announced WRITE.
     Planned {
         ticket: Arc<Ticket>,
@@ -142,6 +148,8 @@ crate::stats::typed_counters! {
         /// or its preparation failed).
         announced => "bounce_announced",
         withdrawn => "bounce_withdrawn",
+        /// Chunks of announced WRITEs taken ahead of their plan.
+        chunks_ahead => "bounce_chunks_ahead",
         /// Times a peer was found unreachable (control connection down too
         /// long; once per outage).
         peers_unreachable => "peers_unreachable",
@@ -513,6 +521,20 @@ impl Runtime {
             queued_ns: self.queued_ns(),
         });
         ticket
+    }
+
+    /// Chunk `c`'s copies of a WRITE started by [`Runtime::announce`],
+    /// packed ahead of its plan, every descriptor of the chunk checked: it
+    /// is gathered and written as soon as it is credited, its DATA held
+    /// until [`Runtime::plan_ready`] (a WRITE withdrawn instead moves
+    /// nothing into its destination). Called from the preparation's
+    /// threads as each chunk is packed.
+    pub fn chunk_ready(&self, ticket: &Arc<Ticket>, c: usize, chunk: plan::Chunk) {
+        self.push(Command::ChunkReady {
+            ticket: ticket.clone(),
+            c,
+            chunk,
+        });
     }
 
     /// The plan of a WRITE started by [`Runtime::announce`], whose chunk

@@ -313,6 +313,15 @@ impl Reactor {
                     let submitted = self.endpoint.submit_sized(now, &peer, &sizes, deadline);
                     self.submitted(submitted, false, ticket, None, bytes, queued_ns);
                 }
+                Command::ChunkReady { ticket, c, chunk } => {
+                    let id = *ticket.request.locked();
+                    if id.is_some_and(|id| self.endpoint.chunk_ready(now, id, c, chunk)) {
+                        self.shared
+                            .counters
+                            .chunks_ahead
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 Command::Planned {
                     ticket,
                     plan,

@@ -1223,7 +1223,7 @@ fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
 /// timed out; its CANCEL frees the receiver's regions and nothing is left.
 #[test]
 fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
-    for how in ["cancel", "other sizes", "timeout"] {
+    for how in ["cancel", "other sizes", "other chunks", "timeout"] {
         let mut p = pair("A", "B", true);
         let d = descs(20, 128);
         let plan = p.a.ep.plan(&d).unwrap();
@@ -1240,6 +1240,22 @@ fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
             }
             "other sizes" => {
                 let other = p.a.ep.plan(&descs(19, 128)).unwrap();
+                assert!(!p.a.ep.plan_ready(p.now, id, other));
+                FailureReason::Cancelled
+            }
+            "other chunks" => {
+                // A chunk brought ahead, then a plan of the same sizes
+                // whose chunk is not that one (other sources).
+                assert!(p.a.ep.chunk_ready(p.now, id, 2, plan.chunks[2].clone()));
+                let moved: Vec<Descriptor> = d
+                    .iter()
+                    .map(|x| Descriptor {
+                        src_addr: x.src_addr + 0x100,
+                        ..*x
+                    })
+                    .collect();
+                let other = p.a.ep.plan(&moved).unwrap();
+                assert_eq!(other.chunk_sizes(), plan.chunk_sizes());
                 assert!(!p.a.ep.plan_ready(p.now, id, other));
                 FailureReason::Cancelled
             }
@@ -1268,4 +1284,95 @@ fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
         );
         check(&p);
     }
+}
+
+/// Chunks brought ahead of their request's plan (`chunk_ready`) are
+/// gathered and written as soon as they are credited, but their DATA waits
+/// for the whole plan; the plan then sends it and the transfer ends
+/// byte-exact.
+#[test]
+fn chunks_brought_ahead_of_the_plan_are_written_but_their_data_waits() {
+    let mut p = pair("A", "B", true);
+    let d = descs(20, 128);
+    let plan = p.a.ep.plan(&d).unwrap();
+    let id =
+        p.a.ep
+            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
+            .unwrap();
+    p.poll();
+    p.deliver(B);
+    p.deliver(A);
+    for c in [1, 0] {
+        assert!(p.a.ep.chunk_ready(p.now, id, c, plan.chunks[c].clone()));
+    }
+    assert!(
+        !p.a.ep.chunk_ready(p.now, id, 0, plan.chunks[0].clone()),
+        "once"
+    );
+    p.poll();
+    while p.gather(A) + p.write(A) > 0 {}
+    assert!(p.a.writes.is_empty() && p.a.gathers.is_empty());
+    let data = |n: &crate::proto::driver::Node| {
+        n.sent
+            .iter()
+            .filter(|m| matches!(m, Message::Data { .. }))
+            .count()
+    };
+    assert_eq!(data(&p.a), 0, "no DATA before the plan");
+    p.deliver(B);
+    assert!(
+        p.b.scatters.is_empty(),
+        "nothing to scatter before the plan"
+    );
+    assert!(p.a.ep.plan_ready(p.now, id, plan.clone()));
+    p.poll();
+    assert_eq!(data(&p.a), 2, "the written chunks' DATA at the plan");
+    p.drive();
+    assert_eq!(p.a.completed, vec![(id, Outcome::Success)]);
+    assert!(p.b.holds_copy_of(&p.a, &d));
+    for node in [&p.a, &p.b] {
+        assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
+        assert_eq!(node.ep.arena_usage().local, 0);
+    }
+    check(&p);
+}
+
+/// A request whose chunks were written ahead of its plan, then cancelled
+/// (its check failed): nothing lands in its destination, the receiver's
+/// regions are freed, nothing is left.
+#[test]
+fn chunks_written_ahead_of_a_cancelled_plan_never_reach_the_destination() {
+    let mut p = pair("A", "B", true);
+    let d = descs(20, 128);
+    let plan = p.a.ep.plan(&d).unwrap();
+    let before = p.b.memory.mem.clone();
+    let id =
+        p.a.ep
+            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
+            .unwrap();
+    p.poll();
+    p.deliver(B);
+    p.deliver(A);
+    for c in 0..plan.chunks.len() {
+        assert!(p.a.ep.chunk_ready(p.now, id, c, plan.chunks[c].clone()));
+    }
+    p.poll();
+    // Gathers and writes, one of them still running at the cancel.
+    p.gather(A);
+    p.write(A);
+    p.gather(A);
+    assert!(p.a.ep.cancel(p.now, id));
+    p.drive();
+    assert_eq!(
+        p.a.completed,
+        vec![(id, Outcome::Failure(FailureReason::Cancelled))]
+    );
+    assert_eq!(p.b.memory.mem, before, "the destination is untouched");
+    let all = Endpoint::new(cfg(true)).unwrap().arena_free();
+    for node in [&p.a, &p.b] {
+        assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
+        assert_eq!(node.ep.arena_usage().local, 0);
+    }
+    assert_eq!(p.b.ep.arena_free(), all, "the receiver's regions are free");
+    check(&p);
 }
