@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Thirty-sixth session, second call (fa96a7a: the arena's WRITE announced
-# before its plan). 1. bounce-vram test over the arena (WRITEs announced,
-# byte-exact, with the counters); 2. under MPS, lone arena WRITEs of 1024
-# and 16,384 x 4 KiB and 128 x 1024 in flight, announce_writes on and off
-# alternating in one plugin, three rounds. $OUT/all.tgz.
+# Thirty-sixth session, second call (b7663c1: the arena's WRITE announced
+# before its plan, its chunks taken as they are packed). 1. bounce-vram
+# test over the arena (WRITEs announced, byte-exact); 2. under MPS, lone
+# arena WRITEs of 1024 and 16,384 x 4 KiB and 128 x 1024 in flight,
+# announce_writes on and off alternating in one plugin, three rounds.
+# $OUT/all.tgz.
 set -uo pipefail
 source docs/bench/gpu/lib.sh
 gpu_call s36-announce || exit 1
