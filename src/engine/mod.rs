@@ -916,8 +916,11 @@ impl Engine {
     /// Sends the WANT of a WRITE over the arena before its descriptors are
     /// checked and packed (`announce_writes`, with `prepare_at_post`: the
     /// post that prepares it submits it next), so that the GRANT's round
-    /// trip runs under that work. Only where its first pair of descriptors
-    /// and its count foretell the route and the chunk sizes: the local
+    /// trip runs under that work, and its chunks are taken as they are
+    /// packed. Only for a request checked in parts on the preparation
+    /// pool ([`PARALLEL_PLAN_MIN_DESCRIPTORS`] descriptors or more), where
+    /// its first pair of descriptors and its count foretell the route and
+    /// the chunk sizes: the local
     /// instance and the peer's arena of that pair, which the routing
     /// admits for the bytes of `count` descriptors of its length, and a
     /// cut by whole chunks ([`Packing::of`]). The caller keeps the result
@@ -934,6 +937,12 @@ impl Engine {
         if !(self.config.prepare_at_post && self.config.announce_writes && op == Op::Write) {
             return None;
         }
+        // Only a request checked and packed on the pool's threads, whose
+        // chunks are taken as they are packed: a smaller one's preparation
+        // (20-40 us on the GPU hosts) is about what announcing costs it
+        // (docs/benchmarks.md, thirty-sixth session), and it gained nothing.
+        self.peer
+            .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)?;
         let Packing {
             instance,
             peer,

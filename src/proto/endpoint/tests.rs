@@ -1172,6 +1172,42 @@ fn deadline_and_malformed_input() {
     assert_eq!(tx.stats().malformed, 1);
 }
 
+/// A WRITE of 20 x 128 bytes (3 chunks of at most 1024) from A to B,
+/// submitted by its chunks' sizes (`submit_sized`): the pair, the
+/// descriptors, their plan and the request, its WANT sent.
+fn sized_write() -> (Pair, Vec<Descriptor>, Arc<Plan>, RequestId) {
+    let mut p = pair("A", "B", true);
+    let d = descs(20, 128);
+    let plan = p.a.ep.plan(&d).unwrap();
+    assert_eq!(plan.chunks.len(), 3);
+    let id =
+        p.a.ep
+            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
+            .unwrap();
+    p.poll();
+    (p, d, plan, id)
+}
+
+/// Nothing is left on either side: no request, no flow, no staging, and
+/// the receiver's arena whole.
+fn nothing_left(p: &Pair, what: &str) {
+    for node in [&p.a, &p.b] {
+        assert_eq!(
+            (node.ep.request_count(), node.ep.flow_count()),
+            (0, 0),
+            "{what}"
+        );
+        assert_eq!(node.ep.arena_usage().local, 0, "{what}");
+    }
+    let all = Endpoint::new(cfg(true)).unwrap().arena_free();
+    assert_eq!(
+        p.b.ep.arena_free(),
+        all,
+        "{what}: the receiver's regions are free"
+    );
+    check(p);
+}
+
 /// A request submitted by its chunks' sizes sends its WANT at once and
 /// keeps the credits that come before its plan; nothing is gathered until
 /// the plan comes, whether it comes after the GRANT or before, and the
@@ -1179,16 +1215,7 @@ fn deadline_and_malformed_input() {
 #[test]
 fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
     for plan_first in [false, true] {
-        let mut p = pair("A", "B", true);
-        // 20 x 128 bytes: 3 chunks of at most 1024.
-        let d = descs(20, 128);
-        let plan = p.a.ep.plan(&d).unwrap();
-        assert_eq!(plan.chunks.len(), 3);
-        let id =
-            p.a.ep
-                .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
-                .unwrap();
-        p.poll();
+        let (mut p, d, plan, id) = sized_write();
         assert!(
             matches!(&p.a.sent[..], [Message::Want { chunk_sizes, .. }] if *chunk_sizes == plan.chunk_sizes())
         );
@@ -1210,11 +1237,7 @@ fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
         p.drive();
         assert_eq!(p.a.completed, vec![(id, Outcome::Success)], "{plan_first}");
         assert!(p.b.holds_copy_of(&p.a, &d));
-        for node in [&p.a, &p.b] {
-            assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
-            assert_eq!(node.ep.arena_usage().local, 0);
-        }
-        check(&p);
+        nothing_left(&p, "done");
     }
 }
 
@@ -1224,13 +1247,7 @@ fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
 #[test]
 fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
     for how in ["cancel", "other sizes", "other chunks", "timeout"] {
-        let mut p = pair("A", "B", true);
-        let d = descs(20, 128);
-        let plan = p.a.ep.plan(&d).unwrap();
-        let id =
-            p.a.ep
-                .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
-                .unwrap();
+        let (mut p, d, plan, id) = sized_write();
         p.deliver(B);
         p.deliver(A);
         let want = match how {
@@ -1268,21 +1285,7 @@ fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
         p.drive();
         assert_eq!(p.a.completed, vec![(id, Outcome::Failure(want))], "{how}");
         assert!(p.a.writes.is_empty() && p.a.gathers.is_empty(), "{how}");
-        for node in [&p.a, &p.b] {
-            assert_eq!(
-                (node.ep.request_count(), node.ep.flow_count()),
-                (0, 0),
-                "{how}"
-            );
-            assert_eq!(node.ep.arena_usage().local, 0, "{how}");
-        }
-        let all = Endpoint::new(cfg(true)).unwrap().arena_free();
-        assert_eq!(
-            p.b.ep.arena_free(),
-            all,
-            "{how}: the receiver's regions are free"
-        );
-        check(&p);
+        nothing_left(&p, how);
     }
 }
 
@@ -1292,14 +1295,7 @@ fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
 /// byte-exact.
 #[test]
 fn chunks_brought_ahead_of_the_plan_are_written_but_their_data_waits() {
-    let mut p = pair("A", "B", true);
-    let d = descs(20, 128);
-    let plan = p.a.ep.plan(&d).unwrap();
-    let id =
-        p.a.ep
-            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
-            .unwrap();
-    p.poll();
+    let (mut p, d, plan, id) = sized_write();
     p.deliver(B);
     p.deliver(A);
     for c in [1, 0] {
@@ -1330,11 +1326,7 @@ fn chunks_brought_ahead_of_the_plan_are_written_but_their_data_waits() {
     p.drive();
     assert_eq!(p.a.completed, vec![(id, Outcome::Success)]);
     assert!(p.b.holds_copy_of(&p.a, &d));
-    for node in [&p.a, &p.b] {
-        assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
-        assert_eq!(node.ep.arena_usage().local, 0);
-    }
-    check(&p);
+    nothing_left(&p, "done");
 }
 
 /// A request whose chunks were written ahead of its plan, then cancelled
@@ -1342,15 +1334,8 @@ fn chunks_brought_ahead_of_the_plan_are_written_but_their_data_waits() {
 /// regions are freed, nothing is left.
 #[test]
 fn chunks_written_ahead_of_a_cancelled_plan_never_reach_the_destination() {
-    let mut p = pair("A", "B", true);
-    let d = descs(20, 128);
-    let plan = p.a.ep.plan(&d).unwrap();
+    let (mut p, _, plan, id) = sized_write();
     let before = p.b.memory.mem.clone();
-    let id =
-        p.a.ep
-            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
-            .unwrap();
-    p.poll();
     p.deliver(B);
     p.deliver(A);
     for c in 0..plan.chunks.len() {
@@ -1368,11 +1353,5 @@ fn chunks_written_ahead_of_a_cancelled_plan_never_reach_the_destination() {
         vec![(id, Outcome::Failure(FailureReason::Cancelled))]
     );
     assert_eq!(p.b.memory.mem, before, "the destination is untouched");
-    let all = Endpoint::new(cfg(true)).unwrap().arena_free();
-    for node in [&p.a, &p.b] {
-        assert_eq!((node.ep.request_count(), node.ep.flow_count()), (0, 0));
-        assert_eq!(node.ep.arena_usage().local, 0);
-    }
-    assert_eq!(p.b.ep.arena_free(), all, "the receiver's regions are free");
-    check(&p);
+    nothing_left(&p, "cancelled");
 }
