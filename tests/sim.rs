@@ -236,8 +236,14 @@ struct ReqInfo {
     read: bool,
     /// A READ of memory the owner does not export: must be refused.
     forged: bool,
-    /// A WRITE submitted by its chunks' sizes, its plan given later.
+    /// A WRITE submitted by its chunks' sizes, its plan given later ...
     by_sizes: bool,
+    /// ... or never: withdrawn instead (its check failed), so nothing of
+    /// it may reach its destination.
+    withdrawn: bool,
+    /// Where its deadline counts from: its submission, or for a WRITE
+    /// submitted by its sizes, its plan.
+    deadline_from: Time,
     descs: Vec<Descriptor>,
     expected: Vec<Vec<u8>>,
     chunks: u64,
@@ -269,6 +275,9 @@ struct Sim {
     /// Which WRITEs are submitted by their chunks' sizes before their plan
     /// (a stream of its own: the other draws stay those of each seed).
     plan_rng: Rng,
+    /// WRITEs submitted by their sizes whose plan has not come: none may
+    /// send a DATA.
+    awaiting_plan: BTreeSet<(usize, RequestId)>,
     /// Peers the endpoints forgot by themselves during the run.
     forgotten: u64,
     /// Set while the final checks run (forgets then are not counted).
@@ -391,6 +400,7 @@ impl Sim {
             refused_submits: 0,
             extra_rng,
             plan_rng: Rng::new(seed.wrapping_mul(0xA24B_AED4_963E_E407) ^ 0x00B1_A4E5),
+            awaiting_plan: BTreeSet::new(),
             forgotten: 0,
             finishing: false,
         };
@@ -585,6 +595,11 @@ impl Sim {
                 let Some(&to) = self.by_name.get(&peer) else {
                     return Err(format!("send to unknown peer {peer}"));
                 };
+                if let nixl_bounce::proto::wire::Message::Data { request, .. } = &message {
+                    if self.awaiting_plan.contains(&(a, *request)) {
+                        return Err(format!("a{a} sent a DATA of {request} before its plan"));
+                    }
+                }
                 let bytes = carry(&message)?;
                 if self.rng.chance(self.faults.drop_p) {
                     self.log(|| "   (dropped)".into());
@@ -805,11 +820,12 @@ impl Sim {
                     ep.plan(&descs)
                         .map_err(Into::into)
                         .and_then(|plan| {
-                            let id = ep.submit_sized(now, &peer, &plan.chunk_sizes(), None)?;
+                            let id = ep.submit_sized(now, &peer, &plan.chunk_sizes())?;
                             Ok((id, plan))
                         })
                         .map(|(id, plan)| {
                             let inc = self.agents[agent].inc;
+                            self.awaiting_plan.insert((agent, id));
                             let last = self.plan_rng.below(400 * US);
                             // Most chunks come ahead of the plan, in any
                             // order.
@@ -856,6 +872,8 @@ impl Sim {
                                 read,
                                 forged,
                                 by_sizes: late,
+                                withdrawn: false,
+                                deadline_from: now,
                                 descs,
                                 expected,
                                 chunks,
@@ -1154,10 +1172,24 @@ impl Sim {
                 id,
                 plan,
             } => {
+                self.awaiting_plan.remove(&(agent, id));
                 if self.agents[agent].alive && self.agents[agent].inc == inc {
                     let now = self.now;
-                    let taken = self.agents[agent].ep.plan_ready(now, id, plan);
-                    self.log(|| format!("a{agent} plan of {id} ready (taken: {taken})"));
+                    // Some are withdrawn instead, as the engine withdraws a
+                    // WRITE whose check fails after chunks went ahead.
+                    if self.plan_rng.chance(0.15) {
+                        self.agents[agent].ep.cancel(now, id);
+                        if let Some(r) = self.reqs.get_mut(&(agent, id)) {
+                            r.withdrawn = true;
+                        }
+                        self.log(|| format!("a{agent} withdraws {id}"));
+                    } else {
+                        if let Some(r) = self.reqs.get_mut(&(agent, id)) {
+                            r.deadline_from = now;
+                        }
+                        let taken = self.agents[agent].ep.plan_ready(now, id, plan, None);
+                        self.log(|| format!("a{agent} plan of {id} ready (taken: {taken})"));
+                    }
                     self.run_actions(agent)?;
                 }
             }
@@ -1234,7 +1266,8 @@ impl Sim {
         let max_op = Duration::from_micros(300);
         let mut touched: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
         for ((s, id), r) in &self.reqs {
-            for d in r.descs.iter().filter(|_| !r.forged) {
+            // A withdrawn WRITE's destination is checked as untouched.
+            for d in r.descs.iter().filter(|_| !r.forged && !r.withdrawn) {
                 touched
                     .entry(r.receiver)
                     .or_default()
@@ -1250,7 +1283,7 @@ impl Sim {
             let per_step = self.cfg.request_timeout + max_op;
             let mut bound = r.submitted.after(per_step * (4 * r.chunks as u32 + 8));
             if let Some(d) = self.cfg.request_deadline {
-                bound = bound.min(r.submitted.after(d + max_op));
+                bound = bound.min(r.deadline_from.after(d + max_op));
             }
             if at > bound {
                 return Err(format!(
@@ -1274,7 +1307,7 @@ impl Sim {
                         return Err(format!("a{s} {id} succeeded but destination {d:?} differs"));
                     }
                 }
-            } else if self.faults.none() && self.liveness_guaranteed() {
+            } else if self.faults.none() && self.liveness_guaranteed() && !r.withdrawn {
                 let deadline_hit = outcome == Outcome::Failure(FailureReason::DeadlineExceeded);
                 if !deadline_hit {
                     return Err(format!("fault-free scenario: a{s} {id} failed: {outcome:?} (starvation or deadlock)"));

@@ -828,7 +828,7 @@ impl Engine {
         let announced = if peer_gate {
             None
         } else {
-            self.announce(op, &local, &remote, shape, &args)
+            self.announce(op, &local, &remote, shape)
         };
         let check_began = std::time::Instant::now();
         let (checked, early) = self.check(op, local, remote, !peer_gate, announced.as_ref())?;
@@ -932,7 +932,6 @@ impl Engine {
         local: &Descs<'_>,
         remote: &Descs<'_>,
         shape: &Shape,
-        args: &XferArgs,
     ) -> Option<Announced> {
         if !(self.config.prepare_at_post && self.config.announce_writes && op == Op::Write) {
             return None;
@@ -956,14 +955,8 @@ impl Engine {
         let payload = spec.survey.payload();
         self.route_between(op, shape, Some(&instance), Some(&peer), payload)
             .ok()?;
-        let deadline = TransferParams::parse(&args.custom_param)
-            .ok()?
-            .deadline_ms
-            .map(std::time::Duration::from_millis);
         instance.ensure_peer(&peer);
-        let ticket = instance
-            .runtime
-            .announce(peer.id.clone(), sizes.clone(), deadline);
+        let ticket = instance.runtime.announce(peer.id.clone(), sizes.clone());
         Some(Announced::new(ticket, instance, peer, sizes))
     }
 
@@ -1135,11 +1128,10 @@ impl Engine {
                     .map(std::time::Duration::from_millis);
                 let (peer, plan) = (b.peer.clone(), b.plan.clone());
                 b.ticket = Some(match b.announced.take() {
-                    // Its WANT went out while it was prepared; the deadline
-                    // came with it (the same custom parameter).
+                    // Its WANT went out while it was prepared.
                     Some(announced) => {
                         let ticket = announced.take();
-                        runtime.plan_ready(&ticket, plan, notif);
+                        runtime.plan_ready(&ticket, plan, notif, deadline);
                         ticket
                     }
                     None if b.read => runtime.submit_read(peer, plan, notif, deadline),

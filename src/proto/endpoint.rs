@@ -688,18 +688,16 @@ impl Endpoint {
     /// [`Endpoint::plan_ready`], and until then nothing is gathered or
     /// written. The caller that cannot finish the plan cancels the request
     /// ([`Endpoint::cancel`]); one that never comes back is ended by the
-    /// request timeout, as a request whose credits never come.
+    /// request timeout, as a request whose credits never come. Its
+    /// deadline comes with its plan.
     pub fn submit_sized(
         &mut self,
         now: Time,
         peer: &PeerId,
         sizes: &[u64],
-        deadline: Option<Duration>,
     ) -> Result<RequestId, SubmitError> {
         self.check_submission(&Plan::sized(sizes))?;
-        let id = self
-            .sender
-            .submit_sized(&mut self.ctx, now, peer, sizes, deadline)?;
+        let id = self.sender.submit_sized(&mut self.ctx, now, peer, sizes)?;
         self.pump(now);
         Ok(id)
     }
@@ -726,9 +724,18 @@ impl Endpoint {
     /// DATA of those written goes out. Returns whether it was taken: not
     /// when the request is not waiting for it (unknown, ended or planned),
     /// nor when the plan's chunk sizes are not those the WANT carried,
-    /// which cancels it.
-    pub fn plan_ready(&mut self, now: Time, request: RequestId, plan: Arc<Plan>) -> bool {
-        let taken = self.sender.on_plan(&mut self.ctx, now, request, plan);
+    /// which cancels it. `deadline` as for
+    /// [`Endpoint::submit_with_deadline`], counted from now.
+    pub fn plan_ready(
+        &mut self,
+        now: Time,
+        request: RequestId,
+        plan: Arc<Plan>,
+        deadline: Option<Duration>,
+    ) -> bool {
+        let taken = self
+            .sender
+            .on_plan(&mut self.ctx, now, request, plan, deadline);
         self.pump(now);
         taken
     }

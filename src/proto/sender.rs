@@ -345,10 +345,9 @@ impl Sender {
         now: Time,
         peer: &PeerId,
         sizes: &[u64],
-        deadline: Option<std::time::Duration>,
     ) -> Result<RequestId, SubmitError> {
         let plan = Plan::sized(sizes);
-        self.submit_as(ctx, now, peer, Arc::new(plan), false, deadline)
+        self.submit_as(ctx, now, peer, Arc::new(plan), false, None)
     }
 
     fn submit_as(
@@ -435,7 +434,14 @@ impl Sender {
     /// receiver's regions were granted for those) or not the chunks
     /// brought ahead of it (which may be written already), which fails the
     /// request (cancelled).
-    pub fn on_plan(&mut self, ctx: &mut Ctx, now: Time, id: RequestId, plan: Arc<Plan>) -> bool {
+    pub fn on_plan(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        id: RequestId,
+        plan: Arc<Plan>,
+        deadline: Option<std::time::Duration>,
+    ) -> bool {
         let Some(req) = self.requests.get_mut(&id) else {
             return false;
         };
@@ -465,6 +471,9 @@ impl Sender {
         req.plan = plan;
         req.planned = true;
         req.last_progress = now;
+        // Counted from the plan, as a submitted request's is from its
+        // submission: the preparation before it is not the transfer's.
+        req.deadline = deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d));
         for c in 0..req.slots.len() {
             req.slots[c].ready = true;
             match req.slots[c].stage {

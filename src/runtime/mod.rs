@@ -82,7 +82,6 @@ enum Command {
         peer: PeerId,
         sizes: Vec<u64>,
         ticket: Arc<Ticket>,
-        deadline: Option<Duration>,
         queued_ns: u64,
     },
     /// Chunk `c`'s copies of an announced WRITE, ahead of its plan.
@@ -96,6 +95,7 @@ enum Command {
         ticket: Arc<Ticket>,
         plan: Arc<Plan>,
         notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
     },
     Cancel {
         ticket: Arc<Ticket>,
@@ -506,18 +506,12 @@ impl Runtime {
     /// [`Runtime::plan_ready`] then brings (with the notification). A
     /// caller that ends up not sending it withdraws it
     /// ([`Runtime::withdraw`]).
-    pub fn announce(
-        &self,
-        peer: PeerId,
-        sizes: Vec<u64>,
-        deadline: Option<Duration>,
-    ) -> Arc<Ticket> {
+    pub fn announce(&self, peer: PeerId, sizes: Vec<u64>) -> Arc<Ticket> {
         let ticket = Ticket::new();
         self.push(Command::Announce {
             peer,
             sizes,
             ticket: ticket.clone(),
-            deadline,
             queued_ns: self.queued_ns(),
         });
         ticket
@@ -539,12 +533,20 @@ impl Runtime {
 
     /// The plan of a WRITE started by [`Runtime::announce`], whose chunk
     /// sizes must be those announced (else the request fails, cancelled),
-    /// and the notification its success sends.
-    pub fn plan_ready(&self, ticket: &Arc<Ticket>, plan: Arc<Plan>, notif: Option<DeferredNotif>) {
+    /// the notification its success sends, and its deadline (counted from
+    /// here, the post, as a submitted request's is).
+    pub fn plan_ready(
+        &self,
+        ticket: &Arc<Ticket>,
+        plan: Arc<Plan>,
+        notif: Option<DeferredNotif>,
+        deadline: Option<Duration>,
+    ) {
         self.push(Command::Planned {
             ticket: ticket.clone(),
             plan,
             notif,
+            deadline,
         });
     }
 

@@ -302,7 +302,6 @@ impl Reactor {
                     peer,
                     sizes,
                     ticket,
-                    deadline,
                     queued_ns,
                 } => {
                     let bytes = sizes.iter().sum();
@@ -310,7 +309,7 @@ impl Reactor {
                         .counters
                         .announced
                         .fetch_add(1, Ordering::Relaxed);
-                    let submitted = self.endpoint.submit_sized(now, &peer, &sizes, deadline);
+                    let submitted = self.endpoint.submit_sized(now, &peer, &sizes);
                     self.submitted(submitted, false, ticket, None, bytes, queued_ns);
                 }
                 Command::ChunkReady { ticket, c, chunk } => {
@@ -326,6 +325,7 @@ impl Reactor {
                     ticket,
                     plan,
                     notif,
+                    deadline,
                 } => {
                     // Nothing to do for a request that was refused, or has
                     // ended (it failed, and its ticket says so).
@@ -335,14 +335,18 @@ impl Reactor {
                     if let Some(entry) = self.tickets.get_mut(&id) {
                         entry.1 = notif;
                     }
-                    self.endpoint.plan_ready(now, id, plan);
+                    self.endpoint.plan_ready(now, id, plan, deadline);
                 }
                 Command::Cancel { ticket, withdrawn } => {
                     if let Some(id) = *ticket.request.locked() {
-                        if withdrawn {
+                        if withdrawn && self.tickets.contains_key(&id) {
                             self.withdrawn.insert(id);
                         }
-                        self.endpoint.cancel(now, id);
+                        if !self.endpoint.cancel(now, id) {
+                            // It had failed already (while its preparation
+                            // ran): a failure, not a withdrawal.
+                            self.withdrawn.remove(&id);
+                        }
                     }
                 }
                 Command::AddPeer {

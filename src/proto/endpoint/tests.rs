@@ -1182,7 +1182,7 @@ fn sized_write() -> (Pair, Vec<Descriptor>, Arc<Plan>, RequestId) {
     assert_eq!(plan.chunks.len(), 3);
     let id =
         p.a.ep
-            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes(), None)
+            .submit_sized(p.now, &p.b.name, &plan.chunk_sizes())
             .unwrap();
     p.poll();
     (p, d, plan, id)
@@ -1221,7 +1221,7 @@ fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
         );
         assert!(p.a.gathers.is_empty(), "no eager gather without the copies");
         if plan_first {
-            assert!(p.a.ep.plan_ready(p.now, id, plan.clone()));
+            assert!(p.a.ep.plan_ready(p.now, id, plan.clone(), None));
             p.poll();
             assert!(!p.a.gathers.is_empty(), "eager gathers once planned");
         } else {
@@ -1229,11 +1229,14 @@ fn a_request_submitted_by_its_sizes_waits_for_its_plan() {
             p.deliver(A);
             p.poll();
             assert!(p.a.gathers.is_empty(), "credits kept, nothing gathered");
-            assert!(p.a.ep.plan_ready(p.now, id, plan.clone()));
+            assert!(p.a.ep.plan_ready(p.now, id, plan.clone(), None));
             p.poll();
             assert_eq!(p.a.gathers.len(), 2, "the credited chunks staged");
         }
-        assert!(!p.a.ep.plan_ready(p.now, id, plan.clone()), "planned once");
+        assert!(
+            !p.a.ep.plan_ready(p.now, id, plan.clone(), None),
+            "planned once"
+        );
         p.drive();
         assert_eq!(p.a.completed, vec![(id, Outcome::Success)], "{plan_first}");
         assert!(p.b.holds_copy_of(&p.a, &d));
@@ -1257,7 +1260,7 @@ fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
             }
             "other sizes" => {
                 let other = p.a.ep.plan(&descs(19, 128)).unwrap();
-                assert!(!p.a.ep.plan_ready(p.now, id, other));
+                assert!(!p.a.ep.plan_ready(p.now, id, other, None));
                 FailureReason::Cancelled
             }
             "other chunks" => {
@@ -1273,7 +1276,7 @@ fn a_request_without_its_plan_is_cancelled_refused_or_timed_out() {
                     .collect();
                 let other = p.a.ep.plan(&moved).unwrap();
                 assert_eq!(other.chunk_sizes(), plan.chunk_sizes());
-                assert!(!p.a.ep.plan_ready(p.now, id, other));
+                assert!(!p.a.ep.plan_ready(p.now, id, other, None));
                 FailureReason::Cancelled
             }
             _ => {
@@ -1320,7 +1323,7 @@ fn chunks_brought_ahead_of_the_plan_are_written_but_their_data_waits() {
         p.b.scatters.is_empty(),
         "nothing to scatter before the plan"
     );
-    assert!(p.a.ep.plan_ready(p.now, id, plan.clone()));
+    assert!(p.a.ep.plan_ready(p.now, id, plan.clone(), None));
     p.poll();
     assert_eq!(data(&p.a), 2, "the written chunks' DATA at the plan");
     p.drive();
