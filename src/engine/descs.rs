@@ -429,6 +429,16 @@ impl PackSpec {
             pool,
         })
     }
+
+    /// The chunks' byte sizes of the plan it packs, known before any chunk
+    /// is ([`plan::Cut::sizes`]).
+    pub(super) fn chunk_sizes(&self) -> Option<Vec<u64>> {
+        let cut = plan::Cut {
+            cap: self.cap,
+            per_chunk: Some(self.per_chunk),
+        };
+        cut.sizes(&self.survey)
+    }
 }
 
 /// A plan's chunks packed in slices ([`plan::pack_slice`], of half the

@@ -823,15 +823,16 @@ impl Engine {
             }
         }
         // The arena is the likely route of what comes this far when the
-        // peer-mapped path is not open to it: a WRITE's WANT may go out now,
-        // and its plan may be packed in the check's pass.
-        let announced = if peer_gate {
+        // peer-mapped path is not open to it: its plan may be packed in the
+        // check's pass, and a WRITE's WANT may go out now.
+        let packing = if peer_gate {
             None
         } else {
-            self.announce(op, &local, &remote, shape)
+            self.packing(op, &local, &remote)
         };
+        let announced = packing.as_ref().and_then(|p| self.announce(op, p, shape));
         let check_began = std::time::Instant::now();
-        let (checked, early) = self.check(op, local, remote, !peer_gate, announced.as_ref())?;
+        let (checked, early) = self.check(op, local, remote, packing, announced.as_ref())?;
         let check_ns = check_began.elapsed().as_nanos() as u64;
         // The byte total the routing's size limit needs, from the pass.
         if let (Ok(survey), TotalBytes::Of(_, total)) = (&checked.survey, shape.bytes) {
@@ -913,51 +914,49 @@ impl Engine {
         Ok(None)
     }
 
+    /// The packing a check in parts on the preparation pool
+    /// ([`PARALLEL_PLAN_MIN_DESCRIPTORS`] descriptors or more) may do of
+    /// the arena's plan ([`Packing::of`]); `None` for a check in one pass.
+    fn packing(&self, op: Op, local: &Descs<'_>, remote: &Descs<'_>) -> Option<Packing> {
+        self.peer
+            .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)?;
+        Packing::of(op, local, remote)
+    }
+
     /// Sends the WANT of a WRITE over the arena before its descriptors are
     /// checked and packed (`announce_writes`, with `prepare_at_post`: the
     /// post that prepares it submits it next), so that the GRANT's round
     /// trip runs under that work, and its chunks are taken as they are
-    /// packed. Only for a request checked in parts on the preparation
-    /// pool ([`PARALLEL_PLAN_MIN_DESCRIPTORS`] descriptors or more), where
-    /// its first pair of descriptors and its count foretell the route and
-    /// the chunk sizes: the local
-    /// instance and the peer's arena of that pair, which the routing
-    /// admits for the bytes of `count` descriptors of its length, and a
-    /// cut by whole chunks ([`Packing::of`]). The caller keeps the result
-    /// only if the transfer turns out so ([`Announced::fits`]); dropped, it
-    /// is withdrawn.
-    fn announce(
-        &self,
-        op: Op,
-        local: &Descs<'_>,
-        remote: &Descs<'_>,
-        shape: &Shape,
-    ) -> Option<Announced> {
+    /// packed. Only for a request the check packs in parts (`packing`,
+    /// [`Engine::packing`]: a smaller one's preparation, 20-40 us on the
+    /// GPU hosts, is about what announcing costs it, and it gained
+    /// nothing; docs/benchmarks.md, thirty-sixth session), whose route and
+    /// chunk sizes its first pair of descriptors and its count foretell:
+    /// the local instance and the peer's arena of that pair, which the
+    /// routing admits for the bytes of `count` descriptors of its length.
+    /// The caller keeps the result only if the transfer turns out so
+    /// ([`Announced::fits`]); dropped, it is withdrawn.
+    fn announce(&self, op: Op, packing: &Packing, shape: &Shape) -> Option<Announced> {
         if !(self.config.prepare_at_post && self.config.announce_writes && op == Op::Write) {
             return None;
         }
-        // Only a request checked and packed on the pool's threads, whose
-        // chunks are taken as they are packed: a smaller one's preparation
-        // (20-40 us on the GPU hosts) is about what announcing costs it
-        // (docs/benchmarks.md, thirty-sixth session), and it gained nothing.
-        self.peer
-            .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)?;
         let Packing {
             instance,
             peer,
             spec,
-        } = Packing::of(op, local, remote)?;
-        let cut = plan::Cut {
-            cap: spec.cap,
-            per_chunk: Some(spec.per_chunk),
-        };
-        let sizes = cut.sizes(&spec.survey)?;
+        } = packing;
+        let sizes = spec.chunk_sizes()?;
         let payload = spec.survey.payload();
-        self.route_between(op, shape, Some(&instance), Some(&peer), payload)
+        self.route_between(op, shape, Some(instance), Some(peer), payload)
             .ok()?;
-        instance.ensure_peer(&peer);
+        instance.ensure_peer(peer);
         let ticket = instance.runtime.announce(peer.id.clone(), sizes.clone());
-        Some(Announced::new(ticket, instance, peer, sizes))
+        Some(Announced::new(
+            ticket,
+            instance.clone(),
+            peer.clone(),
+            sizes,
+        ))
     }
 
     /// Counts a transfer prepared on the peer-mapped path, with the time
@@ -992,35 +991,27 @@ impl Engine {
 
     /// Checks both lists ([`Checked`]): from
     /// [`PARALLEL_PLAN_MIN_DESCRIPTORS`] on, in parts on the preparation
-    /// pool (a cold list is read at several threads' pace). With `pack`
-    /// (the arena is the likely route), each part also packs its chunks of
-    /// the plan while its descriptors are in the cache ([`Packing`]); those
-    /// come back with the packing they assumed. A WRITE `announced` for
-    /// that packing is handed each chunk as soon as it is packed
+    /// pool (a cold list is read at several threads' pace). With `packing`
+    /// (the arena is the likely route, [`Engine::packing`]), each part also
+    /// packs its chunks of the plan while its descriptors are in the cache;
+    /// those come back with the packing they assumed. A WRITE `announced`
+    /// for that packing is handed each chunk as soon as it is packed
     /// ([`Announced::chunk_ready`]).
     fn check<'a>(
         &self,
         op: Op,
         local: Descs<'a>,
         remote: Descs<'a>,
-        pack: bool,
+        packing: Option<Packing>,
         announced: Option<&Announced>,
     ) -> Result<(Checked<'a>, Option<EarlyPlan>)> {
         if let Some(fill) = self
             .peer
             .fill_pool(local.len(), PARALLEL_PLAN_MIN_DESCRIPTORS)
         {
-            let packing = pack.then(|| Packing::of(op, &local, &remote)).flatten();
-            let hook = |c: usize, chunk: &plan::Chunk| {
-                if let Some(a) = announced {
-                    a.chunk_ready(c, chunk);
-                }
-            };
-            let hook = packing
-                .as_ref()
-                .zip(announced)
-                .filter(|(p, a)| a.announced_for(p))
-                .map(|_| &hook as &descs::ChunkHook<'_>);
+            let hand =
+                announced.map(|a| move |c: usize, chunk: &plan::Chunk| a.chunk_ready(c, chunk));
+            let hook = hand.as_ref().map(|h| h as &descs::ChunkHook<'_>);
             let spec = packing.as_ref().map(|p| &p.spec);
             if let Some((checked, help, chunks)) =
                 Checked::in_parts(op, local, remote, fill, spec, hook)

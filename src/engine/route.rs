@@ -87,24 +87,7 @@ impl Announced {
     pub(super) fn fits(&self, instance: &Arc<Bounce>, peer: &Arc<PeerBounce>, plan: &Plan) -> bool {
         Arc::ptr_eq(&self.instance, instance)
             && Arc::ptr_eq(&self.peer, peer)
-            && plan.chunks.len() == self.sizes.len()
-            && plan
-                .chunks
-                .iter()
-                .zip(&self.sizes)
-                .all(|(c, &s)| c.bytes == s)
-    }
-
-    /// Whether it was announced for the chunks `packing` packs (the same
-    /// instance, peer and chunk sizes).
-    pub(super) fn announced_for(&self, packing: &Packing) -> bool {
-        let cut = plan::Cut {
-            cap: packing.spec.cap,
-            per_chunk: Some(packing.spec.per_chunk),
-        };
-        Arc::ptr_eq(&self.instance, &packing.instance)
-            && Arc::ptr_eq(&self.peer, &packing.peer)
-            && cut.sizes(&packing.spec.survey).as_ref() == Some(&self.sizes)
+            && plan.chunk_sizes() == self.sizes
     }
 
     /// Hands chunk `c`, packed ahead of the plan (every descriptor of it
