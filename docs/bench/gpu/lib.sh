@@ -15,6 +15,9 @@
 #                      into $work/bench-TAG.log (NIXL_PLUGIN_DIR as set),
 #                      its rc into $work/summary.txt, the lines matching
 #                      $BENCH_GREP printed, then pack
+#   prep_costs         the lib tests' prep_cost (.gpu/extra/libtests, 8
+#                      threads), scattered then in order, into
+#                      $work/prep-cost.txt, then pack
 gpu_call() {
     out="${OUT:-/tmp/out}"; mkdir -p "$out"
     work="/tmp/$1"; rm -rf "$work"; mkdir -p "$work"
@@ -28,6 +31,14 @@ gpu_call() {
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$work/gpu.txt" 2>&1
 }
 pack() { tar czf "$out/all.tgz" -C "$work" . 2>/dev/null; }
+prep_costs() {
+    local o
+    for o in 0 1; do
+        PREP_IN_ORDER=$o PREP_THREADS=8 timeout 40 .gpu/extra/libtests prep_cost --ignored --nocapture 2>&1 \
+            | grep "prep_cost \|panicked" | tee -a "$work/prep-cost.txt"
+    done
+    pack
+}
 mps_start() {
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
     mkdir -p /tmp/mps /tmp/mpslog

@@ -19,11 +19,7 @@ step vram-test 100 "$v" test
 step vram-test-arena 100 "$v" test --param enable_peer_map=false
 step vram-test-notif 100 "$v" test --param enable_peer_map=false --param use_nixl_notifications=true
 step vram-faults 150 "$v" faults --buffer 268435456
-for o in 0 1; do
-  PREP_IN_ORDER=$o PREP_THREADS=8 timeout 40 .gpu/extra/libtests prep_cost --ignored --nocapture 2>&1 \
-    | grep "prep_cost \|panicked" | tee -a "$work/prep-cost.txt"
-done
-pack
+prep_costs
 export BENCH_GREP='inflight\|preparation per\|^ *4096 '
 mps_start
 for round in 1 2; do
