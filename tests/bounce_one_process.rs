@@ -30,14 +30,32 @@ fn len() -> usize {
     blocks_for(MANY) * BLOCK
 }
 
-/// One bounce WRITE from `a` to `b`, byte-exact and counted.
+/// One bounce WRITE of [`MANY`] blocks from `a` to `b`, byte-exact and
+/// counted ([`write_plan`]).
 fn write_once(a: &mut Endpoint, b: &mut Endpoint, plan_seed: u64, seeds: (u64, u64)) -> Duration {
     let plan = Plan::standard(MANY, BLOCK, plan_seed);
+    let (dt, sa, ea) = write_plan(a, b, &plan, seeds);
+    // Fewer descriptors than the preparation's threads take: not announced
+    // (`announce_writes`).
+    assert_eq!(ea.since(&sa, "bounce_announced"), 0, "announced");
+    dt
+}
+
+/// The bounce WRITE of `plan` from `a` to `b` (their buffers filled from
+/// `seeds`), byte-exact, sources and guards intact, counted on both sides
+/// as one bounce transfer of the plan's bytes; the time it took and the
+/// sender's counters before and after.
+fn write_plan(
+    a: &mut Endpoint,
+    b: &mut Endpoint,
+    plan: &Plan,
+    seeds: (u64, u64),
+) -> (Duration, Counters, Counters) {
     a.buf.fill_pattern(seeds.0);
     b.buf.fill_pattern(seeds.1);
     let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
     let (sa, sb) = (stats(a.name()), stats(b.name()));
-    let req = write_request(a, b, &plan);
+    let req = write_request(a, b, plan);
     let dt = a.node.post_and_wait(&req, wait_timeout()).or_fail(&format!(
         "WRITE {} -> {}",
         a.name(),
@@ -58,16 +76,13 @@ fn write_once(a: &mut Endpoint, b: &mut Endpoint, plan_seed: u64, seeds: (u64, u
         eb.diff(&sb)
     );
     assert_sender_bounced(&sa, &ea, 1);
-    // Fewer descriptors than the preparation's threads take: not announced
-    // (`announce_writes`).
-    assert_eq!(ea.since(&sa, "bounce_announced"), 0, "announced");
     assert_receiver_scattered(&sb, &eb, ea.since(&sa, "chunks_written"));
     assert_eq!(
         ea.since(&sa, "bytes_written"),
-        (MANY * BLOCK) as u64,
+        (plan.len() * plan.block) as u64,
         "bytes_written"
     );
-    dt
+    (dt, sa, ea)
 }
 
 fn both_directions(ex: &[(&str, &str)], seed: u64) {
@@ -560,20 +575,7 @@ fn a_large_write_takes_its_chunks_ahead_of_its_plan() {
     let (mut a, mut b) = large_pair("ca", 71);
     for seed in [73, 74] {
         let plan = Plan::standard(LARGE, BLOCK, seed);
-        a.buf.fill_pattern(seed + 10);
-        b.buf.fill_pattern(seed + 20);
-        let (src, dst_before) = (a.buf.as_slice().to_vec(), b.buf.as_slice().to_vec());
-        let sa = stats(a.name());
-        let req = write_request(&a, &b, &plan);
-        a.node
-            .post_and_wait(&req, wait_timeout())
-            .or_fail("the 64 MiB WRITE");
-        drop(req);
-        plan.verify(b.buf.as_slice(), &dst_before, &src)
-            .or_fail("destination");
-        b.buf.check_guards().or_fail("destination guards");
-        let ea = stats(a.name());
-        assert_sender_bounced(&sa, &ea, 1);
+        let (_, sa, ea) = write_plan(&mut a, &mut b, &plan, (seed + 10, seed + 20));
         assert_eq!(ea.since(&sa, "bounce_announced"), 1, "announced");
         assert_eq!(ea.since(&sa, "bounce_withdrawn"), 0, "withdrawn");
         let (ahead, chunks) = (
