@@ -62,6 +62,8 @@ pub struct Config {
     pub max_inflight_chunks_per_request: u32,
     pub min_chunks_per_request: u32,
     pub min_chunk_size_bytes: u64,
+    /// Bounce arena, receiving: senders offered a standing credit.
+    pub standing_credit_peers: u32,
     /// Copy execution contexts (GPU kernel concurrency cap).
     pub copy_stream_count: u32,
     /// Scatter worker thread count.
@@ -208,6 +210,7 @@ impl Default for Config {
             max_inflight_chunks_per_request: 8,
             min_chunks_per_request: 8,
             min_chunk_size_bytes: 4 * MIB,
+            standing_credit_peers: 4,
             copy_stream_count: 8,
             scatter_worker_count: 4,
             min_descriptor_count: 1024,
@@ -430,6 +433,7 @@ static SETTINGS: &[Setting] = &[
     setting!(max_inflight_chunks_per_request, "max_inflight_chunks_per_request", "MAX_INFLIGHT_CHUNKS_PER_REQUEST", Count, false, "Per-flow in-flight cap W (pipeline depth)."),
     setting!(min_chunks_per_request, "min_chunks_per_request", "MIN_CHUNKS_PER_REQUEST", Count, false, "Bounce arena: a request is cut into at least this many chunks (none below min_chunk_size_bytes), so that its gather, write and scatter overlap; 1 = chunks of max_chunk_size_bytes only. 8 rather than 4: a large request's plan was then packed in the check's pass on the preparation threads (its parts, whole chunks then, outnumbered the helpers; slices of chunks since), about 100 us less preparation for 16,384 x 4 KiB on an H100 host, the transfer itself the same (docs/benchmarks.md); at most max_inflight_chunks_per_request chunks of a request are in flight."),
     setting!(min_chunk_size_bytes, "min_chunk_size_bytes", "MIN_CHUNK_SIZE_BYTES", Bytes, true, "Bounce arena: the smallest chunk a request is cut into for overlap (min_chunks_per_request); smaller requests are one chunk."),
+    setting!(standing_credit_peers, "standing_credit_peers", "STANDING_CREDIT_PEERS", Count, true, "Bounce arena, receiving: up to this many sender peers each get a standing credit, a region of min_chunk_size_bytes in this arena (taken at start-up, kept for that peer) that the sender writes the first chunk of its next WRITE into at once, claiming it in the WANT, instead of waiting for the GRANT's round trip; after each use it is offered again. Only with peers that advertise standing credits; 0 = none (every WRITE waits for its GRANT)."),
     setting!(copy_stream_count, "copy_stream_count", "COPY_STREAM_COUNT", Count, false, "Copy execution contexts (GPU kernel concurrency cap)."),
     setting!(scatter_worker_count, "scatter_worker_count", "SCATTER_WORKER_COUNT", Count, false, "Scatter worker thread count."),
     setting!(min_descriptor_count, "min_descriptor_count", "MIN_DESCRIPTOR_COUNT", Count, false, "Bounce arena, DRAM on both sides: minimum descriptor count (fewer go to UCX)."),
@@ -858,8 +862,9 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(c.arena_usable_capacity(), 256 * MIB);
         let keys = Config::known_param_keys();
-        assert_eq!(keys.len(), 53);
+        assert_eq!(keys.len(), 54);
         assert!(keys.contains(&"announce_writes"));
+        assert!(keys.contains(&"standing_credit_peers"));
         assert!(keys.contains(&"copy_launches"));
         assert!(keys.contains(&"group_copy_launches"));
         assert!(keys.contains(&"receive_pass_us"));

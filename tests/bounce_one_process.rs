@@ -15,6 +15,8 @@
 //!   chunks are all taken ahead of it as the preparation's threads pack
 //!   them, and one whose plan differs from its announcement withdrawn and
 //!   sent anew;
+//! - the receiver's standing credit taken by a sender's next WRITEs
+//!   (`standing_credit_peers`), and none with it off;
 //! - the same over the NIXL-notification control channel
 //!   (`use_nixl_notifications=true` on both sides) instead of ZMQ.
 mod support;
@@ -361,6 +363,41 @@ fn a_16_mib_request_is_pipelined_in_four_chunks() {
             chunks,
             "{ex:?}"
         );
+    }
+}
+
+/// After a sender's first WRITE, the receiver holds a standing credit for
+/// it (`standing_credit_peers`): the sender's next WRITEs write their first
+/// chunk into it at once, claiming it in the WANT, without waiting for a
+/// GRANT (`bounce_standing_claimed`), byte-exact, whether the request is
+/// one chunk (1024 blocks, 4 MiB) or four; the slot is offered again
+/// before each claimed chunk's ACK, so every later WRITE finds it. With the
+/// receiver's slots off none is offered or claimed.
+#[test]
+#[serial_test::serial]
+fn the_next_writes_take_the_receivers_standing_credit() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    for (seed, slots, claims) in [(61, "4", [0, 1, 1, 1]), (63, "0", [0; 4])] {
+        let ex = [LOOPBACK, ("standing_credit_peers", slots)];
+        let mut a = endpoint("st-a", &ex, len(), seed, ThreadSync::Default);
+        let mut b = endpoint("st-b", &ex, len(), seed + 1, ThreadSync::Default);
+        pair_up(&a.node, &b.node);
+        let sb = stats(b.name());
+        let s = 100 * seed;
+        for (i, (blocks, claimed)) in [MANY, 1024, MANY, 1024].into_iter().zip(claims).enumerate() {
+            let i = i as u64;
+            let plan = Plan::standard(blocks, BLOCK, s + i);
+            let (_, sa, ea) = write_plan(&mut a, &mut b, &plan, (s + 10 + i, s + 20 + i));
+            assert_eq!(
+                ea.since(&sa, "bounce_standing_claimed"),
+                claimed,
+                "WRITE {i} ({blocks} blocks), slots {slots}"
+            );
+        }
+        let offered = stats(b.name()).since(&sb, "bounce_standing_offered");
+        assert_eq!(offered, if slots == "0" { 0 } else { 4 }, "offers");
     }
 }
 

@@ -278,6 +278,9 @@ struct Sim {
     /// WRITEs submitted by their sizes whose plan has not come: none may
     /// send a DATA.
     awaiting_plan: BTreeSet<(usize, RequestId)>,
+    /// Whether a sender loading a peer knows it offers standing credits
+    /// (else it plays an older sender): a stream of its own.
+    standing_rng: Rng,
     /// Peers the endpoints forgot by themselves during the run.
     forgotten: u64,
     /// Set while the final checks run (forgets then are not counted).
@@ -325,6 +328,16 @@ impl Sim {
                 1
             },
             min_chunk: granularity << rng.range(0, 3),
+            // From a stream of its own: standing slots in 60% of the
+            // scenarios (taken only where the largest chunk still fits).
+            standing_slots: {
+                let mut own = Rng::new(seed.wrapping_mul(0x94D0_49BB_1331_11EB) ^ 0x0057_A1D1);
+                if own.chance(0.6) {
+                    own.range(1, 4) as u32
+                } else {
+                    0
+                }
+            },
         };
         let mut faults = Faults::default();
         let mut extra_rng = Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x005E_ED0F_F417);
@@ -401,6 +414,7 @@ impl Sim {
             extra_rng,
             plan_rng: Rng::new(seed.wrapping_mul(0xA24B_AED4_963E_E407) ^ 0x00B1_A4E5),
             awaiting_plan: BTreeSet::new(),
+            standing_rng: Rng::new(seed.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ 0x0057_A1D2),
             forgotten: 0,
             finishing: false,
         };
@@ -798,6 +812,9 @@ impl Sim {
                 // The application loads a peer before its first transfer.
                 if self.agents[agent].loaded.insert(to) {
                     self.agents[agent].ep.set_peer_key(&peer, access_key(to));
+                    if self.standing_rng.chance(0.8) {
+                        self.agents[agent].ep.set_peer_standing(&peer);
+                    }
                 }
                 let (source, dest) = if read { (to, agent) } else { (agent, to) };
                 let expected: Vec<Vec<u8>> = descs
@@ -1004,6 +1021,10 @@ impl Sim {
                         // receiver aborted the flow and keeps the region out
                         // of use precisely because this write may land).
                         Some((Owner::Flow(f) | Owner::Quarantine(f), glen)) if *f == flow && glen >= len => {}
+                        // The writer's standing slot, offered to it, whose
+                        // claiming WANT has not arrived: a first chunk.
+                        Some((Owner::Standing { peer: Some(p), token: Some(_) }, glen))
+                            if *p == self.agents[agent].name && chunk.chunk == 0 && glen >= len => {}
                         other => {
                             return Err(format!(
                                 "write of {chunk} from a{agent} lands in a{peer} {remote}, which is not granted to {flow}: {other:?}"
@@ -1409,7 +1430,8 @@ impl Sim {
             }
             while ag.ep.poll_action().is_some() {}
             let usage = ag.ep.arena_usage();
-            if ag.ep.arena_free() + usage.reserve != self.cfg.arena_capacity {
+            // Standing slots stay their peers' (and never go back).
+            if ag.ep.arena_free() + usage.reserve + usage.standing != self.cfg.arena_capacity {
                 return Err(format!(
                     "a{i}: arena not fully free after forgetting every peer: {usage:?}"
                 ));
@@ -1448,6 +1470,8 @@ struct Tally {
     /// them those that succeeded.
     by_sizes: u64,
     by_sizes_succeeded: u64,
+    /// WRITEs whose first chunk took a standing credit.
+    standing_claimed: u64,
 }
 
 fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
@@ -1460,6 +1484,9 @@ fn run_seed(seed: u64, tally: &mut Tally) -> Result<(), String> {
     tally.scenarios += 1;
     tally.steps += sim.steps;
     tally.forgotten += sim.forgotten;
+    for ag in &sim.agents {
+        tally.standing_claimed += ag.ep.stats().standing_claimed;
+    }
     for r in sim.reqs.values() {
         tally.requests += 1;
         tally.reads += u64::from(r.read);
@@ -1524,6 +1551,10 @@ fn run_range(first: u64) {
     assert!(
         tally.by_sizes_succeeded > 0,
         "no WRITE submitted by its sizes ever succeeded"
+    );
+    assert!(
+        tally.standing_claimed > 0,
+        "no WRITE ever took a standing credit"
     );
     assert!(
         tally.forged_reads_refused > 0,

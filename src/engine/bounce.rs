@@ -247,6 +247,7 @@ impl Bounce {
         for (failpoint, capability) in [
             ("advertise_no_read", Capabilities::READ),
             ("advertise_no_heartbeats", Capabilities::HEARTBEATS),
+            ("advertise_no_standing", Capabilities::STANDING),
             ("advertise_no_data_path_v2", Capabilities::DATA_PATH_V2),
             ("no_cancel_capability", Capabilities::CANCEL),
         ] {
@@ -323,6 +324,7 @@ impl Bounce {
                 peer.arena.clone(),
                 peer.key,
                 peer.heartbeats,
+                peer.standing,
                 data_path,
             );
         }
@@ -537,7 +539,11 @@ pub fn local_handshake(config: &Config, control: ControlKind) -> Handshake {
         capabilities: Capabilities::CANCEL
             .with(Capabilities::READ)
             .with(Capabilities::HEARTBEATS)
-            .with(Capabilities::DATA_PATH_V2),
+            .with(Capabilities::DATA_PATH_V2)
+            .with(match config.standing_credit_peers {
+                0 => Capabilities(0),
+                _ => Capabilities::STANDING,
+            }),
         arena_usable_capacity: config.arena_usable_capacity(),
         max_chunk_size: config.max_chunk_size_bytes,
         arena_base: 0,
@@ -558,6 +564,8 @@ pub struct PeerBounce {
     pub read: bool,
     /// The peer answers the notification channel's heartbeats.
     pub heartbeats: bool,
+    /// The peer offers standing credits (`Capabilities::STANDING`).
+    pub standing: bool,
     /// The peer reads data paths of version 2 (`Capabilities::DATA_PATH_V2`).
     pub data_path_v2: bool,
     /// How UCX reaches the peer, for the DRAM arena's gate.
@@ -656,6 +664,7 @@ pub fn admit(
         key: peer.access_key,
         read: peer.capabilities.contains(Capabilities::READ),
         heartbeats: peer.capabilities.contains(Capabilities::HEARTBEATS),
+        standing: peer.capabilities.contains(Capabilities::STANDING),
         data_path_v2: peer.capabilities.contains(Capabilities::DATA_PATH_V2),
         reach: Reach::Near,
         arena: PeerArena {

@@ -180,6 +180,7 @@ mod checked {
             key: 7,
             read: true,
             heartbeats: true,
+            standing: true,
             data_path_v2: true,
             reach: bounce::Reach::Near,
         })

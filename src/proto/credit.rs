@@ -11,6 +11,7 @@
 //! | orphaned | its flow was reclaimed while a scatter still read it; freed when the scatter ends |
 //! | quarantined | its flow was aborted by the receiver while the sender might still write into it; freed when the sender cancels (after its writes ended) or the peer is forgotten (its data path torn down) |
 //! | local reserve | one max-chunk block kept for credit-backed local staging (see below) |
+//! | standing | a standing slot: kept for one sender peer, offered to it as a standing credit (see below) |
 //!
 //! # Scheduling
 //!
@@ -51,6 +52,22 @@
 //! reserve guarantees that a local sender holding a credit can always stage
 //! eventually, without waiting on any remote party, which breaks the
 //! bidirectional cycle "my arena is full of your grants, yours of mine".
+//!
+//! # Standing slots
+//!
+//! A few regions of `standing_len` bytes (`standing_slots`), taken at
+//! start-up beside the reserve and never returned to the allocator, serve
+//! standing credits: a slot is assigned to one sender peer for the
+//! scheduler's life ([`CreditScheduler::assign_standing`]), offered to it
+//! under a token ([`CreditScheduler::standing_offers`]), and becomes chunk 0
+//! of the flow whose WANT claims it ([`CreditScheduler::add_claimed_flow`]),
+//! so that flow's first chunk needs no grant. When that region is freed (its
+//! scatter ended, the flow was cancelled, its quarantine released) the slot
+//! returns to its peer, to be offered again. A slot never changes peers:
+//! whatever a peer may still write into it, only that peer's own flows ever
+//! read it, so forgetting a peer (which cannot prove its writes ended) never
+//! hands its slot to another. Taken only where the largest chunk still fits
+//! the rest of the arena, so drain mode still ends.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -74,6 +91,12 @@ pub struct SchedulerParams {
     pub max_chunk: u64,
     /// Keep a local reserve block (see the module docs).
     pub local_reserve: bool,
+    /// Standing slots to take (see the module docs); 0: none.
+    pub standing_slots: u32,
+    /// Bytes of one standing slot.
+    pub standing_len: u64,
+    /// The first standing offer's token (offers count up from it).
+    pub token_base: u64,
 }
 
 /// Scheduler errors: misuse by the caller or a peer, never a panic.
@@ -127,6 +150,15 @@ pub enum Owner {
     Quarantine(FlowId),
     /// The idle local reserve block.
     Reserve,
+    /// A standing slot not in a flow: assigned to `peer` (once assigned,
+    /// for the scheduler's life), offered to it under `token` (`None`: to
+    /// be offered).
+    Standing {
+        /// The sender it serves.
+        peer: Option<PeerId>,
+        /// The live offer.
+        token: Option<u64>,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -217,6 +249,9 @@ pub struct CreditScheduler {
     grant_seq: u64,
     drain: Option<FlowId>,
     reserve: Option<u64>,
+    /// Standing slots (offset -> the peer it is assigned to).
+    slots: BTreeMap<u64, Option<PeerId>>,
+    next_token: u64,
     poisoned: bool,
 }
 
@@ -247,6 +282,8 @@ impl CreditScheduler {
             grant_seq: 0,
             drain: None,
             reserve: None,
+            slots: BTreeMap::new(),
+            next_token: params.token_base,
             poisoned: false,
         };
         let block = s.buddy.block_size_for(params.max_chunk).unwrap_or(u64::MAX);
@@ -265,8 +302,149 @@ impl CreditScheduler {
                 s.reserve = Some(off);
             }
         }
+        s.take_standing_slots(
+            params.standing_slots,
+            params.standing_len.min(params.max_chunk),
+        );
         s.eager_cap = (s.buddy.free_bytes()) / 2;
         Ok(s)
+    }
+
+    /// Takes up to `n` standing slots of `len` bytes, as many as leave the
+    /// largest chunk a block of its own (so drain mode still ends).
+    fn take_standing_slots(&mut self, n: u32, len: u64) {
+        if len == 0 {
+            return;
+        }
+        for _ in 0..n {
+            let Some(off) = self.buddy.alloc(len) else {
+                break;
+            };
+            let fits = match self.buddy.alloc(self.max_chunk) {
+                Some(probe) => {
+                    let _ = self.buddy.free(probe);
+                    true
+                }
+                None => false,
+            };
+            if !fits {
+                let _ = self.buddy.free(off);
+                break;
+            }
+            let block = self.buddy.block_size(off).unwrap_or(len);
+            self.regions.insert(
+                off,
+                RegionEntry {
+                    block,
+                    len: block,
+                    owner: Owner::Standing {
+                        peer: None,
+                        token: None,
+                    },
+                    chunk: 0,
+                    scattering: false,
+                },
+            );
+            self.slots.insert(off, None);
+        }
+    }
+
+    /// Gives `peer` a standing slot if it has none and one is unassigned.
+    /// Returns whether it has one.
+    pub fn assign_standing(&mut self, peer: &PeerId) -> bool {
+        if self.slots.values().any(|p| p.as_ref() == Some(peer)) {
+            return true;
+        }
+        let Some((&off, slot)) = self.slots.iter_mut().find(|(_, p)| p.is_none()) else {
+            return false;
+        };
+        *slot = Some(peer.clone());
+        if let Some(e) = self.regions.get_mut(&off) {
+            e.owner = Owner::Standing {
+                peer: Some(peer.clone()),
+                token: None,
+            };
+        }
+        true
+    }
+
+    /// Offers every assigned slot that is free and not offered yet, of a
+    /// peer `reachable` says can be sent to, under a new token: (peer,
+    /// token, region, bytes). Nothing once poisoned.
+    pub fn standing_offers(
+        &mut self,
+        reachable: impl Fn(&PeerId) -> bool,
+    ) -> Vec<(PeerId, u64, RegionHandle, u64)> {
+        let mut out = Vec::new();
+        if self.poisoned {
+            return out;
+        }
+        for (&off, e) in self.regions.iter_mut() {
+            if let Owner::Standing {
+                peer: Some(peer),
+                token: token @ None,
+            } = &mut e.owner
+            {
+                if !reachable(peer) {
+                    continue;
+                }
+                self.next_token = self.next_token.wrapping_add(1);
+                *token = Some(self.next_token);
+                out.push((peer.clone(), self.next_token, RegionHandle(off), e.block));
+            }
+        }
+        out
+    }
+
+    /// `peer`'s live offer, if its slot is free and offered: (token,
+    /// region, bytes).
+    pub fn standing_offer(&self, peer: &PeerId) -> Option<(u64, RegionHandle, u64)> {
+        self.regions.iter().find_map(|(&off, e)| match &e.owner {
+            Owner::Standing {
+                peer: Some(p),
+                token: Some(t),
+            } if p == peer => Some((*t, RegionHandle(off), e.block)),
+            _ => None,
+        })
+    }
+
+    /// `peer`'s offer `token` (`None`: whichever is live) of `region` is
+    /// spent (its sender claimed it, and the request that claimed it ended
+    /// with its writes before its flow existed here): the slot is offered
+    /// anew. Returns whether it was that live offer.
+    pub fn spend_standing(
+        &mut self,
+        peer: &PeerId,
+        token: Option<u64>,
+        region: RegionHandle,
+    ) -> bool {
+        match self.regions.get_mut(&region.0) {
+            Some(RegionEntry {
+                owner:
+                    Owner::Standing {
+                        peer: Some(p),
+                        token: t @ Some(_),
+                    },
+                ..
+            }) if p == peer && token.is_none_or(|token| *t == Some(token)) => {
+                *t = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether `region` is `peer`'s slot offered under `token`.
+    pub fn is_standing_offer(&self, peer: &PeerId, token: u64, region: RegionHandle) -> bool {
+        self.standing_offer(peer)
+            .is_some_and(|(t, r, _)| t == token && r == region)
+    }
+
+    /// Whether `region` is a standing slot assigned to `peer` and offered
+    /// (not in a flow).
+    pub fn is_offered_slot(&self, peer: &PeerId, region: RegionHandle) -> bool {
+        self.standing_offer(peer)
+            .is_some_and(|(_, r, _)| r == region)
     }
 
     /// Usable arena capacity.
@@ -338,6 +516,7 @@ impl CreditScheduler {
                 Owner::Orphan => h.orphan += e.block,
                 Owner::Quarantine(_) => h.quarantine += e.block,
                 Owner::Reserve => h.reserve += e.block,
+                Owner::Standing { .. } => h.standing += e.block,
             }
         }
         h
@@ -406,6 +585,47 @@ impl CreditScheduler {
             },
         );
         self.ring.push(flow);
+        Ok(())
+    }
+
+    /// Registers a flow wanting `chunk_sizes` whose chunk 0 is written into
+    /// `peer`'s standing slot `region`, offered as `token` (the flow's WANT
+    /// claimed it): the slot becomes chunk 0's region, held by the flow as
+    /// if granted, and the other chunks wait for grants as any flow's.
+    pub fn add_claimed_flow(
+        &mut self,
+        now: Time,
+        flow: FlowId,
+        chunk_sizes: &[u64],
+        token: u64,
+        region: RegionHandle,
+    ) -> Result<(), SchedError> {
+        if !self.is_standing_offer(&flow.peer, token, region) {
+            return Err(SchedError::WrongOwner {
+                region,
+                expected: "the standing slot offered to this peer under this token",
+            });
+        }
+        let first = chunk_sizes.first().copied().unwrap_or(0);
+        let slot_len = self.regions.get(&region.0).map_or(0, |e| e.block);
+        if first > slot_len {
+            return Err(SchedError::BadChunkSize {
+                flow,
+                chunk: 0,
+                bytes: first,
+                max: slot_len,
+            });
+        }
+        self.add_flow(now, flow.clone(), chunk_sizes)?;
+        if let Some(f) = self.flows.get_mut(&flow) {
+            f.pending.pop_front();
+            f.held.insert(region.0);
+        }
+        if let Some(e) = self.regions.get_mut(&region.0) {
+            e.owner = Owner::Flow(flow);
+            e.chunk = 0;
+            e.len = first;
+        }
         Ok(())
     }
 
@@ -617,6 +837,18 @@ impl CreditScheduler {
     }
 
     fn free_region(&mut self, offset: u64) {
+        if let Some(peer) = self.slots.get(&offset) {
+            // A standing slot goes back to its peer, never to the allocator.
+            if let Some(e) = self.regions.get_mut(&offset) {
+                e.owner = Owner::Standing {
+                    peer: peer.clone(),
+                    token: None,
+                };
+                e.len = e.block;
+                e.scattering = false;
+            }
+            return;
+        }
         if self.regions.remove(&offset).is_some() {
             // The entry mirrors a buddy allocation; a mismatch is caught by
             // check_invariants.
@@ -874,6 +1106,9 @@ impl CreditScheduler {
                         self.reserve
                     ));
                 }
+                Owner::Standing { .. } if !self.slots.contains_key(&off) => {
+                    return Err(format!("region {off:#x} marked standing but is no slot"));
+                }
                 _ => {}
             }
             if e.scattering && !matches!(e.owner, Owner::Flow(_)) {
@@ -891,6 +1126,23 @@ impl CreditScheduler {
                 "eager bytes {} above the cap {}",
                 self.eager_bytes, self.eager_cap
             ));
+        }
+        for (off, peer) in &self.slots {
+            match self.regions.get(off).map(|e| &e.owner) {
+                Some(Owner::Standing { peer: p, .. }) if p == peer => {}
+                Some(Owner::Standing { .. }) => {
+                    return Err(format!(
+                        "standing slot {off:#x} names another peer than {peer:?}"
+                    ))
+                }
+                Some(Owner::Flow(f) | Owner::Quarantine(f)) if peer.as_ref() == Some(&f.peer) => {}
+                Some(Owner::Orphan) if peer.is_some() => {}
+                other => {
+                    return Err(format!(
+                        "standing slot {off:#x} of {peer:?} owned by {other:?}"
+                    ))
+                }
+            }
         }
         if let Some(r) = self.reserve {
             match self.regions.get(&r).map(|e| &e.owner) {
@@ -954,6 +1206,8 @@ pub struct HeldBytes {
     pub quarantine: u64,
     /// Idle reserve.
     pub reserve: u64,
+    /// Standing slots not in a flow.
+    pub standing: u64,
 }
 
 #[cfg(test)]
@@ -972,6 +1226,9 @@ mod tests {
             window,
             max_chunk,
             local_reserve: reserve,
+            standing_slots: 0,
+            standing_len: 0,
+            token_base: 0,
         })
         .unwrap()
     }

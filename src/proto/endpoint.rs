@@ -70,6 +70,10 @@ pub struct EndpointConfig {
     pub merge_runs: bool,
     /// Keep a local reserve block (see [`super::credit`]).
     pub local_reserve: bool,
+    /// Standing credits this agent offers as a receiver: one slot of
+    /// `min_chunk` bytes (at most `max_chunk`) for each of up to this many
+    /// sender peers ([`super::credit`], "Standing slots"); 0: none.
+    pub standing_slots: u32,
     /// This agent's control endpoint, sent in every WANT.
     pub local_endpoint: Vec<u8>,
     /// First request id (see the module docs).
@@ -103,6 +107,7 @@ impl EndpointConfig {
             launches_last: config.copy_launches_last,
             merge_runs: !config.disable_scatter_run_merging,
             local_reserve: true,
+            standing_slots: config.standing_credit_peers,
             local_endpoint,
             request_id_base,
             access_key: 0,
@@ -332,6 +337,13 @@ pub struct Stats {
     /// READs refused before anything was read (bad sources, bad chunks,
     /// wrong key, poisoned or shutting down).
     pub reads_refused: u64,
+    /// Standing credits offered to senders (receiver).
+    pub standing_offered: u64,
+    /// Requests whose first chunk took a standing credit (sender).
+    pub standing_claimed: u64,
+    /// Flows whose first chunk came in a standing slot, claimed by their
+    /// WANT, with no grant (receiver).
+    pub standing_taken: u64,
 }
 
 /// The actions waiting for the runtime, in two lines: copy launches
@@ -407,6 +419,9 @@ pub(crate) struct Ctx {
     pub plan_options: PlanOptions,
     /// Access keys of the peers this agent sends to (from their handshakes).
     pub peer_keys: std::collections::HashMap<PeerId, u64>,
+    /// The peers this agent sends to whose handshakes offer standing
+    /// credits ([`super::wire::Capabilities::STANDING`]).
+    pub standing_peers: std::collections::HashSet<PeerId>,
 }
 
 impl Ctx {
@@ -471,6 +486,9 @@ impl Endpoint {
             window: cfg.window,
             max_chunk: cfg.max_chunk,
             local_reserve: cfg.local_reserve,
+            standing_slots: cfg.standing_slots,
+            standing_len: cfg.min_chunk,
+            token_base: cfg.request_id_base & (u64::MAX >> 2),
         })?;
         let plan_options = PlanOptions {
             max_chunk_bytes: cfg.max_chunk,
@@ -490,6 +508,7 @@ impl Endpoint {
                 stats: Stats::default(),
                 plan_options,
                 peer_keys: std::collections::HashMap::new(),
+                standing_peers: std::collections::HashSet::new(),
             },
             sender,
             receiver: Receiver::default(),
@@ -810,10 +829,21 @@ impl Endpoint {
                 request,
                 chunk_sizes,
                 endpoint,
+                standing,
                 ..
-            } => self
-                .receiver
-                .on_want(&mut self.ctx, now, from, request, &chunk_sizes, endpoint),
+            } => self.receiver.on_want(
+                &mut self.ctx,
+                now,
+                from,
+                request,
+                &chunk_sizes,
+                endpoint,
+                standing,
+            ),
+            Message::Standing { token, region, len } => {
+                self.sender
+                    .on_standing(&mut self.ctx, from, token, region, len)
+            }
             Message::Cancel {
                 request, endpoint, ..
             } => self
@@ -1070,6 +1100,7 @@ impl Endpoint {
     /// goes too (the application loads it again to send to it).
     pub fn forget_peer(&mut self, now: Time, peer: &PeerId) {
         self.ctx.peer_keys.remove(peer);
+        self.ctx.standing_peers.remove(peer);
         self.reads.peer_data_paths.remove(peer);
         self.sender.forget_peer(&mut self.ctx, peer);
         self.reads.fail_peer(
@@ -1147,6 +1178,14 @@ impl Endpoint {
     /// unreachable with nothing of it left ([`Endpoint::peer_unreachable`]).
     pub fn set_peer_key(&mut self, peer: &PeerId, key: u64) {
         self.ctx.peer_keys.insert(peer.clone(), key);
+    }
+
+    /// Records that `peer`'s handshake offers standing credits
+    /// ([`super::wire::Capabilities::STANDING`]): WANTs to it say what
+    /// this agent does with them, and its offers are taken
+    /// ([`super::credit`], "Standing slots"; [`Message::Standing`]).
+    pub fn set_peer_standing(&mut self, peer: &PeerId) {
+        self.ctx.standing_peers.insert(peer.clone());
     }
 
     /// This agent stops serving `peer` while the peer may still be alive

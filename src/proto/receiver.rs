@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::credit::ScatterEnd;
 use super::endpoint::{Action, Ctx};
-use super::wire::{Credit, Message, RefuseReason};
+use super::wire::{Credit, Message, RefuseReason, StandingUse};
 use super::{FlowId, FlowKind, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Upper bound on the copies one DATA may expand to.
@@ -42,6 +42,11 @@ pub(crate) struct Receiver {
     tombstones: BTreeMap<FlowId, Time>,
     /// Peers whose endpoint was handed to the runtime.
     known_peers: BTreeSet<PeerId>,
+    /// A DATA into a peer's offered standing slot whose claiming WANT has
+    /// not come yet (a channel that reorders), by slot: the request and
+    /// the runs. At most one a slot; taken by the claim, dropped by the
+    /// request's CANCEL.
+    early: BTreeMap<RegionHandle, (PeerId, RequestId, Runs)>,
 }
 
 /// [`validate_runs`] for a run list, read as packed copies when it is
@@ -128,6 +133,7 @@ impl Receiver {
         self.tombstone(ctx, flow.clone(), now);
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn on_want(
         &mut self,
         ctx: &mut Ctx,
@@ -136,8 +142,31 @@ impl Receiver {
         request: RequestId,
         chunk_sizes: &[u64],
         endpoint: Vec<u8>,
+        standing: StandingUse,
     ) {
         self.register_endpoint(ctx, from, endpoint);
+        self.add_want(ctx, now, from, request, chunk_sizes, standing);
+        if standing != StandingUse::None && ctx.sched.assign_standing(from) {
+            // A sender that holds none of our offers gets the live one
+            // again (it may have been forgotten there); a new one goes out
+            // with the next schedule.
+            if standing == StandingUse::Wanted {
+                if let Some((token, region, len)) = ctx.sched.standing_offer(from) {
+                    ctx.send(from, Message::Standing { token, region, len });
+                }
+            }
+        }
+    }
+
+    fn add_want(
+        &mut self,
+        ctx: &mut Ctx,
+        now: Time,
+        from: &PeerId,
+        request: RequestId,
+        chunk_sizes: &[u64],
+        standing: StandingUse,
+    ) {
         let refuse = if ctx.poisoned.is_some() {
             Some(RefuseReason::Poisoned)
         } else if ctx.shut_down {
@@ -150,11 +179,40 @@ impl Receiver {
             return;
         }
         let flow = FlowId::write(from.clone(), request);
+        let claim = match standing {
+            StandingUse::Claimed { token, region } => Some((token, region)),
+            _ => None,
+        };
         if self.tombstones.contains_key(&flow) || ctx.sched.has_flow(&flow) {
             ctx.stats.ignored += 1;
+            // A claim whose request was cancelled already (its CANCEL came
+            // first: none of its writes can land): the offer is spent.
+            if let (Some((token, region)), true) = (claim, self.tombstones.contains_key(&flow)) {
+                if ctx.sched.spend_standing(from, Some(token), region) {
+                    self.early.remove(&region);
+                }
+            }
             return;
         }
-        if let Err(e) = ctx.sched.add_flow(now, flow.clone(), chunk_sizes) {
+        let added = match claim {
+            Some((token, region)) => {
+                ctx.sched
+                    .add_claimed_flow(now, flow.clone(), chunk_sizes, token, region)
+            }
+            None => ctx.sched.add_flow(now, flow.clone(), chunk_sizes),
+        };
+        if let (Ok(()), Some((_, region))) = (&added, claim) {
+            ctx.stats.standing_taken += 1;
+            // Its first chunk may be written already, and its DATA here.
+            if let Some((peer, early_request, runs)) = self.early.remove(&region) {
+                if peer == *from && early_request == request {
+                    self.accept_data(ctx, now, flow.clone(), 0, region, runs);
+                } else {
+                    ctx.stats.late_data += 1;
+                }
+            }
+        }
+        if let Err(e) = added {
             tracing::warn!(target: "nixl_bounce::proto", "refusing WANT from {from}: {e}");
             let reason = match e {
                 super::credit::SchedError::BadChunkSize { .. } => RefuseReason::ChunkTooLarge,
@@ -175,6 +233,17 @@ impl Receiver {
     ) {
         self.register_endpoint(ctx, from, endpoint);
         let flow = FlowId::write(from.clone(), request);
+        // A DATA into a standing slot whose claim has not come: the request
+        // claimed the slot, and none of its writes can land any more, so
+        // the offer is spent (the claim, if it comes, finds a tombstone).
+        if let Some((&region, _)) = self
+            .early
+            .iter()
+            .find(|(_, (p, r, _))| p == from && *r == request)
+        {
+            self.early.remove(&region);
+            ctx.sched.spend_standing(from, None, region);
+        }
         // The sender cancels only once none of its writes can land: every
         // region of the flow that no scatter reads is free to reuse.
         ctx.sched.reclaim_flow(&flow);
@@ -193,6 +262,17 @@ impl Receiver {
         region: RegionHandle,
         runs: Runs,
     ) {
+        let flow = FlowId::write(from.clone(), request);
+        if chunk == 0
+            && !ctx.sched.has_flow(&flow)
+            && !self.tombstones.contains_key(&flow)
+            && ctx.sched.is_offered_slot(from, region)
+        {
+            // Written into the sender's standing slot before its claiming
+            // WANT arrived: kept for the claim.
+            self.early.insert(region, (from.clone(), request, runs));
+            return;
+        }
         self.accept_data(
             ctx,
             now,
@@ -247,6 +327,10 @@ impl Receiver {
     pub fn on_scatter_done(&mut self, ctx: &mut Ctx, _now: Time, region: RegionHandle) {
         match ctx.sched.finish_scatter(region) {
             Ok(ScatterEnd::Owned { flow, chunk }) => {
+                // A standing slot just freed is offered again before the
+                // ACK, so that a sender whose request this ACK completes
+                // holds it when it submits the next.
+                self.offer_standing(ctx);
                 let request = flow.request;
                 let ack = match flow.kind {
                     FlowKind::Write => Message::Ack {
@@ -301,8 +385,23 @@ impl Receiver {
         }
     }
 
-    /// Grants what the arena allows and sends one GRANT per flow.
+    /// Offers each free standing slot of a peer whose endpoint we have
+    /// under a new token.
+    fn offer_standing(&mut self, ctx: &mut Ctx) {
+        if ctx.shut_down {
+            return;
+        }
+        let known = &self.known_peers;
+        for (peer, token, region, len) in ctx.sched.standing_offers(|p| known.contains(p)) {
+            ctx.stats.standing_offered += 1;
+            ctx.send(&peer, Message::Standing { token, region, len });
+        }
+    }
+
+    /// Grants what the arena allows and sends one GRANT per flow, and
+    /// offers the free standing slots.
     pub fn schedule(&mut self, ctx: &mut Ctx) {
+        self.offer_standing(ctx);
         let grants = ctx.sched.schedule();
         if grants.is_empty() {
             return;
@@ -345,6 +444,7 @@ impl Receiver {
     pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
         ctx.sched.reclaim_peer(peer);
         self.known_peers.remove(peer);
+        self.early.retain(|_, (p, _, _)| p != peer);
     }
 
     /// Aborts every live flow of `peer` (see [`Receiver::abort`]).

@@ -42,7 +42,7 @@ use std::sync::Arc;
 
 use super::endpoint::{due_failure, expiry, Action, Ctx, FailureReason, Outcome, SubmitError};
 use super::plan::{Chunk, Plan};
-use super::wire::{Credit, Message, ReadChunk, RefuseReason};
+use super::wire::{Credit, Message, ReadChunk, RefuseReason, StandingUse};
 use super::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,6 +118,20 @@ pub(crate) struct Sender {
     /// Serves removed since the endpoint last looked (see
     /// [`Sender::take_ended_serves`]).
     ended_serves: Vec<(PeerId, RequestId)>,
+    /// The standing credit held from each receiver: one region its next
+    /// request's first chunk may be written into at once.
+    standing: BTreeMap<PeerId, Standing>,
+    /// The largest token claimed from each receiver: an offer at or below
+    /// it is one already used (a re-sent offer that crossed the claim).
+    claimed: BTreeMap<PeerId, u64>,
+}
+
+/// A standing credit: a receiver's offer of one region ([`Message::Standing`]).
+#[derive(Clone, Copy, Debug)]
+struct Standing {
+    token: u64,
+    region: RegionHandle,
+    len: u64,
 }
 
 /// The READ_END reason for a failed serving request.
@@ -142,6 +156,51 @@ impl Sender {
             served: BTreeMap::new(),
             reader_paths: BTreeMap::new(),
             ended_serves: Vec::new(),
+            standing: BTreeMap::new(),
+            claimed: BTreeMap::new(),
+        }
+    }
+
+    /// A receiver offers a standing credit: kept if the receiver is one
+    /// whose offers this agent takes and the offer is newer than any held
+    /// or claimed from it.
+    pub fn on_standing(
+        &mut self,
+        ctx: &mut Ctx,
+        from: &PeerId,
+        token: u64,
+        region: RegionHandle,
+        len: u64,
+    ) {
+        let stale = self.claimed.get(from).is_some_and(|&c| token <= c)
+            || self.standing.get(from).is_some_and(|s| token <= s.token);
+        if !ctx.standing_peers.contains(from) || stale {
+            ctx.stats.ignored += 1;
+            return;
+        }
+        self.standing
+            .insert(from.clone(), Standing { token, region, len });
+    }
+
+    /// What a new request to `peer` whose first chunk has `first` bytes
+    /// does with `peer`'s standing credit: claims it (taken here) if it
+    /// fits, else says whether one is held.
+    fn use_standing(&mut self, ctx: &Ctx, peer: &PeerId, first: u64) -> StandingUse {
+        if !ctx.standing_peers.contains(peer) {
+            return StandingUse::None;
+        }
+        match self.standing.get(peer) {
+            Some(s) if first <= s.len => {
+                let s = *s;
+                self.standing.remove(peer);
+                self.claimed.insert(peer.clone(), s.token);
+                StandingUse::Claimed {
+                    token: s.token,
+                    region: s.region,
+                }
+            }
+            Some(_) => StandingUse::Held,
+            None => StandingUse::Wanted,
         }
     }
 
@@ -369,6 +428,7 @@ impl Sender {
             });
             return Ok(id);
         }
+        let standing = self.use_standing(ctx, peer, plan.chunks[0].bytes);
         ctx.send(
             peer,
             Message::Want {
@@ -376,6 +436,7 @@ impl Sender {
                 chunk_sizes: plan.chunk_sizes(),
                 endpoint: ctx.cfg.local_endpoint.clone(),
                 key: ctx.key_for(peer),
+                standing,
             },
         );
         let deadline = deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d));
@@ -384,6 +445,18 @@ impl Sender {
             req.planned = planned;
             for slot in &mut req.slots {
                 slot.ready = planned;
+            }
+            // The claimed standing region is chunk 0's credit, there now.
+            if let StandingUse::Claimed { region, .. } = standing {
+                ctx.stats.standing_claimed += 1;
+                req.slots[0].credit = Some(Credit {
+                    chunk: 0,
+                    region,
+                    len: req.plan.chunks[0].bytes,
+                });
+                if planned {
+                    Self::stage_credited(ctx, &mut self.parked, id, req, 0);
+                }
             }
         }
         Ok(id)
@@ -987,6 +1060,8 @@ impl Sender {
 
     pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
         self.reader_paths.remove(peer);
+        self.standing.remove(peer);
+        self.claimed.remove(peer);
         self.fail_peer(ctx, peer, FailureReason::PeerLost);
         for r in self.requests.values_mut().filter(|r| r.peer == *peer) {
             r.cancel_pending = false;

@@ -112,6 +112,14 @@ pub enum MessageType {
     Ack = 4,
     /// Receiver refuses or aborts a flow.
     Refuse = 5,
+    /// A WANT that also says what the sender does with the receiver's
+    /// standing credit ([`StandingUse`]): sent only to a receiver whose
+    /// handshake advertises [`Capabilities::STANDING`], and telling the
+    /// receiver that the sender takes STANDING messages.
+    WantStanding = 6,
+    /// Receiver offers a standing credit: one region the sender may write
+    /// a request's first chunk into without asking ([`Message::Standing`]).
+    Standing = 7,
     /// Reader asks the data owner to move sources into regions it grants.
     Read = 16,
     /// Data owner stops serving a READ (none of its writes can still land).
@@ -131,13 +139,17 @@ pub enum MessageType {
 /// The type code, request id and (for DATA and ACK) chunk index of an
 /// encoded message, read from their fixed positions without validating
 /// anything else: for instrumentation that must not decode twice. The
-/// message may still be rejected by [`Message::decode`].
+/// message may still be rejected by [`Message::decode`]. `None` for a
+/// STANDING, which names no request.
 pub fn peek(bytes: &[u8]) -> Option<(u8, RequestId, Option<u32>)> {
     let field = |at: usize, n: usize| bytes.get(at..at + n);
     if field(0, 4)? != MESSAGE_MAGIC {
         return None;
     }
     let ty = *bytes.get(6)?;
+    if ty == MessageType::Standing as u8 {
+        return None;
+    }
     let request = RequestId(u64::from_le_bytes(field(HEADER_LEN, 8)?.try_into().ok()?));
     let chunk = if [
         MessageType::Data,
@@ -458,6 +470,42 @@ pub struct Credit {
     pub len: u64,
 }
 
+/// What a WANT says about the receiver's standing credit
+/// ([`Message::Standing`]). Anything but `None` is encoded as a
+/// WANT_STANDING, which only a receiver advertising
+/// [`Capabilities::STANDING`] is sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StandingUse {
+    /// Nothing: a plain WANT (the receiver offers no standing credits).
+    None,
+    /// The sender takes standing credits and holds none of this receiver's:
+    /// offer one.
+    Wanted,
+    /// The sender holds one and keeps it for a later request (this one's
+    /// first chunk does not fit it).
+    Held,
+    /// The request's first chunk is written into the standing region
+    /// `region`, offered as `token`: the receiver grants that chunk no
+    /// credit, the region is the chunk's.
+    Claimed {
+        /// The offer's token.
+        token: u64,
+        /// The offered region.
+        region: RegionHandle,
+    },
+}
+
+impl StandingUse {
+    /// Bytes it adds to a WANT's payload.
+    fn encoded_len(self) -> usize {
+        match self {
+            StandingUse::None => 0,
+            StandingUse::Wanted | StandingUse::Held => 1,
+            StandingUse::Claimed { .. } => 17,
+        }
+    }
+}
+
 wire_enum! {
 /// Why a receiver refuses or aborts a flow.
 pub enum RefuseReason {
@@ -508,6 +556,9 @@ pub enum Message {
         /// The receiver's access key, from the receiver's handshake (which
         /// only peers that loaded its metadata have).
         key: u64,
+        /// What the sender does with the receiver's standing credit
+        /// (encoded as a WANT_STANDING unless [`StandingUse::None`]).
+        standing: StandingUse,
     },
     /// Sender -> receiver: retract the flow (encoded as a WANT with no
     /// chunks). Sent only once none of the request's writes can still land.
@@ -552,6 +603,21 @@ pub enum Message {
         request: RequestId,
         /// Why.
         reason: RefuseReason,
+    },
+    /// Receiver -> sender: a standing credit. The sender may write the
+    /// first chunk of its next request (at most `len` bytes) into `region`
+    /// at once, naming `token` in that request's WANT
+    /// ([`StandingUse::Claimed`]), without waiting for a GRANT. One region
+    /// per sender at a time; a new offer (a larger token) follows each claim
+    /// once the region is free again.
+    Standing {
+        /// Names this offer; offers to one sender grow (a sender takes only
+        /// a token above every one it has claimed).
+        token: u64,
+        /// The region in the receiver's arena.
+        region: RegionHandle,
+        /// Its bytes.
+        len: u64,
     },
     /// Reader -> data owner: gather these sources, chunk by chunk, and
     /// write each chunk into the region the reader grants for it.
@@ -621,28 +687,16 @@ impl Message {
         }
     }
 
-    /// The request id every message carries.
-    pub fn request(&self) -> RequestId {
-        match self {
-            Message::Want { request, .. }
-            | Message::Cancel { request, .. }
-            | Message::Grant { request, .. }
-            | Message::Data { request, .. }
-            | Message::Ack { request, .. }
-            | Message::Refuse { request, .. }
-            | Message::Read { request, .. }
-            | Message::ReadEnd { request, .. }
-            | Message::ReadGrant { request, .. }
-            | Message::ReadData { request, .. }
-            | Message::ReadAck { request, .. }
-            | Message::ReadRefuse { request, .. } => *request,
-        }
-    }
-
     /// The wire type.
     pub fn message_type(&self) -> MessageType {
         match self {
-            Message::Want { .. } | Message::Cancel { .. } => MessageType::Want,
+            Message::Want {
+                standing: StandingUse::None,
+                ..
+            }
+            | Message::Cancel { .. } => MessageType::Want,
+            Message::Want { .. } => MessageType::WantStanding,
+            Message::Standing { .. } => MessageType::Standing,
             Message::Grant { .. } => MessageType::Grant,
             Message::Data { .. } => MessageType::Data,
             Message::Ack { .. } => MessageType::Ack,
@@ -672,7 +726,16 @@ impl Message {
                 chunk_sizes,
                 endpoint,
                 key,
-            } => encode_want(&mut p, *request, chunk_sizes, endpoint, *key),
+                standing,
+            } => {
+                encode_want(&mut p, *request, chunk_sizes, endpoint, *key);
+                encode_standing_use(&mut p, *standing);
+            }
+            Message::Standing { token, region, len } => {
+                p.u64(*token);
+                p.u64(region.0);
+                p.u64(*len);
+            }
             Message::Cancel {
                 request,
                 endpoint,
@@ -770,8 +833,10 @@ impl Message {
             Message::Want {
                 chunk_sizes,
                 endpoint,
+                standing,
                 ..
-            } => 24 + 8 * chunk_sizes.len() + endpoint.len(),
+            } => 24 + 8 * chunk_sizes.len() + endpoint.len() + standing.encoded_len(),
+            Message::Standing { .. } => 24,
             Message::Cancel { endpoint, .. } => 24 + endpoint.len(),
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
             Message::Data { runs, .. } => 20 + list(runs),
@@ -812,7 +877,13 @@ impl Message {
         }
         let ty = MessageType::try_from(ty).map_err(WireError::UnknownType)?;
         let msg = match ty {
-            MessageType::Want => decode_want(&mut r)?,
+            MessageType::Want => decode_want(&mut r, false)?,
+            MessageType::WantStanding => decode_want(&mut r, true)?,
+            MessageType::Standing => Message::Standing {
+                token: r.u64("standing token")?,
+                region: RegionHandle(r.u64("region")?),
+                len: r.u64("standing length")?,
+            },
             MessageType::Grant => {
                 let (request, credits) = decode_grant(&mut r)?;
                 Message::Grant { request, credits }
@@ -1258,7 +1329,41 @@ fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8
     p.len_prefixed(endpoint);
 }
 
-fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
+/// A WANT_STANDING's trailer: the [`StandingUse`] code (1 wanted, 2 held,
+/// 3 claimed), a claim's token and region.
+fn encode_standing_use(p: &mut Writer, standing: StandingUse) {
+    match standing {
+        StandingUse::None => {}
+        StandingUse::Wanted => p.u8(1),
+        StandingUse::Held => p.u8(2),
+        StandingUse::Claimed { token, region } => {
+            p.u8(3);
+            p.u64(token);
+            p.u64(region.0);
+        }
+    }
+}
+
+fn decode_standing_use(r: &mut Reader<'_>) -> Result<StandingUse, WireError> {
+    Ok(match r.u8("standing use")? {
+        1 => StandingUse::Wanted,
+        2 => StandingUse::Held,
+        3 => StandingUse::Claimed {
+            token: r.u64("standing token")?,
+            region: RegionHandle(r.u64("standing region")?),
+        },
+        other => {
+            return Err(WireError::Invalid {
+                what: "standing use",
+                why: format!("{other} is not 1 (wanted), 2 (held) or 3 (claimed)"),
+            })
+        }
+    })
+}
+
+/// A WANT (or CANCEL, an empty one); a WANT_STANDING (`standing`) carries
+/// its [`StandingUse`] after the WANT's fields and is never empty.
+fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError> {
     let request = RequestId(r.u64("request id")?);
     let key = r.u64("access key")?;
     let n = r.count("chunk size", MAX_WANT_CHUNKS, 8)?;
@@ -1268,6 +1373,16 @@ fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
     }
     let elen = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
     let endpoint = r.take(elen, "endpoint")?.to_vec();
+    let standing = match standing {
+        true if chunk_sizes.is_empty() => {
+            return Err(WireError::Invalid {
+                what: "WANT_STANDING",
+                why: "no chunks (a CANCEL is a WANT)".into(),
+            })
+        }
+        true => decode_standing_use(r)?,
+        false => StandingUse::None,
+    };
     Ok(if chunk_sizes.is_empty() {
         Message::Cancel {
             request,
@@ -1280,6 +1395,7 @@ fn decode_want(r: &mut Reader<'_>) -> Result<Message, WireError> {
             chunk_sizes,
             endpoint,
             key,
+            standing,
         }
     })
 }
@@ -1313,6 +1429,10 @@ impl Capabilities {
     /// with the reader's cross-memory-attach block): a reader sends version
     /// 1 to an owner without it, which refuses any later version.
     pub const DATA_PATH_V2: Capabilities = Capabilities(1 << 3);
+    /// Offers standing credits (STANDING, type 7) to senders whose WANTs
+    /// are WANT_STANDINGs (type 6), and takes their claims: only a sender
+    /// to such a receiver sends type 6.
+    pub const STANDING: Capabilities = Capabilities(1 << 4);
 
     /// Whether every flag of `other` is set.
     pub fn contains(self, other: Capabilities) -> bool {

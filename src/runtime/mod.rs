@@ -108,6 +108,7 @@ enum Command {
         arena: PeerArena,
         key: u64,
         heartbeats: bool,
+        standing: bool,
         data_path: Option<Vec<u8>>,
     },
     ForgetPeer {
@@ -150,6 +151,12 @@ crate::stats::typed_counters! {
         withdrawn => "bounce_withdrawn",
         /// Chunks of announced WRITEs taken ahead of their plan.
         chunks_ahead => "bounce_chunks_ahead",
+        /// Standing credits offered to senders and taken by their WANTs
+        /// (receiving: chunks that came with no grant), and WRITEs whose
+        /// first chunk took one (sending).
+        standing_offered => "bounce_standing_offered",
+        standing_taken => "bounce_standing_taken",
+        standing_claimed => "bounce_standing_claimed",
         /// Times a peer was found unreachable (control connection down too
         /// long; once per outage).
         peers_unreachable => "peers_unreachable",
@@ -206,6 +213,8 @@ pub struct ArenaBytes {
     pub orphan: u64,
     /// Kept from a sender that may still write.
     pub quarantine: u64,
+    /// Standing slots not in a flow (kept for their senders).
+    pub standing: u64,
 }
 
 impl ArenaGauges {
@@ -604,7 +613,8 @@ impl Runtime {
 
     /// Makes `peer` a write target: its arena, the access key its WANTs
     /// must carry, whether it answers the control channel's heartbeats
-    /// (its handshake's `HEARTBEATS` capability), and the data path READs
+    /// (its handshake's `HEARTBEATS` capability), whether it offers
+    /// standing credits (`STANDING`), and the data path READs
     /// from it carry where not this instance's own (an older owner's).
     pub fn add_peer(
         &self,
@@ -612,6 +622,7 @@ impl Runtime {
         arena: PeerArena,
         key: u64,
         heartbeats: bool,
+        standing: bool,
         data_path: Option<Vec<u8>>,
     ) {
         self.push(Command::AddPeer {
@@ -619,6 +630,7 @@ impl Runtime {
             arena,
             key,
             heartbeats,
+            standing,
             data_path,
         });
     }
@@ -651,6 +663,7 @@ impl Runtime {
                 ("arena_local_bytes", a.local),
                 ("arena_orphan_bytes", a.orphan),
                 ("arena_quarantine_bytes", a.quarantine),
+                ("arena_standing_bytes", a.standing),
             ];
             let mut map: std::collections::BTreeMap<String, u64> = c
                 .named()

@@ -354,9 +354,13 @@ impl Reactor {
                     arena,
                     key,
                     heartbeats,
+                    standing,
                     data_path,
                 } => {
                     self.endpoint.set_peer_key(&peer, key);
+                    if standing {
+                        self.endpoint.set_peer_standing(&peer);
+                    }
                     self.endpoint.set_peer_data_path(&peer, data_path);
                     self.peers.insert(
                         peer.clone(),
@@ -930,6 +934,11 @@ impl Reactor {
         c.unauthorized.store(s.unauthorized, Ordering::Relaxed);
         c.reads_served.store(s.reads_served, Ordering::Relaxed);
         c.reads_refused.store(s.reads_refused, Ordering::Relaxed);
+        c.standing_offered
+            .store(s.standing_offered, Ordering::Relaxed);
+        c.standing_claimed
+            .store(s.standing_claimed, Ordering::Relaxed);
+        c.standing_taken.store(s.standing_taken, Ordering::Relaxed);
         let held = self.endpoint.arena_usage();
         c.arena.set(ArenaBytes {
             free: self.endpoint.arena_free(),
@@ -938,6 +947,7 @@ impl Reactor {
             local: held.local,
             orphan: held.orphan,
             quarantine: held.quarantine,
+            standing: held.standing,
         });
         c.control_peers
             .store(self.handles.len() as u64, Ordering::Relaxed);

@@ -54,9 +54,11 @@ pub(super) enum Step {
 
 impl Step {
     fn name(self) -> String {
-        // READ_DATA for `ReadData`, as the wire format names them.
+        // READ_DATA for `ReadData`, as the wire format names them; a
+        // WANT_STANDING is a WANT.
         let msg = |ty: u8| match crate::proto::wire::MessageType::try_from(ty) {
             Err(_) => format!("type{ty}"),
+            Ok(crate::proto::wire::MessageType::WantStanding) => "WANT".into(),
             Ok(t) => {
                 let mut name = String::new();
                 for (i, c) in format!("{t:?}").chars().enumerate() {

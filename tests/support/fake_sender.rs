@@ -8,7 +8,7 @@
 use nixl_bounce::control::{
     BindSpec, ControlChannel, PeerHandle, TcpChannel, TcpConfig, ZmqChannel, ZmqConfig,
 };
-use nixl_bounce::proto::wire::{ControlKind, Message};
+use nixl_bounce::proto::wire::{ControlKind, Message, StandingUse};
 use nixl_bounce::proto::{RegionHandle, RequestId, Run};
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -102,6 +102,7 @@ impl FakeSender {
             chunk_sizes: vec![len],
             endpoint: self.endpoint.as_bytes().to_vec(),
             key: self.key,
+            standing: StandingUse::None,
         });
         request
     }

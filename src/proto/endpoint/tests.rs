@@ -8,7 +8,7 @@ use crate::proto::driver::{
     Gather, Pair,
     Side::{A, B},
 };
-use crate::proto::wire::{Credit, RefuseReason};
+use crate::proto::wire::{Credit, RefuseReason, StandingUse};
 
 /// Copy launches wait behind every other action (each line in its
 /// order); with `launches_last` off, one line in the order of arrival.
@@ -94,6 +94,7 @@ fn cfg(eager: bool) -> EndpointConfig {
         launches_last: false,
         merge_runs: true,
         local_reserve: true,
+        standing_slots: 0,
         local_endpoint: b"ep".to_vec(),
         request_id_base: 100,
     }
@@ -928,6 +929,7 @@ fn receiver_with_grant() -> (Endpoint, PeerId, RegionHandle) {
             chunk_sizes: vec![500, 500],
             endpoint: vec![],
             key: 0,
+            standing: StandingUse::None,
         },
     );
     let acts = drain(&mut rx);
@@ -964,6 +966,7 @@ fn late_data_after_cancel_is_dropped() {
             chunk_sizes: vec![8],
             endpoint: vec![],
             key: 0,
+            standing: StandingUse::None,
         },
     );
     assert_eq!(rx.flow_count(), 0);
@@ -1121,6 +1124,7 @@ fn stuck_write_poisons_the_arena() {
             chunk_sizes: vec![64],
             endpoint: vec![],
             key: 0,
+            standing: StandingUse::None,
         },
     );
     assert_eq!(
@@ -1357,4 +1361,323 @@ fn chunks_written_ahead_of_a_cancelled_plan_never_reach_the_destination() {
     );
     assert_eq!(p.b.memory.mem, before, "the destination is untouched");
     nothing_left(&p, "cancelled");
+}
+
+/// The tests' configuration with standing credits: `slots` slots of 512
+/// bytes (the arena 4096, its reserve 1024), requests cut into chunks of
+/// 512 bytes where they can be.
+fn standing_cfg(slots: u32) -> EndpointConfig {
+    EndpointConfig {
+        min_chunks: 4,
+        min_chunk: 512,
+        standing_slots: slots,
+        ..cfg(true)
+    }
+}
+
+/// A sender `A` and a receiver `B` that offers standing credits (one slot),
+/// `A` knowing it does.
+fn standing_pair() -> Pair {
+    let mut p = Pair::new(
+        ("A", Endpoint::new(standing_cfg(1)).unwrap()),
+        ("B", Endpoint::new(standing_cfg(1)).unwrap()),
+    );
+    let b = p.b.name.clone();
+    p.a.ep.set_peer_standing(&b);
+    p
+}
+
+/// The standing offers a node sent: (token, region).
+fn offers(node: &crate::proto::driver::Node) -> Vec<(u64, RegionHandle)> {
+    node.sent
+        .iter()
+        .filter_map(|m| match m {
+            Message::Standing { token, region, .. } => Some((*token, *region)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The WANTs a node sent, by what they said of the standing credit.
+fn wants(node: &crate::proto::driver::Node) -> Vec<StandingUse> {
+    node.sent
+        .iter()
+        .filter_map(|m| match m {
+            Message::Want { standing, .. } => Some(*standing),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Drives `A`'s first WRITE (which asks for a standing credit) to the
+/// end: `A` then holds `B`'s offer.
+fn first_write_takes_an_offer(p: &mut Pair) -> (u64, RegionHandle) {
+    let d = descs(4, 100);
+    let id = p.a.ep.submit(p.now, &p.b.name, &d).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert_eq!(wants(&p.a), vec![StandingUse::Wanted]);
+    let offered = offers(&p.b);
+    assert_eq!(offered.len(), 1, "one offer: {offered:?}");
+    assert!(matches!(
+        p.b.ep.region_owner(offered[0].1),
+        Some(Owner::Standing { peer: Some(peer), token: Some(t) }) if *peer == p.a.name && *t == offered[0].0
+    ));
+    p.a.take_sent();
+    p.b.take_sent();
+    offered[0]
+}
+
+/// A WRITE whose first chunk fits the receiver's standing credit writes
+/// it at once, claiming the region in its WANT: gathered and written
+/// before the receiver has seen anything, no GRANT for that chunk, the
+/// later chunks granted as usual, byte-exact; the slot is offered again,
+/// under a newer token, before the ACK that completes the request.
+#[test]
+fn a_standing_credit_writes_the_first_chunk_without_a_grant() {
+    for chunks in [1u64, 3] {
+        let mut p = standing_pair();
+        let (token, slot) = first_write_takes_an_offer(&mut p);
+        // 4 x 128 bytes a chunk: the first fills the slot.
+        let d = descs(4 * chunks, 128);
+        let plan = p.a.ep.plan(&d).unwrap();
+        assert_eq!(plan.chunks.len() as u64, chunks);
+        let id = p.a.ep.submit(p.now, &p.b.name, &d).unwrap();
+        p.poll();
+        assert_eq!(
+            wants(&p.a),
+            vec![StandingUse::Claimed {
+                token,
+                region: slot
+            }]
+        );
+        assert!(!p.a.gathers.is_empty(), "gathering at once");
+        p.gather(A);
+        assert_eq!(p.a.writes.len(), 1, "written before any GRANT");
+        assert_eq!(p.a.writes[0].remote, slot);
+        p.write(A);
+        assert!(
+            matches!(p.a.sent.last(), Some(Message::Data { chunk: 0, region, .. }) if *region == slot)
+        );
+        p.drive();
+        assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+        assert!(p.b.holds_copy_of(&p.a, &d));
+        let granted: Vec<u32> =
+            p.b.sent
+                .iter()
+                .filter_map(|m| match m {
+                    Message::Grant { credits, .. } => Some(credits.iter().map(|c| c.chunk)),
+                    _ => None,
+                })
+                .flatten()
+                .collect();
+        assert!(!granted.contains(&0), "chunk 0 never granted: {granted:?}");
+        let again = offers(&p.b);
+        assert_eq!(again.len(), 1, "{again:?}");
+        assert!(again[0].0 > token && again[0].1 == slot);
+        let offer_at =
+            p.b.sent
+                .iter()
+                .position(|m| matches!(m, Message::Standing { .. }));
+        let first_ack =
+            p.b.sent
+                .iter()
+                .position(|m| matches!(m, Message::Ack { chunk: 0, .. }));
+        assert!(
+            offer_at < first_ack,
+            "offered before the ACK: {:?}",
+            p.b.sent
+        );
+        // The next request claims the new offer.
+        p.a.take_sent();
+        let id = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+        p.poll();
+        assert_eq!(
+            wants(&p.a),
+            vec![StandingUse::Claimed {
+                token: again[0].0,
+                region: slot
+            }]
+        );
+        p.drive();
+        assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+        assert_eq!(p.b.ep.stats().standing_offered, 3);
+        assert_eq!(p.a.ep.stats().standing_claimed, 2);
+        check(&p);
+    }
+}
+
+/// A request whose first chunk is larger than the standing region keeps
+/// the credit for a later one (`Held`), and a sender that does not know
+/// the receiver offers them sends plain WANTs and is offered none.
+#[test]
+fn a_standing_credit_is_kept_for_a_request_it_fits_and_offered_only_when_asked() {
+    let mut p = standing_pair();
+    let (token, slot) = first_write_takes_an_offer(&mut p);
+    // 4 KiB: chunks of 1024 bytes, the first larger than the slot.
+    let id = p.a.ep.submit(p.now, &p.b.name, &descs(32, 128)).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert_eq!(wants(&p.a), vec![StandingUse::Held]);
+    assert!(offers(&p.b).is_empty(), "no new offer while one is live");
+    p.a.take_sent();
+    let id = p.a.ep.submit(p.now, &p.b.name, &descs(2, 100)).unwrap();
+    p.poll();
+    assert_eq!(
+        wants(&p.a),
+        vec![StandingUse::Claimed {
+            token,
+            region: slot
+        }]
+    );
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+
+    let mut plain = Pair::new(
+        ("A", Endpoint::new(standing_cfg(1)).unwrap()),
+        ("B", Endpoint::new(standing_cfg(1)).unwrap()),
+    );
+    for _ in 0..2 {
+        let id = plain
+            .a
+            .ep
+            .submit(plain.now, &plain.b.name, &descs(4, 100))
+            .unwrap();
+        plain.drive();
+        assert_eq!(plain.a.take_completed(), vec![(id, Outcome::Success)]);
+    }
+    assert_eq!(wants(&plain.a), vec![StandingUse::None; 2]);
+    assert!(offers(&plain.b).is_empty());
+}
+
+/// On a channel that reorders: a DATA written into the standing slot that
+/// arrives before its claiming WANT is kept for it and scattered once the
+/// claim comes; a claimed request cancelled before its claim arrives
+/// (CANCEL first, then the claim) spends the offer, and the slot is
+/// offered anew; an offer re-sent before the claim and arriving after it
+/// is not taken again.
+#[test]
+fn standing_claims_survive_reordering() {
+    // DATA before its claim.
+    let mut p = standing_pair();
+    let (token, slot) = first_write_takes_an_offer(&mut p);
+    let d = descs(4, 100);
+    let id = p.a.ep.submit(p.now, &p.b.name, &d).unwrap();
+    p.poll();
+    p.gather(A);
+    p.write(A);
+    let mut inbound: Vec<_> = p.b.inbound.drain(..).collect();
+    assert_eq!(inbound.len(), 2, "the claim and the DATA");
+    inbound.reverse();
+    p.b.inbound.extend(inbound);
+    p.deliver(B);
+    assert_eq!(p.b.scatters.len(), 1, "the DATA kept for its claim");
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert!(p.b.holds_copy_of(&p.a, &d));
+    check(&p);
+
+    // Cancelled, its CANCEL before its claim; nothing lands.
+    let mut p = standing_pair();
+    let (token2, slot2) = first_write_takes_an_offer(&mut p);
+    let before = p.b.memory.mem.clone();
+    let id = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    p.poll();
+    assert!(p.a.ep.cancel(p.now, id));
+    p.poll();
+    p.gather(A);
+    assert_eq!(
+        p.a.take_completed(),
+        vec![(id, Outcome::Failure(FailureReason::Cancelled))]
+    );
+    let mut inbound: Vec<_> = p.b.inbound.drain(..).collect();
+    assert_eq!(inbound.len(), 2, "the claim and the CANCEL");
+    inbound.reverse();
+    p.b.inbound.extend(inbound);
+    p.b.take_sent();
+    p.deliver(B);
+    let again = offers(&p.b);
+    assert_eq!(again.len(), 1, "the spent offer renewed: {:?}", p.b.sent);
+    assert!(again[0].0 > token2 && again[0].1 == slot2);
+    assert_eq!(p.b.memory.mem, before);
+    p.drive();
+    assert_eq!(p.b.ep.flow_count(), 0);
+    check(&p);
+
+    // An offer re-sent before the claim, arriving after it.
+    let mut p = standing_pair();
+    let _ = (token, slot);
+    let first = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    let second = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    p.poll();
+    assert_eq!(wants(&p.a), vec![StandingUse::Wanted; 2]);
+    p.deliver(B);
+    let sent = offers(&p.b);
+    assert_eq!(sent.len(), 2, "offered, then offered again: {:?}", p.b.sent);
+    assert_eq!(sent[0], sent[1]);
+    // A takes the first offer, claims it, then reads the second copy.
+    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
+    let copy = to_a
+        .iter()
+        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
+        .unwrap();
+    let late = to_a.remove(copy);
+    p.a.inbound.extend(to_a);
+    p.deliver(A);
+    p.a.take_sent();
+    let third = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    p.poll();
+    assert!(matches!(wants(&p.a)[..], [StandingUse::Claimed { token, .. }] if token == sent[0].0));
+    p.a.inbound.push_back(late);
+    p.deliver(A);
+    p.a.take_sent();
+    let fourth = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    p.poll();
+    assert_eq!(
+        wants(&p.a),
+        vec![StandingUse::Wanted],
+        "the crossed copy was not taken"
+    );
+    p.drive();
+    let mut done = p.a.take_completed();
+    done.sort_by_key(|(id, _)| *id);
+    let want: Vec<_> = [first, second, third, fourth]
+        .into_iter()
+        .map(|id| (id, Outcome::Success))
+        .collect();
+    assert_eq!(done, want);
+    check(&p);
+}
+
+/// A slot serves one sender for the receiver's life: a second sender gets
+/// none while the first has it, nor after the first is forgotten (what the
+/// first may still write lands only in its own slot).
+#[test]
+fn a_standing_slot_never_changes_peers() {
+    let mut b = Endpoint::new(standing_cfg(1)).unwrap();
+    let (a, c) = (PeerId::new("A"), PeerId::new("C"));
+    let want = |request: u64| Message::Want {
+        request: RequestId(request),
+        chunk_sizes: vec![100],
+        endpoint: b"ep".to_vec(),
+        key: 0,
+        standing: StandingUse::Wanted,
+    };
+    b.handle_message(t(1), &a, want(1));
+    let to = |actions: &[Action], who: &PeerId| {
+        actions
+            .iter()
+            .filter(|x| matches!(x, Action::Send { peer, message: Message::Standing { .. } } if peer == who))
+            .count()
+    };
+    let first = drain(&mut b);
+    assert_eq!(to(&first, &a), 1);
+    b.handle_message(t(2), &c, want(2));
+    assert_eq!(to(&drain(&mut b), &c), 0, "one slot, taken");
+    b.forget_peer(t(3), &a);
+    b.handle_message(t(4), &c, want(3));
+    assert_eq!(to(&drain(&mut b), &c), 0, "not after A is forgotten either");
+    b.handle_message(t(5), &a, want(4));
+    assert_eq!(to(&drain(&mut b), &a), 1, "A, back, is offered its own");
+    b.check_invariants().unwrap();
 }

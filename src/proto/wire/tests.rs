@@ -55,20 +55,41 @@ fn arb_runs(max: usize) -> impl Strategy<Value = Vec<Run>> {
     prop_oneof![proptest::collection::vec(arb_run(), 0..max), blocks]
 }
 
+fn arb_standing_use() -> impl Strategy<Value = StandingUse> {
+    prop_oneof![
+        Just(StandingUse::None),
+        Just(StandingUse::Wanted),
+        Just(StandingUse::Held),
+        (any::<u64>(), any::<u64>()).prop_map(|(token, region)| StandingUse::Claimed {
+            token,
+            region: RegionHandle(region),
+        }),
+    ]
+}
+
 fn arb_message() -> impl Strategy<Value = Message> {
     let rid = any::<u64>().prop_map(RequestId);
     prop_oneof![
         (
             rid.clone(),
             proptest::collection::vec(any::<u64>(), 1..20),
-            proptest::collection::vec(any::<u8>(), 0..40)
+            proptest::collection::vec(any::<u8>(), 0..40),
+            arb_standing_use()
         )
-            .prop_map(|(request, chunk_sizes, endpoint)| Message::Want {
+            .prop_map(|(request, chunk_sizes, endpoint, standing)| Message::Want {
                 request,
                 chunk_sizes,
                 endpoint,
                 key: request.0.rotate_left(17),
+                standing,
             }),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(token, region, len)| {
+            Message::Standing {
+                token,
+                region: RegionHandle(region),
+                len,
+            }
+        }),
         (rid.clone(), proptest::collection::vec(any::<u8>(), 0..40)).prop_map(
             |(request, endpoint)| Message::Cancel {
                 request,
@@ -187,11 +208,23 @@ fn handshake() -> Handshake {
 fn every_message_type_code_reads_back() {
     use MessageType::*;
     for t in [
-        Want, Grant, Data, Ack, Refuse, Read, ReadEnd, ReadGrant, ReadData, ReadAck, ReadRefuse,
+        Want,
+        Grant,
+        Data,
+        Ack,
+        Refuse,
+        WantStanding,
+        Standing,
+        Read,
+        ReadEnd,
+        ReadGrant,
+        ReadData,
+        ReadAck,
+        ReadRefuse,
     ] {
         assert_eq!(MessageType::try_from(t as u8), Ok(t));
     }
-    for code in [0u8, 6, 15, 22, 255] {
+    for code in [0u8, 8, 15, 22, 255] {
         assert_eq!(MessageType::try_from(code), Err(code));
     }
 }
