@@ -31,10 +31,14 @@ pub fn arena_held(c: &Counters) -> u64 {
     .sum()
 }
 
-/// Every arena byte is somewhere: free + reserve + held = capacity.
+/// Every arena byte is somewhere: free + reserve + standing slots (kept
+/// for their senders) + held = capacity.
 #[track_caller]
 pub fn assert_arena_conserved(c: &Counters, capacity: u64) {
-    let total = c.get("arena_free_bytes") + c.get("arena_reserve_bytes") + arena_held(c);
+    let total = c.get("arena_free_bytes")
+        + c.get("arena_reserve_bytes")
+        + c.get("arena_standing_bytes")
+        + arena_held(c);
     assert_eq!(
         total, capacity,
         "{}: arena bytes not conserved: {:?}",
@@ -62,8 +66,8 @@ pub fn wait_for(
     }
 }
 
-/// Waits until the agent's arena holds nothing (everything free or reserve)
-/// and checks conservation. Returns how long it took.
+/// Waits until the agent's arena holds nothing (everything free, reserve
+/// or a standing slot no flow holds) and checks conservation. Returns how long it took.
 #[track_caller]
 pub fn wait_arena_idle(agent: &str, capacity: u64, bound: Duration) -> Duration {
     wait_idle_of(agent, capacity, bound, || stats(agent))

@@ -15,9 +15,14 @@ pub(super) fn arena_held(c: &BTreeMap<String, u64>) -> u64 {
     .sum()
 }
 
+/// Every arena byte: free, the reserve, standing slots no flow holds
+/// (kept for their senders) and what is held.
 pub(super) fn arena_total(c: &BTreeMap<String, u64>) -> u64 {
     let get = |k: &str| c.get(k).copied().unwrap_or(0);
-    get("arena_free_bytes") + get("arena_reserve_bytes") + arena_held(c)
+    get("arena_free_bytes")
+        + get("arena_reserve_bytes")
+        + get("arena_standing_bytes")
+        + arena_held(c)
 }
 
 pub(super) fn since(after: &BTreeMap<String, u64>, before: &BTreeMap<String, u64>, k: &str) -> u64 {
@@ -97,7 +102,11 @@ pub(super) fn cancel_drill(
         let (b, t) = (plugin_counters(&name), target_counters(tgt));
         match stage {
             "gather" => b.get("arena_local_bytes").copied().unwrap_or(0) > 0,
-            "write" => since(&t, &t0, "grants") > 0 && since(&b, &b0, "gather_ns") > 0,
+            // Credited: granted, or its first chunk in a standing slot.
+            "write" => {
+                since(&t, &t0, "grants") + since(&t, &t0, "bounce_standing_taken") > 0
+                    && since(&b, &b0, "gather_ns") > 0
+            }
             _ => since(&b, &b0, "chunks_written") > 0,
         }
     })?;
