@@ -1220,17 +1220,86 @@ mod tests {
     }
 
     fn sched(capacity: u64, window: u32, max_chunk: u64, reserve: bool) -> CreditScheduler {
+        sched_standing(capacity, window, max_chunk, reserve, 0, 0)
+    }
+
+    fn sched_standing(
+        capacity: u64,
+        window: u32,
+        max_chunk: u64,
+        reserve: bool,
+        standing_slots: u32,
+        standing_len: u64,
+    ) -> CreditScheduler {
         CreditScheduler::new(SchedulerParams {
             capacity,
             granularity: 64,
             window,
             max_chunk,
             local_reserve: reserve,
-            standing_slots: 0,
-            standing_len: 0,
+            standing_slots,
+            standing_len,
             token_base: 0,
         })
         .unwrap()
+    }
+
+    /// Standing slots are taken only while the largest chunk keeps a
+    /// block of its own; a claimed slot is chunk 0 of its flow, comes back
+    /// to its peer (never to the allocator) when freed, and is offered
+    /// again under a larger token; a slot never changes peers.
+    #[test]
+    fn standing_slots_serve_one_peer_each() {
+        // 1024 bytes, the reserve 256 at 0: slots of 128 at 256, 384, 512
+        // and 640 leave the block of 256 at 768; a fifth would split it.
+        let mut s = sched_standing(1024, 2, 256, true, 8, 128);
+        assert_eq!(s.held_bytes().standing, 4 * 128);
+        assert!(s.buddy.alloc(256).is_some_and(|o| s.buddy.free(o).is_ok()));
+        let (a, b) = (PeerId::new("a"), PeerId::new("b"));
+        assert!(s.assign_standing(&a) && s.assign_standing(&a));
+        let offers = s.standing_offers(|_| true);
+        assert_eq!(offers.len(), 1);
+        let (peer, token, region, len) = offers[0].clone();
+        assert_eq!((peer, len), (a.clone(), 128));
+        assert!(s.standing_offers(|_| true).is_empty(), "offered once");
+        assert_eq!(s.standing_offer(&a), Some((token, region, 128)));
+        // A claim with another token, or a first chunk too large, fails.
+        let f = flow("a", 1);
+        assert!(s
+            .add_claimed_flow(Time::ZERO, f.clone(), &[64], token + 1, region)
+            .is_err());
+        assert!(s
+            .add_claimed_flow(Time::ZERO, f.clone(), &[200], token, region)
+            .is_err());
+        s.add_claimed_flow(Time::ZERO, f.clone(), &[100, 200], token, region)
+            .unwrap();
+        assert_eq!(
+            s.held(&f, region),
+            Some(HeldRegion {
+                chunk: 0,
+                len: 100,
+                scattering: false
+            })
+        );
+        let g = s.schedule();
+        assert_eq!(names(&g), vec!["a#1"], "only chunk 1 is granted");
+        assert!(s.standing_offers(|_| true).is_empty(), "in a flow");
+        s.begin_scatter(&f, region).unwrap();
+        s.finish_scatter(region).unwrap();
+        let again = s.standing_offers(|_| true);
+        assert_eq!(again.len(), 1);
+        assert!(again[0].1 > token && again[0].2 == region);
+        // Forgetting `a` keeps its slot; `b` gets another, never `a`'s.
+        s.reclaim_peer(&a);
+        assert!(s.assign_standing(&b));
+        let to_b = s.standing_offers(|_| true);
+        assert_eq!(to_b.len(), 1);
+        assert_ne!(to_b[0].2, region);
+        assert!(matches!(s.owner(region), Some(Owner::Standing { peer: Some(p), .. }) if *p == a));
+        s.check_invariants().unwrap();
+        // Where the largest chunk is half the arena beside a reserve, none.
+        let s = sched_standing(1024, 2, 512, true, 4, 64);
+        assert_eq!(s.held_bytes().standing, 0);
     }
 
     fn names(gs: &[Grant]) -> Vec<String> {
@@ -1445,10 +1514,12 @@ mod tests {
         /// and a flow whose chunks fit is eventually served (no starvation).
         #[test]
         fn random_operations_keep_invariants(
-            ops in proptest::collection::vec((0u8..6, 0usize..6, 1u64..300, any::<prop::sample::Index>()), 1..150),
+            ops in proptest::collection::vec((0u8..8, 0usize..6, 1u64..300, any::<prop::sample::Index>()), 1..150),
             reserve in any::<bool>(),
+            slots in 0u32..3,
         ) {
-            let mut s = sched(1024, 3, 256, reserve);
+            let mut s = sched_standing(1024, 3, 256, reserve, slots, 64);
+            let mut offered: Vec<(PeerId, u64, RegionHandle, u64)> = Vec::new();
             let mut live: Vec<Grant> = Vec::new();
             let mut scattering: Vec<Grant> = Vec::new();
             let mut locals: Vec<RegionHandle> = Vec::new();
@@ -1480,8 +1551,25 @@ mod tests {
                         s.reclaim_peer(&peer);
                         live.retain(|g| g.flow.peer != peer);
                     }
+                    6 => {
+                        s.assign_standing(&PeerId::new(&format!("p{who}")));
+                    }
+                    // A claim of an offer, live or spent (a stale one fails).
+                    7 if !offered.is_empty() => {
+                        let (peer, token, region, len) = offered.swap_remove(pick.index(offered.len()));
+                        next_id += 1;
+                        let f = FlowId::write(peer, super::super::RequestId(next_id));
+                        let sizes = [bytes % len + 1, bytes % 256 + 1];
+                        if s.add_claimed_flow(Time::ZERO, f.clone(), &sizes, token, region).is_ok() {
+                            live.push(Grant {
+                                flow: f,
+                                credit: Credit { chunk: 0, region, len: sizes[0] },
+                            });
+                        }
+                    }
                     _ => {}
                 }
+                offered.extend(s.standing_offers(|_| true));
                 live.extend(s.schedule());
                 s.check_invariants().map_err(TestCaseError::fail)?;
             }
@@ -1501,7 +1589,8 @@ mod tests {
                 s.check_invariants().map_err(TestCaseError::fail)?;
             }
             prop_assert_eq!(s.flow_count(), 0);
-            prop_assert_eq!(s.free_bytes() + s.held_bytes().reserve, 1024);
+            let held = s.held_bytes();
+            prop_assert_eq!(s.free_bytes() + held.reserve + held.standing, 1024);
         }
     }
 }

@@ -146,7 +146,8 @@ impl Receiver {
     ) {
         self.register_endpoint(ctx, from, endpoint);
         self.add_want(ctx, now, from, request, chunk_sizes, standing);
-        if standing != StandingUse::None && ctx.sched.assign_standing(from) {
+        let serving = ctx.poisoned.is_none() && !ctx.shut_down;
+        if serving && standing != StandingUse::None && ctx.sched.assign_standing(from) {
             // A sender that holds none of our offers gets the live one
             // again (it may have been forgotten there); a new one goes out
             // with the next schedule.
