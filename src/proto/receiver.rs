@@ -184,11 +184,12 @@ impl Receiver {
             StandingUse::Claimed { token, region } => Some((token, region)),
             _ => None,
         };
-        if self.tombstones.contains_key(&flow) || ctx.sched.has_flow(&flow) {
+        let tombstoned = self.tombstones.contains_key(&flow);
+        if tombstoned || ctx.sched.has_flow(&flow) {
             ctx.stats.ignored += 1;
             // A claim whose request was cancelled already (its CANCEL came
             // first: none of its writes can land): the offer is spent.
-            if let (Some((token, region)), true) = (claim, self.tombstones.contains_key(&flow)) {
+            if let Some((token, region)) = claim.filter(|_| tombstoned) {
                 if ctx.sched.spend_standing(from, Some(token), region) {
                     self.early.remove(&region);
                 }
@@ -202,25 +203,30 @@ impl Receiver {
             }
             None => ctx.sched.add_flow(now, flow.clone(), chunk_sizes),
         };
-        if let (Ok(()), Some((_, region))) = (&added, claim) {
-            ctx.stats.standing_taken += 1;
-            // Its first chunk may be written already, and its DATA here.
-            if let Some((peer, early_request, runs)) = self.early.remove(&region) {
-                if peer == *from && early_request == request {
-                    self.accept_data(ctx, now, flow.clone(), 0, region, runs);
-                } else {
-                    ctx.stats.late_data += 1;
+        match added {
+            Ok(()) => {
+                let Some((_, region)) = claim else {
+                    return;
+                };
+                ctx.stats.standing_taken += 1;
+                // Its first chunk may be written already, and its DATA here.
+                if let Some((peer, early_request, runs)) = self.early.remove(&region) {
+                    if peer == *from && early_request == request {
+                        self.accept_data(ctx, now, flow, 0, region, runs);
+                    } else {
+                        ctx.stats.late_data += 1;
+                    }
                 }
             }
-        }
-        if let Err(e) = added {
-            tracing::warn!(target: "nixl_bounce::proto", "refusing WANT from {from}: {e}");
-            let reason = match e {
-                super::credit::SchedError::BadChunkSize { .. } => RefuseReason::ChunkTooLarge,
-                _ => RefuseReason::ProtocolViolation,
-            };
-            ctx.send(from, Message::Refuse { request, reason });
-            self.tombstone(ctx, flow, now);
+            Err(e) => {
+                tracing::warn!(target: "nixl_bounce::proto", "refusing WANT from {from}: {e}");
+                let reason = match e {
+                    super::credit::SchedError::BadChunkSize { .. } => RefuseReason::ChunkTooLarge,
+                    _ => RefuseReason::ProtocolViolation,
+                };
+                ctx.send(from, Message::Refuse { request, reason });
+                self.tombstone(ctx, flow, now);
+            }
         }
     }
 
