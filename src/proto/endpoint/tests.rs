@@ -1428,6 +1428,22 @@ fn first_write_takes_an_offer(p: &mut Pair) -> (u64, RegionHandle) {
     offered[0]
 }
 
+/// Submits a WRITE of `d` from `A`, which must claim `B`'s offer `token`
+/// of `slot` in its WANT.
+fn submit_claiming(p: &mut Pair, d: &[Descriptor], token: u64, slot: RegionHandle) -> RequestId {
+    p.a.take_sent();
+    let id = p.a.ep.submit(p.now, &p.b.name, d).unwrap();
+    p.poll();
+    assert_eq!(
+        wants(&p.a),
+        vec![StandingUse::Claimed {
+            token,
+            region: slot
+        }]
+    );
+    id
+}
+
 /// A WRITE whose first chunk fits the receiver's standing credit writes
 /// it at once, claiming the region in its WANT: gathered and written
 /// before the receiver has seen anything, no GRANT for that chunk, the
@@ -1442,15 +1458,7 @@ fn a_standing_credit_writes_the_first_chunk_without_a_grant() {
         let d = descs(4 * chunks, 128);
         let plan = p.a.ep.plan(&d).unwrap();
         assert_eq!(plan.chunks.len() as u64, chunks);
-        let id = p.a.ep.submit(p.now, &p.b.name, &d).unwrap();
-        p.poll();
-        assert_eq!(
-            wants(&p.a),
-            vec![StandingUse::Claimed {
-                token,
-                region: slot
-            }]
-        );
+        let id = submit_claiming(&mut p, &d, token, slot);
         assert!(!p.a.gathers.is_empty(), "gathering at once");
         p.gather(A);
         assert_eq!(p.a.writes.len(), 1, "written before any GRANT");
@@ -1489,16 +1497,7 @@ fn a_standing_credit_writes_the_first_chunk_without_a_grant() {
             p.b.sent
         );
         // The next request claims the new offer.
-        p.a.take_sent();
-        let id = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
-        p.poll();
-        assert_eq!(
-            wants(&p.a),
-            vec![StandingUse::Claimed {
-                token: again[0].0,
-                region: slot
-            }]
-        );
+        let id = submit_claiming(&mut p, &descs(4, 100), again[0].0, slot);
         p.drive();
         assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
         assert_eq!(p.b.ep.stats().standing_offered, 3);
@@ -1520,16 +1519,7 @@ fn a_standing_credit_is_kept_for_a_request_it_fits_and_offered_only_when_asked()
     assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
     assert_eq!(wants(&p.a), vec![StandingUse::Held]);
     assert!(offers(&p.b).is_empty(), "no new offer while one is live");
-    p.a.take_sent();
-    let id = p.a.ep.submit(p.now, &p.b.name, &descs(2, 100)).unwrap();
-    p.poll();
-    assert_eq!(
-        wants(&p.a),
-        vec![StandingUse::Claimed {
-            token,
-            region: slot
-        }]
-    );
+    let id = submit_claiming(&mut p, &descs(2, 100), token, slot);
     p.drive();
     assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
 
