@@ -1448,7 +1448,7 @@ fn submit_claiming(p: &mut Pair, d: &[Descriptor], token: u64, slot: RegionHandl
 /// it at once, claiming the region in its WANT: gathered and written
 /// before the receiver has seen anything, no GRANT for that chunk, the
 /// later chunks granted as usual, byte-exact; the slot is offered again,
-/// under a newer token, before the ACK that completes the request.
+/// under a newer token, right behind chunk 0's ACK.
 #[test]
 fn a_standing_credit_writes_the_first_chunk_without_a_grant() {
     for chunks in [1u64, 3] {
@@ -1491,9 +1491,10 @@ fn a_standing_credit_writes_the_first_chunk_without_a_grant() {
             p.b.sent
                 .iter()
                 .position(|m| matches!(m, Message::Ack { chunk: 0, .. }));
-        assert!(
-            offer_at < first_ack,
-            "offered before the ACK: {:?}",
+        assert_eq!(
+            offer_at,
+            first_ack.map(|a| a + 1),
+            "offered right behind chunk 0's ACK: {:?}",
             p.b.sent
         );
         // The next request claims the new offer.
