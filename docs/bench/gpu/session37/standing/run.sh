@@ -3,7 +3,8 @@
 # WRITEs of 1024, 4096 and 16,384 x 4 KiB and 128 x 1024 in flight, with
 # the receiver's standing credits (default, standing_credit_peers=4) and
 # without (0), alternating in one plugin, three rounds; then the timeline
-# (NIXL_BOUNCE_TRACE) of a lone 1024 x 4 KiB WRITE at the defaults
+# (NIXL_BOUNCE_TRACE) of a lone 1024 x 4 KiB WRITE at the defaults, and
+# two rounds on and off over NIXL-notification control
 # (trimmed to fit what was left of the session's device time; 967c711's
 # gated announcement is not in it). $OUT/all.tgz.
 set -uo pipefail
@@ -15,6 +16,14 @@ for round in 1 2 3; do
   for s in 4 0; do
     vbench "standing$s-r$round" --param enable_peer_map=false --param standing_credit_peers=$s \
       --sizes 4096 --counts 1024,4096,16384 --concurrent 128 --iters 30
+  done
+done
+# Where the credit should pay: NIXL-notification control (a longer round
+# trip than the gather), two rounds.
+for round in 1 2; do
+  for s in 4 0; do
+    vbench "notif-standing$s-r$round" --param enable_peer_map=false --param use_nixl_notifications=true \
+      --param standing_credit_peers=$s --sizes 4096 --counts 1024,4096 --concurrent 0 --iters 30
   done
 done
 for n in 1024; do
