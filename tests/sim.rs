@@ -69,6 +69,12 @@ impl SourceCheck for SimSources {
 /// A fresh endpoint for incarnation `inc` of agent `i` as the runtime would
 /// set it up (it loads peers as it first transfers with them).
 fn endpoint(c: EndpointConfig, i: usize, inc: u32) -> Endpoint {
+    // Each incarnation's standing offers start above the last's, as the
+    // engine's (the wall clock) do.
+    let c = EndpointConfig {
+        token_base: u64::from(inc) << 32,
+        ..c
+    };
     let mut ep = Endpoint::new(c).expect("endpoint");
     ep.set_source_check(Box::new(SimSources));
     ep.set_read_data_path(data_path(i, inc));
@@ -319,6 +325,7 @@ impl Sim {
             local_reserve: rng.chance(0.9),
             local_endpoint: Vec::new(),
             request_id_base: 0,
+            token_base: 0,
             access_key: 0,
             // Drawn last, so the fields above keep their earlier draws.
             // Half the scenarios cut requests for overlap.

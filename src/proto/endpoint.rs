@@ -78,6 +78,11 @@ pub struct EndpointConfig {
     pub local_endpoint: Vec<u8>,
     /// First request id (see the module docs).
     pub request_id_base: u64,
+    /// The first standing offer's token; offers count up from it. A
+    /// sender never takes a token at or below one it claimed from that
+    /// receiver, forgetting it or not, so a receiver's next incarnation
+    /// should start above its last (the engine takes the wall clock).
+    pub token_base: u64,
     /// The key peers' WANTs and CANCELs must carry (see
     /// [`super::wire::Handshake::access_key`]); 0 in tests that do not care.
     pub access_key: u64,
@@ -110,6 +115,7 @@ impl EndpointConfig {
             standing_slots: config.standing_credit_peers,
             local_endpoint,
             request_id_base,
+            token_base: request_id_base & (u64::MAX >> 2),
             access_key: 0,
         }
     }
@@ -488,7 +494,7 @@ impl Endpoint {
             local_reserve: cfg.local_reserve,
             standing_slots: cfg.standing_slots,
             standing_len: cfg.min_chunk,
-            token_base: cfg.request_id_base & (u64::MAX >> 2),
+            token_base: cfg.token_base,
         })?;
         let plan_options = PlanOptions {
             max_chunk_bytes: cfg.max_chunk,
@@ -1132,6 +1138,9 @@ impl Endpoint {
     pub fn peer_unreachable(&mut self, now: Time, peer: &PeerId) {
         self.sender
             .fail_peer(&mut self.ctx, peer, FailureReason::PeerUnreachable);
+        // A receiver we cannot hear from may be another incarnation when
+        // it is back: its offer is asked for again.
+        self.sender.drop_standing(peer);
         // Our READs from it too: their flows are aborted just below, so
         // they could only end at their timeout.
         self.reads.fail_peer(

@@ -47,6 +47,12 @@ pub(crate) struct Receiver {
     /// the runs. At most one a slot; taken by the claim, dropped by the
     /// request's CANCEL.
     early: BTreeMap<RegionHandle, (PeerId, RequestId, Runs)>,
+    /// Senders whose last WANT was a WANT_STANDING: only they are sent
+    /// offers (a peer back under the same name as an older build is not).
+    takes_offers: BTreeSet<PeerId>,
+    /// Claims refused (their flow tombstoned): the claimed (token, slot),
+    /// spent when the request's CANCEL says its writes ended.
+    refused_claims: BTreeMap<FlowId, (u64, RegionHandle)>,
 }
 
 /// [`validate_runs`] for a run list, read as packed copies when it is
@@ -145,6 +151,10 @@ impl Receiver {
         standing: StandingUse,
     ) {
         self.register_endpoint(ctx, from, endpoint);
+        match standing {
+            StandingUse::None => self.takes_offers.remove(from),
+            _ => self.takes_offers.insert(from.clone()),
+        };
         self.add_want(ctx, now, from, request, chunk_sizes, standing);
         let serving = ctx.poisoned.is_none() && !ctx.shut_down;
         if serving && standing != StandingUse::None && ctx.sched.assign_standing(from) {
@@ -225,6 +235,11 @@ impl Receiver {
                     _ => RefuseReason::ProtocolViolation,
                 };
                 ctx.send(from, Message::Refuse { request, reason });
+                if let Some(claim) = claim {
+                    // Its chunk 0 may be written into the slot: the offer
+                    // is spent once the CANCEL says no write can land.
+                    self.refused_claims.insert(flow.clone(), claim);
+                }
                 self.tombstone(ctx, flow, now);
             }
         }
@@ -250,6 +265,9 @@ impl Receiver {
         {
             self.early.remove(&region);
             ctx.sched.spend_standing(from, None, region);
+        }
+        if let Some((token, region)) = self.refused_claims.remove(&flow) {
+            ctx.sched.spend_standing(from, Some(token), region);
         }
         // The sender cancels only once none of its writes can land: every
         // region of the flow that no scatter reads is free to reuse.
@@ -398,8 +416,11 @@ impl Receiver {
         if ctx.shut_down {
             return;
         }
-        let known = &self.known_peers;
-        for (peer, token, region, len) in ctx.sched.standing_offers(|p| known.contains(p)) {
+        let (known, takes) = (&self.known_peers, &self.takes_offers);
+        for (peer, token, region, len) in ctx
+            .sched
+            .standing_offers(|p| known.contains(p) && takes.contains(p))
+        {
             ctx.stats.standing_offered += 1;
             ctx.send(&peer, Message::Standing { token, region, len });
         }
@@ -440,6 +461,9 @@ impl Receiver {
             self.abort(ctx, now, &flow, RefuseReason::Expired);
         }
         self.tombstones.retain(|_, &mut until| until > now);
+        let tombstones = &self.tombstones;
+        self.refused_claims
+            .retain(|f, _| tombstones.contains_key(f));
     }
 
     pub fn next_timeout(&self, ctx: &Ctx) -> Option<Time> {
@@ -451,7 +475,9 @@ impl Receiver {
     pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
         ctx.sched.reclaim_peer(peer);
         self.known_peers.remove(peer);
+        self.takes_offers.remove(peer);
         self.early.retain(|_, (p, _, _)| p != peer);
+        self.refused_claims.retain(|f, _| f.peer != *peer);
     }
 
     /// Aborts every live flow of `peer` (see [`Receiver::abort`]).

@@ -123,6 +123,8 @@ pub(crate) struct Sender {
     standing: BTreeMap<PeerId, Standing>,
     /// The largest token claimed from each receiver: an offer at or below
     /// it is one already used (a re-sent offer that crossed the claim).
+    /// Kept when the receiver is forgotten (a copy may arrive after it is
+    /// loaded again); one entry a receiver ever sent to.
     claimed: BTreeMap<PeerId, u64>,
 }
 
@@ -1046,6 +1048,12 @@ impl Sender {
     }
 
     /// Fails every live request to `peer` with `reason`.
+    /// Drops the standing credit held from `peer` (its receiver keeps the
+    /// offer and sends it again to a WANT that says none is held).
+    pub fn drop_standing(&mut self, peer: &PeerId) {
+        self.standing.remove(peer);
+    }
+
     pub fn fail_peer(&mut self, ctx: &mut Ctx, peer: &PeerId, reason: FailureReason) {
         let ids: Vec<RequestId> = self
             .requests
@@ -1060,8 +1068,9 @@ impl Sender {
 
     pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
         self.reader_paths.remove(peer);
+        // The offer goes; the tokens claimed stay: a copy of a claimed
+        // offer may still be on its way, and the peer may be loaded again.
         self.standing.remove(peer);
-        self.claimed.remove(peer);
         self.fail_peer(ctx, peer, FailureReason::PeerLost);
         for r in self.requests.values_mut().filter(|r| r.peer == *peer) {
             r.cancel_pending = false;

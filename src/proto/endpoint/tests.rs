@@ -97,6 +97,7 @@ fn cfg(eager: bool) -> EndpointConfig {
         standing_slots: 0,
         local_endpoint: b"ep".to_vec(),
         request_id_base: 100,
+        token_base: 100,
     }
 }
 
@@ -1670,5 +1671,118 @@ fn a_standing_slot_never_changes_peers() {
     assert_eq!(to(&drain(&mut b), &c), 0, "not after A is forgotten either");
     b.handle_message(t(5), &a, want(4));
     assert_eq!(to(&drain(&mut b), &a), 1, "A, back, is offered its own");
+    b.check_invariants().unwrap();
+}
+
+/// The offer a receiver's actions sent, if any: (token, region).
+fn offer_in(actions: &[Action]) -> Option<(u64, RegionHandle)> {
+    actions.iter().find_map(|x| match x {
+        Action::Send {
+            message: Message::Standing { token, region, .. },
+            ..
+        } => Some((*token, *region)),
+        _ => None,
+    })
+}
+
+/// A sender that forgets its receiver and loads it again keeps the tokens
+/// it claimed: a copy of a claimed offer, re-sent before the claim and
+/// arriving after the reload, is not claimed twice (its slot holds the
+/// first claim's chunk, being scattered). Found by review.
+#[test]
+fn a_claimed_offer_is_not_taken_again_after_the_receiver_is_reloaded() {
+    let mut p = standing_pair();
+    for _ in 0..2 {
+        p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    }
+    p.poll();
+    p.deliver(B);
+    let sent = offers(&p.b);
+    assert_eq!(sent.len(), 2, "offered, then offered again");
+    let (token, slot) = sent[0];
+    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
+    let copy = to_a
+        .iter()
+        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
+        .unwrap();
+    let late = to_a.remove(copy);
+    p.a.inbound.extend(to_a);
+    p.deliver(A);
+    submit_claiming(&mut p, &descs(4, 100), token, slot);
+    p.gather(A);
+    p.write(A);
+    let b = p.b.name.clone();
+    p.a.ep.forget_peer(p.now, &b);
+    p.a.ep.set_peer_standing(&b);
+    p.poll();
+    p.a.inbound.push_back(late);
+    p.deliver(A);
+    p.a.take_sent();
+    p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
+    p.poll();
+    assert_eq!(wants(&p.a), vec![StandingUse::Wanted], "the copy not taken");
+}
+
+/// Offers go only to a sender whose last WANT was a WANT_STANDING: one
+/// back under the same name as an older build (plain WANTs) is sent none.
+/// Found by review.
+#[test]
+fn a_sender_back_with_plain_wants_is_offered_nothing() {
+    let mut b = Endpoint::new(standing_cfg(1)).unwrap();
+    let a = PeerId::new("A");
+    let want = |request: u64, standing: StandingUse| Message::Want {
+        request: RequestId(request),
+        chunk_sizes: vec![100],
+        endpoint: b"ep".to_vec(),
+        key: 0,
+        standing,
+    };
+    b.handle_message(t(1), &a, want(1, StandingUse::Wanted));
+    let (token, region) = offer_in(&drain(&mut b)).expect("offered");
+    b.handle_message(t(2), &a, want(2, StandingUse::Claimed { token, region }));
+    drain(&mut b);
+    b.forget_peer(t(3), &a);
+    drain(&mut b);
+    b.handle_message(t(4), &a, want(3, StandingUse::None));
+    assert_eq!(offer_in(&drain(&mut b)), None);
+    b.check_invariants().unwrap();
+}
+
+/// A claim the receiver refuses (here: a later chunk too large) has its
+/// offer spent when the request's CANCEL comes, and the slot is offered
+/// anew. Found by review.
+#[test]
+fn a_refused_claim_is_spent_by_its_cancel() {
+    let mut b = Endpoint::new(standing_cfg(1)).unwrap();
+    let a = PeerId::new("A");
+    let want = |request: u64, sizes: Vec<u64>, standing: StandingUse| Message::Want {
+        request: RequestId(request),
+        chunk_sizes: sizes,
+        endpoint: b"ep".to_vec(),
+        key: 0,
+        standing,
+    };
+    b.handle_message(t(1), &a, want(1, vec![100], StandingUse::Wanted));
+    let (token, region) = offer_in(&drain(&mut b)).expect("offered");
+    let claim = StandingUse::Claimed { token, region };
+    b.handle_message(t(2), &a, want(2, vec![100, 1 << 40], claim));
+    assert!(drain(&mut b).iter().any(|x| matches!(
+        x,
+        Action::Send {
+            message: Message::Refuse { .. },
+            ..
+        }
+    )));
+    b.handle_message(
+        t(3),
+        &a,
+        Message::Cancel {
+            request: RequestId(2),
+            endpoint: b"ep".to_vec(),
+            key: 0,
+        },
+    );
+    let again = offer_in(&drain(&mut b)).expect("offered anew");
+    assert!(again.0 > token && again.1 == region);
     b.check_invariants().unwrap();
 }
