@@ -379,7 +379,11 @@ impl CreditScheduler {
         if self.poisoned {
             return out;
         }
-        for (&off, e) in self.regions.iter_mut() {
+        // The slots, not every region: this runs after every event.
+        for &off in self.slots.keys() {
+            let Some(e) = self.regions.get_mut(&off) else {
+                continue;
+            };
             if let Owner::Standing {
                 peer: Some(peer),
                 token: token @ None,
@@ -399,12 +403,15 @@ impl CreditScheduler {
     /// `peer`'s live offer, if its slot is free and offered: (token,
     /// region, bytes).
     pub fn standing_offer(&self, peer: &PeerId) -> Option<(u64, RegionHandle, u64)> {
-        self.regions.iter().find_map(|(&off, e)| match &e.owner {
-            Owner::Standing {
-                peer: Some(p),
-                token: Some(t),
-            } if p == peer => Some((*t, RegionHandle(off), e.block)),
-            _ => None,
+        self.slots.keys().find_map(|&off| {
+            let e = self.regions.get(&off)?;
+            match &e.owner {
+                Owner::Standing {
+                    peer: Some(p),
+                    token: Some(t),
+                } if p == peer => Some((*t, RegionHandle(off), e.block)),
+                _ => None,
+            }
         })
     }
 

@@ -1641,6 +1641,18 @@ fn standing_claims_survive_reordering() {
     check(&p);
 }
 
+/// A WANT from the sender whose endpoint is `ep`, by hand: request `request`, chunks
+/// `sizes`, `standing` its use of the standing credit.
+fn want_of(request: u64, sizes: &[u64], standing: StandingUse) -> Message {
+    Message::Want {
+        request: RequestId(request),
+        chunk_sizes: sizes.to_vec(),
+        endpoint: b"ep".to_vec(),
+        key: 0,
+        standing,
+    }
+}
+
 /// A slot serves one sender for the receiver's life: a second sender gets
 /// none while the first has it, nor after the first is forgotten (what the
 /// first may still write lands only in its own slot).
@@ -1648,13 +1660,7 @@ fn standing_claims_survive_reordering() {
 fn a_standing_slot_never_changes_peers() {
     let mut b = Endpoint::new(standing_cfg(1)).unwrap();
     let (a, c) = (PeerId::new("A"), PeerId::new("C"));
-    let want = |request: u64| Message::Want {
-        request: RequestId(request),
-        chunk_sizes: vec![100],
-        endpoint: b"ep".to_vec(),
-        key: 0,
-        standing: StandingUse::Wanted,
-    };
+    let want = |request: u64| want_of(request, &[100], StandingUse::Wanted);
     b.handle_message(t(1), &a, want(1));
     let to = |actions: &[Action], who: &PeerId| {
         actions
@@ -1730,13 +1736,7 @@ fn a_claimed_offer_is_not_taken_again_after_the_receiver_is_reloaded() {
 fn a_sender_back_with_plain_wants_is_offered_nothing() {
     let mut b = Endpoint::new(standing_cfg(1)).unwrap();
     let a = PeerId::new("A");
-    let want = |request: u64, standing: StandingUse| Message::Want {
-        request: RequestId(request),
-        chunk_sizes: vec![100],
-        endpoint: b"ep".to_vec(),
-        key: 0,
-        standing,
-    };
+    let want = |request: u64, standing: StandingUse| want_of(request, &[100], standing);
     b.handle_message(t(1), &a, want(1, StandingUse::Wanted));
     let (token, region) = offer_in(&drain(&mut b)).expect("offered");
     b.handle_message(t(2), &a, want(2, StandingUse::Claimed { token, region }));
@@ -1755,17 +1755,10 @@ fn a_sender_back_with_plain_wants_is_offered_nothing() {
 fn a_refused_claim_is_spent_by_its_cancel() {
     let mut b = Endpoint::new(standing_cfg(1)).unwrap();
     let a = PeerId::new("A");
-    let want = |request: u64, sizes: Vec<u64>, standing: StandingUse| Message::Want {
-        request: RequestId(request),
-        chunk_sizes: sizes,
-        endpoint: b"ep".to_vec(),
-        key: 0,
-        standing,
-    };
-    b.handle_message(t(1), &a, want(1, vec![100], StandingUse::Wanted));
+    b.handle_message(t(1), &a, want_of(1, &[100], StandingUse::Wanted));
     let (token, region) = offer_in(&drain(&mut b)).expect("offered");
     let claim = StandingUse::Claimed { token, region };
-    b.handle_message(t(2), &a, want(2, vec![100, 1 << 40], claim));
+    b.handle_message(t(2), &a, want_of(2, &[100, 1 << 40], claim));
     assert!(drain(&mut b).iter().any(|x| matches!(
         x,
         Action::Send {
