@@ -415,16 +415,11 @@ impl CreditScheduler {
         })
     }
 
-    /// `peer`'s offer `token` (`None`: whichever is live) of `region` is
-    /// spent (its sender claimed it, and the request that claimed it ended
-    /// with its writes before its flow existed here): the slot is offered
-    /// anew. Returns whether it was that live offer.
-    pub fn spend_standing(
-        &mut self,
-        peer: &PeerId,
-        token: Option<u64>,
-        region: RegionHandle,
-    ) -> bool {
+    /// `peer`'s offer `token` of `region` is spent (its sender claimed it,
+    /// and the request that claimed it ended with its writes before its
+    /// flow existed here): the slot is offered anew. Returns whether it was
+    /// that live offer.
+    pub fn spend_standing(&mut self, peer: &PeerId, token: u64, region: RegionHandle) -> bool {
         match self.regions.get_mut(&region.0) {
             Some(RegionEntry {
                 owner:
@@ -433,7 +428,7 @@ impl CreditScheduler {
                         token: t @ Some(_),
                     },
                 ..
-            }) if p == peer && token.is_none_or(|token| *t == Some(token)) => {
+            }) if p == peer && *t == Some(token) => {
                 *t = None;
                 true
             }

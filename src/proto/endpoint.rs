@@ -851,10 +851,13 @@ impl Endpoint {
                     .on_standing(&mut self.ctx, from, token, region, len)
             }
             Message::Cancel {
-                request, endpoint, ..
+                request,
+                endpoint,
+                claim,
+                ..
             } => self
                 .receiver
-                .on_cancel(&mut self.ctx, now, from, request, endpoint),
+                .on_cancel(&mut self.ctx, now, from, request, endpoint, claim),
             Message::Data {
                 request,
                 chunk,

@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::credit::ScatterEnd;
 use super::endpoint::{Action, Ctx};
-use super::wire::{Credit, Message, RefuseReason, StandingUse};
+use super::wire::{Claim, Credit, Message, RefuseReason, StandingUse};
 use super::{FlowId, FlowKind, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Upper bound on the copies one DATA may expand to.
@@ -50,9 +50,6 @@ pub(crate) struct Receiver {
     /// Senders whose last WANT was a WANT_STANDING: only they are sent
     /// offers (a peer back under the same name as an older build is not).
     takes_offers: BTreeSet<PeerId>,
-    /// Claims refused (their flow tombstoned): the claimed (token, slot),
-    /// spent when the request's CANCEL says its writes ended.
-    refused_claims: BTreeMap<FlowId, (u64, RegionHandle)>,
 }
 
 /// [`validate_runs`] for a run list, read as packed copies when it is
@@ -190,24 +187,15 @@ impl Receiver {
             return;
         }
         let flow = FlowId::write(from.clone(), request);
-        let claim = match standing {
-            StandingUse::Claimed { token, region } => Some((token, region)),
-            _ => None,
-        };
-        let tombstoned = self.tombstones.contains_key(&flow);
-        if tombstoned || ctx.sched.has_flow(&flow) {
+        let claim = standing.claim();
+        // A claim whose request was cancelled already (its CANCEL came
+        // first) was spent by that CANCEL.
+        if self.tombstones.contains_key(&flow) || ctx.sched.has_flow(&flow) {
             ctx.stats.ignored += 1;
-            // A claim whose request was cancelled already (its CANCEL came
-            // first: none of its writes can land): the offer is spent.
-            if let Some((token, region)) = claim.filter(|_| tombstoned) {
-                if ctx.sched.spend_standing(from, Some(token), region) {
-                    self.early.remove(&region);
-                }
-            }
             return;
         }
         let added = match claim {
-            Some((token, region)) => {
+            Some(Claim { token, region }) => {
                 ctx.sched
                     .add_claimed_flow(now, flow.clone(), chunk_sizes, token, region)
             }
@@ -215,7 +203,7 @@ impl Receiver {
         };
         match added {
             Ok(()) => {
-                let Some((_, region)) = claim else {
+                let Some(Claim { region, .. }) = claim else {
                     return;
                 };
                 ctx.stats.standing_taken += 1;
@@ -234,12 +222,9 @@ impl Receiver {
                     super::credit::SchedError::BadChunkSize { .. } => RefuseReason::ChunkTooLarge,
                     _ => RefuseReason::ProtocolViolation,
                 };
+                // A claim refused keeps its offer until the request's
+                // CANCEL, which names it: chunk 0 may be in the slot.
                 ctx.send(from, Message::Refuse { request, reason });
-                if let Some(claim) = claim {
-                    // Its chunk 0 may be written into the slot: the offer
-                    // is spent once the CANCEL says no write can land.
-                    self.refused_claims.insert(flow.clone(), claim);
-                }
                 self.tombstone(ctx, flow, now);
             }
         }
@@ -252,22 +237,20 @@ impl Receiver {
         from: &PeerId,
         request: RequestId,
         endpoint: Vec<u8>,
+        claim: Option<Claim>,
     ) {
         self.register_endpoint(ctx, from, endpoint);
         let flow = FlowId::write(from.clone(), request);
-        // A DATA into a standing slot whose claim has not come: the request
-        // claimed the slot, and none of its writes can land any more, so
-        // the offer is spent (the claim, if it comes, finds a tombstone).
-        if let Some((&region, _)) = self
-            .early
-            .iter()
-            .find(|(_, (p, r, _))| p == from && *r == request)
-        {
-            self.early.remove(&region);
-            ctx.sched.spend_standing(from, None, region);
-        }
-        if let Some((token, region)) = self.refused_claims.remove(&flow) {
-            ctx.sched.spend_standing(from, Some(token), region);
+        // The request claimed an offer, and none of its writes can land
+        // any more. If its claim never made a flow here (it has not come,
+        // it was lost with the connection, or it was refused), the offer
+        // is still live under that token: spent, with a DATA kept for the
+        // claim; the claim, if it comes, finds a tombstone. Otherwise the
+        // slot is the flow's and is freed with it just below.
+        if let Some(Claim { token, region }) = claim {
+            ctx.sched.spend_standing(from, token, region);
+            self.early
+                .retain(|_, (p, r, _)| !(p == from && *r == request));
         }
         // The sender cancels only once none of its writes can land: every
         // region of the flow that no scatter reads is free to reuse.
@@ -461,9 +444,6 @@ impl Receiver {
             self.abort(ctx, now, &flow, RefuseReason::Expired);
         }
         self.tombstones.retain(|_, &mut until| until > now);
-        let tombstones = &self.tombstones;
-        self.refused_claims
-            .retain(|f, _| tombstones.contains_key(f));
     }
 
     pub fn next_timeout(&self, ctx: &Ctx) -> Option<Time> {
@@ -477,7 +457,6 @@ impl Receiver {
         self.known_peers.remove(peer);
         self.takes_offers.remove(peer);
         self.early.retain(|_, (p, _, _)| p != peer);
-        self.refused_claims.retain(|f, _| f.peer != *peer);
     }
 
     /// Aborts every live flow of `peer` (see [`Receiver::abort`]).

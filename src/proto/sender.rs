@@ -42,7 +42,7 @@ use std::sync::Arc;
 
 use super::endpoint::{due_failure, expiry, Action, Ctx, FailureReason, Outcome, SubmitError};
 use super::plan::{Chunk, Plan};
-use super::wire::{Credit, Message, ReadChunk, RefuseReason, StandingUse};
+use super::wire::{Claim, Credit, Message, ReadChunk, RefuseReason, StandingUse};
 use super::{ChunkRef, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +86,9 @@ struct Request {
     cancel_pending: bool,
     /// A write may land at any time in the future: never send CANCEL.
     cancel_forbidden: bool,
+    /// The standing offer its WANT claimed (chunk 0's region), named again
+    /// by its CANCEL: a receiver that never saw the claim spends it then.
+    claim: Option<Claim>,
     gathers: u32,
     writes: u32,
     /// Chunks holding a staging region (Gathering, Gathered, Writing).
@@ -311,6 +314,7 @@ impl Sender {
                 completed: false,
                 cancel_pending: false,
                 cancel_forbidden: false,
+                claim: None,
                 gathers: 0,
                 writes: 0,
                 staged: 0,
@@ -323,7 +327,12 @@ impl Sender {
     /// land: CANCEL, or READ_END for a serving request.
     fn end_message(ctx: &Ctx, id: RequestId, req: &Request) -> Message {
         match req.serves {
-            None => Message::cancel(id, ctx.cfg.local_endpoint.clone(), ctx.key_for(&req.peer)),
+            None => Message::Cancel {
+                request: id,
+                endpoint: ctx.cfg.local_endpoint.clone(),
+                key: ctx.key_for(&req.peer),
+                claim: req.claim,
+            },
             Some(request) => Message::ReadEnd {
                 request,
                 reason: end_reason(req.failed.unwrap_or(FailureReason::Cancelled)),
@@ -449,8 +458,9 @@ impl Sender {
                 slot.ready = planned;
             }
             // The claimed standing region is chunk 0's credit, there now.
-            if let StandingUse::Claimed { region, .. } = standing {
+            if let Some(claim @ Claim { region, .. }) = standing.claim() {
                 ctx.stats.standing_claimed += 1;
+                req.claim = Some(claim);
                 req.slots[0].credit = Some(Credit {
                     chunk: 0,
                     region,

@@ -115,7 +115,8 @@ pub enum MessageType {
     /// A WANT that also says what the sender does with the receiver's
     /// standing credit ([`StandingUse`]): sent only to a receiver whose
     /// handshake advertises [`Capabilities::STANDING`], and telling the
-    /// receiver that the sender takes STANDING messages.
+    /// receiver that the sender takes STANDING messages. An empty one is
+    /// the CANCEL of a request that claimed an offer, naming the claim.
     WantStanding = 6,
     /// Receiver offers a standing credit: one region the sender may write
     /// a request's first chunk into without asking ([`Message::Standing`]).
@@ -495,7 +496,25 @@ pub enum StandingUse {
     },
 }
 
+/// A standing offer a request claimed ([`StandingUse::Claimed`]),
+/// named again by that request's CANCEL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// The offer's token.
+    pub token: u64,
+    /// The offered region.
+    pub region: RegionHandle,
+}
+
 impl StandingUse {
+    /// The offer it claims, if it does.
+    pub fn claim(self) -> Option<Claim> {
+        match self {
+            StandingUse::Claimed { token, region } => Some(Claim { token, region }),
+            _ => None,
+        }
+    }
+
     /// Bytes it adds to a WANT's payload.
     fn encoded_len(self) -> usize {
         match self {
@@ -561,7 +580,8 @@ pub enum Message {
         standing: StandingUse,
     },
     /// Sender -> receiver: retract the flow (encoded as a WANT with no
-    /// chunks). Sent only once none of the request's writes can still land.
+    /// chunks; as a WANT_STANDING with none when it names a claim). Sent
+    /// only once none of the request's writes can still land.
     Cancel {
         /// The sender's request id.
         request: RequestId,
@@ -569,6 +589,10 @@ pub enum Message {
         endpoint: Vec<u8>,
         /// The receiver's access key.
         key: u64,
+        /// The standing offer the request claimed in its WANT, if it did:
+        /// spent here if that WANT never arrived (or was refused), since
+        /// none of the request's writes into the slot can land any more.
+        claim: Option<Claim>,
     },
     /// Receiver -> sender: credits.
     Grant {
@@ -678,12 +702,13 @@ pub enum Message {
 }
 
 impl Message {
-    /// A CANCEL (empty WANT) for `request`.
+    /// A CANCEL (empty WANT) for `request`, which claimed no offer.
     pub fn cancel(request: RequestId, endpoint: Vec<u8>, key: u64) -> Message {
         Message::Cancel {
             request,
             endpoint,
             key,
+            claim: None,
         }
     }
 
@@ -694,8 +719,8 @@ impl Message {
                 standing: StandingUse::None,
                 ..
             }
-            | Message::Cancel { .. } => MessageType::Want,
-            Message::Want { .. } => MessageType::WantStanding,
+            | Message::Cancel { claim: None, .. } => MessageType::Want,
+            Message::Want { .. } | Message::Cancel { .. } => MessageType::WantStanding,
             Message::Standing { .. } => MessageType::Standing,
             Message::Grant { .. } => MessageType::Grant,
             Message::Data { .. } => MessageType::Data,
@@ -740,7 +765,13 @@ impl Message {
                 request,
                 endpoint,
                 key,
-            } => encode_want(&mut p, *request, &[], endpoint, *key),
+                claim,
+            } => {
+                encode_want(&mut p, *request, &[], endpoint, *key);
+                if let Some(Claim { token, region }) = *claim {
+                    encode_standing_use(&mut p, StandingUse::Claimed { token, region });
+                }
+            }
             Message::Grant { request, credits } | Message::ReadGrant { request, credits } => {
                 encode_grant(&mut p, *request, credits)
             }
@@ -837,7 +868,9 @@ impl Message {
                 ..
             } => 24 + 8 * chunk_sizes.len() + endpoint.len() + standing.encoded_len(),
             Message::Standing { .. } => 24,
-            Message::Cancel { endpoint, .. } => 24 + endpoint.len(),
+            Message::Cancel {
+                endpoint, claim, ..
+            } => 24 + endpoint.len() + if claim.is_some() { 17 } else { 0 },
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
             Message::Data { runs, .. } => 20 + list(runs),
             Message::Read {
@@ -1362,7 +1395,8 @@ fn decode_standing_use(r: &mut Reader<'_>) -> Result<StandingUse, WireError> {
 }
 
 /// A WANT (or CANCEL, an empty one); a WANT_STANDING (`standing`) carries
-/// its [`StandingUse`] after the WANT's fields and is never empty.
+/// its [`StandingUse`] after the WANT's fields, a claim when it is empty
+/// (the CANCEL of a request that claimed an offer).
 fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError> {
     let request = RequestId(r.u64("request id")?);
     let key = r.u64("access key")?;
@@ -1374,20 +1408,22 @@ fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError>
     let elen = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
     let endpoint = r.take(elen, "endpoint")?.to_vec();
     let standing = match standing {
-        true if chunk_sizes.is_empty() => {
-            return Err(WireError::Invalid {
-                what: "WANT_STANDING",
-                why: "no chunks (a CANCEL is a WANT)".into(),
-            })
-        }
         true => decode_standing_use(r)?,
         false => StandingUse::None,
     };
     Ok(if chunk_sizes.is_empty() {
+        let claim = standing.claim();
+        if standing != StandingUse::None && claim.is_none() {
+            return Err(WireError::Invalid {
+                what: "WANT_STANDING",
+                why: format!("no chunks (a CANCEL) and {standing:?}, not a claim"),
+            });
+        }
         Message::Cancel {
             request,
             endpoint,
             key,
+            claim,
         }
     } else {
         Message::Want {
@@ -1430,8 +1466,9 @@ impl Capabilities {
     /// 1 to an owner without it, which refuses any later version.
     pub const DATA_PATH_V2: Capabilities = Capabilities(1 << 3);
     /// Offers standing credits (STANDING, type 7) to senders whose WANTs
-    /// are WANT_STANDINGs (type 6), and takes their claims: only a sender
-    /// to such a receiver sends type 6.
+    /// are WANT_STANDINGs (type 6), and takes their claims, and the
+    /// CANCELs that name them (an empty type 6): only a sender to such a
+    /// receiver sends type 6.
     pub const STANDING: Capabilities = Capabilities(1 << 4);
 
     /// Whether every flag of `other` is set.

@@ -1773,9 +1773,55 @@ fn a_refused_claim_is_spent_by_its_cancel() {
             request: RequestId(2),
             endpoint: b"ep".to_vec(),
             key: 0,
+            claim: claim.claim(),
         },
     );
     let again = offer_in(&drain(&mut b)).expect("offered anew");
     assert!(again.0 > token && again.1 == region);
     b.check_invariants().unwrap();
+}
+
+/// A claim lost with the control connection (its WANT and DATA never
+/// arrive): the request fails as unreachable, and its CANCEL, which names
+/// the claim, spends the offer once it gets through, so the slot is offered
+/// anew and the pair's next WRITE claims again instead of falling back to
+/// GRANTs for good.
+#[test]
+fn a_claim_lost_with_the_connection_is_spent_by_its_cancel() {
+    let mut p = standing_pair();
+    let (token, slot) = first_write_takes_an_offer(&mut p);
+    let before = p.b.memory.mem.clone();
+    let id = submit_claiming(&mut p, &descs(4, 100), token, slot);
+    p.gather(A);
+    p.write(A);
+    p.poll();
+    assert_eq!(p.b.inbound.len(), 2, "the claim and its DATA");
+    p.b.inbound.clear();
+    let b = p.b.name.clone();
+    p.a.ep.peer_unreachable(p.now, &b);
+    p.poll();
+    assert_eq!(
+        p.a.take_completed(),
+        vec![(id, Outcome::Failure(FailureReason::PeerUnreachable))]
+    );
+    assert!(
+        matches!(p.a.sent.last(), Some(Message::Cancel { claim: Some(c), .. }) if c.token == token && c.region == slot),
+        "the CANCEL names the claim: {:?}",
+        p.a.sent
+    );
+    p.b.take_sent();
+    p.drive();
+    let again = offers(&p.b);
+    assert_eq!(
+        again.len(),
+        1,
+        "the lost claim's offer renewed: {:?}",
+        p.b.sent
+    );
+    assert!(again[0].0 > token && again[0].1 == slot);
+    assert_eq!(p.b.memory.mem, before, "nothing of the lost request landed");
+    let id = submit_claiming(&mut p, &descs(4, 100), again[0].0, slot);
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    check(&p);
 }

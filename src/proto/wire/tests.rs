@@ -90,13 +90,17 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 len,
             }
         }),
-        (rid.clone(), proptest::collection::vec(any::<u8>(), 0..40)).prop_map(
-            |(request, endpoint)| Message::Cancel {
+        (
+            rid.clone(),
+            proptest::collection::vec(any::<u8>(), 0..40),
+            arb_standing_use()
+        )
+            .prop_map(|(request, endpoint, standing)| Message::Cancel {
                 request,
                 endpoint,
-                key: !request.0
-            }
-        ),
+                key: !request.0,
+                claim: standing.claim(),
+            }),
         (
             rid.clone(),
             proptest::collection::vec((any::<u32>(), any::<u64>(), any::<u64>()), 1..10)
@@ -303,6 +307,37 @@ fn empty_want_is_cancel() {
     let bytes = c.encode();
     assert_eq!(bytes[6], MessageType::Want as u8);
     assert_eq!(Message::decode(&bytes).unwrap(), c);
+}
+
+/// The CANCEL of a request that claimed a standing offer names the claim:
+/// an empty WANT_STANDING. One without a claim is no message.
+#[test]
+fn a_cancel_names_its_claim_as_an_empty_want_standing() {
+    let claim = Claim {
+        token: 9,
+        region: RegionHandle(4096),
+    };
+    let c = Message::Cancel {
+        request: RequestId(5),
+        endpoint: b"ep".to_vec(),
+        key: 42,
+        claim: Some(claim),
+    };
+    let bytes = c.encode();
+    assert_eq!(bytes[6], MessageType::WantStanding as u8);
+    assert_eq!(Message::decode(&bytes).unwrap(), c);
+    // The same with "wanted" (1) for the claim (3, token, region).
+    let mut wanted = bytes[..bytes.len() - 17].to_vec();
+    wanted.push(1);
+    let len = (wanted.len() - HEADER_LEN) as u32;
+    wanted[8..12].copy_from_slice(&len.to_le_bytes());
+    assert!(matches!(
+        Message::decode(&wanted),
+        Err(WireError::Invalid {
+            what: "WANT_STANDING",
+            ..
+        })
+    ));
 }
 
 #[test]
