@@ -1030,8 +1030,10 @@ impl Sim {
                         Some((Owner::Flow(f) | Owner::Quarantine(f), glen)) if *f == flow && glen >= len => {}
                         // The writer's standing slot, offered to it, whose
                         // claiming WANT has not arrived: a first chunk.
-                        Some((Owner::Standing { peer: Some(p), token: Some(_) }, glen))
-                            if *p == self.agents[agent].name && chunk.chunk == 0 && glen >= len => {}
+                        Some((Owner::Standing { token: Some(_) }, glen))
+                            if self.agents[peer].ep.slot_peer(remote) == Some(&self.agents[agent].name)
+                                && chunk.chunk == 0
+                                && glen >= len => {}
                         other => {
                             return Err(format!(
                                 "write of {chunk} from a{agent} lands in a{peer} {remote}, which is not granted to {flow}: {other:?}"

@@ -150,12 +150,10 @@ pub enum Owner {
     Quarantine(FlowId),
     /// The idle local reserve block.
     Reserve,
-    /// A standing slot not in a flow: assigned to `peer` (once assigned,
-    /// for the scheduler's life), offered to it under `token` (`None`: to
-    /// be offered).
+    /// A standing slot not in a flow, offered to the peer it is assigned
+    /// to ([`CreditScheduler::slot_peer`]) under `token` (`None`: to be
+    /// offered, or assigned to no peer yet).
     Standing {
-        /// The sender it serves.
-        peer: Option<PeerId>,
         /// The live offer.
         token: Option<u64>,
     },
@@ -337,10 +335,7 @@ impl CreditScheduler {
                 RegionEntry {
                     block,
                     len: block,
-                    owner: Owner::Standing {
-                        peer: None,
-                        token: None,
-                    },
+                    owner: Owner::Standing { token: None },
                     chunk: 0,
                     scattering: false,
                 },
@@ -355,17 +350,17 @@ impl CreditScheduler {
         if self.slots.values().any(|p| p.as_ref() == Some(peer)) {
             return true;
         }
-        let Some((&off, slot)) = self.slots.iter_mut().find(|(_, p)| p.is_none()) else {
+        let Some(slot) = self.slots.values_mut().find(|p| p.is_none()) else {
             return false;
         };
         *slot = Some(peer.clone());
-        if let Some(e) = self.regions.get_mut(&off) {
-            e.owner = Owner::Standing {
-                peer: Some(peer.clone()),
-                token: None,
-            };
-        }
         true
+    }
+
+    /// The peer the standing slot `region` is assigned to, if it is one
+    /// and assigned.
+    pub fn slot_peer(&self, region: RegionHandle) -> Option<&PeerId> {
+        self.slots.get(&region.0)?.as_ref()
     }
 
     /// Offers every assigned slot that is free and not offered yet, of a
@@ -380,12 +375,11 @@ impl CreditScheduler {
             return out;
         }
         // The slots, not every region: this runs after every event.
-        for &off in self.slots.keys() {
-            let Some(e) = self.regions.get_mut(&off) else {
+        for (&off, peer) in &self.slots {
+            let (Some(peer), Some(e)) = (peer, self.regions.get_mut(&off)) else {
                 continue;
             };
             if let Owner::Standing {
-                peer: Some(peer),
                 token: token @ None,
             } = &mut e.owner
             {
@@ -403,16 +397,12 @@ impl CreditScheduler {
     /// `peer`'s live offer, if its slot is free and offered: (token,
     /// region, bytes).
     pub fn standing_offer(&self, peer: &PeerId) -> Option<(u64, RegionHandle, u64)> {
-        self.slots.keys().find_map(|&off| {
-            let e = self.regions.get(&off)?;
-            match &e.owner {
-                Owner::Standing {
-                    peer: Some(p),
-                    token: Some(t),
-                } if p == peer => Some((*t, RegionHandle(off), e.block)),
-                _ => None,
-            }
-        })
+        let (&off, _) = self.slots.iter().find(|(_, p)| p.as_ref() == Some(peer))?;
+        let e = self.regions.get(&off)?;
+        match e.owner {
+            Owner::Standing { token: Some(t) } => Some((t, RegionHandle(off), e.block)),
+            _ => None,
+        }
     }
 
     /// `peer`'s offer `token` of `region` is spent (its sender claimed it,
@@ -420,15 +410,14 @@ impl CreditScheduler {
     /// flow existed here): the slot is offered anew. Returns whether it was
     /// that live offer.
     pub fn spend_standing(&mut self, peer: &PeerId, token: u64, region: RegionHandle) -> bool {
+        if self.slot_peer(region) != Some(peer) {
+            return false;
+        }
         match self.regions.get_mut(&region.0) {
             Some(RegionEntry {
-                owner:
-                    Owner::Standing {
-                        peer: Some(p),
-                        token: t @ Some(_),
-                    },
+                owner: Owner::Standing { token: t },
                 ..
-            }) if p == peer && *t == Some(token) => {
+            }) if *t == Some(token) => {
                 *t = None;
                 true
             }
@@ -839,13 +828,10 @@ impl CreditScheduler {
     }
 
     fn free_region(&mut self, offset: u64) {
-        if let Some(peer) = self.slots.get(&offset) {
+        if self.slots.contains_key(&offset) {
             // A standing slot goes back to its peer, never to the allocator.
             if let Some(e) = self.regions.get_mut(&offset) {
-                e.owner = Owner::Standing {
-                    peer: peer.clone(),
-                    token: None,
-                };
+                e.owner = Owner::Standing { token: None };
                 e.len = e.block;
                 e.scattering = false;
             }
@@ -1131,12 +1117,10 @@ impl CreditScheduler {
         }
         for (off, peer) in &self.slots {
             match self.regions.get(off).map(|e| &e.owner) {
-                Some(Owner::Standing { peer: p, .. }) if p == peer => {}
-                Some(Owner::Standing { .. }) => {
-                    return Err(format!(
-                        "standing slot {off:#x} names another peer than {peer:?}"
-                    ))
+                Some(Owner::Standing { token: Some(_) }) if peer.is_none() => {
+                    return Err(format!("standing slot {off:#x} offered to no peer"))
                 }
+                Some(Owner::Standing { .. }) => {}
                 Some(Owner::Flow(f) | Owner::Quarantine(f)) if peer.as_ref() == Some(&f.peer) => {}
                 Some(Owner::Orphan) if peer.is_some() => {}
                 other => {
@@ -1297,7 +1281,8 @@ mod tests {
         let to_b = s.standing_offers(|_| true);
         assert_eq!(to_b.len(), 1);
         assert_ne!(to_b[0].2, region);
-        assert!(matches!(s.owner(region), Some(Owner::Standing { peer: Some(p), .. }) if *p == a));
+        assert!(matches!(s.owner(region), Some(Owner::Standing { .. })));
+        assert_eq!(s.slot_peer(region), Some(&a));
         s.check_invariants().unwrap();
         // Where the largest chunk is half the arena beside a reserve, none.
         let s = sched_standing(1024, 2, 512, true, 4, 64);

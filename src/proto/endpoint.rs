@@ -555,6 +555,12 @@ impl Endpoint {
         self.ctx.sched.owner(region)
     }
 
+    /// The peer `region`, a standing slot, is assigned to (for the
+    /// scheduler's life), if it is one and assigned.
+    pub fn slot_peer(&self, region: RegionHandle) -> Option<&PeerId> {
+        self.ctx.sched.slot_peer(region)
+    }
+
     /// Who holds `region` of this agent's arena, and its granted length.
     pub fn region_info(&self, region: RegionHandle) -> Option<(&Owner, u64)> {
         self.ctx.sched.region(region)
