@@ -72,7 +72,7 @@ fn endpoint(c: EndpointConfig, i: usize, inc: u32) -> Endpoint {
     // Each incarnation's standing offers start above the last's, as the
     // engine's (the wall clock) do.
     let c = EndpointConfig {
-        token_base: u64::from(inc) << 32,
+        incarnation: u64::from(inc) << 32,
         ..c
     };
     let mut ep = Endpoint::new(c).expect("endpoint");
@@ -325,7 +325,7 @@ impl Sim {
             local_reserve: rng.chance(0.9),
             local_endpoint: Vec::new(),
             request_id_base: 0,
-            token_base: 0,
+            incarnation: 0,
             access_key: 0,
             // Drawn last, so the fields above keep their earlier draws.
             // Half the scenarios cut requests for overlap.
@@ -1028,12 +1028,17 @@ impl Sim {
                         // receiver aborted the flow and keeps the region out
                         // of use precisely because this write may land).
                         Some((Owner::Flow(f) | Owner::Quarantine(f), glen)) if *f == flow && glen >= len => {}
-                        // The writer's standing slot, offered to it, whose
-                        // claiming WANT has not arrived: a first chunk.
-                        Some((Owner::Standing { token: Some(_) }, glen))
+                        // The writer's standing slot, offered to this
+                        // incarnation of it under the token this request
+                        // claimed, whose claiming WANT has not arrived: a
+                        // first chunk.
+                        Some((Owner::Standing { offer: Some(o) }, glen))
                             if self.agents[peer].ep.slot_peer(remote) == Some(&self.agents[agent].name)
                                 && chunk.chunk == 0
-                                && glen >= len => {}
+                                && glen >= len
+                                && self.agents[agent].ep.request_claim(chunk.request).is_some_and(
+                                    |(c, incarnation)| c.token == o.token && c.region == remote && incarnation == o.incarnation,
+                                ) => {}
                         other => {
                             return Err(format!(
                                 "write of {chunk} from a{agent} lands in a{peer} {remote}, which is not granted to {flow}: {other:?}"

@@ -196,7 +196,7 @@ impl Bounce {
         let access_key = u64::from_le_bytes(random_bytes()?);
         let mut endpoint = Endpoint::new(EndpointConfig {
             access_key,
-            token_base: standing_token_base(),
+            incarnation: incarnation(),
             ..EndpointConfig::from_config(config, endpoint_bytes.clone(), request_id_base())
         })
         .map_err(|e| format!("protocol endpoint: {e}"))?;
@@ -726,10 +726,12 @@ fn random_bytes<const N: usize>() -> Result<[u8; N], String> {
 
 /// Request ids must not repeat across incarnations of an agent (the peer may
 /// remember a cancelled id): start from the clock and the process id.
-/// Standing offers' first token: nanoseconds of the wall clock (a quarter
-/// of them, room to count up), so a restarted receiver's offers start
-/// above its last incarnation's, which its senders remember having claimed.
-fn standing_token_base() -> u64 {
+/// The protocol endpoint's incarnation: nanoseconds of the wall clock (a
+/// quarter of them, room for the standing offers' tokens to count up from
+/// it), so a restarted agent's is another, larger one: its offers start
+/// above its last incarnation's, which its senders remember having
+/// claimed, and receivers tell it from its last as a sender.
+fn incarnation() -> u64 {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

@@ -150,13 +150,23 @@ pub enum Owner {
     Quarantine(FlowId),
     /// The idle local reserve block.
     Reserve,
-    /// A standing slot not in a flow, offered to the peer it is assigned
-    /// to ([`CreditScheduler::slot_peer`]) under `token` (`None`: to be
-    /// offered, or assigned to no peer yet).
+    /// A standing slot not in a flow, assigned to a peer
+    /// ([`CreditScheduler::slot_peer`]) and offered to one incarnation of
+    /// it (`None`: to be offered, or assigned to no peer yet).
     Standing {
         /// The live offer.
-        token: Option<u64>,
+        offer: Option<Offer>,
     },
+}
+
+/// A standing slot's offer: the token that names it and the incarnation of
+/// the peer it was sent to, the only one that may claim it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Offer {
+    /// Grows with every offer of this scheduler.
+    pub token: u64,
+    /// The sender's incarnation ([`super::wire::Message::Want`]).
+    pub incarnation: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -335,7 +345,7 @@ impl CreditScheduler {
                 RegionEntry {
                     block,
                     len: block,
-                    owner: Owner::Standing { token: None },
+                    owner: Owner::Standing { offer: None },
                     chunk: 0,
                     scattering: false,
                 },
@@ -363,13 +373,14 @@ impl CreditScheduler {
         self.slots.get(&region.0)?.as_ref()
     }
 
-    /// Offers every assigned slot that is free and not offered yet, of a
-    /// peer `reachable` says can be sent to, under a new token: (peer,
-    /// token, region, bytes). Nothing once poisoned.
+    /// Offers every assigned slot that is free and not offered yet, to the
+    /// incarnation `target` names for its peer (none: not to be sent to
+    /// now), under a new token: (peer, offer, region, bytes). Nothing once
+    /// poisoned.
     pub fn standing_offers(
         &mut self,
-        reachable: impl Fn(&PeerId) -> bool,
-    ) -> Vec<(PeerId, u64, RegionHandle, u64)> {
+        target: impl Fn(&PeerId) -> Option<u64>,
+    ) -> Vec<(PeerId, Offer, RegionHandle, u64)> {
         let mut out = Vec::new();
         if self.poisoned {
             return out;
@@ -379,56 +390,57 @@ impl CreditScheduler {
             let (Some(peer), Some(e)) = (peer, self.regions.get_mut(&off)) else {
                 continue;
             };
-            if let Owner::Standing {
-                token: token @ None,
-            } = &mut e.owner
-            {
-                if !reachable(peer) {
+            if let Owner::Standing { offer: live @ None } = &mut e.owner {
+                let Some(incarnation) = target(peer) else {
                     continue;
-                }
+                };
                 self.next_token = self.next_token.wrapping_add(1);
-                *token = Some(self.next_token);
-                out.push((peer.clone(), self.next_token, RegionHandle(off), e.block));
+                let offer = Offer {
+                    token: self.next_token,
+                    incarnation,
+                };
+                *live = Some(offer);
+                out.push((peer.clone(), offer, RegionHandle(off), e.block));
             }
         }
         out
     }
 
-    /// `peer`'s live offer, if its slot is free and offered: (token,
+    /// `peer`'s live offer, if its slot is free and offered: (offer,
     /// region, bytes).
-    pub fn standing_offer(&self, peer: &PeerId) -> Option<(u64, RegionHandle, u64)> {
+    pub fn standing_offer(&self, peer: &PeerId) -> Option<(Offer, RegionHandle, u64)> {
         let (&off, _) = self.slots.iter().find(|(_, p)| p.as_ref() == Some(peer))?;
         let e = self.regions.get(&off)?;
         match e.owner {
-            Owner::Standing { token: Some(t) } => Some((t, RegionHandle(off), e.block)),
+            Owner::Standing { offer: Some(o) } => Some((o, RegionHandle(off), e.block)),
             _ => None,
         }
     }
 
-    /// `peer`'s offer `token` of `region` is spent (its sender claimed it,
-    /// and the request that claimed it ended with its writes before its
-    /// flow existed here): the slot is offered anew. Returns whether it was
-    /// that live offer.
-    pub fn spend_standing(&mut self, peer: &PeerId, token: u64, region: RegionHandle) -> bool {
+    /// `peer`'s `offer` of `region` is spent (its sender claimed it, and
+    /// the request that claimed it ended with its writes before its flow
+    /// existed here): the slot is offered anew. Returns whether it was that
+    /// live offer.
+    pub fn spend_standing(&mut self, peer: &PeerId, offer: Offer, region: RegionHandle) -> bool {
         if self.slot_peer(region) != Some(peer) {
             return false;
         }
         match self.regions.get_mut(&region.0) {
             Some(RegionEntry {
-                owner: Owner::Standing { token: t },
+                owner: Owner::Standing { offer: live },
                 ..
-            }) if *t == Some(token) => {
-                *t = None;
+            }) if *live == Some(offer) => {
+                *live = None;
                 true
             }
             _ => false,
         }
     }
 
-    /// Whether `region` is `peer`'s slot offered under `token`.
-    pub fn is_standing_offer(&self, peer: &PeerId, token: u64, region: RegionHandle) -> bool {
+    /// Whether `region` is `peer`'s slot, live under `offer`.
+    pub fn is_standing_offer(&self, peer: &PeerId, offer: Offer, region: RegionHandle) -> bool {
         self.standing_offer(peer)
-            .is_some_and(|(t, r, _)| t == token && r == region)
+            .is_some_and(|(o, r, _)| o == offer && r == region)
     }
 
     /// Whether `region` is a standing slot assigned to `peer` and offered
@@ -580,7 +592,7 @@ impl CreditScheduler {
     }
 
     /// Registers a flow wanting `chunk_sizes` whose chunk 0 is written into
-    /// `peer`'s standing slot `region`, offered as `token` (the flow's WANT
+    /// `peer`'s standing slot `region`, live under `offer` (the flow's WANT
     /// claimed it): the slot becomes chunk 0's region, held by the flow as
     /// if granted, and the other chunks wait for grants as any flow's.
     pub fn add_claimed_flow(
@@ -588,13 +600,14 @@ impl CreditScheduler {
         now: Time,
         flow: FlowId,
         chunk_sizes: &[u64],
-        token: u64,
+        offer: Offer,
         region: RegionHandle,
     ) -> Result<(), SchedError> {
-        if !self.is_standing_offer(&flow.peer, token, region) {
+        if !self.is_standing_offer(&flow.peer, offer, region) {
             return Err(SchedError::WrongOwner {
                 region,
-                expected: "the standing slot offered to this peer under this token",
+                expected:
+                    "the standing slot offered to this incarnation of this peer under this token",
             });
         }
         let first = chunk_sizes.first().copied().unwrap_or(0);
@@ -831,7 +844,7 @@ impl CreditScheduler {
         if self.slots.contains_key(&offset) {
             // A standing slot goes back to its peer, never to the allocator.
             if let Some(e) = self.regions.get_mut(&offset) {
-                e.owner = Owner::Standing { token: None };
+                e.owner = Owner::Standing { offer: None };
                 e.len = e.block;
                 e.scattering = false;
             }
@@ -1117,7 +1130,7 @@ impl CreditScheduler {
         }
         for (off, peer) in &self.slots {
             match self.regions.get(off).map(|e| &e.owner) {
-                Some(Owner::Standing { token: Some(_) }) if peer.is_none() => {
+                Some(Owner::Standing { offer: Some(_) }) if peer.is_none() => {
                     return Err(format!("standing slot {off:#x} offered to no peer"))
                 }
                 Some(Owner::Standing { .. }) => {}
@@ -1243,21 +1256,33 @@ mod tests {
         assert!(s.buddy.alloc(256).is_some_and(|o| s.buddy.free(o).is_ok()));
         let (a, b) = (PeerId::new("a"), PeerId::new("b"));
         assert!(s.assign_standing(&a) && s.assign_standing(&a));
-        let offers = s.standing_offers(|_| true);
+        let offers = s.standing_offers(|_| Some(7));
         assert_eq!(offers.len(), 1);
-        let (peer, token, region, len) = offers[0].clone();
-        assert_eq!((peer, len), (a.clone(), 128));
-        assert!(s.standing_offers(|_| true).is_empty(), "offered once");
-        assert_eq!(s.standing_offer(&a), Some((token, region, 128)));
-        // A claim with another token, or a first chunk too large, fails.
+        let (peer, offer, region, len) = offers[0].clone();
+        assert_eq!((peer, offer.incarnation, len), (a.clone(), 7, 128));
+        assert!(s.standing_offers(|_| Some(7)).is_empty(), "offered once");
+        assert_eq!(s.standing_offer(&a), Some((offer, region, 128)));
+        // A claim with another token, by another incarnation, or with a
+        // first chunk too large, fails.
         let f = flow("a", 1);
+        for other in [
+            Offer {
+                token: offer.token + 1,
+                ..offer
+            },
+            Offer {
+                incarnation: 8,
+                ..offer
+            },
+        ] {
+            assert!(s
+                .add_claimed_flow(Time::ZERO, f.clone(), &[64], other, region)
+                .is_err());
+        }
         assert!(s
-            .add_claimed_flow(Time::ZERO, f.clone(), &[64], token + 1, region)
+            .add_claimed_flow(Time::ZERO, f.clone(), &[200], offer, region)
             .is_err());
-        assert!(s
-            .add_claimed_flow(Time::ZERO, f.clone(), &[200], token, region)
-            .is_err());
-        s.add_claimed_flow(Time::ZERO, f.clone(), &[100, 200], token, region)
+        s.add_claimed_flow(Time::ZERO, f.clone(), &[100, 200], offer, region)
             .unwrap();
         assert_eq!(
             s.held(&f, region),
@@ -1269,16 +1294,16 @@ mod tests {
         );
         let g = s.schedule();
         assert_eq!(names(&g), vec!["a#1"], "only chunk 1 is granted");
-        assert!(s.standing_offers(|_| true).is_empty(), "in a flow");
+        assert!(s.standing_offers(|_| Some(7)).is_empty(), "in a flow");
         s.begin_scatter(&f, region).unwrap();
         s.finish_scatter(region).unwrap();
-        let again = s.standing_offers(|_| true);
+        let again = s.standing_offers(|_| Some(7));
         assert_eq!(again.len(), 1);
-        assert!(again[0].1 > token && again[0].2 == region);
+        assert!(again[0].1.token > offer.token && again[0].2 == region);
         // Forgetting `a` keeps its slot; `b` gets another, never `a`'s.
         s.reclaim_peer(&a);
         assert!(s.assign_standing(&b));
-        let to_b = s.standing_offers(|_| true);
+        let to_b = s.standing_offers(|_| Some(7));
         assert_eq!(to_b.len(), 1);
         assert_ne!(to_b[0].2, region);
         assert!(matches!(s.owner(region), Some(Owner::Standing { .. })));
@@ -1506,7 +1531,7 @@ mod tests {
             slots in 0u32..3,
         ) {
             let mut s = sched_standing(1024, 3, 256, reserve, slots, 64);
-            let mut offered: Vec<(PeerId, u64, RegionHandle, u64)> = Vec::new();
+            let mut offered: Vec<(PeerId, Offer, RegionHandle, u64)> = Vec::new();
             let mut live: Vec<Grant> = Vec::new();
             let mut scattering: Vec<Grant> = Vec::new();
             let mut locals: Vec<RegionHandle> = Vec::new();
@@ -1543,11 +1568,11 @@ mod tests {
                     }
                     // A claim of an offer, live or spent (a stale one fails).
                     7 if !offered.is_empty() => {
-                        let (peer, token, region, len) = offered.swap_remove(pick.index(offered.len()));
+                        let (peer, offer, region, len) = offered.swap_remove(pick.index(offered.len()));
                         next_id += 1;
                         let f = FlowId::write(peer, super::super::RequestId(next_id));
                         let sizes = [bytes % len + 1, bytes % 256 + 1];
-                        if s.add_claimed_flow(Time::ZERO, f.clone(), &sizes, token, region).is_ok() {
+                        if s.add_claimed_flow(Time::ZERO, f.clone(), &sizes, offer, region).is_ok() {
                             live.push(Grant {
                                 flow: f,
                                 credit: Credit { chunk: 0, region, len: sizes[0] },
@@ -1556,7 +1581,7 @@ mod tests {
                     }
                     _ => {}
                 }
-                offered.extend(s.standing_offers(|_| true));
+                offered.extend(s.standing_offers(|_| Some(0)));
                 live.extend(s.schedule());
                 s.check_invariants().map_err(TestCaseError::fail)?;
             }

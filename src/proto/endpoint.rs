@@ -78,11 +78,15 @@ pub struct EndpointConfig {
     pub local_endpoint: Vec<u8>,
     /// First request id (see the module docs).
     pub request_id_base: u64,
-    /// The first standing offer's token; offers count up from it. A
-    /// sender never takes a token at or below one it claimed from that
-    /// receiver, forgetting it or not, so a receiver's next incarnation
-    /// should start above its last (the engine takes the wall clock).
-    pub token_base: u64,
+    /// This endpoint's incarnation: it must differ from every other
+    /// incarnation of the same agent name, and grow from one to the next
+    /// (the engine takes the wall clock). As a receiver, its standing
+    /// offers' tokens count up from it: a sender never takes a token at or
+    /// below one it claimed from that receiver, forgetting it or not. As a
+    /// sender, its WANT_STANDINGs name it: a receiver's offer goes to one
+    /// incarnation, and another under the same name (which cannot know
+    /// what the first claimed) is neither sent it again nor takes it.
+    pub incarnation: u64,
     /// The key peers' WANTs and CANCELs must carry (see
     /// [`super::wire::Handshake::access_key`]); 0 in tests that do not care.
     pub access_key: u64,
@@ -115,7 +119,7 @@ impl EndpointConfig {
             standing_slots: config.standing_credit_peers,
             local_endpoint,
             request_id_base,
-            token_base: request_id_base & (u64::MAX >> 2),
+            incarnation: request_id_base & (u64::MAX >> 2),
             access_key: 0,
         }
     }
@@ -494,7 +498,7 @@ impl Endpoint {
             local_reserve: cfg.local_reserve,
             standing_slots: cfg.standing_slots,
             standing_len: cfg.min_chunk,
-            token_base: cfg.token_base,
+            token_base: cfg.incarnation,
         })?;
         let plan_options = PlanOptions {
             max_chunk_bytes: cfg.max_chunk,
@@ -604,6 +608,13 @@ impl Endpoint {
     /// chunks land in the reader's flow `FlowId::read(us, that id)`).
     pub fn serves_read(&self, id: RequestId) -> Option<RequestId> {
         self.sender.serves(id)
+    }
+
+    /// The standing offer local request `id` claimed, if it did (its
+    /// chunk 0 is written into that slot without a grant), and the
+    /// incarnation it claimed it as.
+    pub fn request_claim(&self, id: RequestId) -> Option<(super::wire::Claim, u64)> {
+        Some((self.sender.claim_of(id)?, self.ctx.cfg.incarnation))
     }
 
     /// Plans a READ from `peer` and starts it: `descriptors` go from the
@@ -842,6 +853,7 @@ impl Endpoint {
                 chunk_sizes,
                 endpoint,
                 standing,
+                incarnation,
                 ..
             } => self.receiver.on_want(
                 &mut self.ctx,
@@ -851,19 +863,36 @@ impl Endpoint {
                 &chunk_sizes,
                 endpoint,
                 standing,
+                incarnation,
             ),
-            Message::Standing { token, region, len } => {
-                self.sender
-                    .on_standing(&mut self.ctx, from, token, region, len)
+            Message::Standing {
+                token,
+                region,
+                len,
+                incarnation,
+            } => {
+                if incarnation == self.ctx.cfg.incarnation {
+                    self.sender
+                        .on_standing(&mut self.ctx, from, token, region, len)
+                } else {
+                    // Offered to another incarnation of this agent's name.
+                    self.ctx.stats.ignored += 1;
+                }
             }
             Message::Cancel {
                 request,
                 endpoint,
                 claim,
+                incarnation,
                 ..
-            } => self
-                .receiver
-                .on_cancel(&mut self.ctx, now, from, request, endpoint, claim),
+            } => self.receiver.on_cancel(
+                &mut self.ctx,
+                now,
+                from,
+                request,
+                endpoint,
+                claim.map(|c| (c, incarnation)),
+            ),
             Message::Data {
                 request,
                 chunk,

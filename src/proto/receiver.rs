@@ -27,7 +27,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::credit::ScatterEnd;
+use super::credit::{Offer, ScatterEnd};
 use super::endpoint::{Action, Ctx};
 use super::wire::{Claim, Credit, Message, RefuseReason, StandingUse};
 use super::{FlowId, FlowKind, PeerId, RegionHandle, RequestId, Run, Runs, Time};
@@ -47,9 +47,10 @@ pub(crate) struct Receiver {
     /// the runs. At most one a slot; taken by the claim, dropped by the
     /// request's CANCEL.
     early: BTreeMap<RegionHandle, (PeerId, RequestId, Runs)>,
-    /// Senders whose last WANT was a WANT_STANDING: only they are sent
-    /// offers (a peer back under the same name as an older build is not).
-    takes_offers: BTreeSet<PeerId>,
+    /// Senders whose last WANT was a WANT_STANDING, and the incarnation it
+    /// named: only they are sent offers (a peer back under the same name
+    /// as an older build is not), each to that incarnation.
+    takes_offers: BTreeMap<PeerId, u64>,
 }
 
 /// [`validate_runs`] for a run list, read as packed copies when it is
@@ -91,6 +92,16 @@ pub(crate) fn validate_runs(runs: &[Run], region_len: u64) -> Result<(), String>
         ));
     }
     Ok(())
+}
+
+/// The STANDING message of `offer` of `region` (`len` bytes).
+fn standing_message(offer: Offer, region: RegionHandle, len: u64) -> Message {
+    Message::Standing {
+        token: offer.token,
+        region,
+        len,
+        incarnation: offer.incarnation,
+    }
 }
 
 /// REFUSE for a WRITE flow, READ_REFUSE for a READ flow.
@@ -146,21 +157,30 @@ impl Receiver {
         chunk_sizes: &[u64],
         endpoint: Vec<u8>,
         standing: StandingUse,
+        incarnation: u64,
     ) {
         self.register_endpoint(ctx, from, endpoint);
         match standing {
             StandingUse::None => self.takes_offers.remove(from),
-            _ => self.takes_offers.insert(from.clone()),
+            _ => self.takes_offers.insert(from.clone(), incarnation),
         };
-        self.add_want(ctx, now, from, request, chunk_sizes, standing);
+        let claim = standing
+            .claim()
+            .map(|Claim { token, region }| (Offer { token, incarnation }, region));
+        self.add_want(ctx, now, from, request, chunk_sizes, claim);
         let serving = ctx.poisoned.is_none() && !ctx.shut_down;
         if serving && standing != StandingUse::None && ctx.sched.assign_standing(from) {
             // A sender that holds none of our offers gets the live one
-            // again (it may have been forgotten there); a new one goes out
-            // with the next schedule.
+            // again (it may have been forgotten there), if it went to this
+            // incarnation: another one under the same name cannot know
+            // whether the first claimed it, and waits until the first's
+            // claim or CANCEL ends it. A new one goes out with the next
+            // schedule.
             if standing == StandingUse::Wanted {
-                if let Some((token, region, len)) = ctx.sched.standing_offer(from) {
-                    ctx.send(from, Message::Standing { token, region, len });
+                if let Some((offer, region, len)) = ctx.sched.standing_offer(from) {
+                    if offer.incarnation == incarnation {
+                        ctx.send(from, standing_message(offer, region, len));
+                    }
                 }
             }
         }
@@ -173,7 +193,7 @@ impl Receiver {
         from: &PeerId,
         request: RequestId,
         chunk_sizes: &[u64],
-        standing: StandingUse,
+        claim: Option<(Offer, RegionHandle)>,
     ) {
         let refuse = if ctx.poisoned.is_some() {
             Some(RefuseReason::Poisoned)
@@ -187,7 +207,6 @@ impl Receiver {
             return;
         }
         let flow = FlowId::write(from.clone(), request);
-        let claim = standing.claim();
         // A claim whose request was cancelled already (its CANCEL came
         // first) was spent by that CANCEL.
         if self.tombstones.contains_key(&flow) || ctx.sched.has_flow(&flow) {
@@ -195,15 +214,15 @@ impl Receiver {
             return;
         }
         let added = match claim {
-            Some(Claim { token, region }) => {
+            Some((offer, region)) => {
                 ctx.sched
-                    .add_claimed_flow(now, flow.clone(), chunk_sizes, token, region)
+                    .add_claimed_flow(now, flow.clone(), chunk_sizes, offer, region)
             }
             None => ctx.sched.add_flow(now, flow.clone(), chunk_sizes),
         };
         match added {
             Ok(()) => {
-                let Some(Claim { region, .. }) = claim else {
+                let Some((_, region)) = claim else {
                     return;
                 };
                 ctx.stats.standing_taken += 1;
@@ -237,18 +256,19 @@ impl Receiver {
         from: &PeerId,
         request: RequestId,
         endpoint: Vec<u8>,
-        claim: Option<Claim>,
+        claim: Option<(Claim, u64)>,
     ) {
         self.register_endpoint(ctx, from, endpoint);
         let flow = FlowId::write(from.clone(), request);
-        // The request claimed an offer, and none of its writes can land
-        // any more. If its claim never made a flow here (it has not come,
-        // it was lost with the connection, or it was refused), the offer
-        // is still live under that token: spent, with a DATA kept for the
-        // claim; the claim, if it comes, finds a tombstone. Otherwise the
-        // slot is the flow's and is freed with it just below.
-        if let Some(Claim { token, region }) = claim {
-            ctx.sched.spend_standing(from, token, region);
+        // The request claimed an offer (its incarnation's), and none of
+        // its writes can land any more. If its claim never made a flow here
+        // (it has not come, it was lost with the connection, or it was
+        // refused), the offer is still live: spent, with a DATA kept for
+        // the claim; the claim, if it comes, finds a tombstone. Otherwise
+        // the slot is the flow's and is freed with it just below.
+        if let Some((Claim { token, region }, incarnation)) = claim {
+            ctx.sched
+                .spend_standing(from, Offer { token, incarnation }, region);
             self.early
                 .retain(|_, (p, r, _)| !(p == from && *r == request));
         }
@@ -400,12 +420,12 @@ impl Receiver {
             return;
         }
         let (known, takes) = (&self.known_peers, &self.takes_offers);
-        for (peer, token, region, len) in ctx
+        for (peer, offer, region, len) in ctx
             .sched
-            .standing_offers(|p| known.contains(p) && takes.contains(p))
+            .standing_offers(|p| takes.get(p).copied().filter(|_| known.contains(p)))
         {
             ctx.stats.standing_offered += 1;
-            ctx.send(&peer, Message::Standing { token, region, len });
+            ctx.send(&peer, standing_message(offer, region, len));
         }
     }
 

@@ -234,6 +234,11 @@ impl Sender {
         self.served.get(&(reader.clone(), request)).copied()
     }
 
+    /// The standing offer request `id` claimed, if any.
+    pub fn claim_of(&self, id: RequestId) -> Option<Claim> {
+        self.requests.get(&id)?.claim
+    }
+
     /// The reader's request id if local request `id` serves a READ.
     pub fn serves(&self, id: RequestId) -> Option<RequestId> {
         self.requests.get(&id)?.serves
@@ -332,6 +337,7 @@ impl Sender {
                 endpoint: ctx.cfg.local_endpoint.clone(),
                 key: ctx.key_for(&req.peer),
                 claim: req.claim,
+                incarnation: req.claim.map_or(0, |_| ctx.cfg.incarnation),
             },
             Some(request) => Message::ReadEnd {
                 request,
@@ -448,6 +454,10 @@ impl Sender {
                 endpoint: ctx.cfg.local_endpoint.clone(),
                 key: ctx.key_for(peer),
                 standing,
+                incarnation: match standing {
+                    StandingUse::None => 0,
+                    _ => ctx.cfg.incarnation,
+                },
             },
         );
         let deadline = deadline.or(ctx.cfg.request_deadline).map(|d| now.after(d));

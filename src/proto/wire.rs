@@ -519,8 +519,8 @@ impl StandingUse {
     fn encoded_len(self) -> usize {
         match self {
             StandingUse::None => 0,
-            StandingUse::Wanted | StandingUse::Held => 1,
-            StandingUse::Claimed { .. } => 17,
+            StandingUse::Wanted | StandingUse::Held => 9,
+            StandingUse::Claimed { .. } => 25,
         }
     }
 }
@@ -578,6 +578,10 @@ pub enum Message {
         /// What the sender does with the receiver's standing credit
         /// (encoded as a WANT_STANDING unless [`StandingUse::None`]).
         standing: StandingUse,
+        /// The sender's incarnation, carried by a WANT_STANDING (0 in a
+        /// plain WANT, which has none): a receiver sends an offer to one
+        /// incarnation of a peer name, and only that one may claim it.
+        incarnation: u64,
     },
     /// Sender -> receiver: retract the flow (encoded as a WANT with no
     /// chunks; as a WANT_STANDING with none when it names a claim). Sent
@@ -593,6 +597,8 @@ pub enum Message {
         /// spent here if that WANT never arrived (or was refused), since
         /// none of the request's writes into the slot can land any more.
         claim: Option<Claim>,
+        /// The sender's incarnation, carried with a claim (0 without one).
+        incarnation: u64,
     },
     /// Receiver -> sender: credits.
     Grant {
@@ -642,6 +648,10 @@ pub enum Message {
         region: RegionHandle,
         /// Its bytes.
         len: u64,
+        /// The incarnation of the sender it is offered to (from its
+        /// WANT_STANDING): another incarnation under the same name, which
+        /// cannot know what the first claimed, does not take it.
+        incarnation: u64,
     },
     /// Reader -> data owner: gather these sources, chunk by chunk, and
     /// write each chunk into the region the reader grants for it.
@@ -709,6 +719,7 @@ impl Message {
             endpoint,
             key,
             claim: None,
+            incarnation: 0,
         }
     }
 
@@ -752,24 +763,33 @@ impl Message {
                 endpoint,
                 key,
                 standing,
+                incarnation,
             } => {
                 encode_want(&mut p, *request, chunk_sizes, endpoint, *key);
-                encode_standing_use(&mut p, *standing);
+                encode_standing_use(&mut p, *standing, *incarnation);
             }
-            Message::Standing { token, region, len } => {
+            Message::Standing {
+                token,
+                region,
+                len,
+                incarnation,
+            } => {
                 p.u64(*token);
                 p.u64(region.0);
                 p.u64(*len);
+                p.u64(*incarnation);
             }
             Message::Cancel {
                 request,
                 endpoint,
                 key,
                 claim,
+                incarnation,
             } => {
                 encode_want(&mut p, *request, &[], endpoint, *key);
                 if let Some(Claim { token, region }) = *claim {
-                    encode_standing_use(&mut p, StandingUse::Claimed { token, region });
+                    let claimed = StandingUse::Claimed { token, region };
+                    encode_standing_use(&mut p, claimed, *incarnation);
                 }
             }
             Message::Grant { request, credits } | Message::ReadGrant { request, credits } => {
@@ -867,10 +887,10 @@ impl Message {
                 standing,
                 ..
             } => 24 + 8 * chunk_sizes.len() + endpoint.len() + standing.encoded_len(),
-            Message::Standing { .. } => 24,
+            Message::Standing { .. } => 32,
             Message::Cancel {
                 endpoint, claim, ..
-            } => 24 + endpoint.len() + if claim.is_some() { 17 } else { 0 },
+            } => 24 + endpoint.len() + if claim.is_some() { 25 } else { 0 },
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
             Message::Data { runs, .. } => 20 + list(runs),
             Message::Read {
@@ -916,6 +936,7 @@ impl Message {
                 token: r.u64("standing token")?,
                 region: RegionHandle(r.u64("region")?),
                 len: r.u64("standing length")?,
+                incarnation: r.u64("incarnation")?,
             },
             MessageType::Grant => {
                 let (request, credits) = decode_grant(&mut r)?;
@@ -1362,9 +1383,14 @@ fn encode_want(p: &mut Writer, request: RequestId, sizes: &[u64], endpoint: &[u8
     p.len_prefixed(endpoint);
 }
 
-/// A WANT_STANDING's trailer: the [`StandingUse`] code (1 wanted, 2 held,
-/// 3 claimed), a claim's token and region.
-fn encode_standing_use(p: &mut Writer, standing: StandingUse) {
+/// A WANT_STANDING's trailer: the sender's incarnation, the [`StandingUse`]
+/// code (1 wanted, 2 held, 3 claimed), a claim's token and region. Nothing
+/// for [`StandingUse::None`] (a plain WANT).
+fn encode_standing_use(p: &mut Writer, standing: StandingUse, incarnation: u64) {
+    if standing == StandingUse::None {
+        return;
+    }
+    p.u64(incarnation);
     match standing {
         StandingUse::None => {}
         StandingUse::Wanted => p.u8(1),
@@ -1395,8 +1421,9 @@ fn decode_standing_use(r: &mut Reader<'_>) -> Result<StandingUse, WireError> {
 }
 
 /// A WANT (or CANCEL, an empty one); a WANT_STANDING (`standing`) carries
-/// its [`StandingUse`] after the WANT's fields, a claim when it is empty
-/// (the CANCEL of a request that claimed an offer).
+/// the sender's incarnation and its [`StandingUse`] after the WANT's
+/// fields, a claim when it is empty (the CANCEL of a request that claimed
+/// an offer).
 fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError> {
     let request = RequestId(r.u64("request id")?);
     let key = r.u64("access key")?;
@@ -1407,9 +1434,12 @@ fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError>
     }
     let elen = r.count("endpoint byte", MAX_ENDPOINT_LEN, 1)?;
     let endpoint = r.take(elen, "endpoint")?.to_vec();
-    let standing = match standing {
-        true => decode_standing_use(r)?,
-        false => StandingUse::None,
+    let (standing, incarnation) = match standing {
+        true => {
+            let incarnation = r.u64("incarnation")?;
+            (decode_standing_use(r)?, incarnation)
+        }
+        false => (StandingUse::None, 0),
     };
     Ok(if chunk_sizes.is_empty() {
         let claim = standing.claim();
@@ -1424,6 +1454,7 @@ fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError>
             endpoint,
             key,
             claim,
+            incarnation,
         }
     } else {
         Message::Want {
@@ -1432,6 +1463,7 @@ fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError>
             endpoint,
             key,
             standing,
+            incarnation,
         }
     })
 }

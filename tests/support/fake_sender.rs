@@ -103,6 +103,7 @@ impl FakeSender {
             endpoint: self.endpoint.as_bytes().to_vec(),
             key: self.key,
             standing: StandingUse::None,
+            incarnation: 0,
         });
         request
     }

@@ -97,7 +97,7 @@ fn cfg(eager: bool) -> EndpointConfig {
         standing_slots: 0,
         local_endpoint: b"ep".to_vec(),
         request_id_base: 100,
-        token_base: 100,
+        incarnation: 100,
     }
 }
 
@@ -931,6 +931,7 @@ fn receiver_with_grant() -> (Endpoint, PeerId, RegionHandle) {
             endpoint: vec![],
             key: 0,
             standing: StandingUse::None,
+            incarnation: 0,
         },
     );
     let acts = drain(&mut rx);
@@ -968,6 +969,7 @@ fn late_data_after_cancel_is_dropped() {
             endpoint: vec![],
             key: 0,
             standing: StandingUse::None,
+            incarnation: 0,
         },
     );
     assert_eq!(rx.flow_count(), 0);
@@ -1126,6 +1128,7 @@ fn stuck_write_poisons_the_arena() {
             endpoint: vec![],
             key: 0,
             standing: StandingUse::None,
+            incarnation: 0,
         },
     );
     assert_eq!(
@@ -1422,7 +1425,7 @@ fn first_write_takes_an_offer(p: &mut Pair) -> (u64, RegionHandle) {
     assert_eq!(offered.len(), 1, "one offer: {offered:?}");
     assert!(matches!(
         p.b.ep.region_owner(offered[0].1),
-        Some(Owner::Standing { token: Some(t) }) if *t == offered[0].0
+        Some(Owner::Standing { offer: Some(o) }) if o.token == offered[0].0
     ));
     assert_eq!(p.b.ep.slot_peer(offered[0].1), Some(&p.a.name));
     p.a.take_sent();
@@ -1642,8 +1645,12 @@ fn standing_claims_survive_reordering() {
     check(&p);
 }
 
-/// A WANT from the sender whose endpoint is `ep`, by hand: request `request`, chunks
-/// `sizes`, `standing` its use of the standing credit.
+/// The incarnation of the senders whose WANTs the tests write by hand.
+const SENDER: u64 = 1;
+
+/// A WANT from the sender whose endpoint is `ep` (incarnation [`SENDER`]),
+/// by hand: request `request`, chunks `sizes`, `standing` its use of the
+/// standing credit.
 fn want_of(request: u64, sizes: &[u64], standing: StandingUse) -> Message {
     Message::Want {
         request: RequestId(request),
@@ -1651,6 +1658,10 @@ fn want_of(request: u64, sizes: &[u64], standing: StandingUse) -> Message {
         endpoint: b"ep".to_vec(),
         key: 0,
         standing,
+        incarnation: match standing {
+            StandingUse::None => 0,
+            _ => SENDER,
+        },
     }
 }
 
@@ -1775,6 +1786,7 @@ fn a_refused_claim_is_spent_by_its_cancel() {
             endpoint: b"ep".to_vec(),
             key: 0,
             claim: claim.claim(),
+            incarnation: SENDER,
         },
     );
     let again = offer_in(&drain(&mut b)).expect("offered anew");
@@ -1824,5 +1836,92 @@ fn a_claim_lost_with_the_connection_is_spent_by_its_cancel() {
     let id = submit_claiming(&mut p, &descs(4, 100), again[0].0, slot);
     p.drive();
     assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    check(&p);
+}
+
+/// A sender restarted under the same name is another incarnation, which
+/// cannot know what the first claimed: the receiver does not send it the
+/// first's live offer again (had it, the first's late CANCEL would spend a
+/// token the second had claimed, and the slot, offered anew, would take a
+/// third write while the second's could still land), and it does not take
+/// an offer meant for the first. The first's claim, lost with the
+/// connection, is spent by its CANCEL, however late; the slot then goes to
+/// the second incarnation, which claims it. Found by review.
+#[test]
+fn a_restarted_sender_is_not_sent_its_last_incarnations_offer() {
+    let mut p = standing_pair();
+    let (token, slot) = first_write_takes_an_offer(&mut p);
+    submit_claiming(&mut p, &descs(4, 100), token, slot);
+    p.gather(A);
+    p.write(A);
+    p.poll();
+    p.b.inbound.clear();
+    let b = p.b.name.clone();
+    p.a.ep.peer_unreachable(p.now, &b);
+    p.poll();
+    let old_cancel =
+        p.b.inbound
+            .pop_back()
+            .expect("the first incarnation's CANCEL");
+    assert!(p.b.inbound.is_empty());
+    p.a.ep = Endpoint::new(EndpointConfig {
+        request_id_base: 5000,
+        incarnation: 200,
+        ..standing_cfg(1)
+    })
+    .unwrap();
+    p.a.ep.set_peer_standing(&b);
+    p.a.take_sent();
+    p.a.take_completed();
+    p.b.take_sent();
+    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert_eq!(wants(&p.a), vec![StandingUse::Wanted]);
+    assert!(
+        offers(&p.b).is_empty(),
+        "not sent the first's offer: {:?}",
+        p.b.sent
+    );
+    // A copy of an offer to the first incarnation, arriving now.
+    let stray = Message::Standing {
+        token,
+        region: slot,
+        len: 512,
+        incarnation: 100,
+    };
+    p.a.inbound.push_back((b.clone(), stray.encode()));
+    p.deliver(A);
+    p.a.take_sent();
+    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert_eq!(
+        wants(&p.a),
+        vec![StandingUse::Wanted],
+        "the stray not taken"
+    );
+    // The first incarnation's CANCEL comes at last: the slot is offered
+    // to the second, which claims it.
+    p.b.take_sent();
+    p.b.inbound.push_back(old_cancel);
+    p.drive();
+    let again = offers(&p.b);
+    assert_eq!(again.len(), 1, "{:?}", p.b.sent);
+    assert!(again[0].0 > token && again[0].1 == slot);
+    assert!(matches!(
+        p.b.sent
+            .iter()
+            .find(|m| matches!(m, Message::Standing { .. })),
+        Some(Message::Standing {
+            incarnation: 200,
+            ..
+        })
+    ));
+    let d = descs(4, 100);
+    let id = submit_claiming(&mut p, &d, again[0].0, slot);
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert!(p.b.holds_copy_of(&p.a, &d));
     check(&p);
 }

@@ -82,14 +82,20 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 endpoint,
                 key: request.0.rotate_left(17),
                 standing,
+                // Carried by a WANT_STANDING only.
+                incarnation: match standing {
+                    StandingUse::None => 0,
+                    _ => request.0 ^ 0x1ca7,
+                },
             }),
-        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(token, region, len)| {
-            Message::Standing {
+        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+            |(token, region, len, incarnation)| Message::Standing {
                 token,
                 region: RegionHandle(region),
                 len,
+                incarnation,
             }
-        }),
+        ),
         (
             rid.clone(),
             proptest::collection::vec(any::<u8>(), 0..40),
@@ -100,6 +106,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 endpoint,
                 key: !request.0,
                 claim: standing.claim(),
+                // Carried with a claim only.
+                incarnation: standing.claim().map_or(0, |_| request.0 >> 3),
             }),
         (
             rid.clone(),
@@ -322,6 +330,7 @@ fn a_cancel_names_its_claim_as_an_empty_want_standing() {
         endpoint: b"ep".to_vec(),
         key: 42,
         claim: Some(claim),
+        incarnation: 77,
     };
     let bytes = c.encode();
     assert_eq!(bytes[6], MessageType::WantStanding as u8);
