@@ -1128,7 +1128,13 @@ impl CreditScheduler {
                 self.eager_bytes, self.eager_cap
             ));
         }
+        let mut assigned = BTreeSet::new();
         for (off, peer) in &self.slots {
+            if let Some(p) = peer {
+                if !assigned.insert(p) {
+                    return Err(format!("{p} is assigned a second standing slot, {off:#x}"));
+                }
+            }
             match self.regions.get(off).map(|e| &e.owner) {
                 Some(Owner::Standing { offer: Some(_) }) if peer.is_none() => {
                     return Err(format!("standing slot {off:#x} offered to no peer"))
