@@ -401,6 +401,53 @@ fn the_next_writes_take_the_receivers_standing_credit() {
     }
 }
 
+/// A sender that goes away and comes back under the same name (a restart:
+/// its engine dropped, a new one made) gives back, as it shuts down, the
+/// standing credit it held and never claimed; the receiver's one slot
+/// leaves it, and the new incarnation (a new control endpoint, so a new
+/// peer to the receiver) is offered it: its second WRITE claims. Without
+/// the give-back the slot would stay the last incarnation's for the
+/// receiver's life (a slot never changes peers while one may write into
+/// it), and the new one would be offered nothing.
+#[test]
+#[serial_test::serial]
+fn a_restarted_sender_is_offered_the_slot_its_last_incarnation_gave_back() {
+    if !ready("BOUNCE") {
+        return;
+    }
+    let ex = [LOOPBACK, ("standing_credit_peers", "1")];
+    let mut b = endpoint("rs-b", &ex, len(), 71, ThreadSync::Default);
+    let name = unique_name("rs-a");
+    for incarnation in 0..2u64 {
+        let node = node_with(&name, &ex, ThreadSync::Default).or_fail("create rs-a");
+        let buf = DramBuffer::with_pattern(len(), 72 + incarnation);
+        let reg = node.register(&buf).or_fail("register rs-a's buffer");
+        let mut a = Endpoint {
+            reg: Some(reg),
+            buf,
+            node,
+        };
+        pair_up(&a.node, &b.node);
+        for (i, claimed) in [0, 1].into_iter().enumerate() {
+            let s = 7000 + 10 * incarnation + i as u64;
+            let plan = Plan::standard(1024, BLOCK, s);
+            let (_, sa, ea) = write_plan(&mut a, &mut b, &plan, (s, s + 1));
+            assert_eq!(
+                ea.since(&sa, "bounce_standing_claimed"),
+                claimed,
+                "incarnation {incarnation}, WRITE {i}"
+            );
+        }
+        drop(a);
+        // The give-back reaches the receiver before it forgets the sender.
+        std::thread::sleep(Duration::from_millis(200));
+        b.node
+            .agent
+            .invalidate_remote_md(&name)
+            .unwrap_or_else(|e| panic!("rs-b forgets {name}: {e:?}"));
+    }
+}
+
 /// Threads of this process whose name starts with `prefix` (Linux keeps
 /// 15 bytes of a thread's name).
 fn threads_named(prefix: &str) -> usize {

@@ -66,7 +66,9 @@
 //! returns to its peer, to be offered again. A slot never changes peers:
 //! whatever a peer may still write into it, only that peer's own flows ever
 //! read it, so forgetting a peer (which cannot prove its writes ended) never
-//! hands its slot to another. Taken only where the largest chunk still fits
+//! hands its slot to another. Only a peer that gives its live offer back
+//! ([`CreditScheduler::return_standing`], as it shuts down) frees its slot
+//! for another. Taken only where the largest chunk still fits
 //! the rest of the arena, so drain mode still ends.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -435,6 +437,22 @@ impl CreditScheduler {
             }
             _ => false,
         }
+    }
+
+    /// `peer` gives back its `offer` of `region`, held and never claimed:
+    /// while an offer of a slot is live none of its peer's writes can land
+    /// there (the slot is offered only once free, its last claim's writes
+    /// ended), and this one will not be claimed, so the slot leaves its
+    /// peer and may be assigned to any ([`CreditScheduler::assign_standing`]).
+    /// Returns whether it was that live offer.
+    pub fn return_standing(&mut self, peer: &PeerId, offer: Offer, region: RegionHandle) -> bool {
+        if !self.spend_standing(peer, offer, region) {
+            return false;
+        }
+        if let Some(slot) = self.slots.get_mut(&region.0) {
+            *slot = None;
+        }
+        true
     }
 
     /// Whether `region` is `peer`'s slot, live under `offer`.

@@ -879,6 +879,16 @@ impl Endpoint {
                     self.ctx.stats.ignored += 1;
                 }
             }
+            Message::Return { key, .. } if key != self.ctx.cfg.access_key => {
+                // Only a sender that was offered the slot has the key.
+                self.ctx.stats.unauthorized += 1;
+                tracing::warn!(target: "nixl_bounce::proto", "a standing offer given back by {from} with a wrong access key: ignored");
+            }
+            Message::Return {
+                offer, incarnation, ..
+            } => self
+                .receiver
+                .on_return(&mut self.ctx, from, offer, incarnation),
             Message::Cancel {
                 request,
                 endpoint,
@@ -1143,6 +1153,8 @@ impl Endpoint {
     /// ([`FailureReason::PeerLost`]) and reclaim its flows. Its access key
     /// goes too (the application loads it again to send to it).
     pub fn forget_peer(&mut self, now: Time, peer: &PeerId) {
+        // Before its key goes: the give-back carries it.
+        self.sender.return_standing_to(&mut self.ctx, peer);
         self.ctx.peer_keys.remove(peer);
         self.ctx.standing_peers.remove(peer);
         self.reads.peer_data_paths.remove(peer);
@@ -1254,6 +1266,7 @@ impl Endpoint {
     pub fn shutdown(&mut self, now: Time) {
         if !self.ctx.shut_down {
             self.ctx.shut_down = true;
+            self.sender.return_standing(&mut self.ctx);
             self.sender.fail_all(&mut self.ctx, FailureReason::Shutdown);
             self.reads.fail_all(&mut self.ctx, FailureReason::Shutdown);
             self.receiver

@@ -413,6 +413,19 @@ impl Receiver {
         }
     }
 
+    /// A sender's incarnation gives back the offer it held and never
+    /// claimed, and takes no more: the slot leaves the peer, to be
+    /// assigned to the next sender that asks (the peer's next incarnation
+    /// among them).
+    pub fn on_return(&mut self, ctx: &mut Ctx, from: &PeerId, offer: Claim, incarnation: u64) {
+        if self.takes_offers.get(from) == Some(&incarnation) {
+            self.takes_offers.remove(from);
+        }
+        let Claim { token, region } = offer;
+        ctx.sched
+            .return_standing(from, Offer { token, incarnation }, region);
+    }
+
     /// Offers each free standing slot of a peer whose endpoint we have
     /// under a new token.
     fn offer_standing(&mut self, ctx: &mut Ctx) {

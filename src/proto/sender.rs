@@ -124,8 +124,9 @@ pub(crate) struct Sender {
     /// The standing credit held from each receiver: one region its next
     /// request's first chunk may be written into at once.
     standing: BTreeMap<PeerId, Standing>,
-    /// The largest token claimed from each receiver: an offer at or below
-    /// it is one already used (a re-sent offer that crossed the claim).
+    /// The largest token claimed from (or given back to) each receiver: an
+    /// offer at or below it is one already used (a re-sent offer that
+    /// crossed the claim or the give-back).
     /// Kept when the receiver is forgotten (a copy may arrive after it is
     /// loaded again); one entry a receiver ever sent to.
     claimed: BTreeMap<PeerId, u64>,
@@ -1067,13 +1068,45 @@ impl Sender {
         }
     }
 
-    /// Fails every live request to `peer` with `reason`.
+    /// Gives back every standing credit held and never claimed (this
+    /// incarnation is shutting down; [`Sender::return_standing_to`]).
+    pub fn return_standing(&mut self, ctx: &mut Ctx) {
+        let peers: Vec<PeerId> = self.standing.keys().cloned().collect();
+        for peer in peers {
+            self.return_standing_to(ctx, &peer);
+        }
+    }
+
+    /// Gives back the standing credit held from `peer`, never claimed
+    /// (this agent forgets `peer` or shuts down): while it was held none
+    /// of this agent's writes could land in its slot, so the receiver may
+    /// assign the slot to any sender at once ([`Message::Return`]).
+    pub fn return_standing_to(&mut self, ctx: &mut Ctx, peer: &PeerId) {
+        let Some(s) = self.standing.remove(peer) else {
+            return;
+        };
+        // Never taken again: a copy re-sent before the give-back may still
+        // come, and the slot may be another sender's by then.
+        let floor = self.claimed.entry(peer.clone()).or_default();
+        *floor = (*floor).max(s.token);
+        let message = Message::Return {
+            key: ctx.key_for(peer),
+            offer: Claim {
+                token: s.token,
+                region: s.region,
+            },
+            incarnation: ctx.cfg.incarnation,
+        };
+        ctx.send(peer, message);
+    }
+
     /// Drops the standing credit held from `peer` (its receiver keeps the
     /// offer and sends it again to a WANT that says none is held).
     pub fn drop_standing(&mut self, peer: &PeerId) {
         self.standing.remove(peer);
     }
 
+    /// Fails every live request to `peer` with `reason`.
     pub fn fail_peer(&mut self, ctx: &mut Ctx, peer: &PeerId, reason: FailureReason) {
         let ids: Vec<RequestId> = self
             .requests
@@ -1088,8 +1121,10 @@ impl Sender {
 
     pub fn forget_peer(&mut self, ctx: &mut Ctx, peer: &PeerId) {
         self.reader_paths.remove(peer);
-        // The offer goes; the tokens claimed stay: a copy of a claimed
-        // offer may still be on its way, and the peer may be loaded again.
+        // The offer goes (given back first by the endpoint, while the
+        // peer's key is known); the tokens claimed stay: a copy of a
+        // claimed offer may still be on its way, and the peer may be
+        // loaded again.
         self.standing.remove(peer);
         self.fail_peer(ctx, peer, FailureReason::PeerLost);
         for r in self.requests.values_mut().filter(|r| r.peer == *peer) {

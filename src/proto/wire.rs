@@ -494,6 +494,14 @@ pub enum StandingUse {
         /// The offered region.
         region: RegionHandle,
     },
+    /// Only in [`Message::Return`] (a WANT_STANDING with no chunks): the
+    /// offer `token` of `region`, held and never claimed, is given back.
+    Returned {
+        /// The offer's token.
+        token: u64,
+        /// The offered region.
+        region: RegionHandle,
+    },
 }
 
 /// A standing offer a request claimed ([`StandingUse::Claimed`]),
@@ -520,7 +528,7 @@ impl StandingUse {
         match self {
             StandingUse::None => 0,
             StandingUse::Wanted | StandingUse::Held => 9,
-            StandingUse::Claimed { .. } => 25,
+            StandingUse::Claimed { .. } | StandingUse::Returned { .. } => 25,
         }
     }
 }
@@ -598,6 +606,20 @@ pub enum Message {
         /// none of the request's writes into the slot can land any more.
         claim: Option<Claim>,
         /// The sender's incarnation, carried with a claim (0 without one).
+        incarnation: u64,
+    },
+    /// Sender -> receiver: this incarnation gives back the standing offer
+    /// it holds and never claimed (it is shutting down), and takes no more
+    /// (encoded as a WANT_STANDING with no chunks, request 0, use 4). The
+    /// receiver may offer the slot to the sender's next incarnation at
+    /// once: nothing was written into it. No reply goes to it (its
+    /// endpoint is sent empty).
+    Return {
+        /// The receiver's access key.
+        key: u64,
+        /// The offer given back.
+        offer: Claim,
+        /// The sender's incarnation (the one the offer went to).
         incarnation: u64,
     },
     /// Receiver -> sender: credits.
@@ -731,7 +753,9 @@ impl Message {
                 ..
             }
             | Message::Cancel { claim: None, .. } => MessageType::Want,
-            Message::Want { .. } | Message::Cancel { .. } => MessageType::WantStanding,
+            Message::Want { .. } | Message::Cancel { .. } | Message::Return { .. } => {
+                MessageType::WantStanding
+            }
             Message::Standing { .. } => MessageType::Standing,
             Message::Grant { .. } => MessageType::Grant,
             Message::Data { .. } => MessageType::Data,
@@ -791,6 +815,18 @@ impl Message {
                     let claimed = StandingUse::Claimed { token, region };
                     encode_standing_use(&mut p, claimed, *incarnation);
                 }
+            }
+            Message::Return {
+                key,
+                offer,
+                incarnation,
+            } => {
+                encode_want(&mut p, RequestId(0), &[], &[], *key);
+                let returned = StandingUse::Returned {
+                    token: offer.token,
+                    region: offer.region,
+                };
+                encode_standing_use(&mut p, returned, *incarnation);
             }
             Message::Grant { request, credits } | Message::ReadGrant { request, credits } => {
                 encode_grant(&mut p, *request, credits)
@@ -891,6 +927,7 @@ impl Message {
             Message::Cancel {
                 endpoint, claim, ..
             } => 24 + endpoint.len() + if claim.is_some() { 25 } else { 0 },
+            Message::Return { .. } => 24 + 25,
             Message::Grant { credits, .. } => 12 + 20 * credits.len(),
             Message::Data { runs, .. } => 20 + list(runs),
             Message::Read {
@@ -1400,6 +1437,11 @@ fn encode_standing_use(p: &mut Writer, standing: StandingUse, incarnation: u64) 
             p.u64(token);
             p.u64(region.0);
         }
+        StandingUse::Returned { token, region } => {
+            p.u8(4);
+            p.u64(token);
+            p.u64(region.0);
+        }
     }
 }
 
@@ -1411,10 +1453,14 @@ fn decode_standing_use(r: &mut Reader<'_>) -> Result<StandingUse, WireError> {
             token: r.u64("standing token")?,
             region: RegionHandle(r.u64("standing region")?),
         },
+        4 => StandingUse::Returned {
+            token: r.u64("standing token")?,
+            region: RegionHandle(r.u64("standing region")?),
+        },
         other => {
             return Err(WireError::Invalid {
                 what: "standing use",
-                why: format!("{other} is not 1 (wanted), 2 (held) or 3 (claimed)"),
+                why: format!("{other} is not 1 (wanted), 2 (held), 3 (claimed) or 4 (returned)"),
             })
         }
     })
@@ -1442,6 +1488,13 @@ fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError>
         false => (StandingUse::None, 0),
     };
     Ok(if chunk_sizes.is_empty() {
+        if let StandingUse::Returned { token, region } = standing {
+            return Ok(Message::Return {
+                key,
+                offer: Claim { token, region },
+                incarnation,
+            });
+        }
         let claim = standing.claim();
         if standing != StandingUse::None && claim.is_none() {
             return Err(WireError::Invalid {
@@ -1457,6 +1510,12 @@ fn decode_want(r: &mut Reader<'_>, standing: bool) -> Result<Message, WireError>
             incarnation,
         }
     } else {
+        if matches!(standing, StandingUse::Returned { .. }) {
+            return Err(WireError::Invalid {
+                what: "WANT_STANDING",
+                why: "chunks with an offer given back (4), which only an empty one carries".into(),
+            });
+        }
         Message::Want {
             request,
             chunk_sizes,

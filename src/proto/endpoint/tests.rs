@@ -8,7 +8,7 @@ use crate::proto::driver::{
     Gather, Pair,
     Side::{A, B},
 };
-use crate::proto::wire::{Credit, RefuseReason, StandingUse};
+use crate::proto::wire::{Claim, Credit, RefuseReason, StandingUse};
 
 /// Copy launches wait behind every other action (each line in its
 /// order); with `launches_last` off, one line in the order of arrival.
@@ -1923,5 +1923,131 @@ fn a_restarted_sender_is_not_sent_its_last_incarnations_offer() {
     p.drive();
     assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
     assert!(p.b.holds_copy_of(&p.a, &d));
+    check(&p);
+}
+
+/// A sender shutting down gives back the offer it holds and never
+/// claimed: the receiver spends it and offers the slot to the sender's
+/// next incarnation, whose next WRITE claims it. A give-back naming
+/// another incarnation spends nothing.
+#[test]
+fn a_sender_shutting_down_gives_its_offer_back() {
+    let mut p = standing_pair();
+    let (token, slot) = first_write_takes_an_offer(&mut p);
+    let b = p.b.name.clone();
+    // A stray give-back from another incarnation: ignored.
+    let stray = Message::Return {
+        key: 0,
+        offer: Claim {
+            token,
+            region: slot,
+        },
+        incarnation: 7,
+    };
+    p.b.inbound.push_back((p.a.name.clone(), stray.encode()));
+    p.deliver(B);
+    assert!(matches!(
+        p.b.ep.region_owner(slot),
+        Some(Owner::Standing { offer: Some(o) }) if o.token == token
+    ));
+    p.a.ep.shutdown(p.now);
+    p.poll();
+    assert!(
+        matches!(&p.a.sent[..], [Message::Return { offer, .. }] if offer.token == token && offer.region == slot),
+        "{:?}",
+        p.a.sent
+    );
+    p.deliver(B);
+    assert!(
+        offers(&p.b).is_empty(),
+        "not offered to the incarnation that left"
+    );
+    assert!(matches!(
+        p.b.ep.region_owner(slot),
+        Some(Owner::Standing { offer: None })
+    ));
+    p.a.ep = Endpoint::new(EndpointConfig {
+        request_id_base: 5000,
+        incarnation: 200,
+        ..standing_cfg(1)
+    })
+    .unwrap();
+    p.a.ep.set_peer_standing(&b);
+    p.a.take_sent();
+    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    let again = offers(&p.b);
+    assert_eq!(
+        again.len(),
+        1,
+        "offered to the next incarnation: {:?}",
+        p.b.sent
+    );
+    assert!(again[0].0 > token && again[0].1 == slot);
+    let d = descs(4, 100);
+    let id = submit_claiming(&mut p, &d, again[0].0, slot);
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert!(p.b.holds_copy_of(&p.a, &d));
+    check(&p);
+}
+
+/// A sender that forgets its receiver gives back the offer it holds (the
+/// slot leaves it, free for any sender) and never takes that token again:
+/// a copy of the offer re-sent before the give-back and arriving after
+/// the receiver is loaded again is ignored (the slot may be another
+/// sender's by then); the pair's next WANT asks anew and is offered a
+/// newer token.
+#[test]
+fn a_forgetting_sender_gives_its_offer_back_and_never_takes_it_again() {
+    let mut p = standing_pair();
+    for _ in 0..2 {
+        p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    }
+    p.poll();
+    p.deliver(B);
+    let sent = offers(&p.b);
+    assert_eq!(sent.len(), 2, "offered, then offered again");
+    let (token, slot) = sent[0];
+    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
+    let copy = to_a
+        .iter()
+        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
+        .unwrap();
+    let late = to_a.remove(copy);
+    p.a.inbound.extend(to_a);
+    p.drive();
+    p.a.take_completed();
+    p.a.take_sent();
+    let b = p.b.name.clone();
+    p.a.ep.forget_peer(p.now, &b);
+    p.poll();
+    assert!(
+        matches!(&p.a.sent[..], [Message::Return { offer, .. }] if offer.token == token && offer.region == slot),
+        "{:?}",
+        p.a.sent
+    );
+    p.deliver(B);
+    assert_eq!(p.b.ep.slot_peer(slot), None, "the slot left A");
+    p.a.ep.set_peer_standing(&b);
+    p.a.inbound.push_back(late);
+    p.deliver(A);
+    p.a.take_sent();
+    p.b.take_sent();
+    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert_eq!(
+        wants(&p.a),
+        vec![StandingUse::Wanted],
+        "the late copy not taken"
+    );
+    let again = offers(&p.b);
+    assert_eq!(again.len(), 1, "{:?}", p.b.sent);
+    assert!(again[0].0 > token);
+    let id = submit_claiming(&mut p, &descs(4, 100), again[0].0, again[0].1);
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
     check(&p);
 }

@@ -109,6 +109,16 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 // Carried with a claim only.
                 incarnation: standing.claim().map_or(0, |_| request.0 >> 3),
             }),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(token, region, incarnation)| {
+            Message::Return {
+                key: token.rotate_left(5),
+                offer: Claim {
+                    token,
+                    region: RegionHandle(region),
+                },
+                incarnation,
+            }
+        }),
         (
             rid.clone(),
             proptest::collection::vec((any::<u32>(), any::<u64>(), any::<u64>()), 1..10)
@@ -342,6 +352,42 @@ fn a_cancel_names_its_claim_as_an_empty_want_standing() {
     wanted[8..12].copy_from_slice(&len.to_le_bytes());
     assert!(matches!(
         Message::decode(&wanted),
+        Err(WireError::Invalid {
+            what: "WANT_STANDING",
+            ..
+        })
+    ));
+}
+
+/// An offer given back is an empty WANT_STANDING (use 4); a WANT with
+/// chunks that says so is no message.
+#[test]
+fn an_offer_given_back_is_an_empty_want_standing() {
+    let offer = Claim {
+        token: 9,
+        region: RegionHandle(4096),
+    };
+    let back = Message::Return {
+        key: 42,
+        offer,
+        incarnation: 77,
+    };
+    let bytes = back.encode();
+    assert_eq!(bytes[6], MessageType::WantStanding as u8);
+    assert_eq!(Message::decode(&bytes).unwrap(), back);
+    let want = Message::Want {
+        request: RequestId(5),
+        chunk_sizes: vec![64],
+        endpoint: b"ep".to_vec(),
+        key: 42,
+        standing: StandingUse::Returned {
+            token: 9,
+            region: RegionHandle(4096),
+        },
+        incarnation: 77,
+    };
+    assert!(matches!(
+        Message::decode(&want.encode()),
         Err(WireError::Invalid {
             what: "WANT_STANDING",
             ..
