@@ -1270,7 +1270,8 @@ mod tests {
     /// Standing slots are taken only while the largest chunk keeps a
     /// block of its own; a claimed slot is chunk 0 of its flow, comes back
     /// to its peer (never to the allocator) when freed, and is offered
-    /// again under a larger token; a slot never changes peers.
+    /// again under a larger token; a slot never changes peers (unless
+    /// given back, `standing_slots_given_back_serve_another`).
     #[test]
     fn standing_slots_serve_one_peer_each() {
         // 1024 bytes, the reserve 256 at 0: slots of 128 at 256, 384, 512
@@ -1336,6 +1337,40 @@ mod tests {
         // Where the largest chunk is half the arena beside a reserve, none.
         let s = sched_standing(1024, 2, 512, true, 4, 64);
         assert_eq!(s.held_bytes().standing, 0);
+    }
+
+    /// A slot whose live offer its peer gives back (held, never claimed)
+    /// leaves that peer and serves the next that asks; a give-back of an
+    /// offer that is not the live one (another token or incarnation)
+    /// changes nothing.
+    #[test]
+    fn standing_slots_given_back_serve_another() {
+        let mut s = sched_standing(1024, 2, 256, true, 1, 128);
+        let (a, b) = (PeerId::new("a"), PeerId::new("b"));
+        assert!(s.assign_standing(&a));
+        let (_, offer, region, _) = s.standing_offers(|_| Some(7))[0].clone();
+        assert!(!s.assign_standing(&b), "one slot, a's");
+        for stale in [
+            Offer {
+                token: offer.token + 1,
+                ..offer
+            },
+            Offer {
+                incarnation: 8,
+                ..offer
+            },
+        ] {
+            assert!(!s.return_standing(&a, stale, region));
+        }
+        assert!(!s.return_standing(&b, offer, region), "not b's to give");
+        assert!(s.return_standing(&a, offer, region));
+        assert_eq!(s.slot_peer(region), None);
+        assert!(s.assign_standing(&b));
+        assert_eq!(s.slot_peer(region), Some(&b));
+        let to_b = s.standing_offers(|_| Some(9));
+        assert_eq!(to_b.len(), 1);
+        assert!(to_b[0].1.token > offer.token && to_b[0].2 == region);
+        s.check_invariants().unwrap();
     }
 
     fn names(gs: &[Grant]) -> Vec<String> {
