@@ -77,7 +77,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use super::buddy::BuddyAllocator;
-use super::wire::Credit;
+use super::wire::{Claim, Credit};
 use super::{FlowId, PeerId, RegionHandle, Time};
 
 /// Scheduler construction parameters.
@@ -169,6 +169,15 @@ pub struct Offer {
     pub token: u64,
     /// The sender's incarnation ([`super::wire::Message::Want`]).
     pub incarnation: u64,
+}
+
+impl Offer {
+    /// The offer `claim` names, as sender incarnation `incarnation` names
+    /// it (in a claim, a CANCEL or a give-back), and its slot.
+    pub fn named(claim: Claim, incarnation: u64) -> (Offer, RegionHandle) {
+        let Claim { token, region } = claim;
+        (Offer { token, incarnation }, region)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -1290,16 +1299,7 @@ mod tests {
         // A claim with another token, by another incarnation, or with a
         // first chunk too large, fails.
         let f = flow("a", 1);
-        for other in [
-            Offer {
-                token: offer.token + 1,
-                ..offer
-            },
-            Offer {
-                incarnation: 8,
-                ..offer
-            },
-        ] {
+        for other in others_than(offer) {
             assert!(s
                 .add_claimed_flow(Time::ZERO, f.clone(), &[64], other, region)
                 .is_err());
@@ -1350,16 +1350,7 @@ mod tests {
         assert!(s.assign_standing(&a));
         let (_, offer, region, _) = s.standing_offers(|_| Some(7))[0].clone();
         assert!(!s.assign_standing(&b), "one slot, a's");
-        for stale in [
-            Offer {
-                token: offer.token + 1,
-                ..offer
-            },
-            Offer {
-                incarnation: 8,
-                ..offer
-            },
-        ] {
+        for stale in others_than(offer) {
             assert!(!s.return_standing(&a, stale, region));
         }
         assert!(!s.return_standing(&b, offer, region), "not b's to give");
@@ -1371,6 +1362,20 @@ mod tests {
         assert_eq!(to_b.len(), 1);
         assert!(to_b[0].1.token > offer.token && to_b[0].2 == region);
         s.check_invariants().unwrap();
+    }
+
+    /// Offers that are not `offer`: another token, another incarnation.
+    fn others_than(offer: Offer) -> [Offer; 2] {
+        [
+            Offer {
+                token: offer.token + 1,
+                ..offer
+            },
+            Offer {
+                incarnation: offer.incarnation + 1,
+                ..offer
+            },
+        ]
     }
 
     fn names(gs: &[Grant]) -> Vec<String> {

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::credit::{CreditScheduler, HeldBytes, Owner, SchedError, SchedulerParams};
+use super::credit::{CreditScheduler, HeldBytes, Offer, Owner, SchedError, SchedulerParams};
 use super::plan::{self, Descriptor, Plan, PlanError, PlanOptions};
 use super::read::{self, Ending, OwnerBook, Reads, SourceCheck};
 use super::receiver::Receiver;
@@ -559,8 +559,8 @@ impl Endpoint {
         self.ctx.sched.owner(region)
     }
 
-    /// The peer `region`, a standing slot, is assigned to (for the
-    /// scheduler's life), if it is one and assigned.
+    /// The peer `region`, a standing slot, is assigned to (until that
+    /// peer gives it back), if it is one and assigned.
     pub fn slot_peer(&self, region: RegionHandle) -> Option<&PeerId> {
         self.ctx.sched.slot_peer(region)
     }
@@ -886,9 +886,10 @@ impl Endpoint {
             }
             Message::Return {
                 offer, incarnation, ..
-            } => self
-                .receiver
-                .on_return(&mut self.ctx, from, offer, incarnation),
+            } => {
+                let (offer, region) = Offer::named(offer, incarnation);
+                self.receiver.on_return(&mut self.ctx, from, offer, region)
+            }
             Message::Cancel {
                 request,
                 endpoint,
@@ -901,7 +902,7 @@ impl Endpoint {
                 from,
                 request,
                 endpoint,
-                claim.map(|c| (c, incarnation)),
+                claim.map(|c| Offer::named(c, incarnation)),
             ),
             Message::Data {
                 request,

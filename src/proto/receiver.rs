@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::credit::{Offer, ScatterEnd};
 use super::endpoint::{Action, Ctx};
-use super::wire::{Claim, Credit, Message, RefuseReason, StandingUse};
+use super::wire::{Credit, Message, RefuseReason, StandingUse};
 use super::{FlowId, FlowKind, PeerId, RegionHandle, RequestId, Run, Runs, Time};
 
 /// Upper bound on the copies one DATA may expand to.
@@ -164,9 +164,7 @@ impl Receiver {
             StandingUse::None => self.takes_offers.remove(from),
             _ => self.takes_offers.insert(from.clone(), incarnation),
         };
-        let claim = standing
-            .claim()
-            .map(|Claim { token, region }| (Offer { token, incarnation }, region));
+        let claim = standing.claim().map(|c| Offer::named(c, incarnation));
         self.add_want(ctx, now, from, request, chunk_sizes, claim);
         let serving = ctx.poisoned.is_none() && !ctx.shut_down;
         if serving && standing != StandingUse::None && ctx.sched.assign_standing(from) {
@@ -256,7 +254,7 @@ impl Receiver {
         from: &PeerId,
         request: RequestId,
         endpoint: Vec<u8>,
-        claim: Option<(Claim, u64)>,
+        claim: Option<(Offer, RegionHandle)>,
     ) {
         self.register_endpoint(ctx, from, endpoint);
         let flow = FlowId::write(from.clone(), request);
@@ -266,9 +264,8 @@ impl Receiver {
         // refused), the offer is still live: spent, with a DATA kept for
         // the claim; the claim, if it comes, finds a tombstone. Otherwise
         // the slot is the flow's and is freed with it just below.
-        if let Some((Claim { token, region }, incarnation)) = claim {
-            ctx.sched
-                .spend_standing(from, Offer { token, incarnation }, region);
+        if let Some((offer, region)) = claim {
+            ctx.sched.spend_standing(from, offer, region);
             self.early
                 .retain(|_, (p, r, _)| !(p == from && *r == request));
         }
@@ -417,13 +414,11 @@ impl Receiver {
     /// claimed, and takes no more: the slot leaves the peer, to be
     /// assigned to the next sender that asks (the peer's next incarnation
     /// among them).
-    pub fn on_return(&mut self, ctx: &mut Ctx, from: &PeerId, offer: Claim, incarnation: u64) {
-        if self.takes_offers.get(from) == Some(&incarnation) {
+    pub fn on_return(&mut self, ctx: &mut Ctx, from: &PeerId, offer: Offer, region: RegionHandle) {
+        if self.takes_offers.get(from) == Some(&offer.incarnation) {
             self.takes_offers.remove(from);
         }
-        let Claim { token, region } = offer;
-        ctx.sched
-            .return_standing(from, Offer { token, incarnation }, region);
+        ctx.sched.return_standing(from, offer, region);
     }
 
     /// Offers each free standing slot of a peer whose endpoint we have

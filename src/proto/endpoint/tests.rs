@@ -1592,9 +1592,7 @@ fn standing_claims_survive_reordering() {
     p.b.inbound.extend(inbound);
     p.b.take_sent();
     p.deliver(B);
-    let again = offers(&p.b);
-    assert_eq!(again.len(), 1, "the spent offer renewed: {:?}", p.b.sent);
-    assert!(again[0].0 > token2 && again[0].1 == slot2);
+    renewed_offer(&p, token2, slot2, "the spent offer renewed");
     assert_eq!(p.b.memory.mem, before);
     p.drive();
     assert_eq!(p.b.ep.flow_count(), 0);
@@ -1603,27 +1601,13 @@ fn standing_claims_survive_reordering() {
     // An offer re-sent before the claim, arriving after it.
     let mut p = standing_pair();
     let _ = (token, slot);
-    let first = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
-    let second = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
-    p.poll();
-    assert_eq!(wants(&p.a), vec![StandingUse::Wanted; 2]);
-    p.deliver(B);
-    let sent = offers(&p.b);
-    assert_eq!(sent.len(), 2, "offered, then offered again: {:?}", p.b.sent);
-    assert_eq!(sent[0], sent[1]);
+    let ([first, second], (token, _), late) = offered_twice_one_copy_held(&mut p);
     // A takes the first offer, claims it, then reads the second copy.
-    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
-    let copy = to_a
-        .iter()
-        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
-        .unwrap();
-    let late = to_a.remove(copy);
-    p.a.inbound.extend(to_a);
     p.deliver(A);
     p.a.take_sent();
     let third = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
     p.poll();
-    assert!(matches!(wants(&p.a)[..], [StandingUse::Claimed { token, .. }] if token == sent[0].0));
+    assert!(matches!(wants(&p.a)[..], [StandingUse::Claimed { token: t, .. }] if t == token));
     p.a.inbound.push_back(late);
     p.deliver(A);
     p.a.take_sent();
@@ -1643,6 +1627,91 @@ fn standing_claims_survive_reordering() {
         .collect();
     assert_eq!(done, want);
     check(&p);
+}
+
+/// `A` restarted: a new endpoint under the same name, another incarnation
+/// (200), that knows `B` offers standing credits.
+fn restart_a(p: &mut Pair) {
+    p.a.ep = Endpoint::new(EndpointConfig {
+        request_id_base: 5000,
+        incarnation: 200,
+        ..standing_cfg(1)
+    })
+    .unwrap();
+    let b = p.b.name.clone();
+    p.a.ep.set_peer_standing(&b);
+}
+
+/// A WRITE from `A` that claims `B`'s offer `token` of `slot` completes,
+/// byte-exact, and both arenas end whole.
+fn claim_to_the_end(p: &mut Pair, token: u64, slot: RegionHandle) {
+    let d = descs(4, 100);
+    let id = submit_claiming(p, &d, token, slot);
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert!(p.b.holds_copy_of(&p.a, &d));
+    check(p);
+}
+
+/// `B`'s one offer since its sent messages were last taken: of `slot`,
+/// under a token above `token` (`why` says what renewed it). Returns that
+/// token.
+fn renewed_offer(p: &Pair, token: u64, slot: RegionHandle, why: &str) -> u64 {
+    let again = offers(&p.b);
+    assert_eq!(again.len(), 1, "{why}: {:?}", p.b.sent);
+    assert!(again[0].0 > token && again[0].1 == slot, "{why}: {again:?}");
+    again[0].0
+}
+
+/// An offer `A` must not take (`what` names it), delivered now: `A`'s
+/// next WRITE completes asking for an offer, not claiming that one.
+fn not_taken(p: &mut Pair, offer: Inbound, what: &str) {
+    p.a.inbound.push_back(offer);
+    p.deliver(A);
+    p.a.take_sent();
+    let b = p.b.name.clone();
+    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
+    p.drive();
+    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
+    assert_eq!(wants(&p.a), vec![StandingUse::Wanted], "{what} not taken");
+}
+
+/// `A`, forgetting `B` or shutting down, sends `B` one message: the give-back
+/// of offer `token` of `slot`; `B` reads it.
+fn gives_back(p: &mut Pair, token: u64, slot: RegionHandle) {
+    p.poll();
+    assert!(
+        matches!(&p.a.sent[..], [Message::Return { offer, .. }] if offer.token == token && offer.region == slot),
+        "{:?}",
+        p.a.sent
+    );
+    p.deliver(B);
+}
+
+/// A message waiting in a node's inbound queue: (from, bytes).
+type Inbound = (PeerId, Vec<u8>);
+
+/// Two WRITEs from `A` asking for an offer: `B` offers its slot, then
+/// sends the same offer again for the second WANT; the second copy is
+/// taken out of `A`'s inbound, to be delivered late. Returns the two
+/// requests, the offer (token, region) and that copy.
+fn offered_twice_one_copy_held(p: &mut Pair) -> ([RequestId; 2], (u64, RegionHandle), Inbound) {
+    let first = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    let second = p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
+    p.poll();
+    assert_eq!(wants(&p.a), vec![StandingUse::Wanted; 2]);
+    p.deliver(B);
+    let sent = offers(&p.b);
+    assert_eq!(sent.len(), 2, "offered, then offered again: {:?}", p.b.sent);
+    assert_eq!(sent[0], sent[1]);
+    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
+    let copy = to_a
+        .iter()
+        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
+        .unwrap();
+    let late = to_a.remove(copy);
+    p.a.inbound.extend(to_a);
+    ([first, second], sent[0], late)
 }
 
 /// The incarnation of the senders whose WANTs the tests write by hand.
@@ -1710,21 +1779,7 @@ fn offer_in(actions: &[Action]) -> Option<(u64, RegionHandle)> {
 #[test]
 fn a_claimed_offer_is_not_taken_again_after_the_receiver_is_reloaded() {
     let mut p = standing_pair();
-    for _ in 0..2 {
-        p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
-    }
-    p.poll();
-    p.deliver(B);
-    let sent = offers(&p.b);
-    assert_eq!(sent.len(), 2, "offered, then offered again");
-    let (token, slot) = sent[0];
-    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
-    let copy = to_a
-        .iter()
-        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
-        .unwrap();
-    let late = to_a.remove(copy);
-    p.a.inbound.extend(to_a);
+    let (_, (token, slot), late) = offered_twice_one_copy_held(&mut p);
     p.deliver(A);
     submit_claiming(&mut p, &descs(4, 100), token, slot);
     p.gather(A);
@@ -1824,16 +1879,9 @@ fn a_claim_lost_with_the_connection_is_spent_by_its_cancel() {
     );
     p.b.take_sent();
     p.drive();
-    let again = offers(&p.b);
-    assert_eq!(
-        again.len(),
-        1,
-        "the lost claim's offer renewed: {:?}",
-        p.b.sent
-    );
-    assert!(again[0].0 > token && again[0].1 == slot);
+    let renewed = renewed_offer(&p, token, slot, "the lost claim's offer renewed");
     assert_eq!(p.b.memory.mem, before, "nothing of the lost request landed");
-    let id = submit_claiming(&mut p, &descs(4, 100), again[0].0, slot);
+    let id = submit_claiming(&mut p, &descs(4, 100), renewed, slot);
     p.drive();
     assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
     check(&p);
@@ -1864,13 +1912,7 @@ fn a_restarted_sender_is_not_sent_its_last_incarnations_offer() {
             .pop_back()
             .expect("the first incarnation's CANCEL");
     assert!(p.b.inbound.is_empty());
-    p.a.ep = Endpoint::new(EndpointConfig {
-        request_id_base: 5000,
-        incarnation: 200,
-        ..standing_cfg(1)
-    })
-    .unwrap();
-    p.a.ep.set_peer_standing(&b);
+    restart_a(&mut p);
     p.a.take_sent();
     p.a.take_completed();
     p.b.take_sent();
@@ -1890,25 +1932,13 @@ fn a_restarted_sender_is_not_sent_its_last_incarnations_offer() {
         len: 512,
         incarnation: 100,
     };
-    p.a.inbound.push_back((b.clone(), stray.encode()));
-    p.deliver(A);
-    p.a.take_sent();
-    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
-    p.drive();
-    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
-    assert_eq!(
-        wants(&p.a),
-        vec![StandingUse::Wanted],
-        "the stray not taken"
-    );
+    not_taken(&mut p, (b.clone(), stray.encode()), "the stray");
     // The first incarnation's CANCEL comes at last: the slot is offered
     // to the second, which claims it.
     p.b.take_sent();
     p.b.inbound.push_back(old_cancel);
     p.drive();
-    let again = offers(&p.b);
-    assert_eq!(again.len(), 1, "{:?}", p.b.sent);
-    assert!(again[0].0 > token && again[0].1 == slot);
+    let renewed = renewed_offer(&p, token, slot, "offered to the second incarnation");
     assert!(matches!(
         p.b.sent
             .iter()
@@ -1918,12 +1948,7 @@ fn a_restarted_sender_is_not_sent_its_last_incarnations_offer() {
             ..
         })
     ));
-    let d = descs(4, 100);
-    let id = submit_claiming(&mut p, &d, again[0].0, slot);
-    p.drive();
-    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
-    assert!(p.b.holds_copy_of(&p.a, &d));
-    check(&p);
+    claim_to_the_end(&mut p, renewed, slot);
 }
 
 /// A sender shutting down gives back the offer it holds and never
@@ -1951,13 +1976,7 @@ fn a_sender_shutting_down_gives_its_offer_back() {
         Some(Owner::Standing { offer: Some(o) }) if o.token == token
     ));
     p.a.ep.shutdown(p.now);
-    p.poll();
-    assert!(
-        matches!(&p.a.sent[..], [Message::Return { offer, .. }] if offer.token == token && offer.region == slot),
-        "{:?}",
-        p.a.sent
-    );
-    p.deliver(B);
+    gives_back(&mut p, token, slot);
     assert!(
         offers(&p.b).is_empty(),
         "not offered to the incarnation that left"
@@ -1966,31 +1985,13 @@ fn a_sender_shutting_down_gives_its_offer_back() {
         p.b.ep.region_owner(slot),
         Some(Owner::Standing { offer: None })
     ));
-    p.a.ep = Endpoint::new(EndpointConfig {
-        request_id_base: 5000,
-        incarnation: 200,
-        ..standing_cfg(1)
-    })
-    .unwrap();
-    p.a.ep.set_peer_standing(&b);
+    restart_a(&mut p);
     p.a.take_sent();
     let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
     p.drive();
     assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
-    let again = offers(&p.b);
-    assert_eq!(
-        again.len(),
-        1,
-        "offered to the next incarnation: {:?}",
-        p.b.sent
-    );
-    assert!(again[0].0 > token && again[0].1 == slot);
-    let d = descs(4, 100);
-    let id = submit_claiming(&mut p, &d, again[0].0, slot);
-    p.drive();
-    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
-    assert!(p.b.holds_copy_of(&p.a, &d));
-    check(&p);
+    let renewed = renewed_offer(&p, token, slot, "offered to the next incarnation");
+    claim_to_the_end(&mut p, renewed, slot);
 }
 
 /// A sender that forgets its receiver gives back the offer it holds (the
@@ -2002,52 +2003,19 @@ fn a_sender_shutting_down_gives_its_offer_back() {
 #[test]
 fn a_forgetting_sender_gives_its_offer_back_and_never_takes_it_again() {
     let mut p = standing_pair();
-    for _ in 0..2 {
-        p.a.ep.submit(p.now, &p.b.name, &descs(4, 100)).unwrap();
-    }
-    p.poll();
-    p.deliver(B);
-    let sent = offers(&p.b);
-    assert_eq!(sent.len(), 2, "offered, then offered again");
-    let (token, slot) = sent[0];
-    let mut to_a: Vec<_> = p.a.inbound.drain(..).collect();
-    let copy = to_a
-        .iter()
-        .rposition(|(_, b)| matches!(Message::decode(b), Ok(Message::Standing { .. })))
-        .unwrap();
-    let late = to_a.remove(copy);
-    p.a.inbound.extend(to_a);
+    let (_, (token, slot), late) = offered_twice_one_copy_held(&mut p);
     p.drive();
     p.a.take_completed();
     p.a.take_sent();
     let b = p.b.name.clone();
     p.a.ep.forget_peer(p.now, &b);
-    p.poll();
-    assert!(
-        matches!(&p.a.sent[..], [Message::Return { offer, .. }] if offer.token == token && offer.region == slot),
-        "{:?}",
-        p.a.sent
-    );
-    p.deliver(B);
+    gives_back(&mut p, token, slot);
     assert_eq!(p.b.ep.slot_peer(slot), None, "the slot left A");
     p.a.ep.set_peer_standing(&b);
-    p.a.inbound.push_back(late);
-    p.deliver(A);
-    p.a.take_sent();
     p.b.take_sent();
-    let id = p.a.ep.submit(p.now, &b, &descs(4, 100)).unwrap();
-    p.drive();
-    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
-    assert_eq!(
-        wants(&p.a),
-        vec![StandingUse::Wanted],
-        "the late copy not taken"
-    );
+    not_taken(&mut p, late, "the late copy");
     let again = offers(&p.b);
     assert_eq!(again.len(), 1, "{:?}", p.b.sent);
     assert!(again[0].0 > token);
-    let id = submit_claiming(&mut p, &descs(4, 100), again[0].0, again[0].1);
-    p.drive();
-    assert_eq!(p.a.take_completed(), vec![(id, Outcome::Success)]);
-    check(&p);
+    claim_to_the_end(&mut p, again[0].0, again[0].1);
 }
